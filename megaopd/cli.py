@@ -1,0 +1,40 @@
+"""`megaopd <command> ...`: one entry point; each command lives in the package that owns it.
+
+    megaopd train CONFIG [key=value ...]   the OPD trainer (megaopd.trainer)
+    megaopd eval --ckpt DIR --benchmarks ...  benchmark table (megaopd.eval)
+    megaopd logprobs --ckpt DIR --input IN.jsonl --output OUT.jsonl   per-token log-probs (megaopd.models)
+    megaopd serve --hf-dir DIR --port P    embedded engine speaking SGLang's HTTP API (megaopd.rollout)
+    megaopd plot RUN [RUN ...]             training-dynamics figures (megaopd.metrics)
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> "module:function"; modules are imported only when their command runs (megatron's import
+# costs seconds, `megaopd --help` should not).
+COMMANDS = {
+    "train": "megaopd.trainer.cli:main",
+    "eval": "megaopd.eval.cli:main",
+    "logprobs": "megaopd.models.logprobs_cli:main",
+    "serve": "megaopd.rollout.server:main",
+    "plot": "megaopd.metrics.plot:main",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"megaopd: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, func_name = COMMANDS[command].split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    return int(func(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""megaopd.losses"""

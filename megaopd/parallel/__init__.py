@@ -1,0 +1,1 @@
+"""Distributed start-up: torch.distributed (nccl | gloo), megatron process groups, CPU compatibility."""

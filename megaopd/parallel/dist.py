@@ -1,0 +1,64 @@
+"""torch.distributed start-up: NCCL on GPUs, gloo (plus megatron CPU compatibility) without one.
+
+Works under torchrun/srun (reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and inside
+workers started by `megaopd.parallel.launch.spawn`, which set the same variables.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def has_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def default_backend() -> str:
+    return "nccl" if has_gpu() else "gloo"
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its local GPU, or the CPU."""
+    if has_gpu():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> None:
+    """Initializes the default process group once (idempotent) and the CPU compatibility if needed.
+
+    With no WORLD_SIZE in the environment it starts a one-process group on a free local port, so
+    library code can always assume torch.distributed is initialized.
+    """
+    if not has_gpu():
+        from megaopd.parallel import cpu_compat
+
+        cpu_compat.enable()
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if "WORLD_SIZE" not in os.environ:
+        from megaopd.parallel.launch import find_free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(find_free_port()))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=backend,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,100 @@
+"""Start `world_size` local gloo workers running one function: for tests and for CLI tools on CPU.
+
+    results = spawn(fn, world_size=2, args=(a, b))   # fn(rank, world_size, a, b) in each worker
+
+Each worker gets RANK/WORLD_SIZE/MASTER_* in its environment and an initialized default process group
+(gloo + megatron CPU compatibility on CPU). The return values come back in rank order; an exception in
+any worker is re-raised here with that worker's traceback, and no worker outlives the timeout.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch.multiprocessing as mp
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerError(RuntimeError):
+    """A spawned worker raised; the message holds its rank and traceback."""
+
+
+def _worker(rank, world_size, port, fn, args, env, queue):
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Each worker gets one intra-op thread so that `world_size` workers do not oversubscribe the cores.
+    import torch
+
+    torch.set_num_threads(int(env.get("MEGAOPD_WORKER_THREADS", "1")))
+    try:
+        from megaopd.parallel.dist import destroy_distributed, init_distributed
+
+        init_distributed()
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        queue.put((rank, "error", traceback.format_exc()))
+        return
+    try:
+        destroy_distributed()
+    except Exception:  # noqa: BLE001 - teardown after a successful run must not mask the result
+        pass
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600,
+          env: dict[str, str] | None = None) -> list[Any]:
+    """Runs fn(rank, world_size, *args) in `world_size` fresh processes; returns results by rank.
+
+    fn must be importable (module level) because workers are started with the spawn method.
+    Results must be picklable (they come back through a queue); keep them small.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), dict(env or {}), queue),
+                    daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world_size:
+        if time.monotonic() > deadline:
+            errors.append(f"timed out after {timeout:.0f}s waiting for workers")
+            break
+        if not queue.empty():
+            rank, status, payload = queue.get()
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break  # peers may now block in a collective; stop them below
+        elif any(p.exitcode not in (None, 0) for p in procs):
+            if queue.empty():
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                errors.append(f"worker(s) {dead} died with exit codes "
+                              f"{[procs[i].exitcode for i in dead]}")
+                break
+        else:
+            time.sleep(0.02)
+    for p in procs:
+        p.join(timeout=30 if not errors else 1)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise WorkerError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,33 @@
+"""megaopd: on-policy distillation with Megatron-core students/teachers and SGLang rollouts."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megaopd",
+    version="0.1.0",
+    description="On-policy distillation (Stable-OPD, LSM, OPD, GKD, GRPO) with Megatron-core and SGLang",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megaopd", "megaopd.*"]),
+    package_data={"megaopd": ["config/presets/*.yaml"]},
+    # torch is pinned by the installer (scripts/install.sh) before this runs, so that no
+    # dependency resolves to a CUDA build on a CPU machine; any torch>=2.4 works here.
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "transformers>=4.50",
+        "datasets",
+        "omegaconf>=2.3",
+        "safetensors",
+        "math-verify[antlr4-13-2]",
+        "psutil",  # megatron dist_checkpointing's async writers
+        "einops",  # imported by megatron-core modules we load
+        "tqdm",
+        "matplotlib",
+        "tensorboard",
+    ],
+    extras_require={
+        # apex is built from source on clusters (see README, "GPU clusters"); it has no wheel.
+        "gpu": ["transformer-engine[pytorch]", "sglang[all]", "sglang-router"],
+        "dev": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["megaopd=megaopd.cli:main"]},
+)
