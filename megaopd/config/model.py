@@ -1,0 +1,85 @@
+"""Config of one model of the job (student, reference or teacher) and the checks of its layout."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    """Where a model's weights are and how it is split over the job's ranks."""
+
+    path: str = ""
+    """An HF directory (config.json + safetensors) or a megaopd Megatron checkpoint directory."""
+    tp: int = 1
+    """Tensor-parallel size: must divide the attention heads and the KV (query) groups."""
+    pp: int = 1
+    """Pipeline-parallel size: must divide the number of layers."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 (CPU default), bfloat16 or float16 (GPU)."""
+    offload_between_uses: bool = False
+    """GPU only: park the weights in CPU memory between forward passes (teacher and reference)."""
+
+    def __post_init__(self):
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp={self.tp}, pp={self.pp}: parallel sizes must be at least 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r}: choose float32, bfloat16 or float16")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes of a model that parallel layouts must divide, read from its config.json."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    architecture: str
+
+
+def find_hf_config(path: str) -> str:
+    """config.json of an HF directory, or the one a megaopd Megatron checkpoint keeps beside its shards."""
+    for candidate in (os.path.join(path, "config.json"), os.path.join(path, "hf", "config.json")):
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"no config.json in {path!r}: point the path at an HF model directory or at a checkpoint "
+        f"written by tools/convert_hf_to_megatron.py")
+
+
+def read_model_dims(path: str) -> ModelDims:
+    with open(find_hf_config(path)) as f:
+        hf = json.load(f)
+    heads = int(hf["num_attention_heads"])
+    return ModelDims(
+        num_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        vocab_size=int(hf["vocab_size"]),
+        architecture=(hf.get("architectures") or [hf.get("model_type", "?")])[0],
+    )
+
+
+def check_layout(role: str, model: ModelConfig, world_size: int) -> ModelDims:
+    """Raises ValueError naming the role, the size and the fix when the layout cannot be built."""
+    if not model.path:
+        raise ValueError(f"{role}.path is empty: set {role}.path=DIR (an HF directory or a megaopd checkpoint)")
+    if not os.path.exists(model.path):
+        raise ValueError(f"{role}.path={model.path!r} does not exist: fix the path or convert the model first "
+                         f"(tools/convert_hf_to_megatron.py)")
+    dims = read_model_dims(model.path)
+    if dims.num_attention_heads % model.tp:
+        raise ValueError(f"{role}.tp={model.tp} does not divide the {dims.num_attention_heads} attention heads "
+                         f"of {model.path}: choose a tp that divides {dims.num_attention_heads}")
+    if dims.num_query_groups % model.tp:
+        raise ValueError(f"{role}.tp={model.tp} does not divide the {dims.num_query_groups} query (KV) groups "
+                         f"of {model.path}: choose a tp that divides {dims.num_query_groups}")
+    if dims.num_layers % model.pp:
+        raise ValueError(f"{role}.pp={model.pp} does not divide the {dims.num_layers} layers of {model.path}: "
+                         f"choose a pp that divides {dims.num_layers}")
+    if world_size % (model.tp * model.pp):
+        raise ValueError(f"run.world_size={world_size} is not a multiple of {role}.tp*{role}.pp="
+                         f"{model.tp * model.pp}: change the world size or the layout")
+    return dims

@@ -1,0 +1,52 @@
+"""The whole job's config: one section per package, composed here.
+
+    megaopd train examples/tiny/stable_opd.yaml run.dir=runs/x trainer.max_steps=3
+
+Sections: run, student, reference, teacher (ModelConfig each), trainer, optimizer, logging, and the
+rollout/loss/data sections owned by their packages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megaopd.config.model import ModelConfig, check_layout
+from megaopd.config.trainer import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig
+
+
+@dataclass
+class MegaOPDConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    student: ModelConfig = field(default_factory=ModelConfig)
+    """The actor being trained; the reference shares its layout."""
+    reference: ModelConfig = field(default_factory=ModelConfig)
+    """The student's initial weights for the reference KL; an empty path means student.path."""
+    teacher: ModelConfig = field(default_factory=ModelConfig)
+    """Forward-only scorer, with its own tp/pp over the same ranks."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
+        world = self.run.world_size
+        student_dims = check_layout("student", self.student, world)
+        teacher_dims = check_layout("teacher", self.teacher, world)
+        if (self.reference.tp, self.reference.pp) != (self.student.tp, self.student.pp):
+            raise ValueError(
+                f"reference.tp/pp=({self.reference.tp}, {self.reference.pp}) differ from student.tp/pp="
+                f"({self.student.tp}, {self.student.pp}): the reference must share the student's layout so "
+                f"their vocab shards line up; set reference.tp={self.student.tp} reference.pp={self.student.pp}")
+        if self.reference.path:
+            ref_dims = check_layout("reference", self.reference, world)
+            if ref_dims != student_dims:
+                raise ValueError(f"reference {self.reference.path} has other sizes than student "
+                                 f"{self.student.path} ({ref_dims} vs {student_dims}): the reference must be "
+                                 f"the student's initial checkpoint")
+        if teacher_dims.vocab_size != student_dims.vocab_size:
+            raise ValueError(
+                f"teacher vocab_size={teacher_dims.vocab_size} differs from student vocab_size="
+                f"{student_dims.vocab_size}: OPD needs one tokenizer for both; pick a teacher of the "
+                f"student's family")
+        if (self.trainer.prompts_per_step * self.trainer.samples_per_prompt) % self.trainer.mini_batches_per_step:
+            raise ValueError("trainer.prompts_per_step*samples_per_prompt must be a multiple of "
+                             "trainer.mini_batches_per_step")

@@ -1,0 +1,86 @@
+"""Configs of the step loop: optimizer and schedule, step counts and intervals, logging, the run folder."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam(W) with linear warmup then a constant or cosine schedule (megatron's optimizer)."""
+
+    lr: float = 1e-6
+    """Peak learning rate (Stable-OPD paper: 1e-6 for 1.5B/7B students)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of a cosine decay."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr."""
+    decay_style: str = "constant"
+    """constant | cosine | linear (after warmup, over trainer.max_steps optimizer steps)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (GPU only in megatron-core 0.16)."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"optimizer.lr={self.lr} must be positive")
+        if self.decay_style not in ("constant", "cosine", "linear"):
+            raise ValueError(f"optimizer.decay_style={self.decay_style!r}: choose constant, cosine or linear")
+        if self.warmup_steps < 0 or self.clip_grad < 0:
+            raise ValueError("optimizer.warmup_steps and optimizer.clip_grad must be >= 0")
+
+
+@dataclass
+class TrainerConfig:
+    """How many steps, how they are cut into micro-batches, and when to save and evaluate."""
+
+    max_steps: int = 100
+    """Rollout steps to run (each: generate, score, train, sync)."""
+    prompts_per_step: int = 64
+    """Prompts per rollout batch, over all data-parallel ranks (paper: 64)."""
+    samples_per_prompt: int = 4
+    """Responses sampled per prompt (paper: 4)."""
+    mini_batches_per_step: int = 1
+    """Optimizer steps per rollout batch; 1 is strictly on-policy."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on one rank (gradient accumulation over the rest)."""
+    save_interval: int = 50
+    """Checkpoint every N steps (and on SIGTERM/SIGUSR1, and at the end)."""
+    eval_interval: int = 25
+    """Validation every N steps (and at step 0 and the end); 0 disables it."""
+    seed: int = 1234
+    log_interval: int = 1
+
+    def __post_init__(self):
+        for name in ("max_steps", "prompts_per_step", "samples_per_prompt", "mini_batches_per_step",
+                     "micro_batch_size", "save_interval", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name}={getattr(self, name)} must be at least 1")
+        if self.eval_interval < 0:
+            raise ValueError(f"trainer.eval_interval={self.eval_interval} must be >= 0 (0 disables)")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    """Write TensorBoard events to RUN/tb."""
+    samples_per_step: int = 4
+    """Generations written to RUN/samples/step_N.jsonl each step."""
+    progress_bar: str = "auto"
+    """auto (when attached to a terminal) | on | off."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """The run folder: config.yaml, metrics.jsonl, tb/, checkpoints/, samples/, plots/. Resumes if present."""
+    world_size: int = 1
+    """Ranks of the job; on CPU `megaopd train` starts this many gloo workers itself."""
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"run.world_size={self.world_size} must be at least 1")

@@ -1,0 +1,81 @@
+"""Config loading and start-up validation: each error is one clear message naming the key and the fix."""
+import json
+
+import pytest
+
+from megaopd.config import ConfigError, load_config
+from megaopd.config.schema import MegaOPDConfig
+
+
+def _hf_dir(tmp_path, name, heads=6, kv=2, layers=4, vocab=200):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_attention_heads": heads,
+        "num_key_value_heads": kv, "num_hidden_layers": layers, "vocab_size": vocab}))
+    return str(d)
+
+
+@pytest.fixture
+def models(tmp_path):
+    return _hf_dir(tmp_path, "student"), _hf_dir(tmp_path, "teacher", heads=8, kv=4, layers=6)
+
+
+def _load(models, *overrides, preset=None):
+    s, t = models
+    return load_config(MegaOPDConfig, preset, [f"student.path={s}", f"teacher.path={t}", *overrides])
+
+
+def test_valid_config_with_overrides(models):
+    cfg = _load(models, "run.world_size=4", "student.tp=2", "teacher.tp=4", "trainer.max_steps=3",
+                "reference.tp=2")
+    assert cfg.trainer.max_steps == 3 and cfg.teacher.tp == 4 and cfg.run.world_size == 4
+
+
+def test_preset_then_override(models, tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("trainer:\n  max_steps: 7\n  eval_interval: 2\noptimizer:\n  lr: 2.0e-6\n")
+    cfg = _load(models, "trainer.eval_interval=5", preset=str(preset))
+    assert (cfg.trainer.max_steps, cfg.trainer.eval_interval, cfg.optimizer.lr) == (7, 5, 2e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["run.world_size=2", "student.tp=4"], "student.tp=4 does not divide the 6 attention heads"),
+    (["run.world_size=3", "student.tp=3", "reference.tp=3"], "student.tp=3 does not divide the 2 query (KV) groups"),
+    (["run.world_size=3", "student.pp=3"], "student.pp=3 does not divide the 4 layers"),
+    (["run.world_size=3", "teacher.tp=2"], "run.world_size=3 is not a multiple of teacher.tp*teacher.pp=2"),
+    (["run.world_size=2", "student.tp=2"], "reference must share the student's layout"),
+    (["trainer.max_step=3"], "unknown config key 'trainer.max_step'"),
+    (["trainer.max_steps=three"], "bad value for 'trainer.max_steps'"),
+    (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
+    (["trainer.max_steps"], "is not of the form key=value"),
+])
+def test_validation_errors(models, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        _load(models, *overrides)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_key_lists_accepted_keys(models):
+    with pytest.raises(ConfigError, match="this section accepts: .*max_steps"):
+        _load(models, "trainer.max_step=3")
+
+
+def test_missing_paths(models, tmp_path):
+    s, _ = models
+    with pytest.raises(ConfigError, match="teacher.path='/nonexistent' does not exist"):
+        load_config(MegaOPDConfig, None, [f"student.path={s}", "teacher.path=/nonexistent"])
+    with pytest.raises(ConfigError, match="teacher.path is empty"):
+        load_config(MegaOPDConfig, None, [f"student.path={s}"])
+    with pytest.raises(ConfigError, match="config file 'nope.yaml' does not exist"):
+        load_config(MegaOPDConfig, "nope.yaml", [])
+    with pytest.raises(ConfigError, match="no config.json in"):
+        load_config(MegaOPDConfig, None, [f"student.path={s}", f"teacher.path={tmp_path}"])
+
+
+def test_teacher_vocab_mismatch(tmp_path):
+    s = _hf_dir(tmp_path, "s")
+    t = _hf_dir(tmp_path, "t", vocab=300)
+    with pytest.raises(ConfigError, match="teacher vocab_size=300 differs from student vocab_size=200"):
+        load_config(MegaOPDConfig, None, [f"student.path={s}", f"teacher.path={t}"])
