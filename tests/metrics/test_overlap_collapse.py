@@ -1,0 +1,68 @@
+"""Top-k overlap and the collapse detector against hand computations."""
+import math
+
+import pytest
+import torch
+
+from megaopd.metrics import CollapseConfig, CollapseDetector, topk_overlap
+
+
+def test_topk_overlap_by_hand():
+    # k = 4, two tokens. Token 0 shares {1, 3} (student probs 0.4, 0.1); token 1 shares all four.
+    s_ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    s_p = torch.tensor([[0.4, 0.3, 0.1, 0.05], [0.5, 0.2, 0.1, 0.1]])
+    t_ids = torch.tensor([[3, 9, 1, 10], [8, 7, 6, 5]])
+    hs, ht = torch.tensor([1.0, 2.0]), torch.tensor([1.5, 0.5])
+    m = topk_overlap(s_ids, s_p.log(), t_ids, student_entropy_T=hs, teacher_entropy_T=ht)
+    assert m["overlap/ratio"] == pytest.approx((2 / 4 + 4 / 4) / 2)
+    assert m["overlap/mass"] == pytest.approx((0.5 + 0.9) / 2)
+    assert m["overlap/entropy_gap"] == pytest.approx((0.5 + 1.5) / 2)
+    # The mask drops token 1.
+    m = topk_overlap(s_ids, s_p.log(), t_ids, torch.tensor([True, False]))
+    assert m["overlap/ratio"] == pytest.approx(0.5) and m["overlap/mass"] == pytest.approx(0.5)
+    assert "overlap/entropy_gap" not in m
+
+
+def test_topk_overlap_batched_shapes_and_errors():
+    s_ids = torch.arange(12).reshape(2, 2, 3)  # [B, T, K]
+    m = topk_overlap(s_ids, torch.full((2, 2, 3), math.log(0.2)), s_ids.flip(-1), torch.ones(2, 2, dtype=torch.bool))
+    assert m["overlap/ratio"] == pytest.approx(1.0) and m["overlap/mass"] == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="same k"):
+        topk_overlap(s_ids, s_ids.float(), s_ids[..., :2])
+
+
+def test_collapse_detector_jump_level_and_once_per_episode():
+    det = CollapseDetector(CollapseConfig(window=4, min_history=3, jump={"rep": 0.1}, level={"rep": 0.5}))
+    assert det.update(0, {"rep": 0.0}) == []
+    assert det.update(1, {"rep": 0.3}) == []  # too little history for a jump, below the level
+    assert det.update(2, {"rep": 0.0, "unwatched": 1.0, "other": None}) == []
+    w = det.update(3, {"rep": 0.3})  # baseline (0 + 0.3 + 0) / 3 = 0.1; 0.3 - 0.1 = 0.2 > 0.1
+    assert len(w) == 1 and w[0].reason == "jump" and w[0].baseline == pytest.approx(0.1) and w[0].step == 3
+    assert "step 3" in w[0].message and det.alarmed
+    assert det.update(4, {"rep": 0.9}) == []  # still in the same episode
+    # Window [0.3, 0, 0.3, 0.9], mean 0.375: 0.3 is below both thresholds, the episode ends.
+    assert det.update(5, {"rep": 0.3}) == []
+    assert not det.alarmed
+    assert det.update(6, {"rep": 0.45}) == []  # window [0, 0.3, 0.9, 0.3] mean 0.375: +0.075, no jump
+    w = det.update(7, {"rep": 0.55})  # window [0.3, 0.9, 0.3, 0.45] mean 0.4875: +0.0625, but > level 0.5
+    assert [x.reason for x in w] == ["level"]
+
+
+def test_collapse_detector_state_dict_roundtrip():
+    cfg = CollapseConfig(window=3, min_history=2)
+    a, b = CollapseDetector(cfg), CollapseDetector(cfg)
+    seq = [0.01, 0.02, 0.03, 0.4, 0.6, 0.7, 0.02, 0.01, 0.5]
+    for s, x in enumerate(seq[:5]):
+        a.update(s, {"truncation_rate": x, "repetition_rate": x / 2})
+    b.load_state_dict(a.state_dict())
+    for s, x in enumerate(seq[5:], start=5):
+        wa = a.update(s, {"truncation_rate": x, "repetition_rate": x / 2})
+        wb = b.update(s, {"truncation_rate": x, "repetition_rate": x / 2})
+        assert wa == wb
+    assert a.state_dict() == b.state_dict()
+    assert [w.metric for w in a.warnings][:2] == ["truncation_rate", "repetition_rate"]
+
+
+def test_collapse_config_validation():
+    with pytest.raises(ValueError, match="min_history"):
+        CollapseConfig(window=2, min_history=3)
