@@ -1,0 +1,31 @@
+import torch
+
+from megaopd.rollout.protocol import Sample
+from megaopd.trainer.batch import build_golden_batch, build_rollout_batch
+
+
+def test_rollout_batch_alignment_and_padding():
+    samples = [
+        Sample([5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], "stop"),
+        Sample([5, 6], [10], [-0.5], "length"),
+        Sample([1, 2, 3], [4, 4], [-1.0, -2.0], "stop"),
+        Sample([1, 2, 3], [], [], "length"),
+    ]
+    b = build_rollout_batch(samples, pad_id=0, samples_per_prompt=2)
+    assert b.tokens_BS.tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 0, 0], [1, 2, 3, 4, 4], [1, 2, 3, 0, 0]]
+    # position t predicts token t+1, so the mask marks positions whose target is a response token
+    assert b.loss_mask_BT.tolist() == [[0, 1, 1, 1], [0, 1, 0, 0], [0, 0, 1, 1], [0, 0, 0, 0]]
+    masked_targets = b.targets_BT[b.loss_mask_BT.bool()].tolist()
+    assert masked_targets == [7, 8, 9, 10, 4, 4]
+    assert torch.allclose(b.engine_logprobs_BT[b.loss_mask_BT.bool()],
+                          torch.tensor([-0.1, -0.2, -0.3, -0.5, -1.0, -2.0]))
+    assert b.truncated_B.tolist() == [False, True, False, True]
+    assert b.group_ids_B.tolist() == [0, 0, 1, 1]
+    sub = b.select(torch.tensor([2, 3]))
+    assert sub.size == 2 and sub.tokens_BS.tolist() == b.tokens_BS[2:].tolist()
+
+
+def test_golden_batch_masks_solution_only():
+    g = build_golden_batch([[1, 2], [3]], [[4, 5, 6], [7]], pad_id=0)
+    assert g.tokens_BS.tolist() == [[1, 2, 4, 5, 6], [3, 7, 0, 0, 0]]
+    assert g.targets_BT[g.loss_mask_BT.bool()].tolist() == [4, 5, 6, 7]
