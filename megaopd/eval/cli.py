@@ -1,0 +1,123 @@
+"""`megaopd eval`: benchmark table of a checkpoint.
+
+    megaopd eval --ckpt HF_OR_MEGATRON_DIR --benchmarks math500,minerva,olympiadbench,amc,aime24,aime25 \\
+        [--samples K] [--temperature 0.6] [--max-new-tokens N] [--limit N] [--out DIR]
+
+--ckpt: a Hugging Face folder (config.json + weights + tokenizer) runs on the embedded engine
+(megaopd.rollout.embedded); a Megatron checkpoint is first exported to HF (megaopd.models converter)
+into OUT/hf. Benchmarks are read from --data-dir/<name>.jsonl (tools/prepare_benchmarks.py writes them)
+or given as paths to .jsonl files. Prints the results table; OUT gets results.md, results.json and
+generations.jsonl (default OUT: CKPT/eval).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from megaopd.eval.benchmarks import BENCHMARKS, DEFAULT_DATA_DIR
+from megaopd.eval.evaluate import EvalConfig, evaluate
+from megaopd.metrics.rollout import RepetitionConfig
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def is_megatron_checkpoint(path: str) -> bool:
+    """Megatron layouts: a tracker file with iter_* folders, or a dist_checkpointing folder (metadata.json)."""
+    if os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt")):
+        return True
+    return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def export_megatron_to_hf(ckpt: str, out_dir: str) -> str:
+    """Megatron checkpoint -> HF folder, through the one converter library (megaopd.models)."""
+    # TODO(eval): call the converter library once megaopd.models exposes it (tools/convert_megatron_to_hf.py
+    # is its command line); until then the user converts first, which this message says how to do.
+    try:
+        from megaopd.models import export_hf  # noqa: F401  (name to be confirmed when the converter lands)
+    except ImportError:
+        raise SystemExit(
+            f"megaopd eval: {ckpt} is a Megatron checkpoint and the in-process exporter is not available; "
+            f"convert it first: python tools/convert_megatron_to_hf.py --ckpt {ckpt} --out {out_dir} "
+            f"then run megaopd eval --ckpt {out_dir}"
+        ) from None
+    export_hf(ckpt, out_dir)
+    return out_dir
+
+
+def load_engine(hf_dir: str, seed: int = 0):
+    """The embedded (in-process HF transformers) engine over hf_dir."""
+    try:
+        from megaopd.rollout import embedded
+    except ImportError as e:
+        raise SystemExit(f"megaopd eval: the embedded engine (megaopd.rollout.embedded) is not available: {e}") from None
+    return embedded.EmbeddedEngine.from_pretrained(hf_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = EvalConfig()
+    ap = argparse.ArgumentParser(prog="megaopd eval", description="Benchmark table of a checkpoint (math-verify scoring).")
+    ap.add_argument("--ckpt", required=True, help="HF folder or Megatron checkpoint")
+    ap.add_argument("--benchmarks", default=",".join(BENCHMARKS),
+                    help=f"comma-separated names ({', '.join(BENCHMARKS)}) or .jsonl paths")
+    ap.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="folder of <name>.jsonl benchmark files")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="samples per problem for every benchmark (default: pass@1 / avg@32 as in the paper)")
+    ap.add_argument("--temperature", type=float, default=d.temperature)
+    ap.add_argument("--top-p", type=float, default=d.top_p)
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per generate call")
+    ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--repetition-window", type=int, default=RepetitionConfig().window_chars,
+                    help="L of the repetition rate, in characters (paper: 10000)")
+    ap.add_argument("--no-chat-template", action="store_true", help="plain prompt even if the tokenizer has a template")
+    ap.add_argument("--label", default=None, help="row name in the table (default: the checkpoint folder's name)")
+    ap.add_argument("--out", default=None, help="output folder (default: CKPT/eval)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    ckpt = os.path.normpath(args.ckpt)
+    if not os.path.isdir(ckpt):
+        print(f"megaopd eval: --ckpt {ckpt} is not a folder", file=sys.stderr)
+        return 2
+    out_dir = args.out or os.path.join(ckpt, "eval")
+    if is_hf_dir(ckpt):
+        hf_dir = ckpt
+    elif is_megatron_checkpoint(ckpt):
+        hf_dir = export_megatron_to_hf(ckpt, os.path.join(out_dir, "hf"))
+    else:
+        print(f"megaopd eval: {ckpt} is neither an HF folder (config.json) nor a Megatron checkpoint", file=sys.stderr)
+        return 2
+    cfg = EvalConfig(
+        samples=args.samples, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, limit=args.limit, seed=args.seed, use_chat_template=not args.no_chat_template,
+        repetition=RepetitionConfig(window_chars=args.repetition_window),
+    )
+    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    # Check the benchmark files before loading a model: a typo should cost a second, not a model load.
+    from megaopd.eval.benchmarks import resolve_benchmarks
+
+    try:
+        suites = resolve_benchmarks(names, args.data_dir, cfg.samples)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megaopd eval: {e}", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    engine = load_engine(hf_dir, args.seed)
+    result = evaluate(engine, tokenizer, suites, cfg, out_dir=out_dir, label=args.label or os.path.basename(ckpt))
+    print(result.markdown())
+    print(f"written: {out_dir}/results.md, results.json, generations.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

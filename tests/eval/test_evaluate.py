@@ -1,0 +1,119 @@
+"""evaluate(): scoring arithmetic with scripted responses, table format, end-to-end with a tiny model."""
+import json
+import os
+
+import pytest
+
+from megaopd.eval import EvalConfig, PROMPT_SUFFIX, any_at_k, evaluate, mean_at_k, prompt_text
+from megaopd.eval.benchmarks import Benchmark, Problem, write_benchmark_file
+from megaopd.metrics import RepetitionConfig
+from tests.eval.hf_engine import HFGenerateEngine, ScriptedEngine
+
+
+def test_mean_and_any_at_k_by_hand():
+    c = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
+    assert mean_at_k(c) == pytest.approx((0.5 + 0 + 1) / 3)
+    assert any_at_k(c) == pytest.approx(2 / 3)
+    assert mean_at_k([[1], [0], [1], [1]]) == 0.75  # pass@1
+    assert mean_at_k([]) == 0.0
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_hf_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_hf_dir)
+
+
+def test_prompt_template(tok):
+    text = prompt_text(tok, "  What is 1+1? ")
+    assert text == f"<|im_start|>user\nWhat is 1+1?\n{PROMPT_SUFFIX}<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt_text(tok, "What is 1+1?", use_chat_template=False) == f"What is 1+1?\n{PROMPT_SUFFIX}"
+
+
+def test_scripted_avg_at_k_rates_and_files(tok, tmp_path):
+    half = Benchmark("half", [Problem("h1", "p", "\\frac{1}{2}"), Problem("h2", "q", "3")], samples=1)
+    many = Benchmark("many", [Problem("m1", "p", "10"), Problem("m2", "q", "7")], samples=4)
+    loop = "\\boxed{10} " + "again " * 100  # long and compressible: repetitive with L = 200
+    texts = [
+        "so \\boxed{0.5}", "no box: 3",  # half: 1, 0 -> pass@1 = 0.5
+        "\\boxed{10}", "\\boxed{10.0}", "\\boxed{11}", loop,  # m1: 1, 1, 0, 1
+        "\\boxed{7", "\\boxed{}", "\\boxed{7}", "\\boxed{ 7 }",  # m2: 0, 0, 1, 1
+    ]
+    reasons = ["stop", "length", "stop", "stop", "stop", "length", "length", "stop", "stop", "stop"]
+    eng = ScriptedEngine(tok, texts, reasons)
+    cfg = EvalConfig(batch_size=4, repetition=RepetitionConfig(window_chars=200), max_new_tokens=32)
+    res = evaluate(eng, tok, [half, many], cfg, out_dir=str(tmp_path), label="tiny")
+    h, m = res.benchmarks
+    assert (h.metric, h.accuracy, h.truncation_rate, h.repetition_rate) == ("pass@1", 0.5, 0.5, 0.0)
+    assert (m.metric, m.accuracy, m.pass_at_k) == ("avg@4", pytest.approx((0.75 + 0.5) / 2), 1.0)
+    assert m.truncation_rate == pytest.approx(2 / 8) and m.repetition_rate == pytest.approx(1 / 8)
+    assert res.average == pytest.approx((0.5 + 0.625) / 2)
+    # batch_size counts sequences: 4 // 1 = 4 prompts (both) for "half", 4 // 4 = 1 prompt per call for "many".
+    assert [(n, p.n, p.temperature, p.seed) for n, p in eng.calls] == [(2, 1, 0.6, 0), (1, 4, 0.6, 0), (1, 4, 0.6, 1)]
+    assert eng.calls[0][1].stop_token_ids == [tok.eos_token_id]
+    metrics = res.to_metrics("val")
+    assert metrics["val/accuracy"] == pytest.approx(0.5625)
+    assert metrics["val/truncation_rate"] == pytest.approx(3 / 10)
+    assert metrics["val/many/accuracy"] == pytest.approx(0.625)
+
+    gens = [json.loads(l) for l in open(tmp_path / "generations.jsonl")]
+    assert len(gens) == 10
+    assert [g["correct"] for g in gens] == [True, False, True, True, False, True, False, False, True, True]
+    assert gens[0]["extracted"] == "0.5" and gens[1]["extracted"] is None and gens[5]["repetitive"]
+    saved = json.load(open(tmp_path / "results.json"))
+    assert saved["columns"] == ["half", "many", "Avg"] and saved["average"] == pytest.approx(0.5625)
+    assert saved["config"]["temperature"] == 0.6
+    md = (tmp_path / "results.md").read_text()
+    assert md == res.markdown()
+    lines = md.splitlines()
+    assert lines[0] == "| Model | half | many | Avg |"
+    assert lines[1] == "|---|---:|---:|---:|"
+    assert lines[2] == "| tiny | 50.0 | 62.5 | 56.2 |"
+    assert "| metric | pass@1 | avg@4 | |" in lines
+    assert "| truncation (%) | 50.0 | 25.0 | 30.0 |" in lines
+
+
+def test_paper_column_order(tok, tmp_path):
+    for name in ("aime25", "minerva", "math500"):
+        write_benchmark_file([{"id": "1", "problem": "p", "answer": "1"}], str(tmp_path / f"{name}.jsonl"))
+    eng = ScriptedEngine(tok, ["\\boxed{1}"] * 6)
+    res = evaluate(eng, tok, ["aime25", "minerva", "math500"], EvalConfig(samples=2, max_new_tokens=8), data_dir=str(tmp_path))
+    assert res.markdown().splitlines()[0] == "| Model | MATH-500 | Minerva | AIME25 | Avg |"
+    assert [b.metric for b in res.benchmarks] == ["avg@2"] * 3
+
+
+def test_end_to_end_tiny_model(tiny_hf_dir, tiny_bench, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
+    eng = HFGenerateEngine(AutoModelForCausalLM.from_pretrained(tiny_hf_dir), tok)
+    cfg = EvalConfig(samples=2, max_new_tokens=12, batch_size=4, limit=2)
+    res = evaluate(eng, tok, [tiny_bench], cfg, out_dir=str(tmp_path))
+    (b,) = res.benchmarks
+    assert (b.name, b.n_problems, b.samples, b.metric) == ("tiny", 2, 2, "avg@2")
+    assert 0.0 <= b.accuracy <= 1.0 and 0.0 <= b.truncation_rate <= 1.0
+    assert 0 < b.response_tokens_mean <= 12
+    gens = [json.loads(l) for l in open(tmp_path / "generations.jsonl")]
+    assert len(gens) == 4 and {g["id"] for g in gens} == {"a", "b"}
+    assert all(isinstance(g["correct"], bool) for g in gens)
+
+
+def test_cli_end_to_end(tiny_hf_dir, tiny_bench, tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megaopd.cli import main as cli_main
+    from megaopd.eval import cli as eval_cli
+
+    monkeypatch.setattr(
+        eval_cli, "load_engine",
+        lambda hf_dir, seed=0: HFGenerateEngine(AutoModelForCausalLM.from_pretrained(hf_dir), AutoTokenizer.from_pretrained(hf_dir)),
+    )
+    out = tmp_path / "out"
+    rc = cli_main(["eval", "--ckpt", tiny_hf_dir, "--benchmarks", tiny_bench, "--max-new-tokens", "8",
+                   "--samples", "1", "--out", str(out), "--label", "tiny"])
+    assert rc == 0
+    assert "| Model | tiny | Avg |" in capsys.readouterr().out
+    assert all(os.path.exists(out / f) for f in ("results.md", "results.json", "generations.jsonl"))
+    assert cli_main(["eval", "--ckpt", tiny_hf_dir, "--benchmarks", "gsm8k"]) == 2
+    assert cli_main(["eval", "--ckpt", str(tmp_path)]) == 2  # neither HF nor Megatron
