@@ -1,0 +1,519 @@
+"""Embedded rollout engine: an HF transformers causal LM sampling batched responses in-process.
+
+The CPU default engine (GPU when present) and the model behind `megaopd serve`. It implements the
+Engine protocol (megaopd.rollout.protocol) with SGLang's semantics: log-probs are
+log softmax(logits / T) of each sampled token before top-k/top-p filtering, a response that ends on EOS
+or a stop id finishes "stop" (the stop token is in output_ids), one that uses max_new_tokens finishes
+"length".
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir="path/to/hf"))
+    samples = engine.generate([[1, 2, 3]], SamplingParams(n=4, max_new_tokens=32, seed=0))
+    engine.update_weights(actor_hf_named_tensors, weight_version="step-7")
+
+How a batch is decoded: the distinct prompts are left-padded and prefilled once (a prompt's n samples
+share its prefill; the KV cache rows are then repeated), then one token per row per step with a
+DynamicCache; rows that finish are dropped from the batch and the cache. Each row draws from its own
+torch.Generator (seeded from SamplingParams.seed via derive_seed), so a seeded result does not depend on
+which other rows were in the batch (up to float reductions, which batch size can change in the last bit).
+
+Memory release (colocated engines), by `release_weights`:
+  keep     weights stay where they are (the CPU default: moving CPU tensors to the CPU frees nothing);
+  offload  weights move to the CPU and back on resume (the GPU default);
+  discard  weights are freed; resume allocates zeros, and generate refuses to run until every weight
+           has been loaded again by update_weights (SGLang without a CPU backup behaves alike).
+The KV cache only lives while a batch decodes, so releasing it waits for the running batch and empties
+the allocator cache. While released, generate raises.
+
+Concurrency: one batch decodes at a time; weight updates wait for it to finish unless generation is
+paused (pause("in_place") / pause("retract")), in which case they load between two decode steps. After a
+"retract" pause the running rows are re-prefilled (prompt + tokens so far) under the new weights;
+after "in_place" they keep their KV cache. pause("abort") ends running and waiting rows with
+finish reason "abort".
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+import torch
+
+from megaopd.rollout.protocol import FinishReason, Sample, SamplingParams, derive_seed
+from megaopd.rollout.sampling import row_generator, sample_tokens
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+@dataclass
+class EmbeddedEngineConfig:
+    """How to build and run the embedded engine."""
+
+    hf_dir: str
+    """HF model directory (config.json + safetensors), e.g. the student's initial checkpoint."""
+    device: str = "auto"
+    """"auto" (cuda when present, else cpu), "cpu", or a torch device string such as "cuda:1"."""
+    dtype: str = "float32"
+    """Compute dtype of the model: float32 | bfloat16 | float16 | float64. Use float32 on CPU."""
+    max_batch_size: int = 64
+    """Rows (sequences) decoded together; a larger request runs in consecutive chunks."""
+    release_weights: Literal["auto", "keep", "offload", "discard"] = "auto"
+    """What release_memory does to the weights (see the module docstring); auto = offload on GPU, keep on CPU."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend ("sdpa" or "eager")."""
+    load_tokenizer: bool = True
+    """Load the HF dir's tokenizer when it has one (only used to fill the "text" field of responses)."""
+    eos_token_ids: list[int] | None = None
+    """Ids that end a response; None reads config.json and generation_config.json (their union)."""
+
+    def __post_init__(self):
+        if not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
+            raise ValueError(f"hf_dir={self.hf_dir!r} has no config.json; point it at an HF model directory")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be at least 1")
+        if self.release_weights not in ("auto", "keep", "offload", "discard"):
+            raise ValueError(f"release_weights={self.release_weights!r}; choose auto, keep, offload or discard")
+
+
+@dataclass
+class RowRequest:
+    """One sequence to generate: a prompt and its own sampling settings (one of a prompt's n samples)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_ids: frozenset[int] = frozenset()
+    """Ids that finish the row, EOS included unless ignore_eos (the caller builds this set)."""
+    seed: int | None = None
+    """Seed of this row's generator; None draws a fresh random seed."""
+
+    @classmethod
+    def from_params(cls, prompt_ids: list[int], params: SamplingParams, eos_ids: Iterable[int],
+                    seed: int | None) -> "RowRequest":
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(eos_ids)
+        return cls(prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
+                   temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                   min_p=params.min_p, stop_ids=frozenset(stop), seed=seed)
+
+
+@dataclass
+class RowResult:
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason = "length"
+    matched: int | None = None
+    """The stop id that ended the row (finish_reason "stop")."""
+    weight_version: str | None = None
+
+
+class WeightMismatchError(ValueError):
+    """update_weights got names the model lacks or shapes that differ; nothing was loaded."""
+
+
+class EngineReleasedError(RuntimeError):
+    """generate was called while memory is released or weights are discarded and not yet reloaded."""
+
+
+def read_eos_ids(hf_dir: str) -> list[int]:
+    """EOS ids of an HF dir: config.json's eos_token_id plus generation_config.json's (int or list)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            for v in (value if isinstance(value, list) else [value]):
+                if v is not None and int(v) not in ids:
+                    ids.append(int(v))
+    return ids
+
+
+class EmbeddedEngine:
+    """In-process engine over an HF causal LM; see the module docstring."""
+
+    def __init__(self, config: EmbeddedEngineConfig):
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        if config.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.hf_dir, dtype=self.dtype, attn_implementation=config.attn_implementation)
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.eos_ids = list(config.eos_token_ids) if config.eos_token_ids is not None else read_eos_ids(config.hf_dir)
+        mc = self.model.config
+        self.vocab_size = int(mc.vocab_size)
+        self.pad_id = int(mc.pad_token_id) if getattr(mc, "pad_token_id", None) is not None else (self.eos_ids or [0])[0]
+        self.tokenizer = None
+        if config.load_tokenizer:
+            self.tokenizer = _try_load_tokenizer(config.hf_dir)
+        self.release_weights = config.release_weights
+        if self.release_weights == "auto":
+            self.release_weights = "offload" if self.device.type == "cuda" else "keep"
+        self.weight_version = "default"
+        # One condition guards the model: a decoding chunk holds it (releasing it only while paused),
+        # weight loads and memory release take it.
+        self._cond = threading.Condition(threading.Lock())
+        self._paused = False
+        self._pause_mode = "in_place"
+        self._abort_epoch = 0
+        self._waiting_updates = 0  # weight loads queued: new chunks wait so loads are not starved
+        self._kv_released = False
+        self._weights_released = False
+        self._stale: set[str] = set()  # parameters discarded and not yet reloaded
+        self._discarded_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._targets = self.model.state_dict(keep_vars=True)  # HF name -> Parameter/buffer (tied names alias)
+        self.running = 0  # rows currently decoding, for /get_server_info style reporting
+
+    # ----------------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt_index: int = 0) -> list[Sample]:
+        rows = []
+        for i, prompt in enumerate(prompts):
+            for j in range(params.n):
+                seed = None if params.seed is None else derive_seed(params.seed, first_prompt_index + i, j)
+                rows.append(RowRequest.from_params(prompt, params, self.eos_ids, seed))
+        results = self.run(rows)
+        return [Sample(prompt_ids=list(r.prompt_ids), output_ids=o.output_ids, output_logprobs=o.logprobs,
+                       finish_reason=o.finish_reason, weight_version=o.weight_version)
+                for r, o in zip(rows, results)]
+
+    def run(self, rows: list[RowRequest], epoch: int | None = None) -> list[RowResult]:
+        """Generates every row (in chunks of max_batch_size); results in row order.
+
+        epoch: the abort epoch the rows were submitted in (a server queues them); rows submitted before
+        an abort (pause("abort") / abort_all) finish "abort". Default: now.
+        """
+        for r in rows:
+            self.check_row(r)
+        results: list[RowResult] = []
+        epoch = self._abort_epoch if epoch is None else epoch
+        for start in range(0, len(rows), self.config.max_batch_size):
+            chunk = rows[start:start + self.config.max_batch_size]
+            with self._cond:
+                while self._paused or self._waiting_updates:
+                    if self._abort_epoch != epoch:
+                        break
+                    self._cond.wait(timeout=0.5)
+                if self._abort_epoch != epoch:
+                    results.extend(RowResult(finish_reason="abort", weight_version=self.weight_version)
+                                   for _ in chunk)
+                    continue
+                if self._kv_released or self._weights_released or self._stale:
+                    raise EngineReleasedError(self._released_message())
+                self.running += len(chunk)
+                try:
+                    results.extend(self._decode_chunk(chunk, epoch))
+                finally:
+                    self.running -= len(chunk)
+                    self._cond.notify_all()
+        return results
+
+    def check_row(self, r: RowRequest) -> None:
+        """ValueError naming the problem when a row cannot run (bad ids, empty prompt, too long)."""
+        if not r.prompt_ids:
+            raise ValueError("empty prompt: every prompt needs at least one token id")
+        bad = [t for t in r.prompt_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={r.max_new_tokens} must be at least 1")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and len(r.prompt_ids) + r.max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(r.prompt_ids)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds "
+                             f"the model's context of {limit} tokens")
+
+    def _prefill(self, seqs: list[list[int]]):
+        """Left-pads and runs the sequences; returns (cache, last logits [S, V], mask [S, L], next positions [S])."""
+        from transformers import DynamicCache
+
+        L = max(len(s) for s in seqs)
+        ids_SL = torch.full((len(seqs), L), self.pad_id, dtype=torch.long)
+        mask_SL = torch.zeros((len(seqs), L), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids_SL[i, L - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask_SL[i, L - len(s):] = 1
+        ids_SL, mask_SL = ids_SL.to(self.device), mask_SL.to(self.device)
+        # Positions count real tokens only, so a left-padded prompt sees the same RoPE phases as unpadded.
+        pos_SL = (mask_SL.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids_SL, attention_mask=mask_SL, position_ids=pos_SL, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.past_key_values, out.logits[:, -1, :].float(), mask_SL, pos_SL[:, -1] + 1
+
+    @torch.inference_mode()
+    def _decode_chunk(self, rows: list[RowRequest], epoch: int) -> list[RowResult]:
+        B = len(rows)
+        results = [RowResult(weight_version=self.weight_version) for _ in rows]
+        gens = [row_generator(r.seed if r.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+                for r in rows]
+        # Prefill each distinct prompt once, then repeat its cache rows for its samples.
+        unique: dict[tuple[int, ...], int] = {}
+        row_to_u = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in rows]
+        cache, logits_UV, mask_UL, next_pos_U = self._prefill([list(p) for p in unique])
+        idx_B = torch.tensor(row_to_u, device=self.device)
+        cache.batch_select_indices(idx_B)
+        logits_BV, mask_BL, next_pos_B = logits_UV[idx_B], mask_UL[idx_B], next_pos_U[idx_B]
+
+        active = list(range(B))  # original row index of each batch position
+        temp_B = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=self.device)
+        top_p_B = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=self.device)
+        top_k_B = torch.tensor([r.top_k for r in rows], dtype=torch.long, device=self.device)
+        min_p_B = torch.tensor([r.min_p for r in rows], dtype=torch.float32, device=self.device)
+        while True:
+            a_idx = torch.tensor(active, device=self.device)
+            ids_A, lps_A = sample_tokens(logits_BV, temp_B[a_idx], top_p_B[a_idx], top_k_B[a_idx],
+                                         [gens[i] for i in active], min_p_B[a_idx])
+            keep: list[int] = []  # batch positions still running
+            for pos, (row, tok, lp) in enumerate(zip(active, ids_A.tolist(), lps_A.tolist())):
+                res, req = results[row], rows[row]
+                res.output_ids.append(tok)
+                res.logprobs.append(lp)
+                if tok in req.stop_ids:
+                    res.finish_reason, res.matched = "stop", tok
+                elif len(res.output_ids) >= req.max_new_tokens:
+                    res.finish_reason = "length"
+                else:
+                    keep.append(pos)
+            if not keep:
+                break
+            new_tokens_A = ids_A
+            if len(keep) < len(active):
+                k_idx = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(k_idx)
+                mask_BL, next_pos_B, new_tokens_A = mask_BL[k_idx], next_pos_B[k_idx], ids_A[k_idx]
+                active = [active[p] for p in keep]
+            # Step boundary: the only place a pause, an abort or a weight load can intervene.
+            retract = False
+            while self._paused and self._abort_epoch == epoch:
+                retract |= self._pause_mode == "retract"
+                self._cond.wait(timeout=0.5)
+            if self._abort_epoch != epoch or self._kv_released or self._weights_released:
+                # Aborted, or memory was released while paused: the running rows cannot continue.
+                for row in active:
+                    results[row].finish_reason = "abort"
+                break
+            if retract:
+                # Recompute the KV cache of every running row under the (possibly new) weights.
+                seqs = [rows[row].prompt_ids + results[row].output_ids for row in active]
+                cache, logits_BV, mask_BL, next_pos_B = self._prefill(seqs)
+            else:
+                mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)
+                out = self.model(input_ids=new_tokens_A.unsqueeze(-1), attention_mask=mask_BL,
+                                 position_ids=next_pos_B.unsqueeze(-1), past_key_values=cache, use_cache=True)
+                cache, logits_BV = out.past_key_values, out.logits[:, -1, :].float()
+                next_pos_B = next_pos_B + 1
+        return results
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
+        """log softmax(logits) (temperature 1, as SGLang's input_token_logprobs) of each prompt token
+        given its prefix; the first token has none."""
+        with self._cond:
+            if self._kv_released or self._weights_released or self._stale:
+                raise EngineReleasedError(self._released_message())
+            ids = torch.tensor([prompt_ids], device=self.device)
+            logits_LV = self.model(input_ids=ids).logits[0].float()
+        lps = torch.log_softmax(logits_LV[:-1], dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        return [None] + lps.tolist()
+
+    @property
+    def abort_epoch(self) -> int:
+        """Incremented by every abort; pass the value seen at submission to run(epoch=...)."""
+        return self._abort_epoch
+
+    # ------------------------------------------------------------------------------- control plane
+    def pause(self, mode: str = "in_place") -> None:
+        """Stops decoding at the next step boundary. mode: in_place | retract | abort (see module docstring)."""
+        if mode not in ("in_place", "retract", "abort"):
+            raise ValueError(f"pause mode {mode!r}; choose abort, retract or in_place")
+        self._pause_mode = mode
+        self._paused = True
+        if mode == "abort":
+            self._abort_epoch += 1
+        self._notify()
+
+    def continue_generation(self) -> None:
+        self._paused = False
+        self._notify()
+
+    def abort_all(self) -> None:
+        """Ends running and waiting rows with finish reason "abort" (without pausing)."""
+        self._abort_epoch += 1
+        self._notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _notify(self) -> None:
+        # Flags are plain attributes read by the decoding thread at step boundaries. Wake a paused chunk
+        # at once if the condition is free; a chunk that is computing holds it and sees the flag at its
+        # next boundary anyway, so never block here.
+        if self._cond.acquire(timeout=0.0):
+            try:
+                self._cond.notify_all()
+            finally:
+                self._cond.release()
+
+    def flush_cache(self) -> bool:
+        """No cache outlives a batch here (no prefix cache); returns False while rows are decoding, like SGLang."""
+        return self.running == 0
+
+    def health(self) -> bool:
+        return not (self._kv_released or self._weights_released)
+
+    def _released_message(self) -> str:
+        if self._stale:
+            names = sorted(self._stale)
+            return (f"{len(names)} weights were discarded by release_memory and not reloaded "
+                    f"(e.g. {names[:4]}); call update_weights with all of them before generating")
+        return "memory is released (release_memory); call resume_memory before generating"
+
+    # -------------------------------------------------------------------------------- weights
+    def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF name -> (shape, dtype) of every loadable tensor (tied aliases included)."""
+        specs = {}
+        for name, t in self._targets.items():
+            shape, dtype = self._discarded_shapes.get(name, (t.shape, t.dtype))
+            specs[name] = (tuple(shape), dtype)
+        return specs
+
+    def check_weights(self, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Problems (unknown names, shape mismatches, duplicates) that would stop a load; [] when fine."""
+        specs = self.param_specs()
+        problems, seen = [], set()
+        for name, shape in named_shapes:
+            shape = tuple(int(s) for s in shape)
+            if name in seen:
+                problems.append(f"{name}: sent twice")
+            seen.add(name)
+            if name not in specs:
+                problems.append(f"{name}: no such weight in the model")
+            elif specs[name][0] != shape:
+                problems.append(f"{name}: shape {list(shape)} != model's {list(specs[name][0])}")
+        return problems
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
+        """Loads full HF-named tensors (any subset of the model's weights) by name; all or nothing.
+
+        Raises WeightMismatchError listing every unknown name and shape mismatch; then nothing is loaded.
+        Waits for a running batch unless generation is paused.
+        """
+        named = [(n, t) for n, t in named_tensors]
+        problems = self.check_weights((n, tuple(t.shape)) for n, t in named)
+        if problems:
+            known = len(self._targets)
+            raise WeightMismatchError(
+                f"update_weights: {len(problems)} of {len(named)} tensors do not match the model "
+                f"({known} weights, HF names such as {next(iter(self._targets))!r}); nothing was loaded:\n  "
+                + "\n  ".join(problems))
+        self._waiting_updates += 1
+        try:
+            with self._cond:
+                if self._weights_released and not self._stale:
+                    raise EngineReleasedError("weights are released; call resume_memory before update_weights")
+                with torch.no_grad():
+                    for name, tensor in named:
+                        target = self._targets[name]
+                        target.copy_(tensor.to(device=target.device))
+                        self._stale.discard(self._canonical(name))
+                if weight_version is not None:
+                    self.weight_version = str(weight_version)
+        finally:
+            self._waiting_updates -= 1
+            with self._cond:
+                self._cond.notify_all()
+
+    def _canonical(self, name: str) -> str:
+        target = self._targets[name]
+        for n, t in self._targets.items():
+            if t is target:
+                return n
+        return name
+
+    # -------------------------------------------------------------------------------- memory
+    def release_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Frees the KV cache and, per `release_weights`, the weights; tags: subset of {"weights", "kv_cache"}."""
+        tags = _check_tags(tags)
+        with self._cond:
+            if "kv_cache" in tags:
+                self._kv_released = True
+            if "weights" in tags and not self._weights_released:
+                self._weights_released = True
+                if self.release_weights == "offload":
+                    self.model.to("cpu")
+                elif self.release_weights == "discard":
+                    seen: dict[int, str] = {}
+                    for name, t in self._targets.items():
+                        self._discarded_shapes[name] = (t.shape, t.dtype)
+                        if id(t) not in seen:
+                            seen[id(t)] = name
+                            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+                    self._stale = set(seen.values())
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Re-allocates what release_memory freed (discarded weights come back as zeros, still stale)."""
+        tags = _check_tags(tags)
+        with self._cond:
+            if "weights" in tags and self._weights_released:
+                if self.release_weights == "offload":
+                    self.model.to(self.device)
+                elif self.release_weights == "discard":
+                    done: set[int] = set()
+                    for name, t in self._targets.items():
+                        if id(t) not in done:
+                            done.add(id(t))
+                            shape, dtype = self._discarded_shapes[name]
+                            t.data = torch.zeros(shape, dtype=dtype, device=self.device)
+                    self._discarded_shapes.clear()
+                self._weights_released = False
+            if "kv_cache" in tags:
+                self._kv_released = False
+
+    def model_info(self) -> dict:
+        return {"model_path": self.config.hf_dir, "tokenizer_path": self.config.hf_dir,
+                "is_generation": True, "weight_version": self.weight_version,
+                "device": str(self.device), "dtype": self.config.dtype,
+                "vocab_size": self.vocab_size, "eos_token_ids": self.eos_ids}
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids when the HF dir has a tokenizer, else "" (the protocol is token ids)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _check_tags(tags: Iterable[str] | None) -> set[str]:
+    tags = {"weights", "kv_cache"} if tags is None else set(tags)
+    bad = tags - {"weights", "kv_cache"}
+    if bad:
+        raise ValueError(f"unknown memory tags {sorted(bad)}; use 'weights' and/or 'kv_cache'")
+    return tags
+
+
+def _try_load_tokenizer(hf_dir: str):
+    if not any(os.path.isfile(os.path.join(hf_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(hf_dir)
+    except Exception:  # noqa: BLE001 - text is a convenience; ids are the protocol
+        return None

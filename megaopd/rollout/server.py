@@ -1,0 +1,548 @@
+"""`megaopd serve`: the embedded engine behind the subset of SGLang's native HTTP API that megaopd uses.
+
+    megaopd serve --hf-dir DIR --port 30000 [--host 127.0.0.1] [--max-batch-size 64]
+
+Endpoints (schemas as SGLang's; see /work/shared/design/SGLANG-PROTOCOL.md):
+  POST /generate                                   input_ids (one or a batch) or text, sampling_params
+  POST /init_weights_update_group                  joins the trainer's group (blocks until it forms)
+  POST /update_weights_from_distributed            receives broadcast tensors, loads them by HF name
+  POST /update_weights_from_disk                   loads *.safetensors of a directory by HF name
+  POST /destroy_weights_update_group
+  GET|POST /flush_cache    GET /health  GET /health_generate   GET /get_model_info (/model_info)
+  GET /get_server_info     POST /release_memory_occupation  /resume_memory_occupation
+  POST /pause_generation   /continue_generation   /abort_request
+Errors are HTTP 400 with SGLang's bodies ({"error": {"message"}} for a bad value, the OpenAI-style
+{"object": "error", ...} for a schema error); /health answers 503 until the model is loaded.
+
+Requests that arrive while a batch decodes are queued and decoded together in the next batch (one
+scheduler thread); each HTTP request is served by its own thread (ThreadingHTTPServer, stdlib only).
+Bind to 127.0.0.1 unless the trainer is on another machine: the API has no authentication.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import torch
+
+from megaopd.rollout import dist_group
+from megaopd.rollout.embedded import (EmbeddedEngine, EmbeddedEngineConfig, EngineReleasedError, RowRequest,
+                                      RowResult, WeightMismatchError)
+from megaopd.rollout.protocol import derive_seed
+from megaopd.rollout.schema import BadRequest, finish_reason_json, parse_params
+
+log = logging.getLogger("megaopd.serve")
+
+
+@dataclass
+class ServeConfig:
+    """Command-line settings of `megaopd serve`."""
+
+    hf_dir: str
+    """HF model directory to serve."""
+    port: int = 30000
+    host: str = "127.0.0.1"
+    """Interface to bind; 127.0.0.1 keeps the unauthenticated API off the network."""
+    max_batch_size: int = 64
+    """Rows decoded together."""
+    device: str = "auto"
+    dtype: str = "float32"
+    release_weights: str = "auto"
+    """keep | offload | discard | auto: what /release_memory_occupation does to the weights."""
+    group_timeout_s: float = 300.0
+    """How long a weight-update group may take to form, and a broadcast to arrive."""
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port} must be in [0, 65535] (0 picks a free one)")
+
+    def engine_config(self) -> EmbeddedEngineConfig:
+        return EmbeddedEngineConfig(hf_dir=self.hf_dir, device=self.device, dtype=self.dtype,
+                                    max_batch_size=self.max_batch_size, release_weights=self.release_weights)
+
+
+@dataclass
+class _Job:
+    rows: list[RowRequest]
+    epoch: int
+    future: Future
+
+
+class _Scheduler:
+    """One thread that decodes queued rows; everything queued while a batch runs joins the next one."""
+
+    def __init__(self, engine: EmbeddedEngine):
+        self.engine = engine
+        self.queue: "queue.Queue[_Job]" = queue.Queue()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="megaopd-serve-scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, rows: list[RowRequest]) -> Future:
+        job = _Job(rows, self.engine.abort_epoch, Future())
+        self.queue.put(job)
+        return job.future
+
+    def _loop(self):
+        while not self.stopped.is_set():
+            try:
+                jobs = [self.queue.get(timeout=0.2)]
+            except queue.Empty:
+                continue
+            while True:
+                try:
+                    jobs.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            # Jobs from different abort epochs cannot share a run (an old one must come back aborted).
+            by_epoch: dict[int, list[_Job]] = {}
+            for job in jobs:
+                by_epoch.setdefault(job.epoch, []).append(job)
+            for epoch, group in by_epoch.items():
+                rows = [r for job in group for r in job.rows]
+                try:
+                    results = self.engine.run(rows, epoch=epoch)
+                except BaseException as e:  # noqa: BLE001 - reported to every waiting request
+                    for job in group:
+                        job.future.set_exception(e)
+                    continue
+                i = 0
+                for job in group:
+                    job.future.set_result(results[i:i + len(job.rows)])
+                    i += len(job.rows)
+
+
+class RolloutServer:
+    """The HTTP server; `serve_forever()` for the CLI, `start()` for a background thread (tests)."""
+
+    def __init__(self, config: ServeConfig, engine: EmbeddedEngine | None = None):
+        self.config = config
+        self.engine: EmbeddedEngine | None = None
+        self.scheduler: _Scheduler | None = None
+        self.groups: dict[str, dist_group.dist.ProcessGroup] = {}
+        self.load_error: str | None = None
+        self.httpd = ThreadingHTTPServer((config.host, config.port), _make_handler(self))
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread: threading.Thread | None = None
+        if engine is not None:
+            self._set_engine(engine)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def _set_engine(self, engine: EmbeddedEngine):
+        self.engine = engine
+        self.scheduler = _Scheduler(engine)
+
+    def load_engine(self):
+        """Builds the engine (the slow part of start-up); /health answers 503 until it is done."""
+        try:
+            self._set_engine(EmbeddedEngine(self.config.engine_config()))
+        except Exception as e:  # noqa: BLE001 - kept for /health and the log; the server stays up to say why
+            self.load_error = f"{type(e).__name__}: {e}"
+            log.error("megaopd serve: failed to load %s: %s", self.config.hf_dir, self.load_error)
+            raise
+
+    def start(self) -> "RolloutServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="megaopd-serve-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self):
+        self.httpd.serve_forever()
+
+    def shutdown(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        if self.scheduler is not None:
+            self.scheduler.stopped.set()
+        for pg in self.groups.values():
+            dist_group.destroy_custom_process_group(pg)
+        self.groups.clear()
+
+    # ----------------------------------------------------------------------------------- endpoints
+    def _engine(self) -> EmbeddedEngine:
+        if self.engine is None:
+            raise _HttpError(503, {"error": {"message": self.load_error or "the model is still loading"}})
+        return self.engine
+
+    def generate(self, req: Any) -> Any:
+        engine = self._engine()
+        if not isinstance(req, dict):
+            raise BadRequest("the request body must be a JSON object", kind="schema")
+        given = [k for k in ("text", "input_ids", "input_embeds") if req.get(k) is not None]
+        if len(given) != 1:
+            raise BadRequest("Either text, input_ids or input_embeds should be provided (exactly one).")
+        if req.get("stream"):
+            raise BadRequest("stream=true is not supported by megaopd serve")
+        if req.get("input_embeds") is not None:
+            raise BadRequest("input_embeds is not supported by megaopd serve")
+        if req.get("top_logprobs_num") or req.get("token_ids_logprob"):
+            raise BadRequest("top_logprobs_num / token_ids_logprob are not supported by megaopd serve")
+        prompts, single = self._prompts(engine, req)
+        sp = req.get("sampling_params")
+        if isinstance(sp, list):
+            if single or len(sp) != len(prompts):
+                raise BadRequest(f"sampling_params is a list of {len(sp)} for {len(prompts)} prompt(s)")
+            params = [parse_params(p) for p in sp]
+        else:
+            params = [parse_params(sp)] * len(prompts)
+        return_logprob = req.get("return_logprob", False)
+        return_logprob = return_logprob if isinstance(return_logprob, list) else [bool(return_logprob)] * len(prompts)
+        start_len = req.get("logprob_start_len", -1)
+        start_len = start_len if isinstance(start_len, list) else [start_len] * len(prompts)
+        rids = req.get("rid")
+        rids = rids if isinstance(rids, list) else [rids] * len(prompts)
+
+        # Expand n: prompt i's samples are entries i*n .. i*n+n-1 (prompt-major).
+        entries, rows = [], []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for j in range(p.n):
+                seed = p.seed if p.seed is None or p.n == 1 else derive_seed(p.seed, 0, j)
+                stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.eos_ids))
+                row = RowRequest(prompt_ids=prompt, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
+                                 top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, stop_ids=frozenset(stop), seed=seed)
+                if p.max_new_tokens > 0:
+                    try:
+                        engine.check_row(row)
+                    except ValueError as e:
+                        raise BadRequest(str(e)) from e
+                rid = rids[i] if rids[i] is not None and p.n == 1 and len(prompts) == 1 else None
+                entries.append((i, p, row, rid or uuid.uuid4().hex))
+                rows.append(row)
+        t0 = time.perf_counter()
+        run_rows = [r for r in rows if r.max_new_tokens > 0]
+        try:
+            results = self.scheduler.submit(run_rows).result() if run_rows else []
+        except EngineReleasedError as e:
+            raise BadRequest(str(e)) from e
+        latency = time.perf_counter() - t0
+        it = iter(results)
+        out = []
+        for i, p, row, rid in entries:
+            res = next(it) if row.max_new_tokens > 0 else RowResult(weight_version=engine.weight_version)
+            meta = {"id": rid,
+                    "finish_reason": finish_reason_json(res.finish_reason, res.matched, row.max_new_tokens),
+                    "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(res.output_ids),
+                    "cached_tokens": 0, "weight_version": res.weight_version, "e2e_latency": latency}
+            if return_logprob[i]:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.logprobs, res.output_ids)]
+                if start_len[i] is not None and start_len[i] >= 0:
+                    lps = engine.prompt_logprobs(row.prompt_ids)
+                    meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
+                                                    zip(lps, row.prompt_ids)][start_len[i]:]
+            out.append({"text": engine.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta})
+        return out[0] if single and len(out) == 1 else out
+
+    def _prompts(self, engine: EmbeddedEngine, req: dict) -> tuple[list[list[int]], bool]:
+        if req.get("text") is not None:
+            if engine.tokenizer is None:
+                raise BadRequest("this model directory has no tokenizer; send input_ids instead of text")
+            text = req["text"]
+            texts = [text] if isinstance(text, str) else text
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise BadRequest("text must be a string or a list of strings", kind="schema")
+            return [engine.tokenizer(t)["input_ids"] for t in texts], isinstance(text, str)
+        ids = req["input_ids"]
+        if isinstance(ids, list) and ids and all(_is_int(t) for t in ids):
+            return [list(ids)], True
+        if (isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids)
+                and all(_is_int(t) for p in ids for t in p)):
+            if any(len(p) == 0 for p in ids):
+                raise BadRequest("input_ids has an empty prompt")
+            return [list(p) for p in ids], False
+        raise BadRequest("input_ids must be a non-empty list of integers or a list of such lists", kind="schema")
+
+    def init_group(self, req: dict) -> dict:
+        self._engine()
+        _require(req, ("master_address", "master_port", "rank_offset", "world_size"))
+        name = req.get("group_name", "weight_update_group")
+        backend = req.get("backend", "nccl")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise BadRequest("backend 'nccl' needs a GPU; this server runs on the CPU, use backend 'gloo'")
+        if name in self.groups:
+            raise BadRequest(f"weight update group {name!r} already exists; destroy it first")
+        try:
+            pg = dist_group.init_custom_process_group(
+                backend, str(req["master_address"]), int(req["master_port"]), int(req["rank_offset"]),
+                int(req["world_size"]), name, timeout_s=self.config.group_timeout_s)
+        except Exception as e:  # noqa: BLE001 - returned to the caller as SGLang does
+            return {"success": False, "message": f"Failed to init group: {type(e).__name__}: {e}"}
+        self.groups[name] = pg
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_from_distributed(self, req: dict) -> dict:
+        engine = self._engine()
+        _require(req, ("names", "dtypes", "shapes"))
+        names, dtypes, shapes = req["names"], req["dtypes"], req["shapes"]
+        name = req.get("group_name", "weight_update_group")
+        fmt = req.get("load_format")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise BadRequest(f"names, dtypes, shapes have lengths {len(names)}, {len(dtypes)}, {len(shapes)}")
+        if fmt not in (None, "flattened_bucket"):
+            raise BadRequest(f"load_format {fmt!r}: megaopd serve takes null or 'flattened_bucket'")
+        if name not in self.groups:
+            raise BadRequest(f"Group {name} not in {list(self.groups)}. Please call `init_weights_update_group` first.")
+        try:
+            torch_dtypes = [dist_group.parse_dtype(d) for d in dtypes]
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        pg = self.groups[name]
+        device = engine.device if torch.cuda.is_available() and engine.device.type == "cuda" else torch.device("cpu")
+        # Receive everything first, even when names or shapes are wrong: the trainer is broadcasting and
+        # would otherwise block until the group times out. Validate, then load all or nothing.
+        if fmt == "flattened_bucket":
+            flat = torch.empty(dist_group.bucket_nbytes(torch_dtypes, shapes), dtype=torch.uint8, device=device)
+            dist_group.broadcast(flat, pg)
+            tensors = dist_group.unflatten_bucket(flat, names, torch_dtypes, shapes)
+        else:
+            tensors = []
+            for n, dt, shape in zip(names, torch_dtypes, shapes):
+                t = torch.empty(tuple(shape), dtype=dt, device=device)
+                dist_group.broadcast(t, pg)
+                tensors.append((n, t))
+        try:
+            engine.update_weights(tensors, weight_version=req.get("weight_version"))
+        except (WeightMismatchError, EngineReleasedError) as e:
+            return {"success": False, "message": f"Failed to update weights: {e}"}
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def update_from_disk(self, req: dict) -> dict:
+        from safetensors.torch import load_file
+
+        engine = self._engine()
+        _require(req, ("model_path",))
+        path = req["model_path"]
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+        if not files:
+            return {"success": False, "message": f"Failed to update weights: no *.safetensors in {path!r}"}
+        tensors = {}
+        for f in files:
+            tensors.update(load_file(os.path.join(path, f)))
+        try:
+            engine.update_weights(tensors.items(), weight_version=req.get("weight_version"))
+        except WeightMismatchError as e:
+            return {"success": False, "message": f"Failed to update weights: {e}"}
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def destroy_group(self, req: dict) -> dict:
+        name = (req or {}).get("group_name", "weight_update_group")
+        pg = self.groups.pop(name, None)
+        if pg is None:
+            return {"success": False, "message": f"Group {name} not in {list(self.groups)}."}
+        dist_group.destroy_custom_process_group(pg)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def health_generate(self) -> bool:
+        engine = self._engine()
+        row = RowRequest(prompt_ids=[0], max_new_tokens=1, temperature=0.0, seed=0)
+        try:
+            self.scheduler.submit([row]).result(timeout=20)
+            return engine.health()
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            return False
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, body: Any):
+        super().__init__(str(body))
+        self.status, self.body = status, body
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _require(req: Any, keys) -> None:
+    if not isinstance(req, dict):
+        raise BadRequest("the request body must be a JSON object", kind="schema")
+    missing = [k for k in keys if k not in req]
+    if missing:
+        raise BadRequest(f"missing required field(s) {missing}", kind="schema")
+
+
+def _tags(req: Any):
+    tags = (req or {}).get("tags") if isinstance(req, (dict, type(None))) else None
+    if tags is not None and (not isinstance(tags, list) or not set(tags) <= {"weights", "kv_cache"}):
+        raise BadRequest(f"tags={tags!r}: use null or a list of 'weights' / 'kv_cache'")
+    return tags
+
+
+def _make_handler(server: RolloutServer):
+    def ok_json(body):
+        return 200, body
+
+    def flush(_req):
+        engine = server._engine()
+        if engine.flush_cache():
+            return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                         "waiting requests, the operation will not be performed.)\n")
+        return 400, "Cache not flushed: requests are running; retry when idle.\n"
+
+    def pause(req):
+        mode = (req or {}).get("mode", "abort")
+        try:
+            server._engine().pause(mode)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        return ok_json({"message": "Generation paused successfully.", "status": "ok"})
+
+    def resume(_req):
+        server._engine().continue_generation()
+        return ok_json({"message": "Generation continued successfully.", "status": "ok"})
+
+    def abort(req):
+        if (req or {}).get("abort_all"):
+            server._engine().abort_all()
+        return 200, ""
+
+    def release(req):
+        tags = _tags(req)
+        server._engine().release_memory(tags)
+        return ok_json(None)
+
+    def resume_mem(req):
+        tags = _tags(req)
+        server._engine().resume_memory(tags)
+        return ok_json(None)
+
+    def health(_req):
+        engine = server._engine()
+        return (200, "") if engine.health() else (503, "")
+
+    def model_info(_req):
+        return ok_json(server._engine().model_info())
+
+    def server_info(_req):
+        engine = server._engine()
+        return ok_json({"model_path": server.config.hf_dir, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+                        "weight_version": engine.weight_version, "max_running_requests": server.config.max_batch_size,
+                        "host": server.config.host, "port": server.port, "version": "megaopd-serve",
+                        "internal_states": [{"running": engine.running, "paused": engine.paused}]})
+
+    def with_success(fn: Callable[[Any], dict]):
+        def run(req):
+            res = fn(req)
+            return (200 if res["success"] else 400), res
+        return run
+
+    routes: dict[tuple[str, str], Callable[[Any], tuple[int, Any]]] = {
+        ("POST", "/generate"): lambda req: ok_json(server.generate(req)),
+        ("POST", "/init_weights_update_group"): with_success(server.init_group),
+        ("POST", "/update_weights_from_distributed"): with_success(server.update_from_distributed),
+        ("POST", "/update_weights_from_disk"): with_success(server.update_from_disk),
+        ("POST", "/destroy_weights_update_group"): with_success(server.destroy_group),
+        ("GET", "/flush_cache"): flush, ("POST", "/flush_cache"): flush,
+        ("GET", "/health"): health, ("GET", "/health_generate"): lambda _r: (200, "") if server.health_generate() else (503, ""),
+        ("GET", "/get_model_info"): model_info, ("GET", "/model_info"): model_info,
+        ("GET", "/get_server_info"): server_info, ("GET", "/server_info"): server_info,
+        ("POST", "/release_memory_occupation"): release, ("POST", "/resume_memory_occupation"): resume_mem,
+        ("POST", "/pause_generation"): pause, ("POST", "/continue_generation"): resume,
+        ("POST", "/abort_request"): abort,
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the client reuses connections
+
+        def log_message(self, fmt, *args):  # route the access log through logging (quiet by default)
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _send(self, status: int, body: Any):
+            if isinstance(body, str):
+                data, ctype = body.encode(), "text/plain; charset=utf-8"
+            else:
+                data, ctype = json.dumps(body).encode(), "application/json"
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _dispatch(self, method: str):
+            path = self.path.split("?", 1)[0]
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            fn = routes.get((method, path))
+            if fn is None:
+                known = any(p == path for _, p in routes)
+                return self._send(405 if known else 404, {"detail": "Method Not Allowed" if known else "Not Found"})
+            try:
+                req = json.loads(raw) if raw.strip() else None
+            except json.JSONDecodeError as e:
+                return self._send(400, BadRequest(f"JSON decode error: {e}", kind="schema").body())
+            try:
+                status, body = fn(req)
+            except BadRequest as e:
+                status, body = 400, e.body()
+            except _HttpError as e:
+                status, body = e.status, e.body
+            except (ValueError, TypeError, KeyError) as e:
+                status, body = 400, {"error": {"message": f"{type(e).__name__}: {e}"}}
+            except Exception as e:  # noqa: BLE001 - a server must answer, not die
+                log.exception("megaopd serve: %s %s failed", method, path)
+                status, body = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
+            self._send(status, body)
+
+        def do_GET(self):
+            self._dispatch("GET")
+
+        def do_POST(self):
+            self._dispatch("POST")
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="megaopd serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: loopback only)")
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--release-weights", default="auto", choices=["auto", "keep", "offload", "discard"])
+    ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    config = ServeConfig(hf_dir=args.hf_dir, port=args.port, host=args.host, max_batch_size=args.max_batch_size,
+                         device=args.device, dtype=args.dtype, release_weights=args.release_weights)
+    server = RolloutServer(config)
+    # SIGTERM (the launcher's stop) ends serve_forever like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    http = threading.Thread(target=server.serve_forever, name="megaopd-serve-http", daemon=True)
+    http.start()  # answer /health with 503 while the model loads
+    try:
+        server.load_engine()
+    except Exception:  # noqa: BLE001 - already logged
+        server.shutdown()
+        return 1
+    print(f"megaopd serve: {config.hf_dir} on {server.url}", file=sys.stderr, flush=True)
+    try:
+        while http.is_alive():
+            http.join(timeout=1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
