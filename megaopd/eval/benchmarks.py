@@ -209,6 +209,34 @@ def convert_rows(
     return out
 
 
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """Rows of a local release file: .jsonl, .json (a list of objects, or {"data"|"test"|"train": [...]}) or
+    .parquet. Never unpickles."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()  # list columns come back as Python lists
+    with open(path, encoding="utf-8") as f:
+        if ext == ".jsonl":
+            rows = []
+            for i, line in enumerate(f):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg})") from None
+            return rows
+        if ext == ".json":
+            data = json.load(f)
+            if isinstance(data, dict):
+                data = next((data[k] for k in ("data", "test", "train") if isinstance(data.get(k), list)), None)
+            if not isinstance(data, list):
+                raise ValueError(f"{path}: expected a JSON list of objects (or one under data/test/train)")
+            return data
+    raise ValueError(f"{path}: unsupported file type {ext!r}; use .jsonl, .json or .parquet")
+
+
 def write_benchmark_file(rows: list[dict[str, str]], path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
