@@ -1,0 +1,173 @@
+"""Token ids of prompts and golden solutions, and the loss mask of mixture distillation.
+
+    ex = build_examples(records, "opd", cfg, tok)[0][0]
+    ex.prompt_ids                  what the engines generate after
+    ex.golden_ids, ex.golden_loss_mask   prompt + solution + end-of-turn; mask 1 exactly on the solution
+                                         tokens and the end-of-turn token, 0 on the prompt
+    batch = golden_batch(examples, pad_id)   right-padded tensors for the SFT term of the loss
+
+The solution is tokenized on its own and appended to the prompt ids instead of tokenizing prompt+solution
+as one text: the student's rollouts are generated token by token after exactly `prompt_ids`, so the golden
+must share that boundary (BPE merges across it would give the SFT term a prompt the student never sees).
+The golden ends with the token that ends an assistant turn in the chat template (<|im_end|> for Qwen), read
+from the template itself, so the student learns to stop where its rollouts must stop.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from megaopd.data.config import DataConfig
+from megaopd.data.openr1 import GoldenRecord
+from megaopd.data.templates import _template_tokenizer, render_prompt, strip_think_overlap
+
+
+@dataclass
+class PromptExample:
+    """One prompt of the stream, tokenized, with its golden solution (when it has one)."""
+
+    uid: str
+    source: str
+    """Name of the DataConfig source it came from."""
+    problem: str
+    answer: str
+    prompt_text: str
+    prompt_ids: list[int]
+    golden: Optional[str] = None
+    """The golden solution text as tokenized (after strip_think_overlap), without the end-of-turn token."""
+    solution_ids: Optional[np.ndarray] = None
+    """int32 [S]: the golden response ids, end-of-turn token last (unless truncated). Kept as a compact
+    array: 13k goldens of up to 8k tokens as Python ints would take gigabytes."""
+
+    @property
+    def has_golden(self) -> bool:
+        return self.solution_ids is not None
+
+    @property
+    def golden_ids(self) -> list[int]:
+        """prompt_ids + solution ids: the sequence the SFT term is computed on."""
+        if self.solution_ids is None:
+            raise ValueError(f"prompt {self.uid} of source {self.source!r} has no golden solution")
+        return self.prompt_ids + self.solution_ids.tolist()
+
+    @property
+    def golden_loss_mask(self) -> list[int]:
+        """1 on each solution token (a target of the SFT term), 0 on the prompt; aligned with golden_ids."""
+        if self.solution_ids is None:
+            raise ValueError(f"prompt {self.uid} of source {self.source!r} has no golden solution")
+        return [0] * len(self.prompt_ids) + [1] * len(self.solution_ids)
+
+
+def turn_end_token(tokenizer) -> str:
+    """The token that closes an assistant turn in the tokenizer's chat template (e.g. <|im_end|>); the EOS
+    token when there is no template or the template closes turns with plain text."""
+    eos = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        return eos
+    sentinel = "MEGAOPD_SENTINEL_7f3a"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": sentinel}], tokenize=False)
+    except Exception:  # templates that refuse an assistant message: fall back to the EOS token
+        return eos
+    after = text[text.rfind(sentinel) + len(sentinel):] if sentinel in text else ""
+    added = getattr(tokenizer, "added_tokens_encoder", {}) or {}
+    for tok in sorted(added, key=len, reverse=True):
+        if after.lstrip(" ").startswith(tok):
+            return tok
+    return eos
+
+
+def golden_stop_id(cfg: DataConfig, tokenizer, teacher_tokenizer=None) -> int:
+    """Id of the token appended to every golden solution (the template's turn end; see turn_end_token)."""
+    if cfg.prompt_template == "plain":
+        tok = tokenizer
+        name = tok.eos_token
+    else:
+        tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
+        name = turn_end_token(tok)
+    if name is None:
+        raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', '?')} has no eos_token: set one in its "
+                         f"tokenizer_config.json, the golden solutions need a stop token")
+    return int(tok.convert_tokens_to_ids(name))
+
+
+def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig, tokenizer,
+                   teacher_tokenizer=None) -> tuple[list[PromptExample], Counter, dict]:
+    """Renders and tokenizes records; returns (examples, skipped reasons, reason -> first uuid).
+
+    A prompt over max_prompt_len is skipped; so is a golden over max_golden_len (golden_overflow=skip) or
+    it is cut (truncate). Records without a golden give examples without one unless cfg.require_golden.
+    """
+    template_tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
+    stop_id = golden_stop_id(cfg, tokenizer, teacher_tokenizer) if any(r.golden for r in records) else None
+    texts = [render_prompt(r.problem, cfg, tokenizer, teacher_tokenizer) for r in records]
+    # One batched call each (fast tokenizers parallelize it); no special tokens, see encode_prompt.
+    prompt_ids = template_tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+    goldens = [strip_think_overlap(t, r.golden) if r.golden else None for t, r in zip(texts, records)]
+    with_golden = [i for i, g in enumerate(goldens) if g is not None]
+    sol_ids = dict(zip(with_golden, tokenizer([goldens[i] for i in with_golden],
+                                              add_special_tokens=False)["input_ids"] if with_golden else []))
+
+    examples, skipped, first = [], Counter(), {}
+
+    def skip(reason, rec):
+        skipped[reason] += 1
+        first.setdefault(reason, rec.uuid)
+
+    for i, rec in enumerate(records):
+        ids = list(prompt_ids[i])
+        if len(ids) > cfg.max_prompt_len:
+            skip(f"prompt over max_prompt_len={cfg.max_prompt_len} tokens", rec)
+            continue
+        solution = None
+        if i in sol_ids:
+            sol = list(sol_ids[i]) + [stop_id]
+            if len(sol) > cfg.max_golden_len:
+                if cfg.golden_overflow == "skip":
+                    skip(f"golden over max_golden_len={cfg.max_golden_len} tokens", rec)
+                    continue
+                sol = sol[: cfg.max_golden_len]
+            solution = np.asarray(sol, dtype=np.int32)
+        elif cfg.require_golden:
+            skip("no golden solution", rec)
+            continue
+        examples.append(PromptExample(uid=rec.uuid, source=source, problem=rec.problem, answer=rec.answer,
+                                      prompt_text=texts[i], prompt_ids=ids, golden=goldens[i],
+                                      solution_ids=solution))
+    return examples, skipped, first
+
+
+@dataclass
+class GoldenBatch:
+    """Right-padded golden sequences of a batch (the SFT term's input).
+
+    input_ids_BT   int64 [B, T]  prompt + solution ids, then pad_id
+    loss_mask_BT   float32 [B, T] 1 where the token is a solution token, i.e. a target predicted from the
+                   positions before it (the loss shifts: logits at t-1 score input_ids_BT[:, t])
+    attention_mask_BT int64 [B, T] 1 on real tokens
+    lengths_B      int64 [B] real length of each row
+    """
+
+    input_ids_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    lengths_B: torch.Tensor
+
+
+def golden_batch(examples: Sequence[PromptExample], pad_id: int) -> GoldenBatch:
+    rows = [ex.golden_ids for ex in examples]
+    masks = [ex.golden_loss_mask for ex in examples]
+    T = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), T), int(pad_id), dtype=torch.long)
+    loss = torch.zeros((len(rows), T), dtype=torch.float32)
+    attn = torch.zeros((len(rows), T), dtype=torch.long)
+    for b, (r, m) in enumerate(zip(rows, masks)):
+        ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        loss[b, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        attn[b, : len(r)] = 1
+    return GoldenBatch(ids, loss, attn, torch.tensor([len(r) for r in rows], dtype=torch.long))
