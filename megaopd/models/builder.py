@@ -1,0 +1,129 @@
+"""HF config -> megatron-core TransformerConfig and GPTModel (one pipeline stage of it).
+
+    from megaopd.models.builder import build_gpt_model
+    model = build_gpt_model(read_hf_config(hf_dir), tp=2, pp=1)                  # actor: parallel_state
+    teacher = build_gpt_model(cfg_t, tp=4, pp=1, pg_collection=teacher_pgs)       # teacher: own groups
+
+Parallel sizes enter only through TransformerConfig; the model's groups come from `pg_collection`
+(None -> megatron's global parallel_state, set by megaopd.parallel.groups.initialize_actor_layout).
+The stage (pre_process / post_process and which layers) is derived from the collection's PP rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+
+from megaopd.models import compat
+from megaopd.models.hf_config import HFModelConfig, check_layout, layers_per_stage, padded_vocab_size
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Where this rank's model sits in its layout."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+
+    @property
+    def pre_process(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def post_process(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @classmethod
+    def of(cls, pg_collection: ProcessGroupCollection) -> "StageInfo":
+        return cls(pg_collection.tp.rank(), pg_collection.tp.size(),
+                   pg_collection.pp.rank(), pg_collection.pp.size())
+
+
+def transformer_config(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
+                       dtype: str | torch.dtype = torch.float32, init_weights: bool = True,
+                       **overrides) -> TransformerConfig:
+    """The megatron TransformerConfig of an HF Qwen2/Llama decoder at TP=tp, PP=pp."""
+    check_layout(cfg, tp, pp)
+    dt = torch_dtype(dtype)
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        gated_linear_unit=True,  # SwiGLU: linear_fc1 holds [gate; up]
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.qkv_bias,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dt,
+        pipeline_dtype=dt,  # dtype of the activations sent between PP stages
+        bf16=dt == torch.bfloat16,
+        fp16=dt == torch.float16,
+        # Weights are usually loaded right after building; skipping random init saves time at 7B.
+        perform_initialization=init_weights,
+    )
+    if not torch.cuda.is_available():
+        kwargs.update(compat.cpu_config_overrides())
+    kwargs.update(overrides)
+    return compat.make_transformer_config(**kwargs)
+
+
+def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
+                    pg_collection: ProcessGroupCollection | None = None,
+                    pre_process: bool | None = None, post_process: bool | None = None,
+                    dtype: str | torch.dtype = torch.float32, use_te: bool | None = None,
+                    init_weights: bool = True, parallel_output: bool = True,
+                    config_overrides: dict | None = None) -> GPTModel:
+    """Builds this rank's stage of the model: its PP stage's layers, its TP shard of each weight.
+
+    tp/pp must equal the sizes of pg_collection's tp/pp groups (or of parallel_state when None).
+    pre_process/post_process default to "first/last PP stage". With parallel_output=True (default)
+    the forward returns vocab-sharded logits [b, s, padded_vocab / tp]; the padding columns (index >=
+    cfg.vocab_size) must be masked by whoever normalizes them (megaopd.models.logprobs does).
+    use_te: Transformer Engine layers; default: when TE is importable and a GPU is present.
+    """
+    pgs = compat.resolve_pg_collection(pg_collection)
+    stage = StageInfo.of(pgs)
+    if (stage.tp_size, stage.pp_size) != (tp, pp):
+        raise ValueError(f"build_gpt_model(tp={tp}, pp={pp}) but the process groups have "
+                         f"tp={stage.tp_size}, pp={stage.pp_size}; pass the layout the groups were made for")
+    config = transformer_config(cfg, tp, pp, dtype, init_weights, **(config_overrides or {}))
+    if use_te is None:
+        use_te = compat.use_transformer_engine_default()
+    spec = compat.decoder_block_spec(use_te, layers_per_stage(cfg, pp))
+    llama3_factor = cfg.rope_scaling.factor if cfg.rope_scaling is not None else None
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(cfg.vocab_size, tp),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=stage.pre_process if pre_process is None else pre_process,
+        post_process=stage.post_process if post_process is None else post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        pg_collection=pgs,
+        **compat.rope_kwargs(cfg.rope_theta, llama3_factor),
+    )

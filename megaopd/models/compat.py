@@ -1,0 +1,112 @@
+"""Everything in megaopd.models that depends on the megatron-core version or on optional GPU packages.
+
+Written against megatron-core 0.16.1. When megatron changes a name or a signature, this is the one file
+to edit: layer specs (Transformer Engine vs local), the final-norm choice of TransformerBlock, RoPE
+arguments, sharded_state_dict metadata and the pipeline schedule call.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+# Groups GPTModel, its blocks and the pipeline schedule read from a ProcessGroupCollection.
+REQUIRED_PGS = ["tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp"]
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def use_transformer_engine_default() -> bool:
+    """TE only where it can run: importable and a GPU present. Otherwise megatron-core's local spec."""
+    return torch.cuda.is_available() and have_transformer_engine()
+
+
+def decoder_block_spec(use_te: bool, num_local_layers: int) -> TransformerBlockSubmodules:
+    """The layer recipe (RMSNorm, SwiGLU MLP, fused QKV with RoPE) and the block's final norm.
+
+    We build the block spec ourselves rather than passing a layer ModuleSpec: for a layer spec
+    TransformerBlock picks its final norm from what is installed (TENorm, else apex FusedLayerNorm,
+    else torch), and apex's FusedLayerNorm asserts normalization == "LayerNorm", so a machine with apex
+    but no TE could not build an RMSNorm model. Here the final norm is the same module as the layers'
+    own norms: TENorm with TE (supports RMSNorm), WrappedTorchNorm (torch.nn.RMSNorm) otherwise.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        final_norm: Any = TENorm
+    else:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        final_norm = WrappedTorchNorm
+    assert isinstance(layer, ModuleSpec)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=final_norm)
+
+
+def cpu_config_overrides() -> dict:
+    """TransformerConfig fields for the CPU path: host-side init, no CUDA-only fusions."""
+    return dict(
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def rope_kwargs(rope_theta: float, llama3_factor: float | None) -> dict:
+    """GPTModel RoPE arguments. rotary_base is annotated int in 0.16; real thetas are integral."""
+    base: float | int = int(rope_theta) if float(rope_theta).is_integer() else rope_theta
+    kw: dict = dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=base)
+    if llama3_factor is not None:
+        kw.update(rope_scaling=True, rope_scaling_factor=llama3_factor)
+    return kw
+
+
+def resolve_pg_collection(pg_collection: ProcessGroupCollection | None) -> ProcessGroupCollection:
+    """The explicit groups, or those of megatron's global parallel_state (the actor's layout)."""
+    if pg_collection is not None:
+        return pg_collection
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=REQUIRED_PGS)
+
+
+def sharded_state_dict(model, pg_collection: ProcessGroupCollection) -> dict:
+    """model.sharded_state_dict with the DP group given explicitly (0.16 reads parallel_state otherwise)."""
+    return model.sharded_state_dict(metadata={"dp_cp_group": pg_collection.dp_cp})
+
+
+def forward_backward_func(pg_collection: ProcessGroupCollection):
+    """The pipeline schedule for the collection's PP size, and the keyword arguments it needs.
+
+    Passing the P2P communicator and the collection makes the schedule use these groups, never the
+    global parallel_state; so a teacher at its own TP/PP runs through the same code as the actor.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    pp_size = pg_collection.pp.size()
+    fn = get_forward_backward_func(pp_size=pp_size, vp_size=None)
+
+    def call(model, **kwargs):
+        extra = {}
+        if pp_size > 1:
+            extra["p2p_communicator"] = P2PCommunicator(pp_group=pg_collection.pp, config=model.config)
+        return fn(model=model, pg_collection=pg_collection, **extra, **kwargs)
+
+    return call
+
+
+def make_transformer_config(**kwargs) -> TransformerConfig:
+    return TransformerConfig(**kwargs)

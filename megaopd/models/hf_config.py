@@ -1,0 +1,200 @@
+"""Read a Hugging Face config.json (Qwen2, Qwen2.5, Llama) into a small, validated description.
+
+    cfg = read_hf_config("path/to/hf_dir")      # or a path to config.json, or the parsed dict
+    check_layout(cfg, tp=2, pp=2)                # ModelConfigError (one line, with the fix) if it cannot split
+    padded_vocab_size(cfg.vocab_size, tp=2)      # rows megatron allocates: a multiple of 128 * tp
+
+config.json is read directly (no transformers import) so both layouts of the RoPE settings work: real
+Qwen2.5 / Llama 3 files carry a top-level `rope_theta` (and `rope_scaling`), transformers 5.x writes
+`rope_parameters = {"rope_theta": ..., "rope_type": ...}`. This module imports neither torch nor megatron,
+so the command-line tools validate their inputs in well under a second, before any expensive start-up.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+# architecture name in config.json -> family; everything the weight mapping knows how to place.
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",  # Qwen2 and Qwen2.5
+    "LlamaForCausalLM": "llama",  # Llama 2 / 3 / 3.1 / 3.2
+}
+
+# megatron pads the vocabulary of its embedding and output layer to a multiple of this times TP, so
+# every TP shard has the same, GEMM-friendly width; the padding rows are trimmed on export.
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+
+
+class ModelConfigError(ValueError):
+    """A config or layout megaopd cannot build; the message is one line naming the thing and the fix."""
+
+
+@dataclass(frozen=True)
+class LlamaRopeScaling:
+    """Llama 3.1-style RoPE frequency scaling (`rope_type: llama3`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """The parts of an HF decoder config that decide the megatron model and the weight layout."""
+
+    architecture: str
+    """HF class name from config.json `architectures[0]`, e.g. "Qwen2ForCausalLM"."""
+    family: str
+    """"qwen2" or "llama"."""
+    vocab_size: int
+    """Real vocabulary rows of embed_tokens / lm_head (before megatron's padding)."""
+    hidden_size: int
+    intermediate_size: int
+    """FFN width of each of gate_proj and up_proj (megatron ffn_hidden_size)."""
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    """KV heads = megatron num_query_groups (GQA when smaller than the attention heads)."""
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    """q/k/v projections carry a bias (always in Qwen2; never in supported Llama configs)."""
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    dtype: str = "float32"
+    """Weight dtype named in config.json ("bfloat16", "float16", "float32")."""
+    rope_scaling: LlamaRopeScaling | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The config.json dict as read, written back unchanged on export."""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("raw")
+        return d
+
+
+def _load_json(source: str | os.PathLike | Mapping[str, Any]) -> dict:
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ModelConfigError(f"no HF config at {path}; pass a directory holding config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _rope(raw: Mapping[str, Any]) -> tuple[float, LlamaRopeScaling | None]:
+    # transformers 5.x: rope_parameters holds theta and the scaling; older files: top-level keys.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    theta = raw.get("rope_theta", params.get("rope_theta", scaling.get("rope_theta", 10000.0)))
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type == "llama3":
+        s = LlamaRopeScaling(
+            factor=float(merged.get("factor", 8.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+        # megatron-core 0.16 applies llama3 scaling with fixed low/high factors and context length;
+        # only the factor is a parameter (see compat.rope_kwargs).
+        if (s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) != (1.0, 4.0, 8192):
+            raise ModelConfigError(
+                f"llama3 RoPE scaling with low_freq_factor={s.low_freq_factor}, high_freq_factor="
+                f"{s.high_freq_factor}, original_max_position_embeddings={s.original_max_position_embeddings}"
+                " is not supported (megatron-core fixes them at 1, 4, 8192)")
+        return float(theta), s
+    raise ModelConfigError(f"RoPE type {rope_type!r} is not supported; supported: default, llama3")
+
+
+def read_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> HFModelConfig:
+    """Parses an HF directory, config.json path or dict; ModelConfigError for anything unsupported."""
+    raw = _load_json(source)
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelConfigError(
+            f"unsupported architecture {arch!r} (model_type {raw.get('model_type')!r}); supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = SUPPORTED_ARCHITECTURES[arch]
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        cfg_fields = dict(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        )
+    except KeyError as e:
+        raise ModelConfigError(f"config.json lacks {e.args[0]!r}, which a {arch} config must have") from None
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"hidden_act {raw['hidden_act']!r} is not supported; megaopd maps SwiGLU (silu)")
+    if family == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        raise ModelConfigError("Llama with attention_bias or mlp_bias is not supported (o_proj/MLP biases "
+                               "have no megatron equivalent here); supported: bias-free Llama")
+    if family == "qwen2" and raw.get("use_sliding_window"):
+        raise ModelConfigError("Qwen2 with use_sliding_window=true is not supported; set it to false "
+                               "(all released Qwen2/2.5 checkpoints use full attention)")
+    theta, scaling = _rope(raw)
+    dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
+    return HFModelConfig(
+        architecture=arch,
+        family=family,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=family == "qwen2",  # HF Qwen2Attention hard-codes bias=True on q/k/v
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        raw=raw,
+        **cfg_fields,
+    )
+
+
+def check_layout(cfg: HFModelConfig, tp: int, pp: int) -> None:
+    """Raises ModelConfigError (one line, with the fix) if the model cannot be split at TP=tp, PP=pp."""
+    if tp < 1 or pp < 1:
+        raise ModelConfigError(f"tp and pp must be >= 1 (got tp={tp}, pp={pp})")
+    if cfg.num_attention_heads % tp:
+        raise ModelConfigError(f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}; "
+                               f"choose tp among {_divisors(cfg.num_attention_heads)}")
+    if cfg.num_key_value_heads % tp:
+        raise ModelConfigError(f"tp={tp} does not divide the {cfg.num_key_value_heads} key/value heads "
+                               f"(query groups); choose tp among {_divisors(cfg.num_key_value_heads)}")
+    if cfg.intermediate_size % tp:
+        raise ModelConfigError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
+    if cfg.num_layers % pp:
+        raise ModelConfigError(f"pp={pp} does not divide num_hidden_layers={cfg.num_layers}; "
+                               f"choose pp among {_divisors(cfg.num_layers)}")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY) -> int:
+    """Megatron's vocabulary rows: vocab_size rounded up to a multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def layers_per_stage(cfg: HFModelConfig, pp: int) -> int:
+    """Transformer layers on each pipeline stage (uniform split; check_layout guarantees it divides)."""
+    return cfg.num_layers // pp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

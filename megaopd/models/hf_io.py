@@ -1,0 +1,126 @@
+"""HF model directories on disk: lazy safetensors reading, safetensors writing, side files.
+
+    weights = HFWeights(hf_dir)            # reads only the tensors asked for; never unpickles
+    weights["model.norm.weight"]
+    save_hf_dir(out_dir, tensors, config_json, side_files_from=src_dir)
+
+Only safetensors are read: pytorch_model.bin files are pickles, and loading an untrusted pickle runs
+arbitrary code, so a directory that has only those is refused with the fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Iterable, Iterator
+
+import torch
+
+# Files copied beside the weights so the output loads with AutoTokenizer / generate().
+SIDE_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab.", "merges.txt",
+                      "generation_config", "chat_template", "preprocessor_config")
+INDEX_NAME = "model.safetensors.index.json"
+SHARD_BYTES = 4 * 1024**3  # one safetensors file per ~4 GiB, like save_pretrained
+
+
+class HFWeightsError(FileNotFoundError):
+    """The HF directory has no usable weights; the message says which files and the fix."""
+
+
+def safetensors_files(hf_dir: str) -> dict[str, str]:
+    """{tensor name: file} of an HF directory (single file or sharded with an index)."""
+    index = os.path.join(hf_dir, INDEX_NAME)
+    single = os.path.join(hf_dir, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(hf_dir, fname) for name, fname in weight_map.items()}
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    if any(n.endswith(".bin") or n.endswith(".pt") for n in os.listdir(hf_dir)):
+        raise HFWeightsError(f"{hf_dir} has only pickle weights (*.bin); megaopd reads safetensors only: "
+                             "re-save with model.save_pretrained(dir, safe_serialization=True)")
+    raise HFWeightsError(f"no model.safetensors or {INDEX_NAME} in {hf_dir}")
+
+
+class HFWeights(Mapping):
+    """Lazy read access to the tensors of an HF directory: w[name] opens its file on demand."""
+
+    def __init__(self, hf_dir: str):
+        self.hf_dir = hf_dir
+        self.files = safetensors_files(hf_dir)
+        self._handles: dict[str, object] = {}
+
+    def __iter__(self):
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise KeyError(f"{name} is not in the safetensors of {self.hf_dir}")
+        path = self.files[name]
+        if path not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
+
+
+def copy_side_files(src_dir: str, dst_dir: str, include_config: bool = True) -> list[str]:
+    """Copies config.json and tokenizer / generation files; returns the names copied."""
+    copied = []
+    for name in sorted(os.listdir(src_dir)):
+        path = os.path.join(src_dir, name)
+        if not os.path.isfile(path):
+            continue
+        if (include_config and name == "config.json") or name.startswith(SIDE_FILE_PREFIXES):
+            shutil.copyfile(path, os.path.join(dst_dir, name))
+            copied.append(name)
+    return copied
+
+
+def save_hf_dir(out_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], config_json: dict | None = None,
+                side_files_from: str | None = None) -> None:
+    """Writes model.safetensors (sharded with an index past SHARD_BYTES) + config.json + side files."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().cpu().contiguous()
+        size += nbytes
+    meta = {"format": "pt"}  # what transformers expects in the safetensors header
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata=meta)
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+        with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if side_files_from is not None:
+        copy_side_files(side_files_from, out_dir, include_config=config_json is None)
+    if config_json is not None:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config_json, f, indent=2, sort_keys=True)
+
+
+def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    w = HFWeights(hf_dir)
+    for name in w.keys():
+        yield name, w[name]
