@@ -1,1 +1,48 @@
-"""megaopd.losses"""
+"""megaopd.losses: every training objective, one registry by name.
+
+    from megaopd.losses import LossInputs, build_loss
+    loss_fn = build_loss("stable_opd", {"sft_weight": 0.1, "ref_kl_weight": 0.01})
+    loss, metrics = loss_fn(LossInputs(logits_BTv=..., token_ids_BT=..., loss_mask_BT=..., ...))
+    loss.backward()
+
+Registered: opd, grpo (policy.py); sft, ref_kl, lsm, gkd (divergence.py); stable_opd, weighted_sum
+(composite.py). Each is a pure function of a LossInputs record (inputs.py) and its own config
+dataclass, returns (loss, metrics) with metrics named "<loss>/<what>", and divides its token sum by the
+global count the caller passes (aggregation.py). Special-token masking: masking.py. Formulas and
+defaults: docs in each module and /work/shared/design/ALGORITHMS.md.
+"""
+from dataclasses import dataclass, field
+from typing import Any
+
+from megaopd.losses.aggregation import AGGREGATIONS, aggregate
+from megaopd.losses.inputs import LossInputs, all_reduce_counts, local_counts
+from megaopd.losses.masking import mask_first_occurrences
+from megaopd.losses.registry import LOSSES, BoundLoss, build_loss, get_spec, make_config, register_loss
+from megaopd.losses.policy import GRPOConfig, OPDConfig, discounted_returns, grpo_advantages  # registers
+from megaopd.losses.divergence import GKDConfig, LSMConfig, RefKLConfig, SFTConfig, student_topk_support
+from megaopd.losses.composite import StableOPDConfig, TermConfig, WeightedSumConfig
+
+
+@dataclass
+class LossConfig:
+    """The job config's `loss` section."""
+
+    name: str = "stable_opd"
+    """A registered loss: opd | grpo | sft | ref_kl | lsm | gkd | stable_opd | weighted_sum."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """That loss's config keys (e.g. {sft_weight: 0.1, opd: {eps_high: 0.28}}); empty = its defaults.
+    Checked by `build_loss` at start-up: an unknown key is an error listing the accepted ones."""
+
+
+def build_loss_from(section: LossConfig) -> BoundLoss:
+    """build_loss(section.name, section.config)."""
+    return build_loss(section.name, section.config)
+
+
+__all__ = [
+    "AGGREGATIONS", "LOSSES", "BoundLoss", "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
+    "OPDConfig", "RefKLConfig", "SFTConfig", "StableOPDConfig", "TermConfig", "WeightedSumConfig",
+    "aggregate", "all_reduce_counts", "build_loss", "build_loss_from", "discounted_returns", "get_spec",
+    "grpo_advantages", "local_counts", "make_config", "mask_first_occurrences", "register_loss",
+    "student_topk_support",
+]
