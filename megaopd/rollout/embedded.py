@@ -377,11 +377,11 @@ class EmbeddedEngine:
         return not (self._kv_released or self._weights_released)
 
     def _released_message(self) -> str:
-        if self._stale:
-            names = sorted(self._stale)
-            return (f"{len(names)} weights were discarded by release_memory and not reloaded "
-                    f"(e.g. {names[:4]}); call update_weights with all of them before generating")
-        return "memory is released (release_memory); call resume_memory before generating"
+        if self._kv_released or self._weights_released:
+            return "memory is released (release_memory); call resume_memory before generating"
+        names = sorted(self._stale)
+        return (f"{len(names)} weights were discarded by release_memory and not reloaded "
+                f"(e.g. {names[:4]}); call update_weights with all of them before generating")
 
     # -------------------------------------------------------------------------------- weights
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

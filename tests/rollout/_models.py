@@ -1,6 +1,8 @@
 """Tiny random Qwen2 HF models for rollout tests: built from a config, saved into a tmp dir, no download."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 VOCAB = 128
@@ -44,13 +46,16 @@ def random_state_dict(path, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def hf_logprobs(path_or_model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
-    """Independent reference: one unpadded forward of prompt + output, log_softmax(logits / T) at the outputs."""
+@functools.lru_cache(maxsize=4)
+def _load(path: str):
     from transformers import AutoModelForCausalLM
 
-    model = path_or_model
-    if isinstance(path_or_model, str):
-        model = AutoModelForCausalLM.from_pretrained(path_or_model, dtype=torch.float32, attn_implementation="eager")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_logprobs(path_or_model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    """Independent reference: one unpadded forward of prompt + output, log_softmax(logits / T) at the outputs."""
+    model = _load(path_or_model) if isinstance(path_or_model, str) else path_or_model
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].double()

@@ -1,0 +1,200 @@
+"""Embedded engine against an independent HF forward: lengths, stops, log-probs, seeds, weight loads."""
+import threading
+import time
+
+import pytest
+import torch
+
+from megaopd.rollout.embedded import (EmbeddedEngine, EmbeddedEngineConfig, EngineReleasedError,
+                                      WeightMismatchError)
+from megaopd.rollout.protocol import SamplingParams
+from tests.rollout._models import EOS, hf_logprobs, random_state_dict
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3] * 12, [40, 41, 42]]
+
+
+def max_logprob_gap(model_dir_or_model, samples, temperature):
+    gap = 0.0
+    for s in samples:
+        ref = hf_logprobs(model_dir_or_model, s.prompt_ids, s.output_ids, temperature)
+        gap = max(gap, (ref - torch.tensor(s.output_logprobs, dtype=torch.float64)).abs().max().item())
+    return gap
+
+
+def test_max_new_tokens_and_length(engine):
+    samples = engine.generate(PROMPTS, SamplingParams(max_new_tokens=7, temperature=1.0, ignore_eos=True, seed=0))
+    assert len(samples) == len(PROMPTS)
+    for p, s in zip(PROMPTS, samples):
+        assert s.prompt_ids == p
+        assert len(s.output_ids) == len(s.output_logprobs) == 7
+        assert s.finish_reason == "length"
+        assert s.weight_version == "default"
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, 20), (0.0, 1.0, -1), (1.3, 1.0, 5)])
+def test_logprobs_match_independent_hf_forward(engine, tiny_dir, temperature, top_p, top_k):
+    # Left-padded prompts of different lengths, n samples sharing a prefill, rows leaving the batch.
+    samples = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=12, temperature=temperature, top_p=top_p,
+                                                      top_k=top_k, seed=11, stop_token_ids=[7, 13]))
+    assert max_logprob_gap(tiny_dir, samples, temperature) < 1e-4
+
+
+def test_eos_finishes_stop_and_is_kept(eos_dir):
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=eos_dir))
+    samples = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=30, seed=0))
+    stopped = [s for s in samples if s.finish_reason == "stop"]
+    assert stopped, "the EOS-biased model should stop"
+    for s in samples:
+        if s.finish_reason == "stop":
+            assert s.output_ids[-1] == EOS and EOS not in s.output_ids[:-1]
+        else:
+            assert len(s.output_ids) == 30 and EOS not in s.output_ids
+    assert max_logprob_gap(eos_dir, samples, 1.0) < 1e-4
+    # ignore_eos keeps going to the budget.
+    long = engine.generate(PROMPTS[:1], SamplingParams(n=2, max_new_tokens=30, seed=0, ignore_eos=True))
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 30 for s in long)
+
+
+def test_stop_token_id(engine):
+    free = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    stop_id = free.output_ids[5]
+    first = free.output_ids.index(stop_id)
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True,
+                                                          stop_token_ids=[stop_id]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_ids == free.output_ids[:first + 1]
+
+
+def test_seed_determinism_and_batch_independence(engine):
+    params = SamplingParams(n=3, max_new_tokens=10, temperature=1.0, seed=123)
+    a = engine.generate(PROMPTS, params)
+    b = engine.generate(PROMPTS, params)
+    assert [s.output_ids for s in a] == [s.output_ids for s in b]
+    assert [s.output_logprobs for s in a] == [s.output_logprobs for s in b]
+    # Prompt 2 alone, told its index in the batch, draws the same samples.
+    alone = engine.generate(PROMPTS[2:3], params, first_prompt_index=2)
+    assert [s.output_ids for s in alone] == [s.output_ids for s in a[6:9]]
+    # n samples of one prompt differ from each other; another seed gives other samples.
+    assert len({tuple(s.output_ids) for s in a[:3]}) > 1
+    c = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=10, temperature=1.0, seed=124))
+    assert [s.output_ids for s in c] != [s.output_ids for s in a]
+
+
+def test_chunks_beyond_max_batch_size(engine):
+    # max_batch_size is 16 in the fixture: 4 prompts x n=5 = 20 rows run as two chunks.
+    params = SamplingParams(n=5, max_new_tokens=4, seed=5)
+    many = engine.generate(PROMPTS, params)
+    assert len(many) == 20
+    one = engine.generate(PROMPTS[3:], params, first_prompt_index=3)
+    assert [s.output_ids for s in one] == [s.output_ids for s in many[15:]]
+
+
+def test_update_weights_changes_logprobs_and_rejects_mismatches(tiny_dir):
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
+    params = SamplingParams(n=2, max_new_tokens=8, seed=9)
+    before = engine.generate(PROMPTS, params)
+    new = random_state_dict(tiny_dir, seed=42)
+
+    bad = dict(new)
+    bad["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    bad["model.layers.9.self_attn.q_proj.weight"] = torch.zeros(64, 64)
+    with pytest.raises(WeightMismatchError) as err:
+        engine.update_weights(bad.items(), weight_version="bad")
+    msg = str(err.value)
+    assert "model.layers.0.mlp.up_proj.weight: shape [3, 3] != model's [128, 64]" in msg
+    assert "model.layers.9.self_attn.q_proj.weight: no such weight" in msg
+    assert engine.weight_version == "default"
+    unchanged = engine.generate(PROMPTS, params)
+    assert [s.output_logprobs for s in unchanged] == [s.output_logprobs for s in before]  # nothing loaded
+
+    engine.update_weights(new.items(), weight_version="v1")
+    after = engine.generate(PROMPTS, params)
+    assert all(s.weight_version == "v1" for s in after)
+    from transformers import Qwen2ForCausalLM
+
+    ref = Qwen2ForCausalLM(engine.model.config).float()
+    ref.load_state_dict(new)
+    assert max_logprob_gap(ref.eval(), after, 1.0) < 1e-4
+    # The old model's log-probs of the new samples differ (the update took effect).
+    assert max_logprob_gap(tiny_dir, after, 1.0) > 1e-2
+
+
+def test_release_discard_resume_requires_reload(tiny_dir):
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, release_weights="discard"))
+    params = SamplingParams(max_new_tokens=5, seed=1)
+    before = engine.generate(PROMPTS, params)
+    state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    engine.release_memory()
+    assert not engine.health()
+    assert engine.model.model.embed_tokens.weight.numel() == 0  # storage freed
+    with pytest.raises(EngineReleasedError, match="resume_memory"):
+        engine.generate(PROMPTS, params)
+    engine.resume_memory()
+    with pytest.raises(EngineReleasedError, match="update_weights"):
+        engine.generate(PROMPTS, params)
+    engine.update_weights(state.items())
+    again = engine.generate(PROMPTS, params)
+    assert [s.output_ids for s in again] == [s.output_ids for s in before]
+
+
+def test_release_keep_on_cpu(engine):
+    engine.release_memory(["kv_cache"])
+    with pytest.raises(EngineReleasedError):
+        engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+    engine.resume_memory(["kv_cache"])
+    engine.release_memory()
+    engine.resume_memory()
+    assert engine.health()
+    assert len(engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))[0].output_ids) == 2
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        engine.release_memory(["gpu"])
+
+
+def test_bad_prompts(engine):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[1, 500]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([[]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        engine.generate([[1] * 10], SamplingParams(max_new_tokens=600))
+
+
+def _run_in_thread(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("v", fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_pause_update_retract_and_abort(tiny_dir):
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
+    new = random_state_dict(tiny_dir, seed=43)
+    params = SamplingParams(n=2, max_new_tokens=300, ignore_eos=True, seed=3)
+    engine.pause("retract")
+    engine.continue_generation()
+    t, out = _run_in_thread(lambda: engine.generate([[5, 6]], params))
+    while engine.running == 0:
+        time.sleep(0.001)
+    engine.pause("retract")
+    engine.update_weights(new.items(), weight_version="v2")  # loads between two decode steps
+    engine.continue_generation()
+    t.join(timeout=60)
+    samples = out["v"]
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 300 for s in samples)
+    # Retract re-prefilled under the new weights: the tail's log-probs are the new model's.
+    from transformers import Qwen2ForCausalLM
+
+    ref = Qwen2ForCausalLM(engine.model.config).float().eval()
+    ref.load_state_dict(new)
+    s = samples[0]
+    lp_new = hf_logprobs(ref, s.prompt_ids, s.output_ids, 1.0)
+    assert (lp_new[-5:] - torch.tensor(s.output_logprobs[-5:], dtype=torch.float64)).abs().max() < 1e-4
+
+    t, out = _run_in_thread(lambda: engine.generate([[5, 6]], params))
+    while engine.running == 0:
+        time.sleep(0.001)
+    engine.pause("abort")
+    t.join(timeout=60)
+    assert all(s.finish_reason == "abort" and len(s.output_ids) < 300 for s in out["v"])
+    engine.continue_generation()
+    assert engine.generate([[5]], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
