@@ -48,13 +48,11 @@ def export_megatron_to_hf(ckpt: str, out_dir: str) -> str:
     return out_dir
 
 
-def load_engine(hf_dir: str, seed: int = 0):
-    """The embedded (in-process HF transformers) engine over hf_dir."""
-    try:
-        from megaopd.rollout import embedded
-    except ImportError as e:
-        raise SystemExit(f"megaopd eval: the embedded engine (megaopd.rollout.embedded) is not available: {e}") from None
-    return embedded.EmbeddedEngine.from_pretrained(hf_dir)
+def load_engine(hf_dir: str, max_batch_size: int = 64, dtype: str = "float32"):
+    """The embedded (in-process HF transformers) engine over hf_dir; GPU when present."""
+    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+    return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=max_batch_size, dtype=dtype, load_tokenizer=False))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per generate call")
     ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--dtype", default="float32", help="embedded engine dtype (bfloat16 on GPU)")
     ap.add_argument("--repetition-window", type=int, default=RepetitionConfig().window_chars,
                     help="L of the repetition rate, in characters (paper: 10000)")
     ap.add_argument("--no-chat-template", action="store_true", help="plain prompt even if the tokenizer has a template")
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    engine = load_engine(hf_dir, args.seed)
+    engine = load_engine(hf_dir, args.batch_size, args.dtype)
     result = evaluate(engine, tokenizer, suites, cfg, out_dir=out_dir, label=args.label or os.path.basename(ckpt))
     print(result.markdown())
     print(f"written: {out_dir}/results.md, results.json, generations.jsonl")

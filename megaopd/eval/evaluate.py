@@ -50,7 +50,8 @@ class EvalConfig:
     limit: int | None = None
     """Evaluate only the first `limit` problems of each benchmark (the trainer's validation subset)."""
     seed: int = 0
-    """Base sampling seed; call c of a benchmark uses seed + c, so a rerun repeats the same samples."""
+    """Sampling seed; the engine derives one stream per (problem index, sample), so a rerun repeats the
+    same samples whatever batch_size is."""
     use_chat_template: bool = True
     """Wrap the prompt in the tokenizer's chat template when it has one."""
     repetition: RepetitionConfig = field(default_factory=RepetitionConfig)
@@ -213,14 +214,14 @@ def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, 
     correct: list[list[float]] = []
     n_trunc = n_rep = n_tokens = n_gen = 0
     stop_ids = _eos_ids(tokenizer)
-    for call, start in enumerate(range(0, len(problems), per_call)):
+    for start in range(0, len(problems), per_call):
         chunk = problems[start : start + per_call]
         prompts = [prompt_ids(tokenizer, p.problem, cfg.use_chat_template) for p in chunk]
         params = SamplingParams(
             temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-            stop_token_ids=stop_ids, n=k, seed=cfg.seed + call,
+            stop_token_ids=stop_ids, n=k, seed=cfg.seed,
         )
-        samples = engine.generate(prompts, params)
+        samples = engine.generate(prompts, params, first_prompt_index=start)
         if len(samples) != len(chunk) * k:
             raise RuntimeError(f"engine returned {len(samples)} samples for {len(chunk)} prompts x n={k}")
         for i, prob in enumerate(chunk):

@@ -7,7 +7,7 @@ import pytest
 from megaopd.eval import EvalConfig, PROMPT_SUFFIX, any_at_k, evaluate, mean_at_k, prompt_text
 from megaopd.eval.benchmarks import Benchmark, Problem, write_benchmark_file
 from megaopd.metrics import RepetitionConfig
-from tests.eval.hf_engine import HFGenerateEngine, ScriptedEngine
+from tests.eval.scripted_engine import ScriptedEngine
 
 
 def test_mean_and_any_at_k_by_hand():
@@ -50,7 +50,8 @@ def test_scripted_avg_at_k_rates_and_files(tok, tmp_path):
     assert m.truncation_rate == pytest.approx(2 / 8) and m.repetition_rate == pytest.approx(1 / 8)
     assert res.average == pytest.approx((0.5 + 0.625) / 2)
     # batch_size counts sequences: 4 // 1 = 4 prompts (both) for "half", 4 // 4 = 1 prompt per call for "many".
-    assert [(n, p.n, p.temperature, p.seed) for n, p in eng.calls] == [(2, 1, 0.6, 0), (1, 4, 0.6, 0), (1, 4, 0.6, 1)]
+    assert [(n, p.n, p.temperature, p.seed, first) for n, p, first in eng.calls] == [
+        (2, 1, 0.6, 0, 0), (1, 4, 0.6, 0, 0), (1, 4, 0.6, 0, 1)]
     assert eng.calls[0][1].stop_token_ids == [tok.eos_token_id]
     metrics = res.to_metrics("val")
     assert metrics["val/accuracy"] == pytest.approx(0.5625)
@@ -84,12 +85,18 @@ def test_paper_column_order(tok, tmp_path):
 
 
 def test_end_to_end_tiny_model(tiny_hf_dir, tiny_bench, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
     tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
-    eng = HFGenerateEngine(AutoModelForCausalLM.from_pretrained(tiny_hf_dir), tok)
+    eng = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_hf_dir, max_batch_size=4))
     cfg = EvalConfig(samples=2, max_new_tokens=12, batch_size=4, limit=2)
     res = evaluate(eng, tok, [tiny_bench], cfg, out_dir=str(tmp_path))
+    # Seeded per (problem, sample): one prompt per call gives the same generations as two per call.
+    res1 = evaluate(eng, tok, [tiny_bench], EvalConfig(samples=2, max_new_tokens=12, batch_size=2, limit=2),
+                    out_dir=str(tmp_path / "b1"))
+    assert (tmp_path / "generations.jsonl").read_text() == (tmp_path / "b1" / "generations.jsonl").read_text()
     (b,) = res.benchmarks
     assert (b.name, b.n_problems, b.samples, b.metric) == ("tiny", 2, 2, "avg@2")
     assert 0.0 <= b.accuracy <= 1.0 and 0.0 <= b.truncation_rate <= 1.0
@@ -99,16 +106,9 @@ def test_end_to_end_tiny_model(tiny_hf_dir, tiny_bench, tmp_path):
     assert all(isinstance(g["correct"], bool) for g in gens)
 
 
-def test_cli_end_to_end(tiny_hf_dir, tiny_bench, tmp_path, monkeypatch, capsys):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def test_cli_end_to_end(tiny_hf_dir, tiny_bench, tmp_path, capsys):
     from megaopd.cli import main as cli_main
-    from megaopd.eval import cli as eval_cli
 
-    monkeypatch.setattr(
-        eval_cli, "load_engine",
-        lambda hf_dir, seed=0: HFGenerateEngine(AutoModelForCausalLM.from_pretrained(hf_dir), AutoTokenizer.from_pretrained(hf_dir)),
-    )
     out = tmp_path / "out"
     rc = cli_main(["eval", "--ckpt", tiny_hf_dir, "--benchmarks", tiny_bench, "--max-new-tokens", "8",
                    "--samples", "1", "--out", str(out), "--label", "tiny"])
