@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from megaopd.eval.benchmarks import Benchmark, resolve_benchmarks
 from megaopd.eval.prompt import prompt_ids
@@ -174,11 +174,16 @@ def evaluate(
     out_dir: str | None = None,
     data_dir: str | None = None,
     label: str = "model",
+    prompt_fn: Callable[[str], list[int]] | None = None,
 ) -> EvalResult:
     """Generates cfg.samples (or each benchmark's default) responses per problem with `engine`, scores
     them, and returns an EvalResult; with out_dir, also writes generations.jsonl, results.json and
-    results.md there. `benchmarks`: registered names, .jsonl paths or Benchmark objects."""
+    results.md there. `benchmarks`: registered names, .jsonl paths or Benchmark objects. prompt_fn(problem)
+    -> prompt ids overrides the default rendering (the trainer passes its data config's, so validation
+    prompts match the rollouts')."""
     cfg = cfg or EvalConfig()
+    if prompt_fn is None:
+        prompt_fn = lambda problem: prompt_ids(tokenizer, problem, cfg.use_chat_template)  # noqa: E731
     suites = resolve_benchmarks(benchmarks, data_dir, cfg.samples)
     gen_file = None
     if out_dir:
@@ -187,7 +192,7 @@ def evaluate(
     results = []
     try:
         for bench in suites:
-            results.append(_evaluate_one(engine, tokenizer, bench, cfg, gen_file))
+            results.append(_evaluate_one(engine, tokenizer, bench, cfg, gen_file, prompt_fn))
             r = results[-1]
             log.info("%s: %s %.1f%% (%d x %d, %.0fs)", r.display, r.metric, 100 * r.accuracy, r.n_problems, r.samples, r.seconds)
     finally:
@@ -206,7 +211,7 @@ def _config_dict(cfg: EvalConfig) -> dict[str, Any]:
     return asdict(cfg)
 
 
-def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, gen_file) -> BenchmarkResult:
+def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, gen_file, prompt_fn) -> BenchmarkResult:
     started = time.perf_counter()
     problems = bench.problems[: cfg.limit] if cfg.limit else bench.problems
     k = bench.samples
@@ -216,7 +221,7 @@ def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, 
     stop_ids = _eos_ids(tokenizer)
     for start in range(0, len(problems), per_call):
         chunk = problems[start : start + per_call]
-        prompts = [prompt_ids(tokenizer, p.problem, cfg.use_chat_template) for p in chunk]
+        prompts = [prompt_fn(p.problem) for p in chunk]
         params = SamplingParams(
             temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=stop_ids, n=k, seed=cfg.seed,

@@ -2,11 +2,23 @@
 
     text = problem.strip() + "\\n" + "Please reason step by step, and put your final answer within \\boxed{}."
     ids  = tokenizer(chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-           (or tokenizer(text) with its special tokens when it has no chat template: a base model)
+           (the text alone when the tokenizer has no chat template: a base model)
+
+Rendered by megaopd.data.templates, the code that renders training prompts, so validation during training
+and `megaopd eval` see prompts exactly like the rollouts'. The trainer passes its own data config (teacher
+template, system prompt, ...) through `evaluate(..., prompt_fn=...)`.
 """
 from __future__ import annotations
 
-PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+from megaopd.data.config import DEFAULT_INSTRUCTION, DataConfig
+from megaopd.data.templates import encode_prompt, render_prompt
+
+PROMPT_SUFFIX = DEFAULT_INSTRUCTION
+
+
+def _data_config(tokenizer, use_chat_template: bool) -> DataConfig:
+    chat = use_chat_template and getattr(tokenizer, "chat_template", None)
+    return DataConfig(prompt_template="student" if chat else "plain")
 
 
 def format_problem(problem: str) -> str:
@@ -15,16 +27,9 @@ def format_problem(problem: str) -> str:
 
 def prompt_text(tokenizer, problem: str, use_chat_template: bool = True) -> str:
     """The prompt as text (chat template applied when the tokenizer has one and use_chat_template)."""
-    text = format_problem(problem)
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-    return text
+    return render_prompt(problem.strip(), _data_config(tokenizer, use_chat_template), tokenizer)
 
 
 def prompt_ids(tokenizer, problem: str, use_chat_template: bool = True) -> list[int]:
-    text = prompt_text(tokenizer, problem, use_chat_template)
-    chat = use_chat_template and getattr(tokenizer, "chat_template", None)
-    # The chat template already wrote its special tokens (BOS included, when the model uses one).
-    return list(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+    cfg = _data_config(tokenizer, use_chat_template)
+    return encode_prompt(render_prompt(problem.strip(), cfg, tokenizer), cfg, tokenizer)

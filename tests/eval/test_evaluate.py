@@ -117,3 +117,23 @@ def test_cli_end_to_end(tiny_hf_dir, tiny_bench, tmp_path, capsys):
     assert all(os.path.exists(out / f) for f in ("results.md", "results.json", "generations.jsonl"))
     assert cli_main(["eval", "--ckpt", tiny_hf_dir, "--benchmarks", "gsm8k"]) == 2
     assert cli_main(["eval", "--ckpt", str(tmp_path)]) == 2  # neither HF nor Megatron
+
+
+def test_prompt_fn_override_and_tiny_tokenizer_matches_training_render(tok):
+    seen = []
+
+    class Recorder(ScriptedEngine):
+        def generate(self, prompts, params, first_prompt_index=0):
+            seen.extend(prompts)
+            return super().generate(prompts, params, first_prompt_index)
+
+    b = Benchmark("x", [Problem("1", "What is 1+1?", "2")])
+    evaluate(Recorder(tok, ["\\boxed{2}"]), tok, [b], EvalConfig(max_new_tokens=4), prompt_fn=lambda p: [7, 7, 7])
+    assert seen == [[7, 7, 7]]
+    # Default rendering = the training data's (megaopd.data.templates, student chat template).
+    from megaopd.data.config import DataConfig
+    from megaopd.data.templates import render_and_encode
+
+    seen.clear()
+    evaluate(Recorder(tok, ["\\boxed{2}"]), tok, [b], EvalConfig(max_new_tokens=4))
+    assert seen == [render_and_encode("What is 1+1?", DataConfig(), tok)[1]]
