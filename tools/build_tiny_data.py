@@ -4,8 +4,8 @@
                                                #    and examples/tiny/tokenizer/ (HF format)
     python tools/build_tiny_data.py --check    # rebuilds into a temp dir; exit 1 unless byte-identical (CI)
 
-Run time on a 2-core CPU: ~15 s to build, the same for --check (math-verify judging ~7000 generations and
-the BPE training). The library code is megaopd/data/synthetic.py; the files are deterministic given
+Run time on a shared 2-core CPU: 15-20 s to build, the same for --check (math-verify judging ~7000
+generations, and the BPE training). The library code is megaopd/data/synthetic.py; the files are deterministic given
 --seed and the sizes (and the versions of tokenizers/transformers that serialize the tokenizer).
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ picks each row's verified generation on load.
 Problem kinds: integer expressions with 2-4 operations, a*x+b=c, a*x+b=c*x+d, two/three-step word
 problems. Generations: `<think>` steps `</think>` then `The answer is \\boxed{{N}}.`; every one judged by
 math-verify (correctness_math_verify). Tokenizer: ../tokenizer (256 ids, EOS <|im_end|>, pad <|endoftext|>).
+val.jsonl also reads as a benchmark file of megaopd.eval (it has `problem` and `answer`).
 """
 USES = {"sft": "cold-start SFT on golden solutions", "opd": "OPD prompts (+ golden for mixture distillation)",
         "val": "validation (answers)"}

@@ -20,8 +20,8 @@ always single tokens so numbers stay compositional), 256 ids in all: <|endoftext
 <|im_end|> (EOS) 2, <|unk|> 3, merges, then the think markers <think> and </think> as added tokens;
 Qwen-like chat template without a default system prompt.
 
-Run time (2-core CPU): about 10 s for the default 4000/2000/200 rows (math-verify of ~7000 generations
-dominates), and as long again for --check.
+Run time (shared 2-core CPU): 15-20 s for the default 4000/2000/200 rows (math-verify judging ~7000
+generations, then the BPE training), and the same for --check. Output: ~3.8 MB of jsonl + a 20 KB tokenizer.
 """
 from __future__ import annotations
 
