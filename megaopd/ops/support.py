@@ -42,8 +42,11 @@ class _VocabParallelGather(torch.autograd.Function):
     def backward(ctx, grad_TK):
         owned_TK, local_TK = ctx.saved_tensors
         grad_TV = torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype, device=grad_TK.device)
-        # scatter_add_: repeated ids in one row accumulate, as the forward used the logit twice.
-        grad_TV.scatter_add_(1, local_TK, grad_TK.masked_fill(~owned_TK, 0.0).to(ctx.logits_dtype))
+        # accumulate=True: a repeated id in one row gets the sum, as the forward used its logit twice.
+        # (index_put_, not scatter_add_: on CPU the latter upcasts a bf16 [T, V] to float32 first.)
+        rows_TK = torch.arange(grad_TV.shape[0], device=grad_TV.device).unsqueeze(1).expand_as(local_TK)
+        grad_TV.index_put_((rows_TK, local_TK), grad_TK.masked_fill(~owned_TK, 0.0).to(ctx.logits_dtype),
+                           accumulate=True)
         return grad_TV, None, None
 
 
@@ -55,7 +58,7 @@ def vocab_parallel_gather(logits, ids, group=None):
     """
     check_same_tokens(logits.shape[:-1], ids, "ids", trailing=1)
     logits_TV = flatten_tokens(logits, "logits")
-    values_TK = _VocabParallelGather.apply(logits_TV, ids.reshape(logits_TV.shape[0], -1).long(), group)
+    values_TK = _VocabParallelGather.apply(logits_TV, ids.reshape(-1, ids.shape[-1]).long(), group)
     return values_TK.view(ids.shape)
 
 
