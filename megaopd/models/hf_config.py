@@ -27,8 +27,12 @@ SUPPORTED_ARCHITECTURES = {
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 
-class ModelConfigError(ValueError):
-    """A config or layout megaopd cannot build; the message is one line naming the thing and the fix."""
+class InputError(ValueError):
+    """Bad user input found before any expensive work; the message is one line naming it and the fix."""
+
+
+class ModelConfigError(InputError):
+    """A config or layout megaopd cannot build."""
 
 
 @dataclass(frozen=True)

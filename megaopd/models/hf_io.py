@@ -17,6 +17,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from megaopd.models.hf_config import InputError
+
 # Files copied beside the weights so the output loads with AutoTokenizer / generate().
 SIDE_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab.", "merges.txt",
                       "generation_config", "chat_template", "preprocessor_config")
@@ -24,7 +26,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SHARD_BYTES = 4 * 1024**3  # one safetensors file per ~4 GiB, like save_pretrained
 
 
-class HFWeightsError(FileNotFoundError):
+class HFWeightsError(InputError):
     """The HF directory has no usable weights; the message says which files and the fix."""
 
 

@@ -42,7 +42,11 @@ def preset_config(name: str) -> dict:
 
 
 def make_tokenizer(vocab_size: int, out_dir: str) -> None:
-    """A WordLevel tokenizer over "t0".."t{V-4}" plus <unk>, <s>, </s>: ids cover the vocabulary."""
+    """A WordLevel tokenizer over "t0".."t{V-4}" plus <unk>, <s>, </s>: ids cover the vocabulary.
+
+    Load it with PreTrainedTokenizerFast.from_pretrained: beside a qwen2 config.json, AutoTokenizer
+    in transformers 5 chooses Qwen2Tokenizer, which rebuilds a byte-level pipeline around this vocabulary.
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,0 +1,130 @@
+"""HF <-> Megatron checkpoint conversion (the library behind tools/convert_*.py).
+
+    hf_to_megatron(hf_dir, out_dir, tp=2, pp=2)   # a megaopd Megatron checkpoint, written at TP=2 PP=2
+    megatron_to_hf(ckpt_dir, out_dir)              # safetensors + config.json + tokenizer, HF-loadable
+
+Both validate everything they can from small files first (validate_*: config.json, the safetensors
+headers, the layout, the output directory) and raise InputError with one line before megatron is
+imported or a worker is started. Weights keep their dtype, so HF -> Megatron -> HF is bit-exact.
+"""
+from __future__ import annotations
+
+import os
+
+from megaopd.models.hf_config import (HFModelConfig, InputError, check_layout, read_hf_config)
+from megaopd.models.hf_io import safetensors_files
+
+
+def _check_out_dir(out_dir: str) -> None:
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise InputError(f"output directory {out_dir} is not empty; choose a new directory or empty it")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise InputError(f"output path {out_dir} exists and is not a directory")
+
+
+def validate_hf_dir(hf_dir: str) -> tuple[HFModelConfig, dict[str, str]]:
+    """Config + the safetensors name->file map, checked against each other (names only, no data read)."""
+    from megaopd.models.weights import hf_shapes
+
+    if not os.path.isdir(hf_dir):
+        raise InputError(f"HF model directory {hf_dir} does not exist")
+    cfg = read_hf_config(hf_dir)
+    files = safetensors_files(hf_dir)
+    missing = [n for n in hf_shapes(cfg) if n not in files]
+    if missing:
+        raise InputError(f"{hf_dir}: safetensors lack {len(missing)} tensors config.json implies "
+                         f"(first: {missing[0]}); the weights do not match config.json")
+    return cfg, files
+
+
+def validate_hf_to_megatron(hf_dir: str, out_dir: str, tp: int, pp: int) -> HFModelConfig:
+    from megaopd.models.ranks import check_world
+
+    cfg, _ = validate_hf_dir(hf_dir)
+    check_layout(cfg, tp, pp)
+    _check_out_dir(out_dir)
+    check_world(tp * pp)
+    return cfg
+
+
+def hf_dtype(hf_dir: str) -> str:
+    """The weights' dtype as stored (config.json's claim can differ; exactness needs the real one)."""
+    from megaopd.models.hf_io import HFWeights
+
+    t = HFWeights(hf_dir)["model.embed_tokens.weight"]
+    return str(t.dtype).replace("torch.", "")
+
+
+def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str):
+    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.checkpoint import save_model_checkpoint
+    from megaopd.models.hf_io import HFWeights
+    from megaopd.models.weights import load_hf_weights
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+
+    pgs = initialize_actor_layout(Layout(tp, pp))
+    cfg = read_hf_config(hf_dir)
+    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=dtype, init_weights=False)
+    st = StageInfo.of(pgs)
+    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp)
+    save_model_checkpoint(model, out_dir, cfg, pgs, hf_side_dir=hf_dir,
+                          extra_meta={"source": os.path.abspath(hf_dir)})
+    return rank
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> None:
+    """Converts an HF Qwen2/Llama directory into a megaopd Megatron checkpoint written at TP=tp, PP=pp."""
+    from megaopd.models.ranks import run_on_ranks
+
+    validate_hf_to_megatron(hf_dir, out_dir, tp, pp)
+    run_on_ranks(_hf_to_megatron_worker, tp * pp, (hf_dir, out_dir, tp, pp, hf_dtype(hf_dir)))
+
+
+def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> HFModelConfig:
+    from megaopd.models.checkpoint import read_checkpoint_meta
+    from megaopd.models.ranks import check_world
+
+    if not os.path.isdir(ckpt_dir):
+        raise InputError(f"checkpoint directory {ckpt_dir} does not exist")
+    read_checkpoint_meta(ckpt_dir)
+    cfg = read_hf_config(ckpt_dir)
+    check_layout(cfg, tp, pp)
+    _check_out_dir(out_dir)
+    check_world(tp * pp)
+    return cfg
+
+
+def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, tp: int, pp: int):
+    import torch.distributed as dist
+
+    from megaopd.models.builder import build_gpt_model
+    from megaopd.models.checkpoint import load_model_checkpoint, read_checkpoint_meta
+    from megaopd.models.hf_io import save_hf_dir
+    from megaopd.models.weights import gather_hf_weights, model_state
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+
+    pgs = initialize_actor_layout(Layout(tp, pp))
+    cfg = read_hf_config(ckpt_dir)
+    meta = read_checkpoint_meta(ckpt_dir)
+    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=meta["dtype"], init_weights=False)
+    load_model_checkpoint(model, ckpt_dir, pgs)
+    tensors = gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp)
+    if dist.get_rank() == 0:
+        # config.json and tokenizer files are copied verbatim from the checkpoint directory.
+        save_hf_dir(out_dir, list(tensors), side_files_from=ckpt_dir)
+    else:
+        for _ in tensors:  # collective: every rank takes part in each gather/broadcast
+            pass
+    dist.barrier()
+    return rank
+
+
+def megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> None:
+    """Writes an HF directory (safetensors, config.json, tokenizer) from a megaopd Megatron checkpoint.
+
+    The checkpoint is loaded at TP=tp, PP=pp (default one process, whatever layout it was saved at).
+    """
+    from megaopd.models.ranks import run_on_ranks
+
+    validate_megatron_to_hf(ckpt_dir, out_dir, tp, pp)
+    run_on_ranks(_megatron_to_hf_worker, tp * pp, (ckpt_dir, out_dir, tp, pp))
