@@ -1,0 +1,207 @@
+"""Loss benchmark: time and peak memory of stable_opd and lsm, vocab-parallel (megaopd.losses on
+megaopd.ops) vs a naive implementation that all-gathers the full logits and takes a full log_softmax.
+
+    python benchmarks/loss.py                          # Qwen vocab 152064, 4096 tokens per rank, TP=1 and 2
+    python benchmarks/loss.py --tokens 1024 --tp 1,2   # smaller (state it when you report numbers)
+
+Workload per rank: one micro-batch of `tokens` response tokens, student logits shard [1, tokens,
+V/TP] float32 (requires grad), the reference logits shard (stable_opd), teacher sampled-token log-probs
+and top-32 ids/log-probs (lsm). stable_opd = opd (PPO-clip, entropy metric) + 0.1 sft + 0.01 exact
+ref-KL; its golden tokens share the micro-batch's forward (golden_logits = logits), so the SFT term
+reuses the sampled-token log-probs in both implementations. One step = loss forward + backward to the
+logits shard.
+
+Memory method: Linux per-process peak RSS. Before each step the worker resets its high-water mark
+(`echo 5 > /proc/self/clear_refs`, which resets VmHWM) and reads VmRSS with every input already
+allocated; after backward it reads VmHWM. peak = VmHWM - VmRSS_before: everything the loss allocates,
+including the logits gradient it produces. Workers run with MALLOC_MMAP_THRESHOLD_=65536 so freed
+buffers go back to the OS (a reused heap page would hide an allocation from RSS). Reported per rank as
+the max over ranks. Time: median wall time of `--repeats` steps after one warm-up, ranks in lockstep
+(barrier before each step), 2/TP intra-op threads per worker so every TP uses the machine's 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+QWEN_VOCAB = 152064
+TEACHER_K = 32
+
+
+# ---------------------------------------------------------------------------------------------- naive losses
+class _GatherVocab(torch.autograd.Function):
+    """forward: all-gather the vocab shards into [..., V]; backward: this rank's slice of the gradient
+    (every TP rank computes the same loss, megatron's convention, so no reduction is needed)."""
+
+    @staticmethod
+    def forward(ctx, shard, group):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        ctx.rank, ctx.v = rank, shard.shape[-1]
+        parts = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.rank * ctx.v:(ctx.rank + 1) * ctx.v], None
+
+
+def _full(shard, group):
+    return shard if group is None or dist.get_world_size(group) == 1 else _GatherVocab.apply(shard, group)
+
+
+def naive_stable_opd(d, group, sft_weight=0.1, ref_kl_weight=0.01, eps=0.2, entropy=True):
+    logp_full = F.log_softmax(_full(d["logits"], group).float(), dim=-1)
+    logp = logp_full.gather(-1, d["ids"][..., None])[..., 0]
+    n = d["mask"].sum()
+    adv = d["teacher_lp"] - d["old_lp"]
+    ratio = torch.exp(logp - d["old_lp"])
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    with torch.no_grad():
+        # The same metric the opd term logs.
+        entropy = -(logp_full.exp() * logp_full).sum(-1) if entropy else None
+        ref_lp_full = F.log_softmax(_full(d["ref_logits"], group).float(), dim=-1)
+    kl = (logp_full.exp() * (logp_full - ref_lp_full)).sum(-1)
+    loss = ((pg + sft_weight * -logp + ref_kl_weight * kl) * d["mask"]).sum() / n
+    return loss, entropy
+
+
+def naive_lsm(d, group):
+    logp_full = F.log_softmax(_full(d["logits"], group).float(), dim=-1)
+    p_s = logp_full.gather(-1, d["topk_ids"])
+    p_hat = p_s - torch.logsumexp(p_s, -1, keepdim=True)
+    q_hat = d["topk_lp"] - torch.logsumexp(d["topk_lp"], -1, keepdim=True)
+    kl = (p_hat.exp() * (p_hat - q_hat)).sum(-1)
+    return (kl * d["mask"]).sum() / d["mask"].sum(), kl
+
+
+# ---------------------------------------------------------------------------------------------- vocab-parallel
+def parallel_step(loss_fn, d, group):
+    from megaopd.losses import LossInputs
+
+    inputs = LossInputs(
+        logits_BTv=d["logits"], token_ids_BT=d["ids"], loss_mask_BT=d["mask"], tp_group=group,
+        old_logprobs_BT=d["old_lp"], teacher_logprobs_BT=d["teacher_lp"], ref_logits_BTv=d["ref_logits"],
+        teacher_topk_ids_BTK=d["topk_ids"], teacher_topk_logprobs_BTK=d["topk_lp"],
+        golden_logits_BTv=d["logits"], golden_ids_BT=d["ids"], golden_mask_BT=d["mask"])
+    return loss_fn(inputs)
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def _make_inputs(tokens, vocab, rank, world, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    v = vocab // world
+    # Every rank draws its own shard: the values do not matter for cost, only the shapes.
+    g.manual_seed(seed * 1000 + rank)
+    logits = torch.randn(1, tokens, v, generator=g) * 3
+    ref_logits = logits + torch.randn(1, tokens, v, generator=g)
+    g.manual_seed(seed)  # per-token data identical on every TP rank
+    ids = torch.randint(0, vocab, (1, tokens), generator=g)
+    return dict(
+        logits=logits.requires_grad_(True), ref_logits=ref_logits, ids=ids, mask=torch.ones(1, tokens),
+        old_lp=-torch.rand(1, tokens, generator=g) * 5, teacher_lp=-torch.rand(1, tokens, generator=g) * 5,
+        topk_ids=torch.randint(0, vocab, (1, tokens, TEACHER_K), generator=g),
+        topk_lp=-torch.rand(1, tokens, TEACHER_K, generator=g).sort(-1).values * 10,
+    )
+
+
+def bench_worker(rank, world, tokens, vocab, repeats, losses, entropy):
+    from megaopd.losses import build_loss
+
+    group = dist.group.WORLD if world > 1 else None
+    d = _make_inputs(tokens, vocab, rank, world)
+    stable_opd = build_loss("stable_opd", {"opd": {"log_entropy": entropy}})
+    lsm = build_loss("lsm", {"k": TEACHER_K})
+    fns = {
+        ("stable_opd", "vocab_parallel"): lambda: parallel_step(stable_opd, d, group),
+        ("lsm", "vocab_parallel"): lambda: parallel_step(lsm, d, group),
+        ("stable_opd", "naive"): lambda: naive_stable_opd(d, group, entropy=entropy),
+        ("lsm", "naive"): lambda: naive_lsm(d, group),
+    }
+    times = {key: [] for key in fns}
+    peaks = {key: [] for key in fns}
+    for loss_name in losses:
+        # The two implementations alternate step by step, so a change in the machine's load (it is
+        # shared) hits both alike; the first round warms up (allocator, lazy imports).
+        for i in range(repeats + 1):
+            for impl in ("vocab_parallel", "naive"):
+                key = (loss_name, impl)
+                d["logits"].grad = None
+                if world > 1:
+                    dist.barrier()
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # resets this process's peak RSS (VmHWM) to its current RSS
+                before = _status_mib("VmRSS")
+                t0 = time.perf_counter()
+                loss, _ = fns[key]()
+                loss.backward()
+                elapsed = time.perf_counter() - t0
+                peak = _status_mib("VmHWM") - before
+                del loss, _
+                if i > 0:
+                    times[key].append(elapsed)
+                    peaks[key].append(peak)
+    return {key: (min(times[key]), statistics.median(times[key]), max(peaks[key]))
+            for key in fns if times[key]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=4096, help="response tokens per rank (default 4096)")
+    p.add_argument("--vocab", type=int, default=QWEN_VOCAB, help="vocabulary size (default Qwen2.5: 152064)")
+    p.add_argument("--tp", default="1,2", help="comma-separated TP sizes (gloo workers)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up")
+    p.add_argument("--losses", default="stable_opd,lsm")
+    p.add_argument("--no-entropy", action="store_true",
+                   help="stable_opd without the entropy metric (opd.log_entropy=false), in both implementations")
+    args = p.parse_args(argv)
+
+    # Read by glibc at process start, so it must be in the environment the workers inherit.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    from megaopd.parallel.launch import spawn
+
+    losses = args.losses.split(",")
+    rows = []
+    for tp in [int(x) for x in args.tp.split(",")]:
+        if args.vocab % tp:
+            raise SystemExit(f"--vocab {args.vocab} is not divisible by TP={tp}")
+        threads = str(max(1, (os.cpu_count() or 2) // tp))
+        per_rank = spawn(bench_worker, world_size=tp, timeout=3600, env={"MEGAOPD_WORKER_THREADS": threads},
+                         args=(args.tokens, args.vocab, args.repeats, losses, not args.no_entropy))
+        for loss_name in losses:
+            vp = [r[(loss_name, "vocab_parallel")] for r in per_rank]
+            nv = [r[(loss_name, "naive")] for r in per_rank]
+            # Slowest rank's best / median step; largest rank's peak.
+            rows.append((loss_name, tp, max(x[0] for x in vp), max(x[0] for x in nv), max(x[1] for x in vp),
+                         max(x[1] for x in nv), max(x[2] for x in vp), max(x[2] for x in nv)))
+            print(f"done: {loss_name} TP={tp}", file=sys.stderr, flush=True)
+
+    logits_mib = args.tokens * args.vocab * 4 / 2**20
+    print(f"\nvocab {args.vocab}, {args.tokens} tokens per rank (full float32 logits {logits_mib:.0f} MiB), "
+          f"entropy metric {'off' if args.no_entropy else 'on'}; time = best (median) of {args.repeats} steps, "
+          f"forward + backward; peak = VmHWM - VmRSS before the step, max over ranks; VP = vocab-parallel\n")
+    print("| loss | TP | time VP (s) | time naive (s) | time ratio VP/naive | peak VP (MiB) | peak naive (MiB) "
+          "| memory ratio VP/naive | memory target |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for loss_name, tp, t_vp, t_nv, med_vp, med_nv, m_vp, m_nv in rows:
+        print(f"| {loss_name} | {tp} | {t_vp:.2f} ({med_vp:.2f}) | {t_nv:.2f} ({med_nv:.2f}) | {t_vp / t_nv:.2f} "
+              f"| {m_vp:.0f} | {m_nv:.0f} | {m_vp / m_nv:.2f} | <= {1 / tp + 0.1:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
