@@ -273,6 +273,8 @@ class DistributedWeightUpdater:
         self.backend = self.config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.pg = None
+        self.group_name = self.config.group_name
+        self._abandoned: list = []  # groups left with a pending broadcast; kept alive, never reused
         self.world_size = 1 + sum(e.config.workers for e in self.engines)
 
     def connect(self) -> None:
@@ -282,21 +284,29 @@ class DistributedWeightUpdater:
         from megaopd.parallel.launch import find_free_port
 
         port = self.config.master_port or find_free_port()
+        # torch registers groups by name per process; after an abandoned group (or beside another
+        # updater) take a fresh name. Engines use whatever name the request carries.
+        from torch.distributed.distributed_c10d import _world
+
+        taken, k = set(_world.pg_names.values()), 1
+        self.group_name = self.config.group_name
+        while self.group_name in taken:
+            self.group_name, k = f"{self.config.group_name}_{k}", k + 1
         offsets, offset = [], 1
         for e in self.engines:
             offsets.append(offset)
             offset += e.config.workers
         bodies = [{"master_address": self.config.master_address, "master_port": port, "rank_offset": off,
-                   "world_size": self.world_size, "group_name": self.config.group_name, "backend": self.backend}
+                   "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
                   for off in offsets]
         calls = self._post_all("/init_weights_update_group", bodies)
         try:
             pg = dist_group.init_custom_process_group(self.backend, self.config.master_address, port, 0,
-                                                      self.world_size, self.config.group_name,
+                                                      self.world_size, self.group_name,
                                                       timeout_s=self.config.timeout_s)
         except Exception as e:
             errors = _finished_errors(calls)
-            raise EngineError(f"weight-update group {self.config.group_name!r} did not form on "
+            raise EngineError(f"weight-update group {self.group_name!r} did not form on "
                               f"{self.config.master_address}:{port} (world size {self.world_size}): {e}"
                               + (f"; engines said: {errors}" if errors else "")) from e
         errors = _join(calls, self.config.timeout_s)
@@ -310,12 +320,13 @@ class DistributedWeightUpdater:
         if self.pg is None:
             self.connect()
         bucket_list = list(dist_group.buckets(named_tensors, self.config.bucket_bytes))
+        refused: list[str] = []
         for k, bucket in enumerate(bucket_list):
             last = k == len(bucket_list) - 1
             names = [n for n, _ in bucket]
             tensors = [t.detach().to(self.device) for _, t in bucket]
             body = {"names": names, "dtypes": [dist_group.dtype_name(t.dtype) for t in tensors],
-                    "shapes": [list(t.shape) for t in tensors], "group_name": self.config.group_name,
+                    "shapes": [list(t.shape) for t in tensors], "group_name": self.group_name,
                     "flush_cache": self.config.flush_cache and last, "load_format": self.config.load_format,
                     # The version flips with the last bucket, so it never names half-loaded weights.
                     "weight_version": weight_version if last else None}
@@ -326,8 +337,19 @@ class DistributedWeightUpdater:
                 works = [dist_group.broadcast(t.contiguous(), self.pg, async_op=True) for t in tensors]
             self._wait_broadcast(works, calls)
             errors = _join(calls, self.config.timeout_s)
+            if errors and not all(any(m in e for m in _AFTER_RECEIPT) for e in errors):
+                # Refused before receiving (unknown group, bad request): a small broadcast may have
+                # completed into socket buffers, but the group is out of step now.
+                self._abandon()
+                raise EngineError(f"weight update refused (bucket {k + 1}/{len(bucket_list)}): {errors}; "
+                                  "the weight-update group is abandoned, connect() again")
             if errors:
-                raise EngineError(f"weight update refused (bucket {k + 1}/{len(bucket_list)}): {errors}")
+                # The engines received the bucket and refused to load it (names/shapes): the group is
+                # still in step, so go on and report every refused bucket at the end.
+                refused.append(f"bucket {k + 1}/{len(bucket_list)} ({len(names)} tensors): " + "; ".join(errors))
+        if refused:
+            raise EngineError(f"weight update refused for {len(refused)} of {len(bucket_list)} bucket(s) (each "
+                              "refused bucket loaded nothing; accepted ones were loaded):\n" + "\n".join(refused))
 
     def _wait_broadcast(self, works, calls) -> None:
         # Poll instead of work.wait(): an engine that refused before receiving leaves the broadcast
@@ -337,26 +359,43 @@ class DistributedWeightUpdater:
         while not all(w.is_completed() for w in works):
             errors = _finished_errors(calls)
             if errors:
-                self.pg = None  # a broadcast is left pending on it: the group cannot be reused
+                self._abandon()
                 raise EngineError(f"weight update refused before the broadcast completed: {errors}; "
                                   "the weight-update group is abandoned, connect() again")
             if time.monotonic() > deadline:
-                self.pg = None
+                self._abandon()
                 raise EngineError(f"weight broadcast did not complete in {self.config.timeout_s:.0f}s")
             time.sleep(pause)
             pause = min(pause * 1.5, 5e-3)  # short waits first: small buckets finish in microseconds
-        for w in works:
-            w.wait()
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as e:  # a peer closed the group (engine died or dropped it)
+            self._abandon()
+            errors = _join(calls, min(self.config.timeout_s, 10.0))
+            raise EngineError(f"weight broadcast failed: {e}; engines said: {errors}; "
+                              "the weight-update group is abandoned, connect() again") from e
+
+    def _abandon(self) -> None:
+        # A broadcast is left pending on the group: keep the object alive (destroying it under a pending
+        # op can hang) and never use it again; tell the engines to drop their side.
+        self._abandoned.append(self.pg)
+        self.pg = None
+        self._destroy_on_engines()
+
+    def _destroy_on_engines(self) -> None:
+        for e in self.engines:
+            try:
+                e.request("POST", "/destroy_weights_update_group", {"group_name": self.group_name}, retries=0,
+                          timeout_s=10.0)
+            except EngineError:
+                pass
 
     def close(self) -> None:
         """Destroys the group on the engines and here (best effort: engines may be gone)."""
         if self.pg is None:
             return
-        for e in self.engines:
-            try:
-                e.request("POST", "/destroy_weights_update_group", {"group_name": self.config.group_name}, retries=0)
-            except EngineError:
-                pass
+        self._destroy_on_engines()
         dist_group.destroy_custom_process_group(self.pg)
         self.pg = None
 
@@ -365,6 +404,11 @@ class DistributedWeightUpdater:
         for c in calls:
             c.start()
         return calls
+
+
+# Engine messages for a bucket that was received and then not loaded (megaopd serve; SGLang's load
+# failure): the group is still in step. Any other refusal abandons the group.
+_AFTER_RECEIPT = ("Failed to update weights", "Failed to update parameter online")
 
 
 class _Call(threading.Thread):

@@ -1,0 +1,234 @@
+"""`megaopd serve` over loopback: SGLang schemas, errors, control endpoints, client, weight updates."""
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from megaopd.rollout.client import EngineRequestError, HttpEngine
+from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megaopd.rollout.protocol import SamplingParams
+from megaopd.rollout.server import RolloutServer, ServeConfig
+from tests.rollout._models import EOS, hf_logprobs
+
+# --- SGLang's documented examples (docs/basic_usage/native_api, sampling_params, sglang_for_rl),
+# --- with their token ids and texts; our answers must have the same structure and types.
+SGLANG_GENERATE_REQUEST = json.loads("""
+{"input_ids": [785, 6722, 315, 9625, 374], "sampling_params": {"temperature": 0, "max_new_tokens": 32}}
+""")
+SGLANG_GENERATE_RESPONSE = json.loads("""
+{"text": " Paris. It is the capital of France.", "output_ids": [12095, 13, 1084, 374, 279, 6722, 315, 9625, 13],
+ "meta_info": {"id": "4a8f0c1e6b2d4e7f9a3c5b1d2e4f6a8b",
+               "finish_reason": {"type": "length", "length": 32},
+               "prompt_tokens": 5, "weight_version": "default", "completion_tokens": 32,
+               "cached_tokens": 0, "e2e_latency": 0.2411651611328125}}
+""")
+SGLANG_LOGPROB_RESPONSE_META = json.loads("""
+{"id": "c3b0a2d4e6f8", "finish_reason": {"type": "stop", "matched": 151645}, "prompt_tokens": 5,
+ "weight_version": "default", "completion_tokens": 3, "cached_tokens": 0, "e2e_latency": 0.05,
+ "output_token_logprobs": [[-0.0123, 12095, null], [-1.25, 13, null], [-0.002, 151645, null]],
+ "input_token_logprobs": [[null, 785, null], [-9.5, 6722, null]]}
+""")
+SGLANG_INIT_GROUP_REQUEST = json.loads("""
+{"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2,
+ "group_name": "weight_update_group", "backend": "gloo"}
+""")
+SGLANG_UPDATE_REQUEST = json.loads("""
+{"names": ["model.embed_tokens.weight"], "dtypes": ["float32"], "shapes": [[128, 64]],
+ "group_name": "weight_update_group", "flush_cache": true, "weight_version": "v1"}
+""")
+SGLANG_SUCCESS_RESPONSE = json.loads("""{"success": true, "message": "Succeeded to update parameter online."}""")
+SGLANG_VALUE_ERROR = json.loads("""{"error": {"message": "top_p must be in (0, 1], got 0.0."}}""")
+SGLANG_SCHEMA_ERROR = json.loads("""
+{"object": "error", "message": "1 validation error ...", "type": "Bad Request", "param": null, "code": 400}
+""")
+SGLANG_PAUSE_RESPONSE = json.loads("""{"message": "Generation paused successfully.", "status": "ok"}""")
+
+
+def skeleton(x):
+    """The JSON's structure: dict keys -> skeletons, lists -> their first item's skeleton, leaves -> type."""
+    if isinstance(x, dict):
+        return {k: skeleton(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [skeleton(x[0])] if x else []
+    if isinstance(x, bool) or x is None:
+        return type(x).__name__
+    return "number" if isinstance(x, (int, float)) else type(x).__name__
+
+
+def assert_same_shape(ours, theirs, path="$"):
+    """Every key SGLang sends is present with the same structure (extra keys are allowed)."""
+    s_ours, s_theirs = skeleton(ours), skeleton(theirs)
+    if isinstance(s_theirs, dict):
+        assert isinstance(s_ours, dict), f"{path}: {s_ours} is not an object"
+        for k in theirs:
+            assert k in ours, f"{path}.{k} missing (ours has {sorted(ours)})"
+            assert_same_shape(ours[k], theirs[k], f"{path}.{k}")
+    elif isinstance(s_theirs, list) and theirs and ours:
+        for i, item in enumerate(theirs[0]) if isinstance(theirs[0], list) else []:
+            # logprob triples: [number | null, int, null]
+            assert len(ours[0]) == len(theirs[0]), f"{path}[0] has {len(ours[0])} items"
+        assert_same_shape(ours[0], theirs[0], f"{path}[0]")
+    elif s_theirs != "NoneType" and s_ours != "NoneType":
+        assert s_ours == s_theirs, f"{path}: {s_ours} != {s_theirs}"
+
+
+def post(url, path, body, raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, _json_or_text(r.read().decode())
+    except urllib.error.HTTPError as e:
+        return e.code, _json_or_text(e.read().decode())
+
+
+def _json_or_text(text):
+    try:
+        return json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return text
+
+
+def get(url, path):
+    try:
+        with urllib.request.urlopen(url + path, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=32))
+    srv = RolloutServer(ServeConfig(hf_dir=tiny_dir, port=0), engine=engine).start()
+    yield srv
+    srv.shutdown()
+
+
+def test_generate_matches_sglang_schema(server, tiny_dir):
+    req = dict(SGLANG_GENERATE_REQUEST, input_ids=[5, 6, 7, 8, 9])
+    status, out = post(server.url, "/generate", req)
+    assert status == 200 and isinstance(out, dict)
+    assert_same_shape(out, SGLANG_GENERATE_RESPONSE)
+    assert set(out["meta_info"]) >= set(SGLANG_GENERATE_RESPONSE["meta_info"])
+    assert "output_token_logprobs" not in out["meta_info"]
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == len(out["output_ids"])
+    if meta["finish_reason"]["type"] == "length":
+        assert meta["finish_reason"] == {"type": "length", "length": 32} and len(out["output_ids"]) == 32
+    else:
+        assert meta["finish_reason"] == {"type": "stop", "matched": EOS} and out["output_ids"][-1] == EOS
+
+    # Logprobs, stop on a stop id, the prompt's log-probs (logprob_start_len=0).
+    status, free = post(server.url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+        "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}})
+    stop_id = free["output_ids"][2]
+    status, out = post(server.url, "/generate", {
+        "input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop_id], "ignore_eos": True}})
+    assert status == 200
+    assert_same_shape(out["meta_info"], SGLANG_LOGPROB_RESPONSE_META)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert out["output_ids"][-1] == stop_id
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    ref = hf_logprobs(tiny_dir, [5, 6, 7], out["output_ids"], 1.0)
+    assert max(abs(a[0] - b) for a, b in zip(lps, ref.tolist())) < 1e-4
+    inp = out["meta_info"]["input_token_logprobs"]
+    assert inp[0] == [None, 5, None] and [t for _, t, _ in inp] == [5, 6, 7]
+    ref_in = hf_logprobs(tiny_dir, [5], [6, 7], 1.0)
+    assert max(abs(a[0] - b) for a, b in zip(inp[1:], ref_in.tolist())) < 1e-4
+
+
+def test_batch_and_n(server):
+    status, out = post(server.url, "/generate", {
+        "input_ids": [[5, 6], [7, 8, 9]], "return_logprob": True,
+        "sampling_params": [{"max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 1},
+                            {"max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 2}]})
+    assert status == 200 and isinstance(out, list) and len(out) == 2
+    assert [len(o["output_ids"]) for o in out] == [3, 5]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 3]
+    # n > 1 on one prompt: an array of n entries; with a seed, distinct yet reproducible samples.
+    body = {"input_ids": [5, 6], "rid": "abc", "sampling_params": {"n": 4, "max_new_tokens": 6, "sampling_seed": 7}}
+    status, a = post(server.url, "/generate", body)
+    status, b = post(server.url, "/generate", body)
+    assert isinstance(a, list) and len(a) == 4
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    assert len({tuple(o["output_ids"]) for o in a}) > 1
+    status, one = post(server.url, "/generate", {"input_ids": [5, 6], "rid": "abc",
+                                                 "sampling_params": {"max_new_tokens": 2}})
+    assert one["meta_info"]["id"] == "abc"
+    # max_new_tokens 0 (SGLang allows it, for prompt scoring).
+    status, zero = post(server.url, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 0}})
+    assert status == 200 and zero["output_ids"] == [] and zero["meta_info"]["finish_reason"]["length"] == 0
+
+
+@pytest.mark.parametrize("body,kind,needle", [
+    ({"sampling_params": {"max_new_tokens": 2}}, "value", "input_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0.0}}, "value", "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "value", "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "value", "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.1}}, "value", "repetition_penalty"),
+    ({"input_ids": [1, 999]}, "value", "vocabulary"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "value", "list of 1 for 2"),
+    ({"input_ids": [1, 2], "stream": True}, "value", "stream"),
+    ({"input_ids": "1 2"}, "schema", "input_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "8"}}, "schema", "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "schema", "bogus"),
+])
+def test_bad_generate_requests_are_400(server, body, kind, needle):
+    status, out = post(server.url, "/generate", body)
+    assert status == 400
+    if kind == "value":
+        assert_same_shape(out, SGLANG_VALUE_ERROR)
+        assert needle in out["error"]["message"]
+    else:
+        assert_same_shape(out, SGLANG_SCHEMA_ERROR)
+        assert out["code"] == 400 and needle in out["message"]
+
+
+def test_malformed_json_and_routes(server):
+    status, out = post(server.url, "/generate", None, raw=b"{not json")
+    assert status == 400 and out["object"] == "error"
+    assert get(server.url, "/nope")[0] == 404
+    assert get(server.url, "/generate")[0] == 405
+    status, out = post(server.url, "/update_weights_from_distributed", dict(SGLANG_UPDATE_REQUEST, group_name="none"))
+    assert status == 400 and "init_weights_update_group" in out["error"]["message"]
+
+
+def test_control_endpoints(server):
+    assert get(server.url, "/health") == (200, "")
+    assert get(server.url, "/health_generate") == (200, "")
+    status, text = get(server.url, "/flush_cache")
+    assert status == 200 and text.startswith("Cache flushed")
+    assert post(server.url, "/flush_cache", {})[0] == 200
+    status, info = get(server.url, "/get_model_info")
+    info = json.loads(info)
+    assert info["model_path"] == server.config.hf_dir and info["weight_version"] == "default"
+    assert json.loads(get(server.url, "/get_server_info")[1])["tp_size"] == 1
+    status, out = post(server.url, "/pause_generation", {"mode": "in_place"})
+    assert status == 200 and out == SGLANG_PAUSE_RESPONSE
+    assert post(server.url, "/continue_generation", {})[1]["status"] == "ok"
+    assert post(server.url, "/pause_generation", {"mode": "later"})[0] == 400
+    assert post(server.url, "/release_memory_occupation", {"tags": ["kv_cache"]}) == (200, None)
+    assert get(server.url, "/health")[0] == 503
+    status, out = post(server.url, "/generate", {"input_ids": [1, 2]})
+    assert status == 400 and "resume_memory" in out["error"]["message"]
+    assert post(server.url, "/resume_memory_occupation", {"tags": None}) == (200, None)
+    assert post(server.url, "/release_memory_occupation", {"tags": ["gpu"]})[0] == 400
+    assert get(server.url, "/health")[0] == 200
+
+
+def test_http_engine_equals_embedded_engine(server, tiny_dir):
+    client = HttpEngine(server.url)
+    local = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
+    params = SamplingParams(n=3, max_new_tokens=9, temperature=0.9, top_p=0.95, top_k=50, seed=17)
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12]]
+    remote, mine = client.generate(prompts, params), local.generate(prompts, params)
+    assert [s.output_ids for s in remote] == [s.output_ids for s in mine]
+    assert [s.finish_reason for s in remote] == [s.finish_reason for s in mine]
+    assert max(abs(a - b) for r, m in zip(remote, mine) for a, b in zip(r.output_logprobs, m.output_logprobs)) < 1e-5
+    assert client.health() and client.model_info()["weight_version"] == "default"
+    with pytest.raises(EngineRequestError, match="vocabulary"):
+        client.generate([[1000]], params)

@@ -1,0 +1,193 @@
+"""A `megaopd serve` process and a trainer (this process, rank 0) syncing weights over a gloo group;
+the launcher's start/attach paths; the pool's failover and timeouts."""
+import socket
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from megaopd.parallel.launch import find_free_port
+from megaopd.rollout.client import (DistributedUpdateConfig, DistributedWeightUpdater, EngineError,
+                                    EngineUnavailableError, HttpEngine, HttpEngineConfig)
+from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megaopd.rollout.pool import EnginePool, PoolConfig, PoolError
+from megaopd.rollout.protocol import SamplingParams
+from megaopd.rollout.server import RolloutServer, ServeConfig
+from megaopd.rollout.sglang_launcher import (SGLangLaunchConfig, ServerProcess, ServerStartError,
+                                             megaopd_serve_command, sglang_command)
+from tests.rollout._models import hf_logprobs, random_state_dict
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+PARAMS = SamplingParams(n=2, max_new_tokens=10, temperature=1.0, seed=21)
+
+
+def gap(model, samples):
+    return max((hf_logprobs(model, s.prompt_ids, s.output_ids, 1.0)
+                - torch.tensor(s.output_logprobs, dtype=torch.float64)).abs().max().item() for s in samples)
+
+
+def test_sglang_command_line():
+    cfg = SGLangLaunchConfig(model_path="/ckpt/hf", tp_size=4, port=30001, host="0.0.0.0", mem_fraction_static=0.45,
+                             enable_memory_saver=True, dtype="bfloat16", base_gpu_id=4,
+                             extra_args=["--enable-deterministic-inference"], python="python3")
+    assert sglang_command(cfg) == [
+        "python3", "-m", "sglang.launch_server", "--model-path", "/ckpt/hf", "--tp-size", "4", "--host", "0.0.0.0",
+        "--port", "30001", "--mem-fraction-static", "0.45", "--enable-memory-saver", "--dtype", "bfloat16",
+        "--base-gpu-id", "4", "--enable-deterministic-inference"]
+    assert cfg.url == "http://127.0.0.1:30001"
+    plain = sglang_command(SGLangLaunchConfig(model_path="m", python="py"))
+    assert plain == ["py", "-m", "sglang.launch_server", "--model-path", "m", "--tp-size", "1", "--host",
+                     "127.0.0.1", "--port", "30000"]
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        SGLangLaunchConfig(model_path="m", mem_fraction_static=1.5)
+
+
+def test_launcher_failures_are_quick_and_clear():
+    port = find_free_port()
+    with pytest.raises(ServerStartError, match="exited with code 3"):
+        ServerProcess.start([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"],
+                            url=f"http://127.0.0.1:{port}", startup_timeout_s=30)
+    t0 = time.monotonic()
+    with pytest.raises(ServerStartError, match="did not answer"):
+        ServerProcess.attach(f"http://127.0.0.1:{port}", timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
+
+
+def test_client_timeouts_and_retries():
+    # A socket that accepts connections and never answers: every attempt times out, then a clear error.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    try:
+        client = HttpEngine(HttpEngineConfig(url=f"http://127.0.0.1:{sock.getsockname()[1]}", control_timeout_s=0.3,
+                                             retries=2, backoff_s=0.05))
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailableError, match="after 3 attempt"):
+            client.model_info()
+        assert time.monotonic() - t0 < 5
+        assert not client.health()
+    finally:
+        sock.close()
+    dead = HttpEngine(HttpEngineConfig(url=f"http://127.0.0.1:{find_free_port()}", retries=1, backoff_s=0.01))
+    with pytest.raises(EngineUnavailableError, match="Connection refused|ConnectionRefused|URLError"):
+        dead.generate([[1]], SamplingParams(max_new_tokens=1))
+
+
+class _Flaky:
+    """An engine that fails after `ok_calls` successful calls (or hangs, with hang=True)."""
+
+    def __init__(self, inner, ok_calls=0, hang=False):
+        self.inner, self.ok_calls, self.hang, self.calls = inner, ok_calls, hang, 0
+
+    def generate(self, prompts, params, first_prompt_index=0):
+        self.calls += 1
+        if self.calls > self.ok_calls:
+            if self.hang:
+                time.sleep(30)
+            raise EngineUnavailableError("engine died mid-generation")
+        return self.inner.generate(prompts, params, first_prompt_index=first_prompt_index)
+
+    def health(self):
+        return False
+
+    def __repr__(self):
+        return "Flaky"
+
+
+def test_pool_spreads_orders_and_fails_over(engine):
+    want = engine.generate(PROMPTS * 3, PARAMS)
+    pool = EnginePool([engine, _Flaky(engine), engine], PoolConfig(prompts_per_job=2))
+    got = pool.generate(PROMPTS * 3, PARAMS)
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]  # in order, seeds by batch index
+    assert pool.failed == {1}
+    # Every engine failing: a clear error, not a hang.
+    with pytest.raises(PoolError, match="failed on"):
+        EnginePool([_Flaky(engine), _Flaky(engine)], PoolConfig(max_attempts=5)).generate(PROMPTS, PARAMS)
+    t0 = time.monotonic()
+    with pytest.raises(PoolError, match="did not finish"):
+        EnginePool([_Flaky(engine, hang=True)], PoolConfig(timeout_s=0.5)).generate(PROMPTS, PARAMS)
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    """`megaopd serve` in its own process, started through the launcher (the SGLang start path)."""
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    with ServerProcess.start(megaopd_serve_command(tiny_dir, port, extra_args=["--num-threads", "1"]), url=url,
+                             startup_timeout_s=120) as server:
+        yield server
+
+
+@pytest.mark.slow
+def test_attach_and_generate(served, tiny_dir):
+    server = ServerProcess.attach(served.url, timeout_s=10)
+    server.stop()  # attached, not started here: must leave it running
+    client = HttpEngine(served.url)
+    assert client.health() and client.health_generate()
+    local = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
+    assert ([s.output_ids for s in client.generate(PROMPTS, PARAMS)]
+            == [s.output_ids for s in local.generate(PROMPTS, PARAMS)])
+
+
+@pytest.mark.slow
+def test_distributed_weight_update_from_trainer(served, tiny_dir):
+    from transformers import Qwen2ForCausalLM
+
+    client = HttpEngine(served.url)
+    before = client.generate(PROMPTS, PARAMS)
+    assert gap(tiny_dir, before) < 1e-4  # engine == the HF dir's model before the sync
+
+    new = random_state_dict(tiny_dir, seed=99)
+    new_model = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    new_model.load_state_dict(new)
+    updater = DistributedWeightUpdater([client], DistributedUpdateConfig(bucket_bytes=40_000, timeout_s=120))
+    updater.connect()
+    try:
+        updater.update(new.items(), weight_version="step-1")  # several flattened buckets
+        after = client.generate(PROMPTS, PARAMS)
+        assert all(s.weight_version == "step-1" for s in after)
+        assert gap(new_model, after) < 1e-4  # engine == the trainer's new weights
+        assert gap(tiny_dir, after) > 1e-2  # ...and no longer the old ones
+        pre_sync_lp = [hf_logprobs(tiny_dir, s.prompt_ids, s.output_ids, 1.0) for s in after]
+        assert max((a - torch.tensor(s.output_logprobs, dtype=torch.float64)).abs().max().item()
+                   for a, s in zip(pre_sync_lp, after)) > 1e-2
+
+        # Mismatched names and shapes: the engine lists them all, loads nothing, and the group lives on.
+        bad = [("model.norm.weight", torch.zeros(64)), ("lm_head.weight", torch.zeros(128, 63)),
+               ("model.layers.7.mlp.up_proj.weight", torch.zeros(128, 64))]
+        with pytest.raises(EngineError) as err:
+            updater.update(bad, weight_version="bad")
+        msg = str(err.value)
+        assert "lm_head.weight: shape [128, 63] != model's [128, 64]" in msg
+        assert "model.layers.7.mlp.up_proj.weight: no such weight in the model" in msg
+        assert client.weight_version() == "step-1"
+        assert gap(new_model, client.generate(PROMPTS, PARAMS)) < 1e-4
+
+        # The engine drops the group behind the trainer's back: a quick error, no hang, then reconnect.
+        client.request("POST", "/destroy_weights_update_group", {"group_name": updater.group_name})
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="abandoned"):
+            updater.update(new.items())
+        assert time.monotonic() - t0 < 30
+        updater.connect()
+        assert updater.group_name == "weight_update_group_1"
+
+        # Per-tensor broadcasts (load_format null) back to the original weights.
+        updater.config.load_format = None
+        orig = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).state_dict()
+        updater.update(orig.items(), weight_version="step-2")
+        assert gap(tiny_dir, client.generate(PROMPTS, PARAMS)) < 1e-4
+    finally:
+        updater.close()
+
+
+@pytest.mark.slow
+def test_pool_over_servers_with_a_dead_one(served, tiny_dir):
+    dead = HttpEngine(HttpEngineConfig(url=f"http://127.0.0.1:{find_free_port()}", retries=1, backoff_s=0.01))
+    pool = EnginePool([dead, HttpEngine(served.url)], PoolConfig(recheck_failed=False))
+    local = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
+    got = pool.generate(PROMPTS, PARAMS)
+    assert [s.output_ids for s in got] == [s.output_ids for s in local.generate(PROMPTS, PARAMS)]
