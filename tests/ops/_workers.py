@@ -15,6 +15,12 @@ def run_all_cases(rank, world_size):
     """
     group = dist.new_group(ranks=list(range(world_size)))
     results = {case.name: _cases.run_case(case, rank, world_size, group) for case in _cases.CASES}
+    if world_size == 4:
+        # Two TP groups of 2 in one job ([0, 1] and [2, 3]): the ops must use the rank within the group
+        # they are given, not the global rank. Every rank creates both groups (new_group is collective).
+        subgroups = [dist.new_group(ranks=[0, 1]), dist.new_group(ranks=[2, 3])]
+        results["subgroups"] = {case.name: _cases.run_case(case, rank % 2, 2, subgroups[rank // 2])
+                                for case in _cases.CASES[:2]}
     buffer = io.BytesIO()
     torch.save(results, buffer)
     return buffer.getvalue()

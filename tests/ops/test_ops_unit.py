@@ -19,6 +19,24 @@ def test_vocab_range_is_megatrons_contiguous_sharding():
     assert ops.vocab_range(17, 3) == (51, 68)
 
 
+def test_group_none_never_touches_torch_distributed(monkeypatch):
+    """group=None is one process with the whole vocabulary, never a lookup of a global group."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.distributed called with group=None")
+
+    for name in ("all_reduce", "all_gather", "get_rank", "get_world_size", "new_group"):
+        monkeypatch.setattr(dist, name, refuse)
+    p, q = _logits(3, 10, seed=9).requires_grad_(), _logits(3, 10, seed=10)
+    ids = torch.tensor([1, 2, 3])
+    total = (ops.vocab_parallel_logprobs(p, ids) + ops.vocab_parallel_entropy(p) + ops.vocab_parallel_kl(p, q)
+             + ops.vocab_parallel_jsd(p, q, 0.5) + ops.vocab_parallel_logsumexp(p)
+             + ops.vocab_parallel_support_kl(p, ids[:, None].expand(3, 2), torch.zeros(3, 2)))
+    total.sum().backward()
+    ops.vocab_parallel_topk(p, 4)
+
+
 def test_jsd_tends_to_the_kls_its_limits_return():
     """JSD(beta) ~ beta KL(q||p) as beta -> 0 and ~ (1 - beta) KL(p||q) as beta -> 1, which is why
     beta = 0 returns KL(q||p) and beta = 1 returns KL(p||q) (TRL's convention)."""

@@ -26,5 +26,12 @@ def test_tp1_matches_float64_reference():
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tp_sharded_matches_float64_reference(world_size):
-    payloads = spawn(_workers.run_all_cases, world_size=world_size, timeout=300)
-    _check(world_size, [_workers.load(p) for p in payloads])
+    results = [_workers.load(p) for p in spawn(_workers.run_all_cases, world_size=world_size, timeout=300)]
+    _check(world_size, results)
+    if world_size == 4:  # two TP=2 groups side by side in the same job
+        for ranks in ([0, 1], [2, 3]):
+            errors = []
+            for case in _cases.CASES[:2]:
+                errors += _cases.compare(case, 2, [results[r]["subgroups"][case.name] for r in ranks],
+                                         _cases.reference(case, 2))
+            assert not errors, f"TP group {ranks}:\n" + "\n".join(errors)
