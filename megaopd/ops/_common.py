@@ -4,7 +4,7 @@ per-chunk math every op builds on.
 Legend for tensor names in megaopd/ops:
   T   tokens: all leading dimensions of the input flattened ([s, b] or [b, s] -> T)
   V   the LOCAL vocabulary shard (full vocabulary / TP); rank r owns global ids [r*V, (r+1)*V)
-  K   support / top-k size
+  K   support / top-k size (k in top-k), C candidates merged from all ranks (R * min(k, V))
   R   ranks of the TP group
   raw the model's logits as given (any float dtype); z = raw / temperature, always float32 here.
 
