@@ -13,6 +13,7 @@ TP (a multiple of 128 * TP); megatron marks the embedding and output layer `allo
 the stored rows are read and any extra padding rows start at zero.
 The torch_dist format reads its own metadata with pickle: load only checkpoints you (or megaopd) wrote.
 Entry scripts that save need an `if __name__ == "__main__":` guard: the writer processes re-import it.
+megatron is imported inside the functions: reading metadata stays cheap for command-line validation.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from megaopd.models import compat
 from megaopd.models.hf_config import HFModelConfig, ModelConfigError, read_hf_config
 from megaopd.models.hf_io import copy_side_files
 
@@ -64,6 +64,8 @@ def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collectio
     """
     from megatron.core import dist_checkpointing
 
+    from megaopd.models import compat
+
     pgs = compat.resolve_pg_collection(pg_collection)
     model_dir = os.path.join(ckpt_dir, MODEL_SUBDIR)
     if dist.get_rank() == 0:
@@ -99,6 +101,8 @@ def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collectio
 def load_model_checkpoint(model, ckpt_dir: str, pg_collection=None) -> dict:
     """Collective: loads this rank's shard of every tensor into `model` (any layout); returns the metadata."""
     from megatron.core import dist_checkpointing
+
+    from megaopd.models import compat
 
     meta = read_checkpoint_meta(ckpt_dir)
     pgs = compat.resolve_pg_collection(pg_collection)

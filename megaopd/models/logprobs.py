@@ -3,10 +3,10 @@
     lp = token_logprobs_from_shard(logits_BSV, targets_BS, vocab_size, tp_group)   # [b, s] float32
     per_seq = score_sequences(model, cfg, sequences, pg_collection)                # last stage; else None
 
-log p(y) = z_y - m - log sum_v exp(z_v - m), with m the max over the whole vocabulary; each TP rank holds
-Vp/tp columns, so m, the sum and z_y are all-reduced over the TP group (MAX, SUM, SUM) and no rank
-ever holds the full-vocabulary logits. Megatron's padding columns (index >= vocab_size) are masked to
--inf first: they are not tokens, and HF / SGLang normalize over the real vocabulary only.
+Each TP rank holds Vp/tp columns of the logits; megaopd.ops.vocab_parallel_logprobs normalizes over the
+whole vocabulary with TP all-reduces, so no rank ever holds full-vocabulary logits. Megatron's padding
+columns (index >= vocab_size) are masked first: they are not tokens, and HF / SGLang normalize over the
+real vocabulary only (the ops take no vocab size, so every caller on megatron logits must mask).
 Legend: B batch, S sequence, V vocab shard width.
 """
 from __future__ import annotations
@@ -20,32 +20,27 @@ from megaopd.models.forward import forward_only
 from megaopd.models.hf_config import HFModelConfig
 
 
-# TODO(models): switch to megaopd.ops.vocab_parallel_logprobs(logits_shard, ids, group) once it lands
-# (check `git log -- megaopd/ops`); keep the padding-column mask here if it does not take vocab_size.
-@torch.no_grad()
+def mask_vocab_padding(logits_BSV: torch.Tensor, vocab_size: int, tp_group=None) -> torch.Tensor:
+    """This rank's logits shard with megatron's padding columns (global id >= vocab_size) at the dtype's
+    lowest finite value, so every softmax over the shard ignores them. Returns the input when the
+    shard has no padding. A finite value, not -inf: a shard made only of padding must still give a
+    finite local max (-inf - -inf would be NaN in the log-sum-exp rescaling)."""
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    width = logits_BSV.shape[-1]
+    start = tp_rank * width
+    if start + width <= vocab_size:
+        return logits_BSV
+    col = torch.arange(start, start + width, device=logits_BSV.device)
+    return logits_BSV.masked_fill(col >= vocab_size, torch.finfo(logits_BSV.dtype).min)
+
+
 def token_logprobs_from_shard(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, vocab_size: int,
                               tp_group=None) -> torch.Tensor:
-    """log softmax(logits)[target] over the full vocabulary, from this rank's vocab shard (float32)."""
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    z = logits_BSV.float()
-    width = z.shape[-1]
-    start = tp_rank * width
-    if start + width > vocab_size:  # this shard holds padding columns
-        col = torch.arange(start, start + width, device=z.device)
-        z = z.masked_fill(col >= vocab_size, float("-inf"))
-    m_BS = z.max(dim=-1).values
-    if tp_size > 1:
-        dist.all_reduce(m_BS, op=dist.ReduceOp.MAX, group=tp_group)
-    sum_BS = torch.exp(z - m_BS.unsqueeze(-1)).sum(dim=-1)
-    local = targets_BS.to(z.device) - start
-    owned = (local >= 0) & (local < width)
-    z_y = torch.gather(z, -1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
-    z_y = torch.where(owned, z_y, torch.zeros_like(z_y))
-    if tp_size > 1:
-        dist.all_reduce(sum_BS, op=dist.ReduceOp.SUM, group=tp_group)
-        dist.all_reduce(z_y, op=dist.ReduceOp.SUM, group=tp_group)
-    return z_y - m_BS - torch.log(sum_BS)
+    """log softmax(logits)[target] over the real vocabulary, from this rank's vocab shard ([b, s] float32)."""
+    from megaopd.ops import vocab_parallel_logprobs
+
+    return vocab_parallel_logprobs(mask_vocab_padding(logits_BSV, vocab_size, tp_group),
+                                   targets_BS.to(logits_BSV.device), group=tp_group)
 
 
 def score_sequences(model, cfg: HFModelConfig, sequences: Sequence[Sequence[int]], pg_collection=None,

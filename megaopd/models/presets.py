@@ -21,8 +21,8 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen2-tied": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=300, hidden_size=96,
                             intermediate_size=192, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
                             max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True),
-    # Llama 3.1-style: no biases, llama3 RoPE scaling, theta 5e5.
-    "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=260, hidden_size=64,
+    # Llama 3.1-style: no biases, llama3 RoPE scaling, theta 5e5; at TP=2 a whole vocab shard is padding.
+    "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100, hidden_size=64,
                        intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
                        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

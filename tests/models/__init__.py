@@ -1,0 +1,1 @@
+"""Tests of megaopd.models: run with `pytest tests/models -x` (multi-process ones are marked slow)."""
