@@ -1,0 +1,46 @@
+#!/bin/bash
+# Plain OPD, the baseline that collapses (paper 2604.08527, sec. 3): Qwen2.5-Math-7B student, reverse-KL
+# advantage from the teacher only (no golden mixing, no reference KL), with the Stable-OPD run's settings
+# (64 prompts x 4 samples, temperature 1.0, lr 1e-6) so the two runs compare. Same environment as
+# slurm/stable_opd_7b.sh; the loss is chosen by loss.name=opd on top of CONFIG.
+#
+#   mkdir -p logs
+#   MODELS_DIR=/shared/models TRAIN_DATA=/shared/data/opd_13k.parquet OUTPUT_ROOT=/shared/runs \
+#     TEACHER=r1-distill-qwen-7b sbatch --nodes=2 slurm/opd_7b.sh [key=value ...]
+#SBATCH --job-name=opd_7b
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=64
+#SBATCH --mem=0
+#SBATCH --exclusive
+#SBATCH --time=48:00:00
+#SBATCH --output=logs/%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+
+# sbatch runs a spool copy of this file, so $0 is not in the repo: find it from MEGAOPD_ROOT, this
+# file's folder (plain `bash`), or the folder sbatch was called from.
+for ROOT in "${MEGAOPD_ROOT:-}" "$(dirname "$0")/.." "${SLURM_SUBMIT_DIR:-}"; do [[ -f $ROOT/slurm/common.sh ]] && break; done
+[[ -f $ROOT/slurm/common.sh ]] || { echo "error: slurm/common.sh not found: submit from the megaopd checkout or set MEGAOPD_ROOT" >&2; exit 1; }
+JOB_NAME="${SLURM_JOB_NAME:-opd_7b}"  # names the run folder (and the log) when not under sbatch
+source "$ROOT/slurm/common.sh"
+
+(( GPUS_PER_NODE > 0 )) || die "this job trains a 7B model on GPUs and got none: submit with --gpus-per-node (the tiny CPU job is slurm/tiny_cpu.sh)"
+load_model student qwen2.5-math-7b
+load_model teacher "${TEACHER:-openthinker3-7b}"
+CONFIG="${CONFIG:-$MEGAOPD_ROOT/examples/tiny/stable_opd.yaml}"
+require_path CONFIG "the base preset (loss.name=opd is set below); set CONFIG=/path/to/preset.yaml"
+setup_run_dir
+train_base_overrides
+
+start_engines STUDENT_HF_DIR
+run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" \
+  loss.name=opd \
+  trainer.prompts_per_step="${PROMPTS_PER_STEP:-64}" \
+  trainer.samples_per_prompt="${SAMPLES_PER_PROMPT:-4}" \
+  rollout.temperature="${TEMPERATURE:-1.0}" \
+  rollout.max_new_tokens="${MAX_NEW_TOKENS:-$STUDENT_MAX_NEW_TOKENS}" \
+  optimizer.lr="${LR:-1e-6}" \
+  "${ROLLOUT_OVERRIDES[@]}" "$@"
