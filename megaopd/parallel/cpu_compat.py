@@ -13,6 +13,9 @@ to know which machine it runs on.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -119,8 +122,54 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
                 g.detach().mul_(clip_coeff)
 
 
+def _patch_rng_tracker(mrandom) -> None:
+    mrandom.CudaRNGStatesTracker = _CpuRNGTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _patch_clip_grads(clip_grads) -> None:
+    # megatron.core.optimizer.optimizer imports the function by name right after this module runs,
+    # so patching here also patches its copy.
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    if "megatron.core.optimizer.optimizer" in sys.modules:  # imported before enable()
+        sys.modules["megatron.core.optimizer.optimizer"].clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
+
+_MEGATRON_PATCHES = {
+    "megatron.core.tensor_parallel.random": _patch_rng_tracker,
+    "megatron.core.optimizer.clip_grads": _patch_clip_grads,
+}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Applies the megatron patches when megatron's modules are first imported, so that processes
+    that never use megatron (most spawned test workers) do not pay its multi-second import."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _MEGATRON_PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None:
+            return None
+        self._loaders = getattr(self, "_loaders", {})
+        self._loaders[fullname] = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._loaders[spec.name].create_module(spec)
+
+    def exec_module(self, module):
+        self._loaders[module.__name__].exec_module(module)
+        _MEGATRON_PATCHES[module.__name__](module)
+
+
 def enable() -> None:
-    """Installs the CPU patches (idempotent). Call before building megatron models."""
+    """Installs the CPU patches (idempotent). Called before any megatron model is built."""
     global _enabled, _device_mode
     if _enabled:
         return
@@ -132,15 +181,14 @@ def enable() -> None:
     torch.cuda.manual_seed = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.manual_seed_all = lambda *a, **k: None  # type: ignore[assignment]
 
-    from megatron.core.tensor_parallel import random as mrandom
-
-    mrandom.CudaRNGStatesTracker = _CpuRNGTracker
-    mrandom.initialize_rng_tracker(force_reset=True)
-
-    from megatron.core.optimizer import clip_grads, optimizer
-
-    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    pending = []
+    for name, patch in _MEGATRON_PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+        else:
+            pending.append(name)
+    if pending:
+        sys.meta_path.insert(0, _PatchOnImport())
 
     _device_mode = _CudaToCpuMode()
     _device_mode.__enter__()  # stays active for the life of the process

@@ -56,9 +56,10 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> N
 
 
 def destroy_distributed() -> None:
-    from megatron.core import parallel_state
+    import sys
 
-    if parallel_state.model_parallel_is_initialized():
+    parallel_state = sys.modules.get("megatron.core.parallel_state")  # never import megatron just to tear down
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

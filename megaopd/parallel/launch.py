@@ -9,6 +9,7 @@ any worker is re-raised here with that worker's traceback, and no worker outlive
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable, Sequence
@@ -39,7 +40,9 @@ def _worker(rank, world_size, port, fn, args, env, queue):
 
         init_distributed()
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensor data; the queue's own pickler would send shared-memory handles
+        # that die with this process before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         queue.put((rank, "error", traceback.format_exc()))
         return
@@ -54,7 +57,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
     """Runs fn(rank, world_size, *args) in `world_size` fresh processes; returns results by rank.
 
     fn must be importable (module level) because workers are started with the spawn method.
-    Results must be picklable (they come back through a queue); keep them small.
+    Results must be picklable (tensors are copied back); keep them small.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -78,7 +81,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
         if not queue.empty():
             rank, status, payload = queue.get()
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)  # our own worker's bytes, not an untrusted file
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 break  # peers may now block in a collective; stop them below
