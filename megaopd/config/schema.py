@@ -2,15 +2,18 @@
 
     megaopd train examples/tiny/stable_opd.yaml run.dir=runs/x trainer.max_steps=3
 
-Sections: run, student, reference, teacher (ModelConfig each), trainer, optimizer, logging, and the
-rollout/loss/data sections owned by their packages.
+Sections: run, student, reference, teacher (ModelConfig each), trainer, optimizer, logging, rollout,
+loss (megaopd.losses), data (megaopd.data), metrics, validation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from megaopd.config.model import ModelConfig, check_layout
+from megaopd.config.sections import MetricsConfig, RolloutConfig, ValidationConfig
 from megaopd.config.trainer import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig
+from megaopd.data.config import DataConfig
+from megaopd.losses import LossConfig
 
 
 @dataclass
@@ -25,9 +28,16 @@ class MegaOPDConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     def validate(self) -> None:
         """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
+        from megaopd.losses import build_loss_from
+
         world = self.run.world_size
         student_dims = check_layout("student", self.student, world)
         teacher_dims = check_layout("teacher", self.teacher, world)
@@ -50,3 +60,5 @@ class MegaOPDConfig:
         if (self.trainer.prompts_per_step * self.trainer.samples_per_prompt) % self.trainer.mini_batches_per_step:
             raise ValueError("trainer.prompts_per_step*samples_per_prompt must be a multiple of "
                              "trainer.mini_batches_per_step")
+        self.data.validate()
+        build_loss_from(self.loss)  # unknown loss names and keys fail here, not at the first step

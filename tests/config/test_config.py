@@ -18,12 +18,15 @@ def _hf_dir(tmp_path, name, heads=6, kv=2, layers=4, vocab=200):
 
 @pytest.fixture
 def models(tmp_path):
-    return _hf_dir(tmp_path, "student"), _hf_dir(tmp_path, "teacher", heads=8, kv=4, layers=6)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "answer": "2", "golden": "1+1=2. \\boxed{2}"}) + "\n")
+    return _hf_dir(tmp_path, "student"), _hf_dir(tmp_path, "teacher", heads=8, kv=4, layers=6), str(data)
 
 
 def _load(models, *overrides, preset=None):
-    s, t = models
-    return load_config(MegaOPDConfig, preset, [f"student.path={s}", f"teacher.path={t}", *overrides])
+    s, t, data = models
+    return load_config(MegaOPDConfig, preset, [f"student.path={s}", f"teacher.path={t}",
+                                                f"data.sources=[{{path: {data}}}]", *overrides])
 
 
 def test_valid_config_with_overrides(models):
@@ -63,7 +66,7 @@ def test_unknown_key_lists_accepted_keys(models):
 
 
 def test_missing_paths(models, tmp_path):
-    s, _ = models
+    s, _, _ = models
     with pytest.raises(ConfigError, match="teacher.path='/nonexistent' does not exist"):
         load_config(MegaOPDConfig, None, [f"student.path={s}", "teacher.path=/nonexistent"])
     with pytest.raises(ConfigError, match="teacher.path is empty"):
@@ -74,8 +77,17 @@ def test_missing_paths(models, tmp_path):
         load_config(MegaOPDConfig, None, [f"student.path={s}", f"teacher.path={tmp_path}"])
 
 
-def test_teacher_vocab_mismatch(tmp_path):
-    s = _hf_dir(tmp_path, "s")
+def test_teacher_vocab_mismatch(models, tmp_path):
     t = _hf_dir(tmp_path, "t", vocab=300)
     with pytest.raises(ConfigError, match="teacher vocab_size=300 differs from student vocab_size=200"):
-        load_config(MegaOPDConfig, None, [f"student.path={s}", f"teacher.path={t}"])
+        _load(models, f"teacher.path={t}")
+
+
+def test_missing_data_and_bad_loss(models):
+    s, t, _ = models
+    with pytest.raises(ConfigError, match="data source '/nope.jsonl' does not exist"):
+        _load(models, "data.sources=[{path: /nope.jsonl}]")
+    with pytest.raises(ConfigError, match="unknown loss 'stabel_opd'"):
+        _load(models, "loss.name=stabel_opd")
+    with pytest.raises(ConfigError, match="unknown key"):
+        _load(models, "loss.config={sft_weigth: 0.2}")

@@ -1,0 +1,71 @@
+"""Config sections of the step loop's use of the rollout engines, the metrics and validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+
+@dataclass
+class RolloutConfig:
+    """How rollouts are generated: which engines, which sampling."""
+
+    engine: str = "embedded"
+    """embedded (in-process HF engine on rank 0) | remote (megaopd serve or SGLang servers at `urls`)."""
+    urls: List[str] = field(default_factory=list)
+    """http://host:port of each remote engine (rollout.engine=remote)."""
+    temperature: float = 1.0
+    """Sampling temperature; every log-prob of the step (actor, teacher, reference) uses it too."""
+    top_p: float = 1.0
+    """Nucleus mass (LSM paper: 0.9)."""
+    top_k: int = -1
+    max_new_tokens: int = 1024
+    """Response budget; a response that hits it is truncated (rollout/truncation_rate)."""
+    max_batch_size: int = 64
+    """Sequences the embedded engine decodes together."""
+    parity_interval: int = 0
+    """Every N steps, compare engine and actor log-probs of a fixed probe set after the sync (0: at start only)."""
+    parity_tolerance: float = 1e-3
+    """Max |engine - actor| log-prob allowed by the parity check before the run stops with an error."""
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if self.engine not in ("embedded", "remote"):
+            raise ValueError(f"rollout.engine={self.engine!r}: choose embedded or remote")
+        if self.engine == "remote" and not self.urls:
+            raise ValueError("rollout.engine=remote needs rollout.urls=[http://host:port, ...]")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (log-probs are of logits/T)")
+
+
+@dataclass
+class MetricsConfig:
+    """Training-dynamics metrics (ALGORITHMS.md section 2) and the collapse early warning."""
+
+    repetition_tail_chars: int = 10000
+    """L: characters of the response tail whose compression ratio is measured (paper 10000)."""
+    repetition_ratio: float = 10.0
+    """tau: a response is repetitive when its tail compresses more than this (paper 10)."""
+    repeat_ngram: int = 8
+    """A token is repetitive when the n-gram ending at it occurred earlier in the response."""
+    overlap_k: int = 16
+    """k of the student/teacher top-k overlap metrics (paper 2604.13016: 16); 0 disables them."""
+    warn_window: int = 5
+    """Steps of the moving window the collapse detector compares against."""
+    warn_truncation_jump: float = 0.2
+    """Warn when the truncation rate exceeds its window mean by this much."""
+    warn_repetition_jump: float = 0.15
+    """Warn when the repetition rate exceeds its window mean by this much."""
+
+
+@dataclass
+class ValidationConfig:
+    """Validation every trainer.eval_interval steps, with the evaluator's code."""
+
+    path: str = ""
+    """Benchmark-format jsonl (id, problem, answer); empty disables validation."""
+    max_problems: int = 0
+    """Use the first N problems (0 = all)."""
+    samples: int = 1
+    temperature: float = 0.6
+    """Paper 2604.08527 evaluates at 0.6."""
+    max_new_tokens: int = 1024

@@ -1,0 +1,111 @@
+"""Training checkpoints: RUN/checkpoints/step_NNNNNN/ with an atomic RUN/checkpoints/latest pointer.
+
+    step_000010/
+      model_and_optimizer/   megatron dist_checkpointing (torch_dist): the actor's weights and Adam
+                             state, loadable at another TP/PP
+      trainer_state.json     step, lr scheduler, data position, collapse detector, weight version, ...
+      rng/rank_R.safetensors each rank's torch RNG state (uint8 tensors, no pickle)
+
+A checkpoint is written under a temporary name and renamed when every rank has finished, then `latest`
+is replaced atomically: a run killed mid-save resumes from the previous complete checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from safetensors.torch import load_file, save_file
+
+from megaopd.models import compat
+
+LATEST = "latest"
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The directory of the last complete checkpoint of a run, or None."""
+    pointer = os.path.join(checkpoints_dir(run_dir), LATEST)
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    path = os.path.join(checkpoints_dir(run_dir), name)
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        raise FileNotFoundError(f"{pointer} names {name!r}, which is incomplete or missing: delete the pointer "
+                                f"to start over, or point it at a complete step_* directory")
+    return path
+
+
+def _model_and_optimizer_sd(model, optimizer, pgs, is_loading: bool) -> dict:
+    model_sd = compat.sharded_state_dict(model, pgs)
+    sd = {"model": model_sd}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return sd
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, trainer_state: dict, keep: int = 2) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    rank = dist.get_rank()
+    name = f"step_{step:06d}"
+    final = os.path.join(checkpoints_dir(run_dir), name)
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "model_and_optimizer"))
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    dist_checkpointing.save(_model_and_optimizer_sd(model, optimizer, pgs, is_loading=False),
+                            os.path.join(tmp, "model_and_optimizer"))
+    save_file(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.safetensors"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "world_size": dist.get_world_size(), **trainer_state}, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer_tmp = os.path.join(checkpoints_dir(run_dir), LATEST + ".tmp")
+        with open(pointer_tmp, "w") as f:
+            f.write(name)
+        os.replace(pointer_tmp, os.path.join(checkpoints_dir(run_dir), LATEST))
+        _prune(run_dir, keep)
+    dist.barrier()
+    return final
+
+
+def _prune(run_dir: str, keep: int) -> None:
+    steps = sorted(d for d in os.listdir(checkpoints_dir(run_dir)) if d.startswith("step_") and not d.endswith(".tmp"))
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(checkpoints_dir(run_dir), old), ignore_errors=True)
+
+
+def load_checkpoint(path: str, model, optimizer, pgs, restore_rng: bool = True) -> dict:
+    """Collective. Loads weights and optimizer state in place; returns trainer_state.json's contents."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    sd = _model_and_optimizer_sd(model, optimizer, pgs, is_loading=True)
+    loaded = dist_checkpointing.load(sd, os.path.join(path, "model_and_optimizer"))
+    model.load_state_dict(loaded["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.safetensors")
+    if restore_rng and trainer_state.get("world_size") == dist.get_world_size() and os.path.exists(rng_file):
+        rng = load_file(rng_file)
+        torch.set_rng_state(rng["torch_cpu"])
+        if torch.cuda.is_available() and "torch_cuda" in rng:
+            torch.cuda.set_rng_state(rng["torch_cuda"])
+    return trainer_state
