@@ -1,0 +1,104 @@
+"""The HF <-> Megatron mapping as pure functions (no process group, no megatron import).
+
+    pytest tests/models/test_weights.py -x
+"""
+import pytest
+import torch
+
+from megaopd.models.hf_config import padded_vocab_size, read_hf_config
+from megaopd.models.presets import preset_config
+from megaopd.models.weights import (FC1, QKV, VOCAB, hf_shapes, merge_shards, shard_hf_weights, shard_tensor,
+                                    stage_rules)
+
+
+def _cfg(name):
+    return read_hf_config(preset_config(name))
+
+
+def _random_hf(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in hf_shapes(cfg).items()}
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen2-tied", "tiny-llama"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_shard_then_merge_is_identity(name, tp, pp):
+    cfg = _cfg(name)
+    hf = _random_hf(cfg)
+    rebuilt = {}
+    for pp_rank in range(pp):
+        shards = [shard_hf_weights(hf, cfg, r, tp, pp_rank, pp) for r in range(tp)]
+        for rule in stage_rules(cfg, pp_rank, pp):
+            if rule.export:
+                for n, t in zip(rule.hf, merge_shards(rule, [s[rule.megatron] for s in shards], cfg)):
+                    assert n not in rebuilt, f"{n} exported twice"
+                    rebuilt[n] = t
+    assert rebuilt.keys() == hf.keys()
+    for n in hf:
+        assert torch.equal(rebuilt[n], hf[n]), n
+
+
+def test_qkv_is_interleaved_by_query_group():
+    cfg = _cfg("tiny-qwen2")  # 6 heads, 2 groups, head dim 16: per group [q q q k v] heads
+    hf = _random_hf(cfg)
+    rule = next(r for r in stage_rules(cfg) if r.kind == QKV and r.megatron.endswith("weight"))
+    q, k, v = (hf[n] for n in rule.hf)
+    d, nq = 16, 3
+    full = shard_tensor(rule, [q, k, v], cfg, 0, 1)
+    expected = torch.cat([q[0:nq * d], k[0:d], v[0:d], q[nq * d:2 * nq * d], k[d:2 * d], v[d:2 * d]])
+    assert torch.equal(full, expected)
+    # TP=2: each rank holds one whole query group.
+    assert torch.equal(shard_tensor(rule, [q, k, v], cfg, 1, 2), expected[(nq + 2) * d:])
+
+
+def test_fc1_is_gate_then_up_per_rank():
+    cfg = _cfg("tiny-qwen2")
+    rule = next(r for r in stage_rules(cfg) if r.kind == FC1)
+    gate, up = torch.randn(192, 96), torch.randn(192, 96)
+    s1 = shard_tensor(rule, [gate, up], cfg, 1, 2)
+    assert torch.equal(s1, torch.cat([gate[96:], up[96:]]))
+
+
+def test_vocab_padding_rows_are_zero_and_trimmed():
+    cfg = _cfg("tiny-qwen2")  # vocab 300 -> 512 rows at TP=2
+    rule = next(r for r in stage_rules(cfg) if r.kind == VOCAB)
+    w = torch.randn(300, 96)
+    shards = [shard_tensor(rule, [w], cfg, r, 2) for r in range(2)]
+    assert all(s.shape == (padded_vocab_size(300, 2) // 2, 96) for s in shards)
+    assert torch.count_nonzero(shards[1][300 - 256:]) == 0
+    assert torch.equal(merge_shards(rule, shards, cfg)[0], w)
+
+
+def test_tied_embeddings_rules():
+    cfg = _cfg("tiny-qwen2-tied")
+    names_pp1 = [r.megatron for r in stage_rules(cfg, 0, 1)]
+    assert "output_layer.weight" not in names_pp1  # megatron shares the embedding on one stage
+    last = stage_rules(cfg, 1, 2)
+    out = [r for r in last if r.megatron == "output_layer.weight"]
+    assert len(out) == 1 and out[0].hf == ("model.embed_tokens.weight",) and not out[0].export
+    assert "lm_head.weight" not in hf_shapes(cfg)
+
+
+def test_pp_stages_own_disjoint_global_layers():
+    cfg = _cfg("tiny-qwen2")  # 4 layers
+    s0 = {n for r in stage_rules(cfg, 0, 2) for n in r.hf}
+    s1 = {n for r in stage_rules(cfg, 1, 2) for n in r.hf}
+    assert "model.layers.1.mlp.down_proj.weight" in s0 and "model.layers.2.mlp.down_proj.weight" in s1
+    assert not s0 & s1
+    assert [r.megatron for r in stage_rules(cfg, 1, 2)][0] == "decoder.layers.0.input_layernorm.weight"
+
+
+def test_fused_norm_names_for_transformer_engine():
+    cfg = _cfg("tiny-llama")
+    names = {r.megatron for r in stage_rules(cfg, fused_norms=True)}
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names
+    assert not any(n.endswith("input_layernorm.weight") for n in names)
+
+
+def test_shape_mismatch_names_the_tensor():
+    cfg = _cfg("tiny-llama")
+    hf = _random_hf(cfg)
+    hf["model.layers.1.mlp.up_proj.weight"] = torch.randn(10, 64)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight has shape \(10, 64\)"):
+        shard_hf_weights(hf, cfg, 0, 1)
