@@ -1,0 +1,122 @@
+"""Evaluation throughput of `evaluate()` on the embedded engine: problems/s at generate batch 1 vs 64.
+
+What is timed: evaluate(engine, tokenizer, [bench], EvalConfig(samples=1, batch_size=B)) end to end on the
+first N problems of examples/tiny/data/val.jsonl, split into generation (engine.generate) and the rest
+(prompt rendering, decoding, math-verify scoring, repetition test, writing generations.jsonl).
+    problems/s = N / wall time;  generated tokens/s = sum of response lengths / generation time.
+Models: random Qwen2 built here with the tiny tokenizer (256 ids); random weights rarely emit EOS, so
+nearly every response runs to max_new_tokens: a fixed amount of work per problem.
+
+    python benchmarks/eval.py                       # tiny + small, N = 64, 64 new tokens, 1 torch thread
+    python benchmarks/eval.py --models small --problems 128 --max-new-tokens 128 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+MODELS = {
+    # name: Qwen2Config overrides (vocab = the tiny tokenizer's 256 ids)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2),
+}
+TOKENIZER_DIR = os.path.join(ROOT, "examples", "tiny", "tokenizer")
+VAL_FILE = os.path.join(ROOT, "examples", "tiny", "data", "val.jsonl")
+
+
+def build_model(name: str, out_dir: str) -> str:
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=4096, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=False, **MODELS[name])
+    Qwen2ForCausalLM(cfg).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+class TimedEngine:
+    """Forwards to an engine and adds up the time spent in generate and the tokens it returned."""
+
+    def __init__(self, engine):
+        self.engine, self.seconds, self.tokens = engine, 0.0, 0
+
+    def generate(self, prompts, params, first_prompt_index=0):
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompts, params, first_prompt_index=first_prompt_index)
+        self.seconds += time.perf_counter() - t0
+        self.tokens += sum(len(s.output_ids) for s in out)
+        return out
+
+
+def run(model: str, batch: int, n_problems: int, max_new_tokens: int, workdir: str) -> dict:
+    from transformers import AutoTokenizer
+
+    from megaopd.eval import EvalConfig, evaluate
+    from megaopd.eval.benchmarks import Benchmark, convert_rows, read_rows
+    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+    hf_dir = os.path.join(workdir, model)
+    if not os.path.isdir(hf_dir):
+        build_model(model, hf_dir)
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    rows = convert_rows(read_rows(VAL_FILE)[:n_problems], "tiny_val")
+    from megaopd.eval.benchmarks import Problem
+
+    bench = Benchmark("tiny_val", [Problem(r["id"], r["problem"], r["answer"]) for r in rows], samples=1)
+    engine = TimedEngine(EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=max(batch, 1))))
+    cfg = EvalConfig(samples=1, batch_size=batch, max_new_tokens=max_new_tokens, temperature=0.6)
+    # Warm-up (first-call allocations, math-verify import) outside the timing.
+    evaluate(engine, tok, [Benchmark("warm", bench.problems[:2], 1)], EvalConfig(samples=1, batch_size=2, max_new_tokens=4))
+    engine.seconds, engine.tokens = 0.0, 0
+    t0 = time.perf_counter()
+    res = evaluate(engine, tok, [bench], cfg, out_dir=os.path.join(workdir, f"out_{model}_{batch}"))
+    wall = time.perf_counter() - t0
+    b = res.benchmarks[0]
+    return {
+        "model": model, "batch": batch, "problems": b.n_problems, "max_new_tokens": max_new_tokens,
+        "wall_s": wall, "problems_per_s": b.n_problems / wall, "gen_tokens_per_s": engine.tokens / engine.seconds,
+        "gen_share": engine.seconds / wall, "mean_response_tokens": b.response_tokens_mean,
+        "truncation_rate": b.truncation_rate,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="tiny,small")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--problems", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: on a shared 2-core machine more threads spin against other jobs)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"# torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for model in args.models.split(","):
+            for batch in map(int, args.batches.split(",")):
+                r = run(model, batch, args.problems, args.max_new_tokens, workdir)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    print("\n| model | generate batch | problems | new tokens | problems/s | gen tokens/s | generation share of time |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['model']} | {r['batch']} | {r['problems']} | {r['mean_response_tokens']:.0f} | "
+              f"{r['problems_per_s']:.2f} | {r['gen_tokens_per_s']:.0f} | {100 * r['gen_share']:.0f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
