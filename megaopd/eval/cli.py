@@ -4,19 +4,22 @@
         [--samples K] [--temperature 0.6] [--max-new-tokens N] [--limit N] [--out DIR]
 
 --ckpt: a Hugging Face folder (config.json + weights + tokenizer) runs on the embedded engine
-(megaopd.rollout.embedded); a Megatron checkpoint is first exported to HF (megaopd.models converter)
-into OUT/hf. Benchmarks are read from --data-dir/<name>.jsonl (tools/prepare_benchmarks.py writes them)
+(megaopd.rollout.embedded); a megaopd Megatron checkpoint (megaopd_checkpoint.json) is first exported to
+HF with megaopd.models.convert (the library behind tools/convert_megatron_to_hf.py) into a temporary
+folder under OUT, removed afterwards. Benchmarks are read from --data-dir/<name>.jsonl (tools/prepare_benchmarks.py writes them)
 or given as paths to .jsonl files. Prints the results table; OUT gets results.md, results.json and
 generations.jsonl (default OUT: CKPT/eval).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 
-from megaopd.eval.benchmarks import BENCHMARKS, DEFAULT_DATA_DIR
+from megaopd.eval.benchmarks import BENCHMARKS, DEFAULT_DATA_DIR, resolve_benchmarks
 from megaopd.eval.evaluate import EvalConfig, evaluate
 from megaopd.metrics.rollout import RepetitionConfig
 
@@ -25,26 +28,17 @@ def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
 
 
-def is_megatron_checkpoint(path: str) -> bool:
-    """Megatron layouts: a tracker file with iter_* folders, or a dist_checkpointing folder (metadata.json)."""
-    if os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt")):
-        return True
-    return os.path.isfile(os.path.join(path, "metadata.json")) or os.path.isfile(os.path.join(path, ".metadata"))
+def is_training_checkpoint(path: str) -> bool:
+    """A trainer checkpoint (RUN/checkpoints/step_N: model_and_optimizer/ + trainer_state.json)."""
+    return os.path.isfile(os.path.join(path, "trainer_state.json"))
 
 
 def export_megatron_to_hf(ckpt: str, out_dir: str) -> str:
-    """Megatron checkpoint -> HF folder, through the one converter library (megaopd.models)."""
-    # TODO(eval): call the converter library once megaopd.models exposes it (tools/convert_megatron_to_hf.py
-    # is its command line); until then the user converts first, which this message says how to do.
-    try:
-        from megaopd.models import export_hf  # noqa: F401  (name to be confirmed when the converter lands)
-    except ImportError:
-        raise SystemExit(
-            f"megaopd eval: {ckpt} is a Megatron checkpoint and the in-process exporter is not available; "
-            f"convert it first: python tools/convert_megatron_to_hf.py --ckpt {ckpt} --out {out_dir} "
-            f"then run megaopd eval --ckpt {out_dir}"
-        ) from None
-    export_hf(ckpt, out_dir)
+    """megaopd Megatron checkpoint -> HF folder at out_dir, through the one converter (megaopd.models)."""
+    from megaopd.models.convert import megatron_to_hf
+
+    logging.getLogger(__name__).info("exporting Megatron checkpoint %s to HF at %s", ckpt, out_dir)
+    megatron_to_hf(ckpt, out_dir)
     return out_dir
 
 
@@ -87,32 +81,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megaopd eval: --ckpt {ckpt} is not a folder", file=sys.stderr)
         return 2
     out_dir = args.out or os.path.join(ckpt, "eval")
-    if is_hf_dir(ckpt):
-        hf_dir = ckpt
-    elif is_megatron_checkpoint(ckpt):
-        hf_dir = export_megatron_to_hf(ckpt, os.path.join(out_dir, "hf"))
-    else:
-        print(f"megaopd eval: {ckpt} is neither an HF folder (config.json) nor a Megatron checkpoint", file=sys.stderr)
-        return 2
     cfg = EvalConfig(
         samples=args.samples, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, limit=args.limit, seed=args.seed, use_chat_template=not args.no_chat_template,
         repetition=RepetitionConfig(window_chars=args.repetition_window),
     )
+    # Check the benchmark files before exporting or loading a model: a typo should cost a second.
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    # Check the benchmark files before loading a model: a typo should cost a second, not a model load.
-    from megaopd.eval.benchmarks import resolve_benchmarks
-
     try:
         suites = resolve_benchmarks(names, args.data_dir, cfg.samples)
     except (ValueError, FileNotFoundError) as e:
         print(f"megaopd eval: {e}", file=sys.stderr)
         return 2
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    engine = load_engine(hf_dir, args.batch_size, args.dtype)
-    result = evaluate(engine, tokenizer, suites, cfg, out_dir=out_dir, label=args.label or os.path.basename(ckpt))
+    from megaopd.models.checkpoint import is_megatron_checkpoint
+
+    # A megaopd Megatron checkpoint also holds config.json (its HF side files): test for it first.
+    with contextlib.ExitStack() as cleanup:
+        if is_megatron_checkpoint(ckpt):
+            os.makedirs(out_dir, exist_ok=True)
+            export_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="hf_export_", dir=out_dir))
+            hf_dir = export_megatron_to_hf(ckpt, os.path.join(export_dir, "hf"))
+        elif is_training_checkpoint(ckpt):
+            # TODO(eval, trainer): export a training checkpoint's actor weights (model_and_optimizer/) to HF;
+            # megaopd.models.convert reads only model checkpoints (megaopd_checkpoint.json).
+            print(f"megaopd eval: {ckpt} is a training checkpoint (trainer_state.json); exporting its weights to "
+                  f"HF is not supported yet: evaluate a model checkpoint or an HF folder", file=sys.stderr)
+            return 2
+        elif is_hf_dir(ckpt):
+            hf_dir = ckpt
+        else:
+            print(f"megaopd eval: {ckpt} is neither an HF folder (config.json) nor a megaopd Megatron "
+                  f"checkpoint (megaopd_checkpoint.json)", file=sys.stderr)
+            return 2
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        engine = load_engine(hf_dir, args.batch_size, args.dtype)
+        label = args.label or os.path.basename(ckpt)
+        result = evaluate(engine, tokenizer, suites, cfg, out_dir=out_dir, label=label)
     print(result.markdown())
     print(f"written: {out_dir}/results.md, results.json, generations.jsonl")
     return 0

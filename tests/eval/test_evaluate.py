@@ -137,3 +137,29 @@ def test_prompt_fn_override_and_tiny_tokenizer_matches_training_render(tok):
     seen.clear()
     evaluate(Recorder(tok, ["\\boxed{2}"]), tok, [b], EvalConfig(max_new_tokens=4))
     assert seen == [render_and_encode("What is 1+1?", DataConfig(), tok)[1]]
+
+
+def test_cli_rejects_training_checkpoint(tiny_bench, tmp_path, capsys):
+    from megaopd.cli import main as cli_main
+
+    step = tmp_path / "step_000010"
+    (step / "model_and_optimizer").mkdir(parents=True)
+    (step / "trainer_state.json").write_text('{"step": 10}')
+    assert cli_main(["eval", "--ckpt", str(step), "--benchmarks", tiny_bench]) == 2
+    assert "training checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_megatron_checkpoint(tiny_hf_dir, tiny_bench, tmp_path, capsys):
+    """A megaopd Megatron checkpoint is exported to HF (megaopd.models.convert) and evaluated; it must give
+    the same generations as the HF folder it came from (the export is bit-exact, sampling is seeded)."""
+    from megaopd.cli import main as cli_main
+    from megaopd.models.convert import hf_to_megatron
+
+    ckpt = tmp_path / "megatron"
+    hf_to_megatron(tiny_hf_dir, str(ckpt))
+    args = ["--benchmarks", tiny_bench, "--max-new-tokens", "8", "--samples", "2"]
+    assert cli_main(["eval", "--ckpt", str(ckpt), "--out", str(tmp_path / "m"), *args]) == 0
+    assert cli_main(["eval", "--ckpt", tiny_hf_dir, "--out", str(tmp_path / "h"), *args]) == 0
+    assert os.listdir(tmp_path / "m") and not [d for d in os.listdir(tmp_path / "m") if d.startswith("hf_export_")]
+    assert (tmp_path / "m" / "generations.jsonl").read_text() == (tmp_path / "h" / "generations.jsonl").read_text()
