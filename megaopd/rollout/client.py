@@ -249,15 +249,18 @@ class DistributedUpdateConfig:
     """nccl | gloo; None = nccl with a GPU, else gloo."""
     bucket_bytes: int = 512 << 20
     """Bytes per bucket (one HTTP request + one broadcast each with flattened_bucket)."""
-    load_format: str | None = "flattened_bucket"
-    """"flattened_bucket" (one broadcast per bucket) or None (one broadcast per tensor)."""
+    load_format: str | None = "auto"
+    """"flattened_bucket" (one broadcast per bucket: fewest collectives, SGLang's fast path on GPUs),
+    None (one broadcast per tensor; megaopd serve receives each straight into the model's tensor, which
+    on CPUs saves a copy that costs as much as the transfer), or "auto": flattened_bucket with nccl,
+    None with gloo."""
     timeout_s: float = 600.0
     """Longest wait for the group to form and for one bucket to be broadcast and loaded."""
     flush_cache: bool = True
 
     def __post_init__(self):
-        if self.load_format not in (None, "flattened_bucket"):
-            raise ValueError(f"load_format={self.load_format!r}; use None or 'flattened_bucket'")
+        if self.load_format not in (None, "flattened_bucket", "auto"):
+            raise ValueError(f"load_format={self.load_format!r}; use None, 'flattened_bucket' or 'auto'")
         if self.bucket_bytes < 1:
             raise ValueError("bucket_bytes must be positive")
 
@@ -272,6 +275,9 @@ class DistributedWeightUpdater:
         self.config = config or DistributedUpdateConfig()
         self.backend = self.config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.load_format = self.config.load_format
+        if self.load_format == "auto":
+            self.load_format = "flattened_bucket" if self.backend == "nccl" else None
         self.pg = None
         self.group_name = self.config.group_name
         self._abandoned: list = []  # groups left with a pending broadcast; kept alive, never reused
@@ -321,20 +327,28 @@ class DistributedWeightUpdater:
             self.connect()
         bucket_list = list(dist_group.buckets(named_tensors, self.config.bucket_bytes))
         refused: list[str] = []
+        def flat(bucket):
+            return dist_group.flatten_bucket([t.detach().to(self.device) for _, t in bucket])
+
+        flattened = self.load_format == "flattened_bucket"
+        next_flat = flat(bucket_list[0]) if flattened and bucket_list else None
         for k, bucket in enumerate(bucket_list):
             last = k == len(bucket_list) - 1
             names = [n for n, _ in bucket]
-            tensors = [t.detach().to(self.device) for _, t in bucket]
+            tensors = [t.detach() for _, t in bucket]
             body = {"names": names, "dtypes": [dist_group.dtype_name(t.dtype) for t in tensors],
                     "shapes": [list(t.shape) for t in tensors], "group_name": self.group_name,
-                    "flush_cache": self.config.flush_cache and last, "load_format": self.config.load_format,
+                    "flush_cache": self.config.flush_cache and last, "load_format": self.load_format,
                     # The version flips with the last bucket, so it never names half-loaded weights.
                     "weight_version": weight_version if last else None}
             calls = self._post_all("/update_weights_from_distributed", [body] * len(self.engines))
-            if self.config.load_format == "flattened_bucket":
-                works = [dist_group.broadcast(dist_group.flatten_bucket(tensors), self.pg, async_op=True)]
+            if flattened:
+                works = [dist_group.broadcast(next_flat, self.pg, async_op=True)]
+                # Pack the next bucket while this one is on the wire (the copy costs about as much).
+                next_flat = None if last else flat(bucket_list[k + 1])
             else:
-                works = [dist_group.broadcast(t.contiguous(), self.pg, async_op=True) for t in tensors]
+                works = [dist_group.broadcast(t.to(self.device).contiguous(), self.pg, async_op=True)
+                         for t in tensors]
             self._wait_broadcast(works, calls)
             errors = _join(calls, self.config.timeout_s)
             if errors and not all(any(m in e for m in _AFTER_RECEIPT) for e in errors):

@@ -32,12 +32,13 @@ finish reason "abort".
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import torch
 
@@ -177,6 +178,8 @@ class EmbeddedEngine:
         self._stale: set[str] = set()  # parameters discarded and not yet reloaded
         self._discarded_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._targets = self.model.state_dict(keep_vars=True)  # HF name -> Parameter/buffer (tied names alias)
+        first: dict[int, str] = {}
+        self._canonical = {n: first.setdefault(id(t), n) for n, t in self._targets.items()}  # alias -> one name
         self.running = 0  # rows currently decoding, for /get_server_info style reporting
 
     # ----------------------------------------------------------------------------------- generation
@@ -414,36 +417,60 @@ class EmbeddedEngine:
         Waits for a running batch unless generation is paused.
         """
         named = [(n, t) for n, t in named_tensors]
-        problems = self.check_weights((n, tuple(t.shape)) for n, t in named)
+        self._raise_on_mismatch([(n, tuple(t.shape)) for n, t in named])
+        with self._exclusive():
+            with torch.no_grad():
+                for name, tensor in named:
+                    self._targets[name].copy_(tensor.to(device=self._targets[name].device))
+            self._loaded([n for n, _ in named], weight_version)
+
+    def receive_weights_in_place(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+                                 fill: Callable[[list[torch.Tensor]], None], weight_version: str | None = None) -> bool:
+        """Zero-copy load: fill(targets) writes straight into the model's tensors (e.g. a broadcast).
+
+        Only when every (name, shape) matches and each dtype equals the model's (else returns False and
+        does nothing, so the caller receives into scratch tensors and calls update_weights). Holds the
+        model for the duration of fill, as a load does; a fill that fails half-way leaves those weights
+        half-updated (as SGLang warns for its own loads).
+        """
+        if self.check_weights([(n, shape) for n, shape, _ in specs]):
+            return False
+        targets = [self._targets[n] for n, _, _ in specs]
+        if any(t.dtype != dt or not t.is_contiguous() for t, (_, _, dt) in zip(targets, specs)):
+            return False
+        with self._exclusive():
+            with torch.no_grad():
+                fill(targets)
+            self._loaded([n for n, _, _ in specs], weight_version)
+        return True
+
+    def _raise_on_mismatch(self, named_shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+        problems = self.check_weights(named_shapes)
         if problems:
-            known = len(self._targets)
             raise WeightMismatchError(
-                f"update_weights: {len(problems)} of {len(named)} tensors do not match the model "
-                f"({known} weights, HF names such as {next(iter(self._targets))!r}); nothing was loaded:\n  "
-                + "\n  ".join(problems))
+                f"update_weights: {len(problems)} of {len(named_shapes)} tensors do not match the model "
+                f"({len(self._targets)} weights, HF names such as {next(iter(self._targets))!r}); nothing was "
+                "loaded:\n  " + "\n  ".join(problems))
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """The model, for a weight load: after the running chunk (or at its pause), before queued chunks."""
         self._waiting_updates += 1
         try:
             with self._cond:
                 if self._weights_released and not self._stale:
-                    raise EngineReleasedError("weights are released; call resume_memory before update_weights")
-                with torch.no_grad():
-                    for name, tensor in named:
-                        target = self._targets[name]
-                        target.copy_(tensor.to(device=target.device))
-                        self._stale.discard(self._canonical(name))
-                if weight_version is not None:
-                    self.weight_version = str(weight_version)
+                    raise EngineReleasedError("weights are released; call resume_memory before loading weights")
+                yield
         finally:
             self._waiting_updates -= 1
             with self._cond:
                 self._cond.notify_all()
 
-    def _canonical(self, name: str) -> str:
-        target = self._targets[name]
-        for n, t in self._targets.items():
-            if t is target:
-                return n
-        return name
+    def _loaded(self, names: list[str], weight_version: str | None) -> None:
+        for name in names:
+            self._stale.discard(self._canonical[name])
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
 
     # -------------------------------------------------------------------------------- memory
     def release_memory(self, tags: Iterable[str] | None = None) -> None:

@@ -132,6 +132,7 @@ class RolloutServer:
         self.engine: EmbeddedEngine | None = None
         self.scheduler: _Scheduler | None = None
         self.groups: dict[str, dist_group.dist.ProcessGroup] = {}
+        self._recv_buffers: dict[str, torch.Tensor] = {}  # group name -> reusable flattened-bucket buffer
         self.load_error: str | None = None
         self.httpd = ThreadingHTTPServer((config.host, config.port), _make_handler(self))
         self.httpd.daemon_threads = True
@@ -303,23 +304,49 @@ class RolloutServer:
             raise BadRequest(str(e)) from e
         pg = self.groups[name]
         device = engine.device if torch.cuda.is_available() and engine.device.type == "cuda" else torch.device("cpu")
+        shapes = [tuple(int(x) for x in shape) for shape in shapes]
+        version = req.get("weight_version")
+        failed = "Failed to update weights: "  # the client reads this prefix as "received, not loaded"
+        if fmt is None and device == engine.device:
+            # Per-tensor broadcasts land straight in the model's tensors when names, shapes and dtypes
+            # all match: no scratch copy (on CPU a copy costs as much as the transfer itself).
+            def fill(targets):
+                for t in targets:
+                    dist_group.broadcast(t, pg)
+            try:
+                if engine.receive_weights_in_place(list(zip(names, shapes, torch_dtypes)), fill, version):
+                    return {"success": True, "message": "Succeeded to update parameter online."}
+            except EngineReleasedError as e:
+                self._receive_scratch(pg, None, names, torch_dtypes, shapes, device)  # keep the group in step
+                return {"success": False, "message": failed + str(e)}
         # Receive everything first, even when names or shapes are wrong: the trainer is broadcasting and
         # would otherwise block until the group times out. Validate, then load all or nothing.
-        if fmt == "flattened_bucket":
-            flat = torch.empty(dist_group.bucket_nbytes(torch_dtypes, shapes), dtype=torch.uint8, device=device)
-            dist_group.broadcast(flat, pg)
-            tensors = dist_group.unflatten_bucket(flat, names, torch_dtypes, shapes)
-        else:
-            tensors = []
-            for n, dt, shape in zip(names, torch_dtypes, shapes):
-                t = torch.empty(tuple(shape), dtype=dt, device=device)
-                dist_group.broadcast(t, pg)
-                tensors.append((n, t))
+        tensors = self._receive_scratch(pg, fmt, names, torch_dtypes, shapes, device, buffer_key=name)
         try:
-            engine.update_weights(tensors, weight_version=req.get("weight_version"))
+            engine.update_weights(tensors, weight_version=version)
         except (WeightMismatchError, EngineReleasedError) as e:
-            return {"success": False, "message": f"Failed to update weights: {e}"}
+            return {"success": False, "message": failed + str(e)}
         return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def _receive_scratch(self, pg, fmt, names, dtypes, shapes, device, buffer_key=None):
+        if fmt == "flattened_bucket":
+            nbytes = dist_group.bucket_nbytes(dtypes, shapes)
+            # One receive buffer per group, grown as needed and reused by later buckets: fresh pages
+            # would cost a page fault per 4 KiB on every update.
+            buf = self._recv_buffers.get(buffer_key)
+            if buf is None or buf.numel() < nbytes or buf.device != device:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                if buffer_key is not None:
+                    self._recv_buffers[buffer_key] = buf
+            flat = buf[:nbytes]
+            dist_group.broadcast(flat, pg)
+            return dist_group.unflatten_bucket(flat, names, dtypes, shapes)
+        tensors = []
+        for n, dt, shape in zip(names, dtypes, shapes):
+            t = torch.empty(shape, dtype=dt, device=device)
+            dist_group.broadcast(t, pg)
+            tensors.append((n, t))
+        return tensors
 
     def update_from_disk(self, req: dict) -> dict:
         from safetensors.torch import load_file
@@ -342,6 +369,7 @@ class RolloutServer:
     def destroy_group(self, req: dict) -> dict:
         name = (req or {}).get("group_name", "weight_update_group")
         pg = self.groups.pop(name, None)
+        self._recv_buffers.pop(name, None)
         if pg is None:
             return {"success": False, "message": f"Group {name} not in {list(self.groups)}."}
         dist_group.destroy_custom_process_group(pg)

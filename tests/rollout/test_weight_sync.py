@@ -143,7 +143,8 @@ def test_distributed_weight_update_from_trainer(served, tiny_dir):
     new = random_state_dict(tiny_dir, seed=99)
     new_model = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     new_model.load_state_dict(new)
-    updater = DistributedWeightUpdater([client], DistributedUpdateConfig(bucket_bytes=40_000, timeout_s=120))
+    updater = DistributedWeightUpdater([client], DistributedUpdateConfig(
+        bucket_bytes=40_000, timeout_s=120, load_format="flattened_bucket"))
     updater.connect()
     try:
         updater.update(new.items(), weight_version="step-1")  # several flattened buckets
@@ -176,10 +177,20 @@ def test_distributed_weight_update_from_trainer(served, tiny_dir):
         assert updater.group_name == "weight_update_group_1"
 
         # Per-tensor broadcasts (load_format null) back to the original weights.
-        updater.config.load_format = None
+        updater.load_format = None
         orig = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).state_dict()
         updater.update(orig.items(), weight_version="step-2")
         assert gap(tiny_dir, client.generate(PROMPTS, PARAMS)) < 1e-4
+        # ...where a mismatch is received into scratch tensors, reported, and nothing is loaded.
+        with pytest.raises(EngineError, match=r"lm_head.weight: shape \[128, 63\]"):
+            updater.update(bad)
+        # bfloat16 tensors (the trainer's usual dtype) go through scratch and are cast on load.
+        updater.update([(k, v.to(torch.bfloat16)) for k, v in new.items()], weight_version="bf16")
+        assert client.weight_version() == "bf16"
+        assert gap(new_model, client.generate(PROMPTS, PARAMS)) > 1e-4  # rounded to bf16...
+        bf16_model = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+        bf16_model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in new.items()})
+        assert gap(bf16_model, client.generate(PROMPTS, PARAMS)) < 1e-4  # ...exactly
     finally:
         updater.close()
 
