@@ -1,1 +1,19 @@
-"""megaopd.models"""
+"""megaopd.models: HF Qwen2 / Qwen2.5 / Llama configs -> megatron-core GPTModel, the one HF <-> Megatron
+weight mapping, Megatron checkpoints, forward-only passes and per-token log-probs.
+
+Modules (one job each; importing this package imports neither torch nor megatron):
+    hf_config   read_hf_config(dir) -> HFModelConfig; check_layout(cfg, tp, pp); padded_vocab_size(V, tp)
+    builder     transformer_config(cfg, tp, pp, dtype); build_gpt_model(cfg, tp, pp, pg_collection, ...)
+    compat      everything specific to the megatron-core version / TE / apex (layer specs, schedule call)
+    weights     shard_hf_weights / load_hf_weights (HF -> this rank), gather_hf_weights (this rank -> HF)
+    hf_io       lazy safetensors reading (HFWeights), save_hf_dir (safetensors + config + tokenizer)
+    checkpoint  save_model_checkpoint / load_model_checkpoint (dist_checkpointing, any TP/PP on load)
+    forward     forward_only(model, micro_batches, pg_collection, on_logits) via the pipeline schedule
+    logprobs    token_logprobs_from_shard (vocab-parallel, padding masked); score_sequences
+    convert     hf_to_megatron / megatron_to_hf (behind tools/convert_*.py)
+    logprobs_cli  `megaopd logprobs`
+    presets     random tiny HF models (tests, benchmarks, CPU demo)
+    ranks       run a function on tp*pp ranks: torchrun's, or spawned gloo workers
+
+Tests: pytest tests/models -x  (the multi-process ones are marked slow).
+"""

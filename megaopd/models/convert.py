@@ -110,8 +110,9 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, t
     load_model_checkpoint(model, ckpt_dir, pgs)
     tensors = gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp)
     if dist.get_rank() == 0:
-        # config.json and tokenizer files are copied verbatim from the checkpoint directory.
-        save_hf_dir(out_dir, list(tensors), side_files_from=ckpt_dir)
+        # Streamed: rank 0 holds at most one ~4 GiB safetensors shard while the other ranks wait in the
+        # next gather. config.json and tokenizer files are copied verbatim from the checkpoint.
+        save_hf_dir(out_dir, tensors, side_files_from=ckpt_dir)
     else:
         for _ in tensors:  # collective: every rank takes part in each gather/broadcast
             pass

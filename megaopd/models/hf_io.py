@@ -89,30 +89,44 @@ def copy_side_files(src_dir: str, dst_dir: str, include_config: bool = True) -> 
 
 def save_hf_dir(out_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], config_json: dict | None = None,
                 side_files_from: str | None = None) -> None:
-    """Writes model.safetensors (sharded with an index past SHARD_BYTES) + config.json + side files."""
+    """Writes model.safetensors (sharded with an index past SHARD_BYTES) + config.json + side files.
+
+    `tensors` is consumed as a stream: at most one shard is held in memory. Shards are written under
+    temporary names and renamed once their count (the "-of-N" in the names) is known.
+    """
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    meta = {"format": "pt"}  # what transformers expects in the safetensors header
+    written: list[tuple[str, dict[str, int]]] = []  # (temp file, {name: nbytes})
+    shard: dict[str, torch.Tensor] = {}
     size = 0
+
+    def flush():
+        nonlocal shard, size
+        tmp = os.path.join(out_dir, f".shard-{len(written):05d}.safetensors.tmp")
+        save_file(shard, tmp, metadata=meta)
+        written.append((tmp, {n: t.numel() * t.element_size() for n, t in shard.items()}))
+        shard, size = {}, 0
+
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.detach().cpu().contiguous()
+        if shard and size + nbytes > SHARD_BYTES:
+            flush()
+        shard[name] = t.detach().cpu().contiguous()
         size += nbytes
-    meta = {"format": "pt"}  # what transformers expects in the safetensors header
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata=meta)
+    if shard or not written:
+        flush()
+    if len(written) == 1:
+        os.replace(written[0][0], os.path.join(out_dir, "model.safetensors"))
     else:
         weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, fname), metadata=meta)
-            for name, t in shard.items():
+        for i, (tmp, sizes) in enumerate(written):
+            fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+            os.replace(tmp, os.path.join(out_dir, fname))
+            for name, nbytes in sizes.items():
                 weight_map[name] = fname
-                total += t.numel() * t.element_size()
+                total += nbytes
         with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     if side_files_from is not None:

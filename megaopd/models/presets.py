@@ -28,9 +28,9 @@ PRESETS: dict[str, dict] = {
                        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                           "high_freq_factor": 4.0,
                                                           "original_max_position_embeddings": 8192}),
-    # ~0.1B parameters (Qwen2.5-0.5B's shape family, fewer layers and a 32k vocab) for benchmarks.
+    # ~0.1B parameters (100.1M: Qwen2.5-style GQA, 12 layers, a 32k vocab, tied) for benchmarks.
     "qwen2-100m": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=32000, hidden_size=768,
-                       intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                       intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                        max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True),
 }
 

@@ -102,3 +102,17 @@ def test_shape_mismatch_names_the_tensor():
     hf["model.layers.1.mlp.up_proj.weight"] = torch.randn(10, 64)
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight has shape \(10, 64\)"):
         shard_hf_weights(hf, cfg, 0, 1)
+
+
+def test_save_hf_dir_shards_and_index(tmp_path, monkeypatch):
+    from megaopd.models import hf_io
+
+    monkeypatch.setattr(hf_io, "SHARD_BYTES", 3000)  # a few tensors per file
+    cfg = _cfg("tiny-llama")
+    hf = {n: t for n, t in _random_hf(cfg).items() if "layers.0." in n or "norm" in n}
+    hf_io.save_hf_dir(str(tmp_path), iter(hf.items()))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert hf_io.INDEX_NAME in files and not any(f.endswith(".tmp") for f in files)
+    back = hf_io.HFWeights(str(tmp_path))
+    assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+    assert len({back.files[n] for n in hf}) > 2
