@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+from megaopd.metrics import CollapseConfig, RepetitionConfig
+
 
 @dataclass
 class RolloutConfig:
@@ -41,20 +43,12 @@ class RolloutConfig:
 class MetricsConfig:
     """Training-dynamics metrics (ALGORITHMS.md section 2) and the collapse early warning."""
 
-    repetition_tail_chars: int = 10000
-    """L: characters of the response tail whose compression ratio is measured (paper 10000)."""
-    repetition_ratio: float = 10.0
-    """tau: a response is repetitive when its tail compresses more than this (paper 10)."""
-    repeat_ngram: int = 8
-    """A token is repetitive when the n-gram ending at it occurred earlier in the response."""
+    repetition: RepetitionConfig = field(default_factory=RepetitionConfig)
+    """Repetition rate (tail length L, ratio tau) and the repetitive-token n-gram."""
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    """Jump/level thresholds on the rollout truncation and repetition rates."""
     overlap_k: int = 16
     """k of the student/teacher top-k overlap metrics (paper 2604.13016: 16); 0 disables them."""
-    warn_window: int = 5
-    """Steps of the moving window the collapse detector compares against."""
-    warn_truncation_jump: float = 0.2
-    """Warn when the truncation rate exceeds its window mean by this much."""
-    warn_repetition_jump: float = 0.15
-    """Warn when the repetition rate exceeds its window mean by this much."""
 
 
 @dataclass

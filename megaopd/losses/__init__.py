@@ -32,6 +32,9 @@ class LossConfig:
     config: dict[str, Any] = field(default_factory=dict)
     """That loss's config keys (e.g. {sft_weight: 0.1, opd: {eps_high: 0.28}}); empty = its defaults.
     Checked by `build_loss` at start-up: an unknown key is an error listing the accepted ones."""
+    mask_first_tokens: list[str] = field(default_factory=list)
+    """Special-token masking (LSM paper): tokens whose FIRST occurrence in each response is removed from
+    the loss mask, e.g. ["<think>", "<|im_end|>"] (paper code: "<", "think", "<|im_end|>")."""
 
 
 def build_loss_from(section: LossConfig) -> BoundLoss:

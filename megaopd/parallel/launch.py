@@ -53,11 +53,12 @@ def _worker(rank, world_size, port, fn, args, env, queue):
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600,
-          env: dict[str, str] | None = None) -> list[Any]:
+          env: dict[str, str] | None = None, forward_signals: Sequence[int] = ()) -> list[Any]:
     """Runs fn(rank, world_size, *args) in `world_size` fresh processes; returns results by rank.
 
     fn must be importable (module level) because workers are started with the spawn method.
-    Results must be picklable (tensors are copied back); keep them small.
+    Results must be picklable (tensors are copied back); keep them small. Signals in forward_signals
+    (e.g. SIGTERM from Slurm) are passed on to every worker instead of stopping this process.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -69,6 +70,11 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
     ]
     for p in procs:
         p.start()
+    import signal
+
+    previous = {}
+    for sig in forward_signals:
+        previous[sig] = signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in procs if p.is_alive()])
     results: dict[int, Any] = {}
     errors: list[str] = []
     import time
@@ -93,6 +99,8 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
                 break
         else:
             time.sleep(0.02)
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     for p in procs:
         p.join(timeout=30 if not errors else 1)
         if p.is_alive():

@@ -6,7 +6,7 @@ Sequences are right-padded, so causal attention never lets padding reach a real 
 
 Built on every rank from the same Samples (rank 0 generates and broadcasts them); per-token teacher and
 old-policy outputs are filled in by the scoring passes; `select(rows)` cuts out a data-parallel shard
-or a micro-batch.
+or a micro-batch. Golden (SFT) rows come from megaopd.data.golden_batch.
 """
 from __future__ import annotations
 
@@ -83,34 +83,3 @@ def build_rollout_batch(samples: list[Sample], pad_id: int, samples_per_prompt: 
         truncated_B=torch.tensor([s.finish_reason == "length" for s in samples]),
         group_ids_B=torch.arange(B) // samples_per_prompt,
     )
-
-
-@dataclass
-class GoldenBatch:
-    """Golden (verified) solutions for the SFT term: prompt + solution, loss on solution tokens only."""
-
-    tokens_BS: torch.Tensor
-    loss_mask_BT: torch.Tensor
-
-    @property
-    def targets_BT(self) -> torch.Tensor:
-        return self.tokens_BS[:, 1:]
-
-    @property
-    def size(self) -> int:
-        return self.tokens_BS.shape[0]
-
-    def select(self, rows) -> "GoldenBatch":
-        return GoldenBatch(self.tokens_BS[rows], self.loss_mask_BT[rows])
-
-
-def build_golden_batch(prompt_ids: list[list[int]], solution_ids: list[list[int]], pad_id: int) -> GoldenBatch:
-    B = len(prompt_ids)
-    S = max(len(p) + len(s) for p, s in zip(prompt_ids, solution_ids))
-    tokens_BS = torch.full((B, S), pad_id, dtype=torch.long)
-    loss_mask_BT = torch.zeros(B, S - 1)
-    for b, (p, s) in enumerate(zip(prompt_ids, solution_ids)):
-        tokens_BS[b, :len(p)] = torch.tensor(p)
-        tokens_BS[b, len(p):len(p) + len(s)] = torch.tensor(s)
-        loss_mask_BT[b, len(p) - 1:len(p) + len(s) - 1] = 1.0
-    return GoldenBatch(tokens_BS, loss_mask_BT)

@@ -61,10 +61,10 @@ class RunLog:
         if self._bar is not None:
             self._bar.update(1)
 
-    def event(self, step: int, name: str, message: str, **fields) -> None:
-        """A notable event, loud on the console and recorded in metrics.jsonl."""
+    def event(self, step: int, name: str, message: str, loud: bool = False, **fields) -> None:
+        """A notable event, recorded in metrics.jsonl; `loud` ones (collapse warnings) stand out on the console."""
         self._write({"step": step, "event": name, "message": message, **fields})
-        self.console(f"!!! step {step} {name}: {message}")
+        self.console(f"{'!!! WARNING ' if loud else ''}step {step} {name}: {message}")
 
     def samples(self, step: int, rows: list[dict]) -> None:
         with open(os.path.join(self.run_dir, "samples", f"step_{step:06d}.jsonl"), "w") as f:
@@ -93,21 +93,3 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    """The step records of RUN/metrics.jsonl (events skipped); a later record for a step replaces an
-    earlier one, so a resumed run that re-logs a step reads once."""
-    by_step: dict[int, dict] = {}
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            rec = json.loads(line)
-            if "event" not in rec:
-                by_step[rec["step"]] = rec
-    return [by_step[s] for s in sorted(by_step)]

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_attr_wrapped_model
 
 from megaopd.models import compat
 
@@ -46,28 +47,30 @@ class _LockstepPair(torch.nn.Module):
 
     def __init__(self, student: torch.nn.Module, partner: torch.nn.Module):
         super().__init__()
-        self.student = student
+        self.student = student  # may be DDP-wrapped: attributes are read from the GPTModel inside
         self.partner = partner
         self.config = student.config
-        self._b = None
+        self.model_type = get_attr_wrapped_model(student, "model_type")
+        self._set_student_input = get_attr_wrapped_model(student, "set_input_tensor")
+        self._set_partner_input = get_attr_wrapped_model(partner, "set_input_tensor")
+        # Last stage: logits [b, s, v] (batch-first). Other stages: hidden [s, b, h] (batch second).
+        self._batch_dim = 0 if get_attr_wrapped_model(student, "post_process") else 1
 
     def set_input_tensor(self, input_tensor):
         t = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
         if t is None:
-            self.student.set_input_tensor(None)
-            self.partner.set_input_tensor(None)
+            self._set_student_input(None)
+            self._set_partner_input(None)
             return
         half = t.shape[1] // 2
-        self.student.set_input_tensor(t[:, :half])
-        self.partner.set_input_tensor(t[:, half:].detach())
+        self._set_student_input(t[:, :half])
+        self._set_partner_input(t[:, half:].detach())
 
     def forward(self, input_ids, position_ids, attention_mask):
         out = self.student(input_ids, position_ids, attention_mask)
         with torch.no_grad():
             partner_out = self.partner(input_ids, position_ids, attention_mask)
-        # Last stage: logits [b, s, v] (batch-first). Other stages: hidden [s, b, h] (batch second).
-        batch_dim = 0 if getattr(self.student, "post_process", True) else 1
-        return torch.cat([out, partner_out], dim=batch_dim)
+        return torch.cat([out, partner_out], dim=self._batch_dim)
 
 
 @dataclass

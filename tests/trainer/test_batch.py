@@ -1,7 +1,7 @@
 import torch
 
 from megaopd.rollout.protocol import Sample
-from megaopd.trainer.batch import build_golden_batch, build_rollout_batch
+from megaopd.trainer.batch import build_rollout_batch
 
 
 def test_rollout_batch_alignment_and_padding():
@@ -23,9 +23,3 @@ def test_rollout_batch_alignment_and_padding():
     assert b.group_ids_B.tolist() == [0, 0, 1, 1]
     sub = b.select(torch.tensor([2, 3]))
     assert sub.size == 2 and sub.tokens_BS.tolist() == b.tokens_BS[2:].tolist()
-
-
-def test_golden_batch_masks_solution_only():
-    g = build_golden_batch([[1, 2], [3]], [[4, 5, 6], [7]], pad_id=0)
-    assert g.tokens_BS.tolist() == [[1, 2, 4, 5, 6], [3, 7, 0, 0, 0]]
-    assert g.targets_BT[g.loss_mask_BT.bool()].tolist() == [4, 5, 6, 7]

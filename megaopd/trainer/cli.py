@@ -1,0 +1,80 @@
+"""`megaopd train CONFIG [key=value ...]`: run (or resume) an OPD job.
+
+On a machine without torchrun in charge (no WORLD_SIZE in the environment) it starts run.world_size
+local workers itself (gloo on CPU); under torchrun or srun it is one rank of the job. The run folder
+run.dir gets config.yaml, metrics.jsonl, tb/, samples/, checkpoints/, eval/, hf/ (the final student),
+plots/ and summary.json. Starting the same command again resumes from the last checkpoint; SIGTERM or
+SIGUSR1 saves a checkpoint and exits 0.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from megaopd.config import ConfigError, load_config, to_yaml
+from megaopd.config.schema import MegaOPDConfig
+
+
+def _prepare_run_dir(cfg: MegaOPDConfig) -> None:
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+
+
+def _print_summary(cfg: MegaOPDConfig, summary: dict) -> None:
+    from megaopd.trainer.trainer import write_summary
+
+    before = (summary.get("val_before") or {}).get("val/accuracy")
+    after = summary.get("val/accuracy")
+    lines = [f"run {cfg.run.dir}: {summary.get('start_step', 0)} -> {cfg.trainer.max_steps} steps"]
+    if before is not None and after is not None:
+        lines.append(f"  validation accuracy   {before:.3f} -> {after:.3f}")
+    for key, label in (("rollout/truncation_rate", "truncation rate"), ("rollout/repetition_rate", "repetition rate"),
+                       ("val/truncation_rate", "val truncation rate"), ("val/repetition_rate", "val repetition rate"),
+                       ("step_time_mean", "time per step (s)")):
+        if summary.get(key) is not None:
+            lines.append(f"  {label:<21} {summary[key]:.3f}")
+    lines.append(f"  summary: {write_summary(cfg.run.dir, summary)}")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or "=" in argv[0]:
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        cfg = load_config(MegaOPDConfig, argv[0], argv[1:])
+    except ConfigError as e:
+        print(f"megaopd train: {e}", file=sys.stderr)
+        return 2
+    from megaopd.trainer.trainer import run_worker
+
+    if "WORLD_SIZE" in os.environ:  # torchrun / srun: this process is one rank of the job
+        if int(os.environ["WORLD_SIZE"]) != cfg.run.world_size:
+            print(f"megaopd train: torchrun started {os.environ['WORLD_SIZE']} ranks but run.world_size="
+                  f"{cfg.run.world_size}; pass run.world_size={os.environ['WORLD_SIZE']}", file=sys.stderr)
+            return 2
+        if int(os.environ["RANK"]) == 0:
+            _prepare_run_dir(cfg)
+        summary = run_worker(int(os.environ["RANK"]), cfg.run.world_size, cfg)
+    else:
+        from megaopd.parallel.launch import spawn
+
+        _prepare_run_dir(cfg)
+        summary = spawn(run_worker, cfg.run.world_size, args=(cfg,), timeout=7 * 24 * 3600,
+                        forward_signals=(signal.SIGTERM, signal.SIGUSR1))[0]
+    if summary is not None and not summary.get("preempted"):
+        _print_summary(cfg, summary)
+        try:
+            from megaopd.metrics.plot import main as plot_main
+
+            plot_main([cfg.run.dir])
+        except Exception as e:  # noqa: BLE001 - figures are a convenience; the run itself succeeded
+            print(f"megaopd train: could not draw the figures ({e})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The actor's DDP wrapper, Megatron optimizer (Adam) and learning-rate schedule.
+
+Gradient reduction: every loss already divides its token sum by the WHOLE step's count (all
+micro-batches, all data-parallel ranks), so gradients must be SUMMED over DP, never averaged, and the
+pipeline schedule must not divide by the number of micro-batches. megatron's
+`calculate_per_token_loss=True` gives exactly that (DDP scaling 1, no schedule division); our
+finalize hook then passes no token count, so megatron does not rescale either.
+
+DDP and the optimizer take their groups from megatron's global parallel_state, which holds exactly the
+actor's layout (megaopd.parallel.groups.initialize_actor_layout): they also need the expert and
+distributed-optimizer groups that only parallel_state builds.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megaopd.config.trainer import OptimizerConfig
+
+
+def wrap_for_training(model: torch.nn.Module, pgs, use_distributed_optimizer: bool) -> DistributedDataParallel:
+    config = model.config
+    config.calculate_per_token_loss = True
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                      use_distributed_optimizer=use_distributed_optimizer),
+        module=model,
+    )
+    # The schedule passes the module it ran, which may be the actor with its reference in lockstep:
+    # the gradients to finalize are always the actor's.
+    config.finalize_model_grads_func = (
+        lambda models, num_tokens=None, pg_collection=None, force_all_reduce=False:
+        finalize_model_grads([ddp], None, pg_collection=pgs, force_all_reduce=force_all_reduce))
+    return ddp
+
+
+def build_optimizer(ddp: DistributedDataParallel, cfg: OptimizerConfig, max_steps: int):
+    """Megatron Adam(W) over the actor and its warmup + decay schedule (steps = optimizer steps)."""
+    mcfg = ddp.config
+    opt_cfg = MegatronOptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
+        bf16=mcfg.bf16, fp16=mcfg.fp16, params_dtype=mcfg.params_dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False)
+    decay_steps = max(max_steps, cfg.warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=cfg.decay_style,
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+    )
+    return optimizer, scheduler

@@ -1,0 +1,538 @@
+"""The OPD step loop (ARCHITECTURE.md "One training step"), for every algorithm of ALGORITHMS.md.
+
+    prompts (+ golden solutions)  -> engines generate n responses each (rank 0; broadcast to all ranks)
+    -> actor forward-only: log pi_old (+ its top-k and entropy for LSM-student and overlap metrics)
+    -> teacher forward-only, its own TP/PP: log q of the sampled tokens (+ top-K, + at the student's top-k)
+    -> rewards (math-verify) -> train: per mini-batch, micro-batches through megatron's schedule with the
+       reference (or, for GKD, the teacher) in lockstep -> loss -> backward -> Adam step
+    -> weight sync into the engines -> metrics -> validation every N -> checkpoint every M
+
+Every rank holds the whole rollout batch (token ids and small per-token scores): that makes global
+token counts local arithmetic and lets each layout take its own data-parallel rows.
+
+    python -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=runs/tiny
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megaopd.config.schema import MegaOPDConfig
+from megaopd.data import PromptDataset, PromptLoader, golden_batch
+from megaopd.losses import LossInputs, build_loss_from, mask_first_occurrences
+from megaopd.losses.requirements import loss_requirements
+from megaopd.metrics import (CollapseDetector, advantage_split, math_verify_rewards, repetitive_token_mask,
+                             response_metrics, rollout_dynamics, topk_overlap)
+from megaopd.models.weights import gather_hf_weights, model_state
+from megaopd.parallel.dist import init_distributed
+from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
+from megaopd.rollout.protocol import SamplingParams
+from megaopd.trainer.batch import RolloutBatch, build_rollout_batch
+from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megaopd.trainer.optim import build_optimizer, wrap_for_training
+from megaopd.trainer.preemption import PreemptionFlag
+from megaopd.trainer.roles import check_same_tokenizer, load_role_model, tokenizer_dir
+from megaopd.trainer.run_log import RunLog
+from megaopd.trainer.scoring import TokenScores, dp_rows, pad_rows, score_tokens
+from megaopd.trainer.stage_runner import StageRunner
+
+
+@dataclass
+class MicroBatchData:
+    """Everything step_fn needs for one micro-batch (rows: on-policy, then golden, then padding)."""
+
+    tokens_BS: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    golden_mask_BT: torch.Tensor
+    extras: dict
+
+
+class Trainer:
+    def __init__(self, cfg: MegaOPDConfig):
+        from transformers import AutoTokenizer
+
+        init_distributed()
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.run_log: RunLog | None = None  # created once the run folder's state is known (below)
+        torch.manual_seed(cfg.trainer.seed)
+        self.loss_fn = build_loss_from(cfg.loss)
+        self.needs = loss_requirements(self.loss_fn)
+        self.temperature = cfg.rollout.temperature
+        student_layout = Layout(cfg.student.tp, cfg.student.pp)
+        teacher_layout = Layout(cfg.teacher.tp, cfg.teacher.pp)
+        if self.needs.teacher_logits and (teacher_layout != student_layout or self.needs.reference):
+            raise ValueError("gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
+                             "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
+
+        # Tokenizers and data first: a bad file fails here, before any model is loaded.
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.student.path))
+        teacher_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.teacher.path))
+        check_same_tokenizer(self.tokenizer, teacher_tokenizer, cfg.student.path, cfg.teacher.path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.special_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in cfg.loss.mask_first_tokens]
+        dataset = PromptDataset.load(cfg.data, self.tokenizer,
+                                     teacher_tokenizer if cfg.data.prompt_template == "teacher" else None,
+                                     log=self._console if self.rank == 0 else None)
+        # dp_size=1: every rank draws the same global batch (rank 0 generates it, every layout then
+        # takes its own rows of the responses).
+        self.loader = PromptLoader(dataset, cfg.data, batch_size=cfg.trainer.prompts_per_step)
+
+        self.actor_pgs = initialize_actor_layout(student_layout, seed=cfg.trainer.seed)
+        self.teacher_pgs = self.actor_pgs if teacher_layout == student_layout else build_process_groups(teacher_layout)
+        self.actor = load_role_model(cfg.student, self.actor_pgs, trainable=True)
+        self.vocab_size = self.actor.hf.vocab_size
+        self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
+        self.teacher = load_role_model(cfg.teacher, self.teacher_pgs, trainable=False)
+        partner = None
+        if self.needs.reference:
+            partner = load_role_model(cfg.student, self.actor_pgs, trainable=False,
+                                      path=cfg.reference.path or cfg.student.path).model
+        elif self.needs.teacher_logits:
+            partner = self.teacher.model
+        self.train_runner = StageRunner(self.ddp, self.actor_pgs, self.vocab_size, partner=partner)
+        self.actor_runner = StageRunner(self.ddp, self.actor_pgs, self.vocab_size)
+        self.teacher_runner = StageRunner(self.teacher.model, self.teacher_pgs, self.vocab_size)
+
+        self.step = 0
+        self._last_metrics: dict = {}
+        self.detector = CollapseDetector(cfg.metrics.collapse)
+        self.preemption = PreemptionFlag()
+        latest = latest_checkpoint(cfg.run.dir)
+        if latest is not None:
+            state = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs)
+            self.step = state["step"]
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.loader.load_state_dict(state["data"])
+            self.detector.load_state_dict(state["collapse"])
+        if self.rank == 0:
+            self.run_log = RunLog(cfg.run.dir, cfg.trainer.max_steps, cfg.logging.tensorboard,
+                                  cfg.logging.progress_bar, start_step=self.step)
+            if latest is not None:
+                self.run_log.console(f"resumed from {latest} at step {self.step}")
+        from megaopd.models.checkpoint import is_megatron_checkpoint
+
+        if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
+            self.export_hf(os.path.join(cfg.run.dir, "hf_init"))  # collective; the engine is built from it
+        self.engine = self._build_engine()
+        self.sync_weights()
+        self._check_parity(tolerance=cfg.rollout.parity_tolerance)
+
+    # ------------------------------------------------------------------------------------------ loop
+    def train(self) -> dict:
+        cfg = self.cfg.trainer
+        summary = {"start_step": self.step}
+        if self.step == 0 and cfg.eval_interval:
+            summary["val_before"] = self._validate()
+        step_times = []
+        while self.step < cfg.max_steps:
+            metrics = self.train_step()
+            step_times.append(metrics["time/step"])
+            if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
+                metrics.update(self._validate())
+            self._log(metrics)
+            stop = self.preemption.should_stop()
+            if stop or self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
+                self.save()
+            if stop:
+                self._console(f"preemption signal received: checkpoint saved at step {self.step}, exiting")
+                summary["preempted"] = True
+                return summary
+        self.export_hf(os.path.join(self.cfg.run.dir, "hf"))
+        summary.update(self._last_metrics, step_time_mean=sum(step_times) / max(len(step_times), 1))
+        return summary
+
+    def train_step(self) -> dict:
+        cfg, needs = self.cfg, self.needs
+        t0 = time.time()
+        examples = self.loader.next_batch()
+        samples = self._generate([ex.prompt_ids for ex in examples])
+        batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
+        t_rollout = time.time()
+
+        overlap_k = cfg.metrics.overlap_k
+        old = score_tokens(self.actor_runner, batch.tokens_BS, cfg.trainer.micro_batch_size, self.temperature,
+                           topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0)
+        batch.old_logprobs_BT = old.logprobs_BT
+        t_old = time.time()
+        student_support = old.topk_ids_BTK[..., :needs.student_topk] if needs.student_topk else None
+        teacher = score_tokens(self.teacher_runner, batch.tokens_BS, cfg.trainer.micro_batch_size, self.temperature,
+                               topk=max(needs.teacher_topk, overlap_k), entropy=overlap_k > 0,
+                               at_ids_BTK=student_support)
+        batch.teacher_logprobs_BT = teacher.logprobs_BT
+        t_teacher = time.time()
+
+        texts, rewards = self._texts_and_rewards(samples, examples)
+        batch.rewards_B = rewards
+        golden = golden_batch(examples, self.pad_id) if needs.golden else None
+        loss_metrics = self._train(batch, old, teacher, student_support, golden)
+        t_train = time.time()
+        self.step += 1
+        self.sync_weights()
+        if cfg.rollout.parity_interval and self.step % cfg.rollout.parity_interval == 0:
+            self._check_parity(tolerance=cfg.rollout.parity_tolerance)
+        t_sync = time.time()
+
+        metrics = {**loss_metrics, **self._rollout_metrics(batch, old, teacher, texts)}
+        metrics.update({"time/rollout": t_rollout - t0, "time/actor_logprobs": t_old - t_rollout,
+                        "time/teacher": t_teacher - t_old, "time/train": t_train - t_teacher,
+                        "time/sync": t_sync - t_train, "time/step": time.time() - t0})
+        if self.rank == 0:
+            self.run_log.samples(self.step, [
+                {"prompt": self.tokenizer.decode(s.prompt_ids), "response": t, "finish_reason": s.finish_reason,
+                 "reward": float(r)} for s, t, r in list(zip(samples, texts, rewards))[:cfg.logging.samples_per_step]])
+        return metrics
+
+    # ------------------------------------------------------------------------------------- rollouts
+    def _build_engine(self):
+        if self.rank != 0:
+            return None
+        rollout = self.cfg.rollout
+        if rollout.engine == "remote":
+            from megaopd.rollout.client import HttpEngine, HttpEngineConfig
+            from megaopd.rollout.pool import EnginePool, PoolConfig
+
+            engines = [HttpEngine(HttpEngineConfig(url=u)) for u in rollout.urls]
+            return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
+        from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+        return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=self._engine_hf_dir(), max_batch_size=rollout.max_batch_size))
+
+    def _engine_hf_dir(self) -> str:
+        """An HF directory with the student's architecture and tokenizer. The engine builds from it and the
+        actor's weights are synced in right after; a Megatron-checkpoint student is exported first."""
+        from megaopd.models.checkpoint import is_megatron_checkpoint
+
+        if not is_megatron_checkpoint(self.cfg.student.path):
+            return self.cfg.student.path
+        return os.path.join(self.cfg.run.dir, "hf_init")
+
+    def _sampling_params(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, n=self.cfg.trainer.samples_per_prompt,
+                              seed=self.cfg.trainer.seed * 1_000_003 + self.step)
+
+    def _generate(self, prompts: list[list[int]]):
+        samples = self.engine.generate(prompts, self._sampling_params()) if self.rank == 0 else None
+        box = [samples]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _texts_and_rewards(self, samples, examples) -> tuple[list[str], torch.Tensor]:
+        """Decoded responses and math-verify rewards (rank 0 computes, every rank receives)."""
+        box = [None]
+        if self.rank == 0:
+            n = self.cfg.trainer.samples_per_prompt
+            texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
+            golds = [examples[i // n].answer for i in range(len(samples))]
+            box = [(texts, math_verify_rewards(texts, golds))]
+        dist.broadcast_object_list(box, src=0)
+        texts, rewards = box[0]
+        return texts, torch.tensor(rewards, dtype=torch.float32)
+
+    # ----------------------------------------------------------------------------------------- train
+    def _train(self, batch: RolloutBatch, old: TokenScores, teacher: TokenScores,
+               student_support: torch.Tensor | None, golden) -> dict:
+        cfg = self.cfg.trainer
+        mask_BT = batch.loss_mask_BT
+        if self.special_ids:
+            mask_BT = mask_first_occurrences(batch.targets_BT, mask_BT, self.special_ids)
+        B, P, M = batch.size, cfg.prompts_per_step, cfg.mini_batches_per_step
+        per_step_metrics: list[dict] = []
+        grad_norms = []
+        for j in range(M):
+            rows = torch.arange(j * B // M, (j + 1) * B // M)
+            golden_rows = torch.arange(j * P // M, (j + 1) * P // M) if golden is not None else None
+            micro = self._micro_batches(batch, mask_BT, old, teacher, student_support, golden, rows, golden_rows)
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            results = self.train_runner.run([m.tokens_BS for m in micro], self._step_fn(micro), forward_only=False)
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok:
+                raise FloatingPointError(f"step {self.step}: non-finite gradients; lower optimizer.lr or check the data")
+            self.scheduler.step(increment=1)
+            grad_norms.append(float(grad_norm or 0.0))
+            per_step_metrics.extend(results or [])
+        metrics = _reduce_loss_metrics(per_step_metrics, is_reporter=self._is_metrics_reporter())
+        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def _is_metrics_reporter(self) -> bool:
+        pgs = self.actor_pgs
+        return pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1
+
+    def _micro_batches(self, batch, mask_BT, old, teacher, student_support, golden, rows, golden_rows):
+        """This DP rank's share of one mini-batch, cut into equal-shaped micro-batches.
+
+        Global counts (the denominators of every loss) are taken over the whole mini-batch here, which
+        every rank holds, so gradient accumulation and DP summation reproduce the big-batch gradient.
+        """
+        cfg, needs, pgs = self.cfg.trainer, self.needs, self.actor_pgs
+        counts = {
+            "global_num_tokens": float(mask_BT[rows].sum()),
+            "global_num_seqs": float((mask_BT[rows].sum(-1) > 0).sum()),
+        }
+        local = rows[list(dp_rows(len(rows), pgs))]
+        g_local = None
+        S = batch.tokens_BS.shape[1]
+        if golden is not None:
+            g_mask_BT = golden.loss_mask_BT[:, 1:]  # position t predicts token t + 1
+            counts["global_num_golden_tokens"] = float(g_mask_BT[golden_rows].sum())
+            counts["global_num_golden_seqs"] = float((g_mask_BT[golden_rows].sum(-1) > 0).sum())
+            g_local = golden_rows[list(dp_rows(len(golden_rows), pgs))]
+            S = max(S, golden.input_ids_BT.shape[1])
+        mbs = cfg.micro_batch_size
+        n_micro = max(1, -(-len(local) // mbs))
+        g_per = 0 if g_local is None else -(-len(g_local) // n_micro)
+
+        def pad_to(x, length, value=0):  # [rows, L(, K)] -> [rows, length(, K)] along dim 1
+            if x.shape[1] == length:
+                return x
+            pad = torch.full((x.shape[0], length - x.shape[1], *x.shape[2:]), value, dtype=x.dtype)
+            return torch.cat([x, pad], dim=1)
+
+        out = []
+        for i in range(n_micro):
+            r = local[i * mbs:(i + 1) * mbs]
+            gr = g_local[i * g_per:(i + 1) * g_per] if g_local is not None else torch.arange(0)
+
+            def rows_of(x_B_, fill=0, golden_fill=0):
+                """On-policy rows of x, then golden rows' fill, then padding rows: [mbs + g_per, ...]."""
+                x = pad_rows(x_B_[r], mbs, fill)
+                if g_per:
+                    x = torch.cat([x, torch.full((g_per, *x.shape[1:]), golden_fill, dtype=x.dtype)])
+                return x
+
+            tokens = pad_to(pad_rows(batch.tokens_BS[r], mbs, self.pad_id), S, self.pad_id)
+            loss_mask = pad_to(pad_rows(mask_BT[r], mbs), S - 1)
+            golden_mask = torch.zeros_like(loss_mask)
+            if g_per:
+                g_tokens = pad_to(pad_rows(golden.input_ids_BT[gr], g_per, self.pad_id), S, self.pad_id)
+                tokens = torch.cat([tokens, g_tokens])
+                loss_mask = torch.cat([loss_mask, torch.zeros(g_per, S - 1)])
+                g_mask = pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), S - 1)
+                golden_mask = torch.cat([golden_mask, g_mask])
+            T = S - 1
+            extras = {"counts": counts}
+
+            def per_token(x_BT, fill=0.0):  # [B, T(, K)] -> this micro-batch's rows, [rows, T(, K)]
+                return pad_to(rows_of(x_BT, fill, fill), T, fill)
+
+            extras["old_logprobs_BT"] = per_token(old.logprobs_BT)
+            extras["teacher_logprobs_BT"] = per_token(teacher.logprobs_BT)
+            if needs.teacher_topk:
+                extras["teacher_topk_ids_BTK"] = per_token(teacher.topk_ids_BTK[..., :needs.teacher_topk], 0)
+                extras["teacher_topk_logprobs_BTK"] = per_token(teacher.topk_logprobs_BTK[..., :needs.teacher_topk])
+            if needs.student_topk:
+                extras["student_topk_ids_BTK"] = per_token(student_support, 0)
+                extras["student_topk_teacher_logprobs_BTK"] = per_token(teacher.at_ids_logprobs_BTK)
+            if needs.rewards:
+                n_rows = mbs + g_per
+                extras["rewards_S"] = rows_of(batch.rewards_B)
+                # Golden and padding rows get groups of their own (no loss tokens, no effect on others).
+                extras["group_ids_S"] = torch.where(torch.arange(n_rows) < len(r),
+                                                    rows_of(batch.group_ids_B),
+                                                    batch.size + torch.arange(n_rows))
+            out.append(MicroBatchData(tokens, loss_mask, golden_mask, extras))
+        return out
+
+    def _step_fn(self, micro: list[MicroBatchData]):
+        needs, pgs = self.needs, self.actor_pgs
+
+        def step_fn(mb, logits_BSv, partner_BSv):
+            d = micro[mb.index]
+            logits_BTv = logits_BSv[:, :-1]
+            targets_BT = d.tokens_BS[:, 1:]
+            partner_BTv = partner_BSv[:, :-1] if partner_BSv is not None else None
+            inputs = LossInputs(
+                logits_BTv=logits_BTv, token_ids_BT=targets_BT, loss_mask_BT=d.loss_mask_BT, tp_group=pgs.tp,
+                temperature=self.temperature,
+                old_logprobs_BT=d.extras["old_logprobs_BT"], teacher_logprobs_BT=d.extras["teacher_logprobs_BT"],
+                teacher_topk_ids_BTK=d.extras.get("teacher_topk_ids_BTK"),
+                teacher_topk_logprobs_BTK=d.extras.get("teacher_topk_logprobs_BTK"),
+                student_topk_ids_BTK=d.extras.get("student_topk_ids_BTK"),
+                student_topk_teacher_logprobs_BTK=d.extras.get("student_topk_teacher_logprobs_BTK"),
+                ref_logits_BTv=partner_BTv if needs.reference else None,
+                teacher_logits_BTv=partner_BTv if needs.teacher_logits else None,
+                rewards_S=d.extras.get("rewards_S"), group_ids_S=d.extras.get("group_ids_S"),
+                golden_logits_BTv=logits_BTv if needs.golden else None,
+                golden_ids_BT=targets_BT if needs.golden else None,
+                golden_mask_BT=d.golden_mask_BT if needs.golden else None,
+                **d.extras["counts"],
+            )
+            loss, metrics = self.loss_fn(inputs)
+            return loss, {k: v.detach().float() for k, v in metrics.items()}
+
+        return step_fn
+
+    # ------------------------------------------------------------------------------- sync and parity
+    def _hf_tensors(self):
+        """Full HF-named tensors of the actor, gathered over TP and collected over PP (collective)."""
+        return gather_hf_weights(model_state(self.actor.model), self.actor.hf, self.actor_pgs.tp, self.actor_pgs.pp)
+
+    def sync_weights(self) -> None:
+        """Actor shards -> HF tensors -> rollout engine (collective; rank 0 talks to the engine)."""
+        tensors = self._hf_tensors()
+        if self.rank == 0:
+            self.engine.update_weights(tensors, weight_version=str(self.step))
+        else:
+            for _ in tensors:  # every rank takes part in each gather/broadcast
+                pass
+        dist.barrier()
+
+    def _check_parity(self, tolerance: float) -> float:
+        """Engine vs actor log-probs on fixed probe sequences (the first prompts' golden solutions):
+        what the engines generate with must be what the actor trained."""
+        probe = [ex.golden_ids[:64] for ex in self.loader.batch_at_step(0)[:4]]
+        box = [None]
+        if self.rank == 0:
+            if hasattr(self.engine, "prompt_logprobs"):
+                box = [[self.engine.prompt_logprobs(list(map(int, p)))[1:] for p in probe]]
+            else:
+                self.run_log.console("parity check skipped: these engines expose no prompt log-probs; every "
+                                     "step's sync/logprob_gap_* still compares engine and actor log-probs")
+        dist.broadcast_object_list(box, src=0)
+        engine_lp = box[0]
+        if engine_lp is None:
+            return 0.0
+        S = max(len(p) for p in probe)
+        tokens = torch.full((len(probe), S), self.pad_id, dtype=torch.long)
+        for b, p in enumerate(probe):
+            tokens[b, :len(p)] = torch.as_tensor(list(p))
+        actor = score_tokens(self.actor_runner, tokens, self.cfg.trainer.micro_batch_size, 1.0).logprobs_BT
+        gap = max(max(abs(e - a) for e, a in zip(lp, actor[b, :len(lp)].tolist())) for b, lp in enumerate(engine_lp))
+        if self.rank == 0:
+            self.run_log.console(f"weight-sync parity at step {self.step}: max |engine - actor| log-prob = {gap:.2e}")
+        if gap > tolerance:
+            raise RuntimeError(f"engine and actor log-probs differ by {gap:.3g} > rollout.parity_tolerance="
+                               f"{tolerance} after the weight sync at step {self.step}: the sync or the engine's "
+                               f"model is broken (check the HF <-> Megatron mapping and the engine's dtype)")
+        return gap
+
+    # --------------------------------------------------------------------------------------- metrics
+    def _rollout_metrics(self, batch: RolloutBatch, old: TokenScores, teacher: TokenScores, texts) -> dict:
+        if self.rank != 0:
+            return {}
+        mcfg = self.cfg.metrics
+        finish = ["length" if t else "stop" for t in batch.truncated_B.tolist()]
+        mask = batch.loss_mask_BT
+        adv_BT = (teacher.logprobs_BT - old.logprobs_BT) * mask
+        out = response_metrics(texts, finish, mcfg.repetition)
+        out.update(rollout_dynamics(batch.response_lens_B, mask, old.logprobs_BT, teacher.logprobs_BT, adv_BT))
+        rep_BT = repetitive_token_mask(batch.targets_BT, mask, mcfg.repetition.ngram)
+        split = advantage_split(adv_BT, rep_BT, mask)
+        out.update({"adv/regular_mean": split["adv/regular_mean"], "adv/repetitive_mean": split["adv/repetitive_mean"],
+                    "adv/repetitive_token_share": split["adv/repetitive_share"]})
+        if mcfg.overlap_k:
+            k = mcfg.overlap_k
+            out.update(topk_overlap(old.topk_ids_BTK[..., :k], old.topk_logprobs_BTK[..., :k],
+                                    teacher.topk_ids_BTK[..., :k], mask, old.entropy_BT, teacher.entropy_BT))
+        gap = (batch.engine_logprobs_BT - old.logprobs_BT).abs()[mask.bool()]
+        out["sync/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+        out["sync/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+        out["rollout/reward_mean"] = float(batch.rewards_B.mean())
+        return out
+
+    def _validate(self) -> dict:
+        vcfg = self.cfg.validation
+        if not vcfg.path:
+            return {}
+        box = [None]
+        if self.rank == 0:
+            from megaopd.data.templates import render_and_encode
+            from megaopd.eval.benchmarks import load_benchmark_file
+            from megaopd.eval.evaluate import EvalConfig, evaluate
+
+            bench = load_benchmark_file(vcfg.path, name="val", samples=vcfg.samples)
+            result = evaluate(
+                self.engine, self.tokenizer, [bench],
+                EvalConfig(samples=vcfg.samples, temperature=vcfg.temperature, max_new_tokens=vcfg.max_new_tokens,
+                           limit=vcfg.max_problems or None, repetition=self.cfg.metrics.repetition),
+                out_dir=os.path.join(self.cfg.run.dir, "eval", f"step_{self.step:06d}"),
+                prompt_fn=lambda problem: render_and_encode(problem, self.cfg.data, self.tokenizer))
+            box = [{k: v for k, v in result.to_metrics("val").items() if k.count("/") == 1}]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _log(self, metrics: dict) -> None:
+        self._last_metrics = metrics
+        if self.rank != 0:
+            return
+        self.run_log.log_step(self.step, metrics)
+        rates = {"truncation_rate": metrics.get("rollout/truncation_rate"),
+                 "repetition_rate": metrics.get("rollout/repetition_rate")}
+        for warning in self.detector.update(self.step, rates):
+            self.run_log.event(self.step, "collapse_warning", warning.message, loud=True, metric=warning.metric,
+                               value=warning.value)
+
+    def _console(self, line: str) -> None:
+        if self.run_log is not None:
+            self.run_log.console(line)
+        else:
+            print(line, flush=True)
+
+    # ------------------------------------------------------------------------------ checkpoint/export
+    def save(self) -> None:
+        state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),
+                 "collapse": self.detector.state_dict(), "weight_version": str(self.step),
+                 "student": self.cfg.student.path, "teacher": self.cfg.teacher.path}
+        path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs, state)
+        if self.rank == 0:
+            self.run_log.event(self.step, "checkpoint", path)
+
+    def export_hf(self, out_dir: str) -> None:
+        """The student's current weights as an HF directory (safetensors + config + tokenizer)."""
+        from megaopd.models.hf_io import save_hf_dir
+
+        tensors = self._hf_tensors()
+        if self.rank == 0:
+            save_hf_dir(out_dir, list(tensors), side_files_from=self.actor.path)
+        else:
+            for _ in tensors:
+                pass
+        dist.barrier()
+
+
+def _reduce_loss_metrics(results: list[dict], is_reporter: bool) -> dict:
+    """Loss metrics of the step on rank 0: per-micro-batch loss shares are summed (each already divides
+    by the step's global count), other metrics averaged over micro-batches and DP ranks. Term losses
+    are renamed "<term>/loss" -> "loss/<term>"."""
+    local = results if is_reporter else []
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged = [m for part in gathered for m in part]
+    if not merged:
+        return {}
+    out = {}
+    for key in merged[0]:
+        values = [float(m[key]) for m in merged if key in m]
+        is_share = key == "loss/total" or key.endswith("/loss")
+        value = sum(values) if is_share else sum(values) / len(values)
+        name = f"loss/{key[:-len('/loss')]}" if key.endswith("/loss") else key
+        out[name] = value
+    return out
+
+
+def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> dict | None:
+    """One rank of `megaopd train` (spawned on CPU, or the torchrun process itself)."""
+    trainer = Trainer(cfg)
+    summary = trainer.train()
+    if trainer.run_log is not None:
+        trainer.run_log.close()
+    return summary if rank == 0 else None
+
+
+def write_summary(run_dir: str, summary: dict) -> str:
+    path = os.path.join(run_dir, "summary.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1, default=float)
+    return path
