@@ -7,29 +7,25 @@ the collapse early warning, and `megaopd plot`.
     collapse.py  CollapseDetector: jump/level alarms on truncation and repetition rates
     plot.py      `megaopd plot RUN [RUN ...]`: training-dynamics figures from RUN/metrics.jsonl
 """
-from megaopd.metrics.collapse import CollapseConfig, CollapseDetector, CollapseWarning
-from megaopd.metrics.overlap import topk_overlap, topk_overlap_counts, topk_overlap_from_counts
-from megaopd.metrics.reward import RewardConfig, last_boxed, math_verify_reward, math_verify_rewards
-from megaopd.metrics.rollout import (
-    RepetitionConfig,
-    advantage_split,
-    advantage_split_counts,
-    advantage_split_from_counts,
-    compression_ratio,
-    is_repetitive,
-    repetition_rate,
-    repetitive_token_flags,
-    repetitive_token_mask,
-    response_metrics,
-    rollout_dynamics,
-    truncation_rate,
-)
+import importlib
 
-__all__ = [
-    "CollapseConfig", "CollapseDetector", "CollapseWarning",
-    "topk_overlap", "topk_overlap_counts", "topk_overlap_from_counts",
-    "RewardConfig", "last_boxed", "math_verify_reward", "math_verify_rewards",
-    "RepetitionConfig", "advantage_split", "advantage_split_counts", "advantage_split_from_counts",
-    "compression_ratio", "is_repetitive", "repetition_rate", "repetitive_token_flags", "repetitive_token_mask",
-    "response_metrics", "rollout_dynamics", "truncation_rate",
-]
+# name -> submodule. Imported on first use (PEP 562), so that the math-verify helper process and
+# `megaopd plot` do not pay for torch.
+_EXPORTS = {
+    "collapse": ["CollapseConfig", "CollapseDetector", "CollapseWarning"],
+    "overlap": ["topk_overlap", "topk_overlap_counts", "topk_overlap_from_counts"],
+    "reward": ["RewardConfig", "last_boxed", "math_verify_reward", "math_verify_rewards"],
+    "rollout": [
+        "RepetitionConfig", "advantage_split", "advantage_split_counts", "advantage_split_from_counts",
+        "compression_ratio", "is_repetitive", "repetition_rate", "repetitive_token_flags",
+        "repetitive_token_mask", "response_metrics", "rollout_dynamics", "truncation_rate",
+    ],
+}
+_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"megaopd.metrics.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'megaopd.metrics' has no attribute {name!r}")

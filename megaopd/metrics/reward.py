@@ -8,25 +8,29 @@ Departures from calling math_verify.parse on the whole response:
 - We extract the last \\boxed{...} ourselves (linear brace matching) and hand math-verify only that,
   so a 30k-character response costs one small parse, and "the final answer" means the last box, as in
   the paper's evaluation. A response without a box is wrong, even when its text ends with a number.
-- Timeouts. math-verify guards parse/verify with signal.alarm (whole seconds, main thread only; off the
-  main thread it raises "signal only works in main thread"), and its alarm(0) cancels any alarm set by
-  the caller (pytest-timeout, a trainer watchdog). We call it with its own timeouts off and wrap the
-  whole parse+verify in one guard:
-    * main thread: an ITIMER_REAL timer (fractional seconds) that raises a private BaseException (so
-      math-verify's `except Exception` cannot swallow it); the caller's timer and handler are restored,
-      its remaining time reduced by what we used.
-    * other threads (a rollout worker thread, a server handler): one spawned helper process, which runs
-      the same guarded call on its own main thread; if it does not answer within timeout + grace it is
-      killed and replaced, and the answer scores 0.0. `off_main_thread="no_timeout"` skips the helper.
+- Time and memory bounds. math-verify guards parse/verify with signal.alarm (whole seconds, main thread
+  only; elsewhere it raises "signal only works in main thread"), its alarm(0) cancels any alarm the
+  caller set (pytest-timeout, a watchdog), and no signal interrupts one long C-level call: sympy's evalf
+  of "\\boxed{10^{10^{10^{10^{10}}}}}" ran 27 s past a 2 s alarm inside mpmath's integer power. So we call
+  math-verify with its own timeouts off and bound the call ourselves (RewardConfig.isolation):
+    * "process" (default): a helper Python process (started once, `python -c`, so no re-import of the
+      caller's __main__) answers one request per line over pipes; past timeout_s + grace it is killed and
+      restarted and the answer scores 0.0; its address space is capped (worker_memory_mb). Pipe overhead
+      is well under a millisecond against ~10 ms per verification.
+    * "signal": in-process, an ITIMER_REAL timer (fractional seconds) on the main thread raising a private
+      BaseException (math-verify's `except Exception` cannot swallow it); the caller's timer and handler are
+      restored. Cheaper, but a long C call overruns it. Off the main thread it uses the helper process.
+    * "none": no bound besides max_answer_chars.
 
     from megaopd.metrics.reward import math_verify_reward
     math_verify_reward("... so the answer is \\boxed{\\frac{1}{2}}.", "0.5")   # -> 1.0
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
-import multiprocessing as mp
+import os
 import signal
 import threading
 import time
@@ -46,17 +50,23 @@ class RewardConfig:
     max_answer_chars: int = 1000
     """A boxed answer longer than this is scored 0.0 without parsing (degenerate output; sympy could
     spend seconds on it)."""
-    off_main_thread: Literal["worker", "no_timeout"] = "worker"
-    """Off the main thread signals are unavailable: "worker" verifies in a helper process with a hard
-    timeout; "no_timeout" calls math-verify directly in the thread (only bounded by max_answer_chars)."""
+    isolation: Literal["process", "signal", "none"] = "process"
+    """How the timeout is enforced (module docstring): "process" = helper process, hard time and memory
+    bounds; "signal" = in-process timer on the main thread (a long C-level call can overrun it);
+    "none" = unbounded."""
+    worker_memory_mb: int = 4096
+    """Address-space cap of the helper process beyond what it has mapped after its imports; a verification
+    that needs more fails with MemoryError and scores 0.0."""
 
     def __post_init__(self):
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds per answer)")
         if self.max_answer_chars < 1:
             raise ValueError(f"max_answer_chars={self.max_answer_chars} must be at least 1")
-        if self.off_main_thread not in ("worker", "no_timeout"):
-            raise ValueError(f"off_main_thread={self.off_main_thread!r}: choose 'worker' or 'no_timeout'")
+        if self.isolation not in ("process", "signal", "none"):
+            raise ValueError(f"isolation={self.isolation!r}: choose process, signal or none")
+        if self.worker_memory_mb < 256:
+            raise ValueError(f"worker_memory_mb={self.worker_memory_mb} is too small for sympy (>= 256)")
 
 
 def last_boxed(text: str) -> str | None:
@@ -172,63 +182,95 @@ def _verify_in_main_thread(answer: str, gold_content: str, timeout_s: float) -> 
         return 0.0
 
 
-def _worker_loop(conn) -> None:
-    """Helper process body: answers (answer, gold, timeout) requests on its own main thread."""
-    while True:
+def serve_worker(memory_mb: int = 4096) -> None:
+    """Helper process body: one JSON request per stdin line [answer, gold, timeout_s], "1"/"0" per line out.
+
+    Runs each verification on its own main thread under the signal timer; the parent enforces the hard
+    bound by killing it. The address-space cap leaves room for what is already mapped."""
+    import json
+    import resource
+    import sys
+
+    _math_verify()  # imports first, so that the cap applies to the work, not to sympy's import
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * resource.getpagesize()
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = mapped + memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    for line in sys.stdin:
         try:
-            req = conn.recv()
-        except EOFError:
-            return
-        if req is None:
-            return
-        conn.send(_verify_in_main_thread(*req))
+            answer, gold, timeout_s = json.loads(line)
+            score = _verify_in_main_thread(answer, gold, float(timeout_s))
+        except BaseException:  # noqa: BLE001 - MemoryError included: one bad answer must not end the helper
+            score = 0.0
+        sys.stdout.write("1\n" if score else "0\n")
+        sys.stdout.flush()
 
 
 class _VerifyWorker:
-    """One spawned helper process (spawn, not fork: the parent may hold torch threads and locks)."""
+    """The helper process behind isolation="process"; one request at a time (a lock serializes threads)."""
 
-    GRACE_S = 2.0
+    GRACE_S = 1.0
+    STARTUP_S = 60.0
+    """Extra wait for the first answer: the helper imports sympy and math-verify (a few seconds, more on a
+    loaded machine)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._proc = None
-        self._conn = None
         self._warm = False
-        """The helper has answered once, so its imports are done."""
+        self.restarts = 0
+        """Helpers killed for running past their deadline (or found dead)."""
 
-    def _start(self):
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_loop, args=(child,), daemon=True, name="megaopd-math-verify")
-        self._proc.start()
-        child.close()
-        self._conn = parent
+    def _start(self, memory_mb: int):
+        import subprocess
+        import sys
 
-    def _kill(self):
+        # The package's parent directory on PYTHONPATH: works from a source checkout without an install.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", f"from megaopd.metrics.reward import serve_worker; serve_worker({int(memory_mb)})"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
+        )
+        self._warm = False
+
+    def close(self):
         if self._proc is not None:
             self._proc.kill()
-            self._proc.join(timeout=5)
-        self._proc, self._conn = None, None
+            self._proc.wait(timeout=10)
+            self._proc = None
 
-    def __call__(self, answer: str, gold_content: str, timeout_s: float) -> float:
+    def __call__(self, answer: str, gold_content: str, timeout_s: float, memory_mb: int = 4096) -> float:
+        import json
+        import select
+
         with self._lock:
-            if self._proc is None or not self._proc.is_alive():
-                self._start()
+            if self._proc is None or self._proc.poll() is not None:
+                self._start(memory_mb)
             try:
-                self._conn.send((answer, gold_content, timeout_s))
-                # The first request also pays the helper's imports (a few seconds).
-                startup_s = 0.0 if self._warm else 30.0
-                if self._conn.poll(timeout_s + self.GRACE_S + startup_s):
-                    self._warm = True
-                    return float(self._conn.recv())
-            except (EOFError, OSError, BrokenPipeError):
+                self._proc.stdin.write(json.dumps([answer, gold_content, timeout_s]) + "\n")
+                self._proc.stdin.flush()
+                wait = timeout_s + self.GRACE_S + (0.0 if self._warm else self.STARTUP_S)
+                # One request in flight, one line back: nothing is left in the reader's buffer between calls,
+                # so select on the pipe tells whether the answer has come.
+                ready, _, _ = select.select([self._proc.stdout], [], [], wait)
+                if ready:
+                    line = self._proc.stdout.readline()
+                    if line:
+                        self._warm = True
+                        return 1.0 if line.strip() == "1" else 0.0
+            except (OSError, ValueError):
                 pass
-            self._kill()
-            self._warm = False
+            logging.getLogger(__name__).warning("math-verify helper exceeded %.1fs on answer %.80r; restarting it",
+                                                timeout_s, answer)
+            self.close()
+            self.restarts += 1
             return 0.0
 
 
 _worker = _VerifyWorker()
+atexit.register(_worker.close)
 
 
 def math_verify_reward(response: str, gold: str, cfg: RewardConfig | None = None) -> float:
@@ -242,11 +284,11 @@ def math_verify_reward(response: str, gold: str, cfg: RewardConfig | None = None
         gold_content = _normalize_gold(gold)
         if not gold_content:
             return 0.0
-        if threading.current_thread() is threading.main_thread():
+        if cfg.isolation == "none":
+            return 1.0 if _verify_unguarded(answer, gold_content) else 0.0
+        if cfg.isolation == "signal" and threading.current_thread() is threading.main_thread():
             return _verify_in_main_thread(answer, gold_content, cfg.timeout_s)
-        if cfg.off_main_thread == "worker":
-            return _worker(answer, gold_content, cfg.timeout_s)
-        return 1.0 if _verify_unguarded(answer, gold_content) else 0.0
+        return _worker(answer, gold_content, cfg.timeout_s, cfg.worker_memory_mb)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
