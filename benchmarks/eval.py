@@ -63,7 +63,7 @@ def run(model: str, batch: int, n_problems: int, max_new_tokens: int, workdir: s
     from transformers import AutoTokenizer
 
     from megaopd.eval import EvalConfig, evaluate
-    from megaopd.eval.benchmarks import Benchmark, convert_rows, read_rows
+    from megaopd.eval.benchmarks import Benchmark, Problem, convert_rows, read_rows
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
     hf_dir = os.path.join(workdir, model)
@@ -71,8 +71,6 @@ def run(model: str, batch: int, n_problems: int, max_new_tokens: int, workdir: s
         build_model(model, hf_dir)
     tok = AutoTokenizer.from_pretrained(hf_dir)
     rows = convert_rows(read_rows(VAL_FILE)[:n_problems], "tiny_val")
-    from megaopd.eval.benchmarks import Problem
-
     bench = Benchmark("tiny_val", [Problem(r["id"], r["problem"], r["answer"]) for r in rows], samples=1)
     engine = TimedEngine(EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=max(batch, 1))))
     cfg = EvalConfig(samples=1, batch_size=batch, max_new_tokens=max_new_tokens, temperature=0.6)

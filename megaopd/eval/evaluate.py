@@ -44,7 +44,8 @@ class EvalConfig:
     """Sampling temperature (paper 2604.08527: 0.6)."""
     top_p: float = 1.0
     max_new_tokens: int = 8192
-    """Token budget per response; responses that use it all count as truncated (and usually wrong)."""
+    """Token budget per response (ours; long-CoT evaluations use 8k-32k); a response that uses it all counts
+    as truncated (and usually wrong)."""
     batch_size: int = 64
     """Most sequences (prompts x samples) per engine.generate call; at least one prompt per call."""
     limit: int | None = None

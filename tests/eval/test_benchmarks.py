@@ -1,5 +1,4 @@
 """Benchmark file format, registry order and conversion of the public releases' schemas."""
-import json
 
 import pytest
 
