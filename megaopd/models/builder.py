@@ -115,7 +115,7 @@ def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
         use_te = compat.use_transformer_engine_default()
     spec = compat.decoder_block_spec(use_te, layers_per_stage(cfg, pp))
     llama3_factor = cfg.rope_scaling.factor if cfg.rope_scaling is not None else None
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(cfg.vocab_size, tp),
@@ -127,3 +127,6 @@ def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
         pg_collection=pgs,
         **compat.rope_kwargs(cfg.rope_theta, llama3_factor),
     )
+    if not init_weights:
+        compat.mark_tensor_parallel_params(model)
+    return model

@@ -110,3 +110,26 @@ def forward_backward_func(pg_collection: ProcessGroupCollection):
 
 def make_transformer_config(**kwargs) -> TransformerConfig:
     return TransformerConfig(**kwargs)
+
+
+def mark_tensor_parallel_params(model: torch.nn.Module) -> None:
+    """Sets megatron's partition attributes (tensor_model_parallel, partition_dim, partition_stride) on
+    the TP-split weights of a model built with perform_initialization=False.
+
+    megatron-core 0.16 sets them only inside its random-init functions, so a model built without
+    init (to load weights) has none; every TP rank but 0 then treats its shards as duplicates of
+    rank 0's, and the gradient norm (hence clipping) and anything else that filters duplicates come
+    out wrong at TP > 1. Linear biases already have them.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or getattr(weight, "tensor_model_parallel", False):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            set_tensor_model_parallel_attributes(weight, True, 0, getattr(module, "stride", 1))
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, getattr(module, "stride", 1))

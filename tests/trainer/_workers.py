@@ -1,0 +1,35 @@
+"""Spawned workers of the trainer tests (module level, importable by spawned processes)."""
+from __future__ import annotations
+
+import torch
+
+
+def one_step_gradients(rank, world_size, cfg):
+    """Runs one training step of `cfg` and returns the actor's gradient as full HF-named tensors
+    (gathered over TP/PP) together with the step's loss metrics (rank 0)."""
+    from megaopd.models.weights import gather_hf_weights
+    from megaopd.trainer.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    captured = {}
+    original_step = trainer.optimizer.step
+
+    def capturing_step():
+        grads = {}
+        for name, p in trainer.actor.model.named_parameters():
+            g = getattr(p, "main_grad", None)
+            grads[name] = (g if g is not None else p.grad).detach().clone().float()
+        captured["grads"] = {n: t.clone() for n, t in gather_hf_weights(
+            grads, trainer.actor.hf, trainer.actor_pgs.tp, trainer.actor_pgs.pp)}
+        result = original_step()
+        captured["grad_norm"] = result[1]
+        return result
+
+    trainer.optimizer.step = capturing_step
+    metrics = trainer.train_step()
+    if trainer.run_log is not None:
+        trainer.run_log.close()
+    return {"grads": captured["grads"], "grad_norm": captured["grad_norm"],
+            "loss": metrics.get("loss/total")} if rank == 0 else None
+
+
