@@ -177,6 +177,19 @@ class HttpEngine:
             return False
 
     # ------------------------------------------------------------------------------- extras
+    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
+        """log softmax(logits) (temperature 1) of each prompt token given its prefix; None for the first
+        (SGLang's input_token_logprobs with logprob_start_len=0)."""
+        sp = params_to_json(SamplingParams(max_new_tokens=1, temperature=0.0), seed=None)
+        out = self.request("POST", "/generate", {"input_ids": list(prompt_ids), "sampling_params": sp,
+                                                 "return_logprob": True, "logprob_start_len": 0},
+                           timeout_s=self.config.generate_timeout_s)
+        try:
+            entries = out["meta_info"]["input_token_logprobs"]
+        except (KeyError, TypeError) as e:
+            raise EngineError(f"{self.url}/generate returned no input_token_logprobs") from e
+        return [None if e[0] is None else float(e[0]) for e in entries]
+
     def health_generate(self) -> bool:
         try:
             self.request("GET", "/health_generate", retries=0, parse=False)
@@ -325,17 +338,25 @@ class DistributedWeightUpdater:
         """Broadcasts full HF-named tensors to every engine, bucket by bucket, in the given order."""
         if self.pg is None:
             self.connect()
-        bucket_list = list(dist_group.buckets(named_tensors, self.config.bucket_bytes))
+        # Buckets are taken lazily, one ahead (to know which is last): a trainer's generator that gathers
+        # TP/PP shards per tensor is consumed while earlier buckets are on the wire, never all at once.
+        bucket_iter = dist_group.buckets(named_tensors, self.config.bucket_bytes)
         refused: list[str] = []
-        def flat(bucket):
-            return dist_group.flatten_bucket([t.detach().to(self.device) for _, t in bucket])
-
         flattened = self.load_format == "flattened_bucket"
-        next_flat = flat(bucket_list[0]) if flattened and bucket_list else None
-        for k, bucket in enumerate(bucket_list):
-            last = k == len(bucket_list) - 1
+
+        def prepared(bucket):
+            tensors = [t.detach().to(self.device) for _, t in bucket]
+            return bucket, tensors, (dist_group.flatten_bucket(tensors) if flattened else None)
+
+        nxt = next(bucket_iter, None)
+        nxt = prepared(nxt) if nxt is not None else None
+        k = 0
+        while nxt is not None:
+            bucket, tensors, flat = nxt
+            k += 1
+            following = next(bucket_iter, None)
+            last = following is None
             names = [n for n, _ in bucket]
-            tensors = [t.detach() for _, t in bucket]
             body = {"names": names, "dtypes": [dist_group.dtype_name(t.dtype) for t in tensors],
                     "shapes": [list(t.shape) for t in tensors], "group_name": self.group_name,
                     "flush_cache": self.config.flush_cache and last, "load_format": self.load_format,
@@ -343,26 +364,25 @@ class DistributedWeightUpdater:
                     "weight_version": weight_version if last else None}
             calls = self._post_all("/update_weights_from_distributed", [body] * len(self.engines))
             if flattened:
-                works = [dist_group.broadcast(next_flat, self.pg, async_op=True)]
-                # Pack the next bucket while this one is on the wire (the copy costs about as much).
-                next_flat = None if last else flat(bucket_list[k + 1])
+                works = [dist_group.broadcast(flat, self.pg, async_op=True)]
             else:
-                works = [dist_group.broadcast(t.to(self.device).contiguous(), self.pg, async_op=True)
-                         for t in tensors]
+                works = [dist_group.broadcast(t.contiguous(), self.pg, async_op=True) for t in tensors]
+            # Pack the next bucket while this one is on the wire (on a CPU the copy costs about as much).
+            nxt = None if last else prepared(following)
             self._wait_broadcast(works, calls)
             errors = _join(calls, self.config.timeout_s)
             if errors and not all(any(m in e for m in _AFTER_RECEIPT) for e in errors):
                 # Refused before receiving (unknown group, bad request): a small broadcast may have
                 # completed into socket buffers, but the group is out of step now.
                 self._abandon()
-                raise EngineError(f"weight update refused (bucket {k + 1}/{len(bucket_list)}): {errors}; "
+                raise EngineError(f"weight update refused (bucket {k}): {errors}; "
                                   "the weight-update group is abandoned, connect() again")
             if errors:
                 # The engines received the bucket and refused to load it (names/shapes): the group is
                 # still in step, so go on and report every refused bucket at the end.
-                refused.append(f"bucket {k + 1}/{len(bucket_list)} ({len(names)} tensors): " + "; ".join(errors))
+                refused.append(f"bucket {k} ({len(names)} tensors): " + "; ".join(errors))
         if refused:
-            raise EngineError(f"weight update refused for {len(refused)} of {len(bucket_list)} bucket(s) (each "
+            raise EngineError(f"weight update refused for {len(refused)} of {k} bucket(s) (each "
                               "refused bucket loaded nothing; accepted ones were loaded):\n" + "\n".join(refused))
 
     def _wait_broadcast(self, works, calls) -> None:

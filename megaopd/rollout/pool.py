@@ -132,8 +132,9 @@ class EnginePool:
         """HTTP engines share one weight-update group (one broadcast reaches them all); others load in turn."""
         from megaopd.rollout.client import DistributedWeightUpdater, HttpEngine
 
-        named = list(named_tensors)
         http = [e for e in self.engines if isinstance(e, HttpEngine)]
+        # All-HTTP pools stream the tensors (one broadcast reaches every engine); others need them twice.
+        named = named_tensors if len(http) == len(self.engines) else list(named_tensors)
         if http:
             if self._updater is None or self._updater.pg is None:
                 self._updater = DistributedWeightUpdater(http)
@@ -142,6 +143,19 @@ class EnginePool:
         for e in self.engines:
             if not isinstance(e, HttpEngine):
                 e.update_weights(named, weight_version=weight_version)
+
+    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
+        """Prompt log-probs from the first healthy engine that has them (all engines hold the same weights)."""
+        errors = []
+        for i in self.healthy_engines():
+            fn = getattr(self.engines[i], "prompt_logprobs", None)
+            if fn is None:
+                continue
+            try:
+                return fn(prompt_ids)
+            except Exception as e:  # noqa: BLE001 - try the next engine
+                errors.append(f"{self.engines[i]!r}: {e}")
+        raise PoolError("no engine could score the prompt" + (f": {errors}" if errors else ""))
 
     def release_memory(self) -> None:
         for e in self.engines:

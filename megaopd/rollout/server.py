@@ -311,8 +311,9 @@ class RolloutServer:
             # Per-tensor broadcasts land straight in the model's tensors when names, shapes and dtypes
             # all match: no scratch copy (on CPU a copy costs as much as the transfer itself).
             def fill(targets):
-                for t in targets:
-                    dist_group.broadcast(t, pg)
+                # All receives posted at once, then awaited: no per-tensor round trip.
+                for work in [dist_group.broadcast(t, pg, async_op=True) for t in targets]:
+                    work.wait()
             try:
                 if engine.receive_weights_in_place(list(zip(names, shapes, torch_dtypes)), fill, version):
                     return {"success": True, "message": "Succeeded to update parameter online."}

@@ -13,6 +13,18 @@ def pytest_configure(config):
         pass
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """One intra-op thread while a rollout test runs: on a shared 2-core machine more threads spin
+    against other jobs and run ~10x slower. Restored afterwards (the setting is process-wide)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A random tiny Qwen2 (hidden 64, vocab 128, EOS 2) saved in HF format."""

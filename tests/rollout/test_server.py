@@ -230,5 +230,8 @@ def test_http_engine_equals_embedded_engine(server, tiny_dir):
     assert [s.finish_reason for s in remote] == [s.finish_reason for s in mine]
     assert max(abs(a - b) for r, m in zip(remote, mine) for a, b in zip(r.output_logprobs, m.output_logprobs)) < 1e-5
     assert client.health() and client.model_info()["weight_version"] == "default"
+    lps = client.prompt_logprobs([5, 6, 7, 8])
+    assert lps[0] is None
+    assert max(abs(a - b) for a, b in zip(lps[1:], local.prompt_logprobs([5, 6, 7, 8])[1:])) < 1e-5
     with pytest.raises(EngineRequestError, match="vocabulary"):
         client.generate([[1000]], params)

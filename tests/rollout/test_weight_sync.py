@@ -191,6 +191,7 @@ def test_distributed_weight_update_from_trainer(served, tiny_dir):
         bf16_model = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
         bf16_model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in new.items()})
         assert gap(bf16_model, client.generate(PROMPTS, PARAMS)) < 1e-4  # ...exactly
+        updater.update(orig.items(), weight_version="default")  # leave the shared server as it started
     finally:
         updater.close()
 
