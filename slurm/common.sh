@@ -66,7 +66,8 @@ export MASTER_ADDR
 
 # One port per job, so two jobs that share a node (or a requeued job whose old sockets linger in TIME_WAIT)
 # do not collide on the rendezvous port.
-MASTER_PORT="${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}"
+# Kept in 20000-28999, below the engines' ports (ENGINE_PORT, 30000 and up); 29500 (torch's default) outside a job.
+if [[ -n ${SLURM_JOB_ID:-} ]]; then MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 9000))}"; else MASTER_PORT="${MASTER_PORT:-29500}"; fi
 export MASTER_PORT
 
 # GPUs per node: an explicit GPUS_PER_NODE wins; else what Slurm granted (SLURM_GPUS_ON_NODE, or the
@@ -241,7 +242,9 @@ _wait_pid() {
 # Rollout engines.
 #   ENGINE_BACKEND  sglang (default, GPU) | megaopd (`megaopd serve`, the embedded engine; CPU tests)
 #   ENGINE_TP       GPUs per engine (model default); GPUS_PER_NODE / ENGINE_TP engines per node
-#   ENGINE_PORT     first port on each node (30000); engine i listens on ENGINE_PORT + i
+#   ENGINE_PORT     first port on each node (30000); engine i listens on ENGINE_PORT + i * ENGINE_PORT_STRIDE
+#   ENGINE_PORT_STRIDE (10): SGLang opens ports of its own just above its HTTP port, so engines on one
+#                   node are spaced apart
 #   ENGINE_MEM_FRACTION  SGLang --mem-fraction-static: 0.5 colocated (the trainer needs the rest while
 #                   generating is paused), 0.85 on dedicated engine nodes
 #   ENGINE_START_TIMEOUT seconds to wait for every /health (loading a 7B from a shared filesystem and
@@ -277,7 +280,7 @@ start_engines() {
   ENGINE_URLS=()
   for node in "${SERVE_NODES[@]}"; do
     for ((i = 0; i < per_node; i++)); do
-      port=$((port0 + i))
+      port=$((port0 + i * ${ENGINE_PORT_STRIDE:-10}))
       local -a cmd
       if [[ $backend == sglang ]]; then
         cmd=("$PYTHON" -m sglang.launch_server --model-path "$hf_dir" --tp-size "$engine_tp"
