@@ -51,7 +51,8 @@ FIGURES: dict[str, list[Panel]] = {
 
 
 def read_metrics(path: str) -> dict[int, dict[str, float]]:
-    """step -> {key: float} from a metrics.jsonl; skips unparsable lines and non-numeric values."""
+    """step -> {key: float} from a metrics.jsonl; skips unparsable lines, non-numeric values and event
+    records ({"step", "event", ...}: checkpoints, collapse warnings), which carry a step but no metrics."""
     rows: dict[int, dict[str, float]] = {}
     with open(path) as f:
         for line in f:
@@ -59,6 +60,8 @@ def read_metrics(path: str) -> dict[int, dict[str, float]]:
                 obj = json.loads(line)
                 step = int(obj["step"])
             except (ValueError, KeyError, TypeError):
+                continue
+            if "event" in obj:
                 continue
             rows[step] = {
                 k: float(v) for k, v in obj.items()

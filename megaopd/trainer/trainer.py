@@ -131,6 +131,8 @@ class Trainer:
         summary = {"start_step": self.step}
         if self.step == 0 and cfg.eval_interval:
             summary["val_before"] = self._validate()
+            if self.rank == 0 and summary["val_before"]:
+                self.run_log.log_step(0, summary["val_before"])  # the "before" point of the figures
         step_times = []
         while self.step < cfg.max_steps:
             metrics = self.train_step()

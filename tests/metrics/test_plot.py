@@ -63,5 +63,7 @@ def test_plot_errors_and_reader(tmp_path):
     run = tmp_path / "empty"
     _write_run(run, 3, collapse=False, keys=set())
     assert cli_main(["plot", str(run)]) == 1
-    (run / "metrics.jsonl").write_text('{"step": 1, "a": 1}\n{"step": 1, "a": 2, "b": NaN}\nnot json\n{"a": 3}\n')
+    (run / "metrics.jsonl").write_text('{"step": 1, "a": 1}\n{"step": 1, "a": 2, "b": NaN}\nnot json\n{"a": 3}\n'
+                                       '{"step": 1, "event": "checkpoint", "message": "x", "value": 5}\n')
+    # The trainer's event records (checkpoints, warnings) must not replace the step's metrics.
     assert read_metrics(str(run / "metrics.jsonl")) == {1: {"step": 1.0, "a": 2.0}}
