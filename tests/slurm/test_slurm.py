@@ -188,7 +188,7 @@ def test_dry_run_engine_nodes(inputs):
     for x in eng:
         assert "--enable-memory-saver" not in x  # dedicated engines never give their memory away
         assert flag(x, "--mem-fraction-static") == "0.85"
-    urls = ",".join(f"http://node2:{30000 + i}" for i in range(4))
+    urls = ",".join(f"http://node2:{30000 + 10 * i}" for i in range(4))
     assert f"'rollout.urls=[{urls}]'" in train
 
 
@@ -408,7 +408,7 @@ def test_sbatch_srun_torchrun_gloo_allreduce(jobs, tmp_path):
         assert r["world_size"] == 2 and r["sum"] == 3.0  # 1 + 2: both ranks took part
         assert r["node_rank"] == 0 and r["local_rank"] == r["rank"]
         assert r["master_addr"] == host  # the first (only) node of the allocation
-        assert r["master_port"] == str(29500 + int(job_id) % 1000)
+        assert r["master_port"] == str(20000 + int(job_id) % 9000)
         assert r["job_id"] == job_id
         assert r["omp_num_threads"] == "1"  # 2 CPUs shared by 2 ranks
         assert r["cuda_device_max_connections"] == "1"
@@ -441,6 +441,56 @@ def test_time_limit_signal_checkpoints_and_requeues(jobs, tmp_path):
     assert [r.get("usr1") for r in first] == [True, True], log
     assert [r.get("resumed") for r in second] == [True, True], log
     assert "requeueing job" in log
+
+
+ENGINE_JOB = """#!/bin/bash
+#SBATCH --job-name=megaopd_engines
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=00:10:00
+# common.sh's engine path for real, with `megaopd serve` standing in for SGLang (no GPU here).
+GPUS_PER_NODE=0
+NPROC_PER_NODE=2
+source "$MEGAOPD_ROOT/slurm/common.sh"
+RUN_DIR="{out}"
+setup_run_dir
+ENGINE_BACKEND=megaopd ENGINES_PER_NODE=2 ENGINE_PORT={port} STUDENT_HF_DIR="{hf}"
+start_engines STUDENT_HF_DIR
+printf '%s\\n' "${{ROLLOUT_OVERRIDES[@]}}" > "{out}/overrides.txt"
+for url in "${{ENGINE_URLS[@]}}"; do curl -sf "$url/get_model_info" >> "{out}/model_info.txt"; done
+export TRAIN_MODULE=tests.slurm._probe
+run_torchrun "{out}" allreduce "${{ROLLOUT_OVERRIDES[@]}}"
+"""
+
+
+@pytest.mark.slow
+def test_engines_start_wait_and_stop(jobs, tmp_path):
+    """start_engines for real: one srun step per engine on its node, /health waited for, URLs handed to the
+    trainer, the servers stopped when the batch shell exits."""
+    from tests.rollout._models import build_tiny_qwen2
+
+    hf = build_tiny_qwen2(tmp_path / "hf")
+    out = tmp_path / "out"
+    out.mkdir()
+    port = 31000 + os.getpid() % 1000 * 20
+    script = tmp_path / "engines.sh"
+    script.write_text(ENGINE_JOB.format(out=out, hf=hf, port=port))
+    job_id, rc = jobs.sbatch(str(script), {}, f"--output={tmp_path}/job.out", timeout=300)
+    log = (tmp_path / "job.out").read_text()
+    assert rc == 0, log
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    urls = [f"http://{host}:{port}", f"http://{host}:{port + 10}"]
+    assert (out / "overrides.txt").read_text().split() == ["rollout.engine=remote", f"rollout.urls=[{','.join(urls)}]"]
+    assert (out / "model_info.txt").read_text().count("model_path") == 2
+    assert [r["sum"] for r in read_reports(out)] == [3.0, 3.0]
+    for u in urls:
+        assert f"engine {u} is up" in log
+        assert sorted(glob.glob(str(out / "logs" / "engine-*.log")))
+    # The batch shell's exit stopped both servers.
+    for u in urls:
+        r = subprocess.run(["curl", "-sf", "--max-time", "2", f"{u}/health"], capture_output=True)
+        assert r.returncode != 0, f"{u} still answers after the job ended"
 
 
 TINY_PRESET = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
