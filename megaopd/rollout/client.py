@@ -19,10 +19,14 @@ sampling_seed (derive_seed), so results are prompt-major, independent of how the
 n > 1 request, and identical to the embedded engine's for the same seed.
 
 The weight update follows SGLang's /update_weights_from_distributed: the trainer is rank 0 of a
-group of 1 + (the engines' workers); with load_format "flattened_bucket" each bucket is one
-broadcast of the tensors' bytes (megaopd.rollout.dist_group). A refusal by any engine (or one that
-stops answering) raises instead of leaving the trainer blocked in a broadcast; the group is then
-unusable and connect() must be called again.
+group of 1 + (the engines' workers); per bucket one POST carries names/dtypes/shapes and then either
+one broadcast per tensor (load_format None, the gloo default) or one broadcast of the bucket's bytes
+("flattened_bucket", the nccl default; megaopd.rollout.dist_group). Tensors are consumed lazily, a
+bucket ahead. An engine that received a bucket but refused to load it (names/shapes: it lists them)
+leaves the group in step: the other buckets still go and one error lists every refusal at the end.
+An engine that refused before receiving, closed the group or stopped answering raises at once
+instead of leaving the trainer blocked in a broadcast; the group is then abandoned and connect()
+forms a new one (under a fresh group name).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ Endpoints (schemas as SGLang's; see /work/shared/design/SGLANG-PROTOCOL.md):
   POST /generate                                   input_ids (one or a batch) or text, sampling_params
   POST /init_weights_update_group                  joins the trainer's group (blocks until it forms)
   POST /update_weights_from_distributed            receives broadcast tensors, loads them by HF name
+                                                   (per-tensor format: straight into the parameters)
   POST /update_weights_from_disk                   loads *.safetensors of a directory by HF name
   POST /destroy_weights_update_group
   GET|POST /flush_cache    GET /health  GET /health_generate   GET /get_model_info (/model_info)
