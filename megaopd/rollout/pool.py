@@ -56,11 +56,14 @@ class _Job:
 
 
 class EnginePool:
-    def __init__(self, engines: list[Engine], config: PoolConfig | None = None):
+    def __init__(self, engines: list[Engine], config: PoolConfig | None = None, update_config=None):
+        """update_config: a client.DistributedUpdateConfig for the HTTP engines' weight-update group
+        (set master_address to an address of this machine that the engines reach; default 127.0.0.1)."""
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         self.engines = list(engines)
         self.config = config or PoolConfig()
+        self.update_config = update_config
         self.failed: set[int] = set()  # indices of engines that failed and were not healthy since
         self._updater = None
 
@@ -137,7 +140,7 @@ class EnginePool:
         named = named_tensors if len(http) == len(self.engines) else list(named_tensors)
         if http:
             if self._updater is None or self._updater.pg is None:
-                self._updater = DistributedWeightUpdater(http)
+                self._updater = DistributedWeightUpdater(http, self.update_config)
                 self._updater.connect()
             self._updater.update(named, weight_version=weight_version)
         for e in self.engines:
