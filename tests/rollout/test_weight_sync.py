@@ -203,3 +203,20 @@ def test_pool_over_servers_with_a_dead_one(served, tiny_dir):
     local = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
     got = pool.generate(PROMPTS, PARAMS)
     assert [s.output_ids for s in got] == [s.output_ids for s in local.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.slow
+def test_pool_update_weights_and_prompt_logprobs(served, tiny_dir):
+    from transformers import Qwen2ForCausalLM
+
+    client = HttpEngine(served.url)
+    pool = EnginePool([client], update_config=DistributedUpdateConfig(timeout_s=60))
+    orig = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).state_dict()
+    try:
+        pool.update_weights(iter(orig.items()), weight_version="pool-1")  # a generator, as the trainer sends
+        assert client.weight_version() == "pool-1"
+        lps = pool.prompt_logprobs([5, 6, 7])
+        ref = hf_logprobs(tiny_dir, [5], [6, 7], 1.0)
+        assert lps[0] is None and max(abs(a - b) for a, b in zip(lps[1:], ref.tolist())) < 1e-4
+    finally:
+        pool.close()
