@@ -36,9 +36,8 @@ require_path CONFIG "the base preset (loss.name=sft is set below); set CONFIG=/p
 setup_run_dir
 train_base_overrides
 
-# SFT scores nothing with a teacher, but the config requires one: the student stands in (same family,
-# same vocabulary, so the start-up checks pass).
-SFT_OVERRIDES=(loss.name=sft teacher.path="$STUDENT_CKPT" teacher.tp="$STUDENT_TP" teacher.pp="$STUDENT_PP" teacher.dtype=bfloat16
+# SFT reads no teacher (teacher.path empty: none is loaded) and generates nothing but validation.
+SFT_OVERRIDES=(loss.name=sft "teacher.path=''"
                trainer.prompts_per_step="${PROMPTS_PER_STEP:-64}" trainer.samples_per_prompt=1
                rollout.engine=embedded)
 if [[ -n ${LR:-} ]]; then SFT_OVERRIDES+=(optimizer.lr="$LR"); fi

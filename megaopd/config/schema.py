@@ -37,10 +37,18 @@ class MegaOPDConfig:
     def validate(self) -> None:
         """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
         from megaopd.losses import build_loss_from
+        from megaopd.losses.requirements import loss_requirements
 
+        needs = loss_requirements(build_loss_from(self.loss))  # unknown loss names and keys fail here
         world = self.run.world_size
         student_dims = check_layout("student", self.student, world)
-        teacher_dims = check_layout("teacher", self.teacher, world)
+        if needs.teacher and not self.teacher.path:
+            raise ValueError(f"loss {self.loss.name!r} needs a teacher: set teacher.path=DIR (an HF directory or a "
+                             f"megaopd checkpoint)")
+        if self.teacher.path:
+            # Embedding sizes may differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what must
+            # match is the tokenizer, which the trainer compares before loading any model.
+            check_layout("teacher", self.teacher, world)
         if (self.reference.tp, self.reference.pp) != (self.student.tp, self.student.pp):
             raise ValueError(
                 f"reference.tp/pp=({self.reference.tp}, {self.reference.pp}) differ from student.tp/pp="
@@ -52,13 +60,7 @@ class MegaOPDConfig:
                 raise ValueError(f"reference {self.reference.path} has other sizes than student "
                                  f"{self.student.path} ({ref_dims} vs {student_dims}): the reference must be "
                                  f"the student's initial checkpoint")
-        if teacher_dims.vocab_size != student_dims.vocab_size:
-            raise ValueError(
-                f"teacher vocab_size={teacher_dims.vocab_size} differs from student vocab_size="
-                f"{student_dims.vocab_size}: OPD needs one tokenizer for both; pick a teacher of the "
-                f"student's family")
         if (self.trainer.prompts_per_step * self.trainer.samples_per_prompt) % self.trainer.mini_batches_per_step:
             raise ValueError("trainer.prompts_per_step*samples_per_prompt must be a multiple of "
                              "trainer.mini_batches_per_step")
         self.data.validate()
-        build_loss_from(self.loss)  # unknown loss names and keys fail here, not at the first step

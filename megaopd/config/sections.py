@@ -22,6 +22,9 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 1024
     """Response budget; a response that hits it is truncated (rollout/truncation_rate)."""
+    colocated: bool = False
+    """Engines share the training GPUs: their memory is released while the actor trains and resumed for
+    the weight sync and the next generation (SGLang --enable-memory-saver)."""
     max_batch_size: int = 64
     """Sequences the embedded engine decodes together."""
     parity_interval: int = 0

@@ -11,6 +11,10 @@ Each micro-batch returns its share (local sums over the global N or M), so summi
 gradients over a step, and over DP ranks, gives exactly the one-big-batch gradient. seq-mean-token-mean
 needs every sequence whole within one micro-batch (its own token count is the inner denominator).
 Departure from verl: no "seq-mean-token-sum-norm" (a constant rescale of seq-mean-token-sum).
+With megatron's schedule, use calculate_per_token_loss semantics (the schedule must neither divide the
+loss by the number of micro-batches nor average gradients over DP): the counts already do it.
+
+    pytest tests/losses -k "micro_batches or dp_aggregation or aggregation"
 """
 from __future__ import annotations
 

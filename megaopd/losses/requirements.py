@@ -31,6 +31,16 @@ class LossRequirements:
     rewards: bool = False
     """Verifiable rewards per response (grpo)."""
 
+    @property
+    def teacher(self) -> bool:
+        """The loss reads the teacher model."""
+        return self.teacher_logprobs or bool(self.teacher_topk) or bool(self.student_topk) or self.teacher_logits
+
+    @property
+    def on_policy(self) -> bool:
+        """The loss needs rollouts (everything but SFT on golden data alone)."""
+        return self.old_logprobs or self.teacher or self.reference or self.rewards
+
     def merge(self, other: "LossRequirements") -> "LossRequirements":
         return LossRequirements(
             old_logprobs=self.old_logprobs or other.old_logprobs,

@@ -52,6 +52,19 @@ class MicroBatchData:
     extras: dict
 
 
+@dataclass
+class ScoredRollout:
+    """A step's responses with the actor's and the teacher's per-token scores (every rank)."""
+
+    batch: RolloutBatch
+    old: TokenScores
+    teacher: TokenScores | None
+    student_support: torch.Tensor | None
+    """The student's top-k ids per position (LSM student support), or None."""
+    samples: list
+    texts: list[str]
+
+
 class Trainer:
     def __init__(self, cfg: MegaOPDConfig):
         from transformers import AutoTokenizer
@@ -72,8 +85,10 @@ class Trainer:
 
         # Tokenizers and data first: a bad file fails here, before any model is loaded.
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.student.path))
-        teacher_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.teacher.path))
-        check_same_tokenizer(self.tokenizer, teacher_tokenizer, cfg.student.path, cfg.teacher.path)
+        teacher_tokenizer = None
+        if cfg.teacher.path:
+            teacher_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.teacher.path))
+            check_same_tokenizer(self.tokenizer, teacher_tokenizer, cfg.student.path, cfg.teacher.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.special_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in cfg.loss.mask_first_tokens]
         dataset = PromptDataset.load(cfg.data, self.tokenizer,
@@ -90,7 +105,8 @@ class Trainer:
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
         self.optimizer, self.scheduler = build_optimizer(
             self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
-        self.teacher = load_role_model(cfg.teacher, self.teacher_pgs, trainable=False)
+        # The teacher is optional for losses that do not read it (sft, grpo): metrics then skip its parts.
+        self.teacher = load_role_model(cfg.teacher, self.teacher_pgs, trainable=False) if cfg.teacher.path else None
         partner = None
         if self.needs.reference:
             partner = load_role_model(cfg.student, self.actor_pgs, trainable=False,
@@ -99,7 +115,11 @@ class Trainer:
             partner = self.teacher.model
         self.train_runner = StageRunner(self.ddp, self.actor_pgs, self.vocab_size, partner=partner)
         self.actor_runner = StageRunner(self.ddp, self.actor_pgs, self.vocab_size)
-        self.teacher_runner = StageRunner(self.teacher.model, self.teacher_pgs, self.vocab_size)
+        # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
+        # masked, so its top-K never proposes a token the student cannot produce.
+        self.teacher_runner = (StageRunner(self.teacher.model, self.teacher_pgs,
+                                           min(self.teacher.hf.vocab_size, self.vocab_size))
+                               if self.teacher is not None else None)
 
         self.step = 0
         self._last_metrics: dict = {}
@@ -121,9 +141,12 @@ class Trainer:
 
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             self.export_hf(os.path.join(cfg.run.dir, "hf_init"))  # collective; the engine is built from it
-        self.engine = self._build_engine()
-        self.sync_weights()
-        self._check_parity(tolerance=cfg.rollout.parity_tolerance)
+        # Rollouts and validation generate; an SFT run without validation needs no engine at all.
+        self.engine = None
+        if self.needs.on_policy or cfg.validation.path:
+            self.engine = self._build_engine()
+            self.sync_weights()
+            self._check_parity(tolerance=cfg.rollout.parity_tolerance)
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -155,45 +178,57 @@ class Trainer:
         cfg, needs = self.cfg, self.needs
         t0 = time.time()
         examples = self.loader.next_batch()
+        times = {}
+        rollout = self._rollout_and_score(examples, times) if needs.on_policy else None
+        golden = golden_batch(examples, self.pad_id) if needs.golden else None
+        t_train = time.time()
+        loss_metrics = self._train(rollout, golden)
+        times["time/train"] = time.time() - t_train
+        self.step += 1
+        t_sync = time.time()
+        if needs.on_policy:  # an SFT-only step generates nothing: the engine is synced before validation
+            self.sync_weights()
+            if cfg.rollout.parity_interval and self.step % cfg.rollout.parity_interval == 0:
+                self._check_parity(tolerance=cfg.rollout.parity_tolerance)
+        times["time/sync"] = time.time() - t_sync
+        metrics = {**loss_metrics, **(self._rollout_metrics(rollout) if rollout else {}), **times}
+        metrics["time/step"] = time.time() - t0
+        if self.rank == 0 and rollout is not None:
+            self.run_log.samples(self.step, [
+                {"prompt": self.tokenizer.decode(s.prompt_ids), "response": t, "finish_reason": s.finish_reason,
+                 "reward": float(r)}
+                for s, t, r in list(zip(rollout.samples, rollout.texts, rollout.batch.rewards_B))[
+                    :cfg.logging.samples_per_step]])
+        return metrics
+
+    def _rollout_and_score(self, examples, times: dict) -> "ScoredRollout":
+        """Generate, then score the responses with the actor (log pi_old) and the teacher (log q)."""
+        cfg, needs = self.cfg, self.needs
+        t = time.time()
         samples = self._generate([ex.prompt_ids for ex in examples])
         batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
-        t_rollout = time.time()
-
-        overlap_k = cfg.metrics.overlap_k
+        times["time/rollout"] = time.time() - t
+        overlap_k = cfg.metrics.overlap_k if self.teacher is not None else 0
+        t = time.time()
         old = score_tokens(self.actor_runner, batch.tokens_BS, cfg.trainer.micro_batch_size, self.temperature,
                            topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0)
         batch.old_logprobs_BT = old.logprobs_BT
-        t_old = time.time()
-        student_support = old.topk_ids_BTK[..., :needs.student_topk] if needs.student_topk else None
-        teacher = score_tokens(self.teacher_runner, batch.tokens_BS, cfg.trainer.micro_batch_size, self.temperature,
-                               topk=max(needs.teacher_topk, overlap_k), entropy=overlap_k > 0,
-                               at_ids_BTK=student_support)
-        batch.teacher_logprobs_BT = teacher.logprobs_BT
-        t_teacher = time.time()
-
-        texts, rewards = self._texts_and_rewards(samples, examples)
-        batch.rewards_B = rewards
-        golden = golden_batch(examples, self.pad_id) if needs.golden else None
-        loss_metrics = self._train(batch, old, teacher, student_support, golden)
-        t_train = time.time()
-        self.step += 1
-        self.sync_weights()
-        if cfg.rollout.parity_interval and self.step % cfg.rollout.parity_interval == 0:
-            self._check_parity(tolerance=cfg.rollout.parity_tolerance)
-        t_sync = time.time()
-
-        metrics = {**loss_metrics, **self._rollout_metrics(batch, old, teacher, texts)}
-        metrics.update({"time/rollout": t_rollout - t0, "time/actor_logprobs": t_old - t_rollout,
-                        "time/teacher": t_teacher - t_old, "time/train": t_train - t_teacher,
-                        "time/sync": t_sync - t_train, "time/step": time.time() - t0})
-        if self.rank == 0:
-            self.run_log.samples(self.step, [
-                {"prompt": self.tokenizer.decode(s.prompt_ids), "response": t, "finish_reason": s.finish_reason,
-                 "reward": float(r)} for s, t, r in list(zip(samples, texts, rewards))[:cfg.logging.samples_per_step]])
-        return metrics
+        times["time/actor_logprobs"] = time.time() - t
+        support = old.topk_ids_BTK[..., :needs.student_topk] if needs.student_topk else None
+        teacher = None
+        t = time.time()
+        if self.teacher is not None:
+            teacher = score_tokens(self.teacher_runner, batch.tokens_BS, cfg.trainer.micro_batch_size,
+                                   self.temperature, topk=max(needs.teacher_topk, overlap_k), entropy=overlap_k > 0,
+                                   at_ids_BTK=support)
+            batch.teacher_logprobs_BT = teacher.logprobs_BT
+        times["time/teacher"] = time.time() - t
+        texts, batch.rewards_B = self._texts_and_rewards(samples, examples)
+        return ScoredRollout(batch, old, teacher, support, samples, texts)
 
     # ------------------------------------------------------------------------------------- rollouts
     def _build_engine(self):
+        """The rollout engine on rank 0 (None on the other ranks)."""
         if self.rank != 0:
             return None
         rollout = self.cfg.rollout
@@ -223,7 +258,11 @@ class Trainer:
                               seed=self.cfg.trainer.seed * 1_000_003 + self.step)
 
     def _generate(self, prompts: list[list[int]]):
-        samples = self.engine.generate(prompts, self._sampling_params()) if self.rank == 0 else None
+        samples = None
+        if self.rank == 0:
+            samples = self.engine.generate(prompts, self._sampling_params())
+            if self.cfg.rollout.colocated:
+                self.engine.release_memory()  # the actor trains on these GPUs next
         box = [samples]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -241,19 +280,21 @@ class Trainer:
         return texts, torch.tensor(rewards, dtype=torch.float32)
 
     # ----------------------------------------------------------------------------------------- train
-    def _train(self, batch: RolloutBatch, old: TokenScores, teacher: TokenScores,
-               student_support: torch.Tensor | None, golden) -> dict:
+    def _train(self, rollout: "ScoredRollout | None", golden) -> dict:
         cfg = self.cfg.trainer
-        mask_BT = batch.loss_mask_BT
-        if self.special_ids:
-            mask_BT = mask_first_occurrences(batch.targets_BT, mask_BT, self.special_ids)
-        B, P, M = batch.size, cfg.prompts_per_step, cfg.mini_batches_per_step
+        mask_BT = None
+        if rollout is not None:
+            mask_BT = rollout.batch.loss_mask_BT
+            if self.special_ids:
+                mask_BT = mask_first_occurrences(rollout.batch.targets_BT, mask_BT, self.special_ids)
+        B = rollout.batch.size if rollout is not None else 0
+        P, M = cfg.prompts_per_step, cfg.mini_batches_per_step
         per_step_metrics: list[dict] = []
         grad_norms = []
         for j in range(M):
             rows = torch.arange(j * B // M, (j + 1) * B // M)
             golden_rows = torch.arange(j * P // M, (j + 1) * P // M) if golden is not None else None
-            micro = self._micro_batches(batch, mask_BT, old, teacher, student_support, golden, rows, golden_rows)
+            micro = self._micro_batches(rollout, mask_BT, golden, rows, golden_rows)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             results = self.train_runner.run([m.tokens_BS for m in micro], self._step_fn(micro), forward_only=False)
@@ -272,29 +313,37 @@ class Trainer:
         pgs = self.actor_pgs
         return pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1
 
-    def _micro_batches(self, batch, mask_BT, old, teacher, student_support, golden, rows, golden_rows):
-        """This DP rank's share of one mini-batch, cut into equal-shaped micro-batches.
+    def _micro_batches(self, rollout, mask_BT, golden, rows, golden_rows) -> list[MicroBatchData]:
+        """This DP rank's share of one mini-batch, cut into equal-shaped micro-batches: each holds up to
+        micro_batch_size on-policy rows, then its share of the golden rows, then padding rows.
 
         Global counts (the denominators of every loss) are taken over the whole mini-batch here, which
         every rank holds, so gradient accumulation and DP summation reproduce the big-batch gradient.
         """
         cfg, needs, pgs = self.cfg.trainer, self.needs, self.actor_pgs
-        counts = {
-            "global_num_tokens": float(mask_BT[rows].sum()),
-            "global_num_seqs": float((mask_BT[rows].sum(-1) > 0).sum()),
-        }
-        local = rows[list(dp_rows(len(rows), pgs))]
+        counts, S = {}, 0
+        local = torch.arange(0)
+        if rollout is not None:
+            counts["global_num_tokens"] = float(mask_BT[rows].sum())
+            counts["global_num_seqs"] = float((mask_BT[rows].sum(-1) > 0).sum())
+            local = rows[list(dp_rows(len(rows), pgs))]
+            S = rollout.batch.tokens_BS.shape[1]
         g_local = None
-        S = batch.tokens_BS.shape[1]
         if golden is not None:
             g_mask_BT = golden.loss_mask_BT[:, 1:]  # position t predicts token t + 1
             counts["global_num_golden_tokens"] = float(g_mask_BT[golden_rows].sum())
             counts["global_num_golden_seqs"] = float((g_mask_BT[golden_rows].sum(-1) > 0).sum())
             g_local = golden_rows[list(dp_rows(len(golden_rows), pgs))]
             S = max(S, golden.input_ids_BT.shape[1])
-        mbs = cfg.micro_batch_size
-        n_micro = max(1, -(-len(local) // mbs))
-        g_per = 0 if g_local is None else -(-len(g_local) // n_micro)
+        T = S - 1
+        # On-policy rows per micro-batch, and golden rows per micro-batch.
+        mbs = cfg.micro_batch_size if rollout is not None else 0
+        if rollout is not None:
+            n_micro = max(1, -(-len(local) // mbs))
+            g_per = 0 if g_local is None else -(-len(g_local) // n_micro)
+        else:  # SFT only: micro-batches of golden rows
+            g_per = cfg.micro_batch_size
+            n_micro = max(1, -(-len(g_local) // g_per))
 
         def pad_to(x, length, value=0):  # [rows, L(, K)] -> [rows, length(, K)] along dim 1
             if x.shape[1] == length:
@@ -307,43 +356,40 @@ class Trainer:
             r = local[i * mbs:(i + 1) * mbs]
             gr = g_local[i * g_per:(i + 1) * g_per] if g_local is not None else torch.arange(0)
 
-            def rows_of(x_B_, fill=0, golden_fill=0):
-                """On-policy rows of x, then golden rows' fill, then padding rows: [mbs + g_per, ...]."""
-                x = pad_rows(x_B_[r], mbs, fill)
-                if g_per:
-                    x = torch.cat([x, torch.full((g_per, *x.shape[1:]), golden_fill, dtype=x.dtype)])
-                return x
+            def rows_of(x, fill=0):
+                """On-policy rows of x (padded to mbs), then g_per rows of fill: [mbs + g_per, ...]."""
+                x = pad_rows(x[r], mbs, fill)
+                return torch.cat([x, torch.full((g_per, *x.shape[1:]), fill, dtype=x.dtype)]) if g_per else x
 
-            tokens = pad_to(pad_rows(batch.tokens_BS[r], mbs, self.pad_id), S, self.pad_id)
-            loss_mask = pad_to(pad_rows(mask_BT[r], mbs), S - 1)
-            golden_mask = torch.zeros_like(loss_mask)
-            if g_per:
-                g_tokens = pad_to(pad_rows(golden.input_ids_BT[gr], g_per, self.pad_id), S, self.pad_id)
-                tokens = torch.cat([tokens, g_tokens])
-                loss_mask = torch.cat([loss_mask, torch.zeros(g_per, S - 1)])
-                g_mask = pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), S - 1)
-                golden_mask = torch.cat([golden_mask, g_mask])
-            T = S - 1
+            def per_token(x_BT, fill=0.0):  # [B, T'(, K)] -> this micro-batch's rows, [rows, T(, K)]
+                return pad_to(rows_of(x_BT, fill), T, fill)
+
+            tokens = torch.full((mbs + g_per, S), self.pad_id, dtype=torch.long)
+            loss_mask = torch.zeros(mbs + g_per, T)
+            golden_mask = torch.zeros(mbs + g_per, T)
             extras = {"counts": counts}
-
-            def per_token(x_BT, fill=0.0):  # [B, T(, K)] -> this micro-batch's rows, [rows, T(, K)]
-                return pad_to(rows_of(x_BT, fill, fill), T, fill)
-
-            extras["old_logprobs_BT"] = per_token(old.logprobs_BT)
-            extras["teacher_logprobs_BT"] = per_token(teacher.logprobs_BT)
-            if needs.teacher_topk:
-                extras["teacher_topk_ids_BTK"] = per_token(teacher.topk_ids_BTK[..., :needs.teacher_topk], 0)
-                extras["teacher_topk_logprobs_BTK"] = per_token(teacher.topk_logprobs_BTK[..., :needs.teacher_topk])
-            if needs.student_topk:
-                extras["student_topk_ids_BTK"] = per_token(student_support, 0)
-                extras["student_topk_teacher_logprobs_BTK"] = per_token(teacher.at_ids_logprobs_BTK)
-            if needs.rewards:
-                n_rows = mbs + g_per
-                extras["rewards_S"] = rows_of(batch.rewards_B)
-                # Golden and padding rows get groups of their own (no loss tokens, no effect on others).
-                extras["group_ids_S"] = torch.where(torch.arange(n_rows) < len(r),
-                                                    rows_of(batch.group_ids_B),
-                                                    batch.size + torch.arange(n_rows))
+            if rollout is not None:
+                batch = rollout.batch
+                tokens = pad_to(rows_of(batch.tokens_BS, self.pad_id), S, self.pad_id)
+                loss_mask = per_token(mask_BT)
+                extras["old_logprobs_BT"] = per_token(rollout.old.logprobs_BT)
+                if rollout.teacher is not None:
+                    extras["teacher_logprobs_BT"] = per_token(rollout.teacher.logprobs_BT)
+                if needs.teacher_topk:
+                    extras["teacher_topk_ids_BTK"] = per_token(rollout.teacher.topk_ids_BTK[..., :needs.teacher_topk], 0)
+                    extras["teacher_topk_logprobs_BTK"] = per_token(
+                        rollout.teacher.topk_logprobs_BTK[..., :needs.teacher_topk])
+                if needs.student_topk:
+                    extras["student_topk_ids_BTK"] = per_token(rollout.student_support, 0)
+                    extras["student_topk_teacher_logprobs_BTK"] = per_token(rollout.teacher.at_ids_logprobs_BTK)
+                if needs.rewards:
+                    extras["rewards_S"] = rows_of(batch.rewards_B)
+                    # Golden and padding rows get groups of their own (no loss tokens, no effect on others).
+                    extras["group_ids_S"] = torch.where(torch.arange(mbs + g_per) < len(r), rows_of(batch.group_ids_B),
+                                                        batch.size + torch.arange(mbs + g_per))
+            if g_per:
+                tokens[mbs:] = pad_to(pad_rows(golden.input_ids_BT[gr], g_per, self.pad_id), S, self.pad_id)
+                golden_mask[mbs:] = pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), T)
             out.append(MicroBatchData(tokens, loss_mask, golden_mask, extras))
         return out
 
@@ -358,7 +404,7 @@ class Trainer:
             inputs = LossInputs(
                 logits_BTv=logits_BTv, token_ids_BT=targets_BT, loss_mask_BT=d.loss_mask_BT, tp_group=pgs.tp,
                 temperature=self.temperature,
-                old_logprobs_BT=d.extras["old_logprobs_BT"], teacher_logprobs_BT=d.extras["teacher_logprobs_BT"],
+                old_logprobs_BT=d.extras.get("old_logprobs_BT"), teacher_logprobs_BT=d.extras.get("teacher_logprobs_BT"),
                 teacher_topk_ids_BTK=d.extras.get("teacher_topk_ids_BTK"),
                 teacher_topk_logprobs_BTK=d.extras.get("teacher_topk_logprobs_BTK"),
                 student_topk_ids_BTK=d.extras.get("student_topk_ids_BTK"),
@@ -385,6 +431,8 @@ class Trainer:
         """Actor shards -> HF tensors -> rollout engine (collective; rank 0 talks to the engine)."""
         tensors = self._hf_tensors()
         if self.rank == 0:
+            if self.cfg.rollout.colocated:
+                self.engine.resume_memory()
             self.engine.update_weights(tensors, weight_version=str(self.step))
         else:
             for _ in tensors:  # every rank takes part in each gather/broadcast
@@ -421,23 +469,26 @@ class Trainer:
         return gap
 
     # --------------------------------------------------------------------------------------- metrics
-    def _rollout_metrics(self, batch: RolloutBatch, old: TokenScores, teacher: TokenScores, texts) -> dict:
+    def _rollout_metrics(self, rollout: "ScoredRollout") -> dict:
         if self.rank != 0:
             return {}
-        mcfg = self.cfg.metrics
+        mcfg, batch, old, teacher = self.cfg.metrics, rollout.batch, rollout.old, rollout.teacher
         finish = ["length" if t else "stop" for t in batch.truncated_B.tolist()]
-        mask = batch.loss_mask_BT
-        adv_BT = (teacher.logprobs_BT - old.logprobs_BT) * mask
-        out = response_metrics(texts, finish, mcfg.repetition)
-        out.update(rollout_dynamics(batch.response_lens_B, mask, old.logprobs_BT, teacher.logprobs_BT, adv_BT))
-        rep_BT = repetitive_token_mask(batch.targets_BT, mask, mcfg.repetition.ngram)
-        split = advantage_split(adv_BT, rep_BT, mask)
-        out.update({"adv/regular_mean": split["adv/regular_mean"], "adv/repetitive_mean": split["adv/repetitive_mean"],
-                    "adv/repetitive_token_share": split["adv/repetitive_share"]})
-        if mcfg.overlap_k:
-            k = mcfg.overlap_k
-            out.update(topk_overlap(old.topk_ids_BTK[..., :k], old.topk_logprobs_BTK[..., :k],
-                                    teacher.topk_ids_BTK[..., :k], mask, old.entropy_BT, teacher.entropy_BT))
+        mask = batch.loss_mask_BT  # every generated token (repetitive n-grams need them all)
+        out = response_metrics(rollout.texts, finish, mcfg.repetition)
+        adv_BT = (teacher.logprobs_BT - old.logprobs_BT) * mask if teacher is not None else None
+        out.update(rollout_dynamics(batch.response_lens_B, mask, old.logprobs_BT,
+                                    teacher.logprobs_BT if teacher is not None else None, adv_BT))
+        if adv_BT is not None:
+            rep_BT = repetitive_token_mask(batch.targets_BT, mask, mcfg.repetition.ngram)
+            split = advantage_split(adv_BT, rep_BT, mask)
+            out.update({"adv/regular_mean": split["adv/regular_mean"],
+                        "adv/repetitive_mean": split["adv/repetitive_mean"],
+                        "adv/repetitive_token_share": split["adv/repetitive_share"]})
+            if mcfg.overlap_k:
+                k = mcfg.overlap_k
+                out.update(topk_overlap(old.topk_ids_BTK[..., :k], old.topk_logprobs_BTK[..., :k],
+                                        teacher.topk_ids_BTK[..., :k], mask, old.entropy_BT, teacher.entropy_BT))
         gap = (batch.engine_logprobs_BT - old.logprobs_BT).abs()[mask.bool()]
         out["sync/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
         out["sync/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
@@ -448,6 +499,8 @@ class Trainer:
         vcfg = self.cfg.validation
         if not vcfg.path:
             return {}
+        if not self.needs.on_policy:
+            self.sync_weights()
         box = [None]
         if self.rank == 0:
             from megaopd.data.templates import render_and_encode
