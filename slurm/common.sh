@@ -312,7 +312,11 @@ start_engines() {
     done
   done
   wait_engines
-  ROLLOUT_OVERRIDES=(rollout.engine=remote "rollout.urls=[$(_join , "${ENGINE_URLS[@]}")]")
+  # The engines' workers join rank 0's weight-update group at MASTER_ADDR (the first node); colocated
+  # engines release their memory while the actor trains.
+  ROLLOUT_OVERRIDES=(rollout.engine=remote "rollout.urls=[$(_join , "${ENGINE_URLS[@]}")]"
+                     rollout.engine_tp="$engine_tp" rollout.weight_sync_address="$MASTER_ADDR")
+  if (( ${ENGINE_NODES:-0} == 0 )); then ROLLOUT_OVERRIDES+=(rollout.colocated=true); fi
 }
 ENGINE_PIDS=()
 

@@ -15,6 +15,13 @@ class RolloutConfig:
     """embedded (in-process HF engine on rank 0) | remote (megaopd serve or SGLang servers at `urls`)."""
     urls: List[str] = field(default_factory=list)
     """http://host:port of each remote engine (rollout.engine=remote)."""
+    engine_tp: int = 1
+    """Tensor-parallel size of each remote engine (its workers all join the weight-update group)."""
+    weight_sync_address: str = "127.0.0.1"
+    """Address of trainer rank 0 that remote engines connect to for weight updates; set it to this node's
+    cluster address when the engines run on other nodes (slurm/ scripts do)."""
+    weight_sync_bucket_mb: int = 512
+    """Bytes per weight-update bucket (megabytes)."""
     temperature: float = 1.0
     """Sampling temperature; every log-prob of the step (actor, teacher, reference) uses it too."""
     top_p: float = 1.0

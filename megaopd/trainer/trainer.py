@@ -233,11 +233,13 @@ class Trainer:
             return None
         rollout = self.cfg.rollout
         if rollout.engine == "remote":
-            from megaopd.rollout.client import HttpEngine, HttpEngineConfig
+            from megaopd.rollout.client import DistributedUpdateConfig, HttpEngine, HttpEngineConfig
             from megaopd.rollout.pool import EnginePool, PoolConfig
 
-            engines = [HttpEngine(HttpEngineConfig(url=u)) for u in rollout.urls]
-            return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
+            engines = [HttpEngine(HttpEngineConfig(url=u, workers=rollout.engine_tp)) for u in rollout.urls]
+            return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s),
+                              update_config=DistributedUpdateConfig(master_address=rollout.weight_sync_address,
+                                                                    bucket_bytes=rollout.weight_sync_bucket_mb << 20))
         from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
         return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=self._engine_hf_dir(), max_batch_size=rollout.max_batch_size))

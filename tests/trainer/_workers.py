@@ -33,3 +33,18 @@ def one_step_gradients(rank, world_size, cfg):
             "loss": metrics.get("loss/total")} if rank == 0 else None
 
 
+
+
+def run_presets(rank, world_size, cfgs):
+    """Runs each config to completion in this one process group (a Trainer per config, in turn);
+    returns, per config, the last logged metrics (rank 0)."""
+    from megaopd.trainer.trainer import Trainer
+
+    out = []
+    for cfg in cfgs:
+        trainer = Trainer(cfg)
+        trainer.train()
+        if trainer.run_log is not None:
+            trainer.run_log.close()
+        out.append(dict(trainer._last_metrics) if rank == 0 else None)
+    return out
