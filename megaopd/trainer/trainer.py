@@ -515,7 +515,7 @@ class Trainer:
                 EvalConfig(samples=vcfg.samples, temperature=vcfg.temperature, max_new_tokens=vcfg.max_new_tokens,
                            limit=vcfg.max_problems or None, repetition=self.cfg.metrics.repetition),
                 out_dir=os.path.join(self.cfg.run.dir, "eval", f"step_{self.step:06d}"),
-                prompt_fn=lambda problem: render_and_encode(problem, self.cfg.data, self.tokenizer))
+                prompt_fn=lambda problem: render_and_encode(problem, self.cfg.data, self.tokenizer)[1])
             box = [{k: v for k, v in result.to_metrics("val").items() if k.count("/") == 1}]
         dist.broadcast_object_list(box, src=0)
         return box[0]
