@@ -1,1 +1,0 @@
-"""megaopd.sync"""

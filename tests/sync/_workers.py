@@ -1,0 +1,60 @@
+"""Spawned workers for tests/sync: a Megatron actor pushing its weights into a rollout engine."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+PROBE = [[1, 5, 9, 14, 30, 41, 7, 7, 60, 2], [1, 80, 81, 82, 3, 9, 100, 12]]
+
+
+def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
+    """Builds an actor at (tp, pp) from hf_dir with perturbed weights (a "trained" student), measures the
+    server's log-probs of PROBE before and after pushing the actor's weights over a gloo group, and the
+    actor's own log-probs. Returns (max |before - actor|, max |after - actor|) on rank 0."""
+    from megaopd.config.model import ModelConfig
+    from megaopd.models.builder import StageInfo
+    from megaopd.models.hf_io import HFWeights
+    from megaopd.models.weights import gather_hf_weights, load_hf_weights, model_state
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.rollout.client import HttpEngine
+    from megaopd.rollout.pool import EnginePool
+    from megaopd.trainer.roles import load_role_model
+    from megaopd.trainer.scoring import score_tokens
+    from megaopd.trainer.stage_runner import StageRunner
+
+    pgs = initialize_actor_layout(Layout(tp, pp))
+    actor = load_role_model(ModelConfig(path=hf_dir, tp=tp, pp=pp), pgs, trainable=False)
+    # The same perturbation on every rank, in HF space, then sharded: a consistent new model.
+    gen = torch.Generator().manual_seed(noise_seed)
+    weights = HFWeights(hf_dir)
+    perturbed = {n: weights[n] + 0.05 * torch.randn(weights[n].shape, generator=gen) for n in sorted(weights.keys())}
+    st = StageInfo.of(pgs)
+    load_hf_weights(actor.model, perturbed, actor.hf, st.tp_rank, tp, st.pp_rank, pp)
+
+    engine = EnginePool([HttpEngine(url)]) if rank == 0 else None
+
+    def engine_logprobs():
+        box = [[engine.prompt_logprobs(p)[1:] for p in PROBE] if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    before = engine_logprobs()
+    tensors = gather_hf_weights(model_state(actor.model), actor.hf, pgs.tp, pgs.pp)
+    if rank == 0:
+        engine.update_weights(tensors, weight_version=f"noise{noise_seed}")
+    else:
+        for _ in tensors:
+            pass
+    after = engine_logprobs()
+    S = max(len(p) for p in PROBE)
+    tokens = torch.zeros(len(PROBE), S, dtype=torch.long)
+    for b, p in enumerate(PROBE):
+        tokens[b, :len(p)] = torch.tensor(p)
+    actor_lp = score_tokens(StageRunner(actor.model, pgs, actor.hf.vocab_size), tokens, 2, 1.0).logprobs_BT
+
+    def gap(engine_lp):
+        return max(abs(e - a) for b, lp in enumerate(engine_lp) for e, a in zip(lp, actor_lp[b, :len(lp)].tolist()))
+
+    if rank == 0:
+        engine.close()
+    return (gap(before), gap(after)) if rank == 0 else None
