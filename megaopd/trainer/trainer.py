@@ -14,6 +14,7 @@ token counts local arithmetic and lets each layout take its own data-parallel ro
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -107,12 +108,19 @@ class Trainer:
             self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
         # The teacher is optional for losses that do not read it (sft, grpo): metrics then skip its parts.
         self.teacher = load_role_model(cfg.teacher, self.teacher_pgs, trainable=False) if cfg.teacher.path else None
-        partner = None
+        partner, self.partner_offload = None, False
         if self.needs.reference:
             partner = load_role_model(cfg.student, self.actor_pgs, trainable=False,
                                       path=cfg.reference.path or cfg.student.path).model
+            self.partner_offload = cfg.reference.offload_between_uses
         elif self.needs.teacher_logits:
             partner = self.teacher.model
+            self.partner_offload = cfg.teacher.offload_between_uses
+        self.partner = partner
+        for model, offload in ((self.teacher.model if self.teacher else None, cfg.teacher.offload_between_uses),
+                               (partner, self.partner_offload)):
+            if model is not None and offload and torch.cuda.is_available():
+                model.cpu()  # parked until its first use (on_gpu_while_used)
         self.train_runner = StageRunner(self.ddp, self.actor_pgs, self.vocab_size, partner=partner)
         self.actor_runner = StageRunner(self.ddp, self.actor_pgs, self.vocab_size)
         # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
@@ -218,9 +226,10 @@ class Trainer:
         teacher = None
         t = time.time()
         if self.teacher is not None:
-            teacher = score_tokens(self.teacher_runner, batch.tokens_BS, cfg.trainer.micro_batch_size,
-                                   self.temperature, topk=max(needs.teacher_topk, overlap_k), entropy=overlap_k > 0,
-                                   at_ids_BTK=support)
+            with on_gpu_while_used(self.teacher.model, cfg.teacher.offload_between_uses):
+                teacher = score_tokens(self.teacher_runner, batch.tokens_BS, cfg.trainer.micro_batch_size,
+                                       self.temperature, topk=max(needs.teacher_topk, overlap_k),
+                                       entropy=overlap_k > 0, at_ids_BTK=support)
             batch.teacher_logprobs_BT = teacher.logprobs_BT
         times["time/teacher"] = time.time() - t
         texts, batch.rewards_B = self._texts_and_rewards(samples, examples)
@@ -299,7 +308,9 @@ class Trainer:
             micro = self._micro_batches(rollout, mask_BT, golden, rows, golden_rows)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            results = self.train_runner.run([m.tokens_BS for m in micro], self._step_fn(micro), forward_only=False)
+            with on_gpu_while_used(self.partner, self.partner_offload):
+                results = self.train_runner.run([m.tokens_BS for m in micro], self._step_fn(micro),
+                                                forward_only=False)
             ok, grad_norm, _ = self.optimizer.step()
             if not ok:
                 raise FloatingPointError(f"step {self.step}: non-finite gradients; lower optimizer.lr or check the data")
@@ -557,6 +568,21 @@ class Trainer:
             for _ in tensors:
                 pass
         dist.barrier()
+
+
+@contextlib.contextmanager
+def on_gpu_while_used(model: torch.nn.Module | None, offload: bool):
+    """With offload (GPU only), the frozen model lives in CPU memory except inside this block, leaving
+    its GPU memory to the actor's activations and optimizer state."""
+    if model is None or not offload or not torch.cuda.is_available():
+        yield
+        return
+    model.cuda()
+    try:
+        yield
+    finally:
+        model.cpu()
+        torch.cuda.empty_cache()
 
 
 def _reduce_loss_metrics(results: list[dict], is_reporter: bool) -> dict:
