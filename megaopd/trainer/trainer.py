@@ -431,7 +431,10 @@ class Trainer:
                 **d.extras["counts"],
             )
             loss, metrics = self.loss_fn(inputs)
-            return loss, {k: v.detach().float() for k, v in metrics.items()}
+            metrics = {k: v.detach().float() for k, v in metrics.items()}
+            if "loss/total" not in metrics:  # a single loss: it is both the total and its one term
+                metrics["loss/total"] = metrics[f"{self.loss_fn.name}/loss"] = loss.detach().float()
+            return loss, metrics
 
         return step_fn
 
