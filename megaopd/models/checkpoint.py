@@ -78,7 +78,7 @@ def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collectio
         else:
             with open(os.path.join(ckpt_dir, "config.json"), "w") as f:
                 json.dump(dict(cfg.raw), f, indent=2)
-        dtype = next(model.parameters()).dtype
+        dtype = model.config.params_dtype  # not a parameter's: local-spec norms stay float32
         meta = {
             "format": FORMAT,
             "version": 1,

@@ -97,7 +97,7 @@ def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 
 def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, tp: int, pp: int):
     import torch.distributed as dist
 
-    from megaopd.models.builder import build_gpt_model
+    from megaopd.models.builder import build_gpt_model, torch_dtype
     from megaopd.models.checkpoint import load_model_checkpoint, read_checkpoint_meta
     from megaopd.models.hf_io import save_hf_dir
     from megaopd.models.weights import gather_hf_weights, model_state
@@ -108,7 +108,7 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, t
     meta = read_checkpoint_meta(ckpt_dir)
     model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=meta["dtype"], init_weights=False)
     load_model_checkpoint(model, ckpt_dir, pgs)
-    tensors = gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp)
+    tensors = gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp, dtype=torch_dtype(meta["dtype"]))
     if dist.get_rank() == 0:
         # Streamed: rank 0 holds at most one ~4 GiB safetensors shard while the other ranks wait in the
         # next gather. config.json and tokenizer files are copied verbatim from the checkpoint.

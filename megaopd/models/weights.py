@@ -237,7 +237,7 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def gather_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_group=None, pp_group=None,
-                      collect_pp: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                      collect_pp: bool = True, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, full tensor) for the whole model, built from every rank's megatron shard.
 
     state: this rank's megatron tensors by name (model_state(model), or a state_dict; a `module.`
@@ -246,23 +246,26 @@ def gather_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_
     With collect_pp (default) every rank receives every tensor: each stage all-gathers its shards over
     TP, then broadcasts them over the PP group, one tensor at a time (memory: one tensor at a time).
     With collect_pp=False only this stage's tensors are yielded (no PP traffic): a weight-sync sender
-    per stage can stream them directly. Tensors are detached copies in the state's dtype.
+    per stage can stream them directly. Tensors are detached copies, all in one dtype: `dtype`, or by
+    default that of the linear weights (megatron's local-spec norms are float32 even in a bf16 model;
+    HF stores every tensor in the model dtype, and the PP broadcast needs one dtype on all ranks).
     """
     state = {_strip(k): v for k, v in state.items()}
     fused = uses_fused_norms(state)
     pp_rank = pp_group.rank() if pp_group is not None else 0
     pp_size = pp_group.size() if pp_group is not None else 1
+    some = state["decoder.layers.0.self_attention.linear_qkv.weight"]  # every stage has a layer 0
+    dtype = dtype or some.dtype
 
     def local() -> Iterator[tuple[str, torch.Tensor]]:
         for rule in stage_rules(cfg, pp_rank, pp_size, fused):
             if rule.export:
                 shards = _all_gather(state[rule.megatron].detach(), tp_group)
-                yield from zip(rule.hf, merge_shards(rule, shards, cfg))
+                yield from ((n, t.to(dtype)) for n, t in zip(rule.hf, merge_shards(rule, shards, cfg)))
 
     if pp_size == 1 or not collect_pp:
         yield from local()
         return
-    some = next(iter(state.values()))
     shapes = hf_shapes(cfg)
     for stage in range(pp_size):
         src = dist.get_global_rank(pp_group, stage)
@@ -273,7 +276,7 @@ def gather_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_
                 got_name, t = next(mine)
                 assert got_name == name, (got_name, name)
             else:
-                t = torch.empty(shapes[name], dtype=some.dtype, device=some.device)
+                t = torch.empty(shapes[name], dtype=dtype, device=some.device)
             dist.broadcast(t, src=src, group=pp_group)
             yield name, t
 

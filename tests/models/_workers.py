@@ -42,7 +42,7 @@ def _build_loaded(cfg, hf_dir, tp, pp, pgs):
     return model
 
 
-def parity_all_layouts(rank, world_size, models, ckpt_root):
+def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
     """For each layout and model: logits and log-probs vs HF, and HF -> megatron -> HF bit-exactness.
 
     Layouts use explicit process groups (build_process_groups, as a teacher would) while megatron's
@@ -73,6 +73,22 @@ def parity_all_layouts(rank, world_size, models, ckpt_root):
                    or not torch.equal(exported[n], hf[n])]
             extra = sorted(set(exported) - set(hf_shapes(cfg)))
             res[(name, tp, pp, "roundtrip_mismatches")] = bad + extra
+
+    if bf16_hf_dir is not None:
+        # bfloat16 weights survive load + TP gather + PP broadcast bit-exactly, in bfloat16
+        # (megatron's local-spec norms are float32 params: the export casts them back).
+        cfg = read_hf_config(bf16_hf_dir)
+        pgs = build_process_groups(Layout(2, 2))
+        from megaopd.models.builder import StageInfo, build_gpt_model
+        from megaopd.models.weights import load_hf_weights
+
+        model = build_gpt_model(cfg, 2, 2, pg_collection=pgs, dtype=torch.bfloat16, init_weights=False)
+        st = StageInfo.of(pgs)
+        hf = HFWeights(bf16_hf_dir)
+        load_hf_weights(model, hf, cfg, st.tp_rank, 2, st.pp_rank, 2)
+        exported = dict(gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp))
+        res[("bf16", "roundtrip_mismatches")] = [n for n in hf if exported[n].dtype != torch.bfloat16
+                                                 or not torch.equal(exported[n], hf[n])]
 
     # Checkpoint written by the actor layout TP=2 PP=2, read back at TP=1 PP=1.
     for name in ("tiny-qwen2", "tiny-qwen2-tied"):

@@ -222,6 +222,7 @@ def test_logprobs_input_errors(hf_models, tmp_path, capsys):
     assert not os.path.exists(out)
 
 
+@pytest.mark.slow
 def test_errors_exit_fast_as_real_processes(hf_models, tmp_path):
     """The real entry points: exit code 2, one stderr line, no megatron start-up (a few seconds at most)."""
     hf = hf_models["tiny-qwen2"]["hf_dir"]
