@@ -416,3 +416,19 @@ run_on_first_node() {
 }
 
 note "job $JOB_NAME: $NNODES node(s) [${NODES[*]}], master $MASTER_ADDR:$MASTER_PORT, $GPUS_PER_NODE GPU(s) per node$([[ $DRY_RUN == 1 ]] && echo ', DRY RUN')"
+
+# run_distillation [override ...]: the OPD-family job with the paper's settings (64 prompts x 4 samples,
+# temperature 1.0, lr 1e-6; each overridable by its variable), rollout engines started for the student,
+# extra arguments passed on as trainer overrides. CONFIG selects the algorithm's preset.
+run_distillation() {
+  setup_run_dir
+  train_base_overrides
+  start_engines STUDENT_HF_DIR
+  run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" \
+    trainer.prompts_per_step="${PROMPTS_PER_STEP:-64}" \
+    trainer.samples_per_prompt="${SAMPLES_PER_PROMPT:-4}" \
+    rollout.temperature="${TEMPERATURE:-1.0}" \
+    rollout.max_new_tokens="${MAX_NEW_TOKENS:-$STUDENT_MAX_NEW_TOKENS}" \
+    optimizer.lr="${LR:-1e-6}" \
+    "${ROLLOUT_OVERRIDES[@]}" "$@"
+}

@@ -30,17 +30,6 @@ source "$ROOT/slurm/common.sh"
 (( GPUS_PER_NODE > 0 )) || die "this job trains a 7B model on GPUs and got none: submit with --gpus-per-node (the tiny CPU job is slurm/tiny_cpu.sh)"
 load_model student qwen2.5-math-7b
 load_model teacher "${TEACHER:-openthinker3-7b}"
-CONFIG="${CONFIG:-$MEGAOPD_ROOT/examples/tiny/stable_opd.yaml}"
-require_path CONFIG "the base preset (loss.name=opd is set below); set CONFIG=/path/to/preset.yaml"
-setup_run_dir
-train_base_overrides
-
-start_engines STUDENT_HF_DIR
-run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" \
-  loss.name=opd \
-  trainer.prompts_per_step="${PROMPTS_PER_STEP:-64}" \
-  trainer.samples_per_prompt="${SAMPLES_PER_PROMPT:-4}" \
-  rollout.temperature="${TEMPERATURE:-1.0}" \
-  rollout.max_new_tokens="${MAX_NEW_TOKENS:-$STUDENT_MAX_NEW_TOKENS}" \
-  optimizer.lr="${LR:-1e-6}" \
-  "${ROLLOUT_OVERRIDES[@]}" "$@"
+CONFIG="${CONFIG:-$MEGAOPD_ROOT/examples/tiny/opd.yaml}"
+require_path CONFIG "the base preset that selects the plain OPD loss; set CONFIG=/path/to/preset.yaml"
+run_distillation "$@"

@@ -47,14 +47,4 @@ load_model student qwen2.5-math-7b
 load_model teacher "${TEACHER:-openthinker3-7b}"
 CONFIG="${CONFIG:-$MEGAOPD_ROOT/examples/tiny/stable_opd.yaml}"
 require_path CONFIG "the base preset that selects the Stable-OPD loss; set CONFIG=/path/to/preset.yaml"
-setup_run_dir
-train_base_overrides
-
-start_engines STUDENT_HF_DIR
-run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" \
-  trainer.prompts_per_step="${PROMPTS_PER_STEP:-64}" \
-  trainer.samples_per_prompt="${SAMPLES_PER_PROMPT:-4}" \
-  rollout.temperature="${TEMPERATURE:-1.0}" \
-  rollout.max_new_tokens="${MAX_NEW_TOKENS:-$STUDENT_MAX_NEW_TOKENS}" \
-  optimizer.lr="${LR:-1e-6}" \
-  "${ROLLOUT_OVERRIDES[@]}" "$@"
+run_distillation "$@"
