@@ -193,7 +193,8 @@ def test_dry_run_engine_nodes(inputs):
 
 
 def test_dry_run_three_nodes_one_engine_node(inputs):
-    r = run_script("opd_7b.sh", {**inputs, "ENGINE_NODES": "1", "ENGINE_TP": "2", "TEACHER": "r1-distill-qwen-7b",
+    defaults = {k: v for k, v in inputs.items() if k != "CONFIG"}  # the job's own preset
+    r = run_script("opd_7b.sh", {**defaults, "ENGINE_NODES": "1", "ENGINE_TP": "2", "TEACHER": "r1-distill-qwen-7b",
                                  "MASTER_PORT": "31234"}, nodes="a b c")
     assert r.returncode == 0, r.stderr
     out = r.stdout
