@@ -66,7 +66,11 @@ def test_every_algorithm_preset_runs_at_tp2(tiny_models, tmp_path):
         assert math.isfinite(metrics["loss/total"]), (name, metrics)
         if name not in ("stable_opd", "opd_kl"):
             assert metrics[f"loss/{'lsm' if name.startswith('lsm') else name}"] == metrics["loss/total"], name
-        assert metrics["train/grad_norm"] > 0, name
+        if name == "grpo" and metrics["rollout/reward_mean"] in (0.0, 1.0):
+            # Random models: every group's rewards are equal, so every advantage and the gradient are 0.
+            assert metrics["train/grad_norm"] == 0.0
+        else:
+            assert metrics["train/grad_norm"] > 0, name
         if name != "sft":
             assert 0.0 <= metrics["rollout/truncation_rate"] <= 1.0
             assert metrics["sync/logprob_gap_max"] < 1e-3, (name, metrics["sync/logprob_gap_max"])
