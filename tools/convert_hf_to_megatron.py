@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megaopd.models.cli_util import OneLineArgumentParser, run_cli  # noqa: E402
+from megaopd.models.cli_util import OneLineArgumentParser, report, run_cli  # noqa: E402
 
 PROG = "convert_hf_to_megatron"
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         from megaopd.models.convert import hf_to_megatron
 
         hf_to_megatron(a.hf_dir, a.out, a.tp, a.pp)
-        print(f"{PROG}: wrote {a.out} (tp={a.tp}, pp={a.pp})")
+        report(f"{PROG}: wrote {a.out} (tp={a.tp}, pp={a.pp})")
 
     return run_cli(PROG, body)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -23,3 +24,9 @@ def run_cli(prog: str, body: Callable[[], None]) -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def report(message: str) -> None:
+    """Prints a success line once per job (rank 0 under torchrun; always when run directly)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message)

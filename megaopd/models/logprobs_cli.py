@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from megaopd.models.cli_util import OneLineArgumentParser, run_cli
+from megaopd.models.cli_util import OneLineArgumentParser, report, run_cli
 from megaopd.models.hf_config import HFModelConfig, InputError, check_layout, read_hf_config
 
 PROG = "megaopd logprobs"
@@ -112,6 +112,6 @@ def main(argv=None) -> int:
             raise InputError(f"output directory {out_parent} does not exist")
         check_world(a.tp * a.pp)
         run_on_ranks(_worker, a.tp * a.pp, (a.ckpt, kind, a.tp, a.pp, seqs, a.output, a.micro_batch_size))
-        print(f"{PROG}: wrote {len(seqs)} lines to {a.output}")
+        report(f"{PROG}: wrote {len(seqs)} lines to {a.output}")
 
     return run_cli(PROG, body)
