@@ -37,7 +37,7 @@ from megaopd.trainer.batch import RolloutBatch, build_rollout_batch
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.optim import build_optimizer, wrap_for_training
 from megaopd.trainer.preemption import PreemptionFlag
-from megaopd.trainer.roles import check_same_tokenizer, load_role_model, tokenizer_dir
+from megaopd.trainer.roles import check_same_tokenizer, load_role_model, load_tokenizer
 from megaopd.trainer.run_log import RunLog
 from megaopd.trainer.scoring import TokenScores, dp_rows, pad_rows, score_tokens
 from megaopd.trainer.stage_runner import StageRunner
@@ -68,8 +68,6 @@ class ScoredRollout:
 
 class Trainer:
     def __init__(self, cfg: MegaOPDConfig):
-        from transformers import AutoTokenizer
-
         init_distributed()
         self.cfg = cfg
         self.rank = dist.get_rank()
@@ -85,10 +83,10 @@ class Trainer:
                              "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
 
         # Tokenizers and data first: a bad file fails here, before any model is loaded.
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.student.path))
+        self.tokenizer = load_tokenizer(cfg.student.path)
         teacher_tokenizer = None
         if cfg.teacher.path:
-            teacher_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.teacher.path))
+            teacher_tokenizer = load_tokenizer(cfg.teacher.path)
             check_same_tokenizer(self.tokenizer, teacher_tokenizer, cfg.student.path, cfg.teacher.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.special_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in cfg.loss.mask_first_tokens]
