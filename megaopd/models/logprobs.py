@@ -20,18 +20,24 @@ from megaopd.models.forward import forward_only
 from megaopd.models.hf_config import HFModelConfig
 
 
+# Logit of padding columns: exp() of it minus any real max is exactly 0, yet it is finite, so a shard made
+# only of padding still has a finite local max (-inf - -inf is NaN in the log-sum-exp rescaling) and
+# p * log p terms stay 0 * finite (entropy, KL). -1e30 rather than finfo.min, which can overflow to -inf
+# once a max is subtracted; float16 (max 65504) gets its own lowest value.
+PAD_LOGIT = -1e30
+
+
 def mask_vocab_padding(logits_BSV: torch.Tensor, vocab_size: int, tp_group=None) -> torch.Tensor:
-    """This rank's logits shard with megatron's padding columns (global id >= vocab_size) at the dtype's
-    lowest finite value, so every softmax over the shard ignores them. Returns the input when the
-    shard has no padding. A finite value, not -inf: a shard made only of padding must still give a
-    finite local max (-inf - -inf would be NaN in the log-sum-exp rescaling)."""
+    """This rank's logits shard with megatron's padding columns (global id >= vocab_size) set to
+    PAD_LOGIT, so every softmax over the shard ignores them. Returns the input when the shard has no
+    padding columns."""
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     width = logits_BSV.shape[-1]
     start = tp_rank * width
     if start + width <= vocab_size:
         return logits_BSV
     col = torch.arange(start, start + width, device=logits_BSV.device)
-    return logits_BSV.masked_fill(col >= vocab_size, torch.finfo(logits_BSV.dtype).min)
+    return logits_BSV.masked_fill(col >= vocab_size, max(PAD_LOGIT, torch.finfo(logits_BSV.dtype).min))
 
 
 def token_logprobs_from_shard(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, vocab_size: int,
