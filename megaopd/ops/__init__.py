@@ -10,6 +10,10 @@ the logits and small per-token stats instead of saving it. Ops are per-token: ca
     vocab_parallel_logsumexp(logits, group=None, temperature=1.0, chunk_size=None) -> [...]
     vocab_parallel_entropy(logits, group=None, temperature=1.0, chunk_size=None) -> [...]
     vocab_parallel_kl(logits_p, logits_q, group=None, temperature=1.0, chunk_size=None) -> [...]
+    vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=1.0, chunk_size=None,
+                               with_entropy=False) -> (logprobs [...], kl [...], entropy [...] or None)
+        fused: one pass and one backward for the student's sampled-token log-probs, KL(p||q) to a
+        frozen reference q (no gradient for q) and optionally the entropy metric (fused.py)
     vocab_parallel_jsd(logits_student, logits_teacher, beta, group=None, temperature=1.0,
                        chunk_size=None) -> [...]
     vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None)
@@ -19,11 +23,12 @@ the logits and small per-token stats instead of saving it. Ops are per-token: ca
                               temperature=1.0, support_mask=None) -> [...]
     vocab_range(vocab_shard_size, rank) -> (start, end)
 
-Formulas and gradients: the docstrings of logprobs.py, divergence.py, support.py; shared machinery and
+Formulas and gradients: the docstrings of logprobs.py, divergence.py, fused.py, support.py; shared machinery and
 the tensor-name legend: _common.py. Tests: pytest tests/ops -x (TP=2/4 spawned tests are marked slow).
 """
 from megaopd.ops._common import vocab_range
 from megaopd.ops.divergence import vocab_parallel_jsd, vocab_parallel_kl
+from megaopd.ops.fused import vocab_parallel_logprobs_kl
 from megaopd.ops.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_logsumexp
 from megaopd.ops.support import vocab_parallel_gather, vocab_parallel_support_kl, vocab_parallel_topk
 
@@ -33,6 +38,7 @@ __all__ = [
     "vocab_parallel_logsumexp",
     "vocab_parallel_entropy",
     "vocab_parallel_kl",
+    "vocab_parallel_logprobs_kl",
     "vocab_parallel_jsd",
     "vocab_parallel_topk",
     "vocab_parallel_gather",

@@ -33,6 +33,7 @@ class Case:
     chunk_size: int | None = None
     dtype: str = "float32"
     ties_across_shards: bool = False  # every shard a copy of shard 0: equal logits on different ranks
+    pad_columns: int = 0  # the last pad_columns vocabulary columns are padding (-1e30) in p and q
     seed: int = 0
 
 
@@ -45,7 +46,10 @@ CASES = [
     Case("offset_1e4", (13,), scale=4.0, offset=1e4, chunk_size=6, seed=5),
     Case("bf16", (13,), scale=5.0, temperature=1.3, chunk_size=4, dtype="bfloat16", seed=6),
     Case("ties", (13,), scale=2.0, chunk_size=4, ties_across_shards=True, seed=7),
+    # 20 padding columns: at TP=4 the last shard is all padding and the one before partly.
+    Case("padded", (13,), scale=4.0, temperature=0.9, chunk_size=4, pad_columns=20, seed=8),
 ]
+PAD_LOGIT = -1e30  # megatron-style masked vocabulary padding (finite: -inf would make 0 * inf = nan)
 
 
 def make_inputs(case: Case, world_size: int) -> dict:
@@ -60,10 +64,13 @@ def make_inputs(case: Case, world_size: int) -> dict:
             full = shard.repeat(1, world_size)
         else:
             full = torch.randn(T, V_FULL, generator=g, dtype=torch.float64)
-        return (case.offset + case.scale * full).to(dtype).reshape(*case.lead, V_FULL)
+        full = case.offset + case.scale * full
+        if case.pad_columns:
+            full[:, V_FULL - case.pad_columns:] = PAD_LOGIT
+        return full.to(dtype).reshape(*case.lead, V_FULL)
 
     inputs = {"p": logits(), "q": logits()}
-    inputs["ids"] = torch.randint(0, V_FULL, case.lead, generator=g)
+    inputs["ids"] = torch.randint(0, V_FULL, case.lead, generator=g) % (V_FULL - case.pad_columns)
     inputs["gather_ids"] = torch.randint(0, V_FULL, (*case.lead, GATHER_K), generator=g)
     # Support: distinct ids per token; some entries masked (their id and value are garbage on purpose),
     # and the first token's support entirely masked.
@@ -78,6 +85,10 @@ def make_inputs(case: Case, world_size: int) -> dict:
     inputs["support_mask"] = mask.reshape(*case.lead, SUPPORT_K)
     inputs["weights"] = {name: torch.randn(case.lead, generator=g, dtype=torch.float64)
                          for name in differentiable_outputs()}
+    # The fused op's weights come from their own stream, so the draws above are as they always were.
+    gf = torch.Generator().manual_seed(2000 + case.seed)
+    inputs["fused_weights"] = {name: torch.randn(case.lead, generator=gf, dtype=torch.float64)
+                               for name in ("logprobs", "kl")}
     return inputs
 
 
@@ -132,7 +143,42 @@ def run_case(case: Case, rank: int, world_size: int, group) -> dict:
         logprobs, ids = ops.vocab_parallel_topk(_shard(inp["p"], rank, world_size), k, **ckw)
         out[f"topk_{k}"] = {"value": logprobs.double(), "ids": ids, "dtype": logprobs.dtype,
                             "requires_grad": logprobs.requires_grad}
+    out["fused"] = _run_fused(inp, rank, world_size, ckw)
     return out
+
+
+FUSED_LOSSES = ("both", "logprobs_only", "kl_only")  # which outputs the loss reads (the others: no grad)
+
+
+def _fused_losses(logprobs, kl, weights):
+    w_lp, w_kl = weights["logprobs"], weights["kl"]
+    return {"both": (logprobs.double() * w_lp).sum() + (kl.double() * w_kl).sum(),
+            "logprobs_only": (logprobs.double() * w_lp).sum(),
+            "kl_only": (kl.double() * w_kl).sum()}
+
+
+def _run_fused(inp, rank, world_size, ckw) -> dict:
+    """vocab_parallel_logprobs_kl (q frozen) and, for comparison, the unfused ops on the same shard."""
+    from megaopd import ops
+
+    q = _shard(inp["q"], rank, world_size)
+    res = {}
+    for impl in ("fused", "unfused"):
+        for loss_name in FUSED_LOSSES:
+            p = _shard(inp["p"], rank, world_size).clone().requires_grad_()
+            if impl == "fused":
+                logprobs, kl, entropy = ops.vocab_parallel_logprobs_kl(p, inp["ids"], q, with_entropy=True,
+                                                                       **ckw)
+            else:
+                logprobs = ops.vocab_parallel_logprobs(p, inp["ids"], **ckw)
+                kl = ops.vocab_parallel_kl(p, q, **ckw)
+                entropy = ops.vocab_parallel_entropy(p.detach(), **ckw)
+            (grad,) = torch.autograd.grad(_fused_losses(logprobs, kl, inp["fused_weights"])[loss_name], p)
+            res[(impl, loss_name)] = {
+                "logprobs": logprobs.detach().double(), "kl": kl.detach().double(),
+                "entropy": entropy.double(), "grad_p": grad.double(),
+                "dtypes": (logprobs.dtype, kl.dtype, entropy.dtype), "entropy_requires_grad": entropy.requires_grad}
+    return res
 
 
 # ---- float64 reference, from the formulas on the full vocabulary --------------------------------------
@@ -172,10 +218,28 @@ def reference(case: Case, world_size: int) -> dict:
         grads = torch.autograd.grad((value * inp["weights"][name]).sum(), [p, q], retain_graph=True,
                                     allow_unused=True)
         out[name] = {"value": value.detach(), "grad_p": grads[0], "grad_q": grads[1]}
+    out["fused"] = _reference_fused(inp, tau)
     for k in TOPK_KS:
         # Stable sort over ascending global ids: among equal log-probs the lower id comes first.
         sorted_lp, sorted_ids = logp.detach().sort(dim=-1, descending=True, stable=True)
         out[f"topk_{k}"] = {"value": sorted_lp[..., :k], "ids": sorted_ids[..., :k], "logp": logp.detach()}
+    return out
+
+
+def _reference_fused(inp, tau) -> dict:
+    """Sampled-token log-prob, KL(p||q) with q frozen and H(p), and the gradients w.r.t. p of the
+    FUSED_LOSSES, in float64 from the formulas."""
+    out = {}
+    for loss_name in FUSED_LOSSES:
+        p = inp["p"].double().requires_grad_()
+        logp = torch.log_softmax(p / tau, dim=-1)
+        logq = torch.log_softmax(inp["q"].double() / tau, dim=-1)
+        logprobs = logp.gather(-1, inp["ids"].unsqueeze(-1)).squeeze(-1)
+        kl = (logp.exp() * (logp - logq)).sum(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        (grad,) = torch.autograd.grad(_fused_losses(logprobs, kl, inp["fused_weights"])[loss_name], p)
+        out[loss_name] = {"logprobs": logprobs.detach(), "kl": kl.detach(), "entropy": entropy.detach(),
+                          "grad_p": grad}
     return out
 
 
@@ -201,7 +265,7 @@ def _reference_support_kl(logp, inp):
 
 # ---- comparison ---------------------------------------------------------------------------------------
 
-def tolerances(case: Case, world_size: int) -> tuple[float, float, float]:
+def tolerances(case: Case, world_size: int, weights: str = "weights") -> tuple[float, float, float]:
     """(rtol, rtol_grad, atol) for |got - want| <= atol + rtol * max(|want|, scale).
 
     float32 math on logits whose per-token spread (max - min) / temperature is D loses ~eps * D in every
@@ -210,8 +274,11 @@ def tolerances(case: Case, world_size: int) -> tuple[float, float, float]:
     the O(|grad|) error of any wrong formula. bf16 logits get bf16 gradients (8-bit mantissa): rtol_grad.
     """
     inp = make_inputs(case, world_size)
-    spread = max(float((x.double().amax(-1) - x.double().amin(-1)).max()) for x in (inp["p"], inp["q"]))
-    max_w = max(float(w.abs().max()) for w in inp["weights"].values())
+    # Padding columns carry no probability: the spread is that of the real vocabulary.
+    real = slice(0, V_FULL - case.pad_columns)
+    spread = max(float((x[..., real].double().amax(-1) - x[..., real].double().amin(-1)).max())
+                 for x in (inp["p"], inp["q"]))
+    max_w = max(float(w.abs().max()) for w in inp[weights].values())
     atol = 1e-7 + 2.0**-23 * spread / case.temperature * max_w
     return 4e-6, (1e-2 if case.dtype == "bfloat16" else 4e-6), atol
 
@@ -221,7 +288,7 @@ def compare(case: Case, world_size: int, results_by_rank: list[dict], ref: dict)
     errors = []
     rtol_v, rtol_g, atol = tolerances(case, world_size)
 
-    def close(what, got, want, rtol, scale):
+    def close(what, got, want, rtol, scale, atol=atol):
         """|got - want| <= atol + rtol * max(|want|, scale), elementwise."""
         if got.shape != want.shape:
             errors.append(f"{case.name} TP={world_size} {what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
@@ -266,4 +333,28 @@ def compare(case: Case, world_size: int, results_by_rank: list[dict], ref: dict)
             if case.dtype == "float32" and not torch.equal(ids, want["ids"]):
                 errors.append(f"{case.name} TP={world_size} topk_{k} (rank {rank}): ids {ids.tolist()} "
                               f"!= {want['ids'].tolist()}")
+    # Fused log-probs + KL (+ entropy): against the float64 reference, and against the unfused ops.
+    atol = tolerances(case, world_size, "fused_weights")[2]
+    for loss_name in FUSED_LOSSES:
+        want = ref["fused"][loss_name]
+        for impl in ("fused", "unfused"):
+            for rank, res in enumerate(results_by_rank):
+                got = res["fused"][(impl, loss_name)]
+                what = f"{impl} {loss_name}"
+                if impl == "fused" and (got["dtypes"] != (torch.float32,) * 3 or got["entropy_requires_grad"]):
+                    errors.append(f"{case.name} {what}: dtypes {got['dtypes']}, entropy requires grad "
+                                  f"{got['entropy_requires_grad']}; expected float32 and a no-grad entropy")
+                for out in ("logprobs", "kl", "entropy"):
+                    close(f"{what} {out} (rank {rank})", got[out], want[out], rtol_v, scale=0.0, atol=atol)
+                    if not torch.equal(got[out], results_by_rank[0]["fused"][(impl, loss_name)][out]):
+                        errors.append(f"{case.name} TP={world_size} {what} {out}: ranks disagree")
+            got_g = torch.cat([res["fused"][(impl, loss_name)]["grad_p"] for res in results_by_rank], dim=-1)
+            close(f"{what} grad_p", got_g, want["grad_p"], rtol_g, scale=want["grad_p"].abs().max().item(),
+                  atol=atol)
+        for rank, res in enumerate(results_by_rank):  # fused == unfused, to the same tolerance
+            fused, unfused = res["fused"][("fused", loss_name)], res["fused"][("unfused", loss_name)]
+            for out in ("logprobs", "kl", "entropy", "grad_p"):
+                scale = unfused[out].abs().max().item() if out == "grad_p" else 0.0
+                close(f"fused vs unfused {loss_name} {out} (rank {rank})", fused[out], unfused[out],
+                      rtol_g if out == "grad_p" else rtol_v, scale=scale, atol=atol)
     return errors

@@ -35,6 +35,9 @@ OPS = {  # name -> (fn(p, q, ids, support, ref), number of differentiable logits
     "kl": (lambda p, q, ids, s, r: ops.vocab_parallel_kl(p, q, chunk_size=CHUNK), 2),
     "jsd": (lambda p, q, ids, s, r: ops.vocab_parallel_jsd(p, q, 0.5, chunk_size=CHUNK), 2),
     "support_kl": (lambda p, q, ids, s, r: ops.vocab_parallel_support_kl(p, s, r), 1),
+    # Fused log-probs + KL to a frozen q (+ entropy): ONE gradient buffer for both differentiable outputs.
+    "logprobs_kl": (lambda p, q, ids, s, r: sum(ops.vocab_parallel_logprobs_kl(
+        p, ids, q.detach(), chunk_size=CHUNK, with_entropy=True)), 1),
 }
 
 
@@ -80,5 +83,6 @@ def test_forward_without_grad_allocates_only_chunks():
         ops.vocab_parallel_kl(p, q, chunk_size=CHUNK)
         ops.vocab_parallel_jsd(p, q, 0.3, chunk_size=CHUNK)
         ops.vocab_parallel_topk(p, 5, chunk_size=CHUNK)
+        ops.vocab_parallel_logprobs_kl(p, ids, q, chunk_size=CHUNK, with_entropy=True)
     largest = max(e.self_cpu_memory_usage for e in prof.events())
     assert largest <= CHUNK * V * 4, f"largest allocation {largest} bytes exceeds one float32 chunk"

@@ -32,7 +32,8 @@ def test_group_none_never_touches_torch_distributed(monkeypatch):
     ids = torch.tensor([1, 2, 3])
     total = (ops.vocab_parallel_logprobs(p, ids) + ops.vocab_parallel_entropy(p) + ops.vocab_parallel_kl(p, q)
              + ops.vocab_parallel_jsd(p, q, 0.5) + ops.vocab_parallel_logsumexp(p)
-             + ops.vocab_parallel_support_kl(p, ids[:, None].expand(3, 2), torch.zeros(3, 2)))
+             + ops.vocab_parallel_support_kl(p, ids[:, None].expand(3, 2), torch.zeros(3, 2))
+             + sum(x for x in ops.vocab_parallel_logprobs_kl(p, ids, q, with_entropy=True)))
     total.sum().backward()
     ops.vocab_parallel_topk(p, 4)
 
@@ -99,6 +100,7 @@ def test_extreme_magnitudes_stay_finite(dtype):
         ops.vocab_parallel_kl(p, q, temperature=0.05),
         ops.vocab_parallel_jsd(p, q, 0.5, temperature=0.05),
         ops.vocab_parallel_support_kl(p, torch.arange(6).expand(9, 6), torch.zeros(9, 6), temperature=0.05),
+        sum(ops.vocab_parallel_logprobs_kl(p, ids, q.detach(), temperature=0.05, chunk_size=4)[:2]),
     ]
     for out in outs:
         assert out.dtype == torch.float32 and torch.isfinite(out).all()
@@ -119,6 +121,12 @@ def test_noncontiguous_and_empty_inputs():
     assert out.shape == (0, 3)
     out.sum().backward()
     assert empty.grad.shape == empty.shape
+    empty.grad = None
+    lp, kl, ent = ops.vocab_parallel_logprobs_kl(empty, torch.zeros(0, 3, dtype=torch.long), empty.detach(),
+                                                 with_entropy=True)
+    assert lp.shape == kl.shape == ent.shape == (0, 3)
+    (lp.sum() + kl.sum()).backward()
+    assert empty.grad.shape == empty.shape
 
 
 def test_bad_arguments_raise_with_the_fix():
@@ -135,5 +143,30 @@ def test_bad_arguments_raise_with_the_fix():
         ops.vocab_parallel_topk(x, 9)
     with pytest.raises(ValueError, match="chunk_size"):
         ops.vocab_parallel_entropy(x, chunk_size=0)
+    with pytest.raises(ValueError, match="same shape"):
+        ops.vocab_parallel_logprobs_kl(x, torch.zeros(3, dtype=torch.long), torch.zeros(3, 9))
+    with pytest.raises(ValueError, match="detach"):
+        ops.vocab_parallel_logprobs_kl(x, torch.zeros(3, dtype=torch.long), x.clone().requires_grad_())
     with pytest.raises(ValueError, match="support_logprobs_ref"):
         ops.vocab_parallel_support_kl(x, torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_logprobs_kl_outputs_and_gradient_dtype(dtype):
+    """Entropy only on request and never differentiable; one gradient, in the logits' dtype, equal to
+    the sum of the unfused ops' gradients."""
+    p = _logits(2, 7, 40, scale=3.0, seed=11, dtype=dtype).requires_grad_()
+    q = _logits(2, 7, 40, scale=3.0, seed=12, dtype=dtype)
+    ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+    lp, kl, ent = ops.vocab_parallel_logprobs_kl(p, ids, q, temperature=1.2, chunk_size=3)
+    assert ent is None and lp.dtype == kl.dtype == torch.float32 and lp.shape == kl.shape == (2, 7)
+    grad, = torch.autograd.grad((lp * 0.7 + kl * 1.3).sum(), p)
+    assert grad.dtype == dtype
+    want, = torch.autograd.grad((ops.vocab_parallel_logprobs(p, ids, temperature=1.2) * 0.7
+                                 + ops.vocab_parallel_kl(p, q, temperature=1.2) * 1.3).sum(), p)
+    # bf16: the unfused gradients are rounded to bf16 twice (each op's, then their sum), the fused once.
+    tol = {} if dtype == torch.float32 else dict(rtol=0.0, atol=2**-7 * float(want.abs().max()))
+    torch.testing.assert_close(grad, want, **tol)
+    with torch.no_grad():
+        _, _, ent = ops.vocab_parallel_logprobs_kl(p, ids, q, temperature=1.2, with_entropy=True)
+    torch.testing.assert_close(ent, ops.vocab_parallel_entropy(p.detach(), temperature=1.2))
