@@ -4,6 +4,8 @@ sft (Stable-OPD 2604.08527 sec. 4; cold start of 2604.13016):
     l_t = -log pi_theta(y*_t | x, y*_<t) on golden tokens; aggregated over the golden counts.
 ref_kl (Stable-OPD sec. 4), at student-visited prefixes s_t:
     estimator=full: l_t = sum_v pi_theta(v|s_t) (log pi_theta(v|s_t) - log pi_ref(v|s_t))   (exact, vocab-parallel)
+    (LossInputs.student_ref_kl: with the reference logits in the record, stable_opd's log-probs, this KL
+    and the entropy metric come from one fused pass, ops.vocab_parallel_logprobs_kl)
     k1: log rho, k2: (log rho)^2 / 2, k3: rho^-1 - 1 + log rho, with rho = pi_theta(y_t) / pi_ref(y_t)
     (single-sample estimators on the sampled token; note k1's gradient is the score function, zero in
     expectation, so k1 is mostly a metric; k2 and k3 are the usual loss choices).
@@ -139,9 +141,8 @@ def ref_kl_loss(inputs: LossInputs, config: RefKLConfig) -> tuple[torch.Tensor, 
     Divides by global_num_tokens (token-mean) or global_num_seqs (seq-mean-*)."""
     mask_BT = inputs.loss_mask_BT
     if config.estimator == "full":
-        ref_logits = inputs.need("ref_logits_BTv", "ref_kl").detach()  # the reference is frozen
-        kl_BT = ops.vocab_parallel_kl(inputs.logits_BTv, ref_logits, group=inputs.tp_group,
-                                      temperature=inputs.temperature)
+        # Cached, and fused with the student log-probs / entropy when the record allows (LossInputs).
+        kl_BT = inputs.student_ref_kl("ref_kl")
     else:
         log_ratio_BT = inputs.student_logprobs() - inputs.reference_logprobs("ref_kl")
         if config.estimator == "k1":

@@ -91,6 +91,13 @@ class LossInputs:
     global_num_golden_seqs: float | torch.Tensor | None = None
     """Golden sequences with >= 1 loss token in the whole step; None = local."""
 
+    fuse_reference: bool = True
+    """With ref_logits_BTv given (the trainer passes them only for a weighted ref_kl term), the first of
+    student_logprobs / student_ref_kl / student_entropy computes all three in ONE fused pass over the
+    logits with one backward into one gradient buffer (ops.vocab_parallel_logprobs_kl) instead of three
+    passes and two summed [T, V] gradients. With a k1-k3 ref_kl estimator the exact KL is then an unused
+    by-product of the forward pass (no backward cost): set False to skip it."""
+
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -122,17 +129,50 @@ class LossInputs:
     def student_logprobs(self) -> torch.Tensor:
         """log pi_theta(y_t|s_t) [B, T] over the full vocabulary; differentiable w.r.t. logits_BTv."""
         if "logprobs" not in self._cache:
-            self._cache["logprobs"] = ops.vocab_parallel_logprobs(
-                self.logits_BTv, self.token_ids_BT, group=self.tp_group, temperature=self.temperature)
+            if self._can_fuse_reference():
+                self._fused_reference()
+            else:
+                self._cache["logprobs"] = ops.vocab_parallel_logprobs(
+                    self.logits_BTv, self.token_ids_BT, group=self.tp_group, temperature=self.temperature)
         return self._cache["logprobs"]
 
     def student_entropy(self) -> torch.Tensor:
         """H(pi_theta(.|s_t)) [B, T], a metric only (no grad)."""
         if "entropy" not in self._cache:
-            with torch.no_grad():
-                self._cache["entropy"] = ops.vocab_parallel_entropy(
-                    self.logits_BTv.detach(), group=self.tp_group, temperature=self.temperature)
+            # Fusing from here under no_grad would cache log-probs without a graph: compute it alone then.
+            if self._can_fuse_reference() and torch.is_grad_enabled():
+                self._fused_reference()
+            else:
+                with torch.no_grad():
+                    self._cache["entropy"] = ops.vocab_parallel_entropy(
+                        self.logits_BTv.detach(), group=self.tp_group, temperature=self.temperature)
         return self._cache["entropy"]
+
+    def student_ref_kl(self, loss: str) -> torch.Tensor:
+        """Exact KL(pi_theta || pi_ref) [B, T] over the full vocabulary (reference frozen); differentiable
+        w.r.t. logits_BTv. Needs ref_logits_BTv."""
+        if "ref_kl" not in self._cache:
+            ref_logits = self.need("ref_logits_BTv", loss)
+            if self._can_fuse_reference():
+                self._fused_reference()
+            else:
+                self._cache["ref_kl"] = ops.vocab_parallel_kl(self.logits_BTv, ref_logits.detach(),
+                                                              group=self.tp_group, temperature=self.temperature)
+        return self._cache["ref_kl"]
+
+    def _can_fuse_reference(self) -> bool:
+        return (self.fuse_reference and self.ref_logits_BTv is not None
+                and "logprobs" not in self._cache and "ref_kl" not in self._cache)
+
+    def _fused_reference(self) -> None:
+        """Student log-probs, exact KL to the reference and (if not cached yet) the entropy metric from one
+        fused pass; see `fuse_reference`."""
+        logprobs_BT, kl_BT, entropy_BT = ops.vocab_parallel_logprobs_kl(
+            self.logits_BTv, self.token_ids_BT, self.ref_logits_BTv.detach(), group=self.tp_group,
+            temperature=self.temperature, with_entropy="entropy" not in self._cache)
+        self._cache["logprobs"], self._cache["ref_kl"] = logprobs_BT, kl_BT
+        if entropy_BT is not None:
+            self._cache["entropy"] = entropy_BT
 
     def reference_logprobs(self, loss: str) -> torch.Tensor:
         """log pi_ref(y_t|s_t) [B, T] (no grad): ref_logprobs_BT, else from ref_logits_BTv."""
