@@ -1,6 +1,7 @@
-"""Start `world_size` local gloo workers running one function: for tests and for CLI tools on CPU.
+"""Run one function on a job's ranks: the launcher's (torchrun/srun), or local gloo workers.
 
-    results = spawn(fn, world_size=2, args=(a, b))   # fn(rank, world_size, a, b) in each worker
+    results = run_on_ranks(fn, world_size=2, args=(a, b))   # what every CLI tool and `megaopd train` use
+    results = spawn(fn, world_size=2, args=(a, b))          # always local workers (tests)
 
 Each worker gets RANK/WORLD_SIZE/MASTER_* in its environment and an initialized default process group
 (gloo + megatron CPU compatibility on CPU). The return values come back in rank order; an exception in
@@ -109,3 +110,34 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
     if errors:
         raise WorkerError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def under_launcher() -> bool:
+    """True when torchrun/srun started this process as one rank of a job."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 3600,
+                 forward_signals: Sequence[int] = ()) -> list[Any]:
+    """fn(rank, world_size, *args) on the job's ranks.
+
+    Under torchrun/srun this process is one rank: it initializes torch.distributed, runs fn once and
+    returns [its result] (the caller checks that the job's world size suits it). Otherwise `world_size`
+    local gloo workers are spawned, except that a single rank runs in this process (no second
+    interpreter to start).
+    """
+    from megaopd.parallel.dist import destroy_distributed, init_distributed
+
+    if under_launcher() or world_size == 1:
+        owns_env = not under_launcher()
+        init_distributed()
+        import torch.distributed as dist
+
+        try:
+            return [fn(dist.get_rank(), dist.get_world_size(), *args)]
+        finally:
+            destroy_distributed()
+            if owns_env:  # init_distributed set these for its one-process group
+                for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+                    os.environ.pop(key, None)
+    return spawn(fn, world_size, args, timeout=timeout, forward_signals=forward_signals)

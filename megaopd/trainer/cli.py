@@ -49,22 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"megaopd train: {e}", file=sys.stderr)
         return 2
+    from megaopd.parallel.launch import run_on_ranks, under_launcher
     from megaopd.trainer.trainer import run_worker
 
-    if "WORLD_SIZE" in os.environ:  # torchrun / srun: this process is one rank of the job
-        if int(os.environ["WORLD_SIZE"]) != cfg.run.world_size:
-            print(f"megaopd train: torchrun started {os.environ['WORLD_SIZE']} ranks but run.world_size="
-                  f"{cfg.run.world_size}; pass run.world_size={os.environ['WORLD_SIZE']}", file=sys.stderr)
-            return 2
-        if int(os.environ["RANK"]) == 0:
-            _prepare_run_dir(cfg)
-        summary = run_worker(int(os.environ["RANK"]), cfg.run.world_size, cfg)
-    else:
-        from megaopd.parallel.launch import spawn
-
+    if under_launcher() and int(os.environ["WORLD_SIZE"]) != cfg.run.world_size:
+        print(f"megaopd train: the launcher started {os.environ['WORLD_SIZE']} ranks but run.world_size="
+              f"{cfg.run.world_size}; pass run.world_size={os.environ['WORLD_SIZE']}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
         _prepare_run_dir(cfg)
-        summary = spawn(run_worker, cfg.run.world_size, args=(cfg,), timeout=7 * 24 * 3600,
-                        forward_signals=(signal.SIGTERM, signal.SIGUSR1))[0]
+    results = run_on_ranks(run_worker, cfg.run.world_size, args=(cfg,), timeout=7 * 24 * 3600,
+                           forward_signals=(signal.SIGTERM, signal.SIGUSR1))
+    summary = results[0]
     if summary is not None and not summary.get("preempted"):
         _print_summary(cfg, summary)
         try:

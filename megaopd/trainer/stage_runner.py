@@ -22,21 +22,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model
 
 from megaopd.models import compat
-
-# Logit given to padded vocabulary columns: exp() of it underflows to exactly 0 after max-subtraction,
-# yet it stays finite so that p * log p terms are 0 rather than NaN.
-_PAD_LOGIT = -1e30
-
-
-def mask_vocab_padding(logits_BSv: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
-    """Sets the columns of global ids >= vocab_size (megatron's divisibility padding) to _PAD_LOGIT."""
-    v = logits_BSv.shape[-1]
-    first = tp_rank * v
-    if first + v <= vocab_size:
-        return logits_BSv
-    keep = (torch.arange(first, first + v, device=logits_BSv.device) < vocab_size)
-    return logits_BSv.masked_fill(~keep, _PAD_LOGIT)
-
+from megaopd.models.logprobs import mask_vocab_padding
 
 class _LockstepPair(torch.nn.Module):
     """Student and a frozen partner of the same layout, run on the same micro-batch.
@@ -99,7 +85,6 @@ class StageRunner:
         b, S = micro_batches[0].shape
         if any(mb.shape != (b, S) for mb in micro_batches):
             raise ValueError("all micro-batches of one run must have the same [b, S] shape (pad them)")
-        tp_rank = self.pgs.tp.rank()
         module = self.model if self.partner is None else _LockstepPair(self.model, self.partner)
         paired = self.partner is not None
         data = iter([MicroBatch(mb, i) for i, mb in enumerate(micro_batches)])
@@ -111,7 +96,7 @@ class StageRunner:
             output = model(tokens, position_ids, None)
 
             def loss_func(output_tensor):
-                logits = mask_vocab_padding(output_tensor, self.vocab_size, tp_rank)
+                logits = mask_vocab_padding(output_tensor, self.vocab_size, self.pgs.tp)
                 student, partner = (logits[:b], logits[b:]) if paired else (logits, None)
                 loss, result = step_fn(mb, student, partner)
                 # calculate_per_token_loss semantics: the schedule neither divides the loss nor
