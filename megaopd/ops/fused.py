@@ -123,8 +123,12 @@ class _VocabParallelLogProbsKL(torch.autograd.Function):
 
 
 def _rowdot(a_cV: torch.Tensor, b_cV: torch.Tensor) -> torch.Tensor:
-    """sum_v a[c, v] b[c, v] per row, without materializing the product."""
-    return torch.bmm(a_cV.unsqueeze(1), b_cV.unsqueeze(2)).view(a_cV.shape[0])
+    """sum_v a[c, v] b[c, v] per row (float32). On CPU at full float32 matmul precision a batched
+    matrix-vector product, which does not materialize the product (about 2x faster than mul + sum there);
+    elsewhere, or when matmuls may round float32 to TF32 / bf16, a plain multiply and sum."""
+    if a_cV.device.type == "cpu" and torch.get_float32_matmul_precision() == "highest":
+        return torch.bmm(a_cV.unsqueeze(1), b_cV.unsqueeze(2)).view(a_cV.shape[0])
+    return (a_cV * b_cV).sum(dim=-1)
 
 
 def vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=1.0, chunk_size=None,

@@ -170,3 +170,18 @@ def test_fused_logprobs_kl_outputs_and_gradient_dtype(dtype):
     with torch.no_grad():
         _, _, ent = ops.vocab_parallel_logprobs_kl(p, ids, q, temperature=1.2, with_entropy=True)
     torch.testing.assert_close(ent, ops.vocab_parallel_entropy(p.detach(), temperature=1.2))
+
+
+def test_fused_logprobs_kl_same_without_the_cpu_matmul_shortcut():
+    """At reduced float32 matmul precision the fused op sums with multiply + sum instead of bmm."""
+    p, q = _logits(5, 60, scale=4.0, seed=13), _logits(5, 60, scale=4.0, seed=14)
+    ids = torch.arange(5)
+    want = ops.vocab_parallel_logprobs_kl(p, ids, q, with_entropy=True)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        got = ops.vocab_parallel_logprobs_kl(p, ids, q, with_entropy=True)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
