@@ -28,11 +28,6 @@ def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
 
 
-def is_training_checkpoint(path: str) -> bool:
-    """A trainer checkpoint (RUN/checkpoints/step_N: model_and_optimizer/ + trainer_state.json)."""
-    return os.path.isfile(os.path.join(path, "trainer_state.json"))
-
-
 def export_megatron_to_hf(ckpt: str, out_dir: str) -> str:
     """megaopd Megatron checkpoint -> HF folder at out_dir, through the one converter (megaopd.models)."""
     from megaopd.models.convert import megatron_to_hf
@@ -96,18 +91,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from megaopd.models.checkpoint import is_megatron_checkpoint
 
-    # A megaopd Megatron checkpoint also holds config.json (its HF side files): test for it first.
+    # A megaopd Megatron checkpoint (training checkpoints RUN/checkpoints/step_N are ones too) also holds
+    # config.json (its HF side files): test for it first.
     with contextlib.ExitStack() as cleanup:
         if is_megatron_checkpoint(ckpt):
             os.makedirs(out_dir, exist_ok=True)
             export_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="hf_export_", dir=out_dir))
             hf_dir = export_megatron_to_hf(ckpt, os.path.join(export_dir, "hf"))
-        elif is_training_checkpoint(ckpt):
-            # TODO(eval, trainer): export a training checkpoint's actor weights (model_and_optimizer/) to HF;
-            # megaopd.models.convert reads only model checkpoints (megaopd_checkpoint.json).
-            print(f"megaopd eval: {ckpt} is a training checkpoint (trainer_state.json); exporting its weights to "
-                  f"HF is not supported yet: evaluate a model checkpoint or an HF folder", file=sys.stderr)
-            return 2
         elif is_hf_dir(ckpt):
             hf_dir = ckpt
         else:

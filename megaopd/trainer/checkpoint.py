@@ -1,8 +1,11 @@
 """Training checkpoints: RUN/checkpoints/step_NNNNNN/ with an atomic RUN/checkpoints/latest pointer.
 
-    step_000010/
-      model_and_optimizer/   megatron dist_checkpointing (torch_dist): the actor's weights and Adam
-                             state, loadable at another TP/PP
+    step_000010/             a complete megaopd model checkpoint of the student (megaopd.models.checkpoint):
+      model/                 megatron dist_checkpointing (torch_dist), loadable at another TP/PP
+      config.json, tokenizer files, megaopd_checkpoint.json
+                             so `megaopd eval --ckpt`, `megaopd logprobs`, convert_megatron_to_hf.py and
+                             `student.path=` all take it as it is
+      optimizer/             Adam state (dist_checkpointing, sharded like the model)
       trainer_state.json     step, lr scheduler, data position, collapse detector, weight version, ...
       rng/rank_R.safetensors each rank's torch RNG state (uint8 tensors, no pickle)
 
@@ -21,6 +24,7 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 
 from megaopd.models import compat
+from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint
 
 LATEST = "latest"
 
@@ -43,12 +47,8 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return path
 
 
-def _model_and_optimizer_sd(model, optimizer, pgs, is_loading: bool) -> dict:
-    model_sd = compat.sharded_state_dict(model, pgs)
-    sd = {"model": model_sd}
-    if optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
-    return sd
+def _optimizer_sd(model, optimizer, pgs, is_loading: bool) -> dict:
+    return {"optimizer": optimizer.sharded_state_dict(compat.sharded_state_dict(model, pgs), is_loading=is_loading)}
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -58,19 +58,21 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, trainer_state: dict, keep: int = 2) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, trainer_state: dict, hf_cfg, hf_side_dir: str,
+                    keep: int = 2) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory. hf_cfg / hf_side_dir: the
+    student's architecture and the directory whose config.json and tokenizer files are copied in."""
     rank = dist.get_rank()
     name = f"step_{step:06d}"
     final = os.path.join(checkpoints_dir(run_dir), name)
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "model_and_optimizer"))
+        os.makedirs(os.path.join(tmp, "optimizer"))
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    dist_checkpointing.save(_model_and_optimizer_sd(model, optimizer, pgs, is_loading=False),
-                            os.path.join(tmp, "model_and_optimizer"))
+    save_model_checkpoint(model, tmp, hf_cfg, pgs, hf_side_dir=hf_side_dir, extra_meta={"step": step})
+    dist_checkpointing.save(_optimizer_sd(model, optimizer, pgs, is_loading=False), os.path.join(tmp, "optimizer"))
     save_file(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.safetensors"))
     dist.barrier()
     if rank == 0:
@@ -97,10 +99,10 @@ def load_checkpoint(path: str, model, optimizer, pgs, restore_rng: bool = True) 
     """Collective. Loads weights and optimizer state in place; returns trainer_state.json's contents."""
     with open(os.path.join(path, "trainer_state.json")) as f:
         trainer_state = json.load(f)
-    sd = _model_and_optimizer_sd(model, optimizer, pgs, is_loading=True)
-    loaded = dist_checkpointing.load(sd, os.path.join(path, "model_and_optimizer"))
-    model.load_state_dict(loaded["model"])
+    load_model_checkpoint(model, path, pgs)
     if optimizer is not None:
+        loaded = dist_checkpointing.load(_optimizer_sd(model, optimizer, pgs, is_loading=True),
+                                         os.path.join(path, "optimizer"))
         optimizer.load_state_dict(loaded["optimizer"])
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.safetensors")
     if restore_rng and trainer_state.get("world_size") == dist.get_world_size() and os.path.exists(rng_file):

@@ -554,7 +554,8 @@ class Trainer:
         state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),
                  "collapse": self.detector.state_dict(), "weight_version": str(self.step),
                  "student": self.cfg.student.path, "teacher": self.cfg.teacher.path}
-        path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs, state)
+        path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs, state,
+                               self.actor.hf, hf_side_dir=tokenizer_dir(self.actor.path))
         if self.rank == 0:
             self.run_log.event(self.step, "checkpoint", path)
 

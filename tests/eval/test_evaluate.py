@@ -139,14 +139,13 @@ def test_prompt_fn_override_and_tiny_tokenizer_matches_training_render(tok):
     assert seen == [render_and_encode("What is 1+1?", DataConfig(), tok)[1]]
 
 
-def test_cli_rejects_training_checkpoint(tiny_bench, tmp_path, capsys):
+def test_cli_rejects_unknown_folder(tiny_bench, tmp_path, capsys):
     from megaopd.cli import main as cli_main
 
-    step = tmp_path / "step_000010"
-    (step / "model_and_optimizer").mkdir(parents=True)
-    (step / "trainer_state.json").write_text('{"step": 10}')
-    assert cli_main(["eval", "--ckpt", str(step), "--benchmarks", tiny_bench]) == 2
-    assert "training checkpoint" in capsys.readouterr().err
+    folder = tmp_path / "not_a_model"
+    folder.mkdir()
+    assert cli_main(["eval", "--ckpt", str(folder), "--benchmarks", tiny_bench]) == 2
+    assert "neither an HF folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -130,6 +130,20 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny_models, tmp_path):
                 "rollout/teacher_logprob_mean", "train/grad_norm", "loss/ref_kl"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
+    # A training checkpoint is a model checkpoint: the converter turns the last one into exactly the
+    # HF directory the run exported at its end.
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "converted")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_megatron_to_hf.py"), "--ckpt",
+                    os.path.join(killed, "checkpoints", "step_000004"), "--out", out], check=True, cwd=ROOT, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    converted = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(os.path.join(out, f)).items()}
+    exported = {k: v for f in os.listdir(os.path.join(killed, "hf")) if f.endswith(".safetensors")
+                for k, v in load_file(os.path.join(killed, "hf", f)).items()}
+    assert converted.keys() == exported.keys()
+    assert all((converted[k] == exported[k]).all() for k in converted)
+
 
 @pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resumes(tiny_models, tmp_path):
