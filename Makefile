@@ -1,4 +1,4 @@
-.PHONY: install test test-quick
+.PHONY: install test test-quick demo
 
 install:
 	bash scripts/install.sh
@@ -9,3 +9,10 @@ test:
 
 test-quick:
 	python3 -m pytest -q -m "not slow"
+
+# The embedded default: Stable-OPD of the tiny student from the tiny teacher, CPU, student TP=2 on 2 gloo
+# workers, a few minutes (examples/tiny/README.md). Prints validation accuracy before -> after. Each call
+# is a fresh run folder (runs/tiny/demo_DATE_TIME): the preset's own folder would resume a finished run.
+demo:
+	@python3 -c "import megaopd, megatron.core, transformers" 2>/dev/null || bash scripts/install.sh
+	megaopd train examples/tiny/stable_opd.yaml run.dir=runs/tiny/demo_$$(date +%Y%m%d_%H%M%S)

@@ -1,0 +1,309 @@
+"""Build the tiny CPU teacher and student (examples/tiny/models/) from nothing, with megaopd's own SFT.
+
+    python tools/build_tiny_models.py            # writes examples/tiny/models/{teacher,student}/ + manifest.json
+    python tools/build_tiny_models.py --check    # proves the committed files are what this script makes (below)
+
+What it does (every step seeded; SPECS below holds every size and hyper-parameter):
+  1. random initializations: a Qwen2 TEACHER (hidden 128, 4 layers) and a smaller Qwen2 STUDENT (hidden 64,
+     2 layers), transformers' own init under torch.manual_seed, saved as HF directories with the tiny
+     tokenizer (examples/tiny/tokenizer) and a generation_config (eos 2, pad 0);
+  2. the teacher: `megaopd train examples/tiny/sft.yaml` (loss sft, golden solutions of
+     examples/tiny/data/sft.jsonl, no rollouts) for SPECS["teacher"]["steps"] steps, one process;
+  3. the student: the same SFT, but a SHORT cold start, so that it solves the validation set clearly worse
+     than the teacher yet often enough for OPD rollouts to be sensible;
+  4. both final students of those runs (RUN/hf: safetensors + config.json + tokenizer + generation_config,
+     the same export path as any real model) are copied to examples/tiny/models/{teacher,student}, and both
+     are evaluated with the embedded engine + megaopd.eval on the first EVAL_PROBLEMS problems of
+     examples/tiny/data/val.jsonl (temperature 0.6, seeded);
+  5. manifest.json records the specs, the versions of torch/transformers/megatron-core, the sha256 of the
+     random initializations and of every committed file, each run's SFT loss curve (sft/nll per step),
+     the accuracies, and the build time.
+
+Run time (shared 2-core CPU, load ~4-7 from other jobs): about 25 minutes to build (teacher SFT ~20 min,
+student ~2 min, evaluations ~1 min). Committed size: ~4 MB (teacher 0.85M parameters, student 0.14M, fp32).
+
+--check (about 2-3 minutes) proves, without retraining:
+  a. the committed files are the ones the manifest describes (sha256 of every file of both model dirs);
+  b. this script, with the same seeds and library versions, rebuilds bit-identical random initializations
+     (their sha256 equals the manifest's);
+  c. megaopd's SFT from those initializations, rerun for the first CHECK_STEPS steps with the build's
+     settings, reproduces the manifest's loss curve (|delta nll| <= CHECK_TOL per step; the build and the
+     check run the same single-process code, so on one machine they agree to float rounding);
+  d. the committed weights load in transformers with the documented sizes, and re-evaluating them on the
+     manifest's validation subset gives the manifest's accuracies (teacher > student).
+It does NOT prove that the full-length SFT reproduces the committed weights bit for bit (that needs the
+full build: run the script without --check into a scratch --out and compare the manifests' weight hashes;
+identical on the same machine and library versions, close but not bitwise across CPUs).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TOKENIZER = os.path.join(ROOT, "examples", "tiny", "tokenizer")
+DATA = os.path.join(ROOT, "examples", "tiny", "data")
+DEFAULT_OUT = os.path.join(ROOT, "examples", "tiny", "models")
+SFT_PRESET = os.path.join(ROOT, "examples", "tiny", "sft.yaml")
+
+# Qwen2 shapes: heads and KV groups divisible by 2 (student TP=2), vocab = the tiny tokenizer's 256 ids.
+SPECS: dict[str, dict] = {
+    "teacher": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 384, "init_seed": 1,
+                "steps": 1200, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
+                "decay": "cosine", "train_seed": 11},
+    "student": {"hidden": 96, "layers": 3, "heads": 4, "kv_heads": 2, "ffn": 256, "init_seed": 2,
+                "steps": 400, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
+                "decay": "constant", "train_seed": 12},
+}
+EVAL_PROBLEMS = 64
+"""Validation problems (the first N of val.jsonl) the manifest's accuracies are measured on."""
+EVAL = {"temperature": 0.6, "max_new_tokens": 128, "seed": 0}
+CHECK_STEPS = 12
+CHECK_TOL = 2e-3
+THREADS = "1"
+"""Intra-op threads of the single SFT worker (MEGAOPD_WORKER_THREADS); part of the reproducible setup."""
+
+
+def log(msg: str) -> None:
+    print(f"[build_tiny_models {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dir_hashes(d: str) -> dict[str, str]:
+    return {f: sha256(os.path.join(d, f)) for f in sorted(os.listdir(d)) if os.path.isfile(os.path.join(d, f))}
+
+
+def hf_config(spec: dict) -> dict:
+    return {"vocab_size": 256, "hidden_size": spec["hidden"], "intermediate_size": spec["ffn"],
+            "num_hidden_layers": spec["layers"], "num_attention_heads": spec["heads"],
+            "num_key_value_heads": spec["kv_heads"], "max_position_embeddings": 512, "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 0, "initializer_range": 0.02}
+
+
+def build_init(spec: dict, out_dir: str) -> int:
+    """A randomly initialized Qwen2 (transformers' init, seeded) + the tiny tokenizer; returns #parameters."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(**hf_config(spec))
+    config.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(spec["init_seed"])
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)  # model.safetensors, config.json, generation_config.json (eos 2, pad 0)
+    for f in sorted(os.listdir(TOKENIZER)):
+        shutil.copy(os.path.join(TOKENIZER, f), out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def sft(spec: dict, init_dir: str, run_dir: str, steps: int, evaluate: bool) -> list[float]:
+    """megaopd's own SFT (examples/tiny/sft.yaml, one process) from init_dir; returns sft/nll per step."""
+    args = [sys.executable, "-m", "megaopd.cli", "train", SFT_PRESET, f"run.dir={run_dir}",
+            f"student.path={init_dir}", "student.tp=1", "reference.tp=1", "run.world_size=1",
+            f"trainer.max_steps={steps}", f"trainer.prompts_per_step={spec['prompts_per_step']}",
+            f"trainer.micro_batch_size={spec['prompts_per_step']}", f"trainer.seed={spec['train_seed']}",
+            f"trainer.save_interval={steps}", f"trainer.eval_interval={steps if evaluate else 0}",
+            f"optimizer.lr={spec['lr']}", f"optimizer.min_lr={spec['min_lr']}",
+            f"optimizer.warmup_steps={spec['warmup_steps']}", f"optimizer.decay_style={spec['decay']}",
+            f"validation.max_problems={EVAL_PROBLEMS}", f"validation.max_new_tokens={EVAL['max_new_tokens']}",
+            "logging.progress_bar=off", "logging.tensorboard=false"]
+    env = dict(os.environ, MEGAOPD_WORKER_THREADS=THREADS, PYTHONPATH=ROOT)
+    t0 = time.time()
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-40:]
+        if line.startswith("step ") and (" val_acc" in line or line.split()[1].isdigit()
+                                         and int(line.split()[1]) % 100 == 0):
+            log(f"  {os.path.basename(run_dir)}: {line.strip()} ({time.time() - t0:.0f}s)")
+    if proc.wait() != 0:
+        raise SystemExit(f"SFT run {run_dir} failed:\n{''.join(tail)}")
+    curve = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "sft/nll" in rec:
+                curve[rec["step"]] = rec["sft/nll"]
+    return [round(curve[s], 6) for s in sorted(curve)]
+
+
+def evaluate_dir(hf_dir: str, problems: int = EVAL_PROBLEMS) -> dict:
+    """Accuracy (and truncation) on the first `problems` of val.jsonl: embedded engine + megaopd.eval."""
+    import torch
+
+    from megaopd.eval.evaluate import EvalConfig, evaluate
+    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.trainer.roles import load_tokenizer
+
+    torch.set_num_threads(int(THREADS))
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, device="cpu"))
+    tokenizer = load_tokenizer(hf_dir)  # the trainer's loader (AutoTokenizer picks a wrong class here)
+    result = evaluate(engine, tokenizer, [os.path.join(DATA, "val.jsonl")],
+                      EvalConfig(samples=1, temperature=EVAL["temperature"], max_new_tokens=EVAL["max_new_tokens"],
+                                 limit=problems, seed=EVAL["seed"]))
+    m = result.to_metrics("val")
+    return {"accuracy": round(m["val/accuracy"], 4), "truncation_rate": round(m["val/truncation_rate"], 4),
+            "problems": problems}
+
+
+def model_sizes(hf_dir: str) -> dict:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size")
+    return {k: c[k] for k in keys}
+
+
+def versions() -> dict:
+    import megatron.core
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "megatron-core": megatron.core.__version__, "python": sys.version.split()[0]}
+
+
+def build(out: str, work: str, roles: list[str]) -> dict:
+    t_start = time.time()
+    path = os.path.join(out, "manifest.json")
+    old = {}
+    if set(roles) != set(SPECS) and os.path.isfile(path):  # rebuild some roles, keep the others' records
+        with open(path) as f:
+            old = json.load(f).get("models", {})
+    manifest = {"specs": SPECS, "eval": {**EVAL, "problems": EVAL_PROBLEMS, "file": "examples/tiny/data/val.jsonl"},
+                "check": {"steps": CHECK_STEPS, "tol": CHECK_TOL}, "threads": THREADS, "versions": versions(),
+                "models": {r: old[r] for r in SPECS if r not in roles and r in old}}
+    for role in roles:
+        spec = SPECS[role]
+        t0 = time.time()
+        init = os.path.join(work, f"{role}_init")
+        n = build_init(spec, init)
+        log(f"{role}: random init ({n / 1e6:.2f}M parameters, seed {spec['init_seed']}) -> {init}")
+        log(f"{role}: megaopd SFT, {spec['steps']} steps x {spec['prompts_per_step']} golden solutions")
+        run = os.path.join(work, f"{role}_sft")
+        curve = sft(spec, init, run, spec["steps"], evaluate=False)
+        dst = os.path.join(out, role)
+        if os.path.isdir(dst):
+            shutil.rmtree(dst)
+        shutil.copytree(os.path.join(run, "hf"), dst)
+        acc = evaluate_dir(dst)
+        log(f"{role}: val accuracy {acc['accuracy']:.3f} on the first {EVAL_PROBLEMS} problems "
+            f"(truncation {acc['truncation_rate']:.3f}); {time.time() - t0:.0f}s")
+        manifest["models"][role] = {"parameters": n, "sizes": model_sizes(dst),
+                                    "init_sha256": sha256(os.path.join(init, "model.safetensors")),
+                                    "sft_nll": curve, "val": acc, "files": dir_hashes(dst),
+                                    "build_seconds": round(time.time() - t0)}
+    manifest["models"] = {r: manifest["models"][r] for r in SPECS if r in manifest["models"]}
+    manifest["build_seconds"] = sum(m["build_seconds"] for m in manifest["models"].values())
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    accs = ", ".join(f"{r} {m['val']['accuracy']:.3f}" for r, m in manifest["models"].items())
+    log(f"done in {time.time() - t_start:.0f}s: val accuracy {accs} -> {out}")
+    return manifest
+
+
+def check(out: str, work: str) -> list[str]:
+    """Returns the problems found (empty: the check passed); see the module docstring for what it proves."""
+    problems = []
+    path = os.path.join(out, "manifest.json")
+    if not os.path.isfile(path):
+        return [f"{path} is missing: run `python tools/build_tiny_models.py`"]
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest["specs"] != SPECS:
+        problems.append("SPECS in this script differ from the manifest's: rebuild the models")
+    now = versions()
+    for k in ("torch", "transformers", "megatron-core"):
+        if manifest["versions"].get(k) != now[k]:
+            log(f"note: built with {k} {manifest['versions'].get(k)}, checking with {now[k]} "
+                f"(random inits and loss curves may differ)")
+    for role in ("teacher", "student"):
+        spec, rec, d = SPECS[role], manifest["models"][role], os.path.join(out, role)
+        # a. committed files
+        have = dir_hashes(d) if os.path.isdir(d) else {}
+        if have != rec["files"]:
+            bad = sorted(set(have) ^ set(rec["files"]) | {f for f in have if rec["files"].get(f) != have[f]})
+            problems.append(f"{role}: committed files differ from the manifest: {bad}")
+        # b. random initialization
+        init = os.path.join(work, f"{role}_init")
+        build_init(spec, init)
+        if sha256(os.path.join(init, "model.safetensors")) != rec["init_sha256"]:
+            problems.append(f"{role}: the rebuilt random initialization differs from the manifest's (seed "
+                            f"{spec['init_seed']})")
+        else:
+            log(f"{role}: random initialization rebuilt bit-identical")
+        # c. SFT prefix
+        curve = sft(spec, init, os.path.join(work, f"{role}_sft"), CHECK_STEPS, evaluate=False)
+        ref = rec["sft_nll"][:CHECK_STEPS]
+        worst = max(abs(a - b) for a, b in zip(curve, ref))
+        if len(curve) != len(ref) or worst > CHECK_TOL:
+            problems.append(f"{role}: SFT loss curve of the first {CHECK_STEPS} steps {curve} differs from the "
+                            f"manifest's {ref} (max |delta| {worst:.2e} > {CHECK_TOL})")
+        else:
+            log(f"{role}: first {CHECK_STEPS} SFT losses match the manifest (max |delta| {worst:.1e})")
+        # d. the committed weights: sizes and accuracy
+        if os.path.isdir(d):
+            import transformers
+
+            model = transformers.AutoModelForCausalLM.from_pretrained(d)
+            n = sum(p.numel() for p in model.parameters())
+            if n != rec["parameters"] or model_sizes(d) != rec["sizes"]:
+                problems.append(f"{role}: {n} parameters / sizes {model_sizes(d)}; manifest: {rec['parameters']} / "
+                                f"{rec['sizes']}")
+            acc = evaluate_dir(d)
+            if abs(acc["accuracy"] - rec["val"]["accuracy"]) > 2.0 / EVAL_PROBLEMS:
+                problems.append(f"{role}: val accuracy {acc['accuracy']} differs from the manifest's "
+                                f"{rec['val']['accuracy']}")
+            else:
+                log(f"{role}: val accuracy {acc['accuracy']:.3f} (manifest {rec['val']['accuracy']:.3f})")
+    t, s = (manifest["models"][r]["val"]["accuracy"] for r in ("teacher", "student"))
+    if not t > s:
+        problems.append(f"teacher accuracy {t} is not above the student's {s}")
+    return problems
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=DEFAULT_OUT, help="where teacher/, student/ and manifest.json go")
+    ap.add_argument("--work", default=None, help="scratch folder for the inits and SFT runs (default: a temp dir)")
+    ap.add_argument("--check", action="store_true", help="verify the files in --out instead of building")
+    ap.add_argument("--roles", default="teacher,student", help="build only these (the manifest keeps the others)")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="tiny_models_") as tmp:
+        work = args.work or tmp
+        if os.path.isdir(work) and os.listdir(work) and args.work:
+            raise SystemExit(f"--work {work} is not empty: SFT runs resume from checkpoints there; use a fresh one")
+        os.makedirs(work, exist_ok=True)
+        if not args.check:
+            os.makedirs(args.out, exist_ok=True)
+            build(args.out, work, [r for r in SPECS if r in args.roles.split(",")])
+            return 0
+        problems = check(args.out, work)
+    if problems:
+        print("tiny models check FAILED:\n  " + "\n  ".join(problems), flush=True)
+        return 1
+    print(f"tiny models check passed ({time.time() - t0:.0f}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
