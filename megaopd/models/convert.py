@@ -74,7 +74,7 @@ def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp:
 
 def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> None:
     """Converts an HF Qwen2/Llama directory into a megaopd Megatron checkpoint written at TP=tp, PP=pp."""
-    from megaopd.models.ranks import run_on_ranks
+    from megaopd.parallel.launch import run_on_ranks
 
     validate_hf_to_megatron(hf_dir, out_dir, tp, pp)
     run_on_ranks(_hf_to_megatron_worker, tp * pp, (hf_dir, out_dir, tp, pp, hf_dtype(hf_dir)))
@@ -125,7 +125,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> Non
 
     The checkpoint is loaded at TP=tp, PP=pp (default one process, whatever layout it was saved at).
     """
-    from megaopd.models.ranks import run_on_ranks
+    from megaopd.parallel.launch import run_on_ranks
 
     validate_megatron_to_hf(ckpt_dir, out_dir, tp, pp)
     run_on_ranks(_megatron_to_hf_worker, tp * pp, (ckpt_dir, out_dir, tp, pp))

@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     def body():
-        from megaopd.models.ranks import check_world, run_on_ranks
+        from megaopd.models.ranks import check_world
+        from megaopd.parallel.launch import run_on_ranks
 
         cfg, kind = resolve_model(a.ckpt)
         check_layout(cfg, a.tp, a.pp)

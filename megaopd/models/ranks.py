@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from megaopd.models.hf_config import InputError
-from megaopd.parallel.launch import run_on_ranks, under_launcher  # noqa: F401 - the tools import them from here
+from megaopd.parallel.launch import under_launcher
 
 
 def check_world(model_parallel_size: int) -> None:
