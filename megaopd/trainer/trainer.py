@@ -67,22 +67,26 @@ class ScoredRollout:
 
 
 class Trainer:
+    """One rank of an OPD job. Start-up order: inputs (tokenizers, data), models, resume, engine; each
+    step fails early on bad input before anything expensive runs."""
+
     def __init__(self, cfg: MegaOPDConfig):
         init_distributed()
         self.cfg = cfg
         self.rank = dist.get_rank()
-        self.run_log: RunLog | None = None  # created once the run folder's state is known (below)
+        self.run_log: RunLog | None = None  # created once the run folder's state is known
         torch.manual_seed(cfg.trainer.seed)
         self.loss_fn = build_loss_from(cfg.loss)
         self.needs = loss_requirements(self.loss_fn)
         self.temperature = cfg.rollout.temperature
-        student_layout = Layout(cfg.student.tp, cfg.student.pp)
-        teacher_layout = Layout(cfg.teacher.tp, cfg.teacher.pp)
-        if self.needs.teacher_logits and (teacher_layout != student_layout or self.needs.reference):
-            raise ValueError("gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
-                             "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
+        self._load_inputs()
+        self._load_models()
+        self._resume()
+        self._start_engine()
 
-        # Tokenizers and data first: a bad file fails here, before any model is loaded.
+    def _load_inputs(self) -> None:
+        """Tokenizers and data first: a bad file fails here, before any model is loaded."""
+        cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.student.path)
         teacher_tokenizer = None
         if cfg.teacher.path:
@@ -97,6 +101,15 @@ class Trainer:
         # takes its own rows of the responses).
         self.loader = PromptLoader(dataset, cfg.data, batch_size=cfg.trainer.prompts_per_step)
 
+    def _load_models(self) -> None:
+        """Actor (+ DDP, optimizer), teacher in its own layout, and the partner run in lockstep with the
+        actor: the reference (ref_kl) or, for gkd, the teacher."""
+        cfg = self.cfg
+        student_layout = Layout(cfg.student.tp, cfg.student.pp)
+        teacher_layout = Layout(cfg.teacher.tp, cfg.teacher.pp)
+        if self.needs.teacher_logits and (teacher_layout != student_layout or self.needs.reference):
+            raise ValueError("gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
+                             "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
         self.actor_pgs = initialize_actor_layout(student_layout, seed=cfg.trainer.seed)
         self.teacher_pgs = self.actor_pgs if teacher_layout == student_layout else build_process_groups(teacher_layout)
         self.actor = load_role_model(cfg.student, self.actor_pgs, trainable=True)
@@ -106,20 +119,19 @@ class Trainer:
             self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
         # The teacher is optional for losses that do not read it (sft, grpo): metrics then skip its parts.
         self.teacher = load_role_model(cfg.teacher, self.teacher_pgs, trainable=False) if cfg.teacher.path else None
-        partner, self.partner_offload = None, False
+        self.partner, self.partner_offload = None, False
         if self.needs.reference:
-            partner = load_role_model(cfg.student, self.actor_pgs, trainable=False,
-                                      path=cfg.reference.path or cfg.student.path).model
+            self.partner = load_role_model(cfg.student, self.actor_pgs, trainable=False,
+                                           path=cfg.reference.path or cfg.student.path).model
             self.partner_offload = cfg.reference.offload_between_uses
         elif self.needs.teacher_logits:
-            partner = self.teacher.model
+            self.partner = self.teacher.model
             self.partner_offload = cfg.teacher.offload_between_uses
-        self.partner = partner
         for model, offload in ((self.teacher.model if self.teacher else None, cfg.teacher.offload_between_uses),
-                               (partner, self.partner_offload)):
+                               (self.partner, self.partner_offload)):
             if model is not None and offload and torch.cuda.is_available():
                 model.cpu()  # parked until its first use (on_gpu_while_used)
-        self.train_runner = StageRunner(self.ddp, self.actor_pgs, self.vocab_size, partner=partner)
+        self.train_runner = StageRunner(self.ddp, self.actor_pgs, self.vocab_size, partner=self.partner)
         self.actor_runner = StageRunner(self.ddp, self.actor_pgs, self.vocab_size)
         # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
         # masked, so its top-K never proposes a token the student cannot produce.
@@ -127,6 +139,9 @@ class Trainer:
                                            min(self.teacher.hf.vocab_size, self.vocab_size))
                                if self.teacher is not None else None)
 
+    def _resume(self) -> None:
+        """Step 0, or the state of the run folder's last complete checkpoint."""
+        cfg = self.cfg
         self.step = 0
         self._last_metrics: dict = {}
         self.detector = CollapseDetector(cfg.metrics.collapse)
@@ -143,16 +158,21 @@ class Trainer:
                                   cfg.logging.progress_bar, start_step=self.step)
             if latest is not None:
                 self.run_log.console(f"resumed from {latest} at step {self.step}")
+
+    def _start_engine(self) -> None:
+        """The rollout engine, holding the actor's current weights (checked by the parity probe). Rollouts
+        and validation generate; an SFT run without validation needs no engine at all."""
         from megaopd.models.checkpoint import is_megatron_checkpoint
 
+        cfg = self.cfg
+        self.engine = None
+        if not (self.needs.on_policy or cfg.validation.path):
+            return
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             self.export_hf(os.path.join(cfg.run.dir, "hf_init"))  # collective; the engine is built from it
-        # Rollouts and validation generate; an SFT run without validation needs no engine at all.
-        self.engine = None
-        if self.needs.on_policy or cfg.validation.path:
-            self.engine = self._build_engine()
-            self.sync_weights()
-            self._check_parity(tolerance=cfg.rollout.parity_tolerance)
+        self.engine = self._build_engine()
+        self.sync_weights()
+        self._check_parity(tolerance=cfg.rollout.parity_tolerance)
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> dict:
