@@ -8,8 +8,10 @@ Workload per rank: one micro-batch of `tokens` response tokens, student logits s
 V/TP] float32 (requires grad), the reference logits shard (stable_opd), teacher sampled-token log-probs
 and top-32 ids/log-probs (lsm). stable_opd = opd (PPO-clip, entropy metric) + 0.1 sft + 0.01 exact
 ref-KL; its golden tokens share the micro-batch's forward (golden_logits = logits), so the SFT term
-reuses the sampled-token log-probs in both implementations. One step = loss forward + backward to the
-logits shard.
+reuses the sampled-token log-probs in both implementations. The vocab-parallel stable_opd takes its
+log-probs, reference KL and entropy metric from one fused op (ops.vocab_parallel_logprobs_kl, through
+LossInputs); `--unfused` also times it on the separate ops (LossInputs(fuse_reference=False)). One step =
+loss forward + backward to the logits shard.
 
 Memory method: Linux per-process peak RSS. Before each step the worker resets its high-water mark
 (`echo 5 > /proc/self/clear_refs`, which resets VmHWM) and reads VmRSS with every input already
@@ -87,10 +89,10 @@ def naive_lsm(d, group):
 
 
 # ---------------------------------------------------------------------------------------------- vocab-parallel
-def parallel_step(loss_fn, d, group):
+def parallel_step(loss_fn, d, group, fuse=True):
     from megaopd.losses import LossInputs
 
-    inputs = LossInputs(
+    inputs = LossInputs(fuse_reference=fuse,
         logits_BTv=d["logits"], token_ids_BT=d["ids"], loss_mask_BT=d["mask"], tp_group=group,
         old_logprobs_BT=d["old_lp"], teacher_logprobs_BT=d["teacher_lp"], ref_logits_BTv=d["ref_logits"],
         teacher_topk_ids_BTK=d["topk_ids"], teacher_topk_logprobs_BTK=d["topk_lp"],
@@ -122,7 +124,7 @@ def _make_inputs(tokens, vocab, rank, world, with_ref=True, seed=0):
     )
 
 
-def bench_worker(rank, world, tokens, vocab, repeats, losses, entropy):
+def bench_worker(rank, world, tokens, vocab, repeats, losses, entropy, unfused=False):
     from megaopd.losses import build_loss
 
     group = dist.group.WORLD if world > 1 else None
@@ -134,14 +136,17 @@ def bench_worker(rank, world, tokens, vocab, repeats, losses, entropy):
         ("lsm", "vocab_parallel"): lambda: parallel_step(lsm, d, group),
         ("stable_opd", "naive"): lambda: naive_stable_opd(d, group, entropy=entropy),
         ("lsm", "naive"): lambda: naive_lsm(d, group),
+        # stable_opd on the separate ops (three passes, two summed gradients): the pre-fusion path.
+        ("stable_opd", "unfused"): lambda: parallel_step(stable_opd, d, group, fuse=False),
     }
     times = {key: [] for key in fns}
     peaks = {key: [] for key in fns}
     for loss_name in losses:
         # The two implementations alternate step by step, so a change in the machine's load (it is
         # shared) hits both alike; the first round warms up (allocator, lazy imports).
+        impls = ("vocab_parallel", "naive") + (("unfused",) if unfused and loss_name == "stable_opd" else ())
         for i in range(repeats + 1):
-            for impl in ("vocab_parallel", "naive"):
+            for impl in impls:
                 key = (loss_name, impl)
                 d["logits"].grad = None
                 if world > 1:
@@ -172,6 +177,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads per worker (default 1: extra threads spin against other jobs on a "
                         "shared machine)")
+    p.add_argument("--unfused", action="store_true",
+                   help="also time stable_opd on the separate (unfused) ops, LossInputs(fuse_reference=False)")
     p.add_argument("--no-entropy", action="store_true",
                    help="stable_opd without the entropy metric (opd.log_entropy=false), in both implementations")
     args = p.parse_args(argv)
@@ -187,13 +194,16 @@ def main(argv=None):
             raise SystemExit(f"--vocab {args.vocab} is not divisible by TP={tp}")
         threads = str(args.threads)
         per_rank = spawn(bench_worker, world_size=tp, timeout=3600, env={"MEGAOPD_WORKER_THREADS": threads},
-                         args=(args.tokens, args.vocab, args.repeats, losses, not args.no_entropy))
+                         args=(args.tokens, args.vocab, args.repeats, losses, not args.no_entropy, args.unfused))
         for loss_name in losses:
-            vp = [r[(loss_name, "vocab_parallel")] for r in per_rank]
             nv = [r[(loss_name, "naive")] for r in per_rank]
-            # Slowest rank's best / median step; largest rank's peak.
-            rows.append((loss_name, tp, max(x[0] for x in vp), max(x[0] for x in nv), max(x[1] for x in vp),
-                         max(x[1] for x in nv), max(x[2] for x in vp), max(x[2] for x in nv)))
+            for impl, label in (("vocab_parallel", loss_name), ("unfused", f"{loss_name} (unfused ops)")):
+                if (loss_name, impl) not in per_rank[0]:
+                    continue
+                vp = [r[(loss_name, impl)] for r in per_rank]
+                # Slowest rank's best / median step; largest rank's peak.
+                rows.append((label, tp, max(x[0] for x in vp), max(x[0] for x in nv), max(x[1] for x in vp),
+                             max(x[1] for x in nv), max(x[2] for x in vp), max(x[2] for x in nv)))
             print(f"done: {loss_name} TP={tp}", file=sys.stderr, flush=True)
 
     logits_mib = args.tokens * args.vocab * 4 / 2**20
