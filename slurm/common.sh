@@ -67,7 +67,13 @@ export MASTER_ADDR
 # One port per job, so two jobs that share a node (or a requeued job whose old sockets linger in TIME_WAIT)
 # do not collide on the rendezvous port.
 # Kept in 20000-28999, below the engines' ports (ENGINE_PORT, 30000 and up); 29500 (torch's default) outside a job.
-if [[ -n ${SLURM_JOB_ID:-} ]]; then MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 9000))}"; else MASTER_PORT="${MASTER_PORT:-29500}"; fi
+# A requeued job keeps its id: shift by the restart count so it never waits on (or collides with) the
+# previous run's rendezvous socket.
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+  MASTER_PORT="${MASTER_PORT:-$((20000 + (SLURM_JOB_ID + 997 * ${SLURM_RESTART_COUNT:-0}) % 9000))}"
+else
+  MASTER_PORT="${MASTER_PORT:-29500}"
+fi
 export MASTER_PORT
 
 # GPUs per node: an explicit GPUS_PER_NODE wins; else what Slurm granted (SLURM_GPUS_ON_NODE, or the

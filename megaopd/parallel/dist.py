@@ -40,18 +40,22 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> N
     if dist.is_initialized():
         return
     backend = backend or default_backend()
-    if "WORLD_SIZE" not in os.environ:
-        from megaopd.parallel.launch import find_free_port
-
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(find_free_port()))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" not in os.environ:
+        # A one-process group of its own. A tcp:// rendezvous instead of MASTER_* variables leaves nothing
+        # in the environment for child processes (a later torchrun or sbatch) to inherit.
+        from megaopd.parallel.launch import find_free_port
+
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0,
+                                world_size=1, timeout=timeout)
+        return
     dist.init_process_group(
         backend=backend,
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        timeout=timeout,
     )
 
 

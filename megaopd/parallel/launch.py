@@ -129,7 +129,6 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
     from megaopd.parallel.dist import destroy_distributed, init_distributed
 
     if under_launcher() or world_size == 1:
-        owns_env = not under_launcher()
         init_distributed()
         import torch.distributed as dist
 
@@ -137,7 +136,4 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
             return [fn(dist.get_rank(), dist.get_world_size(), *args)]
         finally:
             destroy_distributed()
-            if owns_env:  # init_distributed set these for its one-process group
-                for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-                    os.environ.pop(key, None)
     return spawn(fn, world_size, args, timeout=timeout, forward_signals=forward_signals)

@@ -88,8 +88,14 @@ def inputs(tmp_path):
             "CKPT_ROOT": str(tmp_path / "converted")}
 
 
+# A job must not inherit the launch variables of whatever process runs the tests (a distributed test in
+# the same pytest process, or a torchrun around it): they would pin its rendezvous port.
+LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"}
+
+
 def run_script(script, env_extra, *args, nodes="node1 node2", dry=True):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_")) and k not in LAUNCHER_VARS}
     for k in ("MODELS_DIR", "TRAIN_DATA", "CONFIG", "OUTPUT_ROOT", "RUN_DIR", "ENGINE_NODES", "TEACHER",
               "GPUS_PER_NODE", "NPROC_PER_NODE", "MASTER_PORT", "STUDENT_HF_DIR", "TEACHER_HF_DIR"):
         env.pop(k, None)
@@ -335,7 +341,7 @@ class Jobs:
     def sbatch(self, script, env_extra, *args, wait=True, timeout=600):
         """Submits; with wait, returns (job id, exit code) once the job ended. Polls scontrol every 0.5 s
         rather than `sbatch --wait`, whose growing poll interval adds ~20 s to every short job."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DRY_RUN"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DRY_RUN")) and k not in LAUNCHER_VARS}
         env.update(env_extra, MEGAOPD_ROOT=ROOT)
         r = subprocess.run(["sbatch", "--parsable", *args, script], capture_output=True, text=True, env=env,
                            cwd=ROOT, timeout=60)
@@ -482,7 +488,9 @@ def test_engines_start_wait_and_stop(jobs, tmp_path):
     assert rc == 0, log
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     urls = [f"http://{host}:{port}", f"http://{host}:{port + 10}"]
-    assert (out / "overrides.txt").read_text().split() == ["rollout.engine=remote", f"rollout.urls=[{','.join(urls)}]"]
+    assert (out / "overrides.txt").read_text().split() == [
+        "rollout.engine=remote", f"rollout.urls=[{','.join(urls)}]", "rollout.engine_tp=1",
+        f"rollout.weight_sync_address={host}", "rollout.colocated=true"]
     assert (out / "model_info.txt").read_text().count("model_path") == 2
     assert [r["sum"] for r in read_reports(out)] == [3.0, 3.0]
     for u in urls:
