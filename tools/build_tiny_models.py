@@ -4,36 +4,42 @@
     python tools/build_tiny_models.py --check    # proves the committed files are what this script makes (below)
 
 What it does (every step seeded; SPECS below holds every size and hyper-parameter):
-  1. random initializations: a Qwen2 TEACHER (hidden 128, 4 layers) and a smaller Qwen2 STUDENT (hidden 64,
-     2 layers), transformers' own init under torch.manual_seed, saved as HF directories with the tiny
-     tokenizer (examples/tiny/tokenizer) and a generation_config (eos 2, pad 0);
-  2. the teacher: `megaopd train examples/tiny/sft.yaml` (loss sft, golden solutions of
-     examples/tiny/data/sft.jsonl, no rollouts) for SPECS["teacher"]["steps"] steps, one process;
-  3. the student: the same SFT, but a SHORT cold start, so that it solves the validation set clearly worse
-     than the teacher yet often enough for OPD rollouts to be sensible;
-  4. both final students of those runs (RUN/hf: safetensors + config.json + tokenizer + generation_config,
-     the same export path as any real model) are copied to examples/tiny/models/{teacher,student}, and both
-     are evaluated with the embedded engine + megaopd.eval on the first EVAL_PROBLEMS problems of
-     examples/tiny/data/val.jsonl (temperature 0.6, seeded);
+  1. random initializations: a Qwen2 TEACHER (hidden 128, 4 layers, 0.85M parameters) and a smaller Qwen2
+     STUDENT (hidden 96, 3 layers, 0.35M), transformers' own init under torch.manual_seed, saved as HF
+     directories with the tiny tokenizer (examples/tiny/tokenizer) and a generation_config (eos 2, pad 0);
+  2. the teacher: `megaopd train examples/tiny/sft.yaml` (loss sft on the golden solutions of
+     examples/tiny/data/sft.jsonl; SFT-only steps generate nothing), one process, in two stages (each a run
+     that starts from the previous run's exported HF dir): 1200 steps at lr 2e-3 then 1500 at lr 1e-3, both
+     cosine, 32 solutions per step;
+  3. the student: the same SFT, but a SHORT cold start (400 steps, constant lr 2e-3), so that it solves the
+     validation set clearly worse than the teacher yet sometimes (OPD needs sensible rollouts);
+  4. the final HF export of each (RUN/hf: safetensors + config.json + tokenizer + generation_config, the
+     export path of any megaopd run) is copied to examples/tiny/models/{teacher,student}; both are evaluated
+     with the embedded engine + megaopd.eval on the first EVAL_PROBLEMS problems of
+     examples/tiny/data/val.jsonl (temperature 0.6, seeded per problem);
   5. manifest.json records the specs, the versions of torch/transformers/megatron-core, the sha256 of the
-     random initializations and of every committed file, each run's SFT loss curve (sft/nll per step),
+     random initializations and of every committed file, each stage's SFT loss curve (sft/nll per step),
      the accuracies, and the build time.
 
-Run time (shared 2-core CPU, load ~4-7 from other jobs): about 25 minutes to build (teacher SFT ~20 min,
-student ~2 min, evaluations ~1 min). Committed size: ~4 MB (teacher 0.85M parameters, student 0.14M, fp32).
+Measured (manifest.json): teacher 0.61, student 0.06 val accuracy (first 64 problems). Run time on this
+shared 2-core CPU, whose load from other jobs varied between 2 and 13 during the build: about 32 minutes
+(teacher 17 + 10 min, student 5 min; an SFT step of the teacher takes 0.25 s on an idle core, 1-5 s under
+load). Committed size: 4.8 MB (fp32 safetensors: teacher 3.4 MB, student 1.4 MB).
+`--roles student` rebuilds one model and keeps the other's manifest record.
 
---check (about 2-3 minutes) proves, without retraining:
+--check (2-5 minutes, depending on the machine's load) proves, without retraining:
   a. the committed files are the ones the manifest describes (sha256 of every file of both model dirs);
   b. this script, with the same seeds and library versions, rebuilds bit-identical random initializations
      (their sha256 equals the manifest's);
-  c. megaopd's SFT from those initializations, rerun for the first CHECK_STEPS steps with the build's
-     settings, reproduces the manifest's loss curve (|delta nll| <= CHECK_TOL per step; the build and the
-     check run the same single-process code, so on one machine they agree to float rounding);
-  d. the committed weights load in transformers with the documented sizes, and re-evaluating them on the
-     manifest's validation subset gives the manifest's accuracies (teacher > student).
-It does NOT prove that the full-length SFT reproduces the committed weights bit for bit (that needs the
-full build: run the script without --check into a scratch --out and compare the manifests' weight hashes;
-identical on the same machine and library versions, close but not bitwise across CPUs).
+  c. megaopd's SFT from those initializations, rerun for the first CHECK_STEPS steps of each model's first
+     stage with the build's settings, reproduces the manifest's loss curve (|delta nll| <= CHECK_TOL per
+     step: the data order, the init and the optimizer are the build's);
+  d. the committed weights load in transformers with the manifest's sizes, and re-evaluating them on the
+     manifest's validation subset gives the manifest's accuracies (within 2 problems), teacher > student.
+It does NOT prove that the full-length SFT (all 2700 teacher steps, all 400 student steps) reproduces the
+committed weights bit for bit, nor anything about the teacher's second stage beyond (a) and (d): that needs
+the full build (`python tools/build_tiny_models.py --out /tmp/m` and compare the manifests' file hashes;
+the runs are deterministic on one machine with one thread, but float reductions may differ across CPUs).
 """
 from __future__ import annotations
 
@@ -56,13 +62,21 @@ DEFAULT_OUT = os.path.join(ROOT, "examples", "tiny", "models")
 SFT_PRESET = os.path.join(ROOT, "examples", "tiny", "sft.yaml")
 
 # Qwen2 shapes: heads and KV groups divisible by 2 (student TP=2), vocab = the tiny tokenizer's 256 ids.
+# SFT "stages": consecutive `megaopd train` runs, each starting from the previous one's exported HF dir
+# (a fresh optimizer and schedule each; lr warms up over warmup_steps, then decays over the stage's steps).
 SPECS: dict[str, dict] = {
     "teacher": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 384, "init_seed": 1,
-                "steps": 1200, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
-                "decay": "cosine", "train_seed": 11},
+                "stages": [
+                    {"steps": 1200, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
+                     "decay": "cosine", "train_seed": 11},
+                    {"steps": 1500, "prompts_per_step": 32, "lr": 1e-3, "min_lr": 5e-5, "warmup_steps": 30,
+                     "decay": "cosine", "train_seed": 13},
+                ]},
     "student": {"hidden": 96, "layers": 3, "heads": 4, "kv_heads": 2, "ffn": 256, "init_seed": 2,
-                "steps": 400, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
-                "decay": "constant", "train_seed": 12},
+                "stages": [
+                    {"steps": 400, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
+                     "decay": "constant", "train_seed": 12},
+                ]},
 }
 EVAL_PROBLEMS = 64
 """Validation problems (the first N of val.jsonl) the manifest's accuracies are measured on."""
@@ -113,8 +127,9 @@ def build_init(spec: dict, out_dir: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def sft(spec: dict, init_dir: str, run_dir: str, steps: int, evaluate: bool) -> list[float]:
-    """megaopd's own SFT (examples/tiny/sft.yaml, one process) from init_dir; returns sft/nll per step."""
+def sft(spec: dict, init_dir: str, run_dir: str, steps: int, evaluate: bool = False) -> list[float]:
+    """megaopd's own SFT (examples/tiny/sft.yaml, one process) of one stage from init_dir, for `steps` steps
+    of the stage's schedule; returns sft/nll per step. The exported model is run_dir/hf."""
     args = [sys.executable, "-m", "megaopd.cli", "train", SFT_PRESET, f"run.dir={run_dir}",
             f"student.path={init_dir}", "student.tp=1", "reference.tp=1", "run.world_size=1",
             f"trainer.max_steps={steps}", f"trainer.prompts_per_step={spec['prompts_per_step']}",
@@ -130,8 +145,9 @@ def sft(spec: dict, init_dir: str, run_dir: str, steps: int, evaluate: bool) -> 
     tail = []
     for line in proc.stdout:
         tail = (tail + [line])[-40:]
-        if line.startswith("step ") and (" val_acc" in line or line.split()[1].isdigit()
-                                         and int(line.split()[1]) % 100 == 0):
+        words = line.split()
+        if len(words) > 2 and words[0] == "step" and words[1].isdigit() and words[2].startswith("loss=") \
+                and (int(words[1]) % 100 == 0 or " val_acc" in line):
             log(f"  {os.path.basename(run_dir)}: {line.strip()} ({time.time() - t0:.0f}s)")
     if proc.wait() != 0:
         raise SystemExit(f"SFT run {run_dir} failed:\n{''.join(tail)}")
@@ -196,19 +212,23 @@ def build(out: str, work: str, roles: list[str]) -> dict:
         init = os.path.join(work, f"{role}_init")
         n = build_init(spec, init)
         log(f"{role}: random init ({n / 1e6:.2f}M parameters, seed {spec['init_seed']}) -> {init}")
-        log(f"{role}: megaopd SFT, {spec['steps']} steps x {spec['prompts_per_step']} golden solutions")
-        run = os.path.join(work, f"{role}_sft")
-        curve = sft(spec, init, run, spec["steps"], evaluate=False)
+        curves, src = [], init
+        for i, stage in enumerate(spec["stages"]):
+            log(f"{role}: megaopd SFT stage {i + 1}/{len(spec['stages'])}, {stage['steps']} steps x "
+                f"{stage['prompts_per_step']} golden solutions, lr {stage['lr']} ({stage['decay']})")
+            run = os.path.join(work, f"{role}_sft{i + 1}")
+            curves.append(sft(stage, src, run, stage["steps"]))
+            src = os.path.join(run, "hf")
         dst = os.path.join(out, role)
         if os.path.isdir(dst):
             shutil.rmtree(dst)
-        shutil.copytree(os.path.join(run, "hf"), dst)
+        shutil.copytree(src, dst)
         acc = evaluate_dir(dst)
         log(f"{role}: val accuracy {acc['accuracy']:.3f} on the first {EVAL_PROBLEMS} problems "
             f"(truncation {acc['truncation_rate']:.3f}); {time.time() - t0:.0f}s")
         manifest["models"][role] = {"parameters": n, "sizes": model_sizes(dst),
                                     "init_sha256": sha256(os.path.join(init, "model.safetensors")),
-                                    "sft_nll": curve, "val": acc, "files": dir_hashes(dst),
+                                    "sft_nll": curves, "val": acc, "files": dir_hashes(dst),
                                     "build_seconds": round(time.time() - t0)}
     manifest["models"] = {r: manifest["models"][r] for r in SPECS if r in manifest["models"]}
     manifest["build_seconds"] = sum(m["build_seconds"] for m in manifest["models"].values())
@@ -250,9 +270,9 @@ def check(out: str, work: str) -> list[str]:
                             f"{spec['init_seed']})")
         else:
             log(f"{role}: random initialization rebuilt bit-identical")
-        # c. SFT prefix
-        curve = sft(spec, init, os.path.join(work, f"{role}_sft"), CHECK_STEPS, evaluate=False)
-        ref = rec["sft_nll"][:CHECK_STEPS]
+        # c. SFT prefix (of the first stage: later stages start from weights only the full build makes)
+        curve = sft(spec["stages"][0], init, os.path.join(work, f"{role}_sft1"), CHECK_STEPS)
+        ref = rec["sft_nll"][0][:CHECK_STEPS]
         worst = max(abs(a - b) for a, b in zip(curve, ref))
         if len(curve) != len(ref) or worst > CHECK_TOL:
             problems.append(f"{role}: SFT loss curve of the first {CHECK_STEPS} steps {curve} differs from the "
