@@ -166,7 +166,7 @@ def evaluate_dir(hf_dir: str, problems: int = EVAL_PROBLEMS) -> dict:
 
     from megaopd.eval.evaluate import EvalConfig, evaluate
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megaopd.trainer.roles import load_tokenizer
+    from megaopd.models.hf_io import load_tokenizer
 
     torch.set_num_threads(int(THREADS))
     engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, device="cpu"))

@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megaopd eval: {ckpt} is neither an HF folder (config.json) nor a megaopd Megatron "
                   f"checkpoint (megaopd_checkpoint.json)", file=sys.stderr)
             return 2
-        from transformers import AutoTokenizer
+        from megaopd.models.hf_io import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        tokenizer = load_tokenizer(hf_dir)
         engine = load_engine(hf_dir, args.batch_size, args.dtype)
         label = args.label or os.path.basename(ckpt)
         result = evaluate(engine, tokenizer, suites, cfg, out_dir=out_dir, label=label)

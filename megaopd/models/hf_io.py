@@ -140,3 +140,22 @@ def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     w = HFWeights(hf_dir)
     for name in w.keys():
         yield name, w[name]
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of an HF directory or of a megaopd checkpoint (its files sit beside the shards). transformers 5's AutoTokenizer replaces the class that
+    tokenizer_config.json names with the model type's own (Qwen2Tokenizer beside a qwen2 config.json), which
+    rebuilds a byte-level pipeline: for a tokenizer that is not byte-level, such as examples/tiny/tokenizer, it
+    silently drops every space and newline. A directory whose tokenizer_config.json names the generic fast
+    class is therefore loaded with that class; any other goes through AutoTokenizer."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    d = path if os.path.exists(os.path.join(path, "tokenizer_config.json")) or not os.path.isdir(os.path.join(path, "hf")) else os.path.join(path, "hf")
+    config = os.path.join(d, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+                return PreTrainedTokenizerFast.from_pretrained(d)
+    return AutoTokenizer.from_pretrained(d)

@@ -539,8 +539,8 @@ def _try_load_tokenizer(hf_dir: str):
     if not any(os.path.isfile(os.path.join(hf_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     try:
-        from transformers import AutoTokenizer
+        from megaopd.models.hf_io import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(hf_dir)
+        return load_tokenizer(hf_dir)
     except Exception:  # noqa: BLE001 - text is a convenience; ids are the protocol
         return None

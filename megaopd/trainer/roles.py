@@ -59,25 +59,6 @@ def tokenizer_dir(path: str) -> str:
                             f"model's tokenizer files there (tools/convert_hf_to_megatron.py does it)")
 
 
-def load_tokenizer(path: str):
-    """A role's tokenizer (from tokenizer_dir(path)). transformers 5's AutoTokenizer replaces the class that
-    tokenizer_config.json names with the model type's own (Qwen2Tokenizer beside a qwen2 config.json), which
-    rebuilds a byte-level pipeline: for a tokenizer that is not byte-level, such as examples/tiny/tokenizer, it
-    silently drops every space and newline. A directory whose tokenizer_config.json names the generic fast
-    class is therefore loaded with that class; any other goes through AutoTokenizer."""
-    import json
-
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    d = tokenizer_dir(path)
-    config = os.path.join(d, "tokenizer_config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-                return PreTrainedTokenizerFast.from_pretrained(d)
-    return AutoTokenizer.from_pretrained(d)
-
-
 def check_same_tokenizer(student, teacher, student_path: str, teacher_path: str) -> None:
     """OPD scores the student's tokens with the teacher: both must map text to the same ids."""
     problems = []

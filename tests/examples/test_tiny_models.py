@@ -31,7 +31,7 @@ def manifest() -> dict:
 def test_models_load_with_documented_sizes(role):
     import transformers
 
-    from megaopd.trainer.roles import load_tokenizer
+    from megaopd.models.hf_io import load_tokenizer
 
     d = os.path.join(MODELS, role)
     rec = manifest()["models"][role]
@@ -59,7 +59,7 @@ def test_teacher_beats_student_on_val_subset():
 
     from megaopd.eval.evaluate import EvalConfig, evaluate
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megaopd.trainer.roles import load_tokenizer
+    from megaopd.models.hf_io import load_tokenizer
 
     torch.set_num_threads(2)
     acc = {}
