@@ -142,8 +142,17 @@ def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, w[name]
 
 
+def tokenizer_dir(path: str) -> str:
+    """Where a role's tokenizer files are: the HF directory, or the one kept beside a checkpoint."""
+    for candidate in (path, os.path.join(path, "hf")):
+        if any(os.path.exists(os.path.join(candidate, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            return candidate
+    raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}: copy the "
+                            f"model's tokenizer files there (tools/convert_hf_to_megatron.py does it)")
+
+
 def load_tokenizer(path: str):
-    """The tokenizer of an HF directory or of a megaopd checkpoint (its files sit beside the shards). transformers 5's AutoTokenizer replaces the class that
+    """The tokenizer of an HF directory or of a megaopd checkpoint (tokenizer_dir). transformers 5's AutoTokenizer replaces the class that
     tokenizer_config.json names with the model type's own (Qwen2Tokenizer beside a qwen2 config.json), which
     rebuilds a byte-level pipeline: for a tokenizer that is not byte-level, such as examples/tiny/tokenizer, it
     silently drops every space and newline. A directory whose tokenizer_config.json names the generic fast
@@ -152,7 +161,7 @@ def load_tokenizer(path: str):
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    d = path if os.path.exists(os.path.join(path, "tokenizer_config.json")) or not os.path.isdir(os.path.join(path, "hf")) else os.path.join(path, "hf")
+    d = tokenizer_dir(path)
     config = os.path.join(d, "tokenizer_config.json")
     if os.path.isfile(config):
         with open(config) as f:

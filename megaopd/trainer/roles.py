@@ -8,7 +8,6 @@ checkpoint (dist_checkpointing, any saved layout).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +47,6 @@ def load_role_model(section: ModelConfig, pgs: ProcessGroupCollection, trainable
         model.requires_grad_(False)
         model.eval()
     return RoleModel(model, pgs, hf, path)
-
-
-def tokenizer_dir(path: str) -> str:
-    """Where a role's tokenizer files are: the HF directory, or the one kept beside a checkpoint."""
-    for candidate in (path, os.path.join(path, "hf")):
-        if any(os.path.exists(os.path.join(candidate, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            return candidate
-    raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}: copy the "
-                            f"model's tokenizer files there (tools/convert_hf_to_megatron.py does it)")
 
 
 def check_same_tokenizer(student, teacher, student_path: str, teacher_path: str) -> None:

@@ -37,8 +37,8 @@ from megaopd.trainer.batch import RolloutBatch, build_rollout_batch
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.optim import build_optimizer, wrap_for_training
 from megaopd.trainer.preemption import PreemptionFlag
-from megaopd.models.hf_io import load_tokenizer
-from megaopd.trainer.roles import check_same_tokenizer, load_role_model, tokenizer_dir
+from megaopd.models.hf_io import load_tokenizer, tokenizer_dir
+from megaopd.trainer.roles import check_same_tokenizer, load_role_model
 from megaopd.trainer.run_log import RunLog
 from megaopd.trainer.scoring import TokenScores, dp_rows, pad_rows, score_tokens
 from megaopd.trainer.stage_runner import StageRunner
