@@ -76,6 +76,8 @@ SPECS: dict[str, dict] = {
                 "stages": [
                     {"steps": 400, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
                      "decay": "constant", "train_seed": 12},
+                    {"steps": 1600, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
+                     "decay": "constant", "train_seed": 14},
                 ]},
 }
 EVAL_PROBLEMS = 64

@@ -17,10 +17,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODELS = os.path.join(ROOT, "examples", "tiny", "models")
 VAL = os.path.join(ROOT, "examples", "tiny", "data", "val.jsonl")
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(MODELS, "manifest.json")),
-                                reason="examples/tiny/models not built (python tools/build_tiny_models.py)")
-
-
 def manifest() -> dict:
     with open(os.path.join(MODELS, "manifest.json")) as f:
         return json.load(f)
