@@ -44,6 +44,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "megaopd.cli", "train", os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml"),
                f"run.dir={run}", f"student.path={student}", f"teacher.path={teacher}", "teacher.tp=1",
                f"trainer.max_steps={args.steps}", "trainer.eval_interval=0", "trainer.save_interval=1000",
+               # the settings benchmarks/README.md reports, pinned against later preset changes
+               "trainer.prompts_per_step=16", "rollout.max_new_tokens=160",
                "logging.tensorboard=false", *layout]
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         results[name] = mean_times(run)

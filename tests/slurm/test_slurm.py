@@ -6,8 +6,7 @@ the paper's settings) and on the one-line errors for missing inputs.
 Slow (a real Slurm cluster on this machine, started by scripts/slurm_local.sh; skipped only when not root
 or neither Slurm nor apt-get is there): sbatch --wait of a job that goes common.sh -> srun ->
 torchrun_node.sh -> torchrun --nproc-per-node=2 -> a gloo all_reduce; the time-limit signal path
-(USR1 to the batch shell -> ranks -> exit 0 -> requeue -> resume); and slurm/tiny_cpu.sh end to end once
-the trainer's examples/tiny/stable_opd.yaml exists.
+(USR1 to the batch shell -> ranks -> exit 0 -> requeue -> resume); and slurm/tiny_cpu.sh end to end.
 """
 from __future__ import annotations
 
@@ -502,13 +501,8 @@ def test_engines_start_wait_and_stop(jobs, tmp_path):
         assert r.returncode != 0, f"{u} still answers after the job ended"
 
 
-TINY_PRESET = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
-
-
 @pytest.mark.slow
 def test_tiny_cpu_job_end_to_end(tmp_path, request):
-    if not os.path.exists(TINY_PRESET):
-        pytest.skip("examples/tiny/stable_opd.yaml does not exist yet (the trainer has not landed)")
     jobs = request.getfixturevalue("jobs")  # starts the cluster only when the test can run
     run = tmp_path / "run"
     job_id, rc = jobs.sbatch(os.path.join(SLURM, "tiny_cpu.sh"), {"RUN_DIR": str(run), "MAX_STEPS": "2"},
