@@ -78,6 +78,9 @@ write_conf() {
 ClusterName=megaopd-local
 SlurmctldHost=$host
 AuthType=auth/munge
+# A requeued job waits for its old credential to expire before it may start again (120 s by default);
+# 15 s keeps the tests' requeue path short and is still ample to launch a step on one local node.
+AuthInfo=cred_expire=15
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=/var/spool/slurmctld
