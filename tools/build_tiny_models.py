@@ -26,7 +26,8 @@ What it does (every step seeded; SPECS below holds every size and hyper-paramete
 
 Measured (manifest.json): teacher 0.61, student 0.33 val accuracy (first 64 problems). Run time on this
 shared 2-core CPU: about 39 minutes (teacher 17 + 10 min under a load of 2-13 from other jobs, student
-12 min on a nearly idle machine; an SFT step takes 0.15-0.25 s on an idle core, 1-5 s under load). Committed size: 4.8 MB (fp32 safetensors: teacher 3.4 MB, student 1.4 MB).
+12 min on a nearly idle machine; an SFT step takes 0.15-0.25 s on an idle core, 1-5 s under load).
+Committed size: 4.8 MB (fp32 safetensors: teacher 3.4 MB, student 1.4 MB).
 `--roles student` rebuilds one model and keeps the other's manifest record.
 
 --check (2-5 minutes, depending on the machine's load) proves, without retraining:
@@ -131,16 +132,16 @@ def build_init(spec: dict, out_dir: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def sft(spec: dict, init_dir: str, run_dir: str, steps: int, evaluate: bool = False) -> list[float]:
+def sft(stage: dict, init_dir: str, run_dir: str, steps: int) -> list[float]:
     """megaopd's own SFT (examples/tiny/sft.yaml, one process) of one stage from init_dir, for `steps` steps
     of the stage's schedule; returns sft/nll per step. The exported model is run_dir/hf."""
     args = [sys.executable, "-m", "megaopd.cli", "train", SFT_PRESET, f"run.dir={run_dir}",
             f"student.path={init_dir}", "student.tp=1", "reference.tp=1", "run.world_size=1",
-            f"trainer.max_steps={steps}", f"trainer.prompts_per_step={spec['prompts_per_step']}",
-            f"trainer.micro_batch_size={spec['prompts_per_step']}", f"trainer.seed={spec['train_seed']}",
-            f"trainer.save_interval={steps}", f"trainer.eval_interval={steps if evaluate else 0}",
-            f"optimizer.lr={spec['lr']}", f"optimizer.min_lr={spec['min_lr']}",
-            f"optimizer.warmup_steps={spec['warmup_steps']}", f"optimizer.decay_style={spec['decay']}",
+            f"trainer.max_steps={steps}", f"trainer.prompts_per_step={stage['prompts_per_step']}",
+            f"trainer.micro_batch_size={stage['prompts_per_step']}", f"trainer.seed={stage['train_seed']}",
+            f"trainer.save_interval={steps}", "trainer.eval_interval=0",
+            f"optimizer.lr={stage['lr']}", f"optimizer.min_lr={stage['min_lr']}",
+            f"optimizer.warmup_steps={stage['warmup_steps']}", f"optimizer.decay_style={stage['decay']}",
             f"validation.max_problems={EVAL_PROBLEMS}", f"validation.max_new_tokens={EVAL['max_new_tokens']}",
             "logging.progress_bar=off", "logging.tensorboard=false"]
     env = dict(os.environ, MEGAOPD_WORKER_THREADS=THREADS, PYTHONPATH=ROOT)

@@ -152,11 +152,12 @@ def tokenizer_dir(path: str) -> str:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer of an HF directory or of a megaopd checkpoint (tokenizer_dir). transformers 5's AutoTokenizer replaces the class that
-    tokenizer_config.json names with the model type's own (Qwen2Tokenizer beside a qwen2 config.json), which
-    rebuilds a byte-level pipeline: for a tokenizer that is not byte-level, such as examples/tiny/tokenizer, it
-    silently drops every space and newline. A directory whose tokenizer_config.json names the generic fast
-    class is therefore loaded with that class; any other goes through AutoTokenizer."""
+    """The tokenizer of an HF directory or of a megaopd checkpoint (tokenizer_dir). transformers 5's
+    AutoTokenizer replaces the class that tokenizer_config.json names with the model type's own (Qwen2Tokenizer
+    beside a qwen2 config.json), which rebuilds a byte-level pipeline: for a tokenizer that is not byte-level,
+    such as examples/tiny/tokenizer, it silently drops every space and newline. A directory whose
+    tokenizer_config.json names the generic fast class is therefore loaded with that class; any other goes
+    through AutoTokenizer."""
     import json
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

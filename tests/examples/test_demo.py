@@ -19,9 +19,9 @@ MIN_RISE = 0.04
 @pytest.mark.slow
 def test_tiny_stable_opd_raises_validation_accuracy(tmp_path):
     run = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "megaopd.cli", "train", os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml"),
-                        f"run.dir={run}", "logging.tensorboard=false"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=1500)
+    preset = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
+    r = subprocess.run([sys.executable, "-m", "megaopd.cli", "train", preset, f"run.dir={run}",
+                        "logging.tensorboard=false"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     before, after = summary["val_before"]["val/accuracy"], summary["val/accuracy"]
