@@ -1,0 +1,70 @@
+"""Golden metrics: the tiny Stable-OPD, LSM and GRPO runs (5 steps, fixed seed, student TP=2, teacher
+TP=1, committed tiny models) reproduce the per-step metrics committed in tests/trainer/golden/ to 1e-6
+relative. A refactor of the trainer, scoring, batching or sync must keep them; a deliberate change of
+behaviour regenerates them with
+
+    MEGAOPD_UPDATE_GOLDEN=1 python3 -m pytest tests/trainer/test_golden.py
+
+and says why in its commit. Wall-clock metrics (time, time/*) are not compared.
+"""
+import json
+import math
+import os
+
+import pytest
+
+from megaopd.config import load_config
+from megaopd.config.schema import MegaOPDConfig
+from megaopd.parallel.launch import spawn
+from tests.trainer import _workers
+from tests.trainer.tiny_models import ROOT
+
+GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
+PRESETS = ["stable_opd", "lsm", "grpo"]
+REL = 1e-6
+
+
+def golden_overrides(run_dir: str) -> list[str]:
+    return [f"run.dir={run_dir}", "run.world_size=2", "student.tp=2", "reference.tp=2", "teacher.tp=1",
+            "trainer.max_steps=5", "trainer.prompts_per_step=8", "trainer.samples_per_prompt=2",
+            "trainer.micro_batch_size=4", "trainer.save_interval=1000", "trainer.eval_interval=0",
+            "trainer.seed=1234", "rollout.max_new_tokens=48", "validation.path=''", "logging.tensorboard=false",
+            "logging.progress_bar=off"]
+
+
+def _step_metrics(run_dir: str) -> dict[str, dict[str, float]]:
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if "event" in r:
+                continue
+            out[str(r["step"])] = {k: v for k, v in r.items()
+                                   if isinstance(v, (int, float)) and not k.startswith("time") and k != "step"}
+    return out
+
+
+@pytest.mark.slow
+def test_golden_metrics(tmp_path):
+    cfgs = [load_config(MegaOPDConfig, os.path.join(ROOT, "examples", "tiny", f"{name}.yaml"),
+                        golden_overrides(str(tmp_path / name))) for name in PRESETS]
+    spawn(_workers.run_presets, 2, args=(cfgs,), timeout=1500)
+    update = os.environ.get("MEGAOPD_UPDATE_GOLDEN") == "1"
+    for name in PRESETS:
+        got = _step_metrics(str(tmp_path / name))
+        path = os.path.join(GOLDEN_DIR, f"{name}.json")
+        if update:
+            with open(path, "w") as f:
+                json.dump(got, f, indent=1, sort_keys=True)
+            continue
+        with open(path) as f:
+            want = json.load(f)
+        assert sorted(got) == sorted(want), (name, "steps")
+        for step, metrics in want.items():
+            missing = sorted(set(metrics) - set(got[step]))
+            assert not missing, (name, step, missing)
+            for key, value in metrics.items():
+                # The engine/actor gap is float32 round-off (1e-7): any change of summation order moves it.
+                abs_tol = 1e-6 if key.startswith("sync/logprob_gap") else 1e-9
+                assert math.isclose(got[step][key], value, rel_tol=REL, abs_tol=abs_tol), \
+                    (name, step, key, got[step][key], value)
