@@ -37,9 +37,7 @@ class MegaOPDConfig:
     def validate(self) -> None:
         """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
         from megaopd.losses import build_loss_from
-        from megaopd.losses.requirements import loss_requirements
-
-        needs = loss_requirements(build_loss_from(self.loss))  # unknown loss names and keys fail here
+        needs = build_loss_from(self.loss).needs  # unknown loss names and keys fail here
         world = self.run.world_size
         student_dims = check_layout("student", self.student, world)
         if needs.teacher and not self.teacher.path:

@@ -9,7 +9,7 @@ Registered: opd, grpo (policy.py); sft, ref_kl, lsm, gkd (divergence.py); stable
 (composite.py). Each is a pure function of a LossInputs record (inputs.py) and its own config
 dataclass, returns (loss, metrics) with metrics named "<loss>/<what>", and divides its token sum by the
 global count the caller passes (aggregation.py). Special-token masking: masking.py. Formulas and
-defaults: docs in each module and /work/shared/design/ALGORITHMS.md.
+defaults: docs in each module and docs/algorithms.md.
 """
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 from megaopd.losses.aggregation import AGGREGATIONS, aggregate
 from megaopd.losses.inputs import LossInputs, all_reduce_counts, local_counts
 from megaopd.losses.masking import mask_first_occurrences
-from megaopd.losses.registry import LOSSES, BoundLoss, build_loss, get_spec, make_config, register_loss
+from megaopd.losses.registry import LOSSES, BoundLoss, LossNeeds, build_loss, get_spec, make_config, register_loss
 from megaopd.losses.policy import GRPOConfig, OPDConfig, discounted_returns, grpo_advantages  # registers
 from megaopd.losses.divergence import GKDConfig, LSMConfig, RefKLConfig, SFTConfig, student_topk_support
 from megaopd.losses.composite import StableOPDConfig, TermConfig, WeightedSumConfig
@@ -43,7 +43,7 @@ def build_loss_from(section: LossConfig) -> BoundLoss:
 
 
 __all__ = [
-    "AGGREGATIONS", "LOSSES", "BoundLoss", "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
+    "AGGREGATIONS", "LOSSES", "BoundLoss", "LossNeeds", "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
     "OPDConfig", "RefKLConfig", "SFTConfig", "StableOPDConfig", "TermConfig", "WeightedSumConfig",
     "aggregate", "all_reduce_counts", "build_loss", "build_loss_from", "discounted_returns", "get_spec",
     "grpo_advantages", "local_counts", "make_config", "mask_first_occurrences", "register_loss",

@@ -21,7 +21,7 @@ import torch
 from megaopd.losses.divergence import RefKLConfig, SFTConfig
 from megaopd.losses.inputs import LossInputs
 from megaopd.losses.policy import OPDConfig
-from megaopd.losses.registry import BoundLoss, Metrics, build_loss, register_loss
+from megaopd.losses.registry import BoundLoss, LossNeeds, Metrics, build_loss, register_loss
 
 
 @dataclass
@@ -78,7 +78,16 @@ def _weighted_sum(inputs: LossInputs, bound: list[tuple[str, float, BoundLoss]])
     return total, metrics
 
 
-@register_loss("weighted_sum", WeightedSumConfig)
+def _terms_needs(config: "WeightedSumConfig | StableOPDConfig") -> LossNeeds:
+    """A zero-weight term needs nothing (it is dropped)."""
+    needs = LossNeeds()
+    for _label, weight, term in config._bound:
+        if weight != 0.0:
+            needs = needs.merge(term.needs)
+    return needs
+
+
+@register_loss("weighted_sum", WeightedSumConfig, needs=_terms_needs)
 def weighted_sum_loss(inputs: LossInputs, config: WeightedSumConfig) -> tuple[torch.Tensor, Metrics]:
     """sum_i w_i L_i; each term needs its own inputs and divides by its own global count."""
     return _weighted_sum(inputs, config._bound)
@@ -107,7 +116,7 @@ class StableOPDConfig:
                        ("ref_kl", self.ref_kl_weight, build_loss("ref_kl", self.ref_kl))]
 
 
-@register_loss("stable_opd", StableOPDConfig)
+@register_loss("stable_opd", StableOPDConfig, needs=_terms_needs)
 def stable_opd_loss(inputs: LossInputs, config: StableOPDConfig) -> tuple[torch.Tensor, Metrics]:
     """L_opd + sft_weight L_sft + ref_kl_weight KL; needs opd's inputs, plus sft's / ref_kl's when weighted."""
     return _weighted_sum(inputs, config._bound)

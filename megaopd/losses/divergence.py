@@ -34,7 +34,7 @@ import torch
 from megaopd import ops
 from megaopd.losses.aggregation import aggregate, check_aggregation, masked_mean
 from megaopd.losses.inputs import LossInputs
-from megaopd.losses.registry import Metrics, register_loss
+from megaopd.losses.registry import LossNeeds, Metrics, register_loss
 
 KL_ESTIMATORS = ("full", "k1", "k2", "k3")
 LSM_SUPPORTS = ("teacher_topk", "student_topk")
@@ -110,7 +110,7 @@ def _aggregate_on_policy(loss_BT, inputs: LossInputs, aggregation: str) -> torch
                      inputs.global_num_tokens, inputs.global_num_seqs)
 
 
-@register_loss("sft", SFTConfig)
+@register_loss("sft", SFTConfig, needs=LossNeeds(golden=True))
 def sft_loss(inputs: LossInputs, config: SFTConfig) -> tuple[torch.Tensor, Metrics]:
     """Golden-token NLL. Needs: golden_logits_BTv, golden_ids_BT, golden_mask_BT. Divides by
     global_num_golden_tokens (token-mean) or global_num_golden_seqs (seq-mean-*)."""
@@ -135,7 +135,7 @@ def sft_loss(inputs: LossInputs, config: SFTConfig) -> tuple[torch.Tensor, Metri
                   "sft/num_tokens": mask_BT.detach().sum().to(nll_BT.dtype)}
 
 
-@register_loss("ref_kl", RefKLConfig)
+@register_loss("ref_kl", RefKLConfig, needs=LossNeeds(reference=True))
 def ref_kl_loss(inputs: LossInputs, config: RefKLConfig) -> tuple[torch.Tensor, Metrics]:
     """KL(pi_theta || pi_ref). Needs: ref_logits_BTv (full), or ref_logprobs_BT / ref_logits_BTv (k1-k3).
     Divides by global_num_tokens (token-mean) or global_num_seqs (seq-mean-*)."""
@@ -164,7 +164,8 @@ def student_topk_support(logits_BTv: torch.Tensor, k: int, group=None, temperatu
     return ids_BTK
 
 
-@register_loss("lsm", LSMConfig)
+@register_loss("lsm", LSMConfig, needs=lambda c: LossNeeds(teacher_topk=c.k) if c.support == "teacher_topk"
+               else LossNeeds(student_topk=c.k))
 def lsm_loss(inputs: LossInputs, config: LSMConfig) -> tuple[torch.Tensor, Metrics]:
     """Top-k support matching. Needs: teacher_topk_ids_BTK + teacher_topk_logprobs_BTK (teacher_topk) or
     student_topk_ids_BTK + student_topk_teacher_logprobs_BTK (student_topk). Divides like opd."""
@@ -194,7 +195,7 @@ def lsm_loss(inputs: LossInputs, config: LSMConfig) -> tuple[torch.Tensor, Metri
                   "lsm/teacher_support_mass": masked_mean(teacher_mass_BT, inputs.loss_mask_BT)}
 
 
-@register_loss("gkd", GKDConfig)
+@register_loss("gkd", GKDConfig, needs=LossNeeds(teacher_logits=True))
 def gkd_loss(inputs: LossInputs, config: GKDConfig) -> tuple[torch.Tensor, Metrics]:
     """Generalized JSD(beta). Needs: teacher_logits_BTv (in the student's vocab sharding). Divides like opd."""
     teacher_logits = inputs.need("teacher_logits_BTv", "gkd").detach()

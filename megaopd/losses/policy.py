@@ -25,7 +25,7 @@ import torch
 
 from megaopd.losses.aggregation import aggregate, check_aggregation, masked_max, masked_mean
 from megaopd.losses.inputs import LossInputs
-from megaopd.losses.registry import Metrics, register_loss
+from megaopd.losses.registry import LossNeeds, Metrics, register_loss
 
 POLICY_LOSSES = ("ppo_clip", "importance_sampling")
 
@@ -155,7 +155,7 @@ def _policy_metrics(prefix: str, inputs: LossInputs, mask_BT, logprobs_BT, old_B
     return metrics
 
 
-@register_loss("opd", OPDConfig)
+@register_loss("opd", OPDConfig, needs=LossNeeds(old_logprobs=True, teacher_logprobs=True))
 def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metrics]:
     """Sampled-token OPD. Needs: old_logprobs_BT, teacher_logprobs_BT. Divides by global_num_tokens
     (token-mean) or global_num_seqs (seq-mean-*)."""
@@ -181,7 +181,7 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
     return loss, metrics
 
 
-@register_loss("grpo", GRPOConfig)
+@register_loss("grpo", GRPOConfig, needs=LossNeeds(old_logprobs=True, rewards=True))
 def grpo_loss(inputs: LossInputs, config: GRPOConfig) -> tuple[torch.Tensor, Metrics]:
     """GRPO. Needs: old_logprobs_BT, rewards_S, group_ids_S (whole groups in this micro-batch).
     Divides by global_num_tokens (token-mean) or global_num_seqs (seq-mean-*)."""

@@ -3,8 +3,11 @@
 A loss is `fn(inputs: LossInputs, config: ItsConfig) -> (loss, metrics)`: loss a 0-dim tensor (this
 micro-batch's share of the step loss, see aggregation.py), metrics a dict of detached 0-dim tensors
 named "<loss>/<what>" (local micro-batch values; the trainer averages them over micro-batches and ranks).
+Each loss declares, where it is registered, what it needs from the trainer (LossNeeds, a constant or a
+function of its config), so the step computes only that and a new loss is written in one place.
 
     loss_fn = build_loss("stable_opd", {"sft_weight": 0.1})
+    loss_fn.needs.reference    # True: run the reference model in lockstep with the actor
     loss, metrics = loss_fn(inputs)
 """
 from __future__ import annotations
@@ -22,22 +25,64 @@ LossFn = Callable[[LossInputs, Any], tuple[torch.Tensor, Metrics]]
 
 
 @dataclass(frozen=True)
+class LossNeeds:
+    """What a loss reads from the trainer beyond the student's logits and the sampled tokens."""
+
+    old_logprobs: bool = False
+    """log pi_old of the sampled tokens (policy ratios: opd, grpo)."""
+    teacher_logprobs: bool = False
+    """log q of the sampled tokens (opd rewards)."""
+    teacher_topk: int = 0
+    """Teacher's top-K ids + log-probs per position (lsm, teacher support); 0 = not needed."""
+    student_topk: int = 0
+    """Student's top-k ids per position, with the teacher's log-probs at them (lsm, student support)."""
+    teacher_logits: bool = False
+    """The teacher's full logits in the student's sharding (gkd): teacher run in lockstep with the actor."""
+    reference: bool = False
+    """The reference model's logits in lockstep with the actor (ref_kl)."""
+    golden: bool = False
+    """Golden solutions in the micro-batches (sft)."""
+    rewards: bool = False
+    """Verifiable rewards per response (grpo)."""
+
+    @property
+    def teacher(self) -> bool:
+        """The loss reads the teacher model."""
+        return self.teacher_logprobs or bool(self.teacher_topk) or bool(self.student_topk) or self.teacher_logits
+
+    @property
+    def on_policy(self) -> bool:
+        """The loss needs rollouts (everything but SFT on golden data alone)."""
+        return self.old_logprobs or self.teacher or self.reference or self.rewards
+
+    def merge(self, other: "LossNeeds") -> "LossNeeds":
+        """What two losses summed need: the union (the larger top-k)."""
+        return LossNeeds(**{f.name: max(getattr(self, f.name), getattr(other, f.name))  # or, for bools
+                            for f in dataclasses.fields(self)})
+
+
+NeedsDecl = LossNeeds | Callable[[Any], LossNeeds]
+"""A loss's needs: a constant, or a function of its resolved config (lsm: which support, which k)."""
+
+
+@dataclass(frozen=True)
 class LossSpec:
     name: str
     fn: LossFn
     config_cls: type
+    needs: NeedsDecl
 
 
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, config_cls: type):
-    """Decorator: registers fn under `name` with its config dataclass."""
+def register_loss(name: str, config_cls: type, needs: NeedsDecl):
+    """Decorator: registers fn under `name` with its config dataclass and what it needs."""
 
     def wrap(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is registered twice ({LOSSES[name].fn.__module__} and {fn.__module__})")
-        LOSSES[name] = LossSpec(name, fn, config_cls)
+        LOSSES[name] = LossSpec(name, fn, config_cls, needs)
         return fn
 
     return wrap
@@ -93,6 +138,8 @@ class BoundLoss:
     name: str
     fn: LossFn
     config: Any
+    needs: LossNeeds
+    """What this loss, at this config, reads from the trainer."""
 
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, Metrics]:
         return self.fn(inputs, self.config)
@@ -101,4 +148,6 @@ class BoundLoss:
 def build_loss(name: str, config: Any = None) -> BoundLoss:
     """The loss `name` with its config resolved (and validated) now, at start-up."""
     spec = get_spec(name)
-    return BoundLoss(name, spec.fn, make_config(spec.config_cls, config))
+    config = make_config(spec.config_cls, config)
+    needs = spec.needs(config) if callable(spec.needs) else spec.needs
+    return BoundLoss(name, spec.fn, config, needs)
