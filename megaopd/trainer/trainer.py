@@ -26,7 +26,6 @@ import torch.distributed as dist
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.losses import LossInputs, build_loss_from, mask_first_occurrences
-from megaopd.losses.requirements import loss_requirements
 from megaopd.metrics import (CollapseDetector, advantage_split, math_verify_rewards, repetitive_token_mask,
                              response_metrics, rollout_dynamics, topk_overlap)
 from megaopd.models.weights import gather_hf_weights, model_state
@@ -78,7 +77,7 @@ class Trainer:
         self.run_log: RunLog | None = None  # created once the run folder's state is known
         torch.manual_seed(cfg.trainer.seed)
         self.loss_fn = build_loss_from(cfg.loss)
-        self.needs = loss_requirements(self.loss_fn)
+        self.needs = self.loss_fn.needs
         self.temperature = cfg.rollout.temperature
         self._load_inputs()
         self._load_models()
