@@ -2,7 +2,7 @@
 
     megaopd train CONFIG [key=value ...]   the OPD trainer (megaopd.trainer)
     megaopd eval --ckpt DIR --benchmarks ...  benchmark table (megaopd.eval)
-    megaopd logprobs --ckpt DIR --input IN.jsonl --output OUT.jsonl   per-token log-probs (megaopd.models)
+    megaopd logprobs --ckpt DIR --input IN.jsonl --output OUT.jsonl   per-token log-probs (megaopd.scoring)
     megaopd serve --hf-dir DIR --port P    embedded engine speaking SGLang's HTTP API (megaopd.rollout)
     megaopd plot RUN [RUN ...]             training-dynamics figures (megaopd.metrics)
 """
@@ -16,7 +16,7 @@ import sys
 COMMANDS = {
     "train": "megaopd.trainer.cli:main",
     "eval": "megaopd.eval.cli:main",
-    "logprobs": "megaopd.models.logprobs_cli:main",
+    "logprobs": "megaopd.scoring.cli:main",
     "serve": "megaopd.rollout.server:main",
     "plot": "megaopd.metrics.plot:main",
 }

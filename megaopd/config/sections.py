@@ -37,7 +37,14 @@ class RolloutConfig:
     parity_interval: int = 0
     """Every N steps, compare engine and actor log-probs of a fixed probe set after the sync (0: at start only)."""
     parity_tolerance: float = 1e-3
-    """Max |engine - actor| log-prob allowed by the parity check before the run stops with an error."""
+    """float32 actor: max |engine - actor| log-prob allowed by the parity check before the run stops with an
+    error (megaopd/scoring/parity.py says what each statistic means)."""
+    parity_mean_tolerance: float = 0.05
+    """bf16/fp16 actor: mean |engine - actor| log-prob allowed (a correct bf16 sync: about 0.01-0.03)."""
+    parity_p99_tolerance: float = 0.5
+    """bf16/fp16 actor: 99th percentile of |engine - actor| allowed (one bf16 logit ulp at |logit| 16-32 is 0.125)."""
+    parity_min_correlation: float = 0.9
+    """bf16/fp16 actor: least correlation of engine and actor log-probs (a correct sync: 0.99+)."""
     request_timeout_s: float = 600.0
 
     def __post_init__(self):

@@ -1,5 +1,6 @@
 """megaopd.models: HF Qwen2 / Qwen2.5 / Llama configs -> megatron-core GPTModel, the one HF <-> Megatron
-weight mapping, Megatron checkpoints, forward-only passes and per-token log-probs.
+weight mapping, Megatron checkpoints. Running the models (forward passes, per-token scores) is
+megaopd.scoring's job.
 
 Modules (one job each; importing this package imports neither torch nor megatron):
     hf_config   read_hf_config(dir) -> HFModelConfig; check_layout(cfg, tp, pp); padded_vocab_size(V, tp)
@@ -8,10 +9,8 @@ Modules (one job each; importing this package imports neither torch nor megatron
     weights     shard_hf_weights / load_hf_weights (HF -> this rank), gather_hf_weights (this rank -> HF)
     hf_io       lazy safetensors reading (HFWeights), save_hf_dir (safetensors + config + tokenizer)
     checkpoint  save_model_checkpoint / load_model_checkpoint (dist_checkpointing, any TP/PP on load)
-    forward     forward_only(model, micro_batches, pg_collection, on_logits) via the pipeline schedule
-    logprobs    token_logprobs_from_shard (vocab-parallel, padding masked); score_sequences
+    vocab_padding  mask_vocab_padding: megatron's padded vocabulary columns out of every softmax
     convert     hf_to_megatron / megatron_to_hf (behind tools/convert_*.py)
-    logprobs_cli  `megaopd logprobs`
     presets     random tiny HF models (tests, benchmarks, CPU demo)
     ranks       run a function on tp*pp ranks: torchrun's, or spawned gloo workers
 

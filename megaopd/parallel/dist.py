@@ -67,3 +67,15 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rank0_computes(fn, *args, **kwargs):
+    """fn(*args, **kwargs) run on global rank 0 only, its (picklable) result received by every rank.
+
+    For what one process owns: the rollout engine, the tokenizer's text work, math-verify. Collective:
+    every rank must call it at the same point. Object broadcasts pickle: only for our own results,
+    never for data read from outside."""
+    box = [fn(*args, **kwargs) if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, device=device() if has_gpu() else None)
+    return box[0]

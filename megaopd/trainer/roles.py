@@ -1,24 +1,29 @@
-"""Builds the job's three Megatron models (student/actor, reference, teacher) and the rollout engine.
+"""Builds the job's Megatron models: the student (actor, trained), the reference and the teacher.
 
+    models = build_models(cfg, needs)          # every rank; each model in its own layout
     actor = load_role_model(cfg.student, pgs_actor, trainable=True)
-    teacher = load_role_model(cfg.teacher, pgs_teacher, trainable=False)
 
 A role's path is an HF directory (loaded through the one HF <-> Megatron mapping) or a megaopd Megatron
 checkpoint (dist_checkpointing, any saved layout).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd.config.model import ModelConfig
+from megaopd.config.schema import MegaOPDConfig
+from megaopd.losses import LossNeeds
 from megaopd.models.builder import StageInfo, build_gpt_model
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
 from megaopd.models.weights import load_hf_weights
+from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
+from megaopd.scoring import PipelineRunner
 
 
 @dataclass
@@ -47,6 +52,69 @@ def load_role_model(section: ModelConfig, pgs: ProcessGroupCollection, trainable
         model.requires_grad_(False)
         model.eval()
     return RoleModel(model, pgs, hf, path)
+
+
+@dataclass
+class Models:
+    """This rank's stages of the job's models and the runners that drive them."""
+
+    actor: RoleModel
+    teacher: RoleModel | None
+    """None for losses that do not read a teacher (sft, grpo): metrics then skip its parts."""
+    partner: torch.nn.Module | None
+    """The frozen model run in lockstep with the actor in training: the reference (ref_kl) or, for gkd,
+    the teacher; None when the loss needs neither."""
+    partner_offload: bool
+    actor_runner: PipelineRunner
+    """The actor alone (forward-only log pi_old); train_runner drives the DDP-wrapped actor + partner."""
+    teacher_runner: PipelineRunner | None
+
+
+def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
+    """Actor in the student layout (which also initializes megatron's global state), teacher in its own
+    layout (the actor's groups when equal), and the lockstep partner."""
+    student_layout = Layout(cfg.student.tp, cfg.student.pp)
+    teacher_layout = Layout(cfg.teacher.tp, cfg.teacher.pp)
+    if needs.teacher_logits and (teacher_layout != student_layout or needs.reference):
+        raise ValueError("gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
+                         "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
+    actor_pgs = initialize_actor_layout(student_layout, seed=cfg.trainer.seed)
+    teacher_pgs = actor_pgs if teacher_layout == student_layout else build_process_groups(teacher_layout)
+    actor = load_role_model(cfg.student, actor_pgs, trainable=True)
+    teacher = load_role_model(cfg.teacher, teacher_pgs, trainable=False) if cfg.teacher.path else None
+    partner, partner_offload = None, False
+    if needs.reference:
+        partner = load_role_model(cfg.student, actor_pgs, trainable=False,
+                                  path=cfg.reference.path or cfg.student.path).model
+        partner_offload = cfg.reference.offload_between_uses
+    elif needs.teacher_logits:
+        partner, partner_offload = teacher.model, cfg.teacher.offload_between_uses
+    for model, offload in ((teacher.model if teacher else None, cfg.teacher.offload_between_uses),
+                           (partner, partner_offload)):
+        if model is not None and offload and torch.cuda.is_available():
+            model.cpu()  # parked until its first use (on_gpu_while_used)
+    vocab_size = actor.hf.vocab_size
+    # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
+    # masked, so its top-K never proposes a token the student cannot produce.
+    teacher_runner = (PipelineRunner(teacher.model, teacher_pgs, min(teacher.hf.vocab_size, vocab_size))
+                      if teacher is not None else None)
+    return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size),
+                  teacher_runner)
+
+
+@contextlib.contextmanager
+def on_gpu_while_used(model: torch.nn.Module | None, offload: bool):
+    """With offload (GPU only), the frozen model lives in CPU memory except inside this block, leaving
+    its GPU memory to the actor's activations and optimizer state."""
+    if model is None or not offload or not torch.cuda.is_available():
+        yield
+        return
+    model.cuda()
+    try:
+        yield
+    finally:
+        model.cpu()
+        torch.cuda.empty_cache()
 
 
 def check_same_tokenizer(student, teacher, student_path: str, teacher_path: str) -> None:

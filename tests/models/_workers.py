@@ -16,16 +16,19 @@ def _gather_tp(shard, group):
 
 def _run_model(model, cfg, pgs, ids):
     """Full-vocab logits (test-only TP gather) and sharded log-probs, on the last stage; else None."""
-    from megaopd.models.forward import forward_only
-    from megaopd.models.logprobs import token_logprobs_from_shard
+    from megaopd import ops
+    from megaopd.scoring.passes import ScoringMicroBatch
+    from megaopd.scoring.runner import PipelineRunner
 
-    def on_logits(shard, batch):
-        x = batch["input_ids"]
-        lp = token_logprobs_from_shard(shard[:, :-1], x[:, 1:], cfg.vocab_size, pgs.tp)
-        return _gather_tp(shard, pgs.tp)[..., : cfg.vocab_size], lp
+    def on_logits(mb, shard, _partner):
+        x = mb.tokens_BS
+        lp = ops.vocab_parallel_logprobs(shard[:, :-1], x[:, 1:], pgs.tp)
+        return shard.sum() * 0, (_gather_tp(shard, pgs.tp)[..., : cfg.vocab_size], lp)
 
     # Two micro-batches of 2 sequences: the pipeline schedule interleaves them across stages.
-    out = forward_only(model, [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}], pgs, on_logits)
+    with torch.no_grad():
+        out = PipelineRunner(model, pgs, cfg.vocab_size).run(
+            [ScoringMicroBatch(ids[:2]), ScoringMicroBatch(ids[2:])], on_logits, forward_only=True)
     if not out:
         return None, None
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])

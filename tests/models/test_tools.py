@@ -195,7 +195,7 @@ def test_convert_megatron_to_hf_input_errors(hf_models, tmp_path, capsys):
 
 
 def test_logprobs_input_errors(hf_models, tmp_path, capsys):
-    from megaopd.models.logprobs_cli import main
+    from megaopd.scoring.cli import main
 
     hf = hf_models["tiny-qwen2"]["hf_dir"]
     out = str(tmp_path / "out.jsonl")

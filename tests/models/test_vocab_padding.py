@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megaopd import ops
-from megaopd.models.logprobs import mask_vocab_padding
+from megaopd.models.vocab_padding import mask_vocab_padding
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 0.3])

@@ -19,8 +19,8 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     from megaopd.rollout.client import HttpEngine
     from megaopd.rollout.pool import EnginePool
     from megaopd.trainer.roles import load_role_model
-    from megaopd.trainer.scoring import score_tokens
-    from megaopd.trainer.stage_runner import StageRunner
+    from megaopd.scoring.passes import score_tokens
+    from megaopd.scoring.runner import PipelineRunner
 
     pgs = initialize_actor_layout(Layout(tp, pp))
     actor = load_role_model(ModelConfig(path=hf_dir, tp=tp, pp=pp), pgs, trainable=False)
@@ -50,7 +50,7 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     tokens = torch.zeros(len(PROBE), S, dtype=torch.long)
     for b, p in enumerate(PROBE):
         tokens[b, :len(p)] = torch.tensor(p)
-    actor_lp = score_tokens(StageRunner(actor.model, pgs, actor.hf.vocab_size), tokens, 2, 1.0).logprobs_BT
+    actor_lp = score_tokens(PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, 2, 1.0).logprobs_BT
 
     def gap(engine_lp):
         return max(abs(e - a) for b, lp in enumerate(engine_lp) for e, a in zip(lp, actor_lp[b, :len(lp)].tolist()))

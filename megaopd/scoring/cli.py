@@ -6,7 +6,7 @@ IN.jsonl: one {"input_ids": [...]} per line. OUT.jsonl: one {"logprobs": [...]} 
 order: log p(x_{i+1} | x_0..x_i) for i = 0..len-2 (len - 1 values, float32 math). --ckpt is a megaopd
 Megatron checkpoint (tools/convert_hf_to_megatron.py) or an HF directory, converted on the fly. On CPU
 it starts tp*pp gloo workers; under torchrun it uses the job's ranks. Log-probs come from vocab-sharded
-logits with TP all-reduces (megaopd.models.logprobs); no rank holds full-vocabulary logits.
+logits with TP all-reduces (megaopd.scoring, the trainer's own pass); no rank holds full-vocabulary logits.
 Inputs are checked first; a bad input exits 2 with one line naming it.
 """
 from __future__ import annotations
@@ -62,12 +62,15 @@ def resolve_model(ckpt: str) -> tuple[HFModelConfig, str]:
 
 
 def _worker(rank: int, world: int, ckpt: str, kind: str, tp: int, pp: int, seqs, output: str, mbs: int):
+    import torch.distributed as dist
+
     from megaopd.models.builder import StageInfo, build_gpt_model
     from megaopd.models.checkpoint import load_model_checkpoint
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.logprobs import score_sequences
     from megaopd.models.weights import load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.scoring.passes import score_sequences
+    from megaopd.scoring.runner import PipelineRunner
 
     pgs = initialize_actor_layout(Layout(tp, pp))
     cfg = read_hf_config(ckpt)
@@ -79,8 +82,8 @@ def _worker(rank: int, world: int, ckpt: str, kind: str, tp: int, pp: int, seqs,
     else:
         load_hf_weights(model, HFWeights(ckpt), cfg, st.tp_rank, tp, st.pp_rank, pp)
     model.eval()
-    result = score_sequences(model, cfg, seqs, pgs, micro_batch_size=mbs)
-    if result is not None and st.tp_rank == 0 and pgs.dp.rank() == 0:
+    result = score_sequences(PipelineRunner(model, pgs, cfg.vocab_size), seqs, micro_batch_size=mbs)
+    if dist.get_rank() == 0:
         tmp = output + ".tmp"
         with open(tmp, "w") as f:
             for lp in result:

@@ -1,20 +1,25 @@
-"""Runs a megatron model stage over micro-batches through megatron's pipeline schedule, any TP/PP.
+"""The one pipeline runner: a megatron model stage over micro-batches through megatron's schedule, any TP/PP.
 
-    runner = StageRunner(model, pg_collection, vocab_size, partner=reference_model)
-    outputs = runner.run(micro_batches, step_fn, forward_only=False)
+    runner = PipelineRunner(model, pg_collection, vocab_size, partner=reference_model)
+    results = runner.run(micro_batches, step_fn, forward_only=False)
 
-`step_fn(micro_batch, logits_BSv, partner_logits_BSv)` runs on the last pipeline stage with this
-rank's vocab shard of the logits (padding columns of the vocabulary masked out) and returns
-(loss, result): loss is backpropagated (forward_only=False), result is collected and returned on the
-last stage (None elsewhere). `partner` is a frozen model of the same layout (the reference) run in
-lockstep on the same tokens: its activations travel through the pipeline beside the student's,
-concatenated along the batch dimension, so the exact full-vocabulary KL of a micro-batch needs the
-reference logits of that micro-batch only, never of the whole batch.
+Every scoring pass, the training step, `megaopd logprobs` and the parity probe run their models
+through it. A micro-batch is any record with `tokens_BS` [b, S] (long) and `to(device)`; every
+micro-batch of one run has the same [b, S] shape (pipeline buffers are fixed-size). This is the one
+place where micro-batches move to the model's device: `step_fn` receives the moved record, so every
+tensor it reads (targets, masks, scores) sits beside the logits.
+
+`step_fn(micro_batch, logits_BSv, partner_logits_BSv)` runs on the last pipeline stage with this rank's
+vocab shard of the logits (megatron's vocab-padding columns masked) and returns (loss, result): loss is
+backpropagated (forward_only=False), result is collected and returned in micro-batch order on the last
+stage (None elsewhere). `partner` is a frozen model of the same layout (the reference, or the GKD
+teacher) run in lockstep on the same tokens: its activations travel through the pipeline beside the
+student's, concatenated along the batch dimension, so the exact full-vocabulary KL of a micro-batch
+needs the partner's logits of that micro-batch only, never of the whole batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,7 +27,19 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model
 
 from megaopd.models import compat
-from megaopd.models.logprobs import mask_vocab_padding
+from megaopd.models.vocab_padding import mask_vocab_padding
+
+
+class MicroBatchLike(Protocol):
+    tokens_BS: torch.Tensor
+
+    def to(self, device: torch.device) -> "MicroBatchLike":
+        """The same record with every tensor on `device`."""
+
+
+M = TypeVar("M", bound=MicroBatchLike)
+StepFn = Callable[[Any, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Any]]
+
 
 class _LockstepPair(torch.nn.Module):
     """Student and a frozen partner of the same layout, run on the same micro-batch.
@@ -59,41 +76,34 @@ class _LockstepPair(torch.nn.Module):
         return torch.cat([out, partner_out], dim=self._batch_dim)
 
 
-@dataclass
-class MicroBatch:
-    tokens_BS: torch.Tensor
-    index: int
-    """Position of the micro-batch in the list given to run(); step_fn uses it to find its data."""
-
-
-class StageRunner:
+class PipelineRunner:
     def __init__(self, model: torch.nn.Module, pg_collection: ProcessGroupCollection, vocab_size: int,
                  partner: torch.nn.Module | None = None):
         self.model = model
         self.pgs = pg_collection
         self.vocab_size = vocab_size
+        """Real vocabulary size: logit columns at or past it are masked (padding, or ids the other model lacks)."""
         self.partner = partner
         self._schedule = compat.forward_backward_func(pg_collection)
         self.is_last_stage = pg_collection.pp.rank() == pg_collection.pp.size() - 1
 
-    def run(self, micro_batches: list[torch.Tensor], step_fn: Callable[..., tuple[torch.Tensor, Any]],
-            forward_only: bool) -> list[Any] | None:
-        """Runs every micro-batch (each [b, S], all the same shape); returns step_fn results in order on the
-        last pipeline stage, None on the others."""
+    def run(self, micro_batches: Sequence[M], step_fn: StepFn, forward_only: bool) -> list[Any] | None:
+        """Runs every micro-batch; returns step_fn's results in order on the last pipeline stage, None on
+        the others."""
         if not micro_batches:
             return [] if self.is_last_stage else None
-        b, S = micro_batches[0].shape
-        if any(mb.shape != (b, S) for mb in micro_batches):
+        b, S = micro_batches[0].tokens_BS.shape
+        if any(tuple(mb.tokens_BS.shape) != (b, S) for mb in micro_batches):
             raise ValueError("all micro-batches of one run must have the same [b, S] shape (pad them)")
         module = self.model if self.partner is None else _LockstepPair(self.model, self.partner)
         paired = self.partner is not None
-        data = iter([MicroBatch(mb, i) for i, mb in enumerate(micro_batches)])
+        device = next(self.model.parameters()).device
+        data = iter(micro_batches)
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            tokens = mb.tokens_BS.to(_device_of(model))
-            position_ids = torch.arange(S, device=tokens.device).unsqueeze(0).expand(b, S)
-            output = model(tokens, position_ids, None)
+            mb = next(data_iterator).to(device)
+            position_ids = torch.arange(S, device=device).unsqueeze(0).expand(b, S)
+            output = model(mb.tokens_BS, position_ids, None)  # causal mask from the layer spec
 
             def loss_func(output_tensor):
                 logits = mask_vocab_padding(output_tensor, self.vocab_size, self.pgs.tp)
@@ -101,7 +111,7 @@ class StageRunner:
                 loss, result = step_fn(mb, student, partner)
                 # calculate_per_token_loss semantics: the schedule neither divides the loss nor
                 # (with our finalize hook) rescales the gradients; losses divide by global counts.
-                return loss, torch.tensor(1, dtype=torch.int), {"result": result}
+                return loss, torch.ones((), dtype=torch.int, device=device), {"result": result}
 
             return output, loss_func
 
@@ -113,15 +123,13 @@ class StageRunner:
         return [r["result"] for r in results]
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def broadcast_from_last_stage(value: torch.Tensor | None, shape, dtype, pp_group) -> torch.Tensor:
-    """The last pipeline stage's tensor, on every rank of the PP group."""
+def broadcast_from_last_stage(value: torch.Tensor | None, shape, dtype, pp_group,
+                              device: torch.device) -> torch.Tensor:
+    """The last pipeline stage's tensor, on every rank of the PP group (allocated on `device`, the
+    group's device: CUDA under NCCL)."""
     if pp_group.size() == 1:
         return value
     src = dist.get_global_rank(pp_group, pp_group.size() - 1)
-    value = torch.empty(shape, dtype=dtype) if value is None else value.contiguous()
+    value = torch.empty(shape, dtype=dtype, device=device) if value is None else value.to(device).contiguous()
     dist.broadcast(value, src=src, group=pp_group)
     return value

@@ -1,0 +1,108 @@
+"""RolloutBatch: the one record that carries a step's responses from the engines to the loss.
+
+Shape legend: B sequences, S = padded length of prompt + response, T = S - 1 predicted positions
+(position t holds the logits of tokens[:, t] and predicts tokens[:, t + 1]), K top-K size.
+Sequences are right-padded, so causal attention never lets padding reach a real position.
+
+    batch = build_rollout_batch(samples, pad_id, samples_per_prompt)   # engines -> record (every rank)
+    batch.actor = score_tokens(...)      # megaopd.scoring fills the per-token scores ...
+    batch.teacher = score_tokens(...)
+    batch.rewards_B = ...                # ... and the trainer the verifiable rewards
+
+Golden (SFT) rows travel beside it in megaopd.data.GoldenBatch; the micro-batches of the training step
+are cut from both by megaopd.trainer.micro_batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megaopd.rollout.protocol import FinishReason, Sample
+
+
+@dataclass
+class TokenScores:
+    """Per-token outputs of one model (the actor or the teacher) at every position of the batch."""
+
+    logprobs_BT: torch.Tensor
+    """log p(tokens[:, t + 1] | tokens[:, :t + 1]) at the rollout temperature [B, T] (float32)."""
+    entropy_BT: torch.Tensor | None = None
+    """Entropy of the model's next-token distribution [B, T]; None unless a metric asked for it."""
+    topk_ids_BTK: torch.Tensor | None = None
+    """The model's top-K token ids, by decreasing probability [B, T, K] (long)."""
+    topk_logprobs_BTK: torch.Tensor | None = None
+    """Full-vocabulary log-probs at topk_ids_BTK [B, T, K]."""
+    at_ids_logprobs_BTK: torch.Tensor | None = None
+    """Log-probs at caller-given ids per position (the teacher at the student's top-k) [B, T, K]."""
+
+
+@dataclass
+class RolloutBatch:
+    """A step's responses (prompt-major: the n samples of prompt i are rows i*n .. i*n + n - 1)."""
+
+    tokens_BS: torch.Tensor
+    """prompt + response ids, right-padded with pad_id [B, S] (long)."""
+    loss_mask_BT: torch.Tensor
+    """1 where position t predicts a response token (t + 1 in the response) [B, T] (float)."""
+    engine_logprobs_BT: torch.Tensor
+    """The engine's log-prob of the token that position t predicts; 0 outside loss_mask [B, T]."""
+    prompt_lens_B: torch.Tensor
+    """Prompt tokens per row [B] (long)."""
+    response_lens_B: torch.Tensor
+    """Generated tokens per row, the stop token included [B] (long)."""
+    finish_reasons: list[FinishReason]
+    """Why each response ended: "stop" (EOS or a stop token), "length" (budget used up), "abort" [B]."""
+    group_ids_B: torch.Tensor
+    """Index of the prompt each sequence answers (its GRPO group) [B] (long)."""
+    texts: list[str] = field(default_factory=list)
+    """The decoded responses [B] (repetition metrics, rewards, samples); filled by the trainer."""
+    actor: TokenScores | None = None
+    """The actor's forward-only scores before the update: log pi_old (+ its top-k and entropy)."""
+    teacher: TokenScores | None = None
+    """The teacher's scores: log q (+ top-K, entropy, log-probs at the student's top-k)."""
+    rewards_B: torch.Tensor | None = None
+    """Verifiable reward per sequence [B] (float32; grpo, metrics)."""
+
+    @property
+    def size(self) -> int:
+        return self.tokens_BS.shape[0]
+
+    @property
+    def targets_BT(self) -> torch.Tensor:
+        """The token each position predicts [B, T]."""
+        return self.tokens_BS[:, 1:]
+
+    @property
+    def truncated_B(self) -> torch.Tensor:
+        """1 where the response ran out of budget (finish reason "length") [B] (bool)."""
+        return torch.tensor([r == "length" for r in self.finish_reasons], dtype=torch.bool)
+
+
+def build_rollout_batch(samples: list[Sample], pad_id: int, samples_per_prompt: int) -> RolloutBatch:
+    """Pads prompt-major samples (n per prompt, as engines return them) into a RolloutBatch."""
+    if not samples:
+        raise ValueError("no samples to build a batch from: the engines returned nothing")
+    B = len(samples)
+    S = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    tokens_BS = torch.full((B, S), pad_id, dtype=torch.long)
+    loss_mask_BT = torch.zeros(B, S - 1)
+    engine_logprobs_BT = torch.zeros(B, S - 1)
+    for b, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.output_ids)
+        tokens_BS[b, :p] = torch.tensor(s.prompt_ids)
+        if r == 0:  # an aborted request: the row stays, with nothing to learn from
+            continue
+        tokens_BS[b, p:p + r] = torch.tensor(s.output_ids)
+        # Position t predicts token t + 1: the response tokens p..p+r-1 are predicted at p-1..p+r-2.
+        loss_mask_BT[b, p - 1:p + r - 1] = 1.0
+        engine_logprobs_BT[b, p - 1:p + r - 1] = torch.tensor(s.output_logprobs, dtype=torch.float32)
+    return RolloutBatch(
+        tokens_BS=tokens_BS,
+        loss_mask_BT=loss_mask_BT,
+        engine_logprobs_BT=engine_logprobs_BT,
+        prompt_lens_B=torch.tensor([len(s.prompt_ids) for s in samples]),
+        response_lens_B=torch.tensor([len(s.output_ids) for s in samples]),
+        finish_reasons=[s.finish_reason for s in samples],
+        group_ids_B=torch.arange(B) // samples_per_prompt,
+    )

@@ -1,0 +1,18 @@
+"""megaopd.scoring: running Megatron models over token sequences (after rollout, before the loss).
+
+    runner = PipelineRunner(model, pg_collection, vocab_size, partner=None)   # the one pipeline runner
+    scores = score_tokens(runner, tokens_BS, micro_batch_size, temperature, topk=32, entropy=True)
+    report = parity_report(engine_logprobs, actor_logprobs)                    # the weight-sync probe
+
+Modules: runner (megatron's schedule over micro-batches at any TP/PP, with a lockstep partner; the one
+place micro-batches move to the device), passes (log-probs of given tokens, top-k, entropy, log-probs at
+given ids: the actor's log pi_old, the teacher's log q, `megaopd logprobs`), parity (engine vs actor
+statistics and their bounds in float32 and bf16), cli (`megaopd logprobs`). The training step runs its
+micro-batches through the same runner (megaopd.trainer).
+"""
+from megaopd.scoring.parity import ParityBounds, ParityReport, bounds_for, parity_report
+from megaopd.scoring.passes import ScoringMicroBatch, dp_rows, pad_rows, score_sequences, score_tokens
+from megaopd.scoring.runner import PipelineRunner
+
+__all__ = ["ParityBounds", "ParityReport", "PipelineRunner", "ScoringMicroBatch", "bounds_for", "dp_rows",
+           "pad_rows", "parity_report", "score_sequences", "score_tokens"]

@@ -1,0 +1,183 @@
+"""Micro-batches of a training step: a pure function of the rollout record, the golden batch, the rows of
+this mini-batch, the data-parallel rank and the loss's needs.
+
+    micro = assemble_micro_batches(rollout, loss_mask_BT, golden, rows, golden_rows,
+                                   dp_rank, dp_size, needs, micro_batch_size, pad_id)
+    inputs = micro[i].to(device).loss_inputs(logits_BSv, partner_BSv, tp_group, temperature, needs)
+
+Each micro-batch holds up to micro_batch_size on-policy rows (padded to exactly that many), then its
+share of the golden rows, then nothing else: every micro-batch of a step has the same [R, S] shape, as
+megatron's pipeline buffers require. The loss denominators (StepCounts) are counted over the WHOLE
+mini-batch, every DP rank's rows, so that gradient accumulation over micro-batches and the DP sum give
+exactly the one-big-batch gradient (losses/inputs.py "Counts").
+
+Shape legend: R rows of a micro-batch, S padded sequence length, T = S - 1 positions, K top-k size.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megaopd.data import GoldenBatch
+from megaopd.losses import LossInputs, LossNeeds
+from megaopd.rollout.batch import RolloutBatch
+from megaopd.scoring.passes import dp_rows, pad_rows
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """The loss denominators of one optimizer step (whole mini-batch, every DP rank); None = no such rows."""
+
+    global_num_tokens: float | None = None
+    """On-policy loss tokens."""
+    global_num_seqs: float | None = None
+    """On-policy sequences with at least one loss token."""
+    global_num_golden_tokens: float | None = None
+    """Golden (SFT) loss tokens."""
+    global_num_golden_seqs: float | None = None
+    """Golden sequences with at least one loss token."""
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch: on-policy rows first, then golden rows. Field names are LossInputs' names."""
+
+    tokens_BS: torch.Tensor
+    """Input ids [R, S] (long): on-policy rows (padded with pad_id rows), then golden rows."""
+    loss_mask_BT: torch.Tensor
+    """1 where position t's target counts in the on-policy losses [R, T]; 0 on golden and padding rows."""
+    golden_mask_BT: torch.Tensor
+    """1 where position t's target counts in the SFT loss [R, T]; 0 on on-policy rows."""
+    counts: StepCounts
+    old_logprobs_BT: torch.Tensor | None = None
+    """log pi_old of each target [R, T] (needs.old_logprobs)."""
+    teacher_logprobs_BT: torch.Tensor | None = None
+    """log q of each target [R, T] (needs.teacher_logprobs)."""
+    teacher_topk_ids_BTK: torch.Tensor | None = None
+    """Teacher's top-K ids [R, T, K] (needs.teacher_topk)."""
+    teacher_topk_logprobs_BTK: torch.Tensor | None = None
+    """Teacher's log-probs at its top-K ids [R, T, K]."""
+    student_topk_ids_BTK: torch.Tensor | None = None
+    """Student's (pi_old's) top-k ids [R, T, K] (needs.student_topk)."""
+    student_topk_teacher_logprobs_BTK: torch.Tensor | None = None
+    """Teacher's log-probs at the student's top-k ids [R, T, K]."""
+    rewards_S: torch.Tensor | None = None
+    """Reward per row [R] (needs.rewards); 0 on golden and padding rows."""
+    group_ids_S: torch.Tensor | None = None
+    """GRPO group per row [R]; golden and padding rows get groups of their own."""
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        """The record with every tensor on `device` (the runner calls this, once per micro-batch)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def loss_inputs(self, logits_BSv: torch.Tensor, partner_BSv: torch.Tensor | None, tp_group, temperature: float,
+                    needs: LossNeeds) -> LossInputs:
+        """The loss's record: logits and targets shifted so that position t predicts token t + 1; the
+        lockstep partner's logits are the reference's (ref_kl) or the teacher's (gkd)."""
+        logits_BTv = logits_BSv[:, :-1]
+        targets_BT = self.tokens_BS[:, 1:]
+        partner_BTv = partner_BSv[:, :-1] if partner_BSv is not None else None
+        return LossInputs(
+            logits_BTv=logits_BTv, token_ids_BT=targets_BT, loss_mask_BT=self.loss_mask_BT, tp_group=tp_group,
+            temperature=temperature, old_logprobs_BT=self.old_logprobs_BT, teacher_logprobs_BT=self.teacher_logprobs_BT,
+            teacher_topk_ids_BTK=self.teacher_topk_ids_BTK, teacher_topk_logprobs_BTK=self.teacher_topk_logprobs_BTK,
+            student_topk_ids_BTK=self.student_topk_ids_BTK,
+            student_topk_teacher_logprobs_BTK=self.student_topk_teacher_logprobs_BTK,
+            ref_logits_BTv=partner_BTv if needs.reference else None,
+            teacher_logits_BTv=partner_BTv if needs.teacher_logits else None,
+            rewards_S=self.rewards_S, group_ids_S=self.group_ids_S,
+            # Golden rows share the on-policy forward: the SFT term reads the same logits, its own mask.
+            golden_logits_BTv=logits_BTv if needs.golden else None,
+            golden_ids_BT=targets_BT if needs.golden else None,
+            golden_mask_BT=self.golden_mask_BT if needs.golden else None,
+            **dataclasses.asdict(self.counts))
+
+
+def _pad_to(x: torch.Tensor, length: int, value=0) -> torch.Tensor:
+    """[rows, L(, K)] -> [rows, length(, K)] along dim 1."""
+    if x.shape[1] == length:
+        return x
+    pad = torch.full((x.shape[0], length - x.shape[1], *x.shape[2:]), value, dtype=x.dtype)
+    return torch.cat([x, pad], dim=1)
+
+
+def step_counts(loss_mask_BT: torch.Tensor | None, rows: torch.Tensor, golden: GoldenBatch | None,
+                golden_rows: torch.Tensor | None) -> StepCounts:
+    """The denominators of the mini-batch made of `rows` (on-policy) and `golden_rows`."""
+    values = {}
+    if loss_mask_BT is not None:
+        values["global_num_tokens"] = float(loss_mask_BT[rows].sum())
+        values["global_num_seqs"] = float((loss_mask_BT[rows].sum(-1) > 0).sum())
+    if golden is not None:
+        g_mask_BT = golden.loss_mask_BT[:, 1:]  # position t predicts token t + 1
+        values["global_num_golden_tokens"] = float(g_mask_BT[golden_rows].sum())
+        values["global_num_golden_seqs"] = float((g_mask_BT[golden_rows].sum(-1) > 0).sum())
+    return StepCounts(**values)
+
+
+def assemble_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor | None,
+                           golden: GoldenBatch | None, rows: torch.Tensor, golden_rows: torch.Tensor | None,
+                           dp_rank: int, dp_size: int, needs: LossNeeds, micro_batch_size: int,
+                           pad_id: int) -> list[MicroBatch]:
+    """This DP rank's share of one mini-batch (on-policy `rows` of `rollout`, `golden_rows` of `golden`), cut
+    into equal-shaped micro-batches. loss_mask_BT is the rollout's loss mask after special-token masking.
+    With no rollout (SFT alone) the micro-batches are micro_batch_size golden rows each."""
+    counts = step_counts(loss_mask_BT, rows, golden, golden_rows)
+    local, S = torch.arange(0), 0
+    if rollout is not None:
+        local = rows[list(dp_rows(len(rows), dp_rank, dp_size))]
+        S = rollout.tokens_BS.shape[1]
+    g_local = None
+    if golden is not None:
+        g_local = golden_rows[list(dp_rows(len(golden_rows), dp_rank, dp_size))]
+        S = max(S, golden.input_ids_BT.shape[1])
+    T = S - 1
+    mbs = micro_batch_size if rollout is not None else 0
+    if rollout is not None:
+        n_micro = max(1, -(-len(local) // mbs))
+        g_per = 0 if g_local is None else -(-len(g_local) // n_micro)  # golden rows spread evenly
+    else:
+        g_per = micro_batch_size
+        n_micro = max(1, -(-len(g_local) // g_per))
+    return [_one_micro_batch(rollout, loss_mask_BT, golden, local[i * mbs:(i + 1) * mbs],
+                             g_local[i * g_per:(i + 1) * g_per] if g_local is not None else torch.arange(0),
+                             mbs, g_per, S, T, needs, counts, pad_id) for i in range(n_micro)]
+
+
+def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, needs, counts, pad_id) -> MicroBatch:
+    def rows_of(x, fill=0):
+        """On-policy rows r of x (padded to mbs), then g_per rows of fill: [mbs + g_per, ...]."""
+        x = pad_rows(x[r], mbs, fill)
+        return torch.cat([x, torch.full((g_per, *x.shape[1:]), fill, dtype=x.dtype)]) if g_per else x
+
+    def per_token(x_BT, fill=0.0):  # [B, T'(, K)] -> this micro-batch's rows, [mbs + g_per, T(, K)]
+        return _pad_to(rows_of(x_BT, fill), T, fill)
+
+    R = mbs + g_per
+    mb = MicroBatch(tokens_BS=torch.full((R, S), pad_id, dtype=torch.long), loss_mask_BT=torch.zeros(R, T),
+                    golden_mask_BT=torch.zeros(R, T), counts=counts)
+    if rollout is not None:
+        mb.tokens_BS = _pad_to(rows_of(rollout.tokens_BS, pad_id), S, pad_id)
+        mb.loss_mask_BT = per_token(loss_mask_BT)
+        if needs.old_logprobs:
+            mb.old_logprobs_BT = per_token(rollout.actor.logprobs_BT)
+        if needs.teacher_logprobs:
+            mb.teacher_logprobs_BT = per_token(rollout.teacher.logprobs_BT)
+        if needs.teacher_topk:
+            mb.teacher_topk_ids_BTK = per_token(rollout.teacher.topk_ids_BTK[..., :needs.teacher_topk], 0)
+            mb.teacher_topk_logprobs_BTK = per_token(rollout.teacher.topk_logprobs_BTK[..., :needs.teacher_topk])
+        if needs.student_topk:
+            mb.student_topk_ids_BTK = per_token(rollout.actor.topk_ids_BTK[..., :needs.student_topk], 0)
+            mb.student_topk_teacher_logprobs_BTK = per_token(rollout.teacher.at_ids_logprobs_BTK)
+        if needs.rewards:
+            mb.rewards_S = rows_of(rollout.rewards_B)
+            # Golden and padding rows get groups of their own (no loss tokens, no effect on the others).
+            mb.group_ids_S = torch.where(torch.arange(R) < len(r), rows_of(rollout.group_ids_B),
+                                         rollout.size + torch.arange(R))
+    if g_per:
+        mb.tokens_BS[mbs:] = _pad_to(pad_rows(golden.input_ids_BT[gr], g_per, pad_id), S, pad_id)
+        mb.golden_mask_BT[mbs:] = _pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), T)
+    return mb

@@ -1,0 +1,34 @@
+"""Validation during training: the benchmark evaluation (megaopd.eval) on the rollout engine, which holds
+the actor's current weights, so validation needs no second copy of the model. Rank 0 drives the engine;
+every rank receives the metrics (the loop logs and decides on them in lockstep).
+"""
+from __future__ import annotations
+
+import os
+
+from megaopd.config.schema import MegaOPDConfig
+from megaopd.parallel.dist import rank0_computes
+
+
+def validate(engine, tokenizer, cfg: MegaOPDConfig, step: int) -> dict[str, float]:
+    """val/accuracy, val/truncation_rate, ... of the configured validation file (empty without one).
+    Collective; `engine` is used on rank 0 only."""
+    if not cfg.validation.path:
+        return {}
+    return rank0_computes(_evaluate, engine, tokenizer, cfg, step)
+
+
+def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int) -> dict[str, float]:
+    from megaopd.data.templates import render_and_encode
+    from megaopd.eval.benchmarks import load_benchmark_file
+    from megaopd.eval.evaluate import EvalConfig, evaluate
+
+    vcfg = cfg.validation
+    bench = load_benchmark_file(vcfg.path, name="val", samples=vcfg.samples)
+    result = evaluate(
+        engine, tokenizer, [bench],
+        EvalConfig(samples=vcfg.samples, temperature=vcfg.temperature, max_new_tokens=vcfg.max_new_tokens,
+                   limit=vcfg.max_problems or None, repetition=cfg.metrics.repetition),
+        out_dir=os.path.join(cfg.run.dir, "eval", f"step_{step:06d}"),
+        prompt_fn=lambda problem: render_and_encode(problem, cfg.data, tokenizer)[1])
+    return {k: v for k, v in result.to_metrics("val").items() if k.count("/") == 1}
