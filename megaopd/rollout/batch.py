@@ -106,3 +106,17 @@ def build_rollout_batch(samples: list[Sample], pad_id: int, samples_per_prompt: 
         finish_reasons=[s.finish_reason for s in samples],
         group_ids_B=torch.arange(B) // samples_per_prompt,
     )
+
+
+def dp_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:
+    """The contiguous block of rows data-parallel replica `dp_rank` of `dp_size` handles."""
+    per = -(-num_rows // dp_size)
+    return range(min(dp_rank * per, num_rows), min((dp_rank + 1) * per, num_rows))
+
+
+def pad_rows(x: torch.Tensor, rows: int, value=0) -> torch.Tensor:
+    """x with extra rows of `value` so that it has `rows` rows (equal-shaped micro-batches)."""
+    if x.shape[0] == rows:
+        return x
+    pad = torch.full((rows - x.shape[0], *x.shape[1:]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad])

@@ -11,8 +11,8 @@ statistics and their bounds in float32 and bf16), cli (`megaopd logprobs`). The 
 micro-batches through the same runner (megaopd.trainer).
 """
 from megaopd.scoring.parity import ParityBounds, ParityReport, bounds_for, parity_report
-from megaopd.scoring.passes import ScoringMicroBatch, dp_rows, pad_rows, score_sequences, score_tokens
+from megaopd.scoring.passes import ScoringMicroBatch, score_sequences, score_tokens
 from megaopd.scoring.runner import PipelineRunner
 
-__all__ = ["ParityBounds", "ParityReport", "PipelineRunner", "ScoringMicroBatch", "bounds_for", "dp_rows",
-           "pad_rows", "parity_report", "score_sequences", "score_tokens"]
+__all__ = ["ParityBounds", "ParityReport", "PipelineRunner", "ScoringMicroBatch", "bounds_for", "parity_report",
+           "score_sequences", "score_tokens"]

@@ -24,7 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd import ops
 from megaopd.parallel.dist import device as group_device
-from megaopd.rollout.batch import TokenScores
+from megaopd.rollout.batch import TokenScores, dp_rows, pad_rows
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
 
@@ -40,20 +40,6 @@ class ScoringMicroBatch:
     def to(self, device: torch.device) -> "ScoringMicroBatch":
         return ScoringMicroBatch(self.tokens_BS.to(device),
                                  None if self.at_ids_BTK is None else self.at_ids_BTK.to(device))
-
-
-def dp_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:
-    """The contiguous block of rows data-parallel replica `dp_rank` of `dp_size` handles."""
-    per = -(-num_rows // dp_size)
-    return range(min(dp_rank * per, num_rows), min((dp_rank + 1) * per, num_rows))
-
-
-def pad_rows(x: torch.Tensor, rows: int, value=0) -> torch.Tensor:
-    """x with extra rows of `value` so that it has `rows` rows (equal-shaped micro-batches)."""
-    if x.shape[0] == rows:
-        return x
-    pad = torch.full((rows - x.shape[0], *x.shape[1:]), value, dtype=x.dtype, device=x.device)
-    return torch.cat([x, pad])
 
 
 def _micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, size: int) -> list[ScoringMicroBatch]:

@@ -22,8 +22,7 @@ import torch
 
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossInputs, LossNeeds
-from megaopd.rollout.batch import RolloutBatch
-from megaopd.scoring.passes import dp_rows, pad_rows
+from megaopd.rollout.batch import RolloutBatch, dp_rows, pad_rows
 
 
 @dataclass(frozen=True)

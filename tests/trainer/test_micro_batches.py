@@ -1,0 +1,98 @@
+"""Micro-batch assembly, a pure function tested without Megatron: global denominators, DP shares, golden
+rows spread over the micro-batches, GRPO group ids, and equal shapes."""
+import torch
+
+from megaopd.data import GoldenBatch
+from megaopd.losses import LossNeeds
+from megaopd.rollout.batch import RolloutBatch, TokenScores
+from megaopd.trainer.micro_batches import assemble_micro_batches
+
+PAD = 0
+
+
+def _rollout(B=6, S=7):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 50, (B, S), generator=g)
+    mask = torch.zeros(B, S - 1)
+    for b in range(B):
+        mask[b, 2:2 + b % 4 + 1] = 1  # 1..4 response tokens
+    lp = -torch.rand(B, S - 1, generator=g)
+    return RolloutBatch(tokens_BS=tokens, loss_mask_BT=mask, engine_logprobs_BT=lp.clone(),
+                        prompt_lens_B=torch.full((B,), 3), response_lens_B=mask.sum(-1).long(),
+                        finish_reasons=["stop"] * B, group_ids_B=torch.arange(B) // 2,
+                        actor=TokenScores(logprobs_BT=lp), teacher=TokenScores(logprobs_BT=lp - 1),
+                        rewards_B=torch.arange(B, dtype=torch.float32))
+
+
+def _golden(P=3, L=9):
+    ids = torch.arange(1, P * L + 1).reshape(P, L)
+    mask = torch.zeros(P, L)
+    mask[:, 4:] = 1
+    return GoldenBatch(ids, mask, torch.ones(P, L, dtype=torch.long), torch.full((P,), L))
+
+
+def test_denominators_are_global_and_dp_shares_partition_the_rows():
+    rollout, golden = _rollout(), _golden()
+    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, golden=True)
+    rows, grows = torch.arange(6), torch.arange(3)
+    seen, golden_seen = [], []
+    for dp_rank in range(2):
+        micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, golden, rows, grows, dp_rank, 2, needs, 2, PAD)
+        for mb in micro:
+            assert mb.counts.global_num_tokens == float(rollout.loss_mask_BT.sum())
+            assert mb.counts.global_num_seqs == 6.0
+            assert mb.counts.global_num_golden_tokens == float(golden.loss_mask_BT[:, 1:].sum())
+            assert mb.tokens_BS.shape == micro[0].tokens_BS.shape  # pipeline buffers are fixed-size
+            on_policy = mb.loss_mask_BT.sum(-1) > 0
+            for r in range(mb.tokens_BS.shape[0]):
+                if on_policy[r]:
+                    seen.append(mb.tokens_BS[r, :7].tolist())  # padded to the golden rows' length
+                if mb.golden_mask_BT[r].sum() > 0:
+                    golden_seen.append(mb.tokens_BS[r, :9].tolist())
+                    assert mb.loss_mask_BT[r].sum() == 0  # a golden row never counts in the on-policy loss
+        # Each micro-batch: 2 on-policy rows then its share of this rank's golden rows.
+        assert all(mb.tokens_BS.shape[0] == 3 for mb in micro)
+    assert sorted(seen) == sorted(rollout.tokens_BS.tolist())  # every row trained once over the DP ranks
+    assert sorted(golden_seen) == sorted(golden.input_ids_BT.tolist())
+
+
+def test_per_token_fields_follow_their_rows():
+    rollout = _rollout()
+    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True)
+    micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, torch.arange(2, 6), None, 0, 1, needs, 3, PAD)
+    assert len(micro) == 2 and micro[1].tokens_BS[1:].eq(PAD).all()  # row padding to micro_batch_size
+    assert torch.equal(micro[0].old_logprobs_BT, rollout.actor.logprobs_BT[2:5])
+    assert torch.equal(micro[1].teacher_logprobs_BT[0], rollout.teacher.logprobs_BT[5])
+    assert micro[0].rewards_S is None and micro[0].teacher_topk_ids_BTK is None  # only what the loss needs
+    assert micro[0].counts.global_num_tokens == float(rollout.loss_mask_BT[2:6].sum())
+
+
+def test_grpo_group_ids_keep_padding_rows_out_of_real_groups():
+    rollout = _rollout()
+    needs = LossNeeds(old_logprobs=True, rewards=True)
+    micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, torch.arange(6), None, 0, 1, needs, 4, PAD)
+    assert micro[0].group_ids_S.tolist() == [0, 0, 1, 1]
+    assert micro[1].group_ids_S.tolist()[:2] == [2, 2]
+    assert all(g >= rollout.size for g in micro[1].group_ids_S.tolist()[2:])  # padding: groups of their own
+    assert micro[1].rewards_S.tolist() == [4.0, 5.0, 0.0, 0.0]
+
+
+def test_sft_only_micro_batches_are_golden_rows():
+    golden = _golden(P=5)
+    micro = assemble_micro_batches(None, None, golden, None, torch.arange(5), 0, 1, LossNeeds(golden=True), 2, PAD)
+    assert len(micro) == 3 and all(mb.tokens_BS.shape == (2, 9) for mb in micro)
+    assert micro[0].counts.global_num_tokens is None
+    assert micro[0].counts.global_num_golden_seqs == 5.0
+    assert torch.equal(micro[2].tokens_BS[0], golden.input_ids_BT[4])
+
+
+def test_loss_inputs_shift_by_one_and_route_the_partner():
+    rollout = _rollout()
+    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, reference=True)
+    mb = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, torch.arange(2), None, 0, 1, needs, 2, PAD)[0]
+    logits = torch.randn(2, 7, 11)
+    ref = torch.randn(2, 7, 11)
+    inputs = mb.to(torch.device("cpu")).loss_inputs(logits, ref, None, 1.0, needs)
+    assert torch.equal(inputs.token_ids_BT, mb.tokens_BS[:, 1:])
+    assert torch.equal(inputs.ref_logits_BTv, ref[:, :-1]) and inputs.teacher_logits_BTv is None
+    assert inputs.global_num_tokens == mb.counts.global_num_tokens
