@@ -23,6 +23,7 @@ import torch
 
 from megaopd.data.config import DataConfig
 from megaopd.data.openr1 import GoldenRecord
+from megaopd.data.special_tokens import stop_tokens, turn_end_token  # noqa: F401 (turn_end_token: re-export)
 from megaopd.data.templates import _template_tokenizer, render_prompt, strip_think_overlap
 
 
@@ -62,49 +63,24 @@ class PromptExample:
         return [0] * len(self.prompt_ids) + [1] * len(self.solution_ids)
 
 
-def turn_end_token(tokenizer) -> str:
-    """The token that closes an assistant turn in the tokenizer's chat template (e.g. <|im_end|>); the EOS
-    token when there is no template or the template closes turns with plain text."""
-    eos = tokenizer.eos_token
-    if not getattr(tokenizer, "chat_template", None):
-        return eos
-    sentinel = "MEGAOPD_SENTINEL_7f3a"
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": sentinel}], tokenize=False)
-    except Exception:  # templates that refuse an assistant message: fall back to the EOS token
-        return eos
-    after = text[text.rfind(sentinel) + len(sentinel):] if sentinel in text else ""
-    added = getattr(tokenizer, "added_tokens_encoder", {}) or {}
-    for tok in sorted(added, key=len, reverse=True):
-        if after.lstrip(" ").startswith(tok):
-            return tok
-    return eos
-
-
 def golden_stop_id(cfg: DataConfig, tokenizer, teacher_tokenizer=None) -> int:
-    """Id of the token appended to every golden solution (the template's turn end; see turn_end_token)."""
-    if cfg.prompt_template == "plain":
-        tok = tokenizer
-        name = tok.eos_token
-    else:
-        tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
-        name = turn_end_token(tok)
-    if name is None:
-        raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', '?')} has no eos_token: set one in its "
-                         f"tokenizer_config.json, the golden solutions need a stop token")
-    return int(tok.convert_tokens_to_ids(name))
+    """Id of the token appended to every golden solution: the first of the rollouts' stop ids (the
+    template's turn end; see data.special_tokens), so the student learns to stop where rollouts stop."""
+    return stop_tokens(cfg, tokenizer, teacher_tokenizer).golden_id
 
 
 def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig, tokenizer,
-                   teacher_tokenizer=None) -> tuple[list[PromptExample], Counter, dict]:
+                   teacher_tokenizer=None, stop_id: Optional[int] = None,
+                   ) -> tuple[list[PromptExample], Counter, dict]:
     """Renders and tokenizes records; returns (examples, skipped reasons, reason -> first uuid).
 
     A prompt over max_prompt_len is skipped; so is a golden over max_golden_len (golden_overflow=skip) or
     it is cut (truncate). Records without a golden give examples without one unless cfg.require_golden.
+    stop_id: the golden's last token (default: golden_stop_id, the rollouts' first stop id).
     """
     template_tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
-    stop_id = golden_stop_id(cfg, tokenizer, teacher_tokenizer) if any(r.golden for r in records) else None
+    if stop_id is None and any(r.golden for r in records):
+        stop_id = golden_stop_id(cfg, tokenizer, teacher_tokenizer)
     texts = [render_prompt(r.problem, cfg, tokenizer, teacher_tokenizer) for r in records]
     # One batched call each (fast tokenizers parallelize it); no special tokens, see encode_prompt.
     prompt_ids = template_tok(texts, add_special_tokens=False)["input_ids"] if texts else []
