@@ -8,8 +8,8 @@
 Modules: config (DataConfig), io (row files), openr1 (schema, golden filter, split), templates (prompts),
 tokenize (ids and loss masks), special_tokens (rollout stop ids = the goldens' end), vocab (the
 student/teacher vocabulary check and the special ids to mask), sampler (deterministic mixture order),
-dataset (the two classes above), synthetic (the tiny arithmetic/algebra data of examples/tiny). Tools: tools/prepare_openr1_math.py,
-tools/build_tiny_data.py.
+dataset (the two classes above), synthetic (the tiny arithmetic/algebra data of examples/tiny).
+Tools: tools/prepare_openr1_math.py, tools/build_tiny_data.py.
 """
 from megaopd.data.config import DEFAULT_INSTRUCTION, DataConfig, FilterConfig, SourceConfig
 from megaopd.data.dataset import PromptDataset, PromptLoader

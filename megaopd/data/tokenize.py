@@ -4,6 +4,7 @@
     ex.prompt_ids                  what the engines generate after
     ex.golden_ids, ex.golden_loss_mask   prompt + solution + end-of-turn; mask 1 exactly on the solution
                                          tokens and the end-of-turn token, 0 on the prompt
+    ex.teacher_prompt_ids          data.teacher_prompt=own: what the teacher scores the response after
     batch = golden_batch(examples, pad_id)   right-padded tensors for the SFT term of the loss
 
 The solution is tokenized on its own and appended to the prompt ids instead of tokenizing prompt+solution
@@ -15,7 +16,7 @@ from the template itself, so the student learns to stop where its rollouts must 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -38,6 +39,9 @@ class PromptExample:
     answer: str
     prompt_text: str
     prompt_ids: list[int]
+    teacher_prompt_ids: Optional[list[int]] = None
+    """With data.teacher_prompt=own: the problem rendered by the teacher's chat template, in the teacher
+    tokenizer's ids; the teacher scores the response after these instead of prompt_ids. None: shared."""
     golden: Optional[str] = None
     """The golden solution text as tokenized (after strip_think_overlap), without the end-of-turn token."""
     solution_ids: Optional[np.ndarray] = None
@@ -89,6 +93,8 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
     sol_ids = dict(zip(with_golden, tokenizer([goldens[i] for i in with_golden],
                                               add_special_tokens=False)["input_ids"] if with_golden else []))
 
+    teacher_ids = _teacher_prompt_ids(records, cfg, tokenizer, teacher_tokenizer)
+
     examples, skipped, first = [], Counter(), {}
 
     def skip(reason, rec):
@@ -97,7 +103,7 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
 
     for i, rec in enumerate(records):
         ids = list(prompt_ids[i])
-        if len(ids) > cfg.max_prompt_len:
+        if len(ids) > cfg.max_prompt_len or (teacher_ids and len(teacher_ids[i]) > cfg.max_prompt_len):
             skip(f"prompt over max_prompt_len={cfg.max_prompt_len} tokens", rec)
             continue
         solution = None
@@ -114,8 +120,21 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
             continue
         examples.append(PromptExample(uid=rec.uuid, source=source, problem=rec.problem, answer=rec.answer,
                                       prompt_text=texts[i], prompt_ids=ids, golden=goldens[i],
-                                      solution_ids=solution))
+                                      solution_ids=solution,
+                                      teacher_prompt_ids=list(teacher_ids[i]) if teacher_ids else None))
     return examples, skipped, first
+
+
+def _teacher_prompt_ids(records: Sequence[GoldenRecord], cfg: DataConfig, tokenizer, teacher_tokenizer):
+    """The teacher's own prompts (data.teacher_prompt=own), or None (shared: the student's prompt ids)."""
+    if cfg.teacher_prompt != "own":
+        return None
+    if teacher_tokenizer is None:
+        raise ValueError("data.teacher_prompt=own needs the teacher's tokenizer: pass teacher_tokenizer (the "
+                         "teacher model directory's tokenizer), or set data.teacher_prompt=shared")
+    own = replace(cfg, prompt_template="teacher")
+    texts = [render_prompt(r.problem, own, tokenizer, teacher_tokenizer) for r in records]
+    return teacher_tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
 @dataclass

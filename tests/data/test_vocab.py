@@ -69,7 +69,8 @@ def test_student_only_and_teacher_only_special_ids():
 
 
 def test_a_different_regular_vocabulary_is_refused_naming_tokens():
-    with pytest.raises(VocabMismatchError, match=r"does not match the student's.*only in the student's, e\.g\. \[") as e:
+    pattern = r"does not match the student's.*only in the student's, e\.g\. \["
+    with pytest.raises(VocabMismatchError, match=pattern) as e:
         compare_vocab(qwen_math_base(), other_family(), "s_dir", "t_dir")
     msg = str(e.value)
     assert "t_dir" in msg and "s_dir" in msg and "pick a teacher of the student's family" in msg
@@ -107,3 +108,29 @@ def test_roles_check_same_tokenizer_is_the_thin_wrapper():
     assert report.mask_ids
     with pytest.raises(ValueError, match="does not match the student's"):
         check_same_tokenizer(qwen_math_base(), other_family(), "s", "t")
+
+
+def test_teacher_prompt_own_renders_the_teachers_template_for_the_teacher_only():
+    from megaopd.data.openr1 import GoldenRecord
+    from megaopd.data.tokenize import build_examples
+    student, teacher = qwen_math_base(), r1_distill()
+    rec = GoldenRecord("a", "Solve 3x + 5 = 20.", "5", golden="x = 5.")
+    ex = build_examples([rec], "s", DataConfig(teacher_prompt="own"), student, teacher)[0][0]
+    assert ex.prompt_text.startswith("<|im_start|>user\n")  # the student generates in its own format
+    assert teacher.decode(ex.teacher_prompt_ids).startswith("<｜begin▁of▁sentence｜><｜User｜>Solve")
+    assert teacher.decode(ex.teacher_prompt_ids).endswith("<｜Assistant｜><think>\n")
+    assert build_examples([rec], "s", DataConfig(), student, teacher)[0][0].teacher_prompt_ids is None
+    with pytest.raises(ValueError, match="data.teacher_prompt=own needs the teacher's tokenizer"):
+        build_examples([rec], "s", DataConfig(teacher_prompt="own"), student)
+    with pytest.raises(ValueError, match="data.teacher_prompt='mine'"):
+        DataConfig(teacher_prompt="mine")
+    # A teacher prompt over the budget skips the row like a student prompt over it.
+    from tests.data.tiny_vocab import R1_ADDED, R1_TEMPLATE
+    wordy = make_tokenizer(R1_ADDED, "<｜end▁of▁sentence｜>", "A careful mathematician checks every step twice, "
+                           "then answers within \\boxed{}. " * 3 + R1_TEMPLATE)
+    ex = build_examples([rec], "s", DataConfig(teacher_prompt="own"), student, wordy)[0][0]
+    n = len(ex.teacher_prompt_ids)
+    assert len(ex.prompt_ids) < n
+    kept, skipped, _ = build_examples([rec], "s", DataConfig(teacher_prompt="own", max_prompt_len=n - 1),
+                                      student, wordy)
+    assert kept == [] and skipped == {f"prompt over max_prompt_len={n - 1} tokens": 1}

@@ -9,6 +9,7 @@ CORPUS = [
     "\\frac{a}{b} + \\sqrt{2} = \\boxed{42}. The answer is 7. Wait, let me check: 1 + 1 = 2.",
 ] * 4
 OTHER_CORPUS = ["zebra quartz jumps over lazy fox; zebra zebra quartz 0 1 2 3 4 5 6 7 8 9"] * 4
+"""Another corpus: the BPE trained on it is a genuinely different regular vocabulary."""
 
 # Qwen2.5 names of ids N..N+6 (151643.. in the real tokenizer) and DeepSeek-R1-Distill-Qwen's.
 QWEN_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
