@@ -122,6 +122,12 @@ class DataConfig:
     """student: the student tokenizer's chat template; teacher: the teacher tokenizer's chat template,
     tokenized by the teacher tokenizer (teacher-aligned prompting, paper 2604.13016); plain: the user text
     alone, no chat markup (base models without a chat template)."""
+    teacher_prompt: str = "shared"
+    """What the teacher scores the student's response after. shared: the student's prompt ids (the default;
+    with prompt_template=teacher both already see the teacher's template); own: the same problem rendered
+    with the teacher tokenizer's chat template (PromptExample.teacher_prompt_ids), so a teacher whose
+    template differs from the student's (e.g. DeepSeek-R1-Distill's <｜User｜>...<｜Assistant｜><think>)
+    reads the response in its own format while the student generates in its own."""
     instruction: str = DEFAULT_INSTRUCTION
     """Text substituted for {instruction} in user_format."""
     user_format: str = "{problem}\n{instruction}"
@@ -148,6 +154,9 @@ class DataConfig:
     def __post_init__(self):
         if self.prompt_template not in ("student", "teacher", "plain"):
             raise ValueError(f"data.prompt_template={self.prompt_template!r}: choose student, teacher or plain")
+        if self.teacher_prompt not in ("shared", "own"):
+            raise ValueError(f"data.teacher_prompt={self.teacher_prompt!r}: choose shared (the teacher scores after "
+                             f"the student's prompt) or own (after the teacher's chat template)")
         if "{problem}" not in self.user_format:
             raise ValueError(f"data.user_format={self.user_format!r} has no {{problem}} placeholder: "
                              f"add one, e.g. '{{problem}}\\n{{instruction}}'")

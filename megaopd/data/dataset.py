@@ -1,6 +1,7 @@
 """What the trainer holds: every source loaded, filtered and tokenized, and a resumable batch cursor.
 
     data = PromptDataset.load(cfg.data, student_tokenizer)            # at start-up; raises DataError early
+    data.stop.ids                        # stop_token_ids of every rollout; goldens end with data.stop.golden_id
     loader = PromptLoader(data, cfg.data, batch_size=64, dp_rank=r, dp_size=dp)
     batch = loader.next_batch()          # this rank's PromptExamples (prompt ids + golden ids/mask)
     ckpt["data"] = loader.state_dict();  loader.load_state_dict(ckpt["data"])
@@ -17,6 +18,7 @@ from typing import Callable, Optional, Sequence
 from megaopd.data.config import DataConfig, resolve_data_files
 from megaopd.data.openr1 import DataError, LoadReport, load_records, token_counter
 from megaopd.data.sampler import MixtureSampler, Ref
+from megaopd.data.special_tokens import StopTokens, stop_tokens
 from megaopd.data.tokenize import PromptExample, build_examples
 
 EMPTY_FIX = ("give the file rows with `problem` and `answer` plus a `golden` (prepared format) or "
@@ -32,6 +34,8 @@ class PromptDataset:
     names: list[str]
     examples: list[list[PromptExample]]
     reports: list[LoadReport]
+    stop: Optional[StopTokens] = None
+    """The ids rollouts stop at; every golden ends with stop.golden_id (one source for both)."""
 
     @classmethod
     def load(cls, cfg: DataConfig, tokenizer, teacher_tokenizer=None,
@@ -39,6 +43,9 @@ class PromptDataset:
         """Loads every source of cfg; raises DataError naming the files when a source has no usable row."""
         cfg.validate()
         counter = token_counter(tokenizer)
+        stop = stop_tokens(cfg, tokenizer, teacher_tokenizer)
+        if log is not None:
+            log(stop.log_line())
         names, examples, reports = [], [], []
         for src in cfg.sources:
             files = resolve_data_files(src.path)
@@ -47,7 +54,8 @@ class PromptDataset:
                 raise DataError(f"data source {src.path!r} matches no .jsonl/.json/.parquet file: fix the path")
             records = load_records(files, cfg.filter, counter, report, require_golden=cfg.require_golden,
                                    max_rows=src.max_rows)
-            exs, skipped, first = build_examples(records, src.name, cfg, tokenizer, teacher_tokenizer)
+            exs, skipped, first = build_examples(records, src.name, cfg, tokenizer, teacher_tokenizer,
+                                                 stop_id=stop.golden_id)
             for reason, n in skipped.items():
                 report.skipped[reason] += n
                 report.first_skipped.setdefault(reason, f"uuid {first[reason]}")
@@ -60,7 +68,7 @@ class PromptDataset:
             names.append(src.name)
             examples.append(exs)
             reports.append(report)
-        return cls(names, examples, reports)
+        return cls(names, examples, reports, stop)
 
     @property
     def sizes(self) -> list[int]:

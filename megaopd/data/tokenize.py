@@ -4,6 +4,7 @@
     ex.prompt_ids                  what the engines generate after
     ex.golden_ids, ex.golden_loss_mask   prompt + solution + end-of-turn; mask 1 exactly on the solution
                                          tokens and the end-of-turn token, 0 on the prompt
+    ex.teacher_prompt_ids          data.teacher_prompt=own: what the teacher scores the response after
     batch = golden_batch(examples, pad_id)   right-padded tensors for the SFT term of the loss
 
 The solution is tokenized on its own and appended to the prompt ids instead of tokenizing prompt+solution
@@ -15,7 +16,7 @@ from the template itself, so the student learns to stop where its rollouts must 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 
 from megaopd.data.config import DataConfig
 from megaopd.data.openr1 import GoldenRecord
+from megaopd.data.special_tokens import stop_tokens, turn_end_token  # noqa: F401 (turn_end_token: re-export)
 from megaopd.data.templates import _template_tokenizer, render_prompt, strip_think_overlap
 
 
@@ -37,6 +39,9 @@ class PromptExample:
     answer: str
     prompt_text: str
     prompt_ids: list[int]
+    teacher_prompt_ids: Optional[list[int]] = None
+    """With data.teacher_prompt=own: the problem rendered by the teacher's chat template, in the teacher
+    tokenizer's ids; the teacher scores the response after these instead of prompt_ids. None: shared."""
     golden: Optional[str] = None
     """The golden solution text as tokenized (after strip_think_overlap), without the end-of-turn token."""
     solution_ids: Optional[np.ndarray] = None
@@ -62,49 +67,24 @@ class PromptExample:
         return [0] * len(self.prompt_ids) + [1] * len(self.solution_ids)
 
 
-def turn_end_token(tokenizer) -> str:
-    """The token that closes an assistant turn in the tokenizer's chat template (e.g. <|im_end|>); the EOS
-    token when there is no template or the template closes turns with plain text."""
-    eos = tokenizer.eos_token
-    if not getattr(tokenizer, "chat_template", None):
-        return eos
-    sentinel = "MEGAOPD_SENTINEL_7f3a"
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": sentinel}], tokenize=False)
-    except Exception:  # templates that refuse an assistant message: fall back to the EOS token
-        return eos
-    after = text[text.rfind(sentinel) + len(sentinel):] if sentinel in text else ""
-    added = getattr(tokenizer, "added_tokens_encoder", {}) or {}
-    for tok in sorted(added, key=len, reverse=True):
-        if after.lstrip(" ").startswith(tok):
-            return tok
-    return eos
-
-
 def golden_stop_id(cfg: DataConfig, tokenizer, teacher_tokenizer=None) -> int:
-    """Id of the token appended to every golden solution (the template's turn end; see turn_end_token)."""
-    if cfg.prompt_template == "plain":
-        tok = tokenizer
-        name = tok.eos_token
-    else:
-        tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
-        name = turn_end_token(tok)
-    if name is None:
-        raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', '?')} has no eos_token: set one in its "
-                         f"tokenizer_config.json, the golden solutions need a stop token")
-    return int(tok.convert_tokens_to_ids(name))
+    """Id of the token appended to every golden solution: the first of the rollouts' stop ids (the
+    template's turn end; see data.special_tokens), so the student learns to stop where rollouts stop."""
+    return stop_tokens(cfg, tokenizer, teacher_tokenizer).golden_id
 
 
 def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig, tokenizer,
-                   teacher_tokenizer=None) -> tuple[list[PromptExample], Counter, dict]:
+                   teacher_tokenizer=None, stop_id: Optional[int] = None,
+                   ) -> tuple[list[PromptExample], Counter, dict]:
     """Renders and tokenizes records; returns (examples, skipped reasons, reason -> first uuid).
 
     A prompt over max_prompt_len is skipped; so is a golden over max_golden_len (golden_overflow=skip) or
     it is cut (truncate). Records without a golden give examples without one unless cfg.require_golden.
+    stop_id: the golden's last token (default: golden_stop_id, the rollouts' first stop id).
     """
     template_tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
-    stop_id = golden_stop_id(cfg, tokenizer, teacher_tokenizer) if any(r.golden for r in records) else None
+    if stop_id is None and any(r.golden for r in records):
+        stop_id = golden_stop_id(cfg, tokenizer, teacher_tokenizer)
     texts = [render_prompt(r.problem, cfg, tokenizer, teacher_tokenizer) for r in records]
     # One batched call each (fast tokenizers parallelize it); no special tokens, see encode_prompt.
     prompt_ids = template_tok(texts, add_special_tokens=False)["input_ids"] if texts else []
@@ -112,6 +92,8 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
     with_golden = [i for i, g in enumerate(goldens) if g is not None]
     sol_ids = dict(zip(with_golden, tokenizer([goldens[i] for i in with_golden],
                                               add_special_tokens=False)["input_ids"] if with_golden else []))
+
+    teacher_ids = _teacher_prompt_ids(records, cfg, tokenizer, teacher_tokenizer)
 
     examples, skipped, first = [], Counter(), {}
 
@@ -121,7 +103,7 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
 
     for i, rec in enumerate(records):
         ids = list(prompt_ids[i])
-        if len(ids) > cfg.max_prompt_len:
+        if len(ids) > cfg.max_prompt_len or (teacher_ids and len(teacher_ids[i]) > cfg.max_prompt_len):
             skip(f"prompt over max_prompt_len={cfg.max_prompt_len} tokens", rec)
             continue
         solution = None
@@ -138,8 +120,21 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
             continue
         examples.append(PromptExample(uid=rec.uuid, source=source, problem=rec.problem, answer=rec.answer,
                                       prompt_text=texts[i], prompt_ids=ids, golden=goldens[i],
-                                      solution_ids=solution))
+                                      solution_ids=solution,
+                                      teacher_prompt_ids=list(teacher_ids[i]) if teacher_ids else None))
     return examples, skipped, first
+
+
+def _teacher_prompt_ids(records: Sequence[GoldenRecord], cfg: DataConfig, tokenizer, teacher_tokenizer):
+    """The teacher's own prompts (data.teacher_prompt=own), or None (shared: the student's prompt ids)."""
+    if cfg.teacher_prompt != "own":
+        return None
+    if teacher_tokenizer is None:
+        raise ValueError("data.teacher_prompt=own needs the teacher's tokenizer: pass teacher_tokenizer (the "
+                         "teacher model directory's tokenizer), or set data.teacher_prompt=shared")
+    own = replace(cfg, prompt_template="teacher")
+    texts = [render_prompt(r.problem, own, tokenizer, teacher_tokenizer) for r in records]
+    return teacher_tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
 @dataclass

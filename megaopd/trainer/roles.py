@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd.config.model import ModelConfig
 from megaopd.config.schema import MegaOPDConfig
+from megaopd.data.vocab import VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
 from megaopd.models.builder import StageInfo, build_gpt_model
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
@@ -117,23 +119,10 @@ def on_gpu_while_used(model: torch.nn.Module | None, offload: bool):
         torch.cuda.empty_cache()
 
 
-def check_same_tokenizer(student, teacher, student_path: str, teacher_path: str) -> None:
-    """OPD scores the student's tokens with the teacher: both must map text to the same ids."""
-    problems = []
-    sv, tv = student.get_vocab(), teacher.get_vocab()
-    if sv != tv:
-        only_s = sorted(set(sv) - set(tv))[:5]
-        only_t = sorted(set(tv) - set(sv))[:5]
-        moved = sorted(k for k in set(sv) & set(tv) if sv[k] != tv[k])[:5]
-        problems.append(f"token-to-id maps differ (only in student: {only_s}, only in teacher: {only_t}, "
-                        f"different ids: {moved})")
-    if student.eos_token_id != teacher.eos_token_id:
-        problems.append(f"EOS differs (student {student.eos_token!r}={student.eos_token_id}, teacher "
-                        f"{teacher.eos_token!r}={teacher.eos_token_id})")
-    s_special = sorted(str(t) for t in student.all_special_tokens)
-    t_special = sorted(str(t) for t in teacher.all_special_tokens)
-    if s_special != t_special:
-        problems.append(f"special tokens differ (student {s_special}, teacher {t_special})")
-    if problems:
-        raise ValueError(f"teacher tokenizer ({teacher_path}) does not match the student's ({student_path}): "
-                         f"{'; '.join(problems)}. OPD needs one tokenizer: pick a teacher of the student's family")
+def check_same_tokenizer(student, teacher, student_path: str, teacher_path: str,
+                         stop_ids: Sequence[int] = ()) -> VocabReport:
+    """OPD scores the student's tokens with the teacher: both must map text to the same ids. Special tokens
+    may differ in name (the paper's pairs do); see megaopd.data.vocab.compare_vocab, which this calls.
+    Returns its VocabReport (log report.log_lines(); add report.mask_ids to the loss's masked ids);
+    raises VocabMismatchError (a ValueError) naming tokens when the regular vocabularies differ."""
+    return compare_vocab(student, teacher, student_path, teacher_path, stop_ids=stop_ids)

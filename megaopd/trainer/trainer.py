@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
+from megaopd.data.special_tokens import stop_tokens
+from megaopd.data.vocab import loss_mask_ids
 from megaopd.losses import build_loss_from, mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
@@ -66,13 +68,18 @@ class Trainer:
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.student.path)
         teacher_tokenizer = load_tokenizer(cfg.teacher.path) if cfg.teacher.path else None
-        if teacher_tokenizer is not None:
-            check_same_tokenizer(self.tokenizer, teacher_tokenizer, cfg.student.path, cfg.teacher.path)
         tok = self.tokenizer
+        # Rollouts stop at the template's turn end and the EOS; golden solutions end with the first of them.
+        self.stop = stop_tokens(cfg.data, tok, teacher_tokenizer)
+        report = None
+        if teacher_tokenizer is not None:  # same regular vocabulary; specials may be named differently
+            report = check_same_tokenizer(tok, teacher_tokenizer, cfg.student.path, cfg.teacher.path,
+                                          stop_ids=self.stop.ids)
+            for line in report.log_lines():
+                self._console(line)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.special_ids = [tok.convert_tokens_to_ids(t) for t in cfg.loss.mask_first_tokens]
-        dataset = PromptDataset.load(cfg.data, tok, teacher_tokenizer if cfg.data.prompt_template == "teacher" else None,
-                                     log=self._console if self.rank == 0 else None)
+        self.special_ids = loss_mask_ids(tok, cfg.loss.mask_first_tokens, report)
+        dataset = PromptDataset.load(cfg.data, tok, teacher_tokenizer, log=self._console if self.rank == 0 else None)
         # Every rank draws the same global batch (rank 0 generates it; every layout takes its own rows).
         self.loader = PromptLoader(dataset, cfg.data, batch_size=cfg.trainer.prompts_per_step)
 
@@ -199,7 +206,7 @@ class Trainer:
         r = self.cfg.rollout
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_new_tokens, n=self.cfg.trainer.samples_per_prompt,
-                                seed=self.cfg.trainer.seed * 1_000_003 + self.step)
+                                stop_token_ids=list(self.stop.ids), seed=self.cfg.trainer.seed * 1_000_003 + self.step)
         samples = self.engine.generate(prompts, params)
         if r.colocated:
             self.engine.release_memory()  # the actor trains on these GPUs next
