@@ -7,9 +7,8 @@
 #
 # Idempotent: a second run finds the daemons up and only waits for the node. Needs root (munged runs as
 # the munge user, slurmctld/slurmd as root) and apt (Debian's slurm-wlm 22.05 + munge). The facts it uses
-# are those that worked on this project's machines (shared/design/MACHINE-NOTES.md, "A real Slurm cluster
-# on one machine"): linuxproc process tracking and no task plugin, because the sandbox has no writable
-# cgroup hierarchy for slurmd to manage.
+# are those that worked on this project's machines: linuxproc process tracking and no task plugin,
+# because the sandbox has no writable cgroup hierarchy for slurmd to manage.
 set -euo pipefail
 
 ACTION="${1:-start}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The collapse study on the tiny CPU setup (ALGORITHMS.md 3, paper 2604.08527 fig. 2): plain OPD and
+# The collapse study on the tiny CPU setup (docs/algorithms.md 2.8, paper 2604.08527 fig. 2): plain OPD and
 # Stable-OPD under a stress setting (10x the demo's learning rate, no gradient clipping, a 384-token budget,
 # 16 prompts x 4 per step, 180 steps), same models, data and seed; then one figure of both. About 15
 # minutes in all. Plain OPD collapses into truncated, repeating responses after step 130 (truncation and

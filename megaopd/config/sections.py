@@ -58,7 +58,7 @@ class RolloutConfig:
 
 @dataclass
 class MetricsConfig:
-    """Training-dynamics metrics (ALGORITHMS.md section 2) and the collapse early warning."""
+    """Training-dynamics metrics (docs/algorithms.md section 2) and the collapse early warning."""
 
     repetition: RepetitionConfig = field(default_factory=RepetitionConfig)
     """Repetition rate (tail length L, ratio tau) and the repetitive-token n-gram."""

@@ -1,4 +1,4 @@
-"""megaopd.metrics: rollout and validation metrics (ALGORITHMS.md section 2), the math-verify reward,
+"""megaopd.metrics: rollout and validation metrics (docs/algorithms.md section 2), the math-verify reward,
 the collapse early warning, and `megaopd plot`.
 
     rollout.py   truncation / repetition rates, repetitive-token mask, advantage split, rollout dynamics

@@ -1,6 +1,6 @@
 """Early warning of OPD collapse from the per-step truncation and repetition rates.
 
-Collapse under plain OPD (ALGORITHMS.md sec. 3) shows as the truncation rate rising toward 1 and the
+Collapse under plain OPD (docs/algorithms.md 2.8) shows as the truncation rate rising toward 1 and the
 repetition rate jumping to 0.4-0.6 within a few dozen steps. The detector keeps, for each watched rate,
 the last `window` values; at each step it compares the new value x_s with the window's mean m:
     jump alarm   x_s - m > jump[name]        (needs at least min_history earlier values)

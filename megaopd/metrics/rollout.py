@@ -1,6 +1,6 @@
 """Rollout metrics: truncation, repetition, repetitive-token advantage split, rollout dynamics.
 
-Formulas (docs/design ALGORITHMS.md, section 2; Stable-OPD paper 2604.08527 sec. 3.2 and figs. 3-4):
+Formulas (docs/algorithms.md, section 2; Stable-OPD paper 2604.08527 sec. 3.2 and figs. 3-4):
 
 - truncation rate = #{responses with finish_reason == "length"} / #responses
 - repetition rate: for each response text, tail = text[-L:] (characters),

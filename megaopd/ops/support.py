@@ -3,7 +3,7 @@
 Top-k: each rank takes the top-min(k, V) of its shard, the R candidate lists ([T, k] each, small) are
 all-gathered and merged; log-probs use the full-vocabulary lse (same pass, two [T] all-reduces).
 
-Support KL (LSM, ALGORITHMS.md 1.3/1.4) over a per-token support S of global ids:
+Support KL (LSM, docs/algorithms.md 1.5/1.6) over a per-token support S of global ids:
     pihat(v) = pi(v) / sum_{u in S} pi(u) = exp(z_v) / sum_{u in S} exp(z_u)    (z = logits / T)
     qhat(v)  = exp(lq_v) / sum_{u in S} exp(lq_u)                             (lq: given log-probs)
     L = sum_{v in S} pihat(v) (log pihat(v) - log qhat(v))

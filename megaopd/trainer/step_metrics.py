@@ -1,5 +1,5 @@
-"""The step's logged metrics beyond the loss's own: training dynamics of the rollouts (ALGORITHMS.md
-section 2, docs/algorithms.md), the engine/actor log-prob gap, and the reduction of the micro-batches'
+"""The step's logged metrics beyond the loss's own: training dynamics of the rollouts
+(docs/algorithms.md section 2), the engine/actor log-prob gap, and the reduction of the micro-batches'
 loss metrics over the data-parallel ranks.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Float64 single-process references for every loss, written from ALGORITHMS.md with plain torch over the
+"""Float64 single-process references for every loss, written from docs/algorithms.md with plain torch over the
 full vocabulary (no megaopd code), plus the deterministic test batches shared by tests and workers.
 
 Loops over sequences and positions are deliberate: they are the formulas read literally, independent of
