@@ -1,4 +1,4 @@
-.PHONY: install test test-quick demo
+.PHONY: install test test-quick demo gpu-check
 
 install:
 	bash scripts/install.sh
@@ -16,3 +16,8 @@ test-quick:
 demo:
 	@python3 -c "import megaopd, megatron.core, transformers" 2>/dev/null || bash scripts/install.sh
 	megaopd train examples/tiny/stable_opd.yaml run.dir=runs/tiny/demo_$$(date +%Y%m%d_%H%M%S)
+
+# Issue 13's GPU bring-up check on one GPU (scripts/gpu_check.sh: the table, the parts, how to run it on the
+# lent machine). `make gpu-check ARGS=--quick` is the CPU smoke mode.
+gpu-check:
+	bash scripts/gpu_check.sh $(ARGS)

@@ -1,0 +1,211 @@
+"""--bench: the measurements of issue 13 ("What to measure"), as INFO rows.
+
+  loss    fused Stable-OPD (build_loss("stable_opd") on LossInputs, one fused pass for log-probs + reference KL)
+          vs a naive full-vocabulary float32 version (log_softmax materialized), same inputs and loss, bf16
+          logits, V=152064, 4096 and 8192 tokens: time (median of 3 after a warm-up) and peak memory above the
+          inputs (torch.cuda.max_memory_allocated), and their ratios.
+  engine  megaopd.rollout.embedded generation tokens/s at 1 and 64 sequences (ignore_eos, fixed length).
+  trainer the trainer's phases at the 1.5B shape (student and teacher Qwen2.5-1.5B-shaped), tokens/s of the
+          training phase and MFU = (6 N tokens + 12 L h sum_i s_i^2) / time/train / peak bf16 FLOP/s.
+          Recomputation: megaopd's config has no key for it yet, so only the plain run is measured (a row says so).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+
+import torch
+
+from megaopd.gpucheck.build import QWEN_VOCAB, hf_config_dict, num_params, write_hf_dir
+from megaopd.gpucheck.report import Table
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _naive_stable_opd(logits, ids, ref_logits, old_lp, teacher_lp, loss_mask, golden_mask, sft_w, kl_w,
+                      eps=0.2):
+    """OPD (PPO-clip, advantage = teacher - old log-prob) + sft_w x SFT + kl_w x exact KL(p || ref), token-mean
+    each, with every [T, V] intermediate materialized in float32."""
+    logp = torch.log_softmax(logits.float(), -1)
+    logq = torch.log_softmax(ref_logits.float(), -1)
+    lp = logp.gather(-1, ids[..., None])[..., 0]
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    adv = teacher_lp - old_lp
+    ratio = torch.exp(lp - old_lp)
+    pg = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    n, ng = loss_mask.sum(), golden_mask.sum()
+    return ((pg * loss_mask).sum() / n + sft_w * (-lp * golden_mask).sum() / ng
+            + kl_w * (kl * loss_mask).sum() / n)
+
+
+def _measure(fn, device, reps=3):
+    """(median seconds, peak bytes allocated above what was allocated before) of fn() incl. backward."""
+    fn()  # warm-up
+    _sync(device)
+    times, peak = [], 0
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+        if device.type == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+    return statistics.median(times), peak
+
+
+def bench_loss(table: Table, device, vocab: int, token_counts, dtype=torch.bfloat16) -> None:
+    from megaopd.losses import LossInputs, build_loss
+
+    cfg = {"sft_weight": 0.1, "ref_kl_weight": 0.01}
+    loss_fn = build_loss("stable_opd", cfg)
+    dt = str(dtype).replace("torch.", "")
+    for T in token_counts:
+        with table.guard("bench", f"loss T={T}", dt):
+            g = torch.Generator(device=device).manual_seed(T)
+            logits = (3 * torch.randn(1, T, vocab, device=device, generator=g)).to(dtype).requires_grad_()
+            ref = (logits.detach().float() + torch.randn(1, T, vocab, device=device, generator=g)).to(dtype)
+            ids = torch.randint(0, vocab, (1, T), device=device, generator=g)
+            old_lp = -10 + torch.randn(1, T, device=device, generator=g)
+            teacher_lp = -10 + torch.randn(1, T, device=device, generator=g)
+            half = torch.arange(T, device=device)[None] < T // 2  # first half on-policy, second half golden
+            loss_mask, golden_mask = half.float(), (~half).float()
+
+            def fused():
+                logits.grad = None
+                inputs = LossInputs(logits_BTv=logits, token_ids_BT=ids, loss_mask_BT=loss_mask,
+                                    old_logprobs_BT=old_lp, teacher_logprobs_BT=teacher_lp, ref_logits_BTv=ref,
+                                    golden_logits_BTv=logits, golden_ids_BT=ids, golden_mask_BT=golden_mask)
+                loss, _ = loss_fn(inputs)
+                loss.backward()
+                return loss
+
+            def naive():
+                logits.grad = None
+                loss = _naive_stable_opd(logits, ids, ref, old_lp, teacher_lp, loss_mask, golden_mask, 0.1, 0.01)
+                loss.backward()
+                return loss
+
+            lf, ln = float(fused().detach()), float(naive().detach())
+            table.le("bench", f"fused vs naive Stable-OPD loss T={T} V={vocab}", dt, "loss rel diff",
+                     abs(lf - ln) / max(abs(ln), 1e-6), 1e-3)
+            (tf, mf), (tn, mn) = _measure(fused, device), _measure(naive, device)
+            table.info("bench", f"fused Stable-OPD loss T={T} V={vocab}", dt, "fwd+bwd ms", tf * 1e3)
+            table.info("bench", f"naive Stable-OPD loss T={T} V={vocab}", dt, "fwd+bwd ms", tn * 1e3)
+            table.info("bench", f"time naive / fused T={T}", dt, "ratio", tn / tf)
+            if device.type == "cuda":
+                table.info("bench", f"fused Stable-OPD loss T={T} V={vocab}", dt, "peak GiB above inputs", mf / 2**30)
+                table.info("bench", f"naive Stable-OPD loss T={T} V={vocab}", dt, "peak GiB above inputs", mn / 2**30)
+                table.info("bench", f"memory naive / fused T={T}", dt, "ratio", mn / max(mf, 1))
+            del logits, ref
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def bench_engine(table: Table, hf_dir: str, dtypes, seqs=(1, 64), new_tokens: int = 128, prompt_len: int = 32) -> None:
+    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.rollout.protocol import SamplingParams
+
+    for dtype in dtypes:
+        with table.guard("bench", "embedded engine", dtype):
+            engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, dtype=dtype, max_batch_size=max(seqs)))
+            params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+            engine.generate([[5] * prompt_len], SamplingParams(max_new_tokens=8, ignore_eos=True, seed=0))  # warm-up
+            for n in seqs:
+                prompts = [[5 + i % 100] * prompt_len for i in range(n)]
+                _sync(engine.device)
+                t = time.perf_counter()
+                out = engine.generate(prompts, params)
+                _sync(engine.device)
+                dt = time.perf_counter() - t
+                made = sum(len(s.output_ids) for s in out)
+                table.info("bench", f"embedded engine {os.path.basename(hf_dir)}, {n} seqs x {new_tokens} new",
+                           dtype, "generated tokens/s", made / dt)
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5-1.5b", steps: int = 4,
+                  overrides: list[str] | None = None, peak_tflops: float | None = None, timeout_s: float = 480) -> None:
+    """The trainer at `shape` (student = reference = teacher shape), phases and MFU from RUN/metrics.jsonl."""
+    from megaopd.gpucheck.trainer_check import YAML, GpuMemoryPoll, read_metrics, run_trainer, train_command
+
+    dt = "bfloat16"
+    with table.guard("bench", f"trainer {shape}", dt):
+        model_dir = write_hf_dir(os.path.join(workdir, f"bench_{shape}"), shape, QWEN_VOCAB, device, torch.bfloat16, 4)
+        run_dir = os.path.join(workdir, "run_bench")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        prompts, samples, new = 16, 4, 256
+        cmd = train_command(YAML, [f"run.dir={run_dir}", f"student.path={model_dir}", f"teacher.path={model_dir}",
+                                   f"trainer.max_steps={steps}", f"trainer.save_interval={steps + 100}",
+                                   f"trainer.prompts_per_step={prompts}", f"trainer.samples_per_prompt={samples}",
+                                   f"rollout.max_new_tokens={new}", f"logging.samples_per_step={prompts * samples}",
+                                   "rollout.parity_interval=0", *(overrides or [])])
+        with GpuMemoryPoll() as mem:
+            rc, _ = run_trainer(cmd, os.path.join(workdir, "train_bench.log"), timeout_s)
+        table.eq("bench", f"trainer {shape} {steps} steps", dt, "exit code", rc, 0)
+        records = read_metrics(run_dir)[1:]  # the first step pays for warm-up
+        if not records:
+            return
+        for key in ("time/step", "time/rollout", "time/actor_logprobs", "time/teacher", "time/train", "time/sync"):
+            vals = [r[key] for r in records if r.get(key) is not None]
+            if vals:
+                table.info("bench", f"trainer {shape}: mean {key}", dt, "s", sum(vals) / len(vals))
+        if mem.peak_mib is not None:
+            table.info("bench", f"trainer {shape}: peak GPU memory (nvidia-smi)", dt, "GiB", mem.peak_mib / 1024)
+        # Tokens of the training phase: every sequence's prompt + response (the model runs on all of them).
+        cfg = hf_config_dict(shape, QWEN_VOCAB)
+        n_seq = prompts * samples
+        resp = [r.get("rollout/response_length_mean") for r in records]
+        prompt_len = _prompt_len_mean(run_dir, model_dir)
+        if None in resp or prompt_len is None:
+            table.info("bench", f"trainer {shape}: tokens/s, MFU", dt, "n/a", "response or prompt lengths not logged")
+            return
+        t_train = [r["time/train"] for r in records]
+        tokens = [n_seq * (prompt_len + x) for x in resp]
+        tps = sum(tokens) / sum(t_train)
+        L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+        flops = sum(6 * num_params(cfg) * tk + 12 * L * h * n_seq * (tk / n_seq) ** 2 for tk in tokens)
+        table.info("bench", f"trainer {shape}: training tokens/s", dt, "tokens/s", tps)
+        peak = peak_tflops or _peak_tflops()
+        if peak:
+            table.info("bench", f"trainer {shape}: MFU (bf16 peak {peak:.0f} TFLOP/s)", dt, "MFU",
+                       flops / sum(t_train) / (peak * 1e12))
+        table.skip("bench", f"trainer {shape} with recomputation",
+                   "no recomputation key in megaopd/config (megatron recompute_granularity is not exposed)")
+
+
+def _prompt_len_mean(run_dir: str, model_dir: str) -> float | None:
+    """Mean prompt length in tokens, from the prompts the run logged (RUN/samples/step_N.jsonl)."""
+    import json
+
+    from megaopd.models.hf_io import load_tokenizer
+
+    folder = os.path.join(run_dir, "samples")
+    if not os.path.isdir(folder):
+        return None
+    tok = load_tokenizer(model_dir)
+    lens = []
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                lens.append(len(tok(json.loads(line)["prompt"], add_special_tokens=False)["input_ids"]))
+    return sum(lens) / len(lens) if lens else None
+
+
+def _peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
