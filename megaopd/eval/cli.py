@@ -1,7 +1,12 @@
 """`megaopd eval`: benchmark table of a checkpoint.
 
     megaopd eval --ckpt HF_OR_MEGATRON_DIR --benchmarks math500,minerva,olympiadbench,amc,aime24,aime25 \\
-        [--samples K] [--temperature 0.6] [--max-new-tokens N] [--limit N] [--out DIR]
+        [--engines URL[,URL...]] [--samples K] [--temperature 0.6] [--max-new-tokens N] [--limit N] [--out DIR]
+
+--engines: generate on running SGLang servers (or `megaopd serve`) serving the checkpoint, through the
+trainer's EnginePool (megaopd.eval.engines); only the tokenizer is read from --ckpt, no model is loaded
+here. Without it, the embedded engine below. Scoring, tables and files are the same either way, and a
+killed evaluation started again with the same --out generates only what generations.jsonl lacks.
 
 --ckpt: a Hugging Face folder (config.json + weights + tokenizer) runs on the embedded engine
 (megaopd.rollout.embedded); a megaopd Megatron checkpoint (megaopd_checkpoint.json) is first exported to
@@ -56,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=d.temperature)
     ap.add_argument("--top-p", type=float, default=d.top_p)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per generate call")
+    ap.add_argument("--engines", default=None, metavar="URL[,URL...]",
+                    help="evaluate on these running SGLang / megaopd serve servers instead of the embedded engine")
+    ap.add_argument("--engine-timeout", type=float, default=3600.0,
+                    help="seconds one /generate request to one server may take (with --engines)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help=f"sequences per generate call (default {d.batch_size}; with --engines 256 per server)")
     ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--dtype", default="float32", help="embedded engine dtype (bfloat16 on GPU)")
@@ -76,6 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megaopd eval: --ckpt {ckpt} is not a folder", file=sys.stderr)
         return 2
     out_dir = args.out or os.path.join(ckpt, "eval")
+    urls: list[str] = []
+    if args.engines is not None:
+        from megaopd.eval.engines import parse_urls
+
+        try:
+            urls = parse_urls(args.engines)
+        except ValueError as e:
+            print(f"megaopd eval: {e}", file=sys.stderr)
+            return 2
+    if args.batch_size is None:
+        # Servers batch internally: give each a few hundred sequences per call so none waits on the others.
+        args.batch_size = 256 * len(urls) if urls else EvalConfig().batch_size
     cfg = EvalConfig(
         samples=args.samples, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, limit=args.limit, seed=args.seed, use_chat_template=not args.no_chat_template,
@@ -90,26 +112,41 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from megaopd.models.checkpoint import is_megatron_checkpoint
+    from megaopd.models.hf_io import load_tokenizer
 
-    # A megaopd Megatron checkpoint (training checkpoints RUN/checkpoints/step_N are ones too) also holds
-    # config.json (its HF side files): test for it first.
+    label = args.label or os.path.basename(ckpt)
     with contextlib.ExitStack() as cleanup:
-        if is_megatron_checkpoint(ckpt):
-            os.makedirs(out_dir, exist_ok=True)
-            export_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="hf_export_", dir=out_dir))
-            hf_dir = export_megatron_to_hf(ckpt, os.path.join(export_dir, "hf"))
-        elif is_hf_dir(ckpt):
-            hf_dir = ckpt
-        else:
-            print(f"megaopd eval: {ckpt} is neither an HF folder (config.json) nor a megaopd Megatron "
-                  f"checkpoint (megaopd_checkpoint.json)", file=sys.stderr)
-            return 2
-        from megaopd.models.hf_io import load_tokenizer
+        if urls:
+            # The servers hold the model; only the tokenizer is read here (an HF folder, or the HF side
+            # files of a Megatron checkpoint).
+            from megaopd.eval.engines import engine_pool
 
-        tokenizer = load_tokenizer(hf_dir)
-        engine = load_engine(hf_dir, args.batch_size, args.dtype)
-        label = args.label or os.path.basename(ckpt)
-        result = evaluate(engine, tokenizer, suites, cfg, out_dir=out_dir, label=label)
+            try:
+                tokenizer = load_tokenizer(ckpt)
+                engine = engine_pool(urls, request_timeout_s=args.engine_timeout)
+            except (FileNotFoundError, RuntimeError) as e:
+                print(f"megaopd eval: {e}", file=sys.stderr)
+                return 2
+        else:
+            # A megaopd Megatron checkpoint (training checkpoints RUN/checkpoints/step_N are ones too) also
+            # holds config.json (its HF side files): test for it first.
+            if is_megatron_checkpoint(ckpt):
+                os.makedirs(out_dir, exist_ok=True)
+                export_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="hf_export_", dir=out_dir))
+                hf_dir = export_megatron_to_hf(ckpt, os.path.join(export_dir, "hf"))
+            elif is_hf_dir(ckpt):
+                hf_dir = ckpt
+            else:
+                print(f"megaopd eval: {ckpt} is neither an HF folder (config.json) nor a megaopd Megatron "
+                      f"checkpoint (megaopd_checkpoint.json)", file=sys.stderr)
+                return 2
+            tokenizer = load_tokenizer(hf_dir)
+            engine = load_engine(hf_dir, args.batch_size, args.dtype)
+        try:
+            result = evaluate(engine, tokenizer, suites, cfg, out_dir=out_dir, label=label)
+        except ValueError as e:  # out_dir holds another evaluation's generations
+            print(f"megaopd eval: {e}", file=sys.stderr)
+            return 2
     print(result.markdown())
     print(f"written: {out_dir}/results.md, results.json, generations.jsonl")
     return 0
