@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="evaluate on these running SGLang / megaopd serve servers instead of the embedded engine")
     ap.add_argument("--engine-timeout", type=float, default=3600.0,
                     help="seconds one /generate request to one server may take (with --engines)")
+    ap.add_argument("--engine-wait", type=float, default=30.0,
+                    help="seconds to wait for every server's /health before giving up (with --engines)")
     ap.add_argument("--batch-size", type=int, default=None,
                     help=f"sequences per generate call (default {d.batch_size}; with --engines 256 per server)")
     ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 tokenizer = load_tokenizer(ckpt)
-                engine = engine_pool(urls, request_timeout_s=args.engine_timeout)
+                engine = engine_pool(urls, request_timeout_s=args.engine_timeout, wait_s=args.engine_wait)
             except (FileNotFoundError, RuntimeError) as e:
                 print(f"megaopd eval: {e}", file=sys.stderr)
                 return 2

@@ -7,6 +7,8 @@ in input order, a failed job retried on another server).
 """
 from __future__ import annotations
 
+import time
+
 from megaopd.rollout.client import HttpEngine, HttpEngineConfig
 from megaopd.rollout.pool import EnginePool, PoolConfig
 
@@ -25,15 +27,20 @@ def parse_urls(spec: str) -> list[str]:
 
 
 def engine_pool(spec: str | list[str], timeout_s: float = 6 * 3600.0, request_timeout_s: float = 3600.0,
-                check_health: bool = True) -> EnginePool:
+                wait_s: float = 30.0) -> EnginePool:
     """An EnginePool over HttpEngines at the URLs. timeout_s bounds one generate call of the pool,
-    request_timeout_s one /generate request to one server (a batch of long responses). With check_health,
-    raises RuntimeError listing the servers that do not answer /health (a typo should cost a second)."""
+    request_timeout_s one /generate request to one server (a batch of long responses). Waits up to wait_s
+    for every server's /health (a server still loading its model answers 503), then raises RuntimeError
+    listing those that do not answer."""
     urls = parse_urls(spec) if isinstance(spec, str) else list(spec)
     engines = [HttpEngine(HttpEngineConfig(url=u, generate_timeout_s=request_timeout_s)) for u in urls]
-    if check_health:
-        down = [e.url for e in engines if not e.health()]
-        if down:
-            raise RuntimeError(f"engine(s) not answering {', '.join(u + '/health' for u in down)}: start them "
-                               "(python -m sglang.launch_server ... or megaopd serve) or fix --engines")
+    deadline = time.monotonic() + wait_s
+    down = [e for e in engines if not e.health()]
+    while down and time.monotonic() < deadline:
+        time.sleep(0.5)
+        down = [e for e in down if not e.health()]
+    if down:
+        raise RuntimeError(f"engine(s) not answering {', '.join(e.url + '/health' for e in down)} after "
+                           f"{wait_s:.0f}s: start them (python -m sglang.launch_server ... or megaopd serve) "
+                           "or fix --engines")
     return EnginePool(engines, PoolConfig(timeout_s=timeout_s))
