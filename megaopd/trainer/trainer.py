@@ -15,6 +15,7 @@ token counts local arithmetic and lets each layout take its own data-parallel ro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -156,7 +157,8 @@ class Trainer:
             self.detector.load_state_dict(state["collapse"])
         if self.rank == 0:
             self.run_log = RunLog(cfg.run.dir, cfg.trainer.max_steps, cfg.logging.tensorboard,
-                                  cfg.logging.progress_bar, start_step=self.step)
+                                  cfg.logging.progress_bar, start_step=self.step, wandb=cfg.logging.wandb,
+                                  config=dataclasses.asdict(cfg))
             if latest is not None:
                 self.run_log.console(f"resumed from {latest} at step {self.step}")
 
@@ -549,6 +551,7 @@ class Trainer:
                            limit=vcfg.max_problems or None, repetition=self.cfg.metrics.repetition),
                 out_dir=os.path.join(self.cfg.run.dir, "eval", f"step_{self.step:06d}"),
                 prompt_fn=lambda problem: render_and_encode(problem, self.cfg.data, self.tokenizer)[1])
+            self.run_log.evaluation(self.step, result)
             box = [{k: v for k, v in result.to_metrics("val").items() if k.count("/") == 1}]
         dist.broadcast_object_list(box, src=0)
         return box[0]
