@@ -49,6 +49,22 @@ def load_engine(hf_dir: str, max_batch_size: int = 64, dtype: str = "float32"):
     return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=max_batch_size, dtype=dtype, load_tokenizer=False))
 
 
+def parse_samples(spec: str | None) -> tuple[int | None, dict[str, int]]:
+    """--samples: "K" -> (K, {}); "amc=32,aime24=16" -> (None, {"amc": 32, "aime24": 16})."""
+    if spec is None:
+        return None, {}
+    try:
+        if "=" not in spec:
+            return int(spec), {}
+        pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+        out = {name.strip(): int(k) for name, k in pairs}
+    except ValueError:
+        raise ValueError(f"--samples {spec!r}: write K (every benchmark) or NAME=K,NAME=K") from None
+    if any(k < 1 for k in out.values()):
+        raise ValueError(f"--samples {spec!r}: every count must be at least 1")
+    return None, out
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = EvalConfig()
     ap = argparse.ArgumentParser(prog="megaopd eval", description="Benchmark table of a checkpoint (math-verify scoring).")
@@ -56,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--benchmarks", default=",".join(BENCHMARKS),
                     help=f"comma-separated names ({', '.join(BENCHMARKS)}) or .jsonl paths")
     ap.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="folder of <name>.jsonl benchmark files")
-    ap.add_argument("--samples", type=int, default=None,
-                    help="samples per problem for every benchmark (default: pass@1 / avg@32 as in the paper)")
+    ap.add_argument("--samples", default=None,
+                    help="samples per problem: K for every benchmark, or NAME=K,... per benchmark (the others "
+                         "keep their default); default: pass@1 / avg@32 as in the paper")
     ap.add_argument("--temperature", type=float, default=d.temperature)
     ap.add_argument("--top-p", type=float, default=d.top_p)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -100,8 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_size is None:
         # Servers batch internally: give each a few hundred sequences per call so none waits on the others.
         args.batch_size = 256 * len(urls) if urls else EvalConfig().batch_size
+    try:
+        every, per_bench = parse_samples(args.samples)
+    except ValueError as e:
+        print(f"megaopd eval: {e}", file=sys.stderr)
+        return 2
     cfg = EvalConfig(
-        samples=args.samples, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+        samples=every, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, limit=args.limit, seed=args.seed, use_chat_template=not args.no_chat_template,
         repetition=RepetitionConfig(window_chars=args.repetition_window),
     )
@@ -109,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     try:
         suites = resolve_benchmarks(names, args.data_dir, cfg.samples)
+        unknown = set(per_bench) - {b.name for b in suites}
+        if unknown:
+            raise ValueError(f"--samples names {sorted(unknown)}, which --benchmarks does not evaluate")
+        for b in suites:
+            b.samples = per_bench.get(b.name, b.samples)
     except (ValueError, FileNotFoundError) as e:
         print(f"megaopd eval: {e}", file=sys.stderr)
         return 2
