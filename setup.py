@@ -27,7 +27,10 @@ setup(
     extras_require={
         # apex is built from source on clusters (see README, "GPU clusters"); it has no wheel.
         "gpu": ["transformer-engine[pytorch]", "sglang[all]", "sglang-router"],
-        "dev": ["pytest>=8", "pytest-timeout"],
+        # Weights & Biases logging (logging.wandb): a 20 MB wheel that pulls no torch. 0.31 is the
+        # version tested (the tests read runs back with its `wandb leet inspect`).
+        "wandb": ["wandb>=0.31"],
+        "dev": ["pytest>=8", "pytest-timeout", "wandb>=0.31"],
     },
     entry_points={"console_scripts": ["megaopd=megaopd.cli:main"]},
 )

@@ -269,7 +269,8 @@ start_engines() {
   require_path "$1" "the student's Hugging Face directory, which the rollout engines load; set $1=/path/to/hf (or MODELS_DIR)"
   local hf_dir="${!1}" engine_tp="${ENGINE_TP:-${STUDENT_ENGINE_TP:-1}}" backend="${ENGINE_BACKEND:-sglang}"
   local port0="${ENGINE_PORT:-30000}" colocated=1 per_node node i port
-  if (( ENGINE_NODES > 0 )); then colocated=0; fi
+  # ENGINE_COLOCATED=0: the engines have their GPUs to themselves though they share nodes (evaluation).
+  if (( ENGINE_NODES > 0 )) || [[ ${ENGINE_COLOCATED:-1} == 0 ]]; then colocated=0; fi
   local gpus="$GPUS_PER_NODE"
   if [[ $backend == sglang ]]; then
     (( gpus > 0 )) || die "SGLang engines need GPUs and this job has none: request --gpus-per-node, or set ENGINE_BACKEND=megaopd (CPU), or ROLLOUT_ENGINE=embedded"

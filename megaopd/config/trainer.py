@@ -1,7 +1,7 @@
 """Configs of the step loop: optimizer and schedule, step counts and intervals, logging, the run folder."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -65,6 +65,28 @@ class TrainerConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases beside TensorBoard: step metrics, collapse events, sample tables, evaluation tables."""
+
+    project: str | None = None
+    """W&B project; None (the default) logs nothing to W&B."""
+    name: str | None = None
+    """Run name shown in W&B (default: the run folder's name). A resumed run continues the same W&B run
+    (its id is kept in RUN/wandb_run_id)."""
+    mode: str = "online"
+    """online | offline (writes RUN/wandb/offline-run-*, no network; upload later with `wandb sync`, as
+    compute nodes usually have no internet) | disabled."""
+
+    def __post_init__(self):
+        if self.mode not in ("online", "offline", "disabled"):
+            raise ValueError(f"logging.wandb.mode={self.mode!r}: choose online, offline (no network) or disabled")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.project) and self.mode != "disabled"
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard events to RUN/tb."""
@@ -72,6 +94,8 @@ class LoggingConfig:
     """Generations written to RUN/samples/step_N.jsonl each step."""
     progress_bar: str = "auto"
     """auto (when attached to a terminal) | on | off."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases: {project, name, mode}; off unless project is set (pip install 'megaopd[wandb]')."""
 
 
 @dataclass

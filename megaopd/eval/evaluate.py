@@ -14,7 +14,9 @@ The same function serves `megaopd eval` (full suites, results table) and the tra
     result = evaluate(engine, tokenizer, ["math500", "aime24"], EvalConfig(temperature=0.6), out_dir="eval/")
     print(result.markdown())
 
-Files written to out_dir: generations.jsonl (every sample with its verdict), results.json, results.md.
+Files written to out_dir: generations.jsonl (every sample with its verdict, appended as samples complete;
+a killed evaluation started again into the same out_dir generates only the missing samples and gives the
+same table: megaopd.eval.generations), generation_config.json, results.json, results.md.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 from megaopd.eval.benchmarks import Benchmark, resolve_benchmarks
+from megaopd.eval.generations import GenerationRecord, GenerationStore
 from megaopd.eval.prompt import prompt_ids
 from megaopd.metrics.reward import RewardConfig, last_boxed, math_verify_reward
 from megaopd.metrics.rollout import RepetitionConfig, is_repetitive
@@ -47,12 +50,13 @@ class EvalConfig:
     """Token budget per response (ours; long-CoT evaluations use 8k-32k); a response that uses it all counts
     as truncated (and usually wrong)."""
     batch_size: int = 64
-    """Most sequences (prompts x samples) per engine.generate call; at least one prompt per call."""
+    """Most sequences (problem x sample pairs) per engine.generate call (an EnginePool spreads each call
+    over its engines, so give it several engines' worth); does not change any sample."""
     limit: int | None = None
     """Evaluate only the first `limit` problems of each benchmark (the trainer's validation subset)."""
     seed: int = 0
-    """Sampling seed; the engine derives one stream per (problem index, sample), so a rerun repeats the
-    same samples whatever batch_size is."""
+    """Sampling seed; sample j of problem i draws from derive_seed(seed, i * k + j, 0), so a rerun (or a
+    resumed run, or another engine with the same sampler) repeats the same samples whatever batch_size is."""
     use_chat_template: bool = True
     """Wrap the prompt in the tokenizer's chat template when it has one."""
     repetition: RepetitionConfig = field(default_factory=RepetitionConfig)
@@ -178,27 +182,27 @@ def evaluate(
     prompt_fn: Callable[[str], list[int]] | None = None,
 ) -> EvalResult:
     """Generates cfg.samples (or each benchmark's default) responses per problem with `engine`, scores
-    them, and returns an EvalResult; with out_dir, also writes generations.jsonl, results.json and
-    results.md there. `benchmarks`: registered names, .jsonl paths or Benchmark objects. prompt_fn(problem)
-    -> prompt ids overrides the default rendering (the trainer passes its data config's, so validation
-    prompts match the rollouts')."""
+    them, and returns an EvalResult; with out_dir, also writes generations.jsonl (appended as samples
+    complete), results.json and results.md there, and a restart into the same out_dir generates only
+    the samples generations.jsonl lacks. `engine`: any Engine (the embedded engine, an HttpEngine, an
+    EnginePool over servers): the seeds make every sample independent of the engine and batching.
+    `benchmarks`: registered names, .jsonl paths or Benchmark objects. prompt_fn(problem) -> prompt ids
+    overrides the default rendering (the trainer passes its data config's, so validation prompts match
+    the rollouts')."""
     cfg = cfg or EvalConfig()
     if prompt_fn is None:
         prompt_fn = lambda problem: prompt_ids(tokenizer, problem, cfg.use_chat_template)  # noqa: E731
     suites = resolve_benchmarks(benchmarks, data_dir, cfg.samples)
-    gen_file = None
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        gen_file = open(os.path.join(out_dir, "generations.jsonl"), "w", encoding="utf-8")
+    store = GenerationStore(out_dir, _generation_settings(cfg)) if out_dir else None
     results = []
     try:
         for bench in suites:
-            results.append(_evaluate_one(engine, tokenizer, bench, cfg, gen_file, prompt_fn))
+            results.append(_evaluate_one(engine, tokenizer, bench, cfg, store, prompt_fn))
             r = results[-1]
             log.info("%s: %s %.1f%% (%d x %d, %.0fs)", r.display, r.metric, 100 * r.accuracy, r.n_problems, r.samples, r.seconds)
     finally:
-        if gen_file:
-            gen_file.close()
+        if store:
+            store.close()
     result = EvalResult(results, label, config=_config_dict(cfg))
     if out_dir:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
@@ -212,49 +216,75 @@ def _config_dict(cfg: EvalConfig) -> dict[str, Any]:
     return asdict(cfg)
 
 
-def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, gen_file, prompt_fn) -> BenchmarkResult:
+def _generation_settings(cfg: EvalConfig) -> dict[str, Any]:
+    """What decides a sample (a resumed evaluation must match them); batch_size and limit do not."""
+    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+            "seed": cfg.seed, "use_chat_template": cfg.use_chat_template}
+
+
+def _runs(units: list[int], size: int) -> Iterable[list[int]]:
+    """Consecutive stretches of `units` (sorted), cut at gaps and at `size`: one engine call each, since
+    a call's seeds are derive_seed(seed, first_prompt_index + i, 0) over consecutive indices."""
+    run: list[int] = []
+    for u in units:
+        if run and (u != run[-1] + 1 or len(run) == size):
+            yield run
+            run = []
+        run.append(u)
+    if run:
+        yield run
+
+
+def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, store: GenerationStore | None,
+                  prompt_fn) -> BenchmarkResult:
+    """Sample j of problem i is unit u = i * k + j, generated as its own sequence (n=1) with the seed
+    derive_seed(cfg.seed, u, 0): the same whatever the batching, the engine, or what a resume skips."""
     started = time.perf_counter()
     problems = bench.problems[: cfg.limit] if cfg.limit else bench.problems
     k = bench.samples
-    per_call = max(1, cfg.batch_size // k)
-    correct: list[list[float]] = []
-    n_trunc = n_rep = n_tokens = n_gen = 0
-    stop_ids = _eos_ids(tokenizer)
-    for start in range(0, len(problems), per_call):
-        chunk = problems[start : start + per_call]
-        prompts = [prompt_fn(p.problem) for p in chunk]
-        params = SamplingParams(
-            temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-            stop_token_ids=stop_ids, n=k, seed=cfg.seed,
-        )
-        samples = engine.generate(prompts, params, first_prompt_index=start)
-        if len(samples) != len(chunk) * k:
-            raise RuntimeError(f"engine returned {len(samples)} samples for {len(chunk)} prompts x n={k}")
-        for i, prob in enumerate(chunk):
-            verdicts = []
-            for j in range(k):
-                s = samples[i * k + j]  # prompt-major (Engine protocol)
-                text = tokenizer.decode(s.output_ids, skip_special_tokens=True)
-                score = math_verify_reward(text, prob.answer, cfg.reward)
-                repetitive = is_repetitive(text, cfg.repetition)
-                verdicts.append(score)
-                n_trunc += s.finish_reason == "length"
-                n_rep += repetitive
-                n_tokens += len(s.output_ids)
-                n_gen += 1
-                if gen_file:
-                    gen_file.write(json.dumps({
-                        "benchmark": bench.name, "id": prob.id, "sample": j, "problem": prob.problem,
-                        "answer": prob.answer, "response": text, "extracted": last_boxed(text),
-                        "correct": bool(score), "finish_reason": s.finish_reason,
-                        "response_tokens": len(s.output_ids), "repetitive": repetitive,
-                    }, ensure_ascii=False) + "\n")
-            correct.append(verdicts)
-        if gen_file:
-            gen_file.flush()
+    done = dict(store.done(bench.name)) if store else {}
+    for (i, j), rec in done.items():
+        if i < len(problems) and (rec.id != problems[i].id or rec.samples != k):
+            raise ValueError(
+                f"{store.path}: the record of {bench.name} problem {i} sample {j} (id {rec.id!r}, {rec.samples} "
+                f"samples per problem) does not match this evaluation (id {problems[i].id!r}, {k} samples): "
+                "evaluate into another --out folder, or delete the file to start over")
+    pending = [u for u in range(len(problems) * k) if (u // k, u % k) not in done]
+    if done and pending:
+        log.info("%s: %d of %d samples already in %s, generating %d", bench.display,
+                 len(problems) * k - len(pending), len(problems) * k, store.path, len(pending))
+    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                            stop_token_ids=_eos_ids(tokenizer), n=1, seed=cfg.seed)
+    prompts: dict[int, list[int]] = {}
+    for run in _runs(pending, cfg.batch_size):
+        for u in run:
+            if u // k not in prompts:
+                prompts[u // k] = prompt_fn(problems[u // k].problem)
+        samples = engine.generate([prompts[u // k] for u in run], params, first_prompt_index=run[0])
+        if len(samples) != len(run):
+            raise RuntimeError(f"engine returned {len(samples)} samples for {len(run)} prompts x n=1")
+        records = [_score(bench, problems, u // k, u % k, k, s, tokenizer, cfg) for u, s in zip(run, samples)]
+        for rec in records:
+            done[(rec.index, rec.sample)] = rec
+        if store:
+            store.append(records)
+    ordered = [done[(i, j)] for i in range(len(problems)) for j in range(k)]
+    correct = [[float(r.correct) for r in ordered[i * k:(i + 1) * k]] for i in range(len(problems))]
+    n_gen = len(ordered)
     return BenchmarkResult(
         name=bench.name, display=bench.display, metric=bench.metric_name, n_problems=len(problems), samples=k,
         accuracy=mean_at_k(correct), pass_at_k=any_at_k(correct),
-        truncation_rate=n_trunc / n_gen if n_gen else 0.0, repetition_rate=n_rep / n_gen if n_gen else 0.0,
-        response_tokens_mean=n_tokens / n_gen if n_gen else 0.0, seconds=time.perf_counter() - started,
+        truncation_rate=sum(r.finish_reason == "length" for r in ordered) / n_gen if n_gen else 0.0,
+        repetition_rate=sum(r.repetitive for r in ordered) / n_gen if n_gen else 0.0,
+        response_tokens_mean=sum(r.response_tokens for r in ordered) / n_gen if n_gen else 0.0,
+        seconds=time.perf_counter() - started,
     )
+
+
+def _score(bench: Benchmark, problems, i: int, j: int, k: int, s, tokenizer, cfg: EvalConfig) -> GenerationRecord:
+    prob = problems[i]
+    text = tokenizer.decode(s.output_ids, skip_special_tokens=True)
+    return GenerationRecord(
+        benchmark=bench.name, index=i, id=prob.id, sample=j, samples=k, problem=prob.problem, answer=prob.answer,
+        response=text, extracted=last_boxed(text), correct=bool(math_verify_reward(text, prob.answer, cfg.reward)),
+        finish_reason=s.finish_reason, response_tokens=len(s.output_ids), repetitive=is_repetitive(text, cfg.repetition))

@@ -1,9 +1,18 @@
-"""What a run writes as it goes: RUN/metrics.jsonl, RUN/tb (TensorBoard), RUN/samples/, the console.
+"""What a run writes as it goes: RUN/metrics.jsonl, RUN/tb (TensorBoard), Weights & Biases, RUN/samples/,
+the console.
 
 Only the logging rank (0) creates a RunLog. Each step: one JSON object {"step": N, key: value, ...} in
 metrics.jsonl (appended and flushed, so a killed run loses nothing already logged), the same scalars in
-TensorBoard, one console line, and a progress bar when attached to a terminal. Events (collapse
-warnings, checkpoints) go to metrics.jsonl as {"step": N, "event": NAME, ...} records.
+TensorBoard and W&B, one console line, and a progress bar when attached to a terminal. Events (collapse
+warnings, checkpoints) go to metrics.jsonl as {"step": N, "event": NAME, ...} records and to W&B as an
+"events" table (plus event/<name> = 1 at that step). Sample rows go to RUN/samples/step_N.jsonl and a W&B
+"samples" table; evaluation results (evaluation()) to an "eval/table" with a row per evaluated step.
+
+W&B (logging.wandb, off unless project is set): the run folder's RUN/wandb/ holds W&B's own files
+(mode offline: an offline-run-* folder to `wandb sync` later). Every record carries the trainer step as
+the "step" metric, the x-axis of every chart, rather than W&B's internal step: a run resumed from an
+earlier checkpoint logs steps again and W&B would drop them. The W&B run id is kept in
+RUN/wandb_run_id, so a resumed run continues the same W&B run.
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import math
 import os
 import sys
 import time
+import uuid
 
 # The keys of the console line, in order, with their short labels.
 _CONSOLE_KEYS = [
@@ -28,9 +38,68 @@ def _scalar(v):
     return v
 
 
+class WandbSink:
+    """The W&B side of a RunLog (imported only when configured)."""
+
+    def __init__(self, run_dir: str, cfg, config: dict | None = None):
+        try:
+            import wandb
+        except ImportError as e:
+            raise RuntimeError("logging.wandb.project is set but wandb is not installed: pip install "
+                               "'megaopd[wandb]' (or set logging.wandb.mode=disabled)") from e
+        self._wandb = wandb
+        id_file = os.path.join(run_dir, "wandb_run_id")
+        run_id = open(id_file).read().strip() if os.path.exists(id_file) else uuid.uuid4().hex[:12]
+        with open(id_file, "w") as f:
+            f.write(run_id + "\n")
+        # console="off": W&B would otherwise wrap this process's stdout/stderr (the console lines are
+        # already in metrics.jsonl); no system-metrics sampler thread beside the training loop.
+        self.run = wandb.init(project=cfg.project, name=cfg.name or os.path.basename(os.path.abspath(run_dir)),
+                              mode=cfg.mode, dir=run_dir, id=run_id, resume="allow", config=config,
+                              settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self._events: list[list] = []
+        self._eval_rows: list[list] = []
+        self._eval_columns: list[str] | None = None
+
+    def log(self, step: int, values: dict) -> None:
+        self.run.log({**values, "step": step})
+
+    def event(self, step: int, name: str, message: str) -> None:
+        self._events.append([step, name, message])
+        # W&B tables are immutable once logged: log the whole table again with the new row.
+        self.log(step, {f"event/{name}": 1, "events": self._wandb.Table(columns=["step", "event", "message"],
+                                                                          data=[list(r) for r in self._events])})
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        if not rows:
+            return
+        columns = list(rows[0])
+        data = [[_table_cell(r.get(c)) for c in columns] for r in rows]
+        self.log(step, {"samples": self._wandb.Table(columns=["step", *columns], data=[[step, *d] for d in data])})
+
+    def evaluation(self, step: int, columns: list[str], row: list) -> None:
+        if self._eval_columns != columns:  # other benchmarks than before: start the table again
+            self._eval_columns, self._eval_rows = columns, []
+        self._eval_rows.append([step, *row])
+        self.log(step, {"eval/table": self._wandb.Table(columns=["step", *columns],
+                                                         data=[list(r) for r in self._eval_rows])})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _table_cell(v):
+    v = _scalar(v)
+    return v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+
+
 class RunLog:
     def __init__(self, run_dir: str, max_steps: int, tensorboard: bool = True, progress_bar: str = "auto",
-                 start_step: int = 0):
+                 start_step: int = 0, wandb=None, config: dict | None = None):
+        """wandb: a config.trainer.WandbConfig (logging.wandb; None or no project: no W&B); config: the
+        run's resolved config as a plain dict, shown in W&B's config panel."""
         self.run_dir = run_dir
         os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -45,17 +114,23 @@ class RunLog:
             from tqdm import tqdm
 
             self._bar = tqdm(total=max_steps, initial=start_step, desc="megaopd", unit="step")
+        self._wandb = WandbSink(run_dir, wandb, config) if wandb is not None and wandb.enabled else None
 
     def log_step(self, step: int, metrics: dict) -> None:
         record = {"step": step, "time": time.time()}
+        scalars = {}
         for k, v in metrics.items():
             v = _scalar(v)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                scalars[k] = v  # W&B takes inf/nan as they are
             if isinstance(v, float) and not math.isfinite(v):
                 v = None if math.isnan(v) else (1e308 if v > 0 else -1e308)
             record[k] = v
             if self._tb is not None and isinstance(v, (int, float)) and not isinstance(v, bool):
                 self._tb.add_scalar(k, v, step)
         self._write(record)
+        if self._wandb is not None:
+            self._wandb.log(step, scalars)
         line = " ".join(f"{label}={_fmt(record[k])}" for k, label in _CONSOLE_KEYS if record.get(k) is not None)
         self.console(f"step {step} {line}")
         if self._bar is not None:
@@ -64,12 +139,26 @@ class RunLog:
     def event(self, step: int, name: str, message: str, loud: bool = False, **fields) -> None:
         """A notable event, recorded in metrics.jsonl; `loud` ones (collapse warnings) stand out on the console."""
         self._write({"step": step, "event": name, "message": message, **fields})
+        if self._wandb is not None:
+            self._wandb.event(step, name, message)
         self.console(f"{'!!! WARNING ' if loud else ''}step {step} {name}: {message}")
 
     def samples(self, step: int, rows: list[dict]) -> None:
         with open(os.path.join(self.run_dir, "samples", f"step_{step:06d}.jsonl"), "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.samples(step, rows)
+
+    def evaluation(self, step: int, result) -> None:
+        """An evaluation's table (megaopd.eval.EvalResult: the benchmark columns and Avg, in percent), as a
+        row of W&B's "eval/table" and as TensorBoard text; its scalars go through log_step as usual."""
+        columns = ["model", *[b.display for b in result.benchmarks], "Avg"]
+        row = [result.label, *[round(100 * b.accuracy, 1) for b in result.benchmarks], round(100 * result.average, 1)]
+        if self._tb is not None:
+            self._tb.add_text("eval/table", result.markdown(), step)
+        if self._wandb is not None:
+            self._wandb.evaluation(step, columns, row)
 
     def console(self, line: str) -> None:
         if self._bar is not None:
@@ -87,6 +176,9 @@ class RunLog:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def _fmt(v) -> str:

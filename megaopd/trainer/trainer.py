@@ -16,6 +16,7 @@ then local arithmetic and each layout takes its own data-parallel rows.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -108,7 +109,8 @@ class Trainer:
             self.detector.load_state_dict(state["collapse"])
         if self.rank == 0:
             self.run_log = RunLog(cfg.run.dir, cfg.trainer.max_steps, cfg.logging.tensorboard,
-                                  cfg.logging.progress_bar, start_step=self.step)
+                                  cfg.logging.progress_bar, start_step=self.step, wandb=cfg.logging.wandb,
+                                  config=dataclasses.asdict(cfg))
             if latest is not None:
                 self.run_log.console(f"resumed from {latest} at step {self.step}")
 
@@ -302,7 +304,7 @@ class Trainer:
     def _validate(self) -> dict:
         if self.cfg.validation.path and not self.needs.on_policy:
             self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
-        return validate(self.engine, self.tokenizer, self.cfg, self.step)
+        return validate(self.engine, self.tokenizer, self.cfg, self.step, self.run_log)
 
     def _log(self, metrics: dict) -> None:
         self._last_metrics = metrics

@@ -10,15 +10,15 @@ from megaopd.config.schema import MegaOPDConfig
 from megaopd.parallel.dist import rank0_computes
 
 
-def validate(engine, tokenizer, cfg: MegaOPDConfig, step: int) -> dict[str, float]:
+def validate(engine, tokenizer, cfg: MegaOPDConfig, step: int, run_log=None) -> dict[str, float]:
     """val/accuracy, val/truncation_rate, ... of the configured validation file (empty without one).
-    Collective; `engine` is used on rank 0 only."""
+    Collective; `engine` and `run_log` (which records the evaluation table) are used on rank 0 only."""
     if not cfg.validation.path:
         return {}
-    return rank0_computes(_evaluate, engine, tokenizer, cfg, step)
+    return rank0_computes(_evaluate, engine, tokenizer, cfg, step, run_log)
 
 
-def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int) -> dict[str, float]:
+def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, run_log) -> dict[str, float]:
     from megaopd.data.templates import render_and_encode
     from megaopd.eval.benchmarks import load_benchmark_file
     from megaopd.eval.evaluate import EvalConfig, evaluate
@@ -31,4 +31,6 @@ def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int) -> dict[str, flo
                    limit=vcfg.max_problems or None, repetition=cfg.metrics.repetition),
         out_dir=os.path.join(cfg.run.dir, "eval", f"step_{step:06d}"),
         prompt_fn=lambda problem: render_and_encode(problem, cfg.data, tokenizer)[1])
+    if run_log is not None:
+        run_log.evaluation(step, result)
     return {k: v for k, v in result.to_metrics("val").items() if k.count("/") == 1}

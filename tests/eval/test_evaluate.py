@@ -49,9 +49,9 @@ def test_scripted_avg_at_k_rates_and_files(tok, tmp_path):
     assert (m.metric, m.accuracy, m.pass_at_k) == ("avg@4", pytest.approx((0.75 + 0.5) / 2), 1.0)
     assert m.truncation_rate == pytest.approx(2 / 8) and m.repetition_rate == pytest.approx(1 / 8)
     assert res.average == pytest.approx((0.5 + 0.625) / 2)
-    # batch_size counts sequences: 4 // 1 = 4 prompts (both) for "half", 4 // 4 = 1 prompt per call for "many".
+    # batch_size counts sequences, one per (problem, sample) unit u = i * k + j, whose index is first + position.
     assert [(n, p.n, p.temperature, p.seed, first) for n, p, first in eng.calls] == [
-        (2, 1, 0.6, 0, 0), (1, 4, 0.6, 0, 0), (1, 4, 0.6, 0, 1)]
+        (2, 1, 0.6, 0, 0), (4, 1, 0.6, 0, 0), (4, 1, 0.6, 0, 4)]
     assert eng.calls[0][1].stop_token_ids == [tok.eos_token_id]
     metrics = res.to_metrics("val")
     assert metrics["val/accuracy"] == pytest.approx(0.5625)

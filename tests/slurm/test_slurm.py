@@ -239,13 +239,14 @@ def test_dry_run_other_scripts(script, inputs):
         assert "loss.name=sft" in node1 and "rollout.engine=embedded" in node1 and "sglang" not in r.stdout
         assert len(torchrun_lines(r.stdout, "node2")) == 1
     elif script == "eval_7b.sh":
-        # An empty CKPT is no HF folder: exported once, then one single-GPU step per benchmark.
+        # An empty CKPT is no HF folder: exported once, then one SGLang server per GPU of the first node and
+        # one `megaopd eval --engines` over them for all six benchmarks (tests/eval/test_eval_slurm.py).
         assert "convert_megatron_to_hf.py" in node1
-        steps = [x for x in lines_on(r.stdout, "batch") if " megaopd.cli eval " in x]
-        samples = {flag(x, "--benchmarks"): flag(x, "--samples") for x in steps}
-        assert samples == {"math500": "1", "minerva": "1", "olympiadbench": "1", "amc": "32", "aime24": "32",
-                           "aime25": "32"}
-        assert all("--gpus-per-task=1" in x for x in steps)
+        (step,) = [x for x in lines_on(r.stdout, "batch") if " megaopd.cli eval " in x]
+        assert flag(step, "--samples") == "math500=1,minerva=1,olympiadbench=1,amc=32,aime24=32,aime25=32"
+        # One server per GPU on every node of the allocation (2 nodes x 4 GPUs).
+        assert len(sglang_lines(r.stdout, "node1")) == len(sglang_lines(r.stdout, "node2")) == 4
+        assert len(flag(step, "--engines").split(",")) == 8
     else:
         assert f"--out {inputs['CKPT_ROOT']}/Qwen2.5-Math-7B-tp2-pp1 --tp 2 --pp 1" in node1
         assert f"--out {inputs['CKPT_ROOT']}/OpenThinker3-7B-tp2-pp1" in node1
