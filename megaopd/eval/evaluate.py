@@ -60,6 +60,9 @@ class EvalConfig:
     use_chat_template: bool = True
     """Wrap the prompt in the tokenizer's chat template when it has one."""
     repetition: RepetitionConfig = field(default_factory=RepetitionConfig)
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Ids that end a response (the trainer passes its rollouts' turn end + EOS); empty = the stop ids of the
+    prompt template this evaluation renders (megaopd.data.special_tokens), which always include the EOS."""
     reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self):
@@ -171,6 +174,16 @@ def _eos_ids(tokenizer) -> list[int]:
     return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]
 
 
+def _stop_ids(tokenizer, cfg: EvalConfig) -> list[int]:
+    """The EOS and the template's turn end: a base model's EOS (<|endoftext|>) is not where its chat turn
+    ends (<|im_end|>), and a response that runs on to the budget would count as truncated."""
+    from megaopd.data.special_tokens import rollout_stop_ids
+    from megaopd.eval.prompt import _data_config
+
+    stop = cfg.stop_token_ids or rollout_stop_ids(_data_config(tokenizer, cfg.use_chat_template), tokenizer)
+    return list(dict.fromkeys(list(stop) + _eos_ids(tokenizer)))
+
+
 def evaluate(
     engine: Engine,
     tokenizer,
@@ -254,7 +267,7 @@ def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, 
         log.info("%s: %d of %d samples already in %s, generating %d", bench.display,
                  len(problems) * k - len(pending), len(problems) * k, store.path, len(pending))
     params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                            stop_token_ids=_eos_ids(tokenizer), n=1, seed=cfg.seed)
+                            stop_token_ids=_stop_ids(tokenizer, cfg), n=1, seed=cfg.seed)
     prompts: dict[int, list[int]] = {}
     for run in _runs(pending, cfg.batch_size):
         for u in run:

@@ -304,7 +304,7 @@ class Trainer:
     def _validate(self) -> dict:
         if self.cfg.validation.path and not self.needs.on_policy:
             self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
-        return validate(self.engine, self.tokenizer, self.cfg, self.step, self.run_log)
+        return validate(self.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
 
     def _log(self, metrics: dict) -> None:
         self._last_metrics = metrics

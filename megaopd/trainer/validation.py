@@ -10,15 +10,16 @@ from megaopd.config.schema import MegaOPDConfig
 from megaopd.parallel.dist import rank0_computes
 
 
-def validate(engine, tokenizer, cfg: MegaOPDConfig, step: int, run_log=None) -> dict[str, float]:
+def validate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[int], run_log=None) -> dict[str, float]:
     """val/accuracy, val/truncation_rate, ... of the configured validation file (empty without one).
-    Collective; `engine` and `run_log` (which records the evaluation table) are used on rank 0 only."""
+    Generations stop where rollouts do (stop_ids). Collective; `engine` and `run_log` (which records the
+    evaluation table) are used on rank 0 only."""
     if not cfg.validation.path:
         return {}
-    return rank0_computes(_evaluate, engine, tokenizer, cfg, step, run_log)
+    return rank0_computes(_evaluate, engine, tokenizer, cfg, step, stop_ids, run_log)
 
 
-def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, run_log) -> dict[str, float]:
+def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[int], run_log) -> dict[str, float]:
     from megaopd.data.templates import render_and_encode
     from megaopd.eval.benchmarks import load_benchmark_file
     from megaopd.eval.evaluate import EvalConfig, evaluate
@@ -28,7 +29,7 @@ def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, run_log) -> dict
     result = evaluate(
         engine, tokenizer, [bench],
         EvalConfig(samples=vcfg.samples, temperature=vcfg.temperature, max_new_tokens=vcfg.max_new_tokens,
-                   limit=vcfg.max_problems or None, repetition=cfg.metrics.repetition),
+                   limit=vcfg.max_problems or None, repetition=cfg.metrics.repetition, stop_token_ids=stop_ids),
         out_dir=os.path.join(cfg.run.dir, "eval", f"step_{step:06d}"),
         prompt_fn=lambda problem: render_and_encode(problem, cfg.data, tokenizer)[1])
     if run_log is not None:
