@@ -18,6 +18,11 @@ Vp = V padded to a multiple of 128 * TP):
   mlp.linear_fc1.weight [2F/tp, H] = [gate rows of this rank; up rows of this rank] <- gate_proj, up_proj
   mlp.linear_fc2.weight [H, F/tp]  <- down_proj, columns split (row-parallel)
   input_layernorm.weight / pre_mlp_layernorm.weight [H] <- input_layernorm / post_attention_layernorm
+  self_attention.q_layernorm.weight / k_layernorm.weight [d] <- self_attn.q_norm / k_norm (Qwen3), replicated
+  MoE layers (Qwen3-MoE) replace linear_fc1/fc2 by:
+  mlp.router.weight [E, H]  <- mlp.gate.weight, replicated over TP and EP
+  mlp.experts.local_experts.j.linear_fc1 / linear_fc2 <- mlp.experts.(ep_rank * E/ep + j).gate/up/down_proj,
+        each split over TP like the dense MLP; rule.expert marks them (one EP rank holds each)
   (Transformer Engine fuses those norms: self_attention.linear_qkv.layer_norm_weight and
    mlp.linear_fc1.layer_norm_weight; both names are understood, `fused_norms` picks which to produce.)
 Tied embeddings: with PP > 1 the last stage holds its own copy as output_layer.weight (megatron keeps
