@@ -16,14 +16,17 @@ class ModelConfig:
     """Tensor-parallel size: must divide the attention heads and the KV (query) groups."""
     pp: int = 1
     """Pipeline-parallel size: must divide the number of layers."""
+    ep: int = 1
+    """Expert-parallel size (MoE models only, e.g. Qwen3-MoE): splits the routed experts over `ep` of the
+    model's data-parallel ranks; must divide the number of experts and world_size / (tp * pp)."""
     dtype: str = "float32"
     """Parameter dtype: float32 (CPU default), bfloat16 or float16 (GPU)."""
     offload_between_uses: bool = False
     """GPU only: park the weights in CPU memory between forward passes (teacher and reference)."""
 
     def __post_init__(self):
-        if self.tp < 1 or self.pp < 1:
-            raise ValueError(f"tp={self.tp}, pp={self.pp}: parallel sizes must be at least 1")
+        if self.tp < 1 or self.pp < 1 or self.ep < 1:
+            raise ValueError(f"tp={self.tp}, pp={self.pp}, ep={self.ep}: parallel sizes must be at least 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: choose float32, bfloat16 or float16")
 

@@ -55,11 +55,51 @@ class StageInfo:
                    pg_collection.pp.rank(), pg_collection.pp.size())
 
 
+
+def moe_token_dispatcher() -> str:
+    """megatron's MoE token dispatcher: "alltoall" on GPU, "allgather" on CPU.
+
+    "alltoall" sends each token only to the EP ranks holding its experts (the usual choice at EP > 1),
+    but megatron-core 0.16's MoEAlltoAllTokenDispatcher creates a torch.cuda.Stream in its constructor
+    (for the device-to-host copy of the token counts), so it cannot even be built without CUDA.
+    "allgather" all-gathers every token and its routing over the TP x EP group and reduce-scatters
+    the expert outputs back: only all_gather / reduce_scatter, which gloo has, so it runs on CPU.
+    """
+    return "alltoall" if torch.cuda.is_available() else "allgather"
+
+
+def moe_config(cfg: HFModelConfig, ep: int, train_router: bool) -> dict:
+    """TransformerConfig fields of a Qwen3-MoE model: dropless top-k routing, no shared expert.
+
+    HF Qwen3-MoE takes softmax over all experts, keeps the top k and (norm_topk_prob) renormalizes
+    them; megatron's softmax *after* the top-k (moe_router_pre_softmax=False) is the same number.
+    train_router: the load-balancing (auxiliary) loss of the HF config for a trained model; none for
+    a frozen teacher or reference, whose router gets no gradient.
+    """
+    if not cfg.is_moe:
+        return {}
+    aux = train_router and cfg.router_aux_loss_coef > 0
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_router_topk=cfg.moe_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not cfg.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if aux else "none",
+        moe_aux_loss_coeff=cfg.router_aux_loss_coef if aux else 0.0,
+        moe_token_dispatcher_type=moe_token_dispatcher(),
+        moe_grouped_gemm=False,  # SequentialMLP: per-expert linear_fc1/fc2, the names weights.py maps
+        expert_model_parallel_size=ep,
+        # Experts split over TP exactly as the dense MLP (megatron's default expert TP = TP).
+        expert_tensor_parallel_size=None,
+    )
+
+
 def transformer_config(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
                        dtype: str | torch.dtype = torch.float32, init_weights: bool = True,
-                       **overrides) -> TransformerConfig:
-    """The megatron TransformerConfig of an HF Qwen2/Llama decoder at TP=tp, PP=pp."""
-    check_layout(cfg, tp, pp)
+                       ep: int = 1, train_router: bool = True, **overrides) -> TransformerConfig:
+    """The megatron TransformerConfig of an HF Qwen2/Llama/Qwen3/Qwen3-MoE decoder at TP=tp, PP=pp, EP=ep."""
+    check_layout(cfg, tp, pp, ep)
     dt = torch_dtype(dtype)
     kwargs = dict(
         num_layers=cfg.num_layers,
@@ -67,7 +107,8 @@ def transformer_config(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
         ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_key_value_heads,
-        kv_channels=cfg.head_dim,
+        kv_channels=cfg.head_dim,  # Qwen3: head_dim * heads != hidden_size
+        qk_layernorm=cfg.qk_layernorm,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.rms_norm_eps,
         gated_linear_unit=True,  # SwiGLU: linear_fc1 holds [gate; up]
@@ -84,6 +125,7 @@ def transformer_config(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
         fp16=dt == torch.float16,
         # Weights are usually loaded right after building; skipping random init saves time at 7B.
         perform_initialization=init_weights,
+        **moe_config(cfg, ep, train_router),
     )
     if not torch.cuda.is_available():
         kwargs.update(compat.cpu_config_overrides())
@@ -96,7 +138,8 @@ def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
                     pre_process: bool | None = None, post_process: bool | None = None,
                     dtype: str | torch.dtype = torch.float32, use_te: bool | None = None,
                     init_weights: bool = True, parallel_output: bool = True,
-                    config_overrides: dict | None = None) -> GPTModel:
+                    config_overrides: dict | None = None, ep: int = 1,
+                    train_router: bool = True) -> GPTModel:
     """Builds this rank's stage of the model: its PP stage's layers, its TP shard of each weight.
 
     tp/pp must equal the sizes of pg_collection's tp/pp groups (or of parallel_state when None).
@@ -104,16 +147,25 @@ def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
     the forward returns vocab-sharded logits [b, s, padded_vocab / tp]; the padding columns (index >=
     cfg.vocab_size) must be masked by whoever normalizes them (megaopd.models.logprobs does).
     use_te: Transformer Engine layers; default: when TE is importable and a GPU is present.
+    ep: expert-parallel size of a MoE model (pg_collection.ep must have that size).
+    train_router: the router's auxiliary loss is on (a trained student); False for a frozen teacher.
     """
     pgs = compat.resolve_pg_collection(pg_collection)
     stage = StageInfo.of(pgs)
     if (stage.tp_size, stage.pp_size) != (tp, pp):
         raise ValueError(f"build_gpt_model(tp={tp}, pp={pp}) but the process groups have "
                          f"tp={stage.tp_size}, pp={stage.pp_size}; pass the layout the groups were made for")
-    config = transformer_config(cfg, tp, pp, dtype, init_weights, **(config_overrides or {}))
+    group_ep = pgs.ep.size() if getattr(pgs, "ep", None) is not None else 1
+    if cfg.is_moe and group_ep != ep:
+        raise ValueError(f"build_gpt_model(ep={ep}) but the process groups have ep={group_ep}; "
+                         "pass the layout the groups were made for")
+    config = transformer_config(cfg, tp, pp, dtype, init_weights, ep, train_router, **(config_overrides or {}))
     if use_te is None:
         use_te = compat.use_transformer_engine_default()
-    spec = compat.decoder_block_spec(use_te, layers_per_stage(cfg, pp))
+    if cfg.is_moe:
+        compat.patch_moe_router_without_te()
+    spec = compat.decoder_block_spec(use_te, layers_per_stage(cfg, pp), qk_layernorm=cfg.qk_layernorm,
+                                     num_experts=cfg.num_experts or None)
     llama3_factor = cfg.rope_scaling.factor if cfg.rope_scaling is not None else None
     model = GPTModel(
         config=config,

@@ -15,8 +15,9 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-# Groups GPTModel, its blocks and the pipeline schedule read from a ProcessGroupCollection.
-REQUIRED_PGS = ["tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp"]
+# Groups GPTModel, its blocks, its MoE layers and the pipeline schedule read from a ProcessGroupCollection.
+REQUIRED_PGS = ["tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp",
+                "ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp"]
 
 
 def have_transformer_engine() -> bool:
@@ -28,8 +29,10 @@ def use_transformer_engine_default() -> bool:
     return torch.cuda.is_available() and have_transformer_engine()
 
 
-def decoder_block_spec(use_te: bool, num_local_layers: int) -> TransformerBlockSubmodules:
-    """The layer recipe (RMSNorm, SwiGLU MLP, fused QKV with RoPE) and the block's final norm.
+def decoder_block_spec(use_te: bool, num_local_layers: int, qk_layernorm: bool = False,
+                       num_experts: int | None = None) -> TransformerBlockSubmodules:
+    """The layer recipe (RMSNorm, SwiGLU MLP or routed experts, fused QKV with RoPE, optional per-head
+    q/k RMSNorm) and the block's final norm.
 
     We build the block spec ourselves rather than passing a layer ModuleSpec: for a layer spec
     TransformerBlock picks its final norm from what is installed (TENorm, else apex FusedLayerNorm,
@@ -42,15 +45,27 @@ def decoder_block_spec(use_te: bool, num_local_layers: int) -> TransformerBlockS
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
-        layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm)
         final_norm: Any = TENorm
     else:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization="RMSNorm")
         final_norm = WrappedTorchNorm
     assert isinstance(layer, ModuleSpec)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=final_norm)
+
+
+def patch_moe_router_without_te() -> None:
+    """megatron-core 0.16.1's router GEMM tests `te_general_gemm is not None`, but moe_utils binds that
+    name only when Transformer Engine imports: without TE every MoE forward raises NameError. Bind it
+    to None (the torch.mm path) when TE is absent. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def cpu_config_overrides() -> dict:

@@ -1,6 +1,7 @@
 """HF <-> Megatron checkpoint conversion (the library behind tools/convert_*.py).
 
     hf_to_megatron(hf_dir, out_dir, tp=2, pp=2)   # a megaopd Megatron checkpoint, written at TP=2 PP=2
+    hf_to_megatron(moe_dir, out_dir, tp=1, pp=1, ep=2)  # a MoE model's experts split over 2 EP ranks
     megatron_to_hf(ckpt_dir, out_dir)              # safetensors + config.json + tokenizer, HF-loadable
 
 Both validate everything they can from small files first (validate_*: config.json, the safetensors
@@ -37,13 +38,13 @@ def validate_hf_dir(hf_dir: str) -> tuple[HFModelConfig, dict[str, str]]:
     return cfg, files
 
 
-def validate_hf_to_megatron(hf_dir: str, out_dir: str, tp: int, pp: int) -> HFModelConfig:
+def validate_hf_to_megatron(hf_dir: str, out_dir: str, tp: int, pp: int, ep: int = 1) -> HFModelConfig:
     from megaopd.models.ranks import check_world
 
     cfg, _ = validate_hf_dir(hf_dir)
-    check_layout(cfg, tp, pp)
+    check_layout(cfg, tp, pp, ep)
     _check_out_dir(out_dir)
-    check_world(tp * pp)
+    check_world(tp * pp * ep)
     return cfg
 
 
@@ -55,29 +56,31 @@ def hf_dtype(hf_dir: str) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str):
+def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str,
+                           ep: int = 1):
     from megaopd.models.builder import StageInfo, build_gpt_model
     from megaopd.models.checkpoint import save_model_checkpoint
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
-    pgs = initialize_actor_layout(Layout(tp, pp))
+    pgs = initialize_actor_layout(Layout(tp, pp, ep))
     cfg = read_hf_config(hf_dir)
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=dtype, init_weights=False)
+    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=dtype, init_weights=False, ep=ep)
     st = StageInfo.of(pgs)
-    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp)
+    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp, pgs.ep.rank(), ep)
     save_model_checkpoint(model, out_dir, cfg, pgs, hf_side_dir=hf_dir,
                           extra_meta={"source": os.path.abspath(hf_dir)})
     return rank
 
 
-def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> None:
-    """Converts an HF Qwen2/Llama directory into a megaopd Megatron checkpoint written at TP=tp, PP=pp."""
+def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+    """Converts an HF Qwen2/Llama/Qwen3/Qwen3-MoE directory into a megaopd Megatron checkpoint written
+    at TP=tp, PP=pp and, for a MoE model, EP=ep (tp * pp * ep ranks: the EP ranks are DP ranks)."""
     from megaopd.parallel.launch import run_on_ranks
 
-    validate_hf_to_megatron(hf_dir, out_dir, tp, pp)
-    run_on_ranks(_hf_to_megatron_worker, tp * pp, (hf_dir, out_dir, tp, pp, hf_dtype(hf_dir)))
+    validate_hf_to_megatron(hf_dir, out_dir, tp, pp, ep)
+    run_on_ranks(_hf_to_megatron_worker, tp * pp * ep, (hf_dir, out_dir, tp, pp, hf_dtype(hf_dir), ep))
 
 
 def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> HFModelConfig:
@@ -123,7 +126,9 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, t
 def megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> None:
     """Writes an HF directory (safetensors, config.json, tokenizer) from a megaopd Megatron checkpoint.
 
-    The checkpoint is loaded at TP=tp, PP=pp (default one process, whatever layout it was saved at).
+    The checkpoint is loaded at TP=tp, PP=pp (default one process, whatever layout it was saved at); a
+    MoE checkpoint written at any EP is loaded with all experts on each rank (EP=1: dist_checkpointing
+    reshards the experts), so the PP broadcast of gather_hf_weights collects every tensor on rank 0.
     """
     from megaopd.parallel.launch import run_on_ranks
 

@@ -1,7 +1,7 @@
-"""Read a Hugging Face config.json (Qwen2, Qwen2.5, Llama) into a small, validated description.
+"""Read a Hugging Face config.json (Qwen2, Qwen2.5, Llama, Qwen3, Qwen3-MoE) into a small, validated description.
 
     cfg = read_hf_config("path/to/hf_dir")      # or a path to config.json, or the parsed dict
-    check_layout(cfg, tp=2, pp=2)                # ModelConfigError (one line, with the fix) if it cannot split
+    check_layout(cfg, tp=2, pp=2, ep=1)          # ModelConfigError (one line, with the fix) if it cannot split
     padded_vocab_size(cfg.vocab_size, tp=2)      # rows megatron allocates: a multiple of 128 * tp
 
 config.json is read directly (no transformers import) so both layouts of the RoPE settings work: real
@@ -20,6 +20,8 @@ from typing import Any, Mapping
 SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",  # Qwen2 and Qwen2.5
     "LlamaForCausalLM": "llama",  # Llama 2 / 3 / 3.1 / 3.2
+    "Qwen3ForCausalLM": "qwen3",  # Qwen3 dense (0.6B-32B): per-head q/k RMSNorm, explicit head_dim
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3-30B-A3B, 235B-A22B: Qwen3 attention, top-k routed experts
 }
 
 # megatron pads the vocabulary of its embedding and output layer to a multiple of this times TP, so
@@ -52,7 +54,7 @@ class HFModelConfig:
     architecture: str
     """HF class name from config.json `architectures[0]`, e.g. "Qwen2ForCausalLM"."""
     family: str
-    """"qwen2" or "llama"."""
+    """"qwen2", "llama", "qwen3" or "qwen3_moe"."""
     vocab_size: int
     """Real vocabulary rows of embed_tokens / lm_head (before megatron's padding)."""
     hidden_size: int
@@ -63,6 +65,7 @@ class HFModelConfig:
     num_key_value_heads: int
     """KV heads = megatron num_query_groups (GQA when smaller than the attention heads)."""
     head_dim: int
+    """Per-head width; Qwen3 sets it independently of hidden_size / heads (megatron kv_channels)."""
     rms_norm_eps: float
     rope_theta: float
     qkv_bias: bool
@@ -72,8 +75,24 @@ class HFModelConfig:
     dtype: str = "float32"
     """Weight dtype named in config.json ("bfloat16", "float16", "float32")."""
     rope_scaling: LlamaRopeScaling | None = None
+    qk_layernorm: bool = False
+    """Per-head RMSNorm of queries and keys before RoPE (Qwen3 q_norm / k_norm; megatron qk_layernorm)."""
+    num_experts: int = 0
+    """Routed experts per layer; 0 for a dense model (megatron num_moe_experts)."""
+    moe_intermediate_size: int = 0
+    """FFN width of each expert's gate_proj and up_proj (megatron moe_ffn_hidden_size)."""
+    moe_topk: int = 0
+    """Experts each token is routed to (HF num_experts_per_tok; megatron moe_router_topk)."""
+    norm_topk_prob: bool = True
+    """The top-k routing weights are renormalized to sum to one (megatron: softmax after top-k)."""
+    router_aux_loss_coef: float = 0.0
+    """Load-balancing loss coefficient of the HF config (megatron moe_aux_loss_coeff for a trained model)."""
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """The config.json dict as read, written back unchanged on export."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -154,9 +173,13 @@ def read_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> HFModelConf
     if family == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise ModelConfigError("Llama with attention_bias or mlp_bias is not supported (o_proj/MLP biases "
                                "have no megatron equivalent here); supported: bias-free Llama")
-    if family == "qwen2" and raw.get("use_sliding_window"):
-        raise ModelConfigError("Qwen2 with use_sliding_window=true is not supported; set it to false "
-                               "(all released Qwen2/2.5 checkpoints use full attention)")
+    if family in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window"):
+        raise ModelConfigError(f"{arch} with use_sliding_window=true is not supported; set it to false "
+                               "(all released Qwen2/2.5/3 checkpoints use full attention)")
+    if family in ("qwen3", "qwen3_moe") and raw.get("attention_bias"):
+        raise ModelConfigError(f"{arch} with attention_bias=true is not supported (its o_proj bias has no "
+                               "megatron equivalent here); released Qwen3 checkpoints have attention_bias=false")
+    moe = _moe_fields(raw, arch) if family == "qwen3_moe" else {}
     theta, scaling = _rope(raw)
     dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
     return HFModelConfig(
@@ -164,25 +187,56 @@ def read_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> HFModelConf
         family=family,
         rope_theta=theta,
         rope_scaling=scaling,
-        qkv_bias=family == "qwen2",  # HF Qwen2Attention hard-codes bias=True on q/k/v
+        qkv_bias=family == "qwen2",  # HF Qwen2Attention hard-codes bias=True on q/k/v; Qwen3 has none
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         dtype=dtype,
         raw=raw,
         **cfg_fields,
+        **moe,
     )
 
 
-def check_layout(cfg: HFModelConfig, tp: int, pp: int) -> None:
-    """Raises ModelConfigError (one line, with the fix) if the model cannot be split at TP=tp, PP=pp."""
-    if tp < 1 or pp < 1:
-        raise ModelConfigError(f"tp and pp must be >= 1 (got tp={tp}, pp={pp})")
+def _moe_fields(raw: Mapping[str, Any], arch: str) -> dict:
+    """The routed-expert fields of a Qwen3-MoE config (every layer sparse, no shared expert)."""
+    # Released configs say num_experts; transformers 5 writes num_local_experts on save.
+    n = raw.get("num_experts", raw.get("num_local_experts"))
+    try:
+        fields = dict(num_experts=int(n), moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                      moe_topk=int(raw["num_experts_per_tok"]))
+    except (KeyError, TypeError):
+        raise ModelConfigError(f"{arch} config.json needs num_experts, moe_intermediate_size and "
+                               "num_experts_per_tok") from None
+    if not 1 <= fields["moe_topk"] <= fields["num_experts"]:
+        raise ModelConfigError(f"num_experts_per_tok={fields['moe_topk']} must be between 1 and "
+                               f"num_experts={fields['num_experts']}")
+    if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
+        raise ModelConfigError(f"{arch} with dense layers (mlp_only_layers={raw.get('mlp_only_layers')}, "
+                               f"decoder_sparse_step={raw.get('decoder_sparse_step')}) is not supported; "
+                               "megaopd maps all-MoE layers (mlp_only_layers=[], decoder_sparse_step=1)")
+    return dict(fields, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.0)))
+
+
+def check_layout(cfg: HFModelConfig, tp: int, pp: int, ep: int = 1) -> None:
+    """Raises ModelConfigError (one line, with the fix) if the model cannot be split at TP=tp, PP=pp, EP=ep."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ModelConfigError(f"tp, pp and ep must be >= 1 (got tp={tp}, pp={pp}, ep={ep})")
+    if ep > 1 and not cfg.is_moe:
+        raise ModelConfigError(f"ep={ep} but {cfg.architecture} has no experts; use ep=1 for a dense model")
+    if cfg.is_moe and cfg.num_experts % ep:
+        raise ModelConfigError(f"ep={ep} does not divide num_experts={cfg.num_experts}; "
+                               f"choose ep among {_divisors(cfg.num_experts)}")
+    if cfg.is_moe and cfg.moe_intermediate_size % tp:
+        raise ModelConfigError(f"tp={tp} does not divide moe_intermediate_size={cfg.moe_intermediate_size} "
+                               "(experts are split over TP like the dense MLP)")
     if cfg.num_attention_heads % tp:
         raise ModelConfigError(f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}; "
                                f"choose tp among {_divisors(cfg.num_attention_heads)}")
     if cfg.num_key_value_heads % tp:
         raise ModelConfigError(f"tp={tp} does not divide the {cfg.num_key_value_heads} key/value heads "
                                f"(query groups); choose tp among {_divisors(cfg.num_key_value_heads)}")
-    if cfg.intermediate_size % tp:
+    if not cfg.is_moe and cfg.intermediate_size % tp:  # a MoE model's intermediate_size is unused
         raise ModelConfigError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
     if cfg.num_layers % pp:
         raise ModelConfigError(f"pp={pp} does not divide num_hidden_layers={cfg.num_layers}; "

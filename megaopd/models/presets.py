@@ -28,6 +28,22 @@ PRESETS: dict[str, dict] = {
                        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                           "high_freq_factor": 4.0,
                                                           "original_max_position_embeddings": 8192}),
+    # Qwen3: per-head q/k RMSNorm, head_dim 32 with 4 heads of a 64-wide model (4 * 32 != 64), no biases.
+    "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=300, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6,
+                       tie_word_embeddings=False),
+    "tiny-qwen3-tied": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=300, hidden_size=64,
+                            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1e6,
+                            tie_word_embeddings=True),
+    # Qwen3-MoE: 8 experts, top 2 with renormalized weights, every layer sparse, no shared expert.
+    "tiny-qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=200,
+                           hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                           router_aux_loss_coef=0.001, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6,
+                           rope_theta=1e6, tie_word_embeddings=False),
     # ~0.1B parameters (100.1M: Qwen2.5-style GQA, 12 layers, a 32k vocab, tied) for benchmarks.
     "qwen2-100m": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=32000, hidden_size=768,
                        intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -81,6 +97,10 @@ def make_hf_model(preset: str | dict, out_dir: str, seed: int = 0, dtype: str = 
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith(".bias"):
                 p.normal_(0, 0.1)  # HF initializes biases to zero; random ones test their placement
+            elif name.endswith("mlp.gate.weight"):
+                # MoE router: well-separated expert scores, so float32 rounding differences between
+                # two implementations never change which experts a token picks.
+                p.normal_(0, 1.0)
     model = model.to(getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)

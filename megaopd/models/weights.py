@@ -18,6 +18,11 @@ Vp = V padded to a multiple of 128 * TP):
   mlp.linear_fc1.weight [2F/tp, H] = [gate rows of this rank; up rows of this rank] <- gate_proj, up_proj
   mlp.linear_fc2.weight [H, F/tp]  <- down_proj, columns split (row-parallel)
   input_layernorm.weight / pre_mlp_layernorm.weight [H] <- input_layernorm / post_attention_layernorm
+  self_attention.q_layernorm.weight / k_layernorm.weight [d] <- self_attn.q_norm / k_norm (Qwen3), replicated
+  MoE layers (Qwen3-MoE) replace linear_fc1/fc2 by:
+  mlp.router.weight [E, H]  <- mlp.gate.weight, replicated over TP and EP
+  mlp.experts.local_experts.j.linear_fc1 / linear_fc2 <- mlp.experts.(ep_rank * E/ep + j).gate/up/down_proj,
+        each split over TP like the dense MLP; rule.expert marks them (one EP rank holds each)
   (Transformer Engine fuses those norms: self_attention.linear_qkv.layer_norm_weight and
    mlp.linear_fc1.layer_norm_weight; both names are understood, `fused_norms` picks which to produce.)
 Tied embeddings: with PP > 1 the last stage holds its own copy as output_layer.weight (megatron keeps
@@ -54,11 +59,32 @@ class WeightRule:
     kind: str
     export: bool = True
     """False only for the last stage's copy of tied embeddings (HF stores them once)."""
+    expert: bool = False
+    """A routed expert's weight: held by one EP rank only (the others hold other experts)."""
+
+
+def _expert_rules(cfg: HFModelConfig, m: str, h: str, ep_rank: int, ep_size: int) -> list[WeightRule]:
+    """Router and this EP rank's experts of one MoE layer (megatron SequentialMLP names).
+
+    EP rank r holds the global experts r * E/ep ... (r+1) * E/ep - 1 as local_experts.0 ...; each
+    expert's fc1/fc2 is split over TP like the dense MLP (megatron's expert TP = TP).
+    """
+    per_rank = cfg.num_experts // ep_size
+    rules = [WeightRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), REPLICATED)]
+    for j in range(per_rank):
+        e, x = f"{h}mlp.experts.{ep_rank * per_rank + j}.", f"{m}mlp.experts.local_experts.{j}."
+        rules += [WeightRule(x + "linear_fc1.weight", (e + "gate_proj.weight", e + "up_proj.weight"), FC1, expert=True),
+                  WeightRule(x + "linear_fc2.weight", (e + "down_proj.weight",), ROW, expert=True)]
+    return rules
 
 
 def stage_rules(cfg: HFModelConfig, pp_rank: int = 0, pp_size: int = 1,
-                fused_norms: bool = False) -> list[WeightRule]:
-    """The rules of PP stage `pp_rank`, in a fixed order (the same on every rank)."""
+                fused_norms: bool = False, ep_rank: int = 0, ep_size: int = 1) -> list[WeightRule]:
+    """The rules of PP stage `pp_rank` on expert-parallel rank `ep_rank`, in a fixed order.
+
+    Only the expert rules (rule.expert) depend on ep_rank; the others are the same on every EP rank
+    (EP ranks are data-parallel replicas of everything but the experts).
+    """
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     n_local = layers_per_stage(cfg, pp_size)
     offset = pp_rank * n_local
@@ -68,7 +94,9 @@ def stage_rules(cfg: HFModelConfig, pp_rank: int = 0, pp_size: int = 1,
     for i in range(n_local):
         m, h = f"decoder.layers.{i}.", f"model.layers.{offset + i}."
         in_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
-        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
+        # A MoE layer keeps its own pre-MLP norm even with Transformer Engine (nothing to fuse it into).
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not cfg.is_moe \
+            else "pre_mlp_layernorm.weight"
         rules += [
             WeightRule(m + in_norm, (h + "input_layernorm.weight",), REPLICATED),
             WeightRule(m + "self_attention.linear_qkv.weight",
@@ -77,12 +105,20 @@ def stage_rules(cfg: HFModelConfig, pp_rank: int = 0, pp_size: int = 1,
         if cfg.qkv_bias:
             rules.append(WeightRule(m + "self_attention.linear_qkv.bias",
                                     tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), QKV))
+        if cfg.qk_layernorm:  # one [head_dim] weight shared by all heads: replicated over TP
+            rules += [WeightRule(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), REPLICATED),
+                      WeightRule(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), REPLICATED)]
         rules += [
             WeightRule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), ROW),
             WeightRule(m + mlp_norm, (h + "post_attention_layernorm.weight",), REPLICATED),
-            WeightRule(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), FC1),
-            WeightRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), ROW),
         ]
+        if cfg.is_moe:
+            rules += _expert_rules(cfg, m, h, ep_rank, ep_size)
+        else:
+            rules += [
+                WeightRule(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), FC1),
+                WeightRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), ROW),
+            ]
     if last:
         rules.append(WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED))
         if not cfg.tie_word_embeddings:
@@ -104,11 +140,22 @@ def hf_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + f"self_attn.{name}_proj.weight"] = (rows, H)
             if cfg.qkv_bias:
                 shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
+        if cfg.qk_layernorm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (H, q)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
-        shapes[p + "mlp.gate_proj.weight"] = (F, H)
-        shapes[p + "mlp.up_proj.weight"] = (F, H)
-        shapes[p + "mlp.down_proj.weight"] = (H, F)
+        if cfg.is_moe:
+            Fm = cfg.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, H)
+            for e in range(cfg.num_experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (Fm, H)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (Fm, H)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (H, Fm)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (F, H)
+            shapes[p + "mlp.up_proj.weight"] = (F, H)
+            shapes[p + "mlp.down_proj.weight"] = (H, F)
     shapes["model.norm.weight"] = (H,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, H)
@@ -177,8 +224,8 @@ def merge_shards(rule: WeightRule, shards: Sequence[torch.Tensor], cfg: HFModelC
 
 def shard_hf_weights(get_hf: HFGetter | Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_rank: int,
                      tp_size: int, pp_rank: int = 0, pp_size: int = 1,
-                     fused_norms: bool = False) -> dict[str, torch.Tensor]:
-    """{megatron name: this rank's shard} for PP stage pp_rank, TP rank tp_rank.
+                     fused_norms: bool = False, ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """{megatron name: this rank's shard} for PP stage pp_rank, TP rank tp_rank, EP rank ep_rank.
 
     get_hf: a mapping or a function name -> full HF tensor; only the tensors this stage needs are
     requested (so a lazy safetensors reader touches only them). Shapes are checked against cfg.
@@ -186,7 +233,7 @@ def shard_hf_weights(get_hf: HFGetter | Mapping[str, torch.Tensor], cfg: HFModel
     get = get_hf.__getitem__ if isinstance(get_hf, Mapping) else get_hf
     expected = hf_shapes(cfg)
     out = {}
-    for rule in stage_rules(cfg, pp_rank, pp_size, fused_norms):
+    for rule in stage_rules(cfg, pp_rank, pp_size, fused_norms, ep_rank, ep_size):
         tensors = []
         for name in rule.hf:
             t = get(name)
@@ -209,10 +256,12 @@ def uses_fused_norms(names) -> bool:
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, get_hf: HFGetter | Mapping[str, torch.Tensor],
-                    cfg: HFModelConfig, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> None:
+                    cfg: HFModelConfig, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1,
+                    ep_rank: int = 0, ep_size: int = 1) -> None:
     """Copies HF weights into this rank's GPTModel stage (in place; dtype must match for exactness)."""
     params = model_state(model)
-    shards = shard_hf_weights(get_hf, cfg, tp_rank, tp_size, pp_rank, pp_size, uses_fused_norms(params))
+    shards = shard_hf_weights(get_hf, cfg, tp_rank, tp_size, pp_rank, pp_size, uses_fused_norms(params),
+                              ep_rank, ep_size)
     missing, unexpected = set(params) - set(shards), set(shards) - set(params)
     if missing or unexpected:
         raise ValueError(f"weight mapping does not match the model: megatron params without HF source "
@@ -222,6 +271,51 @@ def load_hf_weights(model: torch.nn.Module, get_hf: HFGetter | Mapping[str, torc
         if src.shape != p.shape:
             raise ValueError(f"{name}: mapped shard {tuple(src.shape)} != model param {tuple(p.shape)}")
         p.copy_(src)
+
+
+# ---------------------------------------------------------------------------------------------------
+# This stage's shards at any TP x EP -> full HF tensors (collective over TP and EP).
+
+def gather_stage_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_group=None,
+                            ep_group=None, pp_rank: int = 0, pp_size: int = 1,
+                            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, full tensor) for every exported tensor of PP stage `pp_rank`, on every rank of
+    the stage (no PP traffic: a weight-sync sender per stage streams them; a converter collects them).
+
+    Works at any expert-parallel size: weights outside the experts are the same on all EP ranks and
+    are gathered over TP only; each expert slot is gathered over TP, then over the EP group (EP rank
+    r contributes its local expert j = global expert r * E/ep + j). ep_group None = EP 1. Collective:
+    every rank of tp_group and ep_group must consume the whole iterator. Tensors are detached copies
+    in `dtype` (default: that of the linear weights, as gather_hf_weights).
+    """
+    state = {_strip(k): v for k, v in state.items()}
+    fused = uses_fused_norms(state)
+    ep_size = ep_group.size() if ep_group is not None else 1
+    ep_rank = ep_group.rank() if ep_group is not None else 0
+    dtype = dtype or state["decoder.layers.0.self_attention.linear_qkv.weight"].dtype
+    per_ep = [stage_rules(cfg, pp_rank, pp_size, fused, e, ep_size) for e in range(ep_size)]
+    for i, rule in enumerate(per_ep[ep_rank]):
+        if not rule.export:
+            continue
+        merged = merge_shards(rule, _gather(state[rule.megatron], tp_group), cfg)
+        if not rule.expert:
+            yield from ((n, t.to(dtype)) for n, t in zip(rule.hf, merged))
+            continue
+        # Rule i is the same local slot on every EP rank (same order), holding a different expert.
+        for k, t in enumerate(merged):
+            for e, part in enumerate(_gather(t, ep_group)):
+                yield per_ep[e][i].hf[k], part.to(dtype)
+
+
+def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """All-gather of one tensor over `group` (None or size 1: the tensor alone), on its own device."""
+    t = t.detach()
+    if group is None or group.size() == 1:
+        return [t]
+    t = t.contiguous()
+    out = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(out, t, group=group)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

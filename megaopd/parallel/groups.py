@@ -5,6 +5,12 @@ pipeline schedule, DDP and the optimizer read it. The teacher gets its own Proce
 the same ranks (build_process_groups), passed explicitly to its GPTModel, so it can use another TP/PP
 without touching the global state. Rank order is megatron's default "tp-cp-ep-dp-pp": TP ranks are
 adjacent, PP stages are the slowest-varying dimension.
+
+Expert parallelism (EP) splits a MoE model's routed experts over `ep` ranks that are, for everything
+else (attention, norms, router, embeddings), data-parallel replicas: as in megatron, the expert layout
+is [expert TP = tp, ep, dp / ep, pp] over the same ranks, so each EP group is `ep` consecutive DP ranks
+of one TP rank and one stage. Those ranks exchange tokens in every MoE layer: they must run the same
+number of micro-batches of the same shape in lockstep.
 """
 from __future__ import annotations
 
@@ -22,12 +28,19 @@ class Layout:
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert-parallel size (MoE models only): must divide the data-parallel size and the experts."""
 
     def dp(self, world_size: int) -> int:
         if world_size % (self.tp * self.pp):
             raise ValueError(f"world size {world_size} is not a multiple of tp*pp = {self.tp}*{self.pp}; "
                              f"choose tp and pp whose product divides the number of ranks")
-        return world_size // (self.tp * self.pp)
+        dp = world_size // (self.tp * self.pp)
+        if self.ep < 1 or dp % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide the data-parallel size {dp} (world {world_size} / "
+                             f"tp*pp = {self.tp}*{self.pp}); expert-parallel ranks are data-parallel ranks: "
+                             f"choose ep among the divisors of {dp}")
+        return dp
 
 
 def initialize_actor_layout(layout: Layout, seed: int = 1234) -> ProcessGroupCollection:
@@ -39,18 +52,25 @@ def initialize_actor_layout(layout: Layout, seed: int = 1234) -> ProcessGroupCol
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
         create_gloo_process_groups=dist.get_backend() != "gloo",
     )
     model_parallel_cuda_manual_seed(seed)
-    return ProcessGroupCollection.use_mpu_process_groups(
-        required_pgs=["tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp"])
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=ACTOR_PGS)
+
+
+# The groups of megaopd's models: GPTModel and the pipeline schedule (tp ... tp_dp_cp) and the MoE
+# layers (ep, expt_tp, expt_dp, tp_ep, tp_ep_pp; size-1 / dense-equal groups for a dense model).
+ACTOR_PGS = ["tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp",
+             "ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp"]
 
 
 def build_process_groups(layout: Layout) -> ProcessGroupCollection:
     """A ProcessGroupCollection for `layout` over all ranks, independent of parallel_state.
 
     Every rank must call this (group creation is collective). Groups: tp, pp, cp (size 1), tp_cp,
-    dp, dp_cp, mp (tp x pp), embd (first and last PP stage), pos_embd (first stage).
+    dp, dp_cp, mp (tp x pp), embd (first and last PP stage), pos_embd (first stage), and the expert
+    groups of megatron's MoE layers: ep, expt_tp (= tp), expt_dp (dp / ep), tp_ep, tp_ep_pp.
     """
     world = dist.get_world_size()
     dp = layout.dp(world)
@@ -65,6 +85,11 @@ def build_process_groups(layout: Layout) -> ProcessGroupCollection:
         "mp": grid.create_pg(["tp", "pp"]),
         "tp_dp_cp": grid.create_pg(["tp", "cp", "dp"]),
     }
+    # Expert layout over the same ranks: the DP dimension split into [ep, dp / ep] (ep fastest), as
+    # megatron's expert rank generator "tp-ep-dp-pp" does with expert TP = TP.
+    egrid = HyperCommGrid([layout.tp, layout.ep, dp // layout.ep, layout.pp], ["tp", "ep", "dp", "pp"])
+    pgs.update(ep=egrid.create_pg("ep"), expt_tp=egrid.create_pg("tp"), expt_dp=egrid.create_pg("dp"),
+               tp_ep=egrid.create_pg(["tp", "ep"]), tp_ep_pp=egrid.create_pg(["tp", "ep", "pp"]))
     # Embedding groups join the first and last pipeline stage of each pipeline (tied embeddings and
     # their gradient all-reduce); position embeddings live on the first stage only.
     embd = pos_embd = None

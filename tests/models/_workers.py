@@ -6,6 +6,10 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (tp, pp)
+MOE_LAYOUTS = tuple((tp, pp, 1) for tp, pp in LAYOUTS) + ((1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4))  # (tp, pp, ep)
+# Checkpoints written at an actor layout (tp, pp, ep) and read back at TP=1 PP=1 EP=1.
+CKPT_LAYOUTS = {"tiny-qwen2": (2, 2, 1), "tiny-qwen2-tied": (2, 2, 1), "tiny-qwen3": (2, 2, 1),
+                "tiny-qwen3-moe": (2, 1, 2)}
 
 
 def _gather_tp(shard, group):
@@ -34,15 +38,20 @@ def _run_model(model, cfg, pgs, ids):
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
 
-def _build_loaded(cfg, hf_dir, tp, pp, pgs):
+def _build_loaded(cfg, hf_dir, tp, pp, pgs, ep=1):
     from megaopd.models.builder import StageInfo, build_gpt_model
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import load_hf_weights
 
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, init_weights=False).eval()
+    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, init_weights=False, ep=ep,
+                            train_router=False).eval()
     st = StageInfo.of(pgs)
-    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp)
+    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp, pgs.ep.rank(), ep)
     return model
+
+
+def _layouts(cfg):
+    return MOE_LAYOUTS if cfg.is_moe else tuple((tp, pp, 1) for tp, pp in LAYOUTS)
 
 
 def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
@@ -56,26 +65,37 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
     from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import gather_hf_weights, hf_shapes, model_state
+    from megaopd.models.weights import gather_hf_weights, gather_stage_hf_weights, hf_shapes, model_state
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 
     res = {}
     initialize_actor_layout(Layout(1, 1))
-    for tp, pp in LAYOUTS:
-        pgs = build_process_groups(Layout(tp, pp))
-        for name, m in models.items():
-            cfg = read_hf_config(m["hf_dir"])
-            model = _build_loaded(cfg, m["hf_dir"], tp, pp, pgs)
+    cfgs = {name: read_hf_config(m["hf_dir"]) for name, m in models.items()}
+    for tp, pp, ep in MOE_LAYOUTS:
+        names = [n for n in models if (tp, pp, ep) in _layouts(cfgs[n])]
+        if not names:
+            continue
+        pgs = build_process_groups(Layout(tp, pp, ep))
+        for name in names:
+            m, cfg = models[name], cfgs[name]
+            key = (name, tp, pp) if ep == 1 else (name, tp, pp, ep)
+            model = _build_loaded(cfg, m["hf_dir"], tp, pp, pgs, ep)
             logits, lp = _run_model(model, cfg, pgs, m["ids"])
             if logits is not None:
-                res[(name, tp, pp, "logits")] = float((logits - m["logits"]).abs().max())
-                res[(name, tp, pp, "logprobs")] = float((lp - m["logprobs"]).abs().max())
+                res[key + ("logits",)] = float((logits - m["logits"]).abs().max())
+                res[key + ("logprobs",)] = float((lp - m["logprobs"]).abs().max())
             hf = HFWeights(m["hf_dir"])
-            exported = dict(gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp))
-            bad = [n for n in hf if n not in exported or exported[n].dtype != hf[n].dtype
+            if ep == 1:
+                exported = dict(gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp))
+            else:  # this stage's tensors at TP x EP; the test unites the stages' names
+                exported = dict(gather_stage_hf_weights(model_state(model), cfg, pgs.tp, pgs.ep,
+                                                        pgs.pp.rank(), pp))
+            res[key + ("exported",)] = sorted(exported)
+            bad = [n for n in exported if n not in hf or exported[n].dtype != hf[n].dtype
                    or not torch.equal(exported[n], hf[n])]
-            extra = sorted(set(exported) - set(hf_shapes(cfg)))
-            res[(name, tp, pp, "roundtrip_mismatches")] = bad + extra
+            if ep == 1:
+                bad += [n for n in hf if n not in exported]
+            res[key + ("roundtrip_mismatches",)] = bad + sorted(set(exported) - set(hf_shapes(cfg)))
 
     if bf16_hf_dir is not None:
         # bfloat16 weights survive load + TP gather + PP broadcast bit-exactly, in bfloat16
@@ -93,18 +113,19 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
         res[("bf16", "roundtrip_mismatches")] = [n for n in hf if exported[n].dtype != torch.bfloat16
                                                  or not torch.equal(exported[n], hf[n])]
 
-    # Checkpoint written by the actor layout TP=2 PP=2, read back at TP=1 PP=1.
-    for name in ("tiny-qwen2", "tiny-qwen2-tied"):
-        m = models[name]
-        cfg = read_hf_config(m["hf_dir"])
+    # Checkpoints written by an actor layout (TP=2 PP=2, or TP=2 EP=2 for the MoE), read back at 1/1/1.
+    for name, (tp, pp, ep) in CKPT_LAYOUTS.items():
+        if name not in models:
+            continue
+        m, cfg = models[name], cfgs[name]
         ckpt = f"{ckpt_root}/{name}"
-        pgs = initialize_actor_layout(Layout(2, 2))
-        model = _build_loaded(cfg, m["hf_dir"], 2, 2, pgs)
-        logits22, _ = _run_model(model, cfg, pgs, m["ids"])
+        pgs = initialize_actor_layout(Layout(tp, pp, ep))
+        model = _build_loaded(cfg, m["hf_dir"], tp, pp, pgs, ep)
+        logits_saved, _ = _run_model(model, cfg, pgs, m["ids"])
         save_model_checkpoint(model, ckpt, cfg, pgs, hf_side_dir=m["hf_dir"])
-        # Broadcast the TP2/PP2 logits from the last rank (a last-stage rank: PP is the slowest
+        # Broadcast the saved layout's logits from the last rank (a last-stage rank: PP is the slowest
         # dimension of megatron's rank order) so every rank can compare.
-        buf = logits22 if logits22 is not None else torch.empty_like(m["logits"])
+        buf = logits_saved if logits_saved is not None else torch.empty_like(m["logits"])
         dist.broadcast(buf, src=world_size - 1)
         pgs = initialize_actor_layout(Layout(1, 1))
         from megaopd.models.builder import build_gpt_model
@@ -112,7 +133,7 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
         fresh = build_gpt_model(cfg, 1, 1, pg_collection=pgs).eval()  # random init, then overwritten
         meta = load_model_checkpoint(fresh, ckpt, pgs)
         logits11, _ = _run_model(fresh, cfg, pgs, m["ids"])
-        res[(name, "ckpt22->11", "logits_vs_tp2pp2")] = float((logits11 - buf).abs().max())
-        res[(name, "ckpt22->11", "logits_vs_hf")] = float((logits11 - m["logits"]).abs().max())
-        res[(name, "ckpt22->11", "meta")] = (meta["tp"], meta["pp"], meta["dtype"])
+        res[(name, "ckpt->11", "logits_vs_saved")] = float((logits11 - buf).abs().max())
+        res[(name, "ckpt->11", "logits_vs_hf")] = float((logits11 - m["logits"]).abs().max())
+        res[(name, "ckpt->11", "meta")] = (meta["tp"], meta["pp"], meta["dtype"])
     return res

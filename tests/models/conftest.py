@@ -6,7 +6,7 @@ float32 transformers logits / log-probs of that batch, which every megatron layo
 import pytest
 import torch
 
-MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-tied", "tiny-llama")
+MODEL_NAMES = ("tiny-qwen2", "tiny-qwen2-tied", "tiny-llama", "tiny-qwen3", "tiny-qwen3-tied", "tiny-qwen3-moe")
 
 
 def hf_reference(model, ids):

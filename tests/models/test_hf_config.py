@@ -39,7 +39,8 @@ def test_llama3_rope_scaling_both_layouts():
 
 
 @pytest.mark.parametrize("patch,match", [
-    ({"architectures": ["GPT2LMHeadModel"]}, r"unsupported architecture 'GPT2LMHeadModel'.*supported: Qwen2ForCausalLM, LlamaForCausalLM"),
+    ({"architectures": ["GPT2LMHeadModel"]}, r"unsupported architecture 'GPT2LMHeadModel'.*supported: Qwen2ForCausalLM, LlamaForCausalLM, "
+     r"Qwen3ForCausalLM, Qwen3MoeForCausalLM"),
     ({"architectures": None}, "unsupported architecture None"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -85,3 +86,49 @@ def test_padded_vocab():
     assert padded_vocab_size(151936, 1) == 151936  # Qwen2.5: 128 * 1187
     assert padded_vocab_size(151936, 4) == 152064  # next multiple of 512
     assert padded_vocab_size(128256, 8) == 129024  # Llama 3: next multiple of 1024
+
+
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
+             intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+             head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=False,
+             attention_bias=False, use_sliding_window=False, max_position_embeddings=32768)  # Qwen3-8B-Base
+QWEN3_MOE = dict(QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                 intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)  # Qwen3-30B-A3B
+
+
+def test_qwen3_dense_and_moe():
+    d = read_hf_config(QWEN3)
+    assert d.family == "qwen3" and d.qk_layernorm and not d.qkv_bias and not d.is_moe and d.head_dim == 128
+    m = read_hf_config(QWEN3_MOE)
+    assert m.family == "qwen3_moe" and m.qk_layernorm and m.is_moe
+    assert (m.num_experts, m.moe_topk, m.moe_intermediate_size, m.norm_topk_prob) == (128, 8, 768, True)
+    assert m.head_dim * m.num_attention_heads != m.hidden_size  # 128 * 32 != 2048
+    # transformers 5 writes num_local_experts on save
+    raw = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
+    assert read_hf_config({**raw, "num_local_experts": 16}).num_experts == 16
+    check_layout(m, tp=4, pp=2, ep=8)
+
+
+@pytest.mark.parametrize("raw,patch,match", [
+    (QWEN3, {"attention_bias": True}, "attention_bias=true is not supported"),
+    (QWEN3, {"use_sliding_window": True}, "use_sliding_window"),
+    (QWEN3_MOE, {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    (QWEN3_MOE, {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    (QWEN3_MOE, {"num_experts_per_tok": 0}, "num_experts_per_tok=0"),
+])
+def test_unsupported_qwen3_configs(raw, patch, match):
+    with pytest.raises(ModelConfigError, match=match) as e:
+        read_hf_config({**raw, **patch})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("raw,tp,ep,match", [
+    (QWEN3_MOE, 1, 3, "ep=3 does not divide num_experts=128"),
+    (QWEN3, 1, 2, "ep=2 but Qwen3ForCausalLM has no experts"),
+    (QWEN3_MOE, 1, 0, "must be >= 1"),
+])
+def test_expert_layout_errors(raw, tp, ep, match):
+    with pytest.raises(ModelConfigError, match=match):
+        check_layout(read_hf_config(raw), tp, 1, ep)

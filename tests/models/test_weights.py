@@ -20,19 +20,22 @@ def _random_hf(cfg, seed=0):
     return {n: torch.randn(s, generator=g) for n, s in hf_shapes(cfg).items()}
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen2-tied", "tiny-llama"])
+@pytest.mark.parametrize("name,ep", [("tiny-qwen2", 1), ("tiny-qwen2-tied", 1), ("tiny-llama", 1), ("tiny-qwen3", 1),
+                                     ("tiny-qwen3-tied", 1), ("tiny-qwen3-moe", 1), ("tiny-qwen3-moe", 2),
+                                     ("tiny-qwen3-moe", 8)])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_shard_then_merge_is_identity(name, tp, pp):
+def test_shard_then_merge_is_identity(name, ep, tp, pp):
     cfg = _cfg(name)
     hf = _random_hf(cfg)
     rebuilt = {}
     for pp_rank in range(pp):
-        shards = [shard_hf_weights(hf, cfg, r, tp, pp_rank, pp) for r in range(tp)]
-        for rule in stage_rules(cfg, pp_rank, pp):
-            if rule.export:
-                for n, t in zip(rule.hf, merge_shards(rule, [s[rule.megatron] for s in shards], cfg)):
-                    assert n not in rebuilt, f"{n} exported twice"
-                    rebuilt[n] = t
+        for ep_rank in range(ep):
+            shards = [shard_hf_weights(hf, cfg, r, tp, pp_rank, pp, ep_rank=ep_rank, ep_size=ep) for r in range(tp)]
+            for rule in stage_rules(cfg, pp_rank, pp, ep_rank=ep_rank, ep_size=ep):
+                if rule.export and (rule.expert or ep_rank == 0):  # EP ranks replicate the rest
+                    for n, t in zip(rule.hf, merge_shards(rule, [s[rule.megatron] for s in shards], cfg)):
+                        assert n not in rebuilt, f"{n} exported twice"
+                        rebuilt[n] = t
     assert rebuilt.keys() == hf.keys()
     for n in hf:
         assert torch.equal(rebuilt[n], hf[n]), n
@@ -116,3 +119,28 @@ def test_save_hf_dir_shards_and_index(tmp_path, monkeypatch):
     back = hf_io.HFWeights(str(tmp_path))
     assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
     assert len({back.files[n] for n in hf}) > 2
+
+
+def test_qwen3_qk_norms_are_replicated_per_layer():
+    cfg = _cfg("tiny-qwen3")
+    rules = {r.megatron: r for r in stage_rules(cfg, 1, 2)}
+    r = rules["decoder.layers.0.self_attention.q_layernorm.weight"]
+    assert r.hf == ("model.layers.2.self_attn.q_norm.weight",) and r.kind == "replicated"
+    assert rules["decoder.layers.1.self_attention.k_layernorm.weight"].hf == ("model.layers.3.self_attn.k_norm.weight",)
+    assert hf_shapes(cfg)["model.layers.0.self_attn.q_norm.weight"] == (32,)  # head_dim, not hidden / heads
+    assert not any("bias" in n for n in hf_shapes(cfg))
+
+
+def test_moe_experts_split_over_ep_ranks():
+    cfg = _cfg("tiny-qwen3-moe")  # 8 experts
+    rules = {r.megatron: r for r in stage_rules(cfg, 0, 1, ep_rank=1, ep_size=2)}
+    fc1 = rules["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    assert fc1.expert and fc1.kind == FC1
+    assert fc1.hf == ("model.layers.0.mlp.experts.4.gate_proj.weight", "model.layers.0.mlp.experts.4.up_proj.weight")
+    assert "decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight" not in rules
+    router = rules["decoder.layers.0.mlp.router.weight"]
+    assert router.hf == ("model.layers.0.mlp.gate.weight",) and not router.expert
+    # Transformer Engine cannot fuse a MoE layer's pre-MLP norm into a linear: it keeps its own name.
+    fused = {r.megatron for r in stage_rules(cfg, fused_norms=True)}
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in fused
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in fused
