@@ -29,10 +29,10 @@ from megaopd.losses import LossInputs, build_loss_from, mask_first_occurrences
 from megaopd.losses.requirements import loss_requirements
 from megaopd.metrics import (CollapseDetector, advantage_split, math_verify_rewards, repetitive_token_mask,
                              response_metrics, rollout_dynamics, topk_overlap)
-from megaopd.models.weights import gather_hf_weights, model_state
 from megaopd.parallel.dist import init_distributed
 from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 from megaopd.rollout.protocol import SamplingParams
+from megaopd.sync.gather import gather_hf_weights, model_state
 from megaopd.trainer.batch import RolloutBatch, build_rollout_batch
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.optim import build_optimizer, wrap_for_training
@@ -171,7 +171,10 @@ class Trainer:
             return
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             self.export_hf(os.path.join(cfg.run.dir, "hf_init"))  # collective; the engine is built from it
+        from megaopd.sync import WeightSync
+
         self.engine = self._build_engine()
+        self.weight_sync = WeightSync(self.engine, cfg.rollout, self.rank)
         self.sync_weights()
         self._check_parity(tolerance=cfg.rollout.parity_tolerance)
 
@@ -259,18 +262,9 @@ class Trainer:
         """The rollout engine on rank 0 (None on the other ranks)."""
         if self.rank != 0:
             return None
-        rollout = self.cfg.rollout
-        if rollout.engine == "remote":
-            from megaopd.rollout.client import DistributedUpdateConfig, HttpEngine, HttpEngineConfig
-            from megaopd.rollout.pool import EnginePool, PoolConfig
+        from megaopd.rollout import build_engine
 
-            engines = [HttpEngine(HttpEngineConfig(url=u, workers=rollout.engine_tp)) for u in rollout.urls]
-            return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s),
-                              update_config=DistributedUpdateConfig(master_address=rollout.weight_sync_address,
-                                                                    bucket_bytes=rollout.weight_sync_bucket_mb << 20))
-        from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-
-        return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=self._engine_hf_dir(), max_batch_size=rollout.max_batch_size))
+        return build_engine(self.cfg.rollout, self._engine_hf_dir())
 
     def _engine_hf_dir(self) -> str:
         """An HF directory with the student's architecture and tokenizer. The engine builds from it and the
@@ -463,16 +457,8 @@ class Trainer:
         return gather_hf_weights(model_state(self.actor.model), self.actor.hf, self.actor_pgs.tp, self.actor_pgs.pp)
 
     def sync_weights(self) -> None:
-        """Actor shards -> HF tensors -> rollout engine (collective; rank 0 talks to the engine)."""
-        tensors = self._hf_tensors()
-        if self.rank == 0:
-            if self.cfg.rollout.colocated:
-                self.engine.resume_memory()
-            self.engine.update_weights(tensors, weight_version=str(self.step))
-        else:
-            for _ in tensors:  # every rank takes part in each gather/broadcast
-                pass
-        dist.barrier()
+        """Actor shards -> HF tensors -> rollout engine (collective; megaopd.sync)."""
+        self.weight_sync.push(self.actor.model, self.actor.hf, self.actor_pgs, weight_version=str(self.step))
 
     def _check_parity(self, tolerance: float) -> float:
         """Engine vs actor log-probs on fixed probe sequences (the first prompts' golden solutions):

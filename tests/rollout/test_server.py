@@ -215,7 +215,10 @@ def test_control_endpoints(server):
     assert get(server.url, "/health")[0] == 503
     status, out = post(server.url, "/generate", {"input_ids": [1, 2]})
     assert status == 400 and "resume_memory" in out["error"]["message"]
-    assert post(server.url, "/resume_memory_occupation", {"tags": None}) == (200, None)
+    # Resuming a tag that was never released is refused (SGLang 0.5.23 dies on it): null means all tags.
+    status, out = post(server.url, "/resume_memory_occupation", {"tags": None})
+    assert status == 400 and "not released" in out["error"]["message"] and "weights" in out["error"]["message"]
+    assert post(server.url, "/resume_memory_occupation", {"tags": ["kv_cache"]}) == (200, None)
     assert post(server.url, "/release_memory_occupation", {"tags": ["gpu"]})[0] == 400
     assert get(server.url, "/health")[0] == 200
 

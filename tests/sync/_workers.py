@@ -14,10 +14,12 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     from megaopd.config.model import ModelConfig
     from megaopd.models.builder import StageInfo
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import gather_hf_weights, load_hf_weights, model_state
+    from megaopd.config.sections import RolloutConfig
+    from megaopd.models.weights import load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.client import HttpEngine
     from megaopd.rollout.pool import EnginePool
+    from megaopd.sync import WeightSync
     from megaopd.trainer.roles import load_role_model
     from megaopd.trainer.scoring import score_tokens
     from megaopd.trainer.stage_runner import StageRunner
@@ -39,12 +41,9 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
         return box[0]
 
     before = engine_logprobs()
-    tensors = gather_hf_weights(model_state(actor.model), actor.hf, pgs.tp, pgs.pp)
-    if rank == 0:
-        engine.update_weights(tensors, weight_version=f"noise{noise_seed}")
-    else:
-        for _ in tensors:
-            pass
+    sync = WeightSync(engine, RolloutConfig(engine="remote", urls=[url]), rank)
+    stats = sync.push(actor.model, actor.hf, pgs, weight_version=f"noise{noise_seed}")
+    assert (stats is None) == (rank != 0) and (rank != 0 or stats.transports == ["dist_group"])
     after = engine_logprobs()
     S = max(len(p) for p in PROBE)
     tokens = torch.zeros(len(PROBE), S, dtype=torch.long)
@@ -55,6 +54,7 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     def gap(engine_lp):
         return max(abs(e - a) for b, lp in enumerate(engine_lp) for e, a in zip(lp, actor_lp[b, :len(lp)].tolist()))
 
+    sync.close()
     if rank == 0:
         engine.close()
     return (gap(before), gap(after)) if rank == 0 else None

@@ -1,0 +1,25 @@
+"""The rollout engine a RolloutConfig describes, built on trainer rank 0.
+
+    engine = build_engine(cfg.rollout, hf_dir)   # hf_dir: the student's HF dir (or its HF export)
+
+rollout.engine = embedded: an EmbeddedEngine in this process, built from hf_dir (the actor's weights
+are synced in right after, so hf_dir only has to have the student's architecture and tokenizer).
+rollout.engine = remote: an EnginePool over one HttpEngine per rollout.urls entry (each with
+rollout.engine_tp workers); hf_dir is not read: the servers loaded their own copy.
+"""
+from __future__ import annotations
+
+from megaopd.config.sections import RolloutConfig
+from megaopd.rollout.client import HttpEngine, HttpEngineConfig
+from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megaopd.rollout.pool import EnginePool, PoolConfig
+
+
+def build_engine(rollout: RolloutConfig, hf_dir: str):
+    """An Engine (see megaopd.rollout.protocol) for `rollout`; pass it to megaopd.sync.WeightSync."""
+    if rollout.engine == "remote":
+        engines = [HttpEngine(HttpEngineConfig(url=url, workers=rollout.engine_tp)) for url in rollout.urls]
+        return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
+    if rollout.engine == "embedded":
+        return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=rollout.max_batch_size))
+    raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or remote")
