@@ -26,7 +26,10 @@ setup(
     ],
     extras_require={
         # apex is built from source on clusters (see README, "GPU clusters"); it has no wheel.
-        "gpu": ["transformer-engine[pytorch]", "sglang[all]", "sglang-router"],
+        # SGLang: the weight-update protocol megaopd speaks is that of 0.5.20-0.5.x (sessions around
+        # updates, detected from /server_info; see docs/engines.md for the torch / megatron-core /
+        # Transformer Engine pairing). 0.6 may change it again: raise the bound after testing.
+        "gpu": ["transformer-engine[pytorch]>=2.0", "sglang[all]>=0.5.20,<0.6", "sglang-router"],
         # Weights & Biases logging (logging.wandb): a 20 MB wheel that pulls no torch. 0.31 is the
         # version tested (the tests read runs back with its `wandb leet inspect`).
         "wandb": ["wandb>=0.31"],

@@ -72,8 +72,8 @@ def bench_generation(repeats: int, threads: list[int], new_tokens: int = 64, pro
 def _server_process(model_dir: str, to_parent, from_parent):
     """Helper: a RolloutServer in a thread; on request, raw receives on its weight-update group."""
     torch.set_num_threads(1)
-    from megaopd.rollout import dist_group
     from megaopd.rollout.server import RolloutServer, ServeConfig
+    from megaopd.parallel import custom_group as dist_group
 
     server = RolloutServer(ServeConfig(hf_dir=model_dir, port=0))
     server.load_engine()
@@ -98,8 +98,10 @@ def _server_process(model_dir: str, to_parent, from_parent):
 
 def bench_weight_update(repeats: int, bucket_sizes_mb: list[int]) -> list[dict]:
     """One row per (load_format, bucket size); raw = the same broadcasts (per bucket or per tensor)."""
-    from megaopd.rollout import dist_group
-    from megaopd.rollout.client import DistributedUpdateConfig, DistributedWeightUpdater, HttpEngine
+    from megaopd.rollout.client import HttpEngine
+    from megaopd.rollout import weight_wire as wire
+    from megaopd.parallel import custom_group as dist_group
+    from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
     from transformers import AutoModelForCausalLM
 
     rows = []
@@ -122,8 +124,7 @@ def bench_weight_update(repeats: int, bucket_sizes_mb: list[int]) -> list[dict]:
                 upd.update(named, weight_version="warm")
                 # Raw: the same broadcasts (bucket bytes pre-flattened, or each tensor) over the same group.
                 if fmt == "flattened_bucket":
-                    buckets = [dist_group.flatten_bucket([t for _, t in b])
-                               for b in dist_group.buckets(named, mb << 20)]
+                    buckets = [wire.flatten_bucket([t for _, t in b]) for b in wire.buckets(named, mb << 20)]
                 else:
                     buckets = [t.reshape(-1).view(torch.uint8) for _, t in named]
                 times, raw_times = [], []

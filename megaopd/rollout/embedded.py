@@ -13,7 +13,7 @@ or a stop id finishes "stop" (the stop token is in output_ids), one that uses ma
 How a batch is decoded: the distinct prompts are left-padded and prefilled once (a prompt's n samples
 share its prefill; the KV cache rows are then repeated), then one token per row per step with a
 DynamicCache; rows that finish are dropped from the batch and the cache. Each row draws from its own
-torch.Generator (seeded from SamplingParams.seed via derive_seed), so a seeded result does not depend on
+torch.Generator (seeded from SamplingParams.seed by protocol.expand_samples), so a seeded result does not depend on
 which other rows were in the batch (up to float reductions, which batch size can change in the last bit).
 
 Memory release (colocated engines), by `release_weights`:
@@ -22,7 +22,8 @@ Memory release (colocated engines), by `release_weights`:
   discard  weights are freed; resume allocates zeros, and generate refuses to run until every weight
            has been loaded again by update_weights (SGLang without a CPU backup behaves alike).
 The KV cache only lives while a batch decodes, so releasing it waits for the running batch and empties
-the allocator cache. While released, generate raises.
+the allocator cache; "cuda_graph" is accepted and tracked (there are no graphs here). While released,
+generate raises. Resuming a tag that is not released raises MemoryStateError, as SGLang refuses it.
 
 Concurrency: one batch decodes at a time; weight updates wait for it to finish unless generation is
 paused (pause("in_place") / pause("retract")), in which case they load between two decode steps. After a
@@ -42,7 +43,8 @@ from typing import Callable, Iterable, Literal
 
 import torch
 
-from megaopd.rollout.protocol import FinishReason, Sample, SamplingParams, derive_seed
+from megaopd.rollout.protocol import (FinishReason, Sample, SamplingParams, check_resume, expand_samples,
+                                      memory_tags)
 from megaopd.rollout.sampling import row_generator, sample_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -142,6 +144,9 @@ def read_eos_ids(hf_dir: str) -> list[int]:
 class EmbeddedEngine:
     """In-process engine over an HF causal LM; see the module docstring."""
 
+    weight_transports = ("in_process",)
+    """It loads HF-named tensors handed to update_weights in this process (megaopd.sync.in_process)."""
+
     def __init__(self, config: EmbeddedEngineConfig):
         from transformers import AutoModelForCausalLM
 
@@ -173,8 +178,7 @@ class EmbeddedEngine:
         self._pause_mode = "in_place"
         self._abort_epoch = 0
         self._waiting_updates = 0  # weight loads queued: new chunks wait so loads are not starved
-        self._kv_released = False
-        self._weights_released = False
+        self._released: set[str] = set()  # memory tags released and not resumed since
         self._stale: set[str] = set()  # parameters discarded and not yet reloaded
         self._discarded_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._targets = self.model.state_dict(keep_vars=True)  # HF name -> Parameter/buffer (tied names alias)
@@ -184,11 +188,8 @@ class EmbeddedEngine:
 
     # ----------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt_index: int = 0) -> list[Sample]:
-        rows = []
-        for i, prompt in enumerate(prompts):
-            for j in range(params.n):
-                seed = None if params.seed is None else derive_seed(params.seed, first_prompt_index + i, j)
-                rows.append(RowRequest.from_params(prompt, params, self.eos_ids, seed))
+        rows = [RowRequest.from_params(r.prompt_ids, params, self.eos_ids, r.seed)
+                for r in expand_samples(prompts, params.n, params.seed, first_prompt_index)]
         results = self.run(rows)
         return [Sample(prompt_ids=list(r.prompt_ids), output_ids=o.output_ids, output_logprobs=o.logprobs,
                        finish_reason=o.finish_reason, weight_version=o.weight_version)
@@ -379,6 +380,21 @@ class EmbeddedEngine:
     def health(self) -> bool:
         return not (self._kv_released or self._weights_released)
 
+    def weight_targets(self) -> list["EmbeddedEngine"]:
+        return [self]
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        return frozenset(self._released)
+
+    @property
+    def _kv_released(self) -> bool:
+        return "kv_cache" in self._released
+
+    @property
+    def _weights_released(self) -> bool:
+        return "weights" in self._released
+
     def _released_message(self) -> str:
         if self._kv_released or self._weights_released:
             return "memory is released (release_memory); call resume_memory before generating"
@@ -474,13 +490,11 @@ class EmbeddedEngine:
 
     # -------------------------------------------------------------------------------- memory
     def release_memory(self, tags: Iterable[str] | None = None) -> None:
-        """Frees the KV cache and, per `release_weights`, the weights; tags: subset of {"weights", "kv_cache"}."""
-        tags = _check_tags(tags)
+        """Frees the KV cache and, per `release_weights`, the weights; tags among MEMORY_TAGS (None = all).
+        Releasing a released tag again does nothing."""
+        tags = memory_tags(None if tags is None else list(tags), "release_memory")
         with self._cond:
-            if "kv_cache" in tags:
-                self._kv_released = True
             if "weights" in tags and not self._weights_released:
-                self._weights_released = True
                 if self.release_weights == "offload":
                     self.model.to("cpu")
                 elif self.release_weights == "discard":
@@ -491,13 +505,15 @@ class EmbeddedEngine:
                             seen[id(t)] = name
                             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
                     self._stale = set(seen.values())
+            self._released.update(tags)
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
     def resume_memory(self, tags: Iterable[str] | None = None) -> None:
-        """Re-allocates what release_memory freed (discarded weights come back as zeros, still stale)."""
-        tags = _check_tags(tags)
+        """Re-allocates what release_memory freed (discarded weights come back as zeros, still stale).
+        MemoryStateError (nothing resumed) when a named tag is not released; None = every tag."""
+        tags = check_resume(None if tags is None else list(tags), self._released, "resume_memory")
         with self._cond:
             if "weights" in tags and self._weights_released:
                 if self.release_weights == "offload":
@@ -510,9 +526,7 @@ class EmbeddedEngine:
                             shape, dtype = self._discarded_shapes[name]
                             t.data = torch.zeros(shape, dtype=dtype, device=self.device)
                     self._discarded_shapes.clear()
-                self._weights_released = False
-            if "kv_cache" in tags:
-                self._kv_released = False
+            self._released.difference_update(tags)
 
     def model_info(self) -> dict:
         return {"model_path": self.config.hf_dir, "tokenizer_path": self.config.hf_dir,
@@ -525,14 +539,6 @@ class EmbeddedEngine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _check_tags(tags: Iterable[str] | None) -> set[str]:
-    tags = {"weights", "kv_cache"} if tags is None else set(tags)
-    bad = tags - {"weights", "kv_cache"}
-    if bad:
-        raise ValueError(f"unknown memory tags {sorted(bad)}; use 'weights' and/or 'kv_cache'")
-    return tags
 
 
 def _try_load_tokenizer(hf_dir: str):

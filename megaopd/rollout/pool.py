@@ -2,7 +2,8 @@
 
     pool = EnginePool([HttpEngine(u) for u in urls], PoolConfig(prompts_per_job=8))
     samples = pool.generate(prompts, SamplingParams(n=4, seed=step))   # prompt-major, in input order
-    pool.update_weights(hf_named_tensors, weight_version="step-7")       # one group over all HTTP engines
+    WeightSync(pool, rollout_cfg, rank=0).push(...)                      # megaopd.sync: weights go to
+                                                                          # pool.weight_targets()
 
 How: the prompts are cut into jobs (consecutive prompts, all n samples of a prompt in one job); one
 thread per engine takes jobs from a shared queue, so a fast engine takes more. A job whose engine
@@ -17,10 +18,6 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Iterable
-
-import torch
-
 from megaopd.rollout.protocol import Engine, Sample, SamplingParams
 
 
@@ -55,16 +52,23 @@ class _Job:
 
 
 class EnginePool:
-    def __init__(self, engines: list[Engine], config: PoolConfig | None = None, update_config=None):
-        """update_config: a client.DistributedUpdateConfig for the HTTP engines' weight-update group
-        (set master_address to an address of this machine that the engines reach; default 127.0.0.1)."""
+    def __init__(self, engines: list[Engine], config: PoolConfig | None = None):
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         self.engines = list(engines)
         self.config = config or PoolConfig()
-        self.update_config = update_config
         self.failed: set[int] = set()  # indices of engines that failed and were not healthy since
-        self._updater = None
+
+    @property
+    def weight_transports(self) -> tuple[str, ...]:
+        """Transports every member accepts (megaopd.sync picks per member from weight_targets())."""
+        common = [t for t in self.engines[0].weight_transports
+                  if all(t in e.weight_transports for e in self.engines[1:])]
+        return tuple(common)
+
+    def weight_targets(self) -> list[Engine]:
+        """Every member receives the weights, failed ones included (they may come back)."""
+        return [t for e in self.engines for t in e.weight_targets()]
 
     def healthy_engines(self) -> list[int]:
         if self.config.recheck_failed:
@@ -130,22 +134,6 @@ class EnginePool:
             raise PoolError("; ".join(fatal))
         return [s for start in sorted(results) for s in results[start]]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
-        """HTTP engines share one weight-update group (one broadcast reaches them all); others load in turn."""
-        from megaopd.rollout.client import DistributedWeightUpdater, HttpEngine
-
-        http = [e for e in self.engines if isinstance(e, HttpEngine)]
-        # All-HTTP pools stream the tensors (one broadcast reaches every engine); others need them twice.
-        named = named_tensors if len(http) == len(self.engines) else list(named_tensors)
-        if http:
-            if self._updater is None or self._updater.pg is None:
-                self._updater = DistributedWeightUpdater(http, self.update_config)
-                self._updater.connect()
-            self._updater.update(named, weight_version=weight_version)
-        for e in self.engines:
-            if not isinstance(e, HttpEngine):
-                e.update_weights(named, weight_version=weight_version)
-
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
         """Prompt log-probs from the first healthy engine that has them (all engines hold the same weights)."""
         errors = []
@@ -159,18 +147,27 @@ class EnginePool:
                 errors.append(f"{self.engines[i]!r}: {e}")
         raise PoolError("no engine could score the prompt" + (f": {errors}" if errors else ""))
 
-    def release_memory(self) -> None:
+    def release_memory(self, tags: list[str] | None = None) -> None:
         for e in self.engines:
-            e.release_memory()
+            e.release_memory(tags)
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Resumes `tags` on every member; a member that did not release one of them refuses (before any
+        request), as SGLang would die on it."""
         for e in self.engines:
-            e.resume_memory()
+            e.resume_memory(tags)
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        """Tags released on every member (what resume_memory may name)."""
+        tags = [e.released_tags for e in self.engines]
+        return frozenset.intersection(*tags)
 
     def health(self) -> bool:
         return bool(self.healthy_engines())
 
     def close(self) -> None:
-        if self._updater is not None:
-            self._updater.close()
-            self._updater = None
+        for e in self.engines:
+            close = getattr(e, "close", None)
+            if close is not None:
+                close()

@@ -10,15 +10,31 @@ responses are token ids; text is decoded by the caller with the student's tokeni
 Seeds: with `params.seed` set, sample j of prompt i draws from its own generator seeded with
 derive_seed(seed, first_prompt_index + i, j), so results do not depend on batch composition or on how
 a pool split the prompts (a pool passes `first_prompt_index` = the chunk's offset in the full batch).
+expand_samples is the one place that turns prompts x n into per-sample requests with these seeds;
+the HTTP client, the embedded engine and `megaopd serve` all use it.
+
+Weights: an engine names the weight transports it accepts in `weight_transports` (megaopd.sync picks
+one per engine; nothing checks engine classes):
+    "in_process"  update_weights(named_tensors) in this process (the embedded engine)
+    "dist_group"  SGLang's /init_weights_update_group + /update_weights_from_distributed (HTTP engines)
+    "cuda_ipc"    SGLang's /update_weights_from_tensor with CUDA IPC handles (HTTP engines on the
+                  trainer's own GPUs: colocated)
+and `weight_targets()` lists the engines that receive weights (itself, or a pool's members).
+Memory: release_memory(tags) / resume_memory(tags) with tags among MEMORY_TAGS; an engine remembers
+what it released (`released_tags`) and refuses to resume a tag it never released, as SGLang does (0.5.23
+kills the server when asked to).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol
+from typing import Iterable, Literal, Protocol, Sequence
 
 import torch
 
 FinishReason = Literal["stop", "length", "abort"]
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's memory tags (release/resume_memory_occupation); None in a request means all of them."""
 
 
 @dataclass
@@ -75,6 +91,42 @@ def derive_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return x & 0x7FFF_FFFF_FFFF_FFFF
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sample to generate: which prompt, which of its n samples, and the seed of its generator."""
+
+    prompt_index: int
+    """Index of the prompt in the caller's list (not offset by first_prompt_index)."""
+    sample_index: int
+    prompt_ids: list[int]
+    seed: int | None
+    """None: the engine draws a fresh random seed."""
+
+
+def expand_samples(prompts: Sequence[Sequence[int]], n: int | Sequence[int], seed: int | None | Sequence[int | None],
+                   first_prompt_index: int = 0, keep_single_seeds: bool = False) -> list[SampleRequest]:
+    """Prompt-major per-sample requests: prompt i's samples j = 0..n_i-1, seeded derive_seed(seed_i, first + i, j).
+
+    n, seed: one value for every prompt, or one per prompt (a server request may carry a sampling_params
+    list). keep_single_seeds: a prompt with n == 1 keeps its seed as given instead of deriving one: a
+    server entry with n == 1 is one sample whose seed the client already derived (so the client's result
+    equals the embedded engine's); entries with n > 1 still get a distinct seed per prompt and sample.
+    """
+    ns = [n] * len(prompts) if isinstance(n, int) else list(n)
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+    if len(ns) != len(prompts) or len(seeds) != len(prompts):
+        raise ValueError(f"expand_samples: {len(prompts)} prompts but {len(ns)} n values and {len(seeds)} seeds")
+    out = []
+    for i, (prompt, n_i, s_i) in enumerate(zip(prompts, ns, seeds)):
+        for j in range(n_i):
+            if s_i is None or (keep_single_seeds and n_i == 1):
+                sample_seed = s_i
+            else:
+                sample_seed = derive_seed(s_i, first_prompt_index + i, j)
+            out.append(SampleRequest(i, j, list(prompt), sample_seed))
+    return out
+
+
 @dataclass
 class Sample:
     """One generated response."""
@@ -89,20 +141,60 @@ class Sample:
 
 
 class Engine(Protocol):
+    weight_transports: tuple[str, ...]
+    """Weight transports this engine accepts (see the module docstring), in its order of preference."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt_index: int = 0) -> list[Sample]:
         """Samples `params.n` responses per prompt; returns them prompt-major, in input order.
 
         first_prompt_index: index of prompts[0] in the caller's whole batch (only enters seeds).
         """
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
-        """Loads full (unsharded) HF-named tensors into the engine's model; flushes its cache."""
+    def weight_targets(self) -> list["Engine"]:
+        """The engines that receive weights: [self], or a pool's members."""
 
-    def release_memory(self) -> None:
-        """Frees weights and KV cache memory while the trainer runs (colocated engines)."""
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Frees memory (tags among MEMORY_TAGS; None = all) while the trainer runs (colocated engines)."""
 
-    def resume_memory(self) -> None:
-        """Re-allocates what release_memory freed."""
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocates released memory; raises for a tag that is not released (see released_tags)."""
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        """Tags released and not resumed since."""
 
     def health(self) -> bool:
         """True when the engine answers and can generate."""
+
+
+class InProcessEngine(Engine, Protocol):
+    """An engine with "in_process" among its weight_transports."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
+        """Loads full (unsharded) HF-named tensors into the engine's model; flushes its cache."""
+
+
+class MemoryStateError(ValueError):
+    """resume_memory was asked for a tag that is not released (SGLang 0.5.23 dies on this: KeyError in
+    its scheduler, then SIGQUIT to its parent), or release/resume got an unknown tag."""
+
+
+def memory_tags(tags: Sequence[str] | None, who: str) -> list[str]:
+    """The tags a release/resume request names (None = all, as SGLang); MemoryStateError for unknown ones."""
+    wanted = list(MEMORY_TAGS) if tags is None else list(tags)
+    bad = [t for t in wanted if t not in MEMORY_TAGS]
+    if bad:
+        raise MemoryStateError(f"{who}: unknown memory tags {bad}; use {list(MEMORY_TAGS)}")
+    return wanted
+
+
+def check_resume(tags: Sequence[str] | None, released: Iterable[str], who: str) -> list[str]:
+    """The tags a resume request names (None = all, as SGLang), or MemoryStateError naming the unreleased ones."""
+    wanted = memory_tags(tags, who)
+    released = set(released)
+    missing = [t for t in wanted if t not in released]
+    if missing:
+        raise MemoryStateError(
+            f"{who}: cannot resume {missing}: not released (released: {sorted(released)}). Resume only what "
+            "release_memory freed; SGLang kills the server on this request")
+    return wanted

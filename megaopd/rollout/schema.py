@@ -14,10 +14,22 @@ Response entry:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from megaopd.rollout.protocol import Sample, SamplingParams
+
+WEIGHT_UPDATE_SESSION_SINCE = (0, 5, 20)
+"""First SGLang version assumed to demand POST /begin_weight_update ... /end_weight_update around weight
+updates (read in the 0.5.23 wheel). Earlier versions are not asked; from this one on the client opens
+a session, and falls back to none when the server answers 404 (a build without the endpoints)."""
+
+
+def parse_version(text) -> tuple[int, int, int] | None:
+    """'0.5.23', 'v0.5.23.post1', '0.5.3rc0' -> (0, 5, 23) / (0, 5, 3); None when there is no x.y.z."""
+    m = re.search(r"(\d+)\.(\d+)\.(\d+)", str(text or ""))
+    return tuple(int(g) for g in m.groups()) if m else None
 
 
 class BadRequest(ValueError):

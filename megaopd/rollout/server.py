@@ -1,6 +1,6 @@
 """`megaopd serve`: the embedded engine behind the subset of SGLang's native HTTP API that megaopd uses.
 
-    megaopd serve --hf-dir DIR --port 30000 [--host 127.0.0.1] [--max-batch-size 64]
+    megaopd serve --hf-dir DIR --port 30000 [--host 127.0.0.1] [--max-batch-size 64] [--sglang-version 0.5.23]
 
 Endpoints (schemas as SGLang's; see /work/shared/design/SGLANG-PROTOCOL.md):
   POST /generate                                   input_ids (one or a batch) or text, sampling_params
@@ -9,9 +9,17 @@ Endpoints (schemas as SGLang's; see /work/shared/design/SGLANG-PROTOCOL.md):
                                                    (per-tensor format: straight into the parameters)
   POST /update_weights_from_disk                   loads *.safetensors of a directory by HF name
   POST /destroy_weights_update_group
+  POST /begin_weight_update  /end_weight_update    only when acting as SGLang >= 0.5.20 (--sglang-version):
+                                                   then updates from distributed / tensor are refused
+                                                   (HTTP 400) outside such a session, as 0.5.2x does;
+                                                   acting as an older version, both answer 404
+  POST /update_weights_from_tensor                 refused (CUDA IPC handles need GPUs), after the
+                                                   session check
   GET|POST /flush_cache    GET /health  GET /health_generate   GET /get_model_info (/model_info)
   GET /get_server_info     POST /release_memory_occupation  /resume_memory_occupation
   POST /pause_generation   /continue_generation   /abort_request
+Memory tags (weights, kv_cache, cuda_graph) can be resumed only after a release: resuming another is
+HTTP 400 here (SGLang 0.5.23 dies on it). GET /server_info carries "version" (the SGLang version acted).
 Errors are HTTP 400 with SGLang's bodies ({"error": {"message"}} for a bad value, the OpenAI-style
 {"object": "error", ...} for a schema error); /health answers 503 until the model is loaded.
 
@@ -38,11 +46,13 @@ from typing import Any, Callable
 
 import torch
 
-from megaopd.rollout import dist_group
 from megaopd.rollout.embedded import (EmbeddedEngine, EmbeddedEngineConfig, EngineReleasedError, RowRequest,
                                       RowResult, WeightMismatchError)
-from megaopd.rollout.protocol import derive_seed
-from megaopd.rollout.schema import BadRequest, finish_reason_json, parse_params
+from megaopd.rollout.protocol import MemoryStateError, expand_samples, memory_tags
+from megaopd.rollout.schema import (WEIGHT_UPDATE_SESSION_SINCE, BadRequest, finish_reason_json, parse_params,
+                                    parse_version)
+from megaopd.rollout import weight_wire as wire
+from megaopd.parallel import custom_group as dist_group
 
 log = logging.getLogger("megaopd.serve")
 
@@ -64,10 +74,20 @@ class ServeConfig:
     """keep | offload | discard | auto: what /release_memory_occupation does to the weights."""
     group_timeout_s: float = 300.0
     """How long a weight-update group may take to form, and a broadcast to arrive."""
+    sglang_version: str = "0.5.23"
+    """The SGLang version whose weight-update protocol this server speaks and reports in /server_info:
+    >= 0.5.20 demands /begin_weight_update ... /end_weight_update around updates, older has neither."""
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port} must be in [0, 65535] (0 picks a free one)")
+        if parse_version(self.sglang_version) is None:
+            raise ValueError(f"sglang_version={self.sglang_version!r}: give x.y.z, e.g. 0.5.23 or 0.5.2")
+
+    @property
+    def weight_update_sessions(self) -> bool:
+        """Whether the acted version demands weight-update sessions."""
+        return parse_version(self.sglang_version) >= WEIGHT_UPDATE_SESSION_SINCE
 
     def engine_config(self) -> EmbeddedEngineConfig:
         return EmbeddedEngineConfig(hf_dir=self.hf_dir, device=self.device, dtype=self.dtype,
@@ -135,6 +155,8 @@ class RolloutServer:
         self.groups: dict[str, dist_group.dist.ProcessGroup] = {}
         self._recv_buffers: dict[str, torch.Tensor] = {}  # group name -> reusable flattened-bucket buffer
         self.load_error: str | None = None
+        self.session: str | None = None  # selector of the open weight-update session (newer protocol)
+        self._session_lock = threading.Lock()
         self.httpd = ThreadingHTTPServer((config.host, config.port), _make_handler(self))
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
@@ -210,22 +232,22 @@ class RolloutServer:
         rids = req.get("rid")
         rids = rids if isinstance(rids, list) else [rids] * len(prompts)
 
-        # Expand n: prompt i's samples are entries i*n .. i*n+n-1 (prompt-major).
+        # Expand n: prompt i's samples are consecutive entries (prompt-major); an entry with n > 1 gives
+        # sample j of prompt i the seed derive_seed(seed, i, j), one with n == 1 keeps the client's seed.
         entries, rows = [], []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            for j in range(p.n):
-                seed = p.seed if p.seed is None or p.n == 1 else derive_seed(p.seed, 0, j)
-                stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.eos_ids))
-                row = RowRequest(prompt_ids=prompt, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
-                                 top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, stop_ids=frozenset(stop), seed=seed)
-                if p.max_new_tokens > 0:
-                    try:
-                        engine.check_row(row)
-                    except ValueError as e:
-                        raise BadRequest(str(e)) from e
-                rid = rids[i] if rids[i] is not None and p.n == 1 and len(prompts) == 1 else None
-                entries.append((i, p, row, rid or uuid.uuid4().hex))
-                rows.append(row)
+        for s in expand_samples(prompts, [p.n for p in params], [p.seed for p in params], keep_single_seeds=True):
+            i, p = s.prompt_index, params[s.prompt_index]
+            stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.eos_ids))
+            row = RowRequest(prompt_ids=s.prompt_ids, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
+                             top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, stop_ids=frozenset(stop), seed=s.seed)
+            if p.max_new_tokens > 0:
+                try:
+                    engine.check_row(row)
+                except ValueError as e:
+                    raise BadRequest(str(e)) from e
+            rid = rids[i] if rids[i] is not None and p.n == 1 and len(prompts) == 1 else None
+            entries.append((i, p, row, rid or uuid.uuid4().hex))
+            rows.append(row)
         t0 = time.perf_counter()
         run_rows = [r for r in rows if r.max_new_tokens > 0]
         try:
@@ -299,8 +321,11 @@ class RolloutServer:
             raise BadRequest(f"load_format {fmt!r}: megaopd serve takes null or 'flattened_bucket'")
         if name not in self.groups:
             raise BadRequest(f"Group {name} not in {list(self.groups)}. Please call `init_weights_update_group` first.")
+        refused = self._session_refusal("update_weights_from_distributed")
+        if refused:
+            return refused
         try:
-            torch_dtypes = [dist_group.parse_dtype(d) for d in dtypes]
+            torch_dtypes = [wire.parse_dtype(d) for d in dtypes]
         except ValueError as e:
             raise BadRequest(str(e)) from e
         pg = self.groups[name]
@@ -332,7 +357,7 @@ class RolloutServer:
 
     def _receive_scratch(self, pg, fmt, names, dtypes, shapes, device, buffer_key=None):
         if fmt == "flattened_bucket":
-            nbytes = dist_group.bucket_nbytes(dtypes, shapes)
+            nbytes = wire.bucket_nbytes(dtypes, shapes)
             # One receive buffer per group, grown as needed and reused by later buckets: fresh pages
             # would cost a page fault per 4 KiB on every update.
             buf = self._recv_buffers.get(buffer_key)
@@ -342,13 +367,48 @@ class RolloutServer:
                     self._recv_buffers[buffer_key] = buf
             flat = buf[:nbytes]
             dist_group.broadcast(flat, pg)
-            return dist_group.unflatten_bucket(flat, names, dtypes, shapes)
+            return wire.unflatten_bucket(flat, names, dtypes, shapes)
         tensors = []
         for n, dt, shape in zip(names, dtypes, shapes):
             t = torch.empty(shape, dtype=dt, device=device)
             dist_group.broadcast(t, pg)
             tensors.append((n, t))
         return tensors
+
+    # ------------------------------------------------------------------- weight-update sessions
+    def _session_refusal(self, what: str) -> dict | None:
+        """SGLang 0.5.2x's answer to an update outside a session (None: go on)."""
+        if self.config.weight_update_sessions and self.session is None:
+            return {"success": False, "message": f"{what} needs an open weight update session: POST "
+                                                 "/begin_weight_update first and /end_weight_update after"}
+        return None
+
+    def begin_weight_update(self, req: Any) -> dict:
+        selector = (req or {}).get("selector", "all") if isinstance(req, (dict, type(None))) else None
+        if selector not in ("target", "draft", "all"):
+            raise BadRequest(f"selector={selector!r}: use 'target', 'draft' or 'all'")
+        with self._session_lock:
+            if self.session is not None:
+                return {"success": False, "message": f"a weight update session ({self.session}) is already open; "
+                                                     "end it first"}
+            self.session = selector
+        return {"success": True, "message": "Weight update session started."}
+
+    def end_weight_update(self, _req: Any) -> dict:
+        with self._session_lock:
+            if self.session is None:
+                return {"success": False, "message": "no weight update session is open"}
+            self.session = None
+        return {"success": True, "message": "Weight update session ended."}
+
+    def update_from_tensor(self, req: Any) -> dict:
+        self._engine()
+        _require(req, ("serialized_named_tensors",))
+        refused = self._session_refusal("update_weights_from_tensor")
+        if refused:
+            return refused
+        return {"success": False, "message": "megaopd serve does not load CUDA IPC handles "
+                                             "(/update_weights_from_tensor needs SGLang on the trainer's GPUs)"}
 
     def update_from_disk(self, req: dict) -> dict:
         from safetensors.torch import load_file
@@ -407,8 +467,12 @@ def _require(req: Any, keys) -> None:
 
 def _tags(req: Any):
     tags = (req or {}).get("tags") if isinstance(req, (dict, type(None))) else None
-    if tags is not None and (not isinstance(tags, list) or not set(tags) <= {"weights", "kv_cache"}):
-        raise BadRequest(f"tags={tags!r}: use null or a list of 'weights' / 'kv_cache'")
+    if tags is not None and not isinstance(tags, list):
+        raise BadRequest(f"tags={tags!r}: use null or a list of 'weights' / 'kv_cache' / 'cuda_graph'")
+    try:
+        memory_tags(tags, "tags")
+    except MemoryStateError as e:
+        raise BadRequest(str(e)) from e
     return tags
 
 
@@ -447,7 +511,10 @@ def _make_handler(server: RolloutServer):
 
     def resume_mem(req):
         tags = _tags(req)
-        server._engine().resume_memory(tags)
+        try:
+            server._engine().resume_memory(tags)
+        except MemoryStateError as e:  # SGLang 0.5.23 dies here; we answer why instead
+            raise BadRequest(str(e)) from e
         return ok_json(None)
 
     def health(_req):
@@ -461,7 +528,8 @@ def _make_handler(server: RolloutServer):
         engine = server._engine()
         return ok_json({"model_path": server.config.hf_dir, "tp_size": 1, "dp_size": 1, "pp_size": 1,
                         "weight_version": engine.weight_version, "max_running_requests": server.config.max_batch_size,
-                        "host": server.config.host, "port": server.port, "version": "megaopd-serve",
+                        "host": server.config.host, "port": server.port, "version": server.config.sglang_version,
+                        "megaopd_serve": True,
                         "internal_states": [{"running": engine.running, "paused": engine.paused}]})
 
     def with_success(fn: Callable[[Any], dict]):
@@ -475,6 +543,7 @@ def _make_handler(server: RolloutServer):
         ("POST", "/init_weights_update_group"): with_success(server.init_group),
         ("POST", "/update_weights_from_distributed"): with_success(server.update_from_distributed),
         ("POST", "/update_weights_from_disk"): with_success(server.update_from_disk),
+        ("POST", "/update_weights_from_tensor"): with_success(server.update_from_tensor),
         ("POST", "/destroy_weights_update_group"): with_success(server.destroy_group),
         ("GET", "/flush_cache"): flush, ("POST", "/flush_cache"): flush,
         ("GET", "/health"): health, ("GET", "/health_generate"): lambda _r: (200, "") if server.health_generate() else (503, ""),
@@ -484,6 +553,9 @@ def _make_handler(server: RolloutServer):
         ("POST", "/pause_generation"): pause, ("POST", "/continue_generation"): resume,
         ("POST", "/abort_request"): abort,
     }
+    if server.config.weight_update_sessions:  # older SGLang has neither endpoint (404)
+        routes[("POST", "/begin_weight_update")] = with_success(server.begin_weight_update)
+        routes[("POST", "/end_weight_update")] = with_success(server.end_weight_update)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: the client reuses connections
@@ -545,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--release-weights", default="auto", choices=["auto", "keep", "offload", "discard"])
+    ap.add_argument("--sglang-version", default="0.5.23",
+                    help="SGLang version whose weight-update protocol to speak (>= 0.5.20: begin/end sessions)")
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -552,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     config = ServeConfig(hf_dir=args.hf_dir, port=args.port, host=args.host, max_batch_size=args.max_batch_size,
-                         device=args.device, dtype=args.dtype, release_weights=args.release_weights)
+                         device=args.device, dtype=args.dtype, release_weights=args.release_weights,
+                         sglang_version=args.sglang_version)
     server = RolloutServer(config)
     # SIGTERM (the launcher's stop) ends serve_forever like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

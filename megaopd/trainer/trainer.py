@@ -31,11 +31,12 @@ from megaopd.data.vocab import loss_mask_ids
 from megaopd.losses import build_loss_from, mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
-from megaopd.models.weights import gather_hf_weights, model_state
 from megaopd.parallel.dist import init_distributed, rank0_computes
 from megaopd.rollout.batch import RolloutBatch, build_rollout_batch
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.scoring import bounds_for, parity_report, score_sequences, score_tokens
+from megaopd.sync import WeightSync
+from megaopd.sync.gather import gather_hf_weights, model_state
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.micro_batches import MicroBatch, assemble_micro_batches
 from megaopd.trainer.optim import build_optimizer, wrap_for_training
@@ -129,6 +130,7 @@ class Trainer:
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             self.export_hf(hf_dir)  # collective; the engine is built from it
         self.engine = build_engine(cfg.rollout, hf_dir) if self.rank == 0 else None
+        self.weight_sync = WeightSync(self.engine, cfg.rollout, self.rank)
         self.sync_weights()
         self.check_parity()
 
@@ -267,16 +269,9 @@ class Trainer:
         return gather_hf_weights(model_state(self.actor.model), self.actor.hf, self.actor_pgs.tp, self.actor_pgs.pp)
 
     def sync_weights(self) -> None:
-        """Actor shards -> HF tensors -> rollout engine (collective; rank 0 talks to the engine)."""
-        tensors = self._hf_tensors()
-        if self.rank == 0:
-            if self.cfg.rollout.colocated:
-                self.engine.resume_memory()
-            self.engine.update_weights(tensors, weight_version=str(self.step))
-        else:
-            for _ in tensors:  # every rank takes part in each gather/broadcast
-                pass
-        dist.barrier()
+        """Actor shards -> HF tensors -> rollout engines (collective; megaopd.sync, which also resumes
+        colocated engines' memory in SGLang's order)."""
+        self.weight_sync.push(self.actor.model, self.actor.hf, self.actor_pgs, weight_version=str(self.step))
 
     def check_parity(self) -> None:
         """Engine vs actor log-probs of fixed probe sequences (the first prompts' golden solutions) after a

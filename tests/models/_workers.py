@@ -65,7 +65,8 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
     from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import gather_hf_weights, gather_stage_hf_weights, hf_shapes, model_state
+    from megaopd.models.weights import gather_stage_hf_weights, hf_shapes
+    from megaopd.sync.gather import gather_hf_weights, model_state
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 
     res = {}

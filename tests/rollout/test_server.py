@@ -215,7 +215,10 @@ def test_control_endpoints(server):
     assert get(server.url, "/health")[0] == 503
     status, out = post(server.url, "/generate", {"input_ids": [1, 2]})
     assert status == 400 and "resume_memory" in out["error"]["message"]
-    assert post(server.url, "/resume_memory_occupation", {"tags": None}) == (200, None)
+    # Resuming a tag that was never released is refused (SGLang 0.5.23 dies on it): null means all tags.
+    status, out = post(server.url, "/resume_memory_occupation", {"tags": None})
+    assert status == 400 and "not released" in out["error"]["message"] and "weights" in out["error"]["message"]
+    assert post(server.url, "/resume_memory_occupation", {"tags": ["kv_cache"]}) == (200, None)
     assert post(server.url, "/release_memory_occupation", {"tags": ["gpu"]})[0] == 400
     assert get(server.url, "/health")[0] == 200
 
@@ -235,3 +238,22 @@ def test_http_engine_equals_embedded_engine(server, tiny_dir):
     assert max(abs(a - b) for a, b in zip(lps[1:], local.prompt_logprobs([5, 6, 7, 8])[1:])) < 1e-5
     with pytest.raises(EngineRequestError, match="vocabulary"):
         client.generate([[1000]], params)
+
+
+def test_two_prompts_in_one_n_request_get_their_own_seeds(server, tiny_dir):
+    """An n > 1 request with two prompts: sample j of prompt i draws derive_seed(seed, i, j). Before the
+    one request expansion (rollout/protocol.expand_samples) the server used prompt index 0 for every
+    prompt, so identical prompts got identical samples: prompt 1 repeated prompt 0's stream."""
+    body = {"input_ids": [[5, 6, 7], [5, 6, 7]], "return_logprob": True,
+            "sampling_params": {"n": 2, "max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 3,
+                                "ignore_eos": True}}
+    status, out = post(server.url, "/generate", body)
+    assert status == 200 and len(out) == 4  # prompt-major: p0s0, p0s1, p1s0, p1s1
+    ids = [e["output_ids"] for e in out]
+    assert ids[0] != ids[1] and ids[2] != ids[3]  # samples of one prompt differ
+    assert ids[0] != ids[2] and ids[1] != ids[3]  # ...and so do the two prompts' streams
+    # The same expansion as the embedded engine's (and the client's): equal samples for equal seeds.
+    local = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
+    want = local.generate([[5, 6, 7], [5, 6, 7]], SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3,
+                                                                  ignore_eos=True))
+    assert ids == [s.output_ids for s in want]

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from megaopd.parallel.launch import find_free_port
-from megaopd.rollout.client import (DistributedUpdateConfig, DistributedWeightUpdater, EngineError,
-                                    EngineUnavailableError, HttpEngine, HttpEngineConfig)
+from megaopd.rollout.client import EngineError, EngineUnavailableError, HttpEngine, HttpEngineConfig
 from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megaopd.rollout.pool import EnginePool, PoolConfig, PoolError
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.rollout.server import RolloutServer, ServeConfig
 from megaopd.rollout.sglang_launcher import (SGLangLaunchConfig, ServerProcess, ServerStartError,
                                              megaopd_serve_command, sglang_command)
+from megaopd.sync.distributed import DistGroupTransport, DistributedUpdateConfig, DistributedWeightUpdater
 from tests.rollout._models import hf_logprobs, random_state_dict
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -206,17 +206,20 @@ def test_pool_over_servers_with_a_dead_one(served, tiny_dir):
 
 
 @pytest.mark.slow
-def test_pool_update_weights_and_prompt_logprobs(served, tiny_dir):
+def test_pool_targets_take_a_group_and_prompt_logprobs(served, tiny_dir):
     from transformers import Qwen2ForCausalLM
 
     client = HttpEngine(served.url)
-    pool = EnginePool([client], update_config=DistributedUpdateConfig(timeout_s=60))
+    pool = EnginePool([client])
+    assert pool.weight_transports == ("dist_group", "cuda_ipc") and pool.weight_targets() == [client]
+    transport = DistGroupTransport(pool.weight_targets(), DistributedUpdateConfig(timeout_s=60))
     orig = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).state_dict()
     try:
-        pool.update_weights(iter(orig.items()), weight_version="pool-1")  # a generator, as the trainer sends
+        transport.push(iter(orig.items()), weight_version="pool-1")  # a generator, as the trainer sends
         assert client.weight_version() == "pool-1"
         lps = pool.prompt_logprobs([5, 6, 7])
         ref = hf_logprobs(tiny_dir, [5], [6, 7], 1.0)
         assert lps[0] is None and max(abs(a - b) for a, b in zip(lps[1:], ref.tolist())) < 1e-4
     finally:
+        transport.close()
         pool.close()

@@ -14,10 +14,12 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     from megaopd.config.model import ModelConfig
     from megaopd.models.builder import StageInfo
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import gather_hf_weights, load_hf_weights, model_state
+    from megaopd.config.sections import RolloutConfig
+    from megaopd.models.weights import load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.client import HttpEngine
     from megaopd.rollout.pool import EnginePool
+    from megaopd.sync import WeightSync
     from megaopd.trainer.roles import load_role_model
     from megaopd.scoring.passes import score_tokens
     from megaopd.scoring.runner import PipelineRunner
@@ -39,12 +41,9 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
         return box[0]
 
     before = engine_logprobs()
-    tensors = gather_hf_weights(model_state(actor.model), actor.hf, pgs.tp, pgs.pp)
-    if rank == 0:
-        engine.update_weights(tensors, weight_version=f"noise{noise_seed}")
-    else:
-        for _ in tensors:
-            pass
+    sync = WeightSync(engine, RolloutConfig(engine="remote", urls=[url]), rank)
+    stats = sync.push(actor.model, actor.hf, pgs, weight_version=f"noise{noise_seed}")
+    assert (stats is None) == (rank != 0) and (rank != 0 or stats.transports == ["dist_group"])
     after = engine_logprobs()
     S = max(len(p) for p in PROBE)
     tokens = torch.zeros(len(PROBE), S, dtype=torch.long)
@@ -55,6 +54,66 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     def gap(engine_lp):
         return max(abs(e - a) for b, lp in enumerate(engine_lp) for e, a in zip(lp, actor_lp[b, :len(lp)].tolist()))
 
+    sync.close()
     if rank == 0:
         engine.close()
     return (gap(before), gap(after)) if rank == 0 else None
+
+
+class _Recording:
+    """An engine wrapper that logs memory and weight calls in order (an "in_process" engine)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+        self.weight_transports = engine.weight_transports
+
+    def weight_targets(self):
+        return [self]
+
+    @property
+    def released_tags(self):
+        return self.engine.released_tags
+
+    def release_memory(self, tags=None):
+        self.engine.release_memory(tags)
+
+    def resume_memory(self, tags=None):
+        self.calls.append(f"resume({list(tags)})")
+        self.engine.resume_memory(tags)
+
+    def update_weights(self, named, weight_version=None):
+        self.calls.append(f"update_weights({weight_version})")
+        self.engine.update_weights(named, weight_version=weight_version)
+
+
+def push_and_record(rank, world_size, hf_dir):
+    from megaopd.config.model import ModelConfig
+    from megaopd.config.sections import RolloutConfig
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.sync import WeightSync
+    from megaopd.trainer.roles import load_role_model
+    from megaopd.trainer.scoring import score_tokens
+    from megaopd.trainer.stage_runner import StageRunner
+
+    pgs = initialize_actor_layout(Layout(world_size, 1))
+    actor = load_role_model(ModelConfig(path=hf_dir, tp=world_size, pp=1), pgs, trainable=False)
+    with torch.no_grad():  # a "trained" actor: not the weights the engine loaded
+        for p in actor.model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    engine = _Recording(EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir))) if rank == 0 else None
+    sync = WeightSync(engine, RolloutConfig(engine="embedded", colocated=True), rank)
+    out = {}
+    sync.push(actor.model, actor.hf, pgs, weight_version="v0")
+    if rank == 0:
+        out["startup"], engine.calls = engine.calls, []
+        engine.release_memory()  # as the trainer does after generating
+    sync.push(actor.model, actor.hf, pgs, weight_version="v1")
+    tokens = torch.tensor([PROBE[0]])
+    actor_lp = score_tokens(StageRunner(actor.model, pgs, actor.hf.vocab_size), tokens, 1, 1.0).logprobs_BT
+    if rank != 0:
+        return None
+    out["after_release"] = engine.calls
+    engine_lp = engine.engine.prompt_logprobs(PROBE[0])[1:]
+    out["gap"] = max(abs(e - a) for e, a in zip(engine_lp, actor_lp[0, :len(engine_lp)].tolist()))
+    return out

@@ -7,7 +7,7 @@ import torch
 def one_step_gradients(rank, world_size, cfg):
     """Runs one training step of `cfg` and returns the actor's gradient as full HF-named tensors
     (gathered over TP/PP) together with the step's loss metrics (rank 0)."""
-    from megaopd.models.weights import gather_hf_weights
+    from megaopd.sync.gather import gather_hf_weights
     from megaopd.trainer.trainer import Trainer
 
     trainer = Trainer(cfg)

@@ -1,24 +1,19 @@
-"""The weight-update process group shared by a trainer and rollout engines, and the bucket wire format.
+"""The bucket wire format of SGLang's /update_weights_from_distributed, and dtype names: what the
+trainer's sender (megaopd.sync) and the engine's receiver (`megaopd serve`) both speak.
 
-Both sides build the group the way SGLang does (init_custom_process_group): a TCP rendezvous at
-tcp://master_address:master_port (the trainer, rank 0, hosts the store), the store wrapped in a
-PrefixStore named after the group, and a process group of `backend` created on it. This works beside
-(or without) a default torch.distributed group, so a trainer already inside torchrun can open one
-group per set of engines, and a `megaopd serve` process needs no default group at all.
-
-Wire format of one update (SGLang's /update_weights_from_distributed):
+Wire format of one update:
   load_format None:                one broadcast from rank 0 per tensor, in `names` order;
   load_format "flattened_bucket":  one broadcast of a uint8 tensor: the tensors' bytes concatenated in
                                    `names` order (each flattened, native dtype), as SGLang's
                                    FlattenedTensorBucket lays them out.
+Buckets bound the bytes in flight: the trainer's tensors are grouped, in order, into lists of at most
+`bucket_bytes` (one HTTP request each).
 """
 from __future__ import annotations
 
-import datetime
 from typing import Iterable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -38,39 +33,6 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def init_custom_process_group(backend: str, master_address: str, master_port: int, rank: int,
-                              world_size: int, group_name: str, timeout_s: float = 300.0) -> dist.ProcessGroup:
-    """Joins (rank > 0) or hosts (rank 0) a standalone process group; blocks until all ranks arrive."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
-
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{int(master_port)}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    # The prefix keeps two groups on one store (or a reused port) from reading each other's keys.
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout)
-    # Registering the ranks lets torch.distributed's collectives and destroy_process_group accept the group.
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
-    try:
-        dist.destroy_process_group(pg)
-    except Exception:  # noqa: BLE001 - a group whose peer died may fail to tear down; drop it anyway
-        pass
-
-
-def broadcast(tensor: torch.Tensor, pg: dist.ProcessGroup, async_op: bool = False):
-    """Broadcast from the group's rank 0 (the trainer); group_src avoids any global-rank lookup."""
-    return dist.broadcast(tensor, group=pg, group_src=0, async_op=async_op)
 
 
 def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

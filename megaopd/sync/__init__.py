@@ -1,0 +1,21 @@
+"""megaopd.sync: everything from the actor's shards to an engine's parameters.
+
+    sync = WeightSync(engine if rank == 0 else None, cfg.rollout, rank)
+    sync.push(actor_model, actor_hf_cfg, actor_pgs, weight_version=str(step))   # collective
+
+Modules (one job each):
+    gather       this rank's Megatron shards -> full HF-named tensors (TP all-gather, PP collection),
+                 on the one mapping of megaopd.models.weights
+    in_process   transport "in_process": update_weights on an engine in this process
+    distributed  transport "dist_group": SGLang's /update_weights_from_distributed over that group
+    cuda_ipc     transport "cuda_ipc": SGLang's /update_weights_from_tensor with CUDA IPC handles
+                 (colocated engines)
+    weight_sync  WeightSync: picks a transport per engine (engine.weight_transports + rollout.colocated)
+                 and orders memory resume around the push
+What both ends of SGLang's update protocol share lives below this package, so that `megaopd serve`
+(rollout/) can speak it too: the bucket wire format in megaopd.rollout.weight_wire, the standalone
+process group in megaopd.parallel.custom_group.
+"""
+from megaopd.sync.weight_sync import SyncStats, WeightSync, choose_transport
+
+__all__ = ["WeightSync", "SyncStats", "choose_transport"]

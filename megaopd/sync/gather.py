@@ -1,0 +1,76 @@
+"""This rank's Megatron shards -> full HF-named tensors: the TP all-gather and the PP collection.
+
+    tensors = gather_hf_weights(model_state(model), hf_cfg, pgs.tp, pgs.pp)   # collective, lazy
+    for name, t in tensors: ...                                               # every rank drains it
+
+The mapping itself (which megatron tensor is made of which HF tensors, and how shards merge) is the
+one in megaopd.models.weights (stage_rules, merge_shards), shared with the checkpoint converters; this
+module only adds the collectives. Every collective tensor lives on the device of the shard it came from
+(the model's device), which is the device of the group's backend: CUDA under NCCL, CPU under gloo.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megaopd.models.hf_config import HFModelConfig
+from megaopd.models.weights import (hf_shapes, merge_shards, model_state, stage_rules, strip_wrapper_prefix,
+                                    uses_fused_norms)
+
+__all__ = ["gather_hf_weights", "model_state"]
+
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    if group is None or dist.get_world_size(group) == 1:
+        return [t]
+    t = t.detach().contiguous()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return out
+
+
+def gather_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_group=None, pp_group=None,
+                      collect_pp: bool = True, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, full tensor) for the whole model, built from every rank's megatron shard.
+
+    state: this rank's megatron tensors by name (model_state(model), or a state_dict; a `module.`
+    prefix is ignored). tp_group: this stage's TP group (None = TP 1); pp_group: this rank's pipeline
+    group (None = PP 1). Collective: every rank of both groups must consume the whole iterator.
+    With collect_pp (default) every rank receives every tensor: each stage all-gathers its shards over
+    TP, then broadcasts them over the PP group, one tensor at a time (memory: one tensor at a time).
+    With collect_pp=False only this stage's tensors are yielded (no PP traffic): a weight-sync sender
+    per stage can stream them directly. Tensors are detached copies, all in one dtype: `dtype`, or by
+    default that of the linear weights (megatron's local-spec norms are float32 even in a bf16 model;
+    HF stores every tensor in the model dtype, and the PP broadcast needs one dtype on all ranks).
+    """
+    state = {strip_wrapper_prefix(k): v for k, v in state.items()}
+    fused = uses_fused_norms(state)
+    pp_rank = pp_group.rank() if pp_group is not None else 0
+    pp_size = pp_group.size() if pp_group is not None else 1
+    some = state["decoder.layers.0.self_attention.linear_qkv.weight"]  # every stage has a layer 0
+    dtype = dtype or some.dtype
+
+    def local() -> Iterator[tuple[str, torch.Tensor]]:
+        for rule in stage_rules(cfg, pp_rank, pp_size, fused):
+            if rule.export:
+                shards = _all_gather(state[rule.megatron].detach(), tp_group)
+                yield from ((n, t.to(dtype)) for n, t in zip(rule.hf, merge_shards(rule, shards, cfg)))
+
+    if pp_size == 1 or not collect_pp:
+        yield from local()
+        return
+    shapes = hf_shapes(cfg)
+    for stage in range(pp_size):
+        src = dist.get_global_rank(pp_group, stage)
+        names = [n for r in stage_rules(cfg, stage, pp_size, fused) if r.export for n in r.hf]
+        mine = local() if stage == pp_rank else None
+        for name in names:
+            if mine is not None:
+                got_name, t = next(mine)
+                assert got_name == name, (got_name, name)
+            else:
+                t = torch.empty(shapes[name], dtype=dtype, device=some.device)
+            dist.broadcast(t, src=src, group=pp_group)
+            yield name, t

@@ -1,0 +1,179 @@
+"""The trainer's one entry point to weight sync: actor shards -> HF-named tensors -> every engine.
+
+    sync = WeightSync(engine if rank == 0 else None, cfg.rollout, rank)   # once, not collective
+    stats = sync.push(actor_model, actor_hf_cfg, actor_pgs, weight_version=str(step))  # every rank
+    sync.close()
+
+push() is collective over `group` (default: torch's default group) and the actor's TP/PP groups:
+    1. plan (first push only): rank 0 picks one transport per engine from what the engine accepts
+       (engine.weight_transports) and the config (choose_transport), and tells every rank whether all
+       ranks take part (cuda_ipc) and which ranks feed which engine GPU;
+    2. colocated engines: every rank empties its CUDA cache (the trainer's cached blocks would leave
+       the engines too little memory), then rank 0 resumes "weights" on the engines that released them;
+    3. gather (megaopd.sync.gather) and send (the transports); ranks that send nothing drain the gather;
+    4. colocated engines: rank 0 resumes "kv_cache" and "cuda_graph" where released (SGLang's order
+       after training: weights first, then the KV cache, so the two never compete for memory);
+    5. a barrier: no rank runs ahead while the engines still load.
+Only tags an engine released are resumed (SGLang 0.5.23 dies on a resume without a release), so the
+first push at start-up, before any release, resumes nothing.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megaopd.config.sections import RolloutConfig
+from megaopd.sync.cuda_ipc import CudaIpcTransport, IpcLayout, feeder_ranks
+from megaopd.sync.distributed import DistGroupTransport, DistributedUpdateConfig
+from megaopd.sync.gather import gather_hf_weights, model_state
+from megaopd.sync.in_process import InProcessTransport
+
+TRANSPORTS = ("in_process", "dist_group", "cuda_ipc")
+
+
+def choose_transport(accepted: Iterable[str], colocated: bool) -> str:
+    """The transport for one engine: in-process when it lives here; else CUDA IPC when colocated (NCCL
+    refuses a group with two ranks on one GPU), the weight-update group otherwise."""
+    accepted = tuple(accepted)
+    order = ("in_process", "cuda_ipc") if colocated else ("in_process", "dist_group")
+    for name in order:
+        if name in accepted:
+            return name
+    want = "cuda_ipc (rollout.colocated=true)" if colocated else "dist_group (rollout.colocated=false)"
+    raise ValueError(f"engine accepts weight transports {list(accepted)}, none of {list(order)}: it needs {want}; "
+                     "fix rollout.colocated or the engine")
+
+
+@dataclass
+class SyncPlan:
+    """What rank 0 decided at the first push and every rank follows."""
+
+    transports: list[str]
+    """Transport names in use (one or more; cuda_ipc only alone)."""
+    feeders: list[list[int]] = field(default_factory=list)
+    """cuda_ipc: trainer rank per (engine, engine TP rank)."""
+
+
+@dataclass
+class SyncStats:
+    """One push, as rank 0 saw it."""
+
+    seconds: float
+    tensors: int
+    bytes: int
+    transports: list[str]
+
+
+class WeightSync:
+    def __init__(self, engine, rollout: RolloutConfig, rank: int, group=None, local_world_size: int | None = None,
+                 engines_per_node: int = 1):
+        """engine: the rollout engine (or pool) on rank 0, None on the other ranks. group: the trainer's
+        ranks that push together (None: torch's default group). Only colocated engines use the rest:
+        local_world_size, trainer ranks per node (default: torchrun's LOCAL_WORLD_SIZE, else the visible
+        GPU count); engines_per_node, engines sharing a node in rollout.urls order."""
+        if rank == 0 and engine is None:
+            raise ValueError("WeightSync on rank 0 needs the engine")
+        self.engine, self.rollout, self.rank, self.group = engine, rollout, rank, group
+        self.local_world_size, self.engines_per_node = local_world_size, engines_per_node
+        self.plan: SyncPlan | None = None
+        self.transports: list = []
+
+    # ------------------------------------------------------------------------------------- planning
+    def _targets_by_transport(self) -> dict[str, list]:
+        groups: dict[str, list] = {}
+        for target in self.engine.weight_targets():
+            groups.setdefault(choose_transport(target.weight_transports, self.rollout.colocated), []).append(target)
+        if "cuda_ipc" in groups and len(groups) > 1:
+            raise ValueError(f"colocated engines must all take CUDA IPC; this pool mixes {sorted(groups)}")
+        return groups
+
+    def _layout(self) -> IpcLayout:
+        local = self.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(torch.cuda.device_count(), 1)
+        return IpcLayout(local_world_size=local, world_size=dist.get_world_size(self.group),
+                         engines_per_node=self.engines_per_node)
+
+    def _make_plan(self) -> None:
+        """Collective: rank 0 decides, every rank builds its transports from the decision."""
+        by_transport = self._targets_by_transport() if self.rank == 0 else {}
+        box = [None]
+        if self.rank == 0:
+            feeders = []
+            if "cuda_ipc" in by_transport:
+                gpus = [(e.config.base_gpu_id, e.config.workers) for e in by_transport["cuda_ipc"]]
+                feeders = feeder_ranks(gpus, self._layout())
+            box = [SyncPlan(sorted(by_transport, key=TRANSPORTS.index), feeders)]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        self.plan = box[0]
+        bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
+        for name in self.plan.transports:
+            if name == "cuda_ipc":
+                self.transports.append(CudaIpcTransport(by_transport.get("cuda_ipc"), self.plan.feeders, self.rank,
+                                                        self.group, bucket_bytes=bucket_bytes))
+            elif self.rank != 0:
+                continue  # rank-0-only transports
+            elif name == "in_process":
+                self.transports.append(InProcessTransport(by_transport[name]))
+            else:
+                self.transports.append(DistGroupTransport(by_transport[name], DistributedUpdateConfig(
+                    master_address=self.rollout.weight_sync_address, bucket_bytes=bucket_bytes,
+                    timeout_s=self.rollout.request_timeout_s)))
+
+    # ----------------------------------------------------------------------------------------- push
+    def push(self, model: torch.nn.Module, hf_cfg, pgs, weight_version: str | None) -> SyncStats | None:
+        """Collective: every rank of `group` and of pgs.tp / pgs.pp calls it. Returns stats on rank 0."""
+        t0 = time.perf_counter()
+        if self.plan is None:
+            self._make_plan()
+        colocated = self.rollout.colocated
+        if colocated:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # every rank: hand the cached blocks back before engines re-allocate
+            self._resume(("weights",))
+        counted = _Counter(gather_hf_weights(model_state(model), hf_cfg, pgs.tp, pgs.pp))
+        senders = [t for t in self.transports if t.all_ranks or self.rank == 0]
+        if len(senders) > 1:
+            named = list(counted)  # each transport needs the whole stream
+            for t in senders:
+                t.push(named, weight_version)
+        elif senders:
+            senders[0].push(counted, weight_version)
+        for _ in counted:  # ranks that send nothing still take part in every gather and PP broadcast
+            pass
+        if colocated:
+            self._resume(("kv_cache", "cuda_graph"))
+        dist.barrier(group=self.group)
+        if self.rank != 0:
+            return None
+        return SyncStats(time.perf_counter() - t0, counted.tensors, counted.bytes, list(self.plan.transports))
+
+    def _resume(self, tags: tuple[str, ...]) -> None:
+        """Rank 0: resumes those of `tags` each engine released (none at start-up, before any release)."""
+        if self.rank != 0:
+            return
+        for target in self.engine.weight_targets():
+            released = [t for t in tags if t in target.released_tags]
+            if released:
+                target.resume_memory(released)
+
+    def close(self) -> None:
+        for t in self.transports:
+            t.close()
+        self.transports, self.plan = [], None
+
+
+class _Counter:
+    """Passes (name, tensor) through once, counting tensors and bytes; iterating again yields nothing."""
+
+    def __init__(self, it: Iterator):
+        self.it, self.tensors, self.bytes = iter(it), 0, 0
+
+    def __iter__(self):
+        for name, t in self.it:
+            self.tensors += 1
+            self.bytes += t.numel() * t.element_size()
+            yield name, t
