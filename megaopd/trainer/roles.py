@@ -42,14 +42,17 @@ def load_role_model(section: ModelConfig, pgs: ProcessGroupCollection, trainable
                     path: str | None = None) -> RoleModel:
     path = path or section.path
     hf = read_hf_config(path)
-    model = build_gpt_model(hf, section.tp, section.pp, pg_collection=pgs, dtype=section.dtype, init_weights=False)
+    # A trained MoE router gets the HF config's load-balancing loss; a frozen one none.
+    model = build_gpt_model(hf, section.tp, section.pp, pg_collection=pgs, dtype=section.dtype, init_weights=False,
+                            ep=section.ep, train_router=trainable)
     if torch.cuda.is_available():
         model.cuda()
     if is_megatron_checkpoint(path):
         load_model_checkpoint(model, path, pgs)
     else:
         st = StageInfo.of(pgs)
-        load_hf_weights(model, HFWeights(path), hf, st.tp_rank, section.tp, st.pp_rank, section.pp)
+        ep_rank = pgs.ep.rank() if section.ep > 1 else 0
+        load_hf_weights(model, HFWeights(path), hf, st.tp_rank, section.tp, st.pp_rank, section.pp, ep_rank, section.ep)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -75,8 +78,8 @@ class Models:
 def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     """Actor in the student layout (which also initializes megatron's global state), teacher in its own
     layout (the actor's groups when equal), and the lockstep partner."""
-    student_layout = Layout(cfg.student.tp, cfg.student.pp)
-    teacher_layout = Layout(cfg.teacher.tp, cfg.teacher.pp)
+    student_layout = Layout(cfg.student.tp, cfg.student.pp, cfg.student.ep)
+    teacher_layout = Layout(cfg.teacher.tp, cfg.teacher.pp, cfg.teacher.ep)
     if needs.teacher_logits and (teacher_layout != student_layout or needs.reference):
         raise ValueError("gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
                          "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
