@@ -145,7 +145,7 @@ def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
     tp/pp must equal the sizes of pg_collection's tp/pp groups (or of parallel_state when None).
     pre_process/post_process default to "first/last PP stage". With parallel_output=True (default)
     the forward returns vocab-sharded logits [b, s, padded_vocab / tp]; the padding columns (index >=
-    cfg.vocab_size) must be masked by whoever normalizes them (megaopd.models.logprobs does).
+    cfg.vocab_size) must be masked by whoever normalizes them (megaopd.models.vocab_padding; the scoring runner does).
     use_te: Transformer Engine layers; default: when TE is importable and a GPU is present.
     ep: expert-parallel size of a MoE model (pg_collection.ep must have that size).
     train_router: the router's auxiliary loss is on (a trained student); False for a frozen teacher.

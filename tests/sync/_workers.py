@@ -93,8 +93,8 @@ def push_and_record(rank, world_size, hf_dir):
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
     from megaopd.sync import WeightSync
     from megaopd.trainer.roles import load_role_model
-    from megaopd.trainer.scoring import score_tokens
-    from megaopd.trainer.stage_runner import StageRunner
+    from megaopd.scoring.passes import score_tokens
+    from megaopd.scoring.runner import PipelineRunner
 
     pgs = initialize_actor_layout(Layout(world_size, 1))
     actor = load_role_model(ModelConfig(path=hf_dir, tp=world_size, pp=1), pgs, trainable=False)
@@ -110,7 +110,7 @@ def push_and_record(rank, world_size, hf_dir):
         engine.release_memory()  # as the trainer does after generating
     sync.push(actor.model, actor.hf, pgs, weight_version="v1")
     tokens = torch.tensor([PROBE[0]])
-    actor_lp = score_tokens(StageRunner(actor.model, pgs, actor.hf.vocab_size), tokens, 1, 1.0).logprobs_BT
+    actor_lp = score_tokens(PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, 1, 1.0).logprobs_BT
     if rank != 0:
         return None
     out["after_release"] = engine.calls
