@@ -14,7 +14,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd.config.model import ModelConfig
-from megaopd.models.builder import StageInfo, build_gpt_model
+from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
@@ -35,7 +35,9 @@ def load_role_model(section: ModelConfig, pgs: ProcessGroupCollection, trainable
                     path: str | None = None) -> RoleModel:
     path = path or section.path
     hf = read_hf_config(path)
-    model = build_gpt_model(hf, section.tp, section.pp, pg_collection=pgs, dtype=section.dtype, init_weights=False)
+    memory = activation_memory_overrides(section.recompute, section.recompute_num_layers, section.sequence_parallel)
+    model = build_gpt_model(hf, section.tp, section.pp, pg_collection=pgs, dtype=section.dtype, init_weights=False,
+                            config_overrides=memory)
     if torch.cuda.is_available():
         model.cuda()
     if is_megatron_checkpoint(path):
