@@ -3,14 +3,14 @@
     megaopd train examples/tiny/stable_opd.yaml run.dir=runs/x trainer.max_steps=3
 
 Sections: run, student, reference, teacher (ModelConfig each), trainer, optimizer, logging, rollout,
-loss (megaopd.losses), data (megaopd.data), metrics, validation.
+loss (megaopd.losses), data (megaopd.data), metrics, validation, plan (`megaopd plan` only).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from megaopd.config.model import ModelConfig, check_layout
-from megaopd.config.sections import MetricsConfig, RolloutConfig, ValidationConfig
+from megaopd.config.sections import MetricsConfig, PlanConfig, RolloutConfig, ValidationConfig
 from megaopd.config.trainer import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig
 from megaopd.data.config import DataConfig
 from megaopd.losses import LossConfig
@@ -33,6 +33,8 @@ class MegaOPDConfig:
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Read only by `megaopd plan` (the GPU's memory, the engines' share); the trainer ignores it."""
 
     def validate(self) -> None:
         """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
