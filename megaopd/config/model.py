@@ -62,6 +62,8 @@ class ModelDims:
     num_query_groups: int
     vocab_size: int
     architecture: str
+    max_position_embeddings: int | None = None
+    """Positions the model's RoPE was trained for (None when config.json does not say)."""
 
 
 def find_hf_config(path: str) -> str:
@@ -84,7 +86,17 @@ def read_model_dims(path: str) -> ModelDims:
         num_query_groups=int(hf.get("num_key_value_heads") or heads),
         vocab_size=int(hf["vocab_size"]),
         architecture=(hf.get("architectures") or [hf.get("model_type", "?")])[0],
+        max_position_embeddings=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings") else None,
     )
+
+
+def check_context(role: str, path: str, dims: ModelDims, tokens: int, why: str) -> None:
+    """Raises ValueError when a row of `tokens` tokens does not fit the model's positions."""
+    if dims.max_position_embeddings is not None and tokens > dims.max_position_embeddings:
+        raise ValueError(
+            f"{role} {path} has max_position_embeddings={dims.max_position_embeddings} but rows reach {tokens} "
+            f"tokens ({why}): extend its context explicitly in every folder the job loads it from "
+            f"(python tools/extend_context.py --recipe luffy FOLDER ...; docs/cluster.md) or lower the lengths")
 
 
 def check_layout(role: str, model: ModelConfig, world_size: int) -> ModelDims:
