@@ -91,9 +91,10 @@ def _write_preset(tmp_path, **sections):
     cfg = {"run": {"world_size": 8}, "student": {"path": Q7B, "tp": 2, "dtype": "bfloat16"},
            "reference": {"tp": 2, "dtype": "bfloat16"},
            "teacher": {"path": os.path.join(FIXTURES, "openthinker3-7b"), "tp": 2, "dtype": "bfloat16"},
-           "data": {"sources": [{"path": str(data)}], "max_prompt_len": 1024, "max_golden_len": 8192},
-           "rollout": {"max_new_tokens": 8192}, "loss": {"name": "stable_opd"},
-           "trainer": {"micro_batch_size": 1}}
+           "data": {"sources": [{"path": str(data)}], "max_prompt_len": 1024, "max_golden_len": 3072},
+           "rollout": {"max_new_tokens": 3072}, "loss": {"name": "stable_opd"},
+           # rows of the paper's 9216 tokens, planned without extending the fixture's 4096 positions
+           "plan": {"max_tokens": 9216}, "trainer": {"micro_batch_size": 1}}
     for k, v in sections.items():
         cfg.setdefault(k, {}).update(v)
     path = tmp_path / "p.yaml"
