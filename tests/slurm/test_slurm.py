@@ -465,6 +465,52 @@ def test_time_limit_signal_checkpoints_and_requeues(jobs, tmp_path):
     assert "requeueing job" in log
 
 
+TIMER_JOB = """#!/bin/bash
+#SBATCH --job-name=megaopd_timer
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=00:02:00
+#SBATCH --signal=B:USR1@5
+#SBATCH --requeue
+#SBATCH --open-mode=append
+# common.sh's own warning timer (SIGNAL_LEAD_S before the limit), not Slurm's --signal (5 s, a backstop).
+GPUS_PER_NODE=0
+NPROC_PER_NODE=2
+SIGNAL_LEAD_S=95
+source "$MEGAOPD_ROOT/slurm/common.sh"
+RUN_DIR="{out}"
+setup_run_dir
+export TRAIN_MODULE=tests.slurm._probe
+start_signal_timer
+run_torchrun "{out}" usr1
+"""
+
+
+@pytest.mark.slow
+def test_signal_lead_timer_checkpoints_and_requeues(jobs, tmp_path):
+    """The batch shell's timer sends USR1 SIGNAL_LEAD_S (95 s) before a 2-minute limit, ~25 s in, long before
+    Slurm's own 5-s warning: the ranks exit 0, the job requeues and the second run resumes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "timer.sh"
+    script.write_text(TIMER_JOB.format(out=out))
+    t0 = time.time()
+    job_id, _ = jobs.sbatch(str(script), {}, f"--output={tmp_path}/job.out", wait=False)
+    info = wait_for_state(job_id, ("PENDING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 150)
+    first_run_s = time.time() - t0
+    log = (tmp_path / "job.out").read_text()
+    assert "JobState=PENDING" in info and re.search(r"Restarts=1\b", info), info + log
+    assert first_run_s < 90, f"USR1 came after {first_run_s:.0f} s: the timer did not fire first\n{log}"
+    assert re.search(r"USR1 in \d+s: 95s before the time limit", log), log
+    state = wait_for_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300)
+    log = (tmp_path / "job.out").read_text()
+    assert "JobState=COMPLETED" in state, state + log
+    reports = read_reports(out)
+    assert [r.get("usr1") for r in reports if r["run"] == 0] == [True, True], log
+    assert [r.get("resumed") for r in reports if r["run"] == 1] == [True, True], log
+
+
 ENGINE_JOB = """#!/bin/bash
 #SBATCH --job-name=megaopd_engines
 #SBATCH --nodes=1
