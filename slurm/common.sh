@@ -254,7 +254,7 @@ SIGNAL_LEAD_S="${SIGNAL_LEAD_S:-$((STEP_TIME_S + SAVE_TIME_S + SIGNAL_MARGIN_S))
 # Seconds from D-HH:MM:SS / HH:MM:SS / MM:SS (squeue %L); empty for UNLIMITED or NOT_SET.
 _to_seconds() {
   local t="$1" d=0 h=0 m=0 s=0
-  [[ $t =~ ^[0-9-:]+$ ]] || return 0
+  [[ $t =~ ^[0-9:-]+$ ]] || return 0
   if [[ $t == *-* ]]; then d="${t%%-*}"; t="${t#*-}"; fi
   IFS=: read -r -a p <<<"$t"
   case ${#p[@]} in
@@ -273,7 +273,7 @@ start_signal_timer() {
   fi
   [[ -n ${SLURM_JOB_ID:-} ]] || return 0
   local left
-  left="$(_to_seconds "$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n1)")"
+  left="$(_to_seconds "$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n1 | tr -d "[:space:]")")"
   [[ -n $left ]] || { note "no time limit known: no early USR1 timer"; return 0; }
   local wait_s=$((left - SIGNAL_LEAD_S))
   (( wait_s > 0 )) || wait_s=0

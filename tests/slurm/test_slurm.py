@@ -495,8 +495,9 @@ def test_signal_lead_timer_checkpoints_and_requeues(jobs, tmp_path):
     out.mkdir()
     script = tmp_path / "timer.sh"
     script.write_text(TIMER_JOB.format(out=out))
-    t0 = time.time()
     job_id, _ = jobs.sbatch(str(script), {}, f"--output={tmp_path}/job.out", wait=False)
+    wait_for_state(job_id, ("RUNNING",), 60)
+    t0 = time.time()
     info = wait_for_state(job_id, ("PENDING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 150)
     first_run_s = time.time() - t0
     log = (tmp_path / "job.out").read_text()
