@@ -5,6 +5,8 @@
     megaopd logprobs --ckpt DIR --input IN.jsonl --output OUT.jsonl   per-token log-probs (megaopd.scoring)
     megaopd serve --hf-dir DIR --port P    embedded engine speaking SGLang's HTTP API (megaopd.rollout)
     megaopd plot RUN [RUN ...]             training-dynamics figures (megaopd.metrics)
+    megaopd config CONFIG [key=value ...]  the fully resolved config as YAML: what the job runs (megaopd.config)
+    megaopd plan CONFIG [key=value ...]    per-GPU memory of the configured layout; exit 1 when it does not fit
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ COMMANDS = {
     "logprobs": "megaopd.scoring.cli:main",
     "serve": "megaopd.rollout.server:main",
     "plot": "megaopd.metrics.plot:main",
+    "config": "megaopd.config.cli:config_main",
+    "plan": "megaopd.config.cli:plan_main",
 }
 
 

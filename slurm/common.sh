@@ -236,6 +236,52 @@ _on_usr1() {
 }
 trap _on_usr1 USR1
 
+# The time-limit warning, sized (docs/cluster.md, "Preemption"): the flag is read between steps, so the
+# warning must come at least one step plus one checkpoint before the end:
+#   SIGNAL_LEAD_S = STEP_TIME_S + SAVE_TIME_S + SIGNAL_MARGIN_S
+# STEP_TIME_S: the longest step (metrics.jsonl time/step; validation steps included); SAVE_TIME_S: one
+# checkpoint (the "checkpoint" events' spacing in metrics). Defaults for the 7B paper job on 2 H200 nodes:
+# a step of 256 rollouts of up to 8192 tokens (~900 s at the tail) and a 107 GB checkpoint (bf16 weights +
+# fp32 master, m, v = 14 B/param x 7.6B) at ~0.5 GB/s per node of shared-filesystem write (~110 s per node
+# writing half; 300 s allowed) + 120 s margin = 1320 s. #SBATCH --signal=B:USR1@120 stays as a backstop;
+# this timer sends the same USR1 to the batch shell SIGNAL_LEAD_S before the job's end time.
+STEP_TIME_S="${STEP_TIME_S:-900}"
+SAVE_TIME_S="${SAVE_TIME_S:-300}"
+SIGNAL_MARGIN_S="${SIGNAL_MARGIN_S:-120}"
+SIGNAL_LEAD_S="${SIGNAL_LEAD_S:-$((STEP_TIME_S + SAVE_TIME_S + SIGNAL_MARGIN_S))}"
+[[ $SIGNAL_LEAD_S =~ ^[0-9]+$ ]] || die "SIGNAL_LEAD_S=$SIGNAL_LEAD_S must be a number of seconds (the warning before the time limit)"
+
+# Seconds from D-HH:MM:SS / HH:MM:SS / MM:SS (squeue %L); empty for UNLIMITED or NOT_SET.
+_to_seconds() {
+  local t="$1" d=0 h=0 m=0 s=0
+  [[ $t =~ ^[0-9:-]+$ ]] || return 0
+  if [[ $t == *-* ]]; then d="${t%%-*}"; t="${t#*-}"; fi
+  IFS=: read -r -a p <<<"$t"
+  case ${#p[@]} in
+    3) h=${p[0]}; m=${p[1]}; s=${p[2]} ;;
+    2) m=${p[0]}; s=${p[1]} ;;
+    1) s=${p[0]} ;;
+  esac
+  echo $((10#$d * 86400 + 10#$h * 3600 + 10#$m * 60 + 10#$s))
+}
+
+# start_signal_timer: a background sleep that sends USR1 to this shell SIGNAL_LEAD_S before the time limit.
+start_signal_timer() {
+  if [[ $DRY_RUN == 1 ]]; then
+    _line batch signal-timer USR1 "${SIGNAL_LEAD_S}s" before-time-limit STEP_TIME_S="$STEP_TIME_S" SAVE_TIME_S="$SAVE_TIME_S" SIGNAL_MARGIN_S="$SIGNAL_MARGIN_S"
+    return
+  fi
+  [[ -n ${SLURM_JOB_ID:-} ]] || return 0
+  local left
+  left="$(_to_seconds "$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n1 | tr -d "[:space:]")")"
+  [[ -n $left ]] || { note "no time limit known: no early USR1 timer"; return 0; }
+  local wait_s=$((left - SIGNAL_LEAD_S))
+  (( wait_s > 0 )) || wait_s=0
+  note "USR1 in ${wait_s}s: ${SIGNAL_LEAD_S}s before the time limit (${left}s left)"
+  ( sleep "$wait_s" && kill -USR1 $$ ) &
+  BG_PIDS+=("$!")
+}
+
 # wait for a pid even while traps run (a trapped signal makes `wait` return early with 128+n).
 _wait_pid() {
   local pid="$1" rc=0
@@ -323,7 +369,7 @@ start_engines() {
   # engines release their memory while the actor trains.
   ROLLOUT_OVERRIDES=(rollout.engine=remote "rollout.urls=[$(_join , "${ENGINE_URLS[@]}")]"
                      rollout.engine_tp="$engine_tp" rollout.weight_sync_address="$MASTER_ADDR")
-  if (( ${ENGINE_NODES:-0} == 0 )); then ROLLOUT_OVERRIDES+=(rollout.colocated=true); fi
+  if (( ${ENGINE_NODES:-0} == 0 )); then ROLLOUT_OVERRIDES+=(rollout.colocated=true plan.engine_memory_fraction="$frac"); fi
 }
 ENGINE_PIDS=()
 
@@ -431,11 +477,14 @@ run_distillation() {
   setup_run_dir
   train_base_overrides
   start_engines STUDENT_HF_DIR
-  run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" \
-    trainer.prompts_per_step="${PROMPTS_PER_STEP:-64}" \
-    trainer.samples_per_prompt="${SAMPLES_PER_PROMPT:-4}" \
-    rollout.temperature="${TEMPERATURE:-1.0}" \
-    rollout.max_new_tokens="${MAX_NEW_TOKENS:-$STUDENT_MAX_NEW_TOKENS}" \
-    optimizer.lr="${LR:-1e-6}" \
-    "${ROLLOUT_OVERRIDES[@]}" "$@"
+  # The preset (CONFIG, examples/paper/*.yaml) holds the paper's settings; a variable overrides one only when set.
+  local -a settings=()
+  if [[ -n ${PROMPTS_PER_STEP:-} ]]; then settings+=(trainer.prompts_per_step="$PROMPTS_PER_STEP"); fi
+  if [[ -n ${SAMPLES_PER_PROMPT:-} ]]; then settings+=(trainer.samples_per_prompt="$SAMPLES_PER_PROMPT"); fi
+  if [[ -n ${TEMPERATURE:-} ]]; then settings+=(rollout.temperature="$TEMPERATURE"); fi
+  if [[ -n ${MAX_NEW_TOKENS:-} ]]; then settings+=(rollout.max_new_tokens="$MAX_NEW_TOKENS"); fi
+  if [[ -n ${LR:-} ]]; then settings+=(optimizer.lr="$LR"); fi
+  if [[ -n ${BENCH_DIR:-} ]]; then settings+=(validation.path="$BENCH_DIR/math500.jsonl"); fi
+  start_signal_timer
+  run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" "${settings[@]}" "${ROLLOUT_OVERRIDES[@]}" "$@"
 }

@@ -8,7 +8,7 @@
 # Then export the result for the engines and start OPD from it:
 #   python tools/convert_megatron_to_hf.py --ckpt $OUTPUT_ROOT/sft_cold_start_7b/checkpoints/latest --out /shared/models/sft7b-hf
 #   STUDENT_HF_DIR=/shared/models/sft7b-hf sbatch slurm/stable_opd_7b.sh
-# LR: the paper does not print the SFT learning rate; unset, the trainer's default applies.
+# LR: the paper does not print the SFT learning rate; the preset uses 1e-6 (ours).
 #SBATCH --job-name=sft_cold_start_7b
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -31,14 +31,15 @@ source "$ROOT/slurm/common.sh"
 
 (( GPUS_PER_NODE > 0 )) || die "this job trains a 7B model on GPUs and got none: submit with --gpus-per-node (the tiny CPU job is slurm/tiny_cpu.sh)"
 load_model student qwen2.5-math-7b
-CONFIG="${CONFIG:-$MEGAOPD_ROOT/examples/tiny/stable_opd.yaml}"
-require_path CONFIG "the base preset (loss.name=sft is set below); set CONFIG=/path/to/preset.yaml"
+CONFIG="${CONFIG:-$MEGAOPD_ROOT/examples/paper/sft_cold_start_7b.yaml}"
+require_path CONFIG "the paper preset (examples/paper/sft_cold_start_7b.yaml: the paper's settings, sized with megaopd plan); set CONFIG=/path/to/preset.yaml"
 setup_run_dir
 train_base_overrides
 
-# SFT reads no teacher (teacher.path empty: none is loaded) and generates nothing but validation.
-SFT_OVERRIDES=(loss.name=sft "teacher.path=''"
-               trainer.prompts_per_step="${PROMPTS_PER_STEP:-64}" trainer.samples_per_prompt=1
-               rollout.engine=embedded)
+# The preset holds the SFT settings (loss.name=sft, no teacher, no rollouts); PROMPTS_PER_STEP and LR
+# override them when set.
+SFT_OVERRIDES=()
+if [[ -n ${PROMPTS_PER_STEP:-} ]]; then SFT_OVERRIDES+=(trainer.prompts_per_step="$PROMPTS_PER_STEP"); fi
 if [[ -n ${LR:-} ]]; then SFT_OVERRIDES+=(optimizer.lr="$LR"); fi
+start_signal_timer
 run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" "${SFT_OVERRIDES[@]}" "$@"

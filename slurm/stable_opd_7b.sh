@@ -45,6 +45,6 @@ source "$ROOT/slurm/common.sh"
 (( GPUS_PER_NODE > 0 )) || die "this job trains a 7B model on GPUs and got none: submit with --gpus-per-node (the tiny CPU job is slurm/tiny_cpu.sh)"
 load_model student qwen2.5-math-7b
 load_model teacher "${TEACHER:-openthinker3-7b}"
-CONFIG="${CONFIG:-$MEGAOPD_ROOT/examples/tiny/stable_opd.yaml}"
-require_path CONFIG "the base preset that selects the Stable-OPD loss; set CONFIG=/path/to/preset.yaml"
+CONFIG="${CONFIG:-$MEGAOPD_ROOT/examples/paper/stable_opd_7b.yaml}"
+require_path CONFIG "the paper preset (examples/paper/stable_opd_7b.yaml: the paper's settings, sized with megaopd plan); set CONFIG=/path/to/preset.yaml"
 run_distillation "$@"

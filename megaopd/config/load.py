@@ -51,7 +51,12 @@ def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None,
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist: pass a YAML preset such as "
                               f"examples/tiny/stable_opd.yaml")
-        cfg = _merge(cfg, OmegaConf.load(path), path)
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as e:  # noqa: BLE001 - yaml's scanner/parser errors have no common public base
+            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]} "
+                              f"({' '.join(str(e).split()[-4:])})") from None
+        cfg = _merge(cfg, loaded, path)
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. trainer.max_steps=10)")

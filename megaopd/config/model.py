@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 
 
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
 @dataclass
 class ModelConfig:
     """Where a model's weights are and how it is split over the job's ranks."""
@@ -22,13 +25,35 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter dtype: float32 (CPU default), bfloat16 or float16 (GPU)."""
     offload_between_uses: bool = False
-    """GPU only: park the weights in CPU memory between forward passes (teacher and reference)."""
+    """GPU only, frozen models (teacher, reference): keep the weights in CPU memory and move them to the GPU
+    only for their forward passes, leaving their GPU memory to the actor's activations (costs a host-to-device
+    copy per use: 15 GB of bf16 7B weights at ~25 GB/s pinned is ~0.6 s). `megaopd plan` counts an
+    offloaded model's weights as absent while the actor trains. Ignored for the student."""
+    recompute: str = "none"
+    """Activation recomputation while training (megatron TransformerConfig.recompute_granularity): none |
+    selective (recompute the attention core: saves the b*a*s^2 scores of unfused attention; with flash
+    attention it saves little) | full (keep only each layer's input and recompute the layer in backward:
+    ~1/15 of the activations for ~30% more compute). Only the trained model uses it."""
+    recompute_num_layers: int = 1
+    """With recompute=full: layers per recomputed chunk (megatron recompute_method=uniform); 1 stores one
+    input per layer, the least memory."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1 and Transformer Engine layers on GPU): the norms' and
+    residuals' activations are split over the TP ranks along the sequence, so every activation is 1/tp
+    per rank; the sequence length of a micro-batch must then be a multiple of tp."""
 
     def __post_init__(self):
         if self.tp < 1 or self.pp < 1 or self.ep < 1:
             raise ValueError(f"tp={self.tp}, pp={self.pp}, ep={self.ep}: parallel sizes must be at least 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: choose float32, bfloat16 or float16")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE_CHOICES)}")
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"recompute_num_layers={self.recompute_num_layers} must be at least 1")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=true needs tp > 1 (it splits activations over the TP ranks): "
+                             "set tp=2 or more, or sequence_parallel=false")
 
 
 @dataclass(frozen=True)
@@ -40,6 +65,8 @@ class ModelDims:
     num_query_groups: int
     vocab_size: int
     architecture: str
+    max_position_embeddings: int | None = None
+    """Positions the model's RoPE was trained for (None when config.json does not say)."""
 
 
 def find_hf_config(path: str) -> str:
@@ -62,7 +89,17 @@ def read_model_dims(path: str) -> ModelDims:
         num_query_groups=int(hf.get("num_key_value_heads") or heads),
         vocab_size=int(hf["vocab_size"]),
         architecture=(hf.get("architectures") or [hf.get("model_type", "?")])[0],
+        max_position_embeddings=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings") else None,
     )
+
+
+def check_context(role: str, path: str, dims: ModelDims, tokens: int, why: str) -> None:
+    """Raises ValueError when a row of `tokens` tokens does not fit the model's positions."""
+    if dims.max_position_embeddings is not None and tokens > dims.max_position_embeddings:
+        raise ValueError(
+            f"{role} {path} has max_position_embeddings={dims.max_position_embeddings} but rows reach {tokens} "
+            f"tokens ({why}): extend its context explicitly in every folder the job loads it from "
+            f"(python tools/extend_context.py --recipe luffy FOLDER ...; docs/cluster.md) or lower the lengths")
 
 
 def check_layout(role: str, model: ModelConfig, world_size: int) -> ModelDims:

@@ -3,14 +3,14 @@
     megaopd train examples/tiny/stable_opd.yaml run.dir=runs/x trainer.max_steps=3
 
 Sections: run, student, reference, teacher (ModelConfig each), trainer, optimizer, logging, rollout,
-loss (megaopd.losses), data (megaopd.data), metrics, validation.
+loss (megaopd.losses), data (megaopd.data), metrics, validation, plan (`megaopd plan` only).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megaopd.config.model import ModelConfig, check_layout
-from megaopd.config.sections import MetricsConfig, RolloutConfig, ValidationConfig
+from megaopd.config.model import ModelConfig, check_context, check_layout
+from megaopd.config.sections import MetricsConfig, PlanConfig, RolloutConfig, ValidationConfig
 from megaopd.config.trainer import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig
 from megaopd.data.config import DataConfig
 from megaopd.losses import LossConfig
@@ -33,6 +33,17 @@ class MegaOPDConfig:
     data: DataConfig = field(default_factory=DataConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    """Read only by `megaopd plan` (the GPU's memory, the engines' share); the trainer ignores it."""
+
+    def max_row_tokens(self, needs) -> tuple[int, str]:
+        """The longest row the job builds (prompt + the longest response it generates or trains on)."""
+        parts = {"rollout.max_new_tokens": self.rollout.max_new_tokens if needs.on_policy else 0,
+                 "data.max_golden_len": self.data.max_golden_len if needs.golden else 0,
+                 "validation.max_new_tokens": self.validation.max_new_tokens if self.validation.path else 0}
+        key = max(parts, key=parts.get)
+        return (self.data.max_prompt_len + parts[key],
+                f"data.max_prompt_len={self.data.max_prompt_len} + {key}={parts[key]}")
 
     def validate(self) -> None:
         """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
@@ -43,10 +54,13 @@ class MegaOPDConfig:
         if needs.teacher and not self.teacher.path:
             raise ValueError(f"loss {self.loss.name!r} needs a teacher: set teacher.path=DIR (an HF directory or a "
                              f"megaopd checkpoint)")
+        tokens, why = self.max_row_tokens(needs)
+        check_context("student", self.student.path, student_dims, tokens, why)
         if self.teacher.path:
             # Embedding sizes may differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what must
             # match is the tokenizer, which the trainer compares before loading any model.
-            check_layout("teacher", self.teacher, world)
+            teacher_dims = check_layout("teacher", self.teacher, world)
+            check_context("teacher", self.teacher.path, teacher_dims, tokens, why)
         if (self.reference.tp, self.reference.pp) != (self.student.tp, self.student.pp):
             raise ValueError(
                 f"reference.tp/pp=({self.reference.tp}, {self.reference.pp}) differ from student.tp/pp="

@@ -133,6 +133,22 @@ def transformer_config(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
     return compat.make_transformer_config(**kwargs)
 
 
+def activation_memory_overrides(recompute: str = "none", recompute_num_layers: int = 1,
+                                sequence_parallel: bool = False) -> dict:
+    """TransformerConfig keys of a ModelConfig's memory options (recompute, sequence_parallel), for
+    build_gpt_model(config_overrides=...). megatron recomputes only in training mode, so a frozen model
+    built with these runs its forward unchanged."""
+    kwargs: dict = {"sequence_parallel": sequence_parallel}
+    if recompute == "selective":
+        kwargs.update(recompute_granularity="selective")  # megatron's default module list: core_attn
+    elif recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=recompute_num_layers)
+    elif recompute != "none":
+        raise ValueError(f"recompute={recompute!r}: choose none, selective or full")
+    return kwargs
+
+
 def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
                     pg_collection: ProcessGroupCollection | None = None,
                     pre_process: bool | None = None, post_process: bool | None = None,

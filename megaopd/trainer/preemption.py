@@ -1,15 +1,26 @@
-"""SIGTERM / SIGUSR1 (Slurm preemption, `scancel`, `--signal=USR1@120`): finish the current step, save a
+"""SIGTERM / SIGUSR1 (Slurm preemption, `scancel`, the time-limit warning): finish the current step, save a
 checkpoint, exit 0 so the job can be requeued and resume.
 
 The handler only sets a flag; the step loop checks it between steps, and the flag is all-reduced so
-every rank stops after the same step even when the signal reached only some of them.
+every rank stops after the same step even when the signal reached only some of them. The flag tensor lives
+on the default group's device (`megaopd.parallel.dist.device()`: the rank's GPU under NCCL, which refuses
+CPU tensors; the CPU under gloo).
+
+A real preemption SIGTERMs the engines too, so once a signal is in, anything that talks to an engine may
+fail: `engine_call_after_signal` turns such a failure into a logged skip, so the checkpoint is still written.
+The checkpoint itself never talks to an engine. Lead time: docs/cluster.md ("Preemption").
 """
 from __future__ import annotations
 
 import signal
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from megaopd.parallel.dist import device
+
+T = TypeVar("T")
 
 
 class PreemptionFlag:
@@ -21,9 +32,23 @@ class PreemptionFlag:
     def _handle(self, signum, frame):
         self.received = signum
 
-    def should_stop(self) -> bool:
-        """Collective: True on every rank when any rank received a signal."""
-        flag = torch.tensor([1.0 if self.received is not None else 0.0])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Collective over `group` (default: the default group): True on every rank when any rank received
+        a signal."""
+        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device())
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
+
+    def engine_call_after_signal(self, fn: Callable[[], T], what: str, log: Callable[[str], None] = print) -> T | None:
+        """Runs fn (a call to the rollout engines: weight sync, release, generation). Before any signal its
+        errors propagate as usual; after one, the engines may already be dead (Slurm's preemption SIGTERMs
+        every step), so an error is logged and None returned: the step loop goes on to the checkpoint."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - any transport error of a dead engine
+            if self.received is None:
+                raise
+            log(f"{what} failed after signal {signal.Signals(self.received).name} ({type(e).__name__}: {e}); "
+                f"the engines are likely gone: skipping it and checkpointing")
+            return None

@@ -19,7 +19,7 @@ from megaopd.config.model import ModelConfig
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.data.vocab import VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
-from megaopd.models.builder import StageInfo, build_gpt_model
+from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
@@ -42,9 +42,10 @@ def load_role_model(section: ModelConfig, pgs: ProcessGroupCollection, trainable
                     path: str | None = None) -> RoleModel:
     path = path or section.path
     hf = read_hf_config(path)
+    memory = activation_memory_overrides(section.recompute, section.recompute_num_layers, section.sequence_parallel)
     # A trained MoE router gets the HF config's load-balancing loss; a frozen one none.
     model = build_gpt_model(hf, section.tp, section.pp, pg_collection=pgs, dtype=section.dtype, init_weights=False,
-                            ep=section.ep, train_router=trainable)
+                            config_overrides=memory, ep=section.ep, train_router=trainable)
     if torch.cuda.is_available():
         model.cuda()
     if is_megatron_checkpoint(path):

@@ -139,11 +139,15 @@ def test_dry_run_two_nodes_colocated(inputs):
         assert flag(line, "--master-port") == "29500"
         assert " -m megaopd.cli train " in line
     train = t1[0]
+    # The warning before the time limit: one step + one checkpoint + margin (slurm/common.sh).
+    assert any(x.startswith("signal-timer USR1 1320s before-time-limit") for x in lines_on(out, "batch"))
     # The same command on both nodes apart from the rank.
     assert t1[0].replace("--node-rank=0", "") == t2[0].replace("--node-rank=1", "")
-    # The paper's settings and the layout.
-    for kv in ("trainer.prompts_per_step=64", "trainer.samples_per_prompt=4", "rollout.temperature=1.0",
-               "optimizer.lr=1e-6", "run.world_size=8", "student.tp=2", "student.pp=1", "teacher.tp=2",
+    # The layout; the paper's settings come from the preset (tests/config/test_paper_presets.py reads them),
+    # so no size-dependent override is passed unless its variable is set.
+    for absent in ("trainer.prompts_per_step=", "rollout.temperature=", "optimizer.lr=", "rollout.max_new_tokens="):
+        assert absent not in train, absent
+    for kv in ("run.world_size=8", "student.tp=2", "student.pp=1", "teacher.tp=2",
                "reference.tp=2", "rollout.engine=remote", "student.dtype=bfloat16",
                f"run.dir={inputs['OUTPUT_ROOT']}/stable_opd_7b",
                f"student.path={inputs['MODELS_DIR']}/Qwen2.5-Math-7B",
@@ -208,7 +212,7 @@ def test_dry_run_three_nodes_one_engine_node(inputs):
     for n in "ab":
         assert flag(ranks[n][0], "--nnodes") == "2" and flag(ranks[n][0], "--master-addr") == "a"
         assert flag(ranks[n][0], "--master-port") == "31234"
-        assert "/examples/tiny/opd.yaml " in ranks[n][0]  # plain OPD: its own preset, not a stable_opd override
+        assert "/examples/paper/opd_7b.yaml " in ranks[n][0]  # plain OPD: its own paper preset
         assert f"teacher.path={inputs['MODELS_DIR']}/DeepSeek-R1-Distill-Qwen-7B" in ranks[n][0]
     eng = sglang_lines(out, "c")
     assert [flag(x, "--tp-size") for x in eng] == ["2", "2"]
@@ -226,6 +230,18 @@ def test_dry_run_tiny_cpu(tmp_path):
     assert "sglang" not in r.stdout  # the tiny job generates inside the trainer
 
 
+@pytest.mark.parametrize("script,preset", [("stable_opd_7b.sh", "stable_opd_7b"), ("stable_opd_1p5b.sh", "stable_opd_1p5b"),
+                                           ("opd_7b.sh", "opd_7b"), ("sft_cold_start_7b.sh", "sft_cold_start_7b")])
+def test_paper_jobs_run_their_paper_preset_by_default(inputs, script, preset):
+    defaults = {k: v for k, v in inputs.items() if k != "CONFIG"}
+    r = run_script(script, {**defaults, "LR": "2e-6", "SIGNAL_LEAD_S": "600"})
+    assert r.returncode == 0, r.stderr
+    (train,) = torchrun_lines(r.stdout, "node1")
+    assert f" train {ROOT}/examples/paper/{preset}.yaml " in train
+    assert " optimizer.lr=2e-6" in train  # a set variable still overrides the preset
+    assert any(x.startswith("signal-timer USR1 600s") for x in lines_on(r.stdout, "batch"))
+
+
 @pytest.mark.parametrize("script", ["stable_opd_1p5b.sh", "sft_cold_start_7b.sh", "eval_7b.sh", "convert_7b.sh"])
 def test_dry_run_other_scripts(script, inputs):
     r = run_script(script, inputs)
@@ -236,7 +252,7 @@ def test_dry_run_other_scripts(script, inputs):
         assert f"teacher.path={inputs['MODELS_DIR']}/DeepSeek-R1-Distill-Qwen-7B" in node1
         assert "student.tp=1" in node1
     elif script == "sft_cold_start_7b.sh":
-        assert "loss.name=sft" in node1 and "rollout.engine=embedded" in node1 and "sglang" not in r.stdout
+        assert "sglang" not in r.stdout  # the SFT preset (loss.name=sft, embedded engine) starts no engines
         assert len(torchrun_lines(r.stdout, "node2")) == 1
     elif script == "eval_7b.sh":
         # An empty CKPT is no HF folder: exported once, then one SGLang server per GPU of the first node and
@@ -448,6 +464,53 @@ def test_time_limit_signal_checkpoints_and_requeues(jobs, tmp_path):
     assert [r.get("usr1") for r in first] == [True, True], log
     assert [r.get("resumed") for r in second] == [True, True], log
     assert "requeueing job" in log
+
+
+TIMER_JOB = """#!/bin/bash
+#SBATCH --job-name=megaopd_timer
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=00:02:00
+#SBATCH --signal=B:USR1@5
+#SBATCH --requeue
+#SBATCH --open-mode=append
+# common.sh's own warning timer (SIGNAL_LEAD_S before the limit), not Slurm's --signal (5 s, a backstop).
+GPUS_PER_NODE=0
+NPROC_PER_NODE=2
+SIGNAL_LEAD_S=95
+source "$MEGAOPD_ROOT/slurm/common.sh"
+RUN_DIR="{out}"
+setup_run_dir
+export TRAIN_MODULE=tests.slurm._probe
+start_signal_timer
+run_torchrun "{out}" usr1
+"""
+
+
+@pytest.mark.slow
+def test_signal_lead_timer_checkpoints_and_requeues(jobs, tmp_path):
+    """The batch shell's timer sends USR1 SIGNAL_LEAD_S (95 s) before a 2-minute limit, ~25 s in, long before
+    Slurm's own 5-s warning: the ranks exit 0, the job requeues and the second run resumes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "timer.sh"
+    script.write_text(TIMER_JOB.format(out=out))
+    job_id, _ = jobs.sbatch(str(script), {}, f"--output={tmp_path}/job.out", wait=False)
+    wait_for_state(job_id, ("RUNNING",), 60)
+    t0 = time.time()
+    info = wait_for_state(job_id, ("PENDING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 150)
+    first_run_s = time.time() - t0
+    log = (tmp_path / "job.out").read_text()
+    assert "JobState=PENDING" in info and re.search(r"Restarts=1\b", info), info + log
+    assert first_run_s < 90, f"USR1 came after {first_run_s:.0f} s: the timer did not fire first\n{log}"
+    assert re.search(r"USR1 in \d+s: 95s before the time limit", log), log
+    state = wait_for_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300)
+    log = (tmp_path / "job.out").read_text()
+    assert "JobState=COMPLETED" in state, state + log
+    reports = read_reports(out)
+    assert [r.get("usr1") for r in reports if r["run"] == 0] == [True, True], log
+    assert [r.get("resumed") for r in reports if r["run"] == 1] == [True, True], log
 
 
 ENGINE_JOB = """#!/bin/bash

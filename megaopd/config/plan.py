@@ -1,0 +1,248 @@
+"""`megaopd plan CONFIG [key=value ...]`: per-GPU memory of a job's configured layout, before any GPU hour.
+
+    megaopd plan examples/paper/stable_opd_7b.yaml student.path=$MODELS/Qwen2.5-Math-7B ...
+    exit 0: the peak fits plan.gpu_memory_gb; exit 1: it does not (the message names the biggest items
+    and what to change)
+
+The model is counted in bytes per GPU of the largest pipeline stage, from the HF config.json dimensions
+(h hidden, a heads, k = kv_heads * head_dim, f FFN width, L layers, V vocabulary padded as megatron pads
+it), for three phases of a step:
+
+    generate  colocated engines hold their memory fraction; the trainer keeps its weights, gradient
+              buffer and optimizer state (plus the frozen models that are not offloaded)
+    score     teacher and actor forward passes of one micro-batch (log q, log pi_old); engines released
+    train     actor forward+backward of one micro-batch, with the reference in lockstep
+
+Per item (b rows of S tokens per micro-batch, e bytes per element of the model's dtype, t = tp, d = DP):
+- weights: params_rank * e; gradients: params_rank * 4 (megatron's DDP accumulates and reduces in fp32,
+  trainer/optim.py grad_reduce_in_fp32=True);
+- Adam: m and v in fp32 (8 bytes/param) plus fp32 master weights when the params are bf16/fp16 (4 more),
+  divided by d with the distributed optimizer (megatron shards only these; weights and gradients stay whole);
+- activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", redone for SwiGLU, GQA, RMSNorm and no dropout): the tensors a layer saves for backward are
+  the two norm inputs and outputs (4h, whole on every TP rank unless sequence parallel), q, k, v and the
+  attention output (2h + 2k) and the MLP's gate, up and activation (3f), all split over t:
+      none / selective:  e*b*S*(4h + (2h + 2k + 3f)/t)       with SP: e*b*S*(6h + 2k + 3f)/t
+  plus, for unfused attention (no flash / Transformer Engine; the CPU path), the scores and
+  probabilities 2*e*b*(a/t)*S^2 unless recompute=selective drops them; recompute=full keeps only each
+  layer's input, e*b*S*h (/t with SP), plus one layer's worth while it is recomputed. Pipeline stages hold
+  up to pp micro-batches in flight (1F1B);
+- logits: the output layer's vocab-parallel [b*S, V/t] in e bytes, its gradient (same size) in backward,
+  the frozen reference's logits for the exact KL, and the loss ops' float32 chunks (megaopd.ops processes
+  tokens in chunks of 128 MiB, so no [b*S, V/t] float32 copy is made).
+
+The numbers are estimates to size a layout, not a measurement: allocator fragmentation, NCCL buffers and
+the CUDA context are one flat `plan.reserved_gb`. Checked against hand-computed sizes of Qwen2.5-7B at
+TP=2 and a psutil measurement on CPU (tests/config/test_plan.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megaopd.models.hf_config import HFModelConfig, padded_vocab_size
+
+GB = 1e9
+OPS_CHUNK_BYTES = 128 * 2**20  # megaopd.ops._common.DEFAULT_CHUNK_BYTES: one float32 chunk of logits
+OPS_CHUNKS_LIVE = 3            # a chunk's logits in float32, its softmax and a gradient (or q's chunk)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """One model of the job as the plan sees it."""
+
+    name: str
+    """student | reference | teacher."""
+    hf: HFModelConfig
+    tp: int
+    pp: int
+    dtype: str
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    offload: bool = False
+    """Frozen models only: weights in CPU memory outside their forward passes."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of the table: bytes per GPU in each phase (0 where the item is not resident)."""
+
+    name: str
+    generate: float
+    score: float
+    train: float
+    hint: str = ""
+    """What to change to shrink it (named in the error when this item is among the biggest)."""
+
+    def peak(self) -> float:
+        return max(self.generate, self.score, self.train)
+
+
+@dataclass
+class Plan:
+    items: list[Item]
+    gpu_bytes: float
+    phases: tuple[str, ...] = ("generate", "score", "train")
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, phase: str) -> float:
+        return sum(getattr(i, phase) for i in self.items)
+
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    def fits(self) -> bool:
+        return max(self.total(p) for p in self.phases) <= self.gpu_bytes
+
+
+# ------------------------------------------------------------------------------------------ pure sizes
+def params_per_rank(hf: HFModelConfig, tp: int, pp: int) -> int:
+    """Parameters held by one rank of the largest pipeline stage (megatron's sharding and vocab padding)."""
+    h, hd = hf.hidden_size, hf.head_dim
+    q_dim, kv_dim = hf.num_attention_heads * hd, hf.num_key_value_heads * hd
+    qkv_out = q_dim + 2 * kv_dim
+    sharded = h * qkv_out + (qkv_out if hf.qkv_bias else 0) + q_dim * h + 3 * h * hf.intermediate_size
+    per_layer = sharded // tp + 2 * h  # the two RMSNorm weights are whole on every TP rank
+    layers = (hf.num_layers // pp) * per_layer
+    vocab_shard = padded_vocab_size(hf.vocab_size, tp) // tp * h
+    if pp == 1:
+        return layers + vocab_shard * (1 if hf.tie_word_embeddings else 2) + h
+    first = layers + vocab_shard
+    last = layers + vocab_shard + h  # tied: megatron keeps a copy of the embedding on the last stage
+    return max(first, last)
+
+
+def adam_bytes_per_param(dtype: str) -> int:
+    """fp32 m and v, plus an fp32 master copy when the model's params are half precision."""
+    return 8 + (4 if DTYPE_BYTES[dtype] < 4 else 0)
+
+
+def layer_activation_bytes(hf: HFModelConfig, rows: int, seq: int, tp: int, dtype: str, recompute: str,
+                           sequence_parallel: bool, flash_attention: bool) -> tuple[float, float]:
+    """(bytes saved per layer for backward, bytes of one layer's full set) for one micro-batch."""
+    e = DTYPE_BYTES[dtype]
+    tokens = rows * seq
+    h, f = hf.hidden_size, hf.intermediate_size
+    k = hf.num_key_value_heads * hf.head_dim
+    split = 2 * h + 2 * k + 3 * f
+    whole = e * tokens * ((4 * h + split) / tp if sequence_parallel else 4 * h + split / tp)
+    scores = 0.0 if flash_attention else 2 * e * rows * (hf.num_attention_heads / tp) * seq * seq
+    full_layer = whole + scores
+    if recompute == "full":
+        return e * tokens * h / (tp if sequence_parallel else 1), full_layer
+    if recompute == "selective":
+        return whole, full_layer
+    return full_layer, full_layer
+
+
+def activation_bytes(role: RoleLayout, rows: int, seq: int, flash_attention: bool) -> float:
+    """Activations saved by the trained model for one optimizer micro-batch (all in-flight micro-batches)."""
+    saved, one_layer = layer_activation_bytes(role.hf, rows, seq, role.tp, role.dtype, role.recompute,
+                                              role.sequence_parallel, flash_attention)
+    layers = role.hf.num_layers // role.pp
+    in_flight = role.pp  # 1F1B: the first stage holds pp micro-batches before its first backward
+    total = saved * layers * in_flight
+    if role.recompute == "full":
+        total += one_layer  # the layer being recomputed in backward holds its full set for a moment
+    return total
+
+
+def logits_bytes(role: RoleLayout, rows: int, seq: int) -> float:
+    """The output layer's vocab-parallel logits of one micro-batch: [rows*seq, V/tp] in the model's dtype."""
+    vocab_shard = padded_vocab_size(role.hf.vocab_size, role.tp) // role.tp
+    return DTYPE_BYTES[role.dtype] * rows * seq * vocab_shard
+
+
+def ops_chunk_bytes(role: RoleLayout, rows: int, seq: int) -> float:
+    vocab_shard = padded_vocab_size(role.hf.vocab_size, role.tp) // role.tp
+    return min(OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES, OPS_CHUNKS_LIVE * 4.0 * rows * seq * vocab_shard)
+
+
+def forward_layer_bytes(role: RoleLayout, rows: int, seq: int, flash_attention: bool) -> float:
+    """Working set of a forward-only pass: one layer's tensors at a time (nothing is saved)."""
+    return layer_activation_bytes(role.hf, rows, seq, role.tp, role.dtype, "none", role.sequence_parallel,
+                                  flash_attention)[1]
+
+
+# ------------------------------------------------------------------------------------------- the plan
+def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleLayout | None, *, world_size: int,
+               micro_batch_rows: int, seq_len: int, use_distributed_optimizer: bool, colocated: bool,
+               gpu_memory_gb: float, engine_memory_fraction: float, engine_released_gb: float,
+               reserved_gb: float, flash_attention: bool) -> Plan:
+    """Bytes per GPU of every item in each phase; pure (no file or device is touched)."""
+    dp = max(1, world_size // (student.tp * student.pp))
+    p_actor = params_per_rank(student.hf, student.tp, student.pp)
+    e = DTYPE_BYTES[student.dtype]
+    adam = adam_bytes_per_param(student.dtype) * p_actor / (dp if use_distributed_optimizer else 1)
+    b, s = micro_batch_rows, seq_len
+    items = []
+
+    def static(name, nbytes, hint=""):
+        items.append(Item(name, nbytes, nbytes, nbytes, hint))
+
+    static("student weights", p_actor * e, "raise student.tp (or student.pp)")
+    static("student gradients (fp32)", p_actor * 4.0, "raise student.tp (or student.pp)")
+    opt_hint = ("set optimizer.use_distributed_optimizer=true (shards Adam over the data-parallel ranks)"
+                if not use_distributed_optimizer else "add data-parallel ranks (more GPUs) or raise student.tp")
+    static(f"Adam states{' (sharded /' + str(dp) + ')' if use_distributed_optimizer else ''}", adam, opt_hint)
+    act_hint = ("set student.recompute=full" if student.recompute != "full" else
+                "lower trainer.micro_batch_size" if b > 1 else "raise student.tp with student.sequence_parallel=true")
+    if student.recompute != "full" and not student.sequence_parallel and student.tp > 1:
+        act_hint += " or student.sequence_parallel=true"
+    items.append(Item(f"student activations ({b} x {s} tokens, recompute={student.recompute}"
+                      f"{', SP' if student.sequence_parallel else ''})", 0, 0,
+                      activation_bytes(student, b, s, flash_attention), act_hint + ", or lower trainer.micro_batch_size"))
+    lg = logits_bytes(student, b, s)
+    items.append(Item("student logits (+ grad in backward)", 0,
+                      lg + forward_layer_bytes(student, b, s, flash_attention),
+                      2 * lg + ops_chunk_bytes(student, b, s), "lower trainer.micro_batch_size or raise student.tp"))
+    if reference is not None:
+        w = params_per_rank(reference.hf, reference.tp, reference.pp) * DTYPE_BYTES[reference.dtype]
+        # In lockstep with the actor: on the GPU whenever the actor trains; offload frees it while engines
+        # generate and while the teacher scores.
+        off = 0.0 if reference.offload else w
+        items.append(Item("reference weights" + (" (offloaded)" if reference.offload else ""), off, off, w,
+                          "set reference.offload_between_uses=true"))
+        items.append(Item("reference logits (lockstep KL)", 0, 0, logits_bytes(reference, b, s),
+                          "lower trainer.micro_batch_size"))
+    if teacher is not None:
+        w = params_per_rank(teacher.hf, teacher.tp, teacher.pp) * DTYPE_BYTES[teacher.dtype]
+        off = 0.0 if teacher.offload else w
+        items.append(Item("teacher weights" + (" (offloaded)" if teacher.offload else ""), off, w, off,
+                          "set teacher.offload_between_uses=true or raise teacher.tp"))
+        items.append(Item("teacher scoring (logits + one layer)", 0,
+                          logits_bytes(teacher, b, s) + forward_layer_bytes(teacher, b, s, flash_attention)
+                          + ops_chunk_bytes(teacher, b, s), 0, "lower trainer.micro_batch_size or raise teacher.tp"))
+    if colocated:
+        share = engine_memory_fraction * gpu_memory_gb * GB
+        rest = engine_released_gb * GB
+        items.append(Item(f"colocated engine (mem fraction {engine_memory_fraction:g}; released: "
+                          f"{engine_released_gb:g} GB)", share, rest, rest,
+                          "lower the engines' memory fraction (ENGINE_MEM_FRACTION, plan.engine_memory_fraction) "
+                          "or give engines their own nodes (ENGINE_NODES)"))
+    static("reserved (CUDA context, NCCL, fragmentation)", reserved_gb * GB)
+    notes = [f"per GPU at student tp={student.tp} pp={student.pp} dp={dp}, {p_actor / 1e9:.3f}B student params "
+             f"per rank, micro-batch {b} x {s} tokens, {'flash' if flash_attention else 'unfused'} attention"]
+    return Plan(items, gpu_memory_gb * GB, notes=notes)
+
+
+def format_plan(plan: Plan) -> str:
+    width = max(len(i.name) for i in plan.items) + 2
+    head = f"{'item':<{width}}" + "".join(f"{p:>10}" for p in plan.phases)
+    lines = [*plan.notes, head, "-" * len(head)]
+    for i in plan.items:
+        lines.append(f"{i.name:<{width}}" + "".join(f"{getattr(i, p) / GB:>10.2f}" for p in plan.phases))
+    lines.append("-" * len(head))
+    lines.append(f"{'total (GB)':<{width}}" + "".join(f"{plan.total(p) / GB:>10.2f}" for p in plan.phases))
+    lines.append(f"{'GPU memory (GB)':<{width}}" + f"{plan.gpu_bytes / GB:>10.2f}" * len(plan.phases))
+    return "\n".join(lines)
+
+
+def explain_overflow(plan: Plan, top: int = 3) -> str:
+    """One message: the phase that overflows, by how much, its biggest items and what to change."""
+    phase = plan.peak_phase()
+    over = plan.total(phase) - plan.gpu_bytes
+    biggest = sorted(plan.items, key=lambda i: getattr(i, phase), reverse=True)[:top]
+    parts = [f"{i.name} {getattr(i, phase) / GB:.1f} GB ({i.hint})" for i in biggest if i.hint]
+    return (f"does not fit: the {phase} phase needs {plan.total(phase) / GB:.1f} GB per GPU, "
+            f"{over / GB:.1f} GB more than plan.gpu_memory_gb={plan.gpu_bytes / GB:g}; biggest: " + "; ".join(parts))

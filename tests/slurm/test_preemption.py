@@ -1,0 +1,44 @@
+"""PreemptionFlag: the flag's collective runs on the default group's device, and after a signal an engine
+call that fails (a SIGTERMed engine) is skipped so the checkpoint is still written."""
+import os
+import signal
+
+import pytest
+import torch
+
+from megaopd.trainer import preemption
+
+
+def test_flag_tensor_lives_on_the_group_device(monkeypatch):
+    seen = {}
+    target = torch.device("cpu")
+    calls = []
+    monkeypatch.setattr(preemption, "device", lambda: calls.append(1) or target)
+    monkeypatch.setattr(preemption.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(preemption.dist, "get_world_size", lambda group=None: 2)
+
+    def all_reduce(t, op=None, group=None):
+        seen["device"] = t.device
+        t.fill_(1.0)  # another rank got the signal
+
+    monkeypatch.setattr(preemption.dist, "all_reduce", all_reduce)
+    flag = preemption.PreemptionFlag(signals=())
+    assert flag.should_stop() is True
+    assert calls and seen["device"] == target
+
+
+def test_engine_failure_after_signal_is_not_fatal():
+    flag = preemption.PreemptionFlag(signals=(signal.SIGUSR1,))
+    try:
+        def dead_engine():
+            raise ConnectionRefusedError("engine at http://node1:30000 refused")
+
+        with pytest.raises(ConnectionRefusedError):  # before a signal: a real error
+            flag.engine_call_after_signal(dead_engine, "weight sync")
+        assert flag.engine_call_after_signal(lambda: 5, "weight sync") == 5
+        os.kill(os.getpid(), signal.SIGUSR1)
+        lines = []
+        assert flag.engine_call_after_signal(dead_engine, "weight sync", log=lines.append) is None
+        assert "weight sync failed after signal SIGUSR1" in lines[0] and "checkpointing" in lines[0]
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
