@@ -98,7 +98,7 @@ class Trainer:
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
         cfg = self.cfg
-        self.step, self._last_metrics = 0, {}
+        self.step, self._last_metrics, self.stopping = 0, {}, False
         self.detector = CollapseDetector(cfg.metrics.collapse)
         self.preemption = PreemptionFlag()
         latest = latest_checkpoint(cfg.run.dir)
@@ -146,10 +146,10 @@ class Trainer:
         while self.step < cfg.max_steps:
             metrics = self.train_step()
             step_times.append(metrics["time/step"])
-            if cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
+            stop = self.stopping
+            if not stop and cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
                 metrics.update(self._validate())
             self._log(metrics)
-            stop = self.preemption.should_stop()
             if stop or self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
                 self.save()
             if stop:
@@ -169,8 +169,11 @@ class Trainer:
         metrics = self._train(rollout, golden)
         times["time/train"] = time.time() - t
         self.step += 1
+        # Collective: every rank stops after the same step, even if the signal reached only some. After a
+        # preemption signal nothing talks to the engines (Slurm may have killed them): straight to the save.
+        self.stopping = self.preemption.should_stop()
         t = time.time()
-        if rollout is not None:  # an SFT-only step generates nothing: the engine is synced before validation
+        if rollout is not None and not self.stopping:  # SFT-only steps generate nothing: synced before validation
             self.sync_weights()
             interval = self.cfg.rollout.parity_interval
             if interval and self.step % interval == 0:
@@ -322,12 +325,8 @@ class Trainer:
              "reward": float(rollout.rewards_B[b])} for b in rows])
 
     def _console(self, line: str) -> None:
-        if self.rank != 0:
-            return
-        if self.run_log is not None:
-            self.run_log.console(line)
-        else:
-            print(line, flush=True)
+        if self.rank == 0:
+            self.run_log.console(line) if self.run_log is not None else print(line, flush=True)
 
     def save(self) -> None:
         state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),
