@@ -39,10 +39,9 @@ def plan_for(cfg: MegaOPDConfig):
     from megaopd.config.model import find_hf_config
     from megaopd.config.plan import RoleLayout, build_plan
     from megaopd.losses import build_loss_from
-    from megaopd.losses.requirements import loss_requirements
     from megaopd.models.hf_config import read_hf_config
 
-    needs = loss_requirements(build_loss_from(cfg.loss))
+    needs = build_loss_from(cfg.loss).needs
 
     def role(name, section, path=None):
         hf = read_hf_config(find_hf_config(path or section.path))
