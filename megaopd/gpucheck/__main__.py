@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             if a.quick:
                 table.skip("bench", "trainer", "GPU only (1.5B shape)")
             else:
-                bench.bench_trainer(table, a.workdir, device.type, peak_tflops=a.peak_tflops)
+                for recompute in ("none", "full"):  # the same run with and without activation recomputation
+                    bench.bench_trainer(table, a.workdir, device.type, peak_tflops=a.peak_tflops,
+                                        overrides=[f"student.recompute={recompute}", f"reference.recompute={recompute}"],
+                                        label=f"recompute={recompute}")
         print(f"[gpu_check] bench {b}: {time.time() - t:.0f} s", flush=True)
     title = ("megaopd GPU check" if parts else "megaopd GPU measurements") + (" (--quick, CPU)" if a.quick else "")
     text = f"# {title}\n\n{_environment(device)}; {time.time() - t0:.0f} s\n\n" + table.markdown()

@@ -137,53 +137,72 @@ def bench_engine(table: Table, hf_dir: str, dtypes, seqs=(1, 64), new_tokens: in
 
 
 def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5-1.5b", steps: int = 4,
-                  overrides: list[str] | None = None, peak_tflops: float | None = None, timeout_s: float = 480) -> None:
-    """The trainer at `shape` (student = reference = teacher shape), phases and MFU from RUN/metrics.jsonl."""
+                  overrides: list[str] | None = None, peak_tflops: float | None = None, timeout_s: float = 480,
+                  label: str = "") -> None:
+    """The trainer at `shape` (student = reference = teacher shape), phases and MFU from RUN/metrics.jsonl,
+    and `megaopd plan`'s predicted peak beside the measured one."""
     from megaopd.gpucheck.trainer_check import YAML, GpuMemoryPoll, read_metrics, run_trainer, train_command
 
     dt = "bfloat16"
-    with table.guard("bench", f"trainer {shape}", dt):
+    name = f"{shape} {label}".strip()
+    with table.guard("bench", f"trainer {name}", dt):
         model_dir = write_hf_dir(os.path.join(workdir, f"bench_{shape}"), shape, QWEN_VOCAB, device, torch.bfloat16, 4)
         run_dir = os.path.join(workdir, "run_bench")
         shutil.rmtree(run_dir, ignore_errors=True)
         prompts, samples, new = 16, 4, 256
-        cmd = train_command(YAML, [f"run.dir={run_dir}", f"student.path={model_dir}", f"teacher.path={model_dir}",
-                                   f"trainer.max_steps={steps}", f"trainer.save_interval={steps + 100}",
-                                   f"trainer.prompts_per_step={prompts}", f"trainer.samples_per_prompt={samples}",
-                                   f"rollout.max_new_tokens={new}", f"logging.samples_per_step={prompts * samples}",
-                                   "rollout.parity_interval=0", *(overrides or [])])
+        args = [f"run.dir={run_dir}", f"student.path={model_dir}", f"teacher.path={model_dir}",
+                f"trainer.max_steps={steps}", f"trainer.save_interval={steps + 100}",
+                f"trainer.prompts_per_step={prompts}", f"trainer.samples_per_prompt={samples}",
+                f"rollout.max_new_tokens={new}", f"logging.samples_per_step={prompts * samples}",
+                "rollout.parity_interval=0", *(overrides or [])]
+        cmd = train_command(YAML, args)
         with GpuMemoryPoll() as mem:
             rc, _ = run_trainer(cmd, os.path.join(workdir, "train_bench.log"), timeout_s)
-        table.eq("bench", f"trainer {shape} {steps} steps", dt, "exit code", rc, 0)
+        table.eq("bench", f"trainer {name} {steps} steps", dt, "exit code", rc, 0)
         records = read_metrics(run_dir)[1:]  # the first step pays for warm-up
         if not records:
             return
         for key in ("time/step", "time/rollout", "time/actor_logprobs", "time/teacher", "time/train", "time/sync"):
             vals = [r[key] for r in records if r.get(key) is not None]
             if vals:
-                table.info("bench", f"trainer {shape}: mean {key}", dt, "s", sum(vals) / len(vals))
+                table.info("bench", f"trainer {name}: mean {key}", dt, "s", sum(vals) / len(vals))
         if mem.peak_mib is not None:
-            table.info("bench", f"trainer {shape}: peak GPU memory (nvidia-smi)", dt, "GiB", mem.peak_mib / 1024)
+            table.info("bench", f"trainer {name}: peak GPU memory (nvidia-smi)", dt, "GiB", mem.peak_mib / 1024)
+        predicted = _planned_peak_gib(YAML, args)
+        if predicted is not None:
+            table.info("bench", f"trainer {name}: megaopd plan's peak (no CUDA context)", dt, "GiB", predicted)
         # Tokens of the training phase: every sequence's prompt + response (the model runs on all of them).
         cfg = hf_config_dict(shape, QWEN_VOCAB)
         n_seq = prompts * samples
         resp = [r.get("rollout/response_length_mean") for r in records]
         prompt_len = _prompt_len_mean(run_dir, model_dir)
         if None in resp or prompt_len is None:
-            table.info("bench", f"trainer {shape}: tokens/s, MFU", dt, "n/a", "response or prompt lengths not logged")
+            table.info("bench", f"trainer {name}: tokens/s, MFU", dt, "n/a", "response or prompt lengths not logged")
             return
         t_train = [r["time/train"] for r in records]
         tokens = [n_seq * (prompt_len + x) for x in resp]
         tps = sum(tokens) / sum(t_train)
         L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
         flops = sum(6 * num_params(cfg) * tk + 12 * L * h * n_seq * (tk / n_seq) ** 2 for tk in tokens)
-        table.info("bench", f"trainer {shape}: training tokens/s", dt, "tokens/s", tps)
+        table.info("bench", f"trainer {name}: training tokens/s", dt, "tokens/s", tps)
         peak = peak_tflops or _peak_tflops()
         if peak:
-            table.info("bench", f"trainer {shape}: MFU (bf16 peak {peak:.0f} TFLOP/s)", dt, "MFU",
+            table.info("bench", f"trainer {name}: MFU (bf16 peak {peak:.0f} TFLOP/s)", dt, "MFU",
                        flops / sum(t_train) / (peak * 1e12))
-        table.skip("bench", f"trainer {shape} with recomputation",
-                   "no recomputation key in megaopd/config (megatron recompute_granularity is not exposed)")
+
+
+def _planned_peak_gib(yaml_path: str, overrides: list[str]) -> float | None:
+    """`megaopd plan`'s per-GPU peak for the run the bench starts (None if it cannot be planned)."""
+    from megaopd.config import load_config
+    from megaopd.config.cli import plan_for
+    from megaopd.config.schema import MegaOPDConfig
+
+    try:
+        plan = plan_for(load_config(MegaOPDConfig, yaml_path, overrides + ["plan.reserved_gb=0"]))
+    except Exception as e:  # the measurement still stands without the prediction
+        print(f"[gpu_check] plan failed: {type(e).__name__}: {e}", flush=True)
+        return None
+    return max(plan.total(p) for p in plan.phases) / 2**30
 
 
 def _prompt_len_mean(run_dir: str, model_dir: str) -> float | None:
