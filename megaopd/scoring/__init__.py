@@ -11,8 +11,20 @@ statistics and their bounds in float32 and bf16), cli (`megaopd logprobs`). The 
 micro-batches through the same runner (megaopd.trainer).
 """
 from megaopd.scoring.parity import ParityBounds, ParityReport, bounds_for, parity_report
-from megaopd.scoring.passes import ScoringMicroBatch, score_sequences, score_tokens
-from megaopd.scoring.runner import PipelineRunner
+
+# The runner and the passes import megatron (seconds, and its warnings): loaded on first use, so that
+# `megaopd logprobs` can refuse a bad input before paying for it.
+_LAZY = {"PipelineRunner": "megaopd.scoring.runner", "ScoringMicroBatch": "megaopd.scoring.passes",
+         "score_sequences": "megaopd.scoring.passes", "score_tokens": "megaopd.scoring.passes"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'megaopd.scoring' has no attribute {name!r}")
+
 
 __all__ = ["ParityBounds", "ParityReport", "PipelineRunner", "ScoringMicroBatch", "bounds_for", "parity_report",
            "score_sequences", "score_tokens"]
