@@ -40,6 +40,8 @@ class ModelDims:
     num_query_groups: int
     vocab_size: int
     architecture: str
+    num_experts: int = 0
+    """Routed experts per MoE layer (Qwen3-MoE's num_experts); 0 for a dense model."""
 
 
 def find_hf_config(path: str) -> str:
@@ -62,6 +64,7 @@ def read_model_dims(path: str) -> ModelDims:
         num_query_groups=int(hf.get("num_key_value_heads") or heads),
         vocab_size=int(hf["vocab_size"]),
         architecture=(hf.get("architectures") or [hf.get("model_type", "?")])[0],
+        num_experts=int(hf.get("num_experts") or 0),
     )
 
 
@@ -85,4 +88,16 @@ def check_layout(role: str, model: ModelConfig, world_size: int) -> ModelDims:
     if world_size % (model.tp * model.pp):
         raise ValueError(f"run.world_size={world_size} is not a multiple of {role}.tp*{role}.pp="
                          f"{model.tp * model.pp}: change the world size or the layout")
+    if model.ep > 1:
+        if not dims.num_experts:
+            raise ValueError(f"{role}.ep={model.ep} but {model.path} ({dims.architecture}) has no experts: "
+                             f"expert parallelism is for MoE models; set {role}.ep=1")
+        if dims.num_experts % model.ep:
+            raise ValueError(f"{role}.ep={model.ep} does not divide the {dims.num_experts} experts of {model.path}: "
+                             f"choose an ep that divides {dims.num_experts}")
+        dp = world_size // (model.tp * model.pp)
+        if dp % model.ep:
+            raise ValueError(f"{role}.ep={model.ep} does not divide the data-parallel size {dp} (run.world_size="
+                             f"{world_size} / ({role}.tp*{role}.pp={model.tp * model.pp})): expert-parallel ranks "
+                             f"are data-parallel ranks; choose an ep that divides {dp}")
     return dims
