@@ -64,7 +64,8 @@ def read_model_dims(path: str) -> ModelDims:
         num_query_groups=int(hf.get("num_key_value_heads") or heads),
         vocab_size=int(hf["vocab_size"]),
         architecture=(hf.get("architectures") or [hf.get("model_type", "?")])[0],
-        num_experts=int(hf.get("num_experts") or 0),
+        # Released configs say num_experts; transformers 5 writes num_local_experts on save.
+        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
     )
 
 

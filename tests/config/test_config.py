@@ -96,7 +96,8 @@ def moe_models(tmp_path):
     teacher.mkdir()
     (teacher / "config.json").write_text(json.dumps({
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_attention_heads": 4,
-        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 200, "num_experts": 8}))
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 200,
+        "num_local_experts": 8}))  # as transformers 5 saves it (released configs say num_experts)
     return _hf_dir(tmp_path, "student"), str(teacher), str(data)
 
 
