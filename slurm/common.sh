@@ -139,6 +139,7 @@ load_model() {
   file="$MEGAOPD_ROOT/slurm/models/$name.sh"
   [[ -f $file ]] || die "no model settings for '$name' ($file): choose one of: $(cd "$MEGAOPD_ROOT/slurm/models" && ls ./*.sh | sed 's|^\./||; s|\.sh$||' | tr '\n' ' ')"
   MODEL_MAX_NEW_TOKENS=""
+  MODEL_EP=1  # expert parallelism: only MoE settings (slurm/models/qwen3-30b-a3b.sh) set it
   # shellcheck source=/dev/null
   source "$file"
   ROLE="${role^^}"
@@ -146,7 +147,7 @@ load_model() {
   printf -v "${ROLE}_HF_ID" '%s' "$MODEL_HF_ID"
   # Layout: an explicit STUDENT_TP / TEACHER_PP ... wins over the model's default.
   local v
-  for v in TP PP ENGINE_TP MAX_NEW_TOKENS; do
+  for v in TP PP EP ENGINE_TP MAX_NEW_TOKENS; do
     local cur="${ROLE}_$v" def="MODEL_$v"
     [[ -n ${!cur:-} ]] || printf -v "$cur" '%s' "${!def}"
   done
@@ -403,12 +404,14 @@ wait_engines() {
 # ---------------------------------------------------------------------------------------------------------
 train_base_overrides() {
   TRAIN_OVERRIDES=(run.dir="$RUN_DIR" run.world_size="$WORLD_SIZE"
-                   student.path="$STUDENT_CKPT" student.tp="$STUDENT_TP" student.pp="$STUDENT_PP"
+                   student.path="$STUDENT_CKPT" student.tp="$STUDENT_TP" student.pp="$STUDENT_PP" student.ep="$STUDENT_EP"
                    # The reference is the student's initial weights, in the student's layout (vocab shards
                    # line up for the exact KL); on resume the trainer restores the student, not this.
-                   reference.path="$STUDENT_CKPT" reference.tp="$STUDENT_TP" reference.pp="$STUDENT_PP")
+                   reference.path="$STUDENT_CKPT" reference.tp="$STUDENT_TP" reference.pp="$STUDENT_PP"
+                   reference.ep="$STUDENT_EP")
   if [[ -n ${TEACHER_CKPT:-} ]]; then
-    TRAIN_OVERRIDES+=(teacher.path="$TEACHER_CKPT" teacher.tp="$TEACHER_TP" teacher.pp="$TEACHER_PP")
+    TRAIN_OVERRIDES+=(teacher.path="$TEACHER_CKPT" teacher.tp="$TEACHER_TP" teacher.pp="$TEACHER_PP"
+                      teacher.ep="$TEACHER_EP")
   fi
   if (( GPUS_PER_NODE > 0 )); then
     # The schema's defaults are the CPU ones (float32, no distributed optimizer): on GPUs train in bf16 and

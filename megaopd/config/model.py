@@ -67,6 +67,8 @@ class ModelDims:
     architecture: str
     max_position_embeddings: int | None = None
     """Positions the model's RoPE was trained for (None when config.json does not say)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (Qwen3-MoE's num_experts); 0 for a dense model."""
 
 
 def find_hf_config(path: str) -> str:
@@ -90,6 +92,8 @@ def read_model_dims(path: str) -> ModelDims:
         vocab_size=int(hf["vocab_size"]),
         architecture=(hf.get("architectures") or [hf.get("model_type", "?")])[0],
         max_position_embeddings=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings") else None,
+        # Released configs say num_experts; transformers 5 writes num_local_experts on save.
+        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
     )
 
 
@@ -122,4 +126,16 @@ def check_layout(role: str, model: ModelConfig, world_size: int) -> ModelDims:
     if world_size % (model.tp * model.pp):
         raise ValueError(f"run.world_size={world_size} is not a multiple of {role}.tp*{role}.pp="
                          f"{model.tp * model.pp}: change the world size or the layout")
+    if model.ep > 1:
+        if not dims.num_experts:
+            raise ValueError(f"{role}.ep={model.ep} but {model.path} ({dims.architecture}) has no experts: "
+                             f"expert parallelism is for MoE models; set {role}.ep=1")
+        if dims.num_experts % model.ep:
+            raise ValueError(f"{role}.ep={model.ep} does not divide the {dims.num_experts} experts of {model.path}: "
+                             f"choose an ep that divides {dims.num_experts}")
+        dp = world_size // (model.tp * model.pp)
+        if dp % model.ep:
+            raise ValueError(f"{role}.ep={model.ep} does not divide the data-parallel size {dp} (run.world_size="
+                             f"{world_size} / ({role}.tp*{role}.pp={model.tp * model.pp})): expert-parallel ranks "
+                             f"are data-parallel ranks; choose an ep that divides {dp}")
     return dims

@@ -61,11 +61,13 @@ class MegaOPDConfig:
             # match is the tokenizer, which the trainer compares before loading any model.
             teacher_dims = check_layout("teacher", self.teacher, world)
             check_context("teacher", self.teacher.path, teacher_dims, tokens, why)
-        if (self.reference.tp, self.reference.pp) != (self.student.tp, self.student.pp):
+        ref_layout = (self.reference.tp, self.reference.pp, self.reference.ep)
+        student_layout = (self.student.tp, self.student.pp, self.student.ep)
+        if ref_layout != student_layout:
             raise ValueError(
-                f"reference.tp/pp=({self.reference.tp}, {self.reference.pp}) differ from student.tp/pp="
-                f"({self.student.tp}, {self.student.pp}): the reference must share the student's layout so "
-                f"their vocab shards line up; set reference.tp={self.student.tp} reference.pp={self.student.pp}")
+                f"reference.tp/pp/ep={ref_layout} differ from student.tp/pp/ep={student_layout}: the reference must "
+                f"share the student's layout so their vocab shards and expert groups line up; set "
+                f"reference.tp={self.student.tp} reference.pp={self.student.pp} reference.ep={self.student.ep}")
         if self.reference.path:
             ref_dims = check_layout("reference", self.reference, world)
             if ref_dims != student_dims:

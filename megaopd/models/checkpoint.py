@@ -4,13 +4,14 @@
     load_model_checkpoint(model, ckpt_dir, pg_collection)                            # any TP/PP layout
 
 A checkpoint directory:
-    megaopd_checkpoint.json   {"format": "megaopd-megatron", "version": 1, "tp", "pp", "dtype", ...}
+    megaopd_checkpoint.json   {"format": "megaopd-megatron", "version": 1, "tp", "pp", "ep", "dtype", ...}
     config.json, tokenizer*   the HF files of the model (so the checkpoint alone describes it)
     model/                    dist_checkpointing of model.sharded_state_dict()
 Because dist_checkpointing stores global tensors with their shard offsets, a checkpoint written at
 TP=2 PP=2 loads at TP=1 PP=1 (or any layout check_layout accepts). The vocabulary padding differs per
-TP (a multiple of 128 * TP); megatron marks the embedding and output layer `allow_shape_mismatch`, so
-the stored rows are read and any extra padding rows start at zero.
+TP (a multiple of 128 * TP); a MoE model's experts are stored as global experts, so EP reshards too
+("ep" records the saving layout, for the reader; megatron marks the embedding and output layer `allow_shape_mismatch`, so
+the stored rows are read and any extra padding rows start at zero).
 The torch_dist format reads its own metadata with pickle: load only checkpoints you (or megaopd) wrote.
 Entry scripts that save need an `if __name__ == "__main__":` guard: the writer processes re-import it.
 megatron is imported inside the functions: reading metadata stays cheap for command-line validation.
@@ -84,6 +85,7 @@ def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collectio
             "version": 1,
             "tp": pgs.tp.size(),
             "pp": pgs.pp.size(),
+            "ep": saved_ep(pgs),
             "dtype": str(dtype).replace("torch.", ""),
             "architecture": cfg.architecture,
             "vocab_size": cfg.vocab_size,
@@ -96,6 +98,12 @@ def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collectio
             json.dump(meta, f, indent=2)
         os.replace(tmp, os.path.join(ckpt_dir, META_NAME))
     dist.barrier()
+
+
+def saved_ep(pgs) -> int:
+    """The expert-parallel size of a layout's groups (1 for a dense model or a collection without EP)."""
+    group = getattr(pgs, "ep", None)
+    return group.size() if group is not None else 1
 
 
 def load_model_checkpoint(model, ckpt_dir: str, pg_collection=None) -> dict:

@@ -10,6 +10,10 @@ or a stop id finishes "stop" (the stop token is in output_ids), one that uses ma
     samples = engine.generate([[1, 2, 3]], SamplingParams(n=4, max_new_tokens=32, seed=0))
     engine.update_weights(actor_hf_named_tensors, weight_version="step-7")
 
+Weights are named as in the HF checkpoint (what megaopd's gather and SGLang send). transformers 5 keeps a
+MoE layer's experts fused (Qwen3-MoE's mlp.experts.gate_up_proj / down_proj); a per-expert name such as
+mlp.experts.3.gate_proj.weight loads into its slice of the fused tensor (fused_expert_slots).
+
 How a batch is decoded: the distinct prompts are left-padded and prefilled once (a prompt's n samples
 share its prefill; the KV cache rows are then repeated), then one token per row per step with a
 DynamicCache; rows that finish are dropped from the batch and the cache. Each row draws from its own
@@ -119,6 +123,51 @@ class RowResult:
     weight_version: str | None = None
 
 
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one HF-named tensor lives in the model: a module tensor, or a slice of a fused one."""
+
+    param: str
+    """The model's state_dict name."""
+    index: tuple | None = None
+    """Index into that tensor (None: the whole tensor)."""
+
+    @property
+    def key(self) -> tuple:
+        """Hashable identity of the slice (slices are not hashable before Python 3.12)."""
+        if self.index is None:
+            return ()
+        return tuple((i.start, i.stop) if isinstance(i, slice) else i for i in self.index)
+
+
+_FUSED_GATE_UP, _FUSED_DOWN = "experts.gate_up_proj", "experts.down_proj"
+
+
+def fused_expert_slots(params: dict[str, torch.Tensor]) -> dict[str, WeightSlot]:
+    """HF name -> WeightSlot for every loadable tensor of a transformers model.
+
+    transformers 5 keeps a MoE layer's experts fused (Qwen3-MoE: `mlp.experts.gate_up_proj` [E, 2F, H],
+    whose expert e is [gate_proj (F rows); up_proj (F rows)], as Qwen3MoeExperts.forward chunks it, and
+    `mlp.experts.down_proj` [E, H, F]), while checkpoints, SGLang and megaopd's weight sync name each
+    expert: `mlp.experts.{e}.gate_proj.weight` [F, H], `up_proj.weight` [F, H], `down_proj.weight` [H, F].
+    Those per-expert names map to slices of the fused tensors; every other name maps to itself.
+    """
+    slots: dict[str, WeightSlot] = {}
+    for name, t in params.items():
+        if name.endswith(_FUSED_GATE_UP) and t.dim() == 3:
+            prefix, F = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                slots[f"{prefix}{e}.gate_proj.weight"] = WeightSlot(name, (e, slice(0, F)))
+                slots[f"{prefix}{e}.up_proj.weight"] = WeightSlot(name, (e, slice(F, 2 * F)))
+        elif name.endswith(_FUSED_DOWN) and t.dim() == 3:
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                slots[f"{prefix}{e}.down_proj.weight"] = WeightSlot(name, (e,))
+        else:
+            slots[name] = WeightSlot(name)
+    return slots
+
+
 class WeightMismatchError(ValueError):
     """update_weights got names the model lacks or shapes that differ; nothing was loaded."""
 
@@ -181,9 +230,14 @@ class EmbeddedEngine:
         self._released: set[str] = set()  # memory tags released and not resumed since
         self._stale: set[str] = set()  # parameters discarded and not yet reloaded
         self._discarded_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
-        self._targets = self.model.state_dict(keep_vars=True)  # HF name -> Parameter/buffer (tied names alias)
-        first: dict[int, str] = {}
-        self._canonical = {n: first.setdefault(id(t), n) for n, t in self._targets.items()}  # alias -> one name
+        self._params = self.model.state_dict(keep_vars=True)  # module name -> Parameter/buffer (tied names alias)
+        # The names update_weights speaks (the HF checkpoint's, as SGLang and megaopd's gather send them):
+        # the module names, except that fused expert tensors are addressed per expert (fused_expert_slots).
+        self._slots = fused_expert_slots(self._params)
+        self._specs = {n: (tuple(self._view(n).shape), self._view(n).dtype) for n in self._slots}
+        first: dict[tuple[int, tuple], str] = {}
+        self._canonical = {n: first.setdefault((id(self._params[s.param]), s.key), n)
+                           for n, s in self._slots.items()}  # alias -> one name
         self.running = 0  # rows currently decoding, for /get_server_info style reporting
 
     # ----------------------------------------------------------------------------------- generation
@@ -405,11 +459,14 @@ class EmbeddedEngine:
     # -------------------------------------------------------------------------------- weights
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF name -> (shape, dtype) of every loadable tensor (tied aliases included)."""
-        specs = {}
-        for name, t in self._targets.items():
-            shape, dtype = self._discarded_shapes.get(name, (t.shape, t.dtype))
-            specs[name] = (tuple(shape), dtype)
-        return specs
+        return dict(self._specs)
+
+    def _view(self, name: str) -> torch.Tensor:
+        """The model tensor (or the slice of a fused expert tensor) that HF name `name` loads into, resolved
+        now: offload and discard replace the parameters' storage, so views are never kept."""
+        slot = self._slots[name]
+        t = self._params[slot.param]
+        return t[slot.index] if slot.index is not None else t
 
     def check_weights(self, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Problems (unknown names, shape mismatches, duplicates) that would stop a load; [] when fine."""
@@ -437,7 +494,8 @@ class EmbeddedEngine:
         with self._exclusive():
             with torch.no_grad():
                 for name, tensor in named:
-                    self._targets[name].copy_(tensor.to(device=self._targets[name].device))
+                    target = self._view(name)
+                    target.copy_(tensor.to(device=target.device))
             self._loaded([n for n, _ in named], weight_version)
 
     def receive_weights_in_place(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
@@ -451,7 +509,7 @@ class EmbeddedEngine:
         """
         if self.check_weights([(n, shape) for n, shape, _ in specs]):
             return False
-        targets = [self._targets[n] for n, _, _ in specs]
+        targets = [self._view(n) for n, _, _ in specs]
         if any(t.dtype != dt or not t.is_contiguous() for t, (_, _, dt) in zip(targets, specs)):
             return False
         with self._exclusive():
@@ -465,7 +523,7 @@ class EmbeddedEngine:
         if problems:
             raise WeightMismatchError(
                 f"update_weights: {len(problems)} of {len(named_shapes)} tensors do not match the model "
-                f"({len(self._targets)} weights, HF names such as {next(iter(self._targets))!r}); nothing was "
+                f"({len(self._slots)} weights, HF names such as {next(iter(self._slots))!r}); nothing was "
                 "loaded:\n  " + "\n  ".join(problems))
 
     @contextlib.contextmanager
@@ -498,13 +556,13 @@ class EmbeddedEngine:
                 if self.release_weights == "offload":
                     self.model.to("cpu")
                 elif self.release_weights == "discard":
-                    seen: dict[int, str] = {}
-                    for name, t in self._targets.items():
-                        self._discarded_shapes[name] = (t.shape, t.dtype)
+                    seen: set[int] = set()
+                    for name, t in self._params.items():
                         if id(t) not in seen:
-                            seen[id(t)] = name
+                            seen.add(id(t))
+                            self._discarded_shapes[name] = (t.shape, t.dtype)
                             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-                    self._stale = set(seen.values())
+                    self._stale = set(self._canonical.values())  # a fused tensor: until each expert is loaded
             self._released.update(tags)
             gc.collect()
             if self.device.type == "cuda":
@@ -519,12 +577,8 @@ class EmbeddedEngine:
                 if self.release_weights == "offload":
                     self.model.to(self.device)
                 elif self.release_weights == "discard":
-                    done: set[int] = set()
-                    for name, t in self._targets.items():
-                        if id(t) not in done:
-                            done.add(id(t))
-                            shape, dtype = self._discarded_shapes[name]
-                            t.data = torch.zeros(shape, dtype=dtype, device=self.device)
+                    for name, (shape, dtype) in self._discarded_shapes.items():
+                        self._params[name].data = torch.zeros(shape, dtype=dtype, device=self.device)
                     self._discarded_shapes.clear()
             self._released.difference_update(tags)
 

@@ -1,11 +1,12 @@
-"""This rank's Megatron shards -> full HF-named tensors: the TP all-gather and the PP collection.
+"""This rank's Megatron shards -> full HF-named tensors: the TP (and EP) all-gather and the PP collection.
 
-    tensors = gather_hf_weights(model_state(model), hf_cfg, pgs.tp, pgs.pp)   # collective, lazy
-    for name, t in tensors: ...                                               # every rank drains it
+    tensors = gather_hf_weights(model_state(model), hf_cfg, pgs.tp, pgs.pp, ep_group=pgs.ep)  # collective, lazy
+    for name, t in tensors: ...                                                               # every rank drains it
 
 The mapping itself (which megatron tensor is made of which HF tensors, and how shards merge) is the
-one in megaopd.models.weights (stage_rules, merge_shards), shared with the checkpoint converters; this
-module only adds the collectives. Every collective tensor lives on the device of the shard it came from
+one in megaopd.models.weights (stage_rules, merge_shards), shared with the checkpoint converters; each
+stage's tensors come from models.weights.gather_stage_hf_weights (TP, and for a MoE model's experts EP);
+this module adds the PP collection. Every collective tensor lives on the device of the shard it came from
 (the model's device), which is the device of the group's backend: CUDA under NCCL, CPU under gloo.
 """
 from __future__ import annotations
@@ -16,28 +17,37 @@ import torch
 import torch.distributed as dist
 
 from megaopd.models.hf_config import HFModelConfig
-from megaopd.models.weights import (hf_shapes, merge_shards, model_state, stage_rules, strip_wrapper_prefix,
-                                    uses_fused_norms)
+from megaopd.models.weights import (gather_stage_hf_weights, hf_shapes, model_state, stage_rules,
+                                    strip_wrapper_prefix, uses_fused_norms)
 
-__all__ = ["gather_hf_weights", "model_state"]
+__all__ = ["gather_hf_weights", "model_state", "stage_hf_names"]
 
 
-def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
-    if group is None or dist.get_world_size(group) == 1:
-        return [t]
-    t = t.detach().contiguous()
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
-    return out
+def stage_hf_names(cfg: HFModelConfig, pp_rank: int, pp_size: int, fused_norms: bool, ep_size: int = 1) -> list[str]:
+    """The HF names of stage `pp_rank` in the order gather_stage_hf_weights yields them: rule by rule,
+    and for an expert rule's slot each of its HF tensors over the EP ranks in turn."""
+    per_ep = [stage_rules(cfg, pp_rank, pp_size, fused_norms, e, ep_size) for e in range(ep_size)]
+    names: list[str] = []
+    for i, rule in enumerate(per_ep[0]):
+        if not rule.export:
+            continue
+        if not rule.expert:
+            names += rule.hf
+        else:
+            names += [per_ep[e][i].hf[k] for k in range(len(rule.hf)) for e in range(ep_size)]
+    return names
 
 
 def gather_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_group=None, pp_group=None,
-                      collect_pp: bool = True, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      collect_pp: bool = True, dtype: torch.dtype | None = None,
+                      ep_group=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, full tensor) for the whole model, built from every rank's megatron shard.
 
     state: this rank's megatron tensors by name (model_state(model), or a state_dict; a `module.`
     prefix is ignored). tp_group: this stage's TP group (None = TP 1); pp_group: this rank's pipeline
-    group (None = PP 1). Collective: every rank of both groups must consume the whole iterator.
+    group (None = PP 1); ep_group: this rank's expert-parallel group (None = EP 1; a MoE model at EP > 1
+    holds only its experts, gathered over EP as well). Collective: every rank of the three groups must
+    consume the whole iterator.
     With collect_pp (default) every rank receives every tensor: each stage all-gathers its shards over
     TP, then broadcasts them over the PP group, one tensor at a time (memory: one tensor at a time).
     With collect_pp=False only this stage's tensors are yielded (no PP traffic): a weight-sync sender
@@ -49,14 +59,12 @@ def gather_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_
     fused = uses_fused_norms(state)
     pp_rank = pp_group.rank() if pp_group is not None else 0
     pp_size = pp_group.size() if pp_group is not None else 1
+    ep_size = ep_group.size() if ep_group is not None else 1
     some = state["decoder.layers.0.self_attention.linear_qkv.weight"]  # every stage has a layer 0
     dtype = dtype or some.dtype
 
     def local() -> Iterator[tuple[str, torch.Tensor]]:
-        for rule in stage_rules(cfg, pp_rank, pp_size, fused):
-            if rule.export:
-                shards = _all_gather(state[rule.megatron].detach(), tp_group)
-                yield from ((n, t.to(dtype)) for n, t in zip(rule.hf, merge_shards(rule, shards, cfg)))
+        return gather_stage_hf_weights(state, cfg, tp_group, ep_group, pp_rank, pp_size, dtype)
 
     if pp_size == 1 or not collect_pp:
         yield from local()
@@ -64,7 +72,7 @@ def gather_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_
     shapes = hf_shapes(cfg)
     for stage in range(pp_size):
         src = dist.get_global_rank(pp_group, stage)
-        names = [n for r in stage_rules(cfg, stage, pp_size, fused) if r.export for n in r.hf]
+        names = stage_hf_names(cfg, stage, pp_size, fused, ep_size)
         mine = local() if stage == pp_rank else None
         for name in names:
             if mine is not None:

@@ -10,7 +10,7 @@ push() is collective over `group` (default: torch's default group) and the actor
        ranks take part (cuda_ipc) and which ranks feed which engine GPU;
     2. colocated engines: every rank empties its CUDA cache (the trainer's cached blocks would leave
        the engines too little memory), then rank 0 resumes "weights" on the engines that released them;
-    3. gather (megaopd.sync.gather) and send (the transports); ranks that send nothing drain the gather;
+    3. gather (megaopd.sync.gather: over TP, over EP for a MoE actor's experts, then PP) and send (the transports); ranks that send nothing drain the gather;
     4. colocated engines: rank 0 resumes "kv_cache" and "cuda_graph" where released (SGLang's order
        after training: weights first, then the KV cache, so the two never compete for memory);
     5. a barrier: no rank runs ahead while the engines still load.
@@ -125,7 +125,8 @@ class WeightSync:
 
     # ----------------------------------------------------------------------------------------- push
     def push(self, model: torch.nn.Module, hf_cfg, pgs, weight_version: str | None) -> SyncStats | None:
-        """Collective: every rank of `group` and of pgs.tp / pgs.pp calls it. Returns stats on rank 0."""
+        """Collective: every rank of `group` and of pgs.tp / pgs.pp (and pgs.ep of a MoE actor at EP > 1)
+        calls it. Returns stats on rank 0."""
         t0 = time.perf_counter()
         if self.plan is None:
             self._make_plan()
@@ -134,7 +135,7 @@ class WeightSync:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # every rank: hand the cached blocks back before engines re-allocate
             self._resume(("weights",))
-        counted = _Counter(gather_hf_weights(model_state(model), hf_cfg, pgs.tp, pgs.pp))
+        counted = _Counter(gather_hf_weights(model_state(model), hf_cfg, pgs.tp, pgs.pp, ep_group=expert_group(pgs)))
         senders = [t for t in self.transports if t.all_ranks or self.rank == 0]
         if len(senders) > 1:
             named = list(counted)  # each transport needs the whole stream
@@ -164,6 +165,13 @@ class WeightSync:
         for t in self.transports:
             t.close()
         self.transports, self.plan = [], None
+
+
+def expert_group(pgs):
+    """The expert-parallel group of a layout's ProcessGroupCollection, None when there is none or it
+    has one rank (a dense model, or EP 1: each rank then holds every expert)."""
+    group = getattr(pgs, "ep", None)
+    return group if group is not None and group.size() > 1 else None
 
 
 class _Counter:

@@ -6,7 +6,8 @@
                              so `megaopd eval --ckpt`, `megaopd logprobs`, convert_megatron_to_hf.py and
                              `student.path=` all take it as it is
       optimizer/             Adam state (dist_checkpointing, sharded like the model)
-      trainer_state.json     step, lr scheduler, data position, collapse detector, weight version, ...
+      trainer_state.json     step, world size, the actor's layout {tp, pp, ep}, lr scheduler, data position,
+                             collapse detector, weight version, ...
       rng/rank_R.safetensors each rank's torch RNG state (uint8 tensors, no pickle)
 
 A checkpoint is written under a temporary name and renamed when every rank has finished, then `latest`
@@ -24,7 +25,7 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 
 from megaopd.models import compat
-from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint
+from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint, saved_ep
 
 LATEST = "latest"
 
@@ -77,7 +78,9 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, trainer_stat
     dist.barrier()
     if rank == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, "world_size": dist.get_world_size(), **trainer_state}, f, indent=1)
+            layout = {"tp": pgs.tp.size(), "pp": pgs.pp.size(), "ep": saved_ep(pgs)}
+            json.dump({"step": step, "world_size": dist.get_world_size(), "layout": layout, **trainer_state}, f,
+                      indent=1)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         pointer_tmp = os.path.join(checkpoints_dir(run_dir), LATEST + ".tmp")

@@ -9,10 +9,19 @@ finalize hook then passes no token count, so megatron does not rescale either.
 DDP and the optimizer take their groups from megatron's global parallel_state, which holds exactly the
 actor's layout (megaopd.parallel.groups.initialize_actor_layout): they also need the expert and
 distributed-optimizer groups that only parallel_state builds.
+
+Expert parallelism (a MoE student at EP > 1): megatron marks routed-expert parameters `allreduce=False`;
+DDP puts them in buffers of their own reduced over the expert data-parallel group (parallel_state's
+expt_dp = dp / ep ranks, the same ranks as the actor's pgs.expt_dp), since each EP rank's experts already
+received the gradients of every token routed to them from the whole EP group. The per-token loss makes
+both scaling factors 1 (a sum), as for the dense parameters. get_megatron_optimizer gives the expert
+parameters an optimizer of their own over the same groups, and the gradient norm spans both
+(tests/trainer/test_qwen3.py: the same gradient and norm at EP=1 and EP=2).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -24,6 +33,7 @@ from megaopd.config.trainer import OptimizerConfig
 
 def wrap_for_training(model: torch.nn.Module, pgs, use_distributed_optimizer: bool) -> DistributedDataParallel:
     config = model.config
+    _check_expert_groups(pgs)
     config.calculate_per_token_loss = True
     ddp = DistributedDataParallel(
         config,
@@ -37,6 +47,21 @@ def wrap_for_training(model: torch.nn.Module, pgs, use_distributed_optimizer: bo
         lambda models, num_tokens=None, pg_collection=None, force_all_reduce=False:
         finalize_model_grads([ddp], None, pg_collection=pgs, force_all_reduce=force_all_reduce))
     return ddp
+
+
+def _check_expert_groups(pgs) -> None:
+    """DDP reduces expert gradients over parallel_state's expert data-parallel group: it must be the actor's
+    (a model built at another EP than initialize_actor_layout set would silently skip or double them)."""
+    from megatron.core import parallel_state
+
+    expt_dp = getattr(pgs, "expt_dp", None)
+    if expt_dp is None:
+        return
+    global_ranks = dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group())
+    if dist.get_process_group_ranks(expt_dp) != global_ranks:
+        raise ValueError(f"the actor's expert data-parallel group {dist.get_process_group_ranks(expt_dp)} is not "
+                         f"megatron's {global_ranks}: build the actor's groups with "
+                         "megaopd.parallel.groups.initialize_actor_layout(Layout(tp, pp, ep)) at the student's ep")
 
 
 def build_optimizer(ddp: DistributedDataParallel, cfg: OptimizerConfig, max_steps: int):

@@ -37,6 +37,7 @@ from megaopd.rollout.protocol import SamplingParams
 from megaopd.scoring import bounds_for, parity_report, score_sequences, score_tokens
 from megaopd.sync import WeightSync
 from megaopd.sync.gather import gather_hf_weights, model_state
+from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.micro_batches import MicroBatch, assemble_micro_batches
 from megaopd.trainer.optim import build_optimizer, wrap_for_training
@@ -268,8 +269,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- sync and parity
     def _hf_tensors(self):
-        """Full HF-named tensors of the actor, gathered over TP and collected over PP (collective)."""
-        return gather_hf_weights(model_state(self.actor.model), self.actor.hf, self.actor_pgs.tp, self.actor_pgs.pp)
+        """Full HF-named tensors of the actor, gathered over TP (and EP) and collected over PP (collective)."""
+        return gather_hf_weights(model_state(self.actor.model), self.actor.hf, self.actor_pgs.tp, self.actor_pgs.pp,
+                                 ep_group=expert_group(self.actor_pgs))
 
     def sync_weights(self) -> None:
         """Actor shards -> HF tensors -> rollout engines (collective; megaopd.sync, which also resumes

@@ -85,3 +85,36 @@ def test_missing_data_and_bad_loss(models):
         _load(models, "loss.name=stabel_opd")
     with pytest.raises(ConfigError, match="unknown key"):
         _load(models, "loss.config={sft_weigth: 0.2}")
+
+
+@pytest.fixture
+def moe_models(tmp_path):
+    """A dense student and a MoE teacher with 8 experts (the Qwen3-MoE config fields megaopd reads)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"problem": "1+1?", "answer": "2", "golden": "1+1=2. \\boxed{2}"}) + "\n")
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 200,
+        "num_local_experts": 8}))  # as transformers 5 saves it (released configs say num_experts)
+    return _hf_dir(tmp_path, "student"), str(teacher), str(data)
+
+
+def test_teacher_expert_parallel_layout(moe_models):
+    cfg = _load(moe_models, "run.world_size=4", "teacher.ep=4")
+    assert cfg.teacher.ep == 4 and cfg.student.ep == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["run.world_size=2", "student.ep=2", "reference.ep=2"], "student.ep=2 but"),
+    (["run.world_size=2", "student.ep=2", "reference.ep=2"], "has no experts: expert parallelism is for MoE models"),
+    (["run.world_size=3", "teacher.ep=3"], "teacher.ep=3 does not divide the 8 experts"),
+    (["run.world_size=4", "teacher.tp=2", "teacher.ep=4"], "teacher.ep=4 does not divide the data-parallel size 2"),
+    (["run.world_size=2", "reference.ep=2"], "reference.tp/pp/ep=(1, 1, 2) differ from student.tp/pp/ep=(1, 1, 1)"),
+])
+def test_expert_parallel_errors(moe_models, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        _load(moe_models, *overrides)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)

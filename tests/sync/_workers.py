@@ -117,3 +117,48 @@ def push_and_record(rank, world_size, hf_dir):
     engine_lp = engine.engine.prompt_logprobs(PROBE[0])[1:]
     out["gap"] = max(abs(e - a) for e, a in zip(engine_lp, actor_lp[0, :len(engine_lp)].tolist()))
     return out
+
+
+def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
+    """A Qwen3-MoE actor at (tp, pp, ep) with perturbed weights (a "trained" student) gathers its HF tensors
+    (every rank: bit-exact against the perturbed HF tensors?) and pushes them through WeightSync into an
+    embedded engine on rank 0, which was built from the unperturbed model. Returns on rank 0
+    {"mismatches": names whose gathered tensor differs, on any rank, "names_ok": the gather's names are
+    exactly the checkpoint's, "perturbed_dir": the perturbed HF dir, "engine_lp": the engine's log-probs of
+    PROBE[0] after the push}."""
+    from megaopd.config.model import ModelConfig
+    from megaopd.config.sections import RolloutConfig
+    from megaopd.models.builder import StageInfo
+    from megaopd.models.hf_io import HFWeights, save_hf_dir
+    from megaopd.models.weights import load_hf_weights
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.sync import WeightSync
+    from megaopd.sync.gather import gather_hf_weights, model_state
+    from megaopd.sync.weight_sync import expert_group
+    from megaopd.trainer.roles import load_role_model
+
+    pgs = initialize_actor_layout(Layout(tp, pp, ep))
+    actor = load_role_model(ModelConfig(path=hf_dir, tp=tp, pp=pp, ep=ep), pgs, trainable=False)
+    gen = torch.Generator().manual_seed(7)
+    weights = HFWeights(hf_dir)
+    perturbed = {n: weights[n] + 0.05 * torch.randn(weights[n].shape, generator=gen) for n in sorted(weights.keys())}
+    st = StageInfo.of(pgs)
+    load_hf_weights(actor.model, perturbed, actor.hf, st.tp_rank, tp, st.pp_rank, pp,
+                    pgs.ep.rank() if ep > 1 else 0, ep)
+    gathered = list(gather_hf_weights(model_state(actor.model), actor.hf, pgs.tp, pgs.pp, ep_group=expert_group(pgs)))
+    mismatches = [n for n, t in gathered if not torch.equal(t, perturbed[n])]
+    names_ok = sorted(n for n, _ in gathered) == sorted(perturbed) and len(gathered) == len(perturbed)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (mismatches, names_ok))
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, load_tokenizer=False)) if rank == 0 else None
+    sync = WeightSync(engine, RolloutConfig(engine="embedded"), rank)
+    sync.push(actor.model, actor.hf, pgs, weight_version="moe")
+    sync.close()
+    if rank != 0:
+        return None
+    save_hf_dir(out_dir, sorted(perturbed.items()), side_files_from=hf_dir)
+    return {"mismatches": sorted({n for m, _ in everyone for n in m}), "names_ok": all(ok for _, ok in everyone),
+            "perturbed_dir": out_dir, "engine_lp": engine.prompt_logprobs(PROBE[0])[1:],
+            "weight_version": engine.weight_version}

@@ -6,8 +6,9 @@ import torch
 
 def one_step_gradients(rank, world_size, cfg):
     """Runs one training step of `cfg` and returns the actor's gradient as full HF-named tensors
-    (gathered over TP/PP) together with the step's loss metrics (rank 0)."""
+    (gathered over TP/EP/PP) together with the step's loss metrics (rank 0)."""
     from megaopd.sync.gather import gather_hf_weights
+    from megaopd.sync.weight_sync import expert_group
     from megaopd.trainer.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -20,7 +21,8 @@ def one_step_gradients(rank, world_size, cfg):
             g = getattr(p, "main_grad", None)
             grads[name] = (g if g is not None else p.grad).detach().clone().float()
         captured["grads"] = {n: t.clone() for n, t in gather_hf_weights(
-            grads, trainer.actor.hf, trainer.actor_pgs.tp, trainer.actor_pgs.pp)}
+            grads, trainer.actor.hf, trainer.actor_pgs.tp, trainer.actor_pgs.pp,
+            ep_group=expert_group(trainer.actor_pgs))}
         result = original_step()
         captured["grad_norm"] = result[1]
         return result

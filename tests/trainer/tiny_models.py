@@ -29,3 +29,22 @@ def make_tiny_pair(out_dir: str, seed: int = 0) -> tuple[str, str]:
             shutil.copy(os.path.join(TOKENIZER, f), d)
         dirs.append(d)
     return dirs[0], dirs[1]
+
+
+def make_tiny_qwen3_pair(out_dir: str, seed: int = 0, student_moe: bool = False) -> tuple[str, str]:
+    """(student_dir, teacher_dir): a 2-layer Qwen3 student ('tiny-qwen3': per-head q/k norm, head_dim 32
+    apart from hidden/heads; or, with student_moe, a second 'tiny-qwen3-moe') and a 2-layer Qwen3-MoE
+    teacher ('tiny-qwen3-moe': 8 experts, top 2), both over the tiny chat tokenizer's 256 ids."""
+    from megaopd.models.presets import preset_config
+
+    ids = {"vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "num_hidden_layers": 2,
+           "max_position_embeddings": 512}
+    dirs = []
+    for name, preset in (("student", "tiny-qwen3-moe" if student_moe else "tiny-qwen3"),
+                         ("teacher", "tiny-qwen3-moe")):
+        d = os.path.join(out_dir, name)
+        make_hf_model({**preset_config(preset), **ids}, d, seed=seed + len(dirs))
+        for f in os.listdir(TOKENIZER):  # replace the preset's word-level tokenizer with the chat one
+            shutil.copy(os.path.join(TOKENIZER, f), d)
+        dirs.append(d)
+    return dirs[0], dirs[1]
