@@ -46,7 +46,7 @@ def plan_for(cfg: MegaOPDConfig):
     def role(name, section, path=None):
         hf = read_hf_config(find_hf_config(path or section.path))
         return RoleLayout(name, hf, section.tp, section.pp, section.dtype, section.recompute,
-                          section.sequence_parallel, section.offload_between_uses and name != "student")
+                          section.sequence_parallel, section.offload_between_uses and name != "student", section.ep)
 
     student = role("student", cfg.student)
     reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path) if needs.reference else None

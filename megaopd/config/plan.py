@@ -61,6 +61,8 @@ class RoleLayout:
     sequence_parallel: bool = False
     offload: bool = False
     """Frozen models only: weights in CPU memory outside their forward passes."""
+    ep: int = 1
+    """Expert-parallel size (MoE models)."""
 
 
 @dataclass(frozen=True)
@@ -96,13 +98,20 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------ pure sizes
-def params_per_rank(hf: HFModelConfig, tp: int, pp: int) -> int:
-    """Parameters held by one rank of the largest pipeline stage (megatron's sharding and vocab padding)."""
+def params_per_rank(hf: HFModelConfig, tp: int, pp: int, ep: int = 1) -> int:
+    """Parameters held by one rank of the largest pipeline stage (megatron's sharding and vocab padding).
+    MoE layers: each rank holds num_experts / ep experts, each split over TP like a dense MLP, plus the
+    whole router."""
     h, hd = hf.hidden_size, hf.head_dim
     q_dim, kv_dim = hf.num_attention_heads * hd, hf.num_key_value_heads * hd
     qkv_out = q_dim + 2 * kv_dim
-    sharded = h * qkv_out + (qkv_out if hf.qkv_bias else 0) + q_dim * h + 3 * h * hf.intermediate_size
-    per_layer = sharded // tp + 2 * h  # the two RMSNorm weights are whole on every TP rank
+    if hf.num_experts:
+        mlp = hf.num_experts // ep * 3 * h * hf.moe_intermediate_size
+        router = hf.num_experts * h
+    else:
+        mlp, router = 3 * h * hf.intermediate_size, 0
+    sharded = h * qkv_out + (qkv_out if hf.qkv_bias else 0) + q_dim * h + mlp
+    per_layer = sharded // tp + 2 * h + router  # the two RMSNorm weights are whole on every TP rank
     layers = (hf.num_layers // pp) * per_layer
     vocab_shard = padded_vocab_size(hf.vocab_size, tp) // tp * h
     if pp == 1:
@@ -171,7 +180,7 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
                reserved_gb: float, flash_attention: bool) -> Plan:
     """Bytes per GPU of every item in each phase; pure (no file or device is touched)."""
     dp = max(1, world_size // (student.tp * student.pp))
-    p_actor = params_per_rank(student.hf, student.tp, student.pp)
+    p_actor = params_per_rank(student.hf, student.tp, student.pp, student.ep)
     e = DTYPE_BYTES[student.dtype]
     adam = adam_bytes_per_param(student.dtype) * p_actor / (dp if use_distributed_optimizer else 1)
     b, s = micro_batch_rows, seq_len
@@ -197,7 +206,7 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
                       lg + forward_layer_bytes(student, b, s, flash_attention),
                       2 * lg + ops_chunk_bytes(student, b, s), "lower trainer.micro_batch_size or raise student.tp"))
     if reference is not None:
-        w = params_per_rank(reference.hf, reference.tp, reference.pp) * DTYPE_BYTES[reference.dtype]
+        w = params_per_rank(reference.hf, reference.tp, reference.pp, reference.ep) * DTYPE_BYTES[reference.dtype]
         # In lockstep with the actor: on the GPU whenever the actor trains; offload frees it while engines
         # generate and while the teacher scores.
         off = 0.0 if reference.offload else w
@@ -206,7 +215,7 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
         items.append(Item("reference logits (lockstep KL)", 0, 0, logits_bytes(reference, b, s),
                           "lower trainer.micro_batch_size"))
     if teacher is not None:
-        w = params_per_rank(teacher.hf, teacher.tp, teacher.pp) * DTYPE_BYTES[teacher.dtype]
+        w = params_per_rank(teacher.hf, teacher.tp, teacher.pp, teacher.ep) * DTYPE_BYTES[teacher.dtype]
         off = 0.0 if teacher.offload else w
         items.append(Item("teacher weights" + (" (offloaded)" if teacher.offload else ""), off, w, off,
                           "set teacher.offload_between_uses=true or raise teacher.tp"))

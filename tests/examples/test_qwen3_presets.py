@@ -1,7 +1,7 @@
 """examples/qwen3 presets pass start-up validation against config.json files with the released models' sizes
 (Qwen3-8B-Base, Qwen3-32B, Qwen3-30B-A3B; public config.json values): TP divides heads and KV groups, the
-MoE teacher's EP=8 divides its 128 experts and the data-parallel size. Keys that branch h-cluster adds to the
-schema (recompute, sequence_parallel, plan) are dropped before loading here."""
+MoE teacher's EP=8 divides its 128 experts and the data-parallel size; `megaopd plan` counts the MoE
+teacher's experts per EP rank (16 of 128 per layer: 5.17B parameters per GPU, by hand)."""
 import json
 import os
 
@@ -13,15 +13,20 @@ from megaopd.config.schema import MegaOPDConfig
 from tests.examples.test_tiny_models import ROOT
 
 # Only the fields validation reads (huggingface.co/Qwen/<name>/blob/main/config.json).
+_COMMON = dict(head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=False,
+               attention_bias=False, hidden_act="silu")
 DIMS = {
-    "Qwen3-8B-Base": dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=36, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=151936),
-    "Qwen3-32B": dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, vocab_size=151936),
-    "Qwen3-30B-A3B": dict(architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, vocab_size=151936, num_experts=128),
+    "Qwen3-8B-Base": dict(_COMMON, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=36,
+                          hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                          max_position_embeddings=32768),
+    "Qwen3-32B": dict(_COMMON, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=64,
+                      hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
+                      max_position_embeddings=40960),
+    "Qwen3-30B-A3B": dict(_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=48,
+                          hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
+                          max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
 }
-LATER_KEYS = {"recompute", "sequence_parallel"}
 
 
 @pytest.mark.parametrize("name", ["stable_opd_qwen3_8b", "stable_opd_qwen3_8b_moe_teacher"])
@@ -35,12 +40,14 @@ def test_qwen3_preset_validates(tmp_path, monkeypatch, name):
     monkeypatch.setenv("TRAIN_DATA", str(data))
     with open(os.path.join(ROOT, "examples", "qwen3", f"{name}.yaml")) as f:
         raw = yaml.safe_load(f)
-    raw.pop("plan")
-    for role in ("student", "reference", "teacher"):
-        raw[role] = {k: v for k, v in raw[role].items() if k not in LATER_KEYS}
     raw["validation"]["path"] = ""
     preset = tmp_path / "preset.yaml"
     preset.write_text(yaml.safe_dump(raw))
     cfg = load_config(MegaOPDConfig, str(preset), [])
     assert cfg.run.world_size == 8 and cfg.student.tp == 2
     assert (cfg.teacher.tp, cfg.teacher.ep) == ((1, 8) if name.endswith("moe_teacher") else (4, 1))
+    if name.endswith("moe_teacher"):
+        from megaopd.config.cli import plan_for
+
+        teacher = [i for i in plan_for(cfg).items if i.name.startswith("teacher weights")][0]
+        assert teacher.score / 2 == pytest.approx(5.17e9, rel=0.01)  # bf16 bytes / 2 = parameters per GPU
