@@ -62,7 +62,7 @@ class MegaOPDConfig:
             if not t.path:
                 raise ValueError(f"{key}.engine=remote needs path=DIR of the teacher's HF directory (only its "
                                  f"tokenizer is read: the teacher must share the student's vocabulary)")
-            if needs.teacher and self.rollout.temperature != 1.0:
+            if self.rollout.temperature != 1.0:
                 raise ValueError(
                     f"{key}.engine=remote with rollout.temperature={self.rollout.temperature}: SGLang scores "
                     f"prompts (the prefill of the responses) at temperature 1 only, and a top-K cannot be "
