@@ -72,7 +72,7 @@ class MegaOPDConfig:
                 raise ValueError(
                     f"{key}.engine=remote cannot score the teacher at the student's top-k (loss "
                     f"{self.loss.name!r} needs it): SGLang's token_ids_logprob takes one id list per request, "
-                    f"not one per position; use the teacher's support (support=teacher) or engine=megatron")
+                    f"not one per position; use the teacher's support (loss support=teacher_topk) or engine=megatron")
             if needs.teacher_logits:
                 raise ValueError(f"{key}.engine=remote cannot give the full logits gkd reads: use engine=megatron")
         if needs.teacher_logits and len(teachers) > 1:
