@@ -2,14 +2,16 @@
 
     megaopd train examples/tiny/stable_opd.yaml run.dir=runs/x trainer.max_steps=3
 
-Sections: run, student, reference, teacher (ModelConfig each), trainer, optimizer, logging, rollout,
+Sections: run, student, reference (ModelConfig each), teacher (TeacherConfig: in the job or remote) or
+teachers (a list of named TeacherConfig, routed per data source), trainer, optimizer, logging, rollout,
 loss (megaopd.losses), data (megaopd.data), metrics, validation, plan (`megaopd plan` only).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import List
 
-from megaopd.config.model import ModelConfig, check_context, check_layout
+from megaopd.config.model import ModelConfig, TeacherConfig, check_context, check_layout
 from megaopd.config.sections import MetricsConfig, PlanConfig, RolloutConfig, ValidationConfig
 from megaopd.config.trainer import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig
 from megaopd.data.config import DataConfig
@@ -23,8 +25,12 @@ class MegaOPDConfig:
     """The actor being trained; the reference shares its layout."""
     reference: ModelConfig = field(default_factory=ModelConfig)
     """The student's initial weights for the reference KL; an empty path means student.path."""
-    teacher: ModelConfig = field(default_factory=ModelConfig)
-    """Forward-only scorer, with its own tp/pp over the same ranks."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The one teacher: a forward-only Megatron scorer with its own tp/pp over the same ranks (engine
+    megatron), or SGLang servers scoring by prefill (engine remote, urls)."""
+    teachers: List[TeacherConfig] = field(default_factory=list)
+    """Several named teachers (each megatron or remote) instead of `teacher`; every data source names its
+    teacher (data.sources[].teacher) and each sample is scored by the teacher of its prompt's source."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -51,16 +57,42 @@ class MegaOPDConfig:
         needs = build_loss_from(self.loss).needs  # unknown loss names and keys fail here
         world = self.run.world_size
         student_dims = check_layout("student", self.student, world)
-        if needs.teacher and not self.teacher.path:
+        teachers = self.teacher_list()
+        if needs.teacher and not teachers:
             raise ValueError(f"loss {self.loss.name!r} needs a teacher: set teacher.path=DIR (an HF directory or a "
-                             f"megaopd checkpoint)")
+                             f"megaopd checkpoint), or teacher.engine=remote with teacher.urls")
         tokens, why = self.max_row_tokens(needs)
         check_context("student", self.student.path, student_dims, tokens, why)
-        if self.teacher.path:
-            # Embedding sizes may differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what must
-            # match is the tokenizer, which the trainer compares before loading any model.
-            teacher_dims = check_layout("teacher", self.teacher, world)
-            check_context("teacher", self.teacher.path, teacher_dims, tokens, why)
+        for i, t in enumerate(teachers):
+            key = "teacher" if not self.teachers else f"teachers[{i}] ({t.name})"
+            if t.engine == "megatron":
+                # Embedding sizes may differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what must
+                # match is the tokenizer, which the trainer compares before loading any model.
+                teacher_dims = check_layout(key, t, world)
+                check_context(key, t.path, teacher_dims, tokens, why)
+                continue
+            if not t.urls:
+                raise ValueError(f"{key}.engine=remote has no urls: set {key}.urls=[http://HOST:PORT, ...]")
+            if not t.path:
+                raise ValueError(f"{key}.engine=remote needs path=DIR of the teacher's HF directory (only its "
+                                 f"tokenizer is read: the teacher must share the student's vocabulary)")
+            if self.rollout.temperature != 1.0:
+                raise ValueError(
+                    f"{key}.engine=remote with rollout.temperature={self.rollout.temperature}: SGLang scores "
+                    f"prompts (the prefill of the responses) at temperature 1 only, and a top-K cannot be "
+                    f"renormalized at another temperature; use rollout.temperature=1.0 or an in-job teacher "
+                    f"(engine=megatron)")
+            if needs.student_topk:
+                raise ValueError(
+                    f"{key}.engine=remote cannot score the teacher at the student's top-k (loss "
+                    f"{self.loss.name!r} needs it): SGLang's token_ids_logprob takes one id list per request, "
+                    f"not one per position; use the teacher's support (loss support=teacher_topk) or engine=megatron")
+            if needs.teacher_logits:
+                raise ValueError(f"{key}.engine=remote cannot give the full logits gkd reads: use engine=megatron")
+        if needs.teacher_logits and len(teachers) > 1:
+            raise ValueError("gkd runs one teacher in lockstep with the actor: it cannot route between several "
+                             "teachers; use one `teacher:` section")
+        self._check_routing(teachers)
         ref_layout = (self.reference.tp, self.reference.pp, self.reference.ep)
         student_layout = (self.student.tp, self.student.pp, self.student.ep)
         if ref_layout != student_layout:
@@ -78,3 +110,31 @@ class MegaOPDConfig:
             raise ValueError("trainer.prompts_per_step*samples_per_prompt must be a multiple of "
                              "trainer.mini_batches_per_step")
         self.data.validate()
+
+    def teacher_list(self) -> list[TeacherConfig]:
+        """The job's teachers, named: `teachers`, or the single `teacher` section (named "teacher" unless
+        it has a name); empty when the loss reads no teacher and none is configured."""
+        if self.teachers:
+            if self.teacher.configured:
+                raise ValueError("both `teacher` and `teachers` are set: use `teacher` for one teacher or "
+                                 "`teachers` (a named list) for several, not both")
+            names = [t.name for t in self.teachers]
+            if any(not n for n in names) or len(set(names)) != len(names):
+                raise ValueError(f"teachers[].name must be set and distinct, got {names}")
+            return list(self.teachers)
+        if not self.teacher.configured:
+            return []
+        if not self.teacher.name:
+            self.teacher.name = "teacher"
+        return [self.teacher]
+
+    def _check_routing(self, teachers: list[TeacherConfig]) -> None:
+        """Every data source names one of the teachers (several teachers), or none / the one (one teacher)."""
+        names = [t.name for t in teachers]
+        for src in self.data.sources:
+            if src.teacher and src.teacher not in names:
+                raise ValueError(f"data source {src.name!r} routes to teacher {src.teacher!r}, which is not among "
+                                 f"the teachers {names}: fix data.sources[].teacher")
+            if len(teachers) > 1 and not src.teacher:
+                raise ValueError(f"data source {src.name!r} names no teacher, and the job has several {names}: "
+                                 f"set data.sources[].teacher to one of them")

@@ -66,6 +66,8 @@ class SourceConfig:
     """Label in metrics and logs; empty means the file name without its extension."""
     max_rows: int = 0
     """Use only the first N usable rows (quick runs); 0 means all."""
+    teacher: str = ""
+    """Name of the teacher that scores this source's samples (a `teachers:` entry); empty with one teacher."""
 
     def __post_init__(self):
         if not self.path:

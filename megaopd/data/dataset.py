@@ -61,6 +61,8 @@ class PromptDataset:
                 report.first_skipped.setdefault(reason, f"uuid {first[reason]}")
             if src.max_rows:
                 exs = exs[: src.max_rows]
+            for ex in exs:
+                ex.teacher = src.teacher
             report.kept = len(exs)
             if log is not None:
                 log(f"[data] {report.summary()}")

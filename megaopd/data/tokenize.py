@@ -47,6 +47,8 @@ class PromptExample:
     solution_ids: Optional[np.ndarray] = None
     """int32 [S]: the golden response ids, end-of-turn token last (unless truncated). Kept as a compact
     array: 13k goldens of up to 8k tokens as Python ints would take gigabytes."""
+    teacher: str = ""
+    """Name of the teacher that scores its responses (its source's `teacher`); empty: the job's one teacher."""
 
     @property
     def has_golden(self) -> bool:

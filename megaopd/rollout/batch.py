@@ -63,6 +63,8 @@ class RolloutBatch:
     """The teacher's scores: log q (+ top-K, entropy, log-probs at the student's top-k)."""
     rewards_B: torch.Tensor | None = None
     """Verifiable reward per sequence [B] (float32; grpo, metrics)."""
+    teacher_rows: dict[str, list[int]] = field(default_factory=dict)
+    """Rows scored by each teacher, by name (increasing row order); filled with `teacher` by the trainer."""
 
     @property
     def size(self) -> int:

@@ -168,6 +168,19 @@ def fused_expert_slots(params: dict[str, torch.Tensor]) -> dict[str, WeightSlot]
     return slots
 
 
+@dataclass
+class PromptScores:
+    """EmbeddedEngine.prompt_scores: per prompt position i (about token i + 1), temperature 1."""
+
+    logprobs: list[float]
+    """log p(token i + 1 | tokens 0..i)."""
+    top_ids: list[list[int]] | None = None
+    """The top-k ids of that distribution, by decreasing probability."""
+    top_logprobs: list[list[float]] | None = None
+    at_ids_logprobs: list[list[float]] | None = None
+    """Log-probs at the caller's fixed ids (SGLang's token_ids_logprob), in their order."""
+
+
 class WeightMismatchError(ValueError):
     """update_weights got names the model lacks or shapes that differ; nothing was loaded."""
 
@@ -387,6 +400,26 @@ class EmbeddedEngine:
             logits_LV = self.model(input_ids=ids).logits[0].float()
         lps = torch.log_softmax(logits_LV[:-1], dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
         return [None] + lps.tolist()
+
+    @torch.inference_mode()
+    def prompt_scores(self, prompt_ids: list[int], top_k: int = 0, at_ids: list[int] | None = None) -> PromptScores:
+        """Prefill scoring (SGLang's input logprobs, temperature 1): for each prompt token after the first,
+        its log-prob given its prefix, the top_k (id, log-prob) pairs of that prefix's next-token
+        distribution by decreasing probability, and the log-probs at the fixed ids `at_ids` (SGLang's
+        token_ids_logprob). Lists of len(prompt_ids) - 1 (index i is about token i + 1)."""
+        with self._cond:
+            if self._kv_released or self._weights_released or self._stale:
+                raise EngineReleasedError(self._released_message())
+            ids = torch.tensor([prompt_ids], device=self.device)
+            logits_LV = self.model(input_ids=ids).logits[0].float()
+        lp_LV = torch.log_softmax(logits_LV[:-1], dim=-1)
+        out = PromptScores(logprobs=lp_LV.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist())
+        if top_k:
+            vals, idx = lp_LV.topk(min(top_k, lp_LV.shape[-1]), dim=-1)
+            out.top_logprobs, out.top_ids = vals.tolist(), idx.tolist()
+        if at_ids:
+            out.at_ids_logprobs = lp_LV[:, torch.tensor(at_ids, device=lp_LV.device)].tolist()
+        return out
 
     @property
     def abort_epoch(self) -> int:

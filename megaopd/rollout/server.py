@@ -3,7 +3,11 @@
     megaopd serve --hf-dir DIR --port 30000 [--host 127.0.0.1] [--max-batch-size 64] [--sglang-version 0.5.23]
 
 Endpoints (schemas as SGLang's; see /work/shared/design/SGLANG-PROTOCOL.md):
-  POST /generate                                   input_ids (one or a batch) or text, sampling_params
+  POST /generate                                   input_ids (one or a batch) or text, sampling_params;
+                                                   prefill scoring: max_new_tokens 0, return_logprob,
+                                                   logprob_start_len, top_logprobs_num, token_ids_logprob
+                                                   -> input_token_logprobs, input_top_logprobs,
+                                                   input_token_ids_logprobs (temperature 1, as SGLang)
   POST /init_weights_update_group                  joins the trainer's group (blocks until it forms)
   POST /update_weights_from_distributed            receives broadcast tensors, loads them by HF name
                                                    (per-tensor format: straight into the parameters)
@@ -215,8 +219,6 @@ class RolloutServer:
             raise BadRequest("stream=true is not supported by megaopd serve")
         if req.get("input_embeds") is not None:
             raise BadRequest("input_embeds is not supported by megaopd serve")
-        if req.get("top_logprobs_num") or req.get("token_ids_logprob"):
-            raise BadRequest("top_logprobs_num / token_ids_logprob are not supported by megaopd serve")
         prompts, single = self._prompts(engine, req)
         sp = req.get("sampling_params")
         if isinstance(sp, list):
@@ -231,6 +233,13 @@ class RolloutServer:
         start_len = start_len if isinstance(start_len, list) else [start_len] * len(prompts)
         rids = req.get("rid")
         rids = rids if isinstance(rids, list) else [rids] * len(prompts)
+        top_num, at_ids = _prefill_options(req, len(prompts))
+        for i, p in enumerate(params):
+            if (top_num[i] or at_ids[i]) and (p.max_new_tokens > 0 or start_len[i] is None or start_len[i] < 0
+                                              or not return_logprob[i]):
+                raise BadRequest("megaopd serve returns top_logprobs_num / token_ids_logprob for input (prompt) "
+                                 "positions only: send max_new_tokens=0, return_logprob=true and "
+                                 "logprob_start_len >= 0 (prefill scoring), or use a real SGLang server")
 
         # Expand n: prompt i's samples are consecutive entries (prompt-major); an entry with n > 1 gives
         # sample j of prompt i the seed derive_seed(seed, i, j), one with n == 1 keeps the client's seed.
@@ -266,9 +275,7 @@ class RolloutServer:
             if return_logprob[i]:
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.logprobs, res.output_ids)]
                 if start_len[i] is not None and start_len[i] >= 0:
-                    lps = engine.prompt_logprobs(row.prompt_ids)
-                    meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
-                                                    zip(lps, row.prompt_ids)][start_len[i]:]
+                    meta.update(_input_logprobs(engine, row.prompt_ids, start_len[i], top_num[i], at_ids[i]))
             out.append({"text": engine.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta})
         return out[0] if single and len(out) == 1 else out
 
@@ -445,6 +452,49 @@ class RolloutServer:
             return engine.health()
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             return False
+
+
+def _prefill_options(req: dict, n: int) -> tuple[list[int], list[list[int] | None]]:
+    """Per prompt: top_logprobs_num (an int or a list of ints) and token_ids_logprob (one list of ids for
+    every prompt, or one list per prompt), validated as SGLang's schema would."""
+    top = req.get("top_logprobs_num") or 0
+    top = top if isinstance(top, list) else [top] * n
+    if len(top) != n or not all(_is_int(k) and k >= 0 for k in top):
+        raise BadRequest(f"top_logprobs_num must be a non-negative integer (or one per prompt), got "
+                         f"{req.get('top_logprobs_num')!r}", kind="schema")
+    ids = req.get("token_ids_logprob")
+    if ids is None or ids == []:
+        per = [None] * n
+    elif isinstance(ids, list) and all(_is_int(t) for t in ids):
+        per = [list(ids)] * n
+    elif isinstance(ids, list) and len(ids) == n and all(x is None or (isinstance(x, list) and all(_is_int(t) for t in x))
+                                                         for x in ids):
+        per = [list(x) if x else None for x in ids]
+    else:
+        raise BadRequest("token_ids_logprob must be a list of token ids, or one such list per prompt", kind="schema")
+    return [int(k) for k in top], per
+
+
+def _input_logprobs(engine: EmbeddedEngine, prompt_ids: list[int], start: int, top_num: int,
+                    at_ids: list[int] | None) -> dict:
+    """SGLang's input log-probs from logprob_start_len `start` on: entry j is about prompt token start + j,
+    [logprob, id, null] (the first token of the prompt has no log-prob: null); with top_logprobs_num the
+    top entries of the distribution that predicts that token, with token_ids_logprob the given ids'."""
+    if any(not 0 <= int(t) < engine.vocab_size for t in prompt_ids):
+        raise BadRequest(f"input_ids has ids outside the vocabulary [0, {engine.vocab_size})")
+    if at_ids and any(not 0 <= t < engine.vocab_size for t in at_ids):
+        raise BadRequest(f"token_ids_logprob has ids outside the vocabulary [0, {engine.vocab_size})")
+    scores = engine.prompt_scores(prompt_ids, top_num, at_ids)
+    lps = [None] + scores.logprobs
+    meta = {"input_token_logprobs": [[lp, t, None] for lp, t in zip(lps, prompt_ids)][start:]}
+    if top_num:
+        tops = [None] + [[[lp, t, None] for lp, t in zip(v, i)]
+                         for v, i in zip(scores.top_logprobs, scores.top_ids)]
+        meta["input_top_logprobs"] = tops[start:]
+    if at_ids:
+        at = [None] + [[[lp, t, None] for lp, t in zip(v, at_ids)] for v in scores.at_ids_logprobs]
+        meta["input_token_ids_logprobs"] = at[start:]
+    return meta
 
 
 class _HttpError(Exception):

@@ -7,7 +7,9 @@
 Modules: runner (megatron's schedule over micro-batches at any TP/PP, with a lockstep partner; the one
 place micro-batches move to the device), passes (log-probs of given tokens, top-k, entropy, log-probs at
 given ids: the actor's log pi_old, the teacher's log q, `megaopd logprobs`), parity (engine vs actor
-statistics and their bounds in float32 and bf16), cli (`megaopd logprobs`). The training step runs its
+statistics and their bounds in float32 and bf16), cli (`megaopd logprobs`), remote (a teacher served by
+SGLang / `megaopd serve`: prefill scoring over several servers with retries), teachers (the job's teachers,
+in-job or served, and the routing of each sample to its teacher). The training step runs its
 micro-batches through the same runner (megaopd.trainer).
 """
 from megaopd.scoring.parity import ParityBounds, ParityReport, bounds_for, parity_report

@@ -26,6 +26,8 @@ from megaopd.models.hf_io import HFWeights
 from megaopd.models.weights import load_hf_weights
 from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 from megaopd.scoring import PipelineRunner
+from megaopd.scoring.remote import RemoteTeacher
+from megaopd.scoring.teachers import InJobTeacher, TeacherSet
 
 
 @dataclass
@@ -74,6 +76,9 @@ class Models:
     actor_runner: PipelineRunner
     """The actor alone (forward-only log pi_old); train_runner drives the DDP-wrapped actor + partner."""
     teacher_runner: PipelineRunner | None
+    teachers: TeacherSet | None = None
+    """Every teacher of the job by name (in-job ones with their runners, served ones as RemoteTeacher) and
+    the routing of samples to them; None when the loss reads no teacher."""
 
 
 def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
@@ -81,13 +86,21 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     layout (the actor's groups when equal), and the lockstep partner."""
     student_layout = Layout(cfg.student.tp, cfg.student.pp, cfg.student.ep)
     teacher_layout = Layout(cfg.teacher.tp, cfg.teacher.pp, cfg.teacher.ep)
-    if needs.teacher_logits and (teacher_layout != student_layout or needs.reference):
+    if needs.teacher_logits and (teacher_layout != student_layout or needs.reference or cfg.teachers):
         raise ValueError("gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
                          "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
     actor_pgs = initialize_actor_layout(student_layout, seed=cfg.trainer.seed)
-    teacher_pgs = actor_pgs if teacher_layout == student_layout else build_process_groups(teacher_layout)
     actor = load_role_model(cfg.student, actor_pgs, trainable=True)
-    teacher = load_role_model(cfg.teacher, teacher_pgs, trainable=False) if cfg.teacher.path else None
+    # In-job teachers, each in its own layout (groups shared between equal layouts); served ones are HTTP.
+    groups = {student_layout: actor_pgs}
+    in_job: dict[str, RoleModel] = {}
+    for t in cfg.teacher_list():
+        if t.engine == "megatron":
+            layout = Layout(t.tp, t.pp, t.ep)
+            if layout not in groups:
+                groups[layout] = build_process_groups(layout)
+            in_job[t.name] = load_role_model(t, groups[layout], trainable=False)
+    teacher = next(iter(in_job.values())) if len(in_job) == 1 else None  # gkd's partner (one teacher)
     partner, partner_offload = None, False
     if needs.reference:
         partner = load_role_model(cfg.student, actor_pgs, trainable=False,
@@ -95,17 +108,24 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
         partner_offload = cfg.reference.offload_between_uses
     elif needs.teacher_logits:
         partner, partner_offload = teacher.model, cfg.teacher.offload_between_uses
-    for model, offload in ((teacher.model if teacher else None, cfg.teacher.offload_between_uses),
-                           (partner, partner_offload)):
+    offloads = {t.name: t.offload_between_uses for t in cfg.teacher_list()} if in_job else {}
+    for model, offload in [(m.model, offloads[n]) for n, m in in_job.items()] + [(partner, partner_offload)]:
         if model is not None and offload and torch.cuda.is_available():
             model.cpu()  # parked until its first use (on_gpu_while_used)
     vocab_size = actor.hf.vocab_size
     # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
     # masked, so its top-K never proposes a token the student cannot produce.
-    teacher_runner = (PipelineRunner(teacher.model, teacher_pgs, min(teacher.hf.vocab_size, vocab_size))
-                      if teacher is not None else None)
+    runners = {n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size)) for n, m in in_job.items()}
+    members = []
+    for t in cfg.teacher_list():
+        if t.engine == "megatron":
+            members.append(InJobTeacher(t.name, runners[t.name], in_job[t.name].model, t.offload_between_uses))
+        else:
+            members.append(RemoteTeacher(t.name, t.urls, rows_per_request=t.rows_per_request,
+                                         timeout_s=t.request_timeout_s, retries=t.retries))
+    teacher_runner = runners[next(iter(in_job))] if teacher is not None else None
     return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size),
-                  teacher_runner)
+                  teacher_runner, TeacherSet(members) if members else None)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from megaopd.config.sections import MetricsConfig
 from megaopd.metrics import advantage_split, repetitive_token_mask, response_metrics, rollout_dynamics, topk_overlap
 from megaopd.rollout.batch import RolloutBatch
+from megaopd.scoring.teachers import teacher_metrics
 
 
 def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig) -> dict[str, float]:
@@ -30,6 +31,8 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig) -> dict[str, float
             k = mcfg.overlap_k
             out.update(topk_overlap(actor.topk_ids_BTK[..., :k], actor.topk_logprobs_BTK[..., :k],
                                     teacher.topk_ids_BTK[..., :k], mask, actor.entropy_BT, teacher.entropy_BT))
+    if teacher is not None and len(batch.teacher_rows) > 1:  # several teachers: their metrics apart too
+        out.update(teacher_metrics(batch, batch.teacher_rows))
     gap = (batch.engine_logprobs_BT - actor.logprobs_BT).abs()[mask.bool()]
     out["sync/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
     out["sync/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0

@@ -70,16 +70,18 @@ class Trainer:
         """Tokenizers and data first: a bad file fails here, before any model is loaded."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.student.path)
-        teacher_tokenizer = load_tokenizer(cfg.teacher.path) if cfg.teacher.path else None
+        teachers = cfg.teacher_list()  # in-job or served: each names an HF directory with its tokenizer
+        teacher_tokenizers = [load_tokenizer(t.path) for t in teachers]
+        teacher_tokenizer = teacher_tokenizers[0] if teachers else None  # the template of data.prompt_template
         tok = self.tokenizer
         # Rollouts stop at the template's turn end and the EOS; golden solutions end with the first of them.
         self.stop = stop_tokens(cfg.data, tok, teacher_tokenizer)
         report = None
-        if teacher_tokenizer is not None:  # same regular vocabulary; specials may be named differently
-            report = check_same_tokenizer(tok, teacher_tokenizer, cfg.student.path, cfg.teacher.path,
-                                          stop_ids=self.stop.ids)
-            for line in report.log_lines():
-                self._console(line)
+        for t, t_tok in zip(teachers, teacher_tokenizers):  # same regular vocabulary; specials may differ
+            t_report = check_same_tokenizer(tok, t_tok, cfg.student.path, t.path, stop_ids=self.stop.ids)
+            report = report or t_report  # the first teacher's special-token pairs mask the loss
+            for line in t_report.log_lines():
+                self._console(line if len(teachers) == 1 else f"[teacher {t.name}] {line}")
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.special_ids = loss_mask_ids(tok, cfg.loss.mask_first_tokens, report)
         dataset = PromptDataset.load(cfg.data, tok, teacher_tokenizer, log=self._console if self.rank == 0 else None)
@@ -193,17 +195,23 @@ class Trainer:
         samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
         batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
         times["time/rollout"], t = time.time() - t, time.time()
-        overlap_k = cfg.metrics.overlap_k if models.teacher is not None else 0
+        teachers = models.teachers
+        overlap_k = cfg.metrics.overlap_k if teachers is not None else 0
         mbs = cfg.trainer.micro_batch_size
+        teacher_topk = max(needs.teacher_topk, overlap_k)
+        if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
+            batch.teacher_rows = teachers.route([ex.teacher for ex in examples], cfg.trainer.samples_per_prompt)
+            pending = teachers.start_remote(batch, batch.teacher_rows, teacher_topk, self.rank)
         batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, mbs, self.temperature,
                                    topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0)
         times["time/actor_logprobs"], t = time.time() - t, time.time()
-        if models.teacher is not None:
+        if teachers is not None:
             support = batch.actor.topk_ids_BTK[..., :needs.student_topk] if needs.student_topk else None
-            with on_gpu_while_used(models.teacher.model, cfg.teacher.offload_between_uses):
-                batch.teacher = score_tokens(models.teacher_runner, batch.tokens_BS, mbs, self.temperature,
-                                             topk=max(needs.teacher_topk, overlap_k), entropy=overlap_k > 0,
-                                             at_ids_BTK=support)
+            batch.teacher = teachers.score(batch, batch.teacher_rows, pending, mbs, self.temperature,
+                                           topk=teacher_topk, entropy=overlap_k > 0, at_ids_BTK=support,
+                                           on_device=on_gpu_while_used)
+            if teachers.has_remote and self.rank == 0:
+                times["time/teacher_remote"] = pending.seconds  # overlapped with time/actor_logprobs
         times["time/teacher"] = time.time() - t
         batch.texts, rewards = rank0_computes(self._texts_and_rewards, samples, examples)
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)

@@ -50,3 +50,30 @@ def run_presets(rank, world_size, cfgs):
             trainer.run_log.close()
         out.append(dict(trainer._last_metrics) if rank == 0 else None)
     return out
+
+
+def two_teachers_rollout(rank, world_size, cfg):
+    """One rollout of a two-teacher config; then every teacher scores the WHOLE batch alone. Returns the
+    batch's routed teacher scores, the rows of each teacher and each teacher's scores alone (rank 0)."""
+    from megaopd.scoring import score_tokens
+    from megaopd.scoring.teachers import InJobTeacher
+    from megaopd.trainer.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    examples = trainer.loader.next_batch()
+    times = {}
+    batch = trainer._rollout(examples, times)
+    alone = {}
+    for name, t in trainer.models.teachers.teachers.items():
+        if isinstance(t, InJobTeacher):
+            alone[name] = score_tokens(t.runner, batch.tokens_BS, cfg.trainer.micro_batch_size, 1.0).logprobs_BT
+        elif rank == 0:
+            alone[name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B).logprobs_BT
+    if trainer.run_log is not None:
+        trainer.run_log.close()
+    if rank != 0:
+        return None
+    from megaopd.trainer.step_metrics import rollout_metrics
+    return {"teacher": batch.teacher.logprobs_BT, "rows": batch.teacher_rows, "alone": alone,
+            "mask": batch.loss_mask_BT, "sources": [ex.source for ex in examples],
+            "metrics": rollout_metrics(batch, cfg.metrics), "times": times}

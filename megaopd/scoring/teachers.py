@@ -1,0 +1,187 @@
+"""The job's teachers, in the job or served, and the routing of every sample to one of them.
+
+    teachers = TeacherSet([InJobTeacher("math", runner, model, offload), RemoteTeacher("code", urls)])
+    rows_of = teachers.route([ex.teacher for ex in examples], samples_per_prompt)  # name -> batch rows
+    pending = teachers.start_remote(batch, rows_of, topk)         # rank 0: served teachers score in a thread
+    batch.actor = score_tokens(...)                                # ... while the actor scores log pi_old
+    batch.teacher = teachers.score(batch, rows_of, pending, ...)   # in-job teachers, then the served ones'
+
+Each sample is scored by the teacher of its prompt's data source (data.sources[].teacher; with one teacher,
+all of them): an in-job teacher runs score_tokens (megaopd.scoring.passes, collective over the world) on its
+rows only, a served teacher (megaopd.scoring.remote) scores its rows over HTTP from rank 0, started before the
+actor's own pass so the two overlap, and its result is broadcast to every rank afterwards. The per-teacher
+results are written into one TokenScores of the whole batch, row by row: the losses see one record, whoever
+scored it. A field is kept only when every teacher produced it (entropy: in-job teachers only).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Sequence
+
+import torch
+
+from megaopd.parallel.dist import rank0_computes
+from megaopd.rollout.batch import RolloutBatch, TokenScores
+from megaopd.scoring.passes import score_tokens
+from megaopd.scoring.remote import RemoteTeacher
+from megaopd.scoring.runner import PipelineRunner
+
+
+@dataclass
+class InJobTeacher:
+    """A Megatron teacher inside the job (its stage on this rank and its runner)."""
+
+    name: str
+    runner: PipelineRunner
+    model: torch.nn.Module
+    offload: bool = False
+    """Park in CPU memory between uses (GPU only; the caller's `on_device` context does the moves)."""
+
+
+Teacher = InJobTeacher | RemoteTeacher
+
+
+@dataclass
+class PendingRemote:
+    """Served teachers' scoring running in a thread on rank 0 (nothing on the other ranks)."""
+
+    thread: threading.Thread | None = None
+    results: dict[str, TokenScores] = field(default_factory=dict)
+    error: BaseException | None = None
+    seconds: float = 0.0
+    """Wall time of the remote scoring (rank 0)."""
+
+
+class TeacherSet:
+    """Named teachers and the routing of samples to them (the same object on every rank)."""
+
+    def __init__(self, teachers: Sequence[Teacher]):
+        if not teachers:
+            raise ValueError("TeacherSet needs at least one teacher")
+        self.teachers = {t.name: t for t in teachers}
+        if len(self.teachers) != len(teachers):
+            raise ValueError(f"teacher names must be distinct: {[t.name for t in teachers]}")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.teachers)
+
+    @property
+    def has_remote(self) -> bool:
+        return any(isinstance(t, RemoteTeacher) for t in self.teachers.values())
+
+    def route(self, prompt_teachers: Sequence[str], samples_per_prompt: int) -> dict[str, list[int]]:
+        """Batch rows (prompt-major: prompt i's samples are rows i*n .. i*n + n - 1) of each teacher, from the
+        teacher name of each prompt; an empty name means the one teacher of a one-teacher job."""
+        rows: dict[str, list[int]] = {name: [] for name in self.teachers}
+        for i, name in enumerate(prompt_teachers):
+            if not name:
+                if len(self.teachers) > 1:
+                    raise ValueError(f"prompt {i} names no teacher and the job has several {self.names}: set "
+                                     f"data.sources[].teacher")
+                name = self.names[0]
+            if name not in rows:
+                raise ValueError(f"prompt {i} routes to teacher {name!r}, not among {self.names}")
+            rows[name].extend(range(i * samples_per_prompt, (i + 1) * samples_per_prompt))
+        return rows
+
+    # ------------------------------------------------------------------------------------------ scoring
+    def start_remote(self, batch: RolloutBatch, rows_of: dict[str, list[int]], topk: int, rank: int) -> PendingRemote:
+        """Rank 0: starts the served teachers' scoring in a background thread (they wait on HTTP, so the
+        actor's pass runs meanwhile); every other rank gets an empty PendingRemote."""
+        pending = PendingRemote()
+        remote = [t for t in self.teachers.values() if isinstance(t, RemoteTeacher) and rows_of.get(t.name)]
+        if rank != 0 or not remote:
+            return pending
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                for t in remote:
+                    pending.results[t.name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B,
+                                                      topk=topk, rows=rows_of[t.name])
+            except BaseException as e:  # noqa: BLE001 - re-raised on every rank by score()
+                pending.error = e
+            pending.seconds = time.perf_counter() - t0
+
+        pending.thread = threading.Thread(target=run, daemon=True, name="megaopd-remote-teachers")
+        pending.thread.start()
+        return pending
+
+    def score(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
+              micro_batch_size: int, temperature: float, topk: int = 0, entropy: bool = False,
+              at_ids_BTK: torch.Tensor | None = None,
+              on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None) -> TokenScores:
+        """The whole batch's teacher scores, each row from its routed teacher. Collective over the world
+        (in-job teachers' passes, then the broadcast of the served teachers' results from rank 0)."""
+        on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
+        parts: dict[str, TokenScores] = {}
+        for name, t in self.teachers.items():
+            rows = rows_of.get(name, [])
+            if not isinstance(t, InJobTeacher) or not rows:
+                continue
+            idx = torch.tensor(rows, dtype=torch.long)
+            # Rows are independent (right padding, causal attention): a teacher scores its rows only.
+            with on_device(t.model, t.offload):
+                parts[name] = score_tokens(t.runner, batch.tokens_BS[idx], micro_batch_size, temperature, topk=topk,
+                                           entropy=entropy, at_ids_BTK=None if at_ids_BTK is None else at_ids_BTK[idx])
+        remote = self.wait_remote(pending)
+        for name, scores in remote.items():  # already [B, T] with the routed rows filled
+            parts[name] = scores
+        return self._merge(batch, rows_of, parts)
+
+    def wait_remote(self, pending: PendingRemote) -> dict[str, TokenScores]:
+        """Rank 0 joins the thread; its results (or its error) reach every rank. Collective."""
+        def collect():
+            if pending.thread is not None:
+                pending.thread.join()
+            return pending.error, pending.results
+
+        if not self.has_remote:
+            return {}
+        error, results = rank0_computes(collect)
+        if error is not None:
+            raise error
+        return results
+
+    def _merge(self, batch: RolloutBatch, rows_of: dict[str, list[int]], parts: dict[str, TokenScores]) -> TokenScores:
+        B, T = batch.size, batch.tokens_BS.shape[1] - 1
+        out = TokenScores(logprobs_BT=torch.zeros(B, T))
+        fields = ("entropy_BT", "topk_ids_BTK", "topk_logprobs_BTK", "at_ids_logprobs_BTK")
+        keep = {f: all(getattr(p, f) is not None for p in parts.values()) and bool(parts) for f in fields}
+        for name, part in parts.items():
+            rows = torch.tensor(rows_of[name], dtype=torch.long)
+            # In-job parts hold only their rows (in rows_of order); served parts are [B, ...] already.
+            # (rows_of lists are increasing, so with len(rows) == B both readings are the identity.)
+            src = rows if part.logprobs_BT.shape[0] == B else torch.arange(len(rows))
+            for f in ("logprobs_BT",) + fields:
+                if f != "logprobs_BT" and not keep[f]:
+                    continue
+                value = getattr(part, f)
+                if getattr(out, f) is None:
+                    setattr(out, f, torch.zeros((B, *value.shape[1:]), dtype=value.dtype))
+                getattr(out, f)[rows] = value[src]
+        return out
+
+
+def teacher_metrics(batch: RolloutBatch, rows_of: dict[str, list[int]], prefix: str = "rollout") -> dict[str, float]:
+    """Per teacher (jobs with several): token-means over its rows' responses of the teacher log-prob and
+    the advantage log q - log pi_old, and its share of the batch's samples. Keys
+    {prefix}/teacher_logprob_mean/<name>, {prefix}/advantage_mean/<name>, {prefix}/teacher_share/<name>."""
+    out = {}
+    for name, rows in rows_of.items():
+        out[f"{prefix}/teacher_share/{name}"] = len(rows) / max(batch.size, 1)
+        if not rows:
+            continue
+        idx = torch.tensor(rows, dtype=torch.long)
+        mask = batch.loss_mask_BT[idx].bool()
+        n = int(mask.sum())
+        q = batch.teacher.logprobs_BT[idx].double()
+        out[f"{prefix}/teacher_logprob_mean/{name}"] = float(q[mask].sum() / n) if n else 0.0
+        if batch.actor is not None:
+            adv = q - batch.actor.logprobs_BT[idx].double()
+            out[f"{prefix}/advantage_mean/{name}"] = float(adv[mask].sum() / n) if n else 0.0
+    return out

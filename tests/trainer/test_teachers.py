@@ -1,0 +1,74 @@
+"""Teachers served by `megaopd serve` and several teachers per job, through the real trainer: a tiny
+Stable-OPD step with the served teacher equals the in-job one's; with two teachers (one in the job, one
+served, different weights) every sample's teacher log-probs are those of its routed teacher alone."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megaopd.config import load_config
+from megaopd.config.schema import MegaOPDConfig
+from megaopd.parallel.launch import spawn
+from megaopd.rollout.embedded import EmbeddedEngine
+from megaopd.rollout.server import RolloutServer, ServeConfig
+from tests.trainer import _workers
+from tests.trainer.test_golden import _step_metrics, golden_overrides
+from tests.trainer.tiny_models import ROOT
+
+TINY = os.path.join(ROOT, "examples", "tiny")
+
+
+def _serve(hf_dir):
+    config = ServeConfig(hf_dir=hf_dir, port=0)
+    return RolloutServer(config, engine=EmbeddedEngine(config.engine_config())).start()
+
+
+@pytest.mark.slow
+def test_served_teacher_step_matches_in_job_step(tmp_path):
+    server = _serve(os.path.join(TINY, "models", "teacher"))
+    try:
+        base = golden_overrides("") + ["trainer.max_steps=1"]
+        cfgs = [load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"),
+                            base + [f"run.dir={tmp_path / name}"] + extra)
+                for name, extra in (("in_job", []),
+                                    ("served", ["teacher.engine=remote", f"teacher.urls=[{server.url}]"]))]
+        spawn(_workers.run_presets, 2, args=(cfgs,), timeout=1200)
+    finally:
+        server.shutdown()
+    in_job, served = (_step_metrics(str(tmp_path / n))["1"] for n in ("in_job", "served"))
+    # Only the teacher's log-probs differ, by float32 rounding of two implementations (< 2e-5).
+    # A served teacher gives no entropy: the overlap metrics leave out entropy_gap, nothing else.
+    assert set(in_job) - set(served) == {"overlap/entropy_gap"} and set(served) <= set(in_job)
+    for key, value in served.items():
+        value = in_job[key]
+        assert math.isclose(served[key], value, rel_tol=1e-4, abs_tol=1e-5), (key, served[key], value)
+    print({k: (in_job[k], served[k]) for k in ("loss/total", "rollout/teacher_logprob_mean", "overlap/ratio")})
+
+
+@pytest.mark.slow
+def test_two_teachers_each_sample_scored_by_its_teacher(tmp_path):
+    """arith: the tiny teacher in the job (TP=1); algebra: the tiny STUDENT's weights behind `megaopd
+    serve` (another model of the same vocabulary, so a mis-routed row shows)."""
+    server = _serve(os.path.join(TINY, "models", "student"))
+    try:
+        cfg = load_config(MegaOPDConfig, os.path.join(TINY, "two_teachers.yaml"), golden_overrides(str(tmp_path)) + [
+            "teachers=[{name: arith, path: examples/tiny/models/teacher, tp: 1}, {name: algebra, engine: remote, "
+            f"urls: ['{server.url}'], path: examples/tiny/models/student}}]", "trainer.max_steps=1"])
+        out = spawn(_workers.two_teachers_rollout, 2, args=(cfg,), timeout=1200)[0]
+    finally:
+        server.shutdown()
+    rows, mask = out["rows"], out["mask"].bool()
+    assert rows["arith"] and rows["algebra"], out["sources"]  # both sources are in the batch
+    for name, idx in rows.items():
+        idx = torch.tensor(idx)
+        got, alone, m = out["teacher"][idx], out["alone"][name][idx], mask[idx]
+        assert (got[m] - alone[m]).abs().max() < 1e-6, name
+        other = [n for n in rows if n != name][0]
+        assert (got[m] - out["alone"][other][idx][m]).abs().max() > 1e-2  # the other teacher differs
+    n = out["metrics"]
+    assert {"rollout/teacher_logprob_mean/arith", "rollout/teacher_logprob_mean/algebra"} <= set(n)
+    overall = n["rollout/teacher_logprob_mean"]
+    a, b = (n[f"rollout/teacher_logprob_mean/{k}"] for k in ("arith", "algebra"))
+    assert min(a, b) - 1e-9 <= overall <= max(a, b) + 1e-9
