@@ -150,3 +150,15 @@ def check_same_tokenizer(student, teacher, student_path: str, teacher_path: str,
     Returns its VocabReport (log report.log_lines(); add report.mask_ids to the loss's masked ids);
     raises VocabMismatchError (a ValueError) naming tokens when the regular vocabularies differ."""
     return compare_vocab(student, teacher, student_path, teacher_path, stop_ids=stop_ids)
+
+
+def check_teacher_tokenizers(student, student_path: str, teachers, tokenizers, stop_ids, log) -> VocabReport | None:
+    """Every teacher must share the student's regular vocabulary (special tokens may be named differently);
+    logs what each report found. Returns the first teacher's report, whose special-token pairs mask the loss."""
+    first = None
+    for t, t_tok in zip(teachers, tokenizers):
+        report = check_same_tokenizer(student, t_tok, student_path, t.path, stop_ids=stop_ids)
+        first = first or report
+        for line in report.log_lines():
+            log(line if len(teachers) == 1 else f"[teacher {t.name}] {line}")
+    return first

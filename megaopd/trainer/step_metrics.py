@@ -58,3 +58,10 @@ def reduce_loss_metrics(results: list[dict], is_reporter: bool) -> dict[str, flo
         name = f"loss/{key[:-len('/loss')]}" if key.endswith("/loss") else key
         out[name] = sum(values) if is_share else sum(values) / len(values)
     return out
+
+
+def sample_rows(batch: RolloutBatch, tokenizer, n: int) -> list[dict]:
+    """The first n responses of the step as RUN/samples/step_N.jsonl rows."""
+    return [{"prompt": tokenizer.decode(batch.tokens_BS[b, :int(batch.prompt_lens_B[b])].tolist()),
+             "response": batch.texts[b], "finish_reason": batch.finish_reasons[b], "reward": float(batch.rewards_B[b])}
+            for b in range(min(n, batch.size))]

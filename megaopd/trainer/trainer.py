@@ -42,9 +42,9 @@ from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_
 from megaopd.trainer.micro_batches import MicroBatch, assemble_micro_batches
 from megaopd.trainer.optim import build_optimizer, wrap_for_training
 from megaopd.trainer.preemption import PreemptionFlag
-from megaopd.trainer.roles import build_models, check_same_tokenizer, on_gpu_while_used
+from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.run_log import RunLog
-from megaopd.trainer.step_metrics import reduce_loss_metrics, rollout_metrics
+from megaopd.trainer.step_metrics import reduce_loss_metrics, rollout_metrics, sample_rows
 from megaopd.trainer.validation import validate
 from megaopd.scoring.runner import PipelineRunner
 
@@ -69,19 +69,14 @@ class Trainer:
     def _load_inputs(self) -> None:
         """Tokenizers and data first: a bad file fails here, before any model is loaded."""
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.student.path)
+        self.tokenizer = tok = load_tokenizer(cfg.student.path)
         teachers = cfg.teacher_list()  # in-job or served: each names an HF directory with its tokenizer
         teacher_tokenizers = [load_tokenizer(t.path) for t in teachers]
         teacher_tokenizer = teacher_tokenizers[0] if teachers else None  # the template of data.prompt_template
-        tok = self.tokenizer
         # Rollouts stop at the template's turn end and the EOS; golden solutions end with the first of them.
         self.stop = stop_tokens(cfg.data, tok, teacher_tokenizer)
-        report = None
-        for t, t_tok in zip(teachers, teacher_tokenizers):  # same regular vocabulary; specials may differ
-            t_report = check_same_tokenizer(tok, t_tok, cfg.student.path, t.path, stop_ids=self.stop.ids)
-            report = report or t_report  # the first teacher's special-token pairs mask the loss
-            for line in t_report.log_lines():
-                self._console(line if len(teachers) == 1 else f"[teacher {t.name}] {line}")
+        report = check_teacher_tokenizers(tok, cfg.student.path, teachers, teacher_tokenizers, self.stop.ids,
+                                          self._console)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.special_ids = loss_mask_ids(tok, cfg.loss.mask_first_tokens, report)
         dataset = PromptDataset.load(cfg.data, tok, teacher_tokenizer, log=self._console if self.rank == 0 else None)
@@ -183,8 +178,9 @@ class Trainer:
                 self.check_parity()
         times["time/sync"] = time.time() - t
         if rollout is not None:
-            metrics.update(rollout_metrics(rollout, self.cfg.metrics) if self.rank == 0 else {})
-            self._log_samples(rollout)
+            if self.rank == 0:
+                metrics.update(rollout_metrics(rollout, self.cfg.metrics))
+                self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
         metrics.update(times, **{"time/step": time.time() - t0})
         return metrics
 
@@ -195,9 +191,8 @@ class Trainer:
         samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
         batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
         times["time/rollout"], t = time.time() - t, time.time()
-        teachers = models.teachers
+        teachers, mbs = models.teachers, cfg.trainer.micro_batch_size
         overlap_k = cfg.metrics.overlap_k if teachers is not None else 0
-        mbs = cfg.trainer.micro_batch_size
         teacher_topk = max(needs.teacher_topk, overlap_k)
         if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
             batch.teacher_rows = teachers.route([ex.teacher for ex in examples], cfg.trainer.samples_per_prompt)
@@ -325,23 +320,16 @@ class Trainer:
             self.run_log.event(self.step, "collapse_warning", warning.message, loud=True, metric=warning.metric,
                                value=warning.value)
 
-    def _log_samples(self, rollout: RolloutBatch) -> None:
-        if self.rank != 0:
-            return
-        rows = range(min(self.cfg.logging.samples_per_step, rollout.size))
-        self.run_log.samples(self.step, [
-            {"prompt": self.tokenizer.decode(rollout.tokens_BS[b, :int(rollout.prompt_lens_B[b])].tolist()),
-             "response": rollout.texts[b], "finish_reason": rollout.finish_reasons[b],
-             "reward": float(rollout.rewards_B[b])} for b in rows])
-
     def _console(self, line: str) -> None:
-        if self.rank == 0:
-            self.run_log.console(line) if self.run_log is not None else print(line, flush=True)
+        if self.rank == 0 and self.run_log is not None:
+            self.run_log.console(line)
+        elif self.rank == 0:
+            print(line, flush=True)
 
     def save(self) -> None:
         state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),
-                 "collapse": self.detector.state_dict(), "weight_version": str(self.step),
-                 "student": self.cfg.student.path, "teacher": self.cfg.teacher.path}
+                 "collapse": self.detector.state_dict(), "weight_version": str(self.step), "student":
+                 self.cfg.student.path, "teachers": {t.name: t.path or t.urls for t in self.cfg.teacher_list()}}
         path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs, state,
                                self.actor.hf, hf_side_dir=tokenizer_dir(self.actor.path))
         if self.rank == 0:
