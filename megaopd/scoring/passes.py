@@ -25,6 +25,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megaopd import ops
 from megaopd.parallel.dist import device as group_device
 from megaopd.rollout.batch import TokenScores, dp_rows, pad_rows
+from megaopd.scoring.packing import PackedRow
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
 
@@ -36,10 +37,12 @@ class ScoringMicroBatch:
     """Sequences to score [b, S] (long); rows past the batch's end are padding rows."""
     at_ids_BTK: torch.Tensor | None = None
     """Ids to score at each position [b, T, K] (long), or None."""
+    packed: PackedRow | None = None
+    """The layout of a packed row (b = 1, several sequences); None = one sequence per row."""
 
     def to(self, device: torch.device) -> "ScoringMicroBatch":
         return ScoringMicroBatch(self.tokens_BS.to(device),
-                                 None if self.at_ids_BTK is None else self.at_ids_BTK.to(device))
+                                 None if self.at_ids_BTK is None else self.at_ids_BTK.to(device), self.packed)
 
 
 def _micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, size: int) -> list[ScoringMicroBatch]:
