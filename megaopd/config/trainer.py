@@ -47,7 +47,18 @@ class TrainerConfig:
     mini_batches_per_step: int = 1
     """Optimizer steps per rollout batch; 1 is strictly on-policy."""
     micro_batch_size: int = 4
-    """Sequences per forward/backward on one rank (gradient accumulation over the rest)."""
+    """Sequences per forward/backward on one rank (gradient accumulation over the rest); the padded path
+    only (pack_sequences: false) and `megaopd logprobs` / the parity probe."""
+    pack_sequences: bool = True
+    """Pack several sequences into each micro-batch (THD rows with cu_seqlens: no padding tokens) for the
+    scoring passes and the training step, cut by max_tokens_per_micro_batch, with data-parallel shares
+    balanced by token count and attention cost. false: every sequence padded to the step's longest and
+    micro_batch_size rows per micro-batch (the older path, kept for comparison)."""
+    max_tokens_per_micro_batch: int = 16384
+    """Token budget of one packed micro-batch on one rank (pack_sequences: true): sequences are packed
+    first-fit-decreasing up to it; a longer sequence gets a micro-batch of its own. With PP > 1 every
+    micro-batch of a pass is padded to the pass's largest (fixed-size pipeline buffers). Bounds the
+    activation and logit memory of a forward ([tokens, vocab / TP] float32 logits)."""
     save_interval: int = 50
     """Checkpoint every N steps (and on SIGTERM/SIGUSR1, and at the end)."""
     eval_interval: int = 25
@@ -57,7 +68,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         for name in ("max_steps", "prompts_per_step", "samples_per_prompt", "mini_batches_per_step",
-                     "micro_batch_size", "save_interval", "log_interval"):
+                     "micro_batch_size", "save_interval", "log_interval", "max_tokens_per_micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be at least 1")
         if self.eval_interval < 0:

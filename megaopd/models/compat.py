@@ -53,9 +53,22 @@ def decoder_block_spec(use_te: bool, num_local_layers: int, qk_layernorm: bool =
 
         layer = gpt_layer_specs.get_gpt_layer_local_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        layer = _with_packed_core_attention(layer)
         final_norm = WrappedTorchNorm
     assert isinstance(layer, ModuleSpec)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=final_norm)
+
+
+def _with_packed_core_attention(layer: ModuleSpec) -> ModuleSpec:
+    """The local layer spec with megaopd's PackedDotProductAttention as core attention: megatron's local
+    DotProductAttention refuses packed sequences (THD); TE's spec takes them already."""
+    import copy
+
+    from megaopd.models.packed_attention import PackedDotProductAttention
+
+    layer = copy.deepcopy(layer)
+    layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return layer
 
 
 def patch_moe_router_without_te() -> None:

@@ -25,6 +25,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megaopd import ops
 from megaopd.parallel.dist import device as group_device
 from megaopd.rollout.batch import TokenScores, dp_rows, pad_rows
+from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, row_lengths
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
 
@@ -36,10 +37,12 @@ class ScoringMicroBatch:
     """Sequences to score [b, S] (long); rows past the batch's end are padding rows."""
     at_ids_BTK: torch.Tensor | None = None
     """Ids to score at each position [b, T, K] (long), or None."""
+    packed: PackedRow | None = None
+    """The layout of a packed row (b = 1, several sequences); None = one sequence per row."""
 
     def to(self, device: torch.device) -> "ScoringMicroBatch":
         return ScoringMicroBatch(self.tokens_BS.to(device),
-                                 None if self.at_ids_BTK is None else self.at_ids_BTK.to(device))
+                                 None if self.at_ids_BTK is None else self.at_ids_BTK.to(device), self.packed)
 
 
 def _micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, size: int) -> list[ScoringMicroBatch]:
@@ -52,28 +55,60 @@ def _micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, siz
     return [ScoringMicroBatch(t, a) for t, a in zip(tokens, at_ids)]
 
 
-def _assemble(local: torch.Tensor | None, rows: range, full_shape, dtype, contributes: bool,
+def _assemble(local: torch.Tensor | None, rows: list[int], full_shape, dtype, contributes: bool,
               device: torch.device) -> torch.Tensor:
     full = torch.zeros(full_shape, dtype=dtype, device=device)
     if contributes and local is not None and len(rows):
-        full[rows.start:rows.stop] = local[: len(rows)].to(device=device, dtype=dtype)
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        full[index] = local[: len(rows)].to(device=device, dtype=dtype)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(full)
     return full.cpu()
 
 
+def _packed_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, lengths: list[int],
+                          max_tokens: int, uniform: bool) -> list[ScoringMicroBatch]:
+    """This rank's rows packed into rows of at most max_tokens tokens (uniform: all padded to the
+    largest, for fixed-size pipeline buffers)."""
+    if not lengths:
+        return []
+    bins = pack_by_budget(lengths, max_tokens)
+    total = max(sum(lengths[i] for i in b) for b in bins) if uniform else None
+    mbs = []
+    for b in bins:
+        row = PackedRow([Segment(0, i, lengths[i]) for i in b], total)
+        at_ids = row.per_token(at_ids_BTK) if at_ids_BTK is not None else None
+        mbs.append(ScoringMicroBatch(row.tokens({0: tokens_BS}, 0), at_ids, row))
+    return mbs
+
+
 def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_size: int, temperature: float,
-                 topk: int = 0, entropy: bool = False, at_ids_BTK: torch.Tensor | None = None) -> TokenScores:
+                 topk: int = 0, entropy: bool = False, at_ids_BTK: torch.Tensor | None = None,
+                 lengths_B: torch.Tensor | None = None, max_tokens: int | None = None) -> TokenScores:
     """Log-probs of tokens_BS[:, 1:] (and optional top-k, entropy, log-probs at given ids) for all rows.
+
+    Padded (max_tokens None): contiguous DP rows, micro_batch_size rows per micro-batch. Packed (max_tokens
+    given, lengths_B the real tokens per row): DP shares balanced by tokens and attention cost
+    (packing.balanced_partition), each rank's rows packed into micro-batches of at most max_tokens tokens;
+    positions at or past a row's length - 1 are then 0.
 
     Collective over the world (every rank of every layout calls it with the same tokens). Returns CPU
     tensors on every rank."""
     pgs: ProcessGroupCollection = runner.pgs
     B, S = tokens_BS.shape
     T = S - 1
-    rows = dp_rows(B, pgs.dp.rank(), pgs.dp.size())
-    local_at_ids = at_ids_BTK[rows.start:rows.stop] if at_ids_BTK is not None else None
-    mbs = _micro_batches(tokens_BS[rows.start:rows.stop], local_at_ids, micro_batch_size)
+    packed = max_tokens is not None
+    if packed:
+        lengths = row_lengths(tokens_BS, lengths_B)
+        rows = balanced_partition([[n] for n in lengths], pgs.dp.size())[pgs.dp.rank()]
+        local_at_ids = at_ids_BTK[rows] if at_ids_BTK is not None else None
+        mbs = _packed_micro_batches(tokens_BS[rows], local_at_ids, [lengths[i] for i in rows], max_tokens,
+                                    uniform=pgs.pp.size() > 1)
+    else:
+        rows = list(dp_rows(B, pgs.dp.rank(), pgs.dp.size()))
+        local_at_ids = at_ids_BTK[rows[0]:rows[-1] + 1] if at_ids_BTK is not None and rows else None
+        mbs = _micro_batches(tokens_BS[rows[0]:rows[-1] + 1] if rows else tokens_BS[:0], local_at_ids,
+                             micro_batch_size)
 
     def step_fn(mb: ScoringMicroBatch, logits_BSv, _partner):
         logits_BTv = logits_BSv[:, :-1].float()
@@ -86,17 +121,24 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
         if mb.at_ids_BTK is not None:
             lse = ops.vocab_parallel_logsumexp(logits_BTv, pgs.tp, temperature)
             out["at_ids"] = ops.vocab_parallel_gather(logits_BTv, mb.at_ids_BTK, pgs.tp) / temperature - lse.unsqueeze(-1)
+        if mb.packed is not None:  # back to one row per sequence: [n_seqs, T, ...], zero past each length
+            out = {k: _unpack(mb.packed, v, T) for k, v in out.items()}
         return torch.zeros((), device=logits_BSv.device), out
 
     with torch.no_grad():
         results = runner.run(mbs, step_fn, forward_only=True)
 
-    n_local = len(mbs) * micro_batch_size
+    n_local = len(rows) if packed else len(mbs) * micro_batch_size
     first_of_mp = pgs.tp.rank() == 0 and pgs.pp.rank() == 0
     device = group_device()
+    order = None
+    if packed and mbs:  # micro-batch order -> this rank's row order
+        order = torch.tensor([s.row for mb in mbs for s in mb.packed.segments]).argsort()
 
     def collect(key, trailing=(), dtype=torch.float32):
         local = torch.cat([r[key] for r in results]) if results else None
+        if local is not None and order is not None:
+            local = local[order]
         if pgs.pp.size() > 1 and mbs:
             local = broadcast_from_last_stage(local, (n_local, T, *trailing), dtype, pgs.pp, device)
         return _assemble(local, rows, (B, T, *trailing), dtype, first_of_mp, device)
@@ -110,6 +152,15 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     if at_ids_BTK is not None:
         scores.at_ids_logprobs_BTK = collect("at_ids", (at_ids_BTK.shape[-1],))
     return scores
+
+
+def _unpack(row: PackedRow, y_1T: torch.Tensor, T: int) -> torch.Tensor:
+    """[1, total - 1, ...] of a packed row -> [segments, T, ...], zeros past each segment's length - 1."""
+    parts = row.unpack(y_1T)
+    out = y_1T.new_zeros((len(parts), T, *y_1T.shape[2:]))
+    for i, p in enumerate(parts):
+        out[i, :p.shape[0]] = p
+    return out
 
 
 def score_sequences(runner: PipelineRunner, sequences: list[list[int]], micro_batch_size: int = 4,

@@ -5,7 +5,10 @@
 
 Every scoring pass, the training step, `megaopd logprobs` and the parity probe run their models
 through it. A micro-batch is any record with `tokens_BS` [b, S] (long) and `to(device)`; every
-micro-batch of one run has the same [b, S] shape (pipeline buffers are fixed-size). This is the one
+micro-batch of one run has the same [b, S] shape when PP > 1 (pipeline buffers are fixed-size). A record
+whose `packed` attribute is a `megaopd.scoring.packing.PackedRow` is one packed row [1, total] of several
+sequences: the runner passes megatron's PackedSeqParams (THD, cu_seqlens) and per-sequence position ids, and
+the model's core attention keeps every sequence to itself (models/packed_attention.py, or TE's). This is the one
 place where micro-batches move to the model's device: `step_fn` receives the moved record, so every
 tensor it reads (targets, masks, scores) sits beside the logits.
 
@@ -23,6 +26,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model
 
@@ -69,10 +73,10 @@ class _LockstepPair(torch.nn.Module):
         self._set_student_input(t[:, :half])
         self._set_partner_input(t[:, half:].detach())
 
-    def forward(self, input_ids, position_ids, attention_mask):
-        out = self.student(input_ids, position_ids, attention_mask)
+    def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None):
+        out = self.student(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
         with torch.no_grad():
-            partner_out = self.partner(input_ids, position_ids, attention_mask)
+            partner_out = self.partner(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
         return torch.cat([out, partner_out], dim=self._batch_dim)
 
 
@@ -93,8 +97,14 @@ class PipelineRunner:
         if not micro_batches:
             return [] if self.is_last_stage else None
         b, S = micro_batches[0].tokens_BS.shape
-        if any(tuple(mb.tokens_BS.shape) != (b, S) for mb in micro_batches):
-            raise ValueError("all micro-batches of one run must have the same [b, S] shape (pad them)")
+        packed = getattr(micro_batches[0], "packed", None) is not None
+        if any((getattr(mb, "packed", None) is not None) != packed for mb in micro_batches):
+            raise ValueError("a run's micro-batches must be all packed or all padded")
+        if packed:
+            S = max(mb.tokens_BS.shape[1] for mb in micro_batches)
+        if (not packed or self.pgs.pp.size() > 1) and any(tuple(mb.tokens_BS.shape) != (b, S) for mb in micro_batches):
+            raise ValueError("all micro-batches of one run must have the same [b, S] shape (pad them; packed rows "
+                             "to one token count when PP > 1: pipeline buffers are fixed-size)")
         module = self.model if self.partner is None else _LockstepPair(self.model, self.partner)
         paired = self.partner is not None
         device = next(self.model.parameters()).device
@@ -102,8 +112,12 @@ class PipelineRunner:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator).to(device)
-            position_ids = torch.arange(S, device=device).unsqueeze(0).expand(b, S)
-            output = model(mb.tokens_BS, position_ids, None)  # causal mask from the layer spec
+            if packed:
+                output = model(mb.tokens_BS, mb.packed.position_ids().to(device), None,
+                               packed_seq_params=_packed_seq_params(mb.packed, device))
+            else:
+                position_ids = torch.arange(S, device=device).unsqueeze(0).expand(b, S)
+                output = model(mb.tokens_BS, position_ids, None)  # causal mask from the layer spec
 
             def loss_func(output_tensor):
                 logits = mask_vocab_padding(output_tensor, self.vocab_size, self.pgs.tp)
@@ -121,6 +135,13 @@ class PipelineRunner:
         if not self.is_last_stage:
             return None
         return [r["result"] for r in results]
+
+
+def _packed_seq_params(row, device: torch.device) -> PackedSeqParams:
+    """megatron's THD parameters of a packed row (self-attention: the same boundaries for q and kv)."""
+    cu = row.cu_seqlens.to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=row.max_seqlen,
+                           max_seqlen_kv=row.max_seqlen)
 
 
 def broadcast_from_last_stage(value: torch.Tensor | None, shape, dtype, pp_group,

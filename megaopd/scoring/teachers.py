@@ -114,9 +114,11 @@ class TeacherSet:
     def score(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
               micro_batch_size: int, temperature: float, topk: int = 0, entropy: bool = False,
               at_ids_BTK: torch.Tensor | None = None,
-              on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None) -> TokenScores:
+              on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None,
+              packing: dict | None = None) -> TokenScores:
         """The whole batch's teacher scores, each row from its routed teacher. Collective over the world
-        (in-job teachers' passes, then the broadcast of the served teachers' results from rank 0)."""
+        (in-job teachers' passes, then the broadcast of the served teachers' results from rank 0). packing:
+        score_tokens' lengths_B (of the whole batch) and max_tokens, or None for the padded path."""
         on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
         parts: dict[str, TokenScores] = {}
         for name, t in self.teachers.items():
@@ -125,9 +127,11 @@ class TeacherSet:
                 continue
             idx = torch.tensor(rows, dtype=torch.long)
             # Rows are independent (right padding, causal attention): a teacher scores its rows only.
+            packed = {} if not packing else {"lengths_B": packing["lengths_B"][idx], "max_tokens": packing["max_tokens"]}
             with on_device(t.model, t.offload):
                 parts[name] = score_tokens(t.runner, batch.tokens_BS[idx], micro_batch_size, temperature, topk=topk,
-                                           entropy=entropy, at_ids_BTK=None if at_ids_BTK is None else at_ids_BTK[idx])
+                                           entropy=entropy, at_ids_BTK=None if at_ids_BTK is None else at_ids_BTK[idx],
+                                           **packed)
         remote = self.wait_remote(pending)
         for name, scores in remote.items():  # already [B, T] with the routed rows filled
             parts[name] = scores

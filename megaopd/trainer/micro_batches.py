@@ -11,6 +11,11 @@ megatron's pipeline buffers require. The loss denominators (StepCounts) are coun
 mini-batch, every DP rank's rows, so that gradient accumulation over micro-batches and the DP sum give
 exactly the one-big-batch gradient (losses/inputs.py "Counts").
 
+Packed (trainer.pack_sequences, `assemble_packed_micro_batches`): every micro-batch is ONE row [1, t] of
+whole sequences laid end to end (on-policy and golden beside each other), at most max_tokens tokens;
+the DP shares are balanced by token count and attention cost (scoring/packing.py), a GRPO group stays in
+one micro-batch, and the same StepCounts make the same one-big-batch gradient.
+
 Shape legend: R rows of a micro-batch, S padded sequence length, T = S - 1 positions, K top-k size.
 """
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossInputs, LossNeeds
 from megaopd.rollout.batch import RolloutBatch, dp_rows, pad_rows
+from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,10 @@ class MicroBatch:
     """Reward per row [R] (needs.rewards); 0 on golden and padding rows."""
     group_ids_S: torch.Tensor | None = None
     """GRPO group per row [R]; golden and padding rows get groups of their own."""
+    seq_ids_BT: torch.Tensor | None = None
+    """Packed rows: the sequence of each position [1, T] (rewards_S / group_ids_S are then per sequence)."""
+    packed: PackedRow | None = None
+    """Packed rows: the row's layout (the runner passes its cu_seqlens to the model); None = padded."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         """The record with every tensor on `device` (the runner calls this, once per micro-batch)."""
@@ -81,6 +91,7 @@ class MicroBatch:
         partner_BTv = partner_BSv[:, :-1] if partner_BSv is not None else None
         return LossInputs(
             logits_BTv=logits_BTv, token_ids_BT=targets_BT, loss_mask_BT=self.loss_mask_BT, tp_group=tp_group,
+            seq_ids_BT=self.seq_ids_BT, golden_seq_ids_BT=self.seq_ids_BT if needs.golden else None,
             temperature=temperature, old_logprobs_BT=self.old_logprobs_BT, teacher_logprobs_BT=self.teacher_logprobs_BT,
             teacher_topk_ids_BTK=self.teacher_topk_ids_BTK, teacher_topk_logprobs_BTK=self.teacher_topk_logprobs_BTK,
             student_topk_ids_BTK=self.student_topk_ids_BTK,
@@ -179,4 +190,82 @@ def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, nee
     if g_per:
         mb.tokens_BS[mbs:] = _pad_to(pad_rows(golden.input_ids_BT[gr], g_per, pad_id), S, pad_id)
         mb.golden_mask_BT[mbs:] = _pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), T)
+    return mb
+
+
+ON_POLICY, GOLDEN = 0, 1  # the two sources of a packed micro-batch's segments
+
+
+def _units(rollout: RolloutBatch | None, rows: torch.Tensor, golden: GoldenBatch | None,
+           golden_rows: torch.Tensor | None, keep_groups: bool) -> list[list[Segment]]:
+    """The mini-batch's packing units: one sequence each, or a whole GRPO group (keep_groups)."""
+    units: list[list[Segment]] = []
+    if rollout is not None:
+        lengths = (rollout.prompt_lens_B + rollout.response_lens_B).clamp(min=1).tolist()
+        by_group: dict[int, list[Segment]] = {}
+        for r in rows.tolist():
+            seg = Segment(ON_POLICY, r, lengths[r])
+            if keep_groups:
+                by_group.setdefault(int(rollout.group_ids_B[r]), []).append(seg)
+            else:
+                units.append([seg])
+        units += list(by_group.values())
+    if golden is not None:
+        lengths = golden.lengths_B.clamp(min=1).tolist()
+        units += [[Segment(GOLDEN, g, lengths[g])] for g in golden_rows.tolist()]
+    return units
+
+
+def assemble_packed_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor | None,
+                                  golden: GoldenBatch | None, rows: torch.Tensor, golden_rows: torch.Tensor | None,
+                                  dp_rank: int, dp_size: int, needs: LossNeeds, max_tokens: int, pad_id: int,
+                                  uniform: bool = False) -> list[MicroBatch]:
+    """This DP rank's share of one mini-batch as packed micro-batches (one [1, t] row each, t <= max_tokens
+    unless one unit is longer). The share is balanced over DP by tokens and attention cost; uniform pads
+    every micro-batch to the largest t (PP > 1: fixed-size pipeline buffers). Always at least one
+    micro-batch (an empty one holds a padding segment) so every rank takes part in the gradient reduction."""
+    counts = step_counts(loss_mask_BT, rows, golden, golden_rows)
+    units = _units(rollout, rows, golden, golden_rows, keep_groups=needs.rewards)
+    share = balanced_partition([[s.length for s in u] for u in units], dp_size)[dp_rank]
+    mine = [units[i] for i in share]
+    bins = pack_by_budget([sum(s.length for s in u) for u in mine], max_tokens) or [[]]
+    layouts = [[s for i in b for s in mine[i]] for b in bins]
+    total = max(max(sum(s.length for s in segs) for segs in layouts), 2)
+    return [_packed_micro_batch(rollout, loss_mask_BT, golden, PackedRow(segs, total if uniform else
+                                                                          max(sum(s.length for s in segs), 2)),
+                                needs, counts, pad_id) for segs in layouts]
+
+
+def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, counts, pad_id) -> MicroBatch:
+    sources = {}
+    if rollout is not None:
+        sources[ON_POLICY] = rollout.tokens_BS
+    if golden is not None:
+        sources[GOLDEN] = golden.input_ids_BT
+    T = row.total - 1
+    mb = MicroBatch(tokens_BS=row.tokens(sources, pad_id), loss_mask_BT=torch.zeros(1, T),
+                    golden_mask_BT=torch.zeros(1, T), counts=counts, seq_ids_BT=row.seq_ids(), packed=row)
+    if rollout is not None:
+        mb.loss_mask_BT = row.per_token(loss_mask_BT, ON_POLICY)
+        if needs.old_logprobs:
+            mb.old_logprobs_BT = row.per_token(rollout.actor.logprobs_BT, ON_POLICY)
+        if needs.teacher_logprobs:
+            mb.teacher_logprobs_BT = row.per_token(rollout.teacher.logprobs_BT, ON_POLICY)
+        if needs.teacher_topk:
+            mb.teacher_topk_ids_BTK = row.per_token(rollout.teacher.topk_ids_BTK[..., :needs.teacher_topk], ON_POLICY)
+            mb.teacher_topk_logprobs_BTK = row.per_token(
+                rollout.teacher.topk_logprobs_BTK[..., :needs.teacher_topk], ON_POLICY)
+        if needs.student_topk:
+            mb.student_topk_ids_BTK = row.per_token(rollout.actor.topk_ids_BTK[..., :needs.student_topk], ON_POLICY)
+            mb.student_topk_teacher_logprobs_BTK = row.per_token(rollout.teacher.at_ids_logprobs_BTK, ON_POLICY)
+        if needs.rewards:
+            # One entry per sequence of the row (segments, then the padding segment); golden and padding
+            # sequences: reward 0 and a group of their own (no loss tokens, no effect on the others).
+            on = [s.source == ON_POLICY for s in row.segments] + [False] * (row.num_seqs - len(row.segments))
+            src = [s.row if s.source == ON_POLICY else 0 for s in row.segments] + [0] * (row.num_seqs - len(row.segments))
+            on_S, src_S = torch.tensor(on), torch.tensor(src, dtype=torch.long)
+            mb.rewards_S = torch.where(on_S, rollout.rewards_B[src_S], torch.zeros(()))
+            mb.group_ids_S = torch.where(on_S, rollout.group_ids_B[src_S], rollout.size + torch.arange(row.num_seqs))
+    if golden is not None:
+        mb.golden_mask_BT = row.per_token(golden.loss_mask_BT[:, 1:], GOLDEN)
     return mb

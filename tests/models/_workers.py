@@ -138,3 +138,46 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
         res[(name, "ckpt->11", "logits_vs_hf")] = float((logits11 - m["logits"]).abs().max())
         res[(name, "ckpt->11", "meta")] = (meta["tp"], meta["pp"], meta["dtype"])
     return res
+
+
+def packed_vs_alone(rank, world_size, models, lengths):
+    """Per layout (tp, pp) in PACKED_LAYOUTS and model: logits of sequences of very uneven lengths packed
+    into one THD row vs each sequence run alone (padded path, b = 1); max |difference| on the last stage."""
+    from megaopd.models.hf_config import read_hf_config
+    from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
+    from megaopd.scoring.packing import PackedRow, Segment
+    from megaopd.scoring.passes import ScoringMicroBatch
+    from megaopd.scoring.runner import PipelineRunner
+
+    res = {}
+    initialize_actor_layout(Layout(1, 1))
+    for tp, pp in PACKED_LAYOUTS:
+        pgs = build_process_groups(Layout(tp, pp))
+        for name, m in models.items():
+            cfg = read_hf_config(m["hf_dir"])
+            model = _build_loaded(cfg, m["hf_dir"], tp, pp, pgs)
+            gen = torch.Generator().manual_seed(7)
+            seqs = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in lengths]
+            runner = PipelineRunner(model, pgs, cfg.vocab_size)
+
+            def logits_of(mb, shard, _partner):
+                return shard.sum() * 0, _gather_tp(shard, pgs.tp)[..., : cfg.vocab_size]
+
+            row = PackedRow([Segment(0, i, n) for i, n in enumerate(lengths)], total=sum(lengths) + 3)
+            tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                tokens[i, : s.shape[1]] = s[0]
+            with torch.no_grad():
+                packed = runner.run([ScoringMicroBatch(row.tokens({0: tokens}, 0), packed=row)], logits_of, True)
+                alone = [runner.run([ScoringMicroBatch(s)], logits_of, True) for s in seqs]
+            if packed is None:
+                continue
+            diff = 0.0
+            for i, s in enumerate(seqs):
+                o = row.offsets[i]
+                diff = max(diff, float((packed[0][0, o:o + s.shape[1]] - alone[i][0][0]).abs().max()))
+            res[(name, tp, pp)] = diff
+    return res
+
+
+PACKED_LAYOUTS = ((1, 1), (2, 1), (1, 2))

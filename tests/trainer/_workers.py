@@ -77,3 +77,60 @@ def two_teachers_rollout(rank, world_size, cfg):
     return {"teacher": batch.teacher.logprobs_BT, "rows": batch.teacher_rows, "alone": alone,
             "mask": batch.loss_mask_BT, "sources": [ex.source for ex in examples],
             "metrics": rollout_metrics(batch, cfg.metrics), "times": times}
+
+
+def one_step_everything(rank, world_size, cfg):
+    """one_step_gradients, plus every metric of the step and the rollout's per-token scores (actor log pi_old,
+    teacher log q) under the loss mask (rank 0)."""
+    from megaopd.trainer.trainer import Trainer
+
+    import megaopd.trainer.trainer as trainer_module
+
+    captured = {}
+    original_rollout = trainer_module.Trainer._rollout
+
+    def capturing_rollout(self, examples, times):
+        batch = original_rollout(self, examples, times)
+        mask = batch.loss_mask_BT.bool()
+        captured["actor_logprobs"] = torch.where(mask, batch.actor.logprobs_BT, 0.0)
+        if batch.teacher is not None:
+            captured["teacher_logprobs"] = torch.where(mask, batch.teacher.logprobs_BT, 0.0)
+        return batch
+
+    trainer_module.Trainer._rollout = capturing_rollout
+    try:
+        out = one_step_gradients_and_metrics(rank, world_size, cfg)
+    finally:
+        trainer_module.Trainer._rollout = original_rollout
+    if out is not None:
+        out.update(captured)
+    return out
+
+
+def one_step_gradients_and_metrics(rank, world_size, cfg):
+    from megaopd.sync.gather import gather_hf_weights
+    from megaopd.trainer.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    captured = {}
+    original_step = trainer.optimizer.step
+
+    def capturing_step():
+        grads = {}
+        for name, p in trainer.actor.model.named_parameters():
+            g = getattr(p, "main_grad", None)
+            grads[name] = (g if g is not None else p.grad).detach().clone().float()
+        captured["grads"] = {n: t.clone() for n, t in gather_hf_weights(
+            grads, trainer.actor.hf, trainer.actor_pgs.tp, trainer.actor_pgs.pp)}
+        result = original_step()
+        captured["grad_norm"] = result[1]
+        return result
+
+    trainer.optimizer.step = capturing_step
+    metrics = trainer.train_step()
+    if trainer.run_log is not None:
+        trainer.run_log.close()
+    if rank != 0:
+        return None
+    return {"grads": captured["grads"], "grad_norm": captured["grad_norm"],
+            "metrics": {k: float(v) for k, v in metrics.items() if not k.startswith("time")}}

@@ -1,0 +1,74 @@
+"""Core attention that takes packed sequences (THD: one row of several sequences, cu_seqlens).
+
+megatron-core's local `DotProductAttention` refuses `packed_seq_params`; Transformer Engine's takes
+them but needs TE and a GPU. `PackedDotProductAttention` is the local spec's core attention in
+megaopd (chosen by `compat.decoder_block_spec`, not by branches in model code):
+
+- no `packed_seq_params` (the padded [s, b] path): megatron's own DotProductAttention, unchanged, so
+  the padded path computes exactly what it computed before;
+- `packed_seq_params.qkv_format == "thd"`: q/k/v arrive as [t, heads, head_dim] (megatron's
+  Attention squeezes the dummy batch and has already applied RoPE per sequence from cu_seqlens, so
+  positions restart at 0 in every sequence). Every sequence attends causally to itself only: the
+  block-diagonal causal mask of cu_seqlens. On CUDA in fp16/bf16 that is torch's varlen flash kernel
+  (`torch.nn.attention.varlen.varlen_attn`, window (-1, 0) = causal); elsewhere (CPU, float32) it is
+  `scaled_dot_product_attention(is_causal=True)` per sequence: exactly the diagonal blocks of the
+  block-diagonal causal mask, without materializing (or computing) the [t, t] scores off them, so
+  attention costs sum(len^2) like the packed kernels, not t^2.
+
+Attention dropout is not applied on the packed path (megaopd's configs set it to 0; a nonzero value is
+refused).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.9
+        return None
+    return varlen_attn
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """megatron's local core attention, plus packed sequences (see the module docstring)."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"PackedDotProductAttention takes qkv_format='thd', got {packed_seq_params.qkv_format!r}")
+        if attention_bias is not None:
+            raise ValueError("PackedDotProductAttention takes no attention_bias")
+        if self.training and self.attention_dropout.p > 0:
+            raise ValueError("attention_dropout > 0 is not supported with packed sequences; set it to 0")
+        cu = packed_seq_params.cu_seqlens_q
+        if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(packed_seq_params.cu_seqlens_kv, cu):
+            raise ValueError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
+        t = query.shape[0]
+        # megatron divides softmax_scale by the layer number under query-key layer scaling and multiplies
+        # the scores back inside its softmax: the effective scale is the product.
+        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        varlen = _varlen_attn()
+        if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and varlen is not None:
+            cu32 = cu.to(device=query.device, dtype=torch.int32)
+            m = int(packed_seq_params.max_seqlen_q)
+            out = varlen(query, key, value, cu32, cu32, m, m, scale=scale, window_size=(-1, 0),
+                         enable_gqa=gqa)
+            return out.reshape(t, self.hidden_size_per_partition)
+        bounds = cu.tolist()
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [heads, len, head_dim]
+            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                       enable_gqa=gqa).transpose(0, 1))
+        if bounds[-1] != t:
+            raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed row has {t} tokens")
+        return torch.cat(outs).reshape(t, self.hidden_size_per_partition)
