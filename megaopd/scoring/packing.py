@@ -146,3 +146,8 @@ def row_lengths(tokens_BS: torch.Tensor, lengths_B: torch.Tensor | None) -> list
     if lengths_B is None:
         return [tokens_BS.shape[1]] * tokens_BS.shape[0]
     return [max(1, int(n)) for n in lengths_B.tolist()]
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The least multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple

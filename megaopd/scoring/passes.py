@@ -25,7 +25,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megaopd import ops
 from megaopd.parallel.dist import device as group_device
 from megaopd.rollout.batch import TokenScores, dp_rows, pad_rows
-from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, row_lengths
+from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, round_up, row_lengths
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
 
@@ -67,15 +67,16 @@ def _assemble(local: torch.Tensor | None, rows: list[int], full_shape, dtype, co
 
 
 def _packed_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, lengths: list[int],
-                          max_tokens: int, uniform: bool) -> list[ScoringMicroBatch]:
+                          max_tokens: int, uniform: bool, multiple: int = 1) -> list[ScoringMicroBatch]:
     """This rank's rows packed into rows of at most max_tokens tokens (uniform: all padded to the
-    largest, for fixed-size pipeline buffers)."""
+    largest, for fixed-size pipeline buffers; every row padded to a multiple of `multiple`)."""
     if not lengths:
         return []
     bins = pack_by_budget(lengths, max_tokens)
-    total = max(sum(lengths[i] for i in b) for b in bins) if uniform else None
+    largest = max(sum(lengths[i] for i in b) for b in bins)
     mbs = []
     for b in bins:
+        total = round_up(largest if uniform else sum(lengths[i] for i in b), multiple)
         row = PackedRow([Segment(0, i, lengths[i]) for i in b], total)
         at_ids = row.per_token(at_ids_BTK) if at_ids_BTK is not None else None
         mbs.append(ScoringMicroBatch(row.tokens({0: tokens_BS}, 0), at_ids, row))
@@ -103,7 +104,7 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
         rows = balanced_partition([[n] for n in lengths], pgs.dp.size())[pgs.dp.rank()]
         local_at_ids = at_ids_BTK[rows] if at_ids_BTK is not None else None
         mbs = _packed_micro_batches(tokens_BS[rows], local_at_ids, [lengths[i] for i in rows], max_tokens,
-                                    uniform=pgs.pp.size() > 1)
+                                    uniform=pgs.pp.size() > 1, multiple=runner.seq_multiple)
     else:
         rows = list(dp_rows(B, pgs.dp.rank(), pgs.dp.size()))
         local_at_ids = at_ids_BTK[rows[0]:rows[-1] + 1] if at_ids_BTK is not None and rows else None

@@ -90,6 +90,9 @@ class PipelineRunner:
         self.partner = partner
         self._schedule = compat.forward_backward_func(pg_collection)
         self.is_last_stage = pg_collection.pp.rank() == pg_collection.pp.size() - 1
+        # Sequence parallelism splits the token dimension over TP: packed rows are padded to a multiple of it.
+        sp = getattr(get_attr_wrapped_model(model, "config"), "sequence_parallel", False)
+        self.seq_multiple = pg_collection.tp.size() if sp else 1
 
     def run(self, micro_batches: Sequence[M], step_fn: StepFn, forward_only: bool) -> list[Any] | None:
         """Runs every micro-batch; returns step_fn's results in order on the last pipeline stage, None on
@@ -105,6 +108,10 @@ class PipelineRunner:
         if (not packed or self.pgs.pp.size() > 1) and any(tuple(mb.tokens_BS.shape) != (b, S) for mb in micro_batches):
             raise ValueError("all micro-batches of one run must have the same [b, S] shape (pad them; packed rows "
                              "to one token count when PP > 1: pipeline buffers are fixed-size)")
+        if any(mb.tokens_BS.shape[1] % self.seq_multiple for mb in micro_batches):
+            raise ValueError(f"sequence parallelism splits tokens over TP={self.seq_multiple}: micro-batch lengths "
+                             f"must be multiples of it; use trainer.pack_sequences=true (packed rows are padded to "
+                             f"it) or sequence_parallel=false")
         module = self.model if self.partner is None else _LockstepPair(self.model, self.partner)
         paired = self.partner is not None
         device = next(self.model.parameters()).device

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megaopd.config.trainer import TrainerConfig
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossInputs, LossNeeds
 from megaopd.rollout.batch import RolloutBatch, dp_rows, pad_rows
-from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget
+from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, round_up
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def _units(rollout: RolloutBatch | None, rows: torch.Tensor, golden: GoldenBatch
 def assemble_packed_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor | None,
                                   golden: GoldenBatch | None, rows: torch.Tensor, golden_rows: torch.Tensor | None,
                                   dp_rank: int, dp_size: int, needs: LossNeeds, max_tokens: int, pad_id: int,
-                                  uniform: bool = False) -> list[MicroBatch]:
+                                  uniform: bool = False, multiple: int = 1) -> list[MicroBatch]:
     """This DP rank's share of one mini-batch as packed micro-batches (one [1, t] row each, t <= max_tokens
     unless one unit is longer). The share is balanced over DP by tokens and attention cost; uniform pads
     every micro-batch to the largest t (PP > 1: fixed-size pipeline buffers). Always at least one
@@ -230,10 +231,11 @@ def assemble_packed_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: to
     mine = [units[i] for i in share]
     bins = pack_by_budget([sum(s.length for s in u) for u in mine], max_tokens) or [[]]
     layouts = [[s for i in b for s in mine[i]] for b in bins]
-    total = max(max(sum(s.length for s in segs) for segs in layouts), 2)
-    return [_packed_micro_batch(rollout, loss_mask_BT, golden, PackedRow(segs, total if uniform else
-                                                                          max(sum(s.length for s in segs), 2)),
-                                needs, counts, pad_id) for segs in layouts]
+    largest = max(max(sum(s.length for s in segs) for segs in layouts), 2)
+    # Sequence parallelism splits a row's tokens over TP: every row is padded to a multiple of `multiple`.
+    return [_packed_micro_batch(rollout, loss_mask_BT, golden, PackedRow(segs, round_up(
+        largest if uniform else max(sum(s.length for s in segs), 2), multiple)), needs, counts, pad_id)
+        for segs in layouts]
 
 
 def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, counts, pad_id) -> MicroBatch:
@@ -269,3 +271,24 @@ def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, co
     if golden is not None:
         mb.golden_mask_BT = row.per_token(golden.loss_mask_BT[:, 1:], GOLDEN)
     return mb
+
+
+def step_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor | None, golden: GoldenBatch | None,
+                       rows: torch.Tensor, golden_rows: torch.Tensor | None, dp_rank: int, dp_size: int, pp_size: int,
+                       needs: LossNeeds, cfg: TrainerConfig, pad_id: int, seq_multiple: int = 1) -> list[MicroBatch]:
+    """The micro-batches of one mini-batch as trainer.pack_sequences asks: packed by the token budget
+    (trainer.max_tokens_per_micro_batch; uniform lengths under PP; lengths a multiple of seq_multiple, the TP
+    size under sequence parallelism), or padded rows of micro_batch_size."""
+    if cfg.pack_sequences:
+        return assemble_packed_micro_batches(rollout, loss_mask_BT, golden, rows, golden_rows, dp_rank, dp_size, needs,
+                                             cfg.max_tokens_per_micro_batch, pad_id, uniform=pp_size > 1,
+                                             multiple=seq_multiple)
+    return assemble_micro_batches(rollout, loss_mask_BT, golden, rows, golden_rows, dp_rank, dp_size, needs,
+                                  cfg.micro_batch_size, pad_id)
+
+
+def scoring_packing(batch: RolloutBatch, cfg: TrainerConfig) -> dict:
+    """score_tokens' packing arguments (real lengths, token budget), or none for the padded path."""
+    if not cfg.pack_sequences:
+        return {}
+    return {"lengths_B": batch.prompt_lens_B + batch.response_lens_B, "max_tokens": cfg.max_tokens_per_micro_batch}

@@ -39,7 +39,7 @@ from megaopd.sync import WeightSync
 from megaopd.sync.gather import gather_hf_weights, model_state
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from megaopd.trainer.micro_batches import MicroBatch, assemble_micro_batches, assemble_packed_micro_batches
+from megaopd.trainer.micro_batches import MicroBatch, scoring_packing, step_micro_batches
 from megaopd.trainer.optim import build_optimizer, wrap_for_training
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
@@ -191,7 +191,7 @@ class Trainer:
         samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
         batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
         times["time/rollout"], t = time.time() - t, time.time()
-        teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, self._packing(batch)
+        teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, cfg.trainer)
         overlap_k = cfg.metrics.overlap_k if teachers is not None else 0
         teacher_topk = max(needs.teacher_topk, overlap_k)
         if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
@@ -211,13 +211,6 @@ class Trainer:
         batch.texts, rewards = rank0_computes(self._texts_and_rewards, samples, examples)
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
         return batch
-
-    def _packing(self, batch: RolloutBatch) -> dict:
-        """score_tokens' packing arguments: real lengths and the token budget (trainer.pack_sequences)."""
-        cfg = self.cfg.trainer
-        if not cfg.pack_sequences:
-            return {}
-        return {"lengths_B": batch.prompt_lens_B + batch.response_lens_B, "max_tokens": cfg.max_tokens_per_micro_batch}
 
     def _generate(self, prompts: list[list[int]]):
         """Rank 0: the engine's samples (then, colocated, its memory goes back to the actor)."""
@@ -251,13 +244,8 @@ class Trainer:
         for j in range(M):
             rows = torch.arange(j * B // M, (j + 1) * B // M)
             golden_rows = torch.arange(j * P // M, (j + 1) * P // M) if golden is not None else None
-            if cfg.pack_sequences:
-                micro = assemble_packed_micro_batches(
-                    rollout, mask_BT, golden, rows, golden_rows, pgs.dp.rank(), pgs.dp.size(), needs,
-                    cfg.max_tokens_per_micro_batch, self.pad_id, uniform=pgs.pp.size() > 1)
-            else:
-                micro = assemble_micro_batches(rollout, mask_BT, golden, rows, golden_rows, pgs.dp.rank(),
-                                               pgs.dp.size(), needs, cfg.micro_batch_size, self.pad_id)
+            micro = step_micro_batches(rollout, mask_BT, golden, rows, golden_rows, pgs.dp.rank(), pgs.dp.size(),
+                                       pgs.pp.size(), needs, cfg, self.pad_id, self.train_runner.seq_multiple)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             with on_gpu_while_used(self.models.partner, self.models.partner_offload):

@@ -96,3 +96,15 @@ def test_loss_inputs_shift_by_one_and_route_the_partner():
     assert torch.equal(inputs.token_ids_BT, mb.tokens_BS[:, 1:])
     assert torch.equal(inputs.ref_logits_BTv, ref[:, :-1]) and inputs.teacher_logits_BTv is None
     assert inputs.global_num_tokens == mb.counts.global_num_tokens
+
+
+def test_packed_rows_are_padded_to_the_sequence_parallel_multiple():
+    from megaopd.trainer.micro_batches import assemble_packed_micro_batches
+
+    rollout, golden = _rollout(), _golden()
+    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, golden=True)
+    for uniform in (False, True):
+        micro = assemble_packed_micro_batches(rollout, rollout.loss_mask_BT, golden, torch.arange(6), torch.arange(3),
+                                              0, 1, needs, 20, PAD, uniform=uniform, multiple=4)
+        assert all(mb.tokens_BS.shape[1] % 4 == 0 for mb in micro)
+        assert sum(float(mb.loss_mask_BT.sum()) for mb in micro) == float(rollout.loss_mask_BT.sum())
