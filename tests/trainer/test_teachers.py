@@ -64,7 +64,8 @@ def test_two_teachers_each_sample_scored_by_its_teacher(tmp_path):
     for name, idx in rows.items():
         idx = torch.tensor(idx)
         got, alone, m = out["teacher"][idx], out["alone"][name][idx], mask[idx]
-        assert (got[m] - alone[m]).abs().max() < 1e-6, name
+        # The routed pass packs its rows (trainer.pack_sequences), the lone pass pads them: float32 rounding only.
+        assert (got[m] - alone[m]).abs().max() < 1e-4, name
         other = [n for n in rows if n != name][0]
         assert (got[m] - out["alone"][other][idx][m]).abs().max() > 1e-2  # the other teacher differs
     n = out["metrics"]
