@@ -192,12 +192,18 @@ setup_run_dir() {
 # Node roles. ENGINE_NODES=N gives the last N nodes to rollout engines only; training uses the others.
 # ENGINE_NODES=0 (default) colocates one set of engines with the trainer on every training node.
 # ---------------------------------------------------------------------------------------------------------
+# TEACHER_NODES=N gives the N nodes before those to teacher servers (SGLang scoring the responses by prefill;
+# teacher.engine=remote): for teachers too large to sit beside the student. Layout of an allocation:
+#   [ training nodes | TEACHER_NODES teacher servers | ENGINE_NODES rollout engines ]
 ENGINE_NODES="${ENGINE_NODES:-0}"
+TEACHER_NODES="${TEACHER_NODES:-0}"
 [[ $ENGINE_NODES =~ ^[0-9]+$ ]] || die "ENGINE_NODES=$ENGINE_NODES must be a number of nodes (0 = colocated engines)"
-(( ENGINE_NODES < NNODES )) || die "ENGINE_NODES=$ENGINE_NODES leaves no node for training in a $NNODES-node allocation: request more nodes (sbatch --nodes=$((ENGINE_NODES + 1))) or lower ENGINE_NODES"
-TRAIN_NODES=("${NODES[@]:0:NNODES-ENGINE_NODES}")
+[[ $TEACHER_NODES =~ ^[0-9]+$ ]] || die "TEACHER_NODES=$TEACHER_NODES must be a number of nodes (0 = the teacher in the training job)"
+(( ENGINE_NODES + TEACHER_NODES < NNODES )) || die "ENGINE_NODES=$ENGINE_NODES and TEACHER_NODES=$TEACHER_NODES leave no node for training in a $NNODES-node allocation: request more nodes (sbatch --nodes=$((ENGINE_NODES + TEACHER_NODES + 1))) or lower them"
+TRAIN_NODES=("${NODES[@]:0:NNODES-ENGINE_NODES-TEACHER_NODES}")
 TRAIN_NNODES="${#TRAIN_NODES[@]}"
-if (( ENGINE_NODES > 0 )); then SERVE_NODES=("${NODES[@]:TRAIN_NNODES}"); else SERVE_NODES=("${TRAIN_NODES[@]}"); fi
+TEACHER_SERVE_NODES=("${NODES[@]:TRAIN_NNODES:TEACHER_NODES}")
+if (( ENGINE_NODES > 0 )); then SERVE_NODES=("${NODES[@]:TRAIN_NNODES+TEACHER_NODES}"); else SERVE_NODES=("${TRAIN_NODES[@]}"); fi
 # Ranks per training node: one per GPU; on CPU jobs the script sets NPROC_PER_NODE (gloo workers).
 NPROC_PER_NODE="${NPROC_PER_NODE:-$GPUS_PER_NODE}"
 WORLD_SIZE=$((TRAIN_NNODES * NPROC_PER_NODE))
@@ -335,34 +341,8 @@ start_engines() {
   for node in "${SERVE_NODES[@]}"; do
     for ((i = 0; i < per_node; i++)); do
       port=$((port0 + i * ${ENGINE_PORT_STRIDE:-10}))
-      local -a cmd
-      if [[ $backend == sglang ]]; then
-        cmd=("$PYTHON" -m sglang.launch_server --model-path "$hf_dir" --tp-size "$engine_tp"
-             --base-gpu-id $((i * engine_tp)) --host 0.0.0.0 --port "$port" --mem-fraction-static "$frac")
-        # Colocated engines give their weights and KV cache back while the trainer runs
-        # (/release_memory_occupation); that needs SGLang's memory saver.
-        if (( colocated )); then cmd+=(--enable-memory-saver); fi
-        cmd+=("${extra[@]}")
-      elif [[ $backend == megaopd ]]; then
-        cmd=("$PYTHON" -m megaopd.cli serve --hf-dir "$hf_dir" --host 0.0.0.0 --port "$port")
-      else
-        die "ENGINE_BACKEND=$backend: choose sglang (GPU) or megaopd (the embedded engine server)"
-      fi
-      ENGINE_URLS+=("http://$node:$port")
-      # One srun step per engine, pinned to its node; --overlap lets it share the node's GPUs and CPUs
-      # with the training step. The memory saver intercepts cudaMalloc, which expandable segments bypass,
-      # so the engine gets the allocator's defaults.
-      local -a srun_cmd=(srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --cpus-per-task="$CPUS_PER_TASK"
-                         --output="$LOG_DIR/engine-$node-$port.log" --open-mode=append
-                         env -u PYTORCH_CUDA_ALLOC_CONF "${cmd[@]}")
-      if [[ $DRY_RUN == 1 ]]; then
-        _line batch "${srun_cmd[@]}"
-        _line "$node" "${cmd[@]}"
-      else
-        "${srun_cmd[@]}" &
-        BG_PIDS+=("$!")
-        ENGINE_PIDS+=("$!")
-      fi
+      launch_server engine "$node" "$port" "$hf_dir" "$engine_tp" $((i * engine_tp)) "$frac" "$colocated" "$backend" \
+        "${extra[@]}"
     done
   done
   wait_engines
@@ -373,6 +353,66 @@ start_engines() {
   if (( ${ENGINE_NODES:-0} == 0 )); then ROLLOUT_OVERRIDES+=(rollout.colocated=true plan.engine_memory_fraction="$frac"); fi
 }
 ENGINE_PIDS=()
+
+# launch_server ROLE NODE PORT HF_DIR TP BASE_GPU FRAC COLOCATED BACKEND [SGLANG_ARG ...]: one server (SGLang, or
+# `megaopd serve` with BACKEND=megaopd) as an srun step pinned to NODE; appends http://NODE:PORT to ENGINE_URLS.
+launch_server() {
+  local role="$1" node="$2" port="$3" hf_dir="$4" tp="$5" base_gpu="$6" frac="$7" colocated="$8" backend="$9"
+  shift 9
+  local -a cmd
+  if [[ $backend == sglang ]]; then
+    cmd=("$PYTHON" -m sglang.launch_server --model-path "$hf_dir" --tp-size "$tp"
+         --base-gpu-id "$base_gpu" --host 0.0.0.0 --port "$port" --mem-fraction-static "$frac")
+    # Colocated engines give their weights and KV cache back while the trainer runs
+    # (/release_memory_occupation); that needs SGLang's memory saver.
+    if (( colocated )); then cmd+=(--enable-memory-saver); fi
+    cmd+=("$@")
+  elif [[ $backend == megaopd ]]; then
+    cmd=("$PYTHON" -m megaopd.cli serve --hf-dir "$hf_dir" --host 0.0.0.0 --port "$port")
+  else
+    die "ENGINE_BACKEND=$backend: choose sglang (GPU) or megaopd (the embedded engine server)"
+  fi
+  ENGINE_URLS+=("http://$node:$port")
+  # One srun step per server, pinned to its node; --overlap lets it share the node's GPUs and CPUs
+  # with the training step. The memory saver intercepts cudaMalloc, which expandable segments bypass,
+  # so the server gets the allocator's defaults.
+  local -a srun_cmd=(srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --cpus-per-task="$CPUS_PER_TASK"
+                     --output="$LOG_DIR/$role-$node-$port.log" --open-mode=append
+                     env -u PYTORCH_CUDA_ALLOC_CONF "${cmd[@]}")
+  if [[ $DRY_RUN == 1 ]]; then
+    _line batch "${srun_cmd[@]}"
+    _line "$node" "${cmd[@]}"
+  else
+    "${srun_cmd[@]}" &
+    BG_PIDS+=("$!")
+    ENGINE_PIDS+=("$!")
+  fi
+}
+
+# start_teacher_servers: with TEACHER_NODES > 0, SGLang servers of the teacher (TEACHER_HF_DIR) on those nodes,
+# one per TEACHER_ENGINE_TP GPUs (default: the teacher's TP), holding the whole node (no memory saver);
+# sets TEACHER_OVERRIDES (teacher.engine=remote teacher.urls=[...]). The rollout temperature must be 1.0
+# (SGLang scores prompts at temperature 1); the trainer refuses anything else at start-up.
+start_teacher_servers() {
+  TEACHER_OVERRIDES=()
+  (( TEACHER_NODES > 0 )) || return 0
+  require_path TEACHER_HF_DIR "the teacher's Hugging Face directory, which its servers load; set TEACHER_HF_DIR=/path/to/hf (or MODELS_DIR)"
+  local tp="${TEACHER_ENGINE_TP:-${TEACHER_TP:-1}}" backend="${ENGINE_BACKEND:-sglang}" port0="${TEACHER_PORT:-31000}"
+  local per_node=1 node i saved=("${ENGINE_URLS[@]}")
+  if [[ $backend == sglang ]]; then
+    (( GPUS_PER_NODE % tp == 0 )) || die "TEACHER_ENGINE_TP=$tp does not divide the $GPUS_PER_NODE GPUs per node: choose a divisor"
+    per_node=$((GPUS_PER_NODE / tp))
+  fi
+  ENGINE_URLS=()
+  for node in "${TEACHER_SERVE_NODES[@]}"; do
+    for ((i = 0; i < per_node; i++)); do
+      launch_server teacher "$node" $((port0 + i * 10)) "$TEACHER_HF_DIR" "$tp" $((i * tp)) "${TEACHER_MEM_FRACTION:-0.85}" 0 "$backend"
+    done
+  done
+  wait_engines
+  TEACHER_OVERRIDES=(teacher.engine=remote "teacher.urls=[$(_join , "${ENGINE_URLS[@]}")]" teacher.path="$TEACHER_HF_DIR")
+  ENGINE_URLS=("${saved[@]}")
+}
 
 wait_engines() {
   local timeout="${ENGINE_START_TIMEOUT:-1800}" url k
@@ -480,6 +520,7 @@ run_distillation() {
   setup_run_dir
   train_base_overrides
   start_engines STUDENT_HF_DIR
+  start_teacher_servers
   # The preset (CONFIG, examples/paper/*.yaml) holds the paper's settings; a variable overrides one only when set.
   local -a settings=()
   if [[ -n ${PROMPTS_PER_STEP:-} ]]; then settings+=(trainer.prompts_per_step="$PROMPTS_PER_STEP"); fi
@@ -489,5 +530,6 @@ run_distillation() {
   if [[ -n ${LR:-} ]]; then settings+=(optimizer.lr="$LR"); fi
   if [[ -n ${BENCH_DIR:-} ]]; then settings+=(validation.path="$BENCH_DIR/math500.jsonl"); fi
   start_signal_timer
-  run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" "${settings[@]}" "${ROLLOUT_OVERRIDES[@]}" "$@"
+  run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" "${settings[@]}" "${ROLLOUT_OVERRIDES[@]}" \
+    "${TEACHER_OVERRIDES[@]}" "$@"
 }

@@ -18,6 +18,7 @@
 #   CONFIG          base preset (default examples/tiny/stable_opd.yaml: it picks the Stable-OPD loss;
 #                   everything size-dependent is overridden below)
 #   ENGINE_NODES    0: SGLang engines colocated on the training GPUs; N: the last N nodes serve only
+#   TEACHER_NODES   0: the teacher inside the training job; N: N nodes serve it (SGLang prefill scoring)
 #
 # Requeue: the run folder depends on the job name only, so when the job is requeued (node failure,
 # preemption, or by itself at the time limit: USR1 -> checkpoint -> `scontrol requeue`) it resumes from

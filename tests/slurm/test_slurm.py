@@ -576,3 +576,22 @@ def test_tiny_cpu_job_end_to_end(tmp_path, request):
     metrics = run / "metrics.jsonl"
     assert metrics.exists() and metrics.read_text().strip(), log[-4000:]
     assert os.path.exists(run / "checkpoints" / "latest"), sorted(os.listdir(run))
+
+
+def test_dry_run_teacher_nodes(inputs):
+    """TEACHER_NODES=1: the last node serves the teacher (SGLang prefill scoring), the trainer reads it remotely."""
+    r = run_script("stable_opd_7b.sh", {**inputs, "TEACHER_NODES": "1"})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert torchrun_lines(out, "node2") == []
+    (train,) = torchrun_lines(out, "node1")
+    assert " run.world_size=4 " in train
+    teacher = sglang_lines(out, "node2")
+    assert teacher and all("OpenThinker3-7B" in x and "--enable-memory-saver" not in x for x in teacher)
+    tp = int(flag(teacher[0], "--tp-size"))
+    assert len(teacher) == 4 // tp
+    urls = ",".join(f"http://node2:{31000 + 10 * i}" for i in range(4 // tp))
+    assert " teacher.engine=remote " in train and f"'teacher.urls=[{urls}]'" in train
+    assert all("Qwen2.5-Math-7B" in x for x in sglang_lines(out, "node1"))  # rollout engines stay colocated
+    r = run_script("stable_opd_7b.sh", {**inputs, "TEACHER_NODES": "2"})
+    assert r.returncode != 0 and "TEACHER_NODES=2" in r.stderr and "--nodes=3" in r.stderr
