@@ -197,4 +197,8 @@ def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
     )
     if not init_weights:
         compat.mark_tensor_parallel_params(model)
+    if torch.cuda.is_available():
+        # Without Transformer Engine, megatron's norms (torch.nn.RMSNorm) are made on the CPU while the
+        # linears are made on the GPU: one model on one device, for every caller (trainer, tools, checks).
+        model.cuda()
     return model

@@ -20,6 +20,8 @@ refused).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -47,7 +49,9 @@ class PackedDotProductAttention(DotProductAttention):
         if self.training and self.attention_dropout.p > 0:
             raise ValueError("attention_dropout > 0 is not supported with packed sequences; set it to 0")
         cu = packed_seq_params.cu_seqlens_q
-        if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(packed_seq_params.cu_seqlens_kv, cu):
+        kv = packed_seq_params.cu_seqlens_kv
+        # (the runner passes one tensor for both: comparing values would sync the GPU in every layer)
+        if kv is not None and kv is not cu and not torch.equal(kv, cu):
             raise ValueError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
         t = query.shape[0]
         # megatron divides softmax_scale by the layer number under query-key layer scaling and multiplies
@@ -58,8 +62,13 @@ class PackedDotProductAttention(DotProductAttention):
         if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and varlen is not None:
             cu32 = cu.to(device=query.device, dtype=torch.int32)
             m = int(packed_seq_params.max_seqlen_q)
-            out = varlen(query, key, value, cu32, cu32, m, m, scale=scale, window_size=(-1, 0),
-                         enable_gqa=gqa)
+            kwargs = {}
+            if gqa and "enable_gqa" in inspect.signature(varlen).parameters:
+                kwargs["enable_gqa"] = True
+            elif gqa:  # torch < 2.12's varlen_attn has no enable_gqa: repeat the KV heads (query head i uses i // r)
+                r = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+                key, value = key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1)
+            out = varlen(query, key, value, cu32, cu32, m, m, scale=scale, window_size=(-1, 0), **kwargs)
             return out.reshape(t, self.hidden_size_per_partition)
         bounds = cu.tolist()
         outs = []

@@ -27,6 +27,18 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def local_rank() -> int:
+    """This process's GPU on its node: torchrun's LOCAL_RANK, else Slurm's SLURM_LOCALID; one process alone
+    takes GPU 0. Several ranks with neither would all pick GPU 0 (NCCL: "Duplicate GPU detected")."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("WORLD_SIZE > 1 but neither LOCAL_RANK nor SLURM_LOCALID says which GPU this rank "
+                           "uses: start the ranks with torchrun (or srun), which set them")
+    return 0
+
+
 def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> None:
     """Initializes the default process group once (idempotent) and the CPU compatibility if needed.
 
@@ -42,7 +54,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> N
     backend = backend or default_backend()
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank())
     if "WORLD_SIZE" not in os.environ:
         # A one-process group of its own. A tcp:// rendezvous instead of MASTER_* variables leaves nothing
         # in the environment for child processes (a later torchrun or sbatch) to inherit.

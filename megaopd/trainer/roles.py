@@ -48,8 +48,6 @@ def load_role_model(section: ModelConfig, pgs: ProcessGroupCollection, trainable
     # A trained MoE router gets the HF config's load-balancing loss; a frozen one none.
     model = build_gpt_model(hf, section.tp, section.pp, pg_collection=pgs, dtype=section.dtype, init_weights=False,
                             config_overrides=memory, ep=section.ep, train_router=trainable)
-    if torch.cuda.is_available():
-        model.cuda()
     if is_megatron_checkpoint(path):
         load_model_checkpoint(model, path, pgs)
     else:
@@ -100,18 +98,16 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
             if layout not in groups:
                 groups[layout] = build_process_groups(layout)
             in_job[t.name] = load_role_model(t, groups[layout], trainable=False)
+            _park(in_job[t.name].model, t.offload_between_uses)  # one model at a time on the GPU at start-up
     teacher = next(iter(in_job.values())) if len(in_job) == 1 else None  # gkd's partner (one teacher)
     partner, partner_offload = None, False
     if needs.reference:
         partner = load_role_model(cfg.student, actor_pgs, trainable=False,
                                   path=cfg.reference.path or cfg.student.path).model
         partner_offload = cfg.reference.offload_between_uses
+        _park(partner, partner_offload)
     elif needs.teacher_logits:
         partner, partner_offload = teacher.model, cfg.teacher.offload_between_uses
-    offloads = {t.name: t.offload_between_uses for t in cfg.teacher_list()} if in_job else {}
-    for model, offload in [(m.model, offloads[n]) for n, m in in_job.items()] + [(partner, partner_offload)]:
-        if model is not None and offload and torch.cuda.is_available():
-            model.cpu()  # parked until its first use (on_gpu_while_used)
     vocab_size = actor.hf.vocab_size
     # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
     # masked, so its top-K never proposes a token the student cannot produce.
@@ -126,6 +122,13 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     teacher_runner = runners[next(iter(in_job))] if teacher is not None else None
     return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size),
                   teacher_runner, TeacherSet(members) if members else None)
+
+
+def _park(model: torch.nn.Module, offload: bool) -> None:
+    """An offloaded frozen model waits in CPU memory for its first use (on_gpu_while_used)."""
+    if offload and torch.cuda.is_available():
+        model.cpu()
+        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager

@@ -337,9 +337,12 @@ class Trainer:
 
     def export_hf(self, out_dir: str) -> None:
         """The student's current weights as an HF directory (safetensors + config + tokenizer); collective."""
-        tensors = [t for t in self._hf_tensors() if self.rank == 0]  # every rank takes part in each gather
+        tensors = self._hf_tensors()  # a stream: every rank takes part in each gather, one tensor at a time
         if self.rank == 0:
             save_hf_dir(out_dir, tensors, side_files_from=self.actor.path)
+        else:
+            for _ in tensors:
+                pass
         dist.barrier()
 
 
