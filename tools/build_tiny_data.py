@@ -1,6 +1,7 @@
 """Build the tiny CPU data world: synthetic math problems (OpenR1-Math schema) and a 256-id tokenizer.
 
-    python tools/build_tiny_data.py            # writes examples/tiny/data/{sft,opd,val}.jsonl + README.md
+    python tools/build_tiny_data.py            # writes examples/tiny/data/{sft,opd,val}.jsonl (+ opd split into
+                                               #    arithmetic/algebra.jsonl) + README.md
                                                #    and examples/tiny/tokenizer/ (HF format)
     python tools/build_tiny_data.py --check    # rebuilds into a temp dir; exit 1 unless byte-identical (CI)
 
@@ -61,6 +62,9 @@ def build(data_dir: str, tokenizer_dir: str, seed: int, sizes: list[tuple[str, i
     os.makedirs(data_dir, exist_ok=True)
     for name, rows in splits.items():
         write_rows(os.path.join(data_dir, f"{name}.jsonl"), rows)
+    # The OPD prompts split by kind, two data sources of the two-teacher preset (examples/tiny/two_teachers.yaml).
+    for kind, file in (("Arithmetic", "arithmetic"), ("Algebra", "algebra")):
+        write_rows(os.path.join(data_dir, f"{file}.jsonl"), [r for r in splits["opd"] if r["problem_type"] == kind])
     table = "\n".join(f"| {name}.jsonl | {len(rows)} | {sum(len(r['generations']) > 1 for r in rows)} | "
                       f"{USES.get(name, '')} |" for name, rows in splits.items())
     sizes_text = ",".join(f"{k}={v}" for k, v in sizes)

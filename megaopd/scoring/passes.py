@@ -98,7 +98,7 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     pgs: ProcessGroupCollection = runner.pgs
     B, S = tokens_BS.shape
     T = S - 1
-    packed = max_tokens is not None
+    packed = max_tokens is not None and runner.packs
     if packed:
         lengths = row_lengths(tokens_BS, lengths_B)
         rows = balanced_partition([[n] for n in lengths], pgs.dp.size())[pgs.dp.rank()]

@@ -93,6 +93,10 @@ class PipelineRunner:
         # Sequence parallelism splits the token dimension over TP: packed rows are padded to a multiple of it.
         sp = getattr(get_attr_wrapped_model(model, "config"), "sequence_parallel", False)
         self.seq_multiple = pg_collection.tp.size() if sp else 1
+        # Expert parallelism exchanges tokens among the EP ranks in every MoE layer, so they must run
+        # micro-batches of one shape in lockstep: an EP > 1 model takes the padded path, never packed rows.
+        ep = getattr(pg_collection, "ep", None)
+        self.packs = ep is None or ep.size() == 1
 
     def run(self, micro_batches: Sequence[M], step_fn: StepFn, forward_only: bool) -> list[Any] | None:
         """Runs every micro-batch; returns step_fn's results in order on the last pipeline stage, None on

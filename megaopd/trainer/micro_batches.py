@@ -275,11 +275,13 @@ def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, co
 
 def step_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor | None, golden: GoldenBatch | None,
                        rows: torch.Tensor, golden_rows: torch.Tensor | None, dp_rank: int, dp_size: int, pp_size: int,
-                       needs: LossNeeds, cfg: TrainerConfig, pad_id: int, seq_multiple: int = 1) -> list[MicroBatch]:
+                       needs: LossNeeds, cfg: TrainerConfig, pad_id: int, seq_multiple: int = 1,
+                       packs: bool = True) -> list[MicroBatch]:
     """The micro-batches of one mini-batch as trainer.pack_sequences asks: packed by the token budget
     (trainer.max_tokens_per_micro_batch; uniform lengths under PP; lengths a multiple of seq_multiple, the TP
-    size under sequence parallelism), or padded rows of micro_batch_size."""
-    if cfg.pack_sequences:
+    size under sequence parallelism), or padded rows of micro_batch_size (also when the model cannot take
+    packed rows: `packs` False, expert parallelism)."""
+    if cfg.pack_sequences and packs:
         return assemble_packed_micro_batches(rollout, loss_mask_BT, golden, rows, golden_rows, dp_rank, dp_size, needs,
                                              cfg.max_tokens_per_micro_batch, pad_id, uniform=pp_size > 1,
                                              multiple=seq_multiple)

@@ -245,7 +245,8 @@ class Trainer:
             rows = torch.arange(j * B // M, (j + 1) * B // M)
             golden_rows = torch.arange(j * P // M, (j + 1) * P // M) if golden is not None else None
             micro = step_micro_batches(rollout, mask_BT, golden, rows, golden_rows, pgs.dp.rank(), pgs.dp.size(),
-                                       pgs.pp.size(), needs, cfg, self.pad_id, self.train_runner.seq_multiple)
+                                       pgs.pp.size(), needs, cfg, self.pad_id, self.train_runner.seq_multiple,
+                                       self.train_runner.packs)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             with on_gpu_while_used(self.models.partner, self.models.partner_offload):

@@ -553,7 +553,7 @@ def test_engines_start_wait_and_stop(jobs, tmp_path):
     urls = [f"http://{host}:{port}", f"http://{host}:{port + 10}"]
     assert (out / "overrides.txt").read_text().split() == [
         "rollout.engine=remote", f"rollout.urls=[{','.join(urls)}]", "rollout.engine_tp=1",
-        f"rollout.weight_sync_address={host}", "rollout.colocated=true"]
+        f"rollout.weight_sync_address={host}", "rollout.colocated=true", "plan.engine_memory_fraction=0.5"]
     assert (out / "model_info.txt").read_text().count("model_path") == 2
     assert [r["sum"] for r in read_reports(out)] == [3.0, 3.0]
     for u in urls:
