@@ -81,3 +81,31 @@ def build_optimizer(ddp: DistributedDataParallel, cfg: OptimizerConfig, max_step
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+class RouterAuxLoss:
+    """The MoE router's load-balancing loss on megaopd's gradient convention.
+
+    Megatron's router, under calculate_per_token_loss, adds coeff * aux_loss * n (n: the micro-batch's
+    routed tokens) and relies on finalize_model_grads dividing every gradient by the step's token count.
+    megaopd's losses divide by their own global counts and its finalize divides nothing, so the aux
+    gradient would come out n times too large. Per mini-batch this sets the coefficient to
+    coeff / N (N: routed tokens of the mini-batch over every DP rank): the aux term is then the
+    token-weighted mean of the micro-batches' aux losses times coeff, as megatron means it. Dense models:
+    nothing to do."""
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.utils import get_attr_wrapped_model
+
+        self.config = get_attr_wrapped_model(model, "config")
+        self.base = getattr(self.config, "moe_aux_loss_coeff", 0.0) or 0.0
+
+    def scale_for(self, micro_batches, dp_group) -> None:
+        """Collective over dp_group when the router has an aux loss."""
+        if not self.base:
+            return
+        from megaopd.parallel.dist import device
+
+        n = torch.tensor([float(sum(mb.tokens_BS.numel() for mb in micro_batches))], device=device())
+        dist.all_reduce(n, group=dp_group)
+        self.config.moe_aux_loss_coeff = self.base / max(float(n.item()), 1.0)

@@ -40,7 +40,7 @@ from megaopd.sync.gather import gather_hf_weights, model_state
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.micro_batches import MicroBatch, scoring_packing, step_micro_batches
-from megaopd.trainer.optim import build_optimizer, wrap_for_training
+from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.run_log import RunLog
@@ -88,6 +88,7 @@ class Trainer:
         self.models = build_models(cfg, self.needs)
         self.actor, self.actor_pgs = self.models.actor, self.models.actor.pgs
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
+        self.router_aux = RouterAuxLoss(self.actor.model)
         self.optimizer, self.scheduler = build_optimizer(
             self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
         self.train_runner = PipelineRunner(self.ddp, self.actor_pgs, self.actor.hf.vocab_size,
@@ -247,6 +248,7 @@ class Trainer:
             micro = step_micro_batches(rollout, mask_BT, golden, rows, golden_rows, pgs.dp.rank(), pgs.dp.size(),
                                        pgs.pp.size(), needs, cfg, self.pad_id, self.train_runner.seq_multiple,
                                        self.train_runner.packs)
+            self.router_aux.scale_for(micro, pgs.dp)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             with on_gpu_while_used(self.models.partner, self.models.partner_offload):
@@ -322,10 +324,8 @@ class Trainer:
                                value=warning.value)
 
     def _console(self, line: str) -> None:
-        if self.rank == 0 and self.run_log is not None:
-            self.run_log.console(line)
-        elif self.rank == 0:
-            print(line, flush=True)
+        if self.rank == 0:
+            (self.run_log.console if self.run_log is not None else print)(line)
 
     def save(self) -> None:
         state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),
