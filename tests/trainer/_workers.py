@@ -6,35 +6,10 @@ import torch
 
 def one_step_gradients(rank, world_size, cfg):
     """Runs one training step of `cfg` and returns the actor's gradient as full HF-named tensors
-    (gathered over TP/EP/PP) together with the step's loss metrics (rank 0)."""
-    from megaopd.sync.gather import gather_hf_weights
-    from megaopd.sync.weight_sync import expert_group
-    from megaopd.trainer.trainer import Trainer
-
-    trainer = Trainer(cfg)
-    captured = {}
-    original_step = trainer.optimizer.step
-
-    def capturing_step():
-        grads = {}
-        for name, p in trainer.actor.model.named_parameters():
-            g = getattr(p, "main_grad", None)
-            grads[name] = (g if g is not None else p.grad).detach().clone().float()
-        captured["grads"] = {n: t.clone() for n, t in gather_hf_weights(
-            grads, trainer.actor.hf, trainer.actor_pgs.tp, trainer.actor_pgs.pp,
-            ep_group=expert_group(trainer.actor_pgs))}
-        result = original_step()
-        captured["grad_norm"] = result[1]
-        return result
-
-    trainer.optimizer.step = capturing_step
-    metrics = trainer.train_step()
-    if trainer.run_log is not None:
-        trainer.run_log.close()
-    return {"grads": captured["grads"], "grad_norm": captured["grad_norm"],
-            "loss": metrics.get("loss/total")} if rank == 0 else None
-
-
+    (gathered over TP/EP/PP) together with the step's loss (rank 0)."""
+    out = one_step_gradients_and_metrics(rank, world_size, cfg)
+    return None if out is None else {"grads": out["grads"], "grad_norm": out["grad_norm"],
+                                     "loss": out["metrics"].get("loss/total")}
 
 
 def run_presets(rank, world_size, cfgs):
@@ -108,7 +83,10 @@ def one_step_everything(rank, world_size, cfg):
 
 
 def one_step_gradients_and_metrics(rank, world_size, cfg):
+    """One training step: the actor's gradient as full HF-named tensors (gathered over TP/EP/PP), the
+    grad norm and every metric of the step (rank 0)."""
     from megaopd.sync.gather import gather_hf_weights
+    from megaopd.sync.weight_sync import expert_group
     from megaopd.trainer.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -121,7 +99,8 @@ def one_step_gradients_and_metrics(rank, world_size, cfg):
             g = getattr(p, "main_grad", None)
             grads[name] = (g if g is not None else p.grad).detach().clone().float()
         captured["grads"] = {n: t.clone() for n, t in gather_hf_weights(
-            grads, trainer.actor.hf, trainer.actor_pgs.tp, trainer.actor_pgs.pp)}
+            grads, trainer.actor.hf, trainer.actor_pgs.tp, trainer.actor_pgs.pp,
+            ep_group=expert_group(trainer.actor_pgs))}
         result = original_step()
         captured["grad_norm"] = result[1]
         return result
