@@ -63,7 +63,7 @@ def build(data_dir: str, tokenizer_dir: str, seed: int, sizes: list[tuple[str, i
     for name, rows in splits.items():
         write_rows(os.path.join(data_dir, f"{name}.jsonl"), rows)
     # The OPD prompts split by kind, two data sources of the two-teacher preset (examples/tiny/two_teachers.yaml).
-    for kind, file in (("Arithmetic", "arithmetic"), ("Algebra", "algebra")):
+    for kind, file in (("Arithmetic", "arithmetic"), ("Algebra", "algebra")) if "opd" in splits else ():
         write_rows(os.path.join(data_dir, f"{file}.jsonl"), [r for r in splits["opd"] if r["problem_type"] == kind])
     table = "\n".join(f"| {name}.jsonl | {len(rows)} | {sum(len(r['generations']) > 1 for r in rows)} | "
                       f"{USES.get(name, '')} |" for name, rows in splits.items())
