@@ -199,7 +199,7 @@ ENGINE_NODES="${ENGINE_NODES:-0}"
 TEACHER_NODES="${TEACHER_NODES:-0}"
 [[ $ENGINE_NODES =~ ^[0-9]+$ ]] || die "ENGINE_NODES=$ENGINE_NODES must be a number of nodes (0 = colocated engines)"
 [[ $TEACHER_NODES =~ ^[0-9]+$ ]] || die "TEACHER_NODES=$TEACHER_NODES must be a number of nodes (0 = the teacher in the training job)"
-(( ENGINE_NODES + TEACHER_NODES < NNODES )) || die "ENGINE_NODES=$ENGINE_NODES and TEACHER_NODES=$TEACHER_NODES leave no node for training in a $NNODES-node allocation: request more nodes (sbatch --nodes=$((ENGINE_NODES + TEACHER_NODES + 1))) or lower them"
+(( ENGINE_NODES + TEACHER_NODES < NNODES )) || die "ENGINE_NODES=$ENGINE_NODES with TEACHER_NODES=$TEACHER_NODES leaves no node for training in a $NNODES-node allocation: request more nodes (sbatch --nodes=$((ENGINE_NODES + TEACHER_NODES + 1))) or lower them"
 TRAIN_NODES=("${NODES[@]:0:NNODES-ENGINE_NODES-TEACHER_NODES}")
 TRAIN_NNODES="${#TRAIN_NODES[@]}"
 TEACHER_SERVE_NODES=("${NODES[@]:TRAIN_NNODES:TEACHER_NODES}")
