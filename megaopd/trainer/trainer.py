@@ -178,10 +178,9 @@ class Trainer:
             if interval and self.step % interval == 0:
                 self.check_parity()
         times["time/sync"] = time.time() - t
-        if rollout is not None:
-            if self.rank == 0:
-                metrics.update(rollout_metrics(rollout, self.cfg.metrics))
-                self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
+        if rollout is not None and self.rank == 0:
+            metrics.update(rollout_metrics(rollout, self.cfg.metrics))
+            self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
         metrics.update(times, **{"time/step": time.time() - t0})
         return metrics
 
@@ -324,8 +323,10 @@ class Trainer:
                                value=warning.value)
 
     def _console(self, line: str) -> None:
-        if self.rank == 0:
-            (self.run_log.console if self.run_log is not None else print)(line)
+        if self.rank == 0 and self.run_log is not None:
+            self.run_log.console(line)
+        elif self.rank == 0:
+            print(line, flush=True)  # before the run log exists (start-up): the Slurm log sees it at once
 
     def save(self) -> None:
         state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),

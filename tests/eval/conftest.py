@@ -49,12 +49,5 @@ def tiny_bench(tmp_path):
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # On a shared 2-core machine two intra-op threads spin against other processes: a tiny forward takes
-    # 0.4 s instead of 1.5 ms. One thread keeps these tests fast; restored afterwards for other packages.
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread):
+    """Every test here runs on one intra-op thread (tests/conftest.py)."""

@@ -14,15 +14,8 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """One intra-op thread while a rollout test runs: on a shared 2-core machine more threads spin
-    against other jobs and run ~10x slower. Restored afterwards (the setting is process-wide)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread):
+    """Every test here runs on one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

@@ -21,11 +21,8 @@ K = 8
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread):
+    """Every test here runs on one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
