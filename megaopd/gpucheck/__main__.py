@@ -13,7 +13,7 @@ import torch
 from megaopd.gpucheck.report import Table
 
 PARTS = ("a", "b", "c", "d")
-BENCHES = ("loss", "engine", "trainer")
+BENCHES = ("loss", "packing", "engine", "trainer")
 
 
 def _environment(device: torch.device) -> str:
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
             tp_check.check_tp2(table, device, dtypes, vocab_ops, tokens=16 if a.quick else 64)
         print(f"[gpu_check] part {part}: {time.time() - t:.0f} s", flush=True)
+    from megaopd.gpucheck.build import QWEN_VOCAB as QWEN_VOCAB_BENCH
     for b in benches:
         t = time.time()
         print(f"[gpu_check] bench {b} ...", flush=True)
@@ -94,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         if b == "loss":
             bench.bench_loss(table, device, vocab_ops, (256, 512) if a.quick else (4096, 8192),
                              torch.float32 if a.quick else torch.bfloat16)
+        elif b == "packing":
+            if a.quick:
+                bench.bench_packing(table, device, "tiny-student", 512, sequences=8, scale=1 / 64, micro_batch_size=2,
+                                    dtype=torch.float32, reps=1)
+            else:
+                bench.bench_packing(table, device, "qwen2.5-0.5b", QWEN_VOCAB_BENCH, sequences=16)
         elif b == "engine":
             from megaopd.gpucheck.build import QWEN_VOCAB, write_hf_dir
 

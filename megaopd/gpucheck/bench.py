@@ -5,6 +5,8 @@
           logits, V=152064, 4096 and 8192 tokens: time (median of 3 after a warm-up) and peak memory above the
           inputs (torch.cuda.max_memory_allocated), and their ratios.
   engine  megaopd.rollout.embedded generation tokens/s at 1 and 64 sequences (ignore_eos, fixed length).
+  packing one training step padded vs packed (THD, varlen flash kernel) for OPD-like long-tailed lengths
+          (mean about 3k, max 8k): time, peak memory, useful-token fraction, ratios.
   trainer the trainer's phases at the 1.5B shape (student and teacher Qwen2.5-1.5B-shaped), tokens/s of the
           training phase and MFU = (6 N tokens + 12 L h sum_i s_i^2) / time/train / peak bf16 FLOP/s.
           Recomputation: megaopd's config has no key for it yet, so only the plain run is measured (a row says so).
@@ -15,6 +17,7 @@ import os
 import shutil
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -228,3 +231,90 @@ def _peak_tflops() -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def opd_like_lengths(n: int, scale: float, seed: int = 0) -> list[int]:
+    """Total lengths of n OPD-like rollouts (benchmarks/packing.py's distribution: prompts 100-300 tokens,
+    responses log-normal with median 2.2k and mean about 3k, cut at 8k), times scale."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(100, 300, (n,), generator=g).float()
+    responses = torch.exp(torch.randn(n, generator=g) * 0.8 + 7.7).clamp(64, 8192)
+    return [max(3, int((p + r) * scale)) for p, r in zip(prompts.tolist(), responses.tolist())]
+
+
+@dataclass
+class _NllMicroBatch:
+    """A micro-batch of the packing bench: ids, the targets that count, the packed layout (None = padded)."""
+
+    tokens_BS: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    packed: object = None
+
+    def to(self, device) -> "_NllMicroBatch":
+        return _NllMicroBatch(self.tokens_BS.to(device), self.loss_mask_BT.to(device), self.packed)
+
+
+def bench_packing(table: Table, device, shape: str, vocab: int, sequences: int = 16, scale: float = 1.0,
+                  micro_batch_size: int = 1, dtype=torch.bfloat16, reps: int = 3) -> None:
+    """One training step (forward + backward, token-mean NLL) of a random `shape` model through the
+    PipelineRunner, padded (rows padded to the longest, micro_batch_size rows per micro-batch) vs packed
+    (THD rows of at most the longest sequence's tokens; the varlen flash kernel on CUDA): time, peak memory,
+    useful-token fraction, and the ratios."""
+    from megaopd import ops
+    from megaopd.models.builder import build_gpt_model
+    from megaopd.models.hf_config import read_hf_config
+    from megaopd.parallel.dist import init_distributed
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.scoring.runner import PipelineRunner
+    from megaopd.scoring.packing import PackedRow, Segment, pack_by_budget
+
+    init_distributed()
+    pgs = initialize_actor_layout(Layout(1, 1))
+    cfg = read_hf_config(hf_config_dict(shape, vocab))
+    model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, dtype=dtype)
+    lengths = opd_like_lengths(sequences, scale)
+    B, S = len(lengths), max(lengths)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.zeros(B, S, dtype=torch.long)
+    mask = torch.zeros(B, S - 1)
+    for b, n in enumerate(lengths):
+        tokens[b, :n] = torch.randint(1, vocab, (n,), generator=g)
+        mask[b, :n - 1] = 1
+    n_targets = float(mask.sum())
+    padded = [_NllMicroBatch(tokens_BS=tokens[i:i + micro_batch_size], loss_mask_BT=mask[i:i + micro_batch_size])
+              for i in range(0, B, micro_batch_size)]
+    packed = []
+    for rows in pack_by_budget(lengths, S):
+        row = PackedRow([Segment(0, i, lengths[i]) for i in rows])
+        packed.append(_NllMicroBatch(tokens_BS=row.tokens({0: tokens}, 0), loss_mask_BT=row.per_token(mask),
+                                 packed=row))
+    runner = PipelineRunner(model, pgs, cfg.vocab_size)
+
+    def step_fn(mb, logits, _partner):
+        lp = ops.vocab_parallel_logprobs(logits[:, :-1].float(), mb.tokens_BS[:, 1:], pgs.tp)
+        return -(lp * mb.loss_mask_BT).sum() / n_targets, None
+
+    label = f"{shape} {str(dtype).split('.')[-1]}, {B} seqs, lengths mean {sum(lengths) / B:.0f} max {S}"
+    results = {}
+    for mode, micro in (("padded", padded), ("packed", packed)):
+        def step(micro=micro):
+            model.zero_grad(set_to_none=True)
+            runner.run(micro, step_fn, forward_only=False)
+
+        with table.guard("bench", f"packing {mode} {label}"):
+            t, peak = _measure(step, device, reps)
+            useful = sum(lengths) / sum(mb.tokens_BS.numel() for mb in micro)
+            results[mode] = (t, peak)
+            table.info("bench", f"packing {mode} {label}", "", "step time (s)", t)
+            table.info("bench", f"packing {mode} {label}", "", "peak memory above model (GiB)", peak / 2**30)
+            table.info("bench", f"packing {mode} {label}", "", "useful-token fraction", useful)
+            table.info("bench", f"packing {mode} {label}", "", "micro-batches", len(micro))
+            table.info("bench", f"packing {mode} {label}", "", "tokens/s (real)", sum(lengths) / t)
+    if len(results) == 2:
+        table.info("bench", f"packing {label}", "", "step time padded / packed",
+                   results["padded"][0] / results["packed"][0])
+        table.info("bench", f"packing {label}", "", "peak memory padded / packed",
+                   results["padded"][1] / max(results["packed"][1], 1))
+    del model, runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

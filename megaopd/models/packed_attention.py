@@ -28,11 +28,15 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
 def _varlen_attn():
+    """torch's varlen flash attention and the names of its keyword arguments, or None (torch < 2.9).
+
+    Its signature moved between torch releases: 2.9/2.10 take `is_causal` (and no scale before 2.10),
+    later ones `window_size=(-1, 0)` for causal, `scale` and `enable_gqa`."""
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.9
+    except ImportError:
         return None
-    return varlen_attn
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -59,16 +63,22 @@ class PackedDotProductAttention(DotProductAttention):
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         varlen = _varlen_attn()
-        if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and varlen is not None:
+        head_dim = query.shape[-1]
+        default_scale = abs(scale - head_dim ** -0.5) < 1e-12 * head_dim ** -0.5
+        if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and varlen is not None
+                and ("scale" in varlen[1] or default_scale)):
+            fn, params = varlen
             cu32 = cu.to(device=query.device, dtype=torch.int32)
             m = int(packed_seq_params.max_seqlen_q)
-            kwargs = {}
-            if gqa and "enable_gqa" in inspect.signature(varlen).parameters:
+            kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+            if "scale" in params:
+                kwargs["scale"] = scale
+            if gqa and "enable_gqa" in params:
                 kwargs["enable_gqa"] = True
-            elif gqa:  # torch < 2.12's varlen_attn has no enable_gqa: repeat the KV heads (query head i uses i // r)
+            elif gqa:  # older varlen_attn has no enable_gqa: repeat the KV heads (query head i uses i // r)
                 r = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
                 key, value = key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1)
-            out = varlen(query, key, value, cu32, cu32, m, m, scale=scale, window_size=(-1, 0), **kwargs)
+            out = fn(query, key, value, cu32, cu32, m, m, **kwargs)
             return out.reshape(t, self.hidden_size_per_partition)
         bounds = cu.tolist()
         outs = []
