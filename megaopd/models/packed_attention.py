@@ -4,8 +4,12 @@ megatron-core's local `DotProductAttention` refuses `packed_seq_params`; Transfo
 them but needs TE and a GPU. `PackedDotProductAttention` is the local spec's core attention in
 megaopd (chosen by `compat.decoder_block_spec`, not by branches in model code):
 
-- no `packed_seq_params` (the padded [s, b] path): megatron's own DotProductAttention, unchanged, so
-  the padded path computes exactly what it computed before;
+- no `packed_seq_params` (the padded [s, b] path): on CPU, megatron's own DotProductAttention, unchanged
+  (the golden CPU runs pin it). On CUDA, causal self-attention without a mask tensor goes through torch's
+  `scaled_dot_product_attention(is_causal=True)` (the flash kernel in bf16) instead: megatron's local
+  attention materializes [b, heads, s, s] scores and probabilities for the backward, which at 8k tokens
+  and 24 layers of a 0.5B model is over 70 GiB (measured: the padded step ran out of memory on an H100;
+  benchmarks/README.md). Anything else (a mask tensor, sliding windows, attention dropout) stays megatron's;
 - `packed_seq_params.qkv_format == "thd"`: q/k/v arrive as [t, heads, head_dim] (megatron's
   Attention squeezes the dummy batch and has already applied RoPE per sequence from cu_seqlens, so
   positions restart at 0 in every sequence). Every sequence attends causally to itself only: the
@@ -25,6 +29,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 
 
 def _varlen_attn():
@@ -45,6 +50,8 @@ class PackedDotProductAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is None:
+            if self._padded_sdpa(query, attention_mask, attn_mask_type, attention_bias):
+                return self._causal_sdpa(query, key, value)
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"PackedDotProductAttention takes qkv_format='thd', got {packed_seq_params.qkv_format!r}")
@@ -58,9 +65,7 @@ class PackedDotProductAttention(DotProductAttention):
         if kv is not None and kv is not cu and not torch.equal(kv, cu):
             raise ValueError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
         t = query.shape[0]
-        # megatron divides softmax_scale by the layer number under query-key layer scaling and multiplies
-        # the scores back inside its softmax: the effective scale is the product.
-        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        scale = self._scale()
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         varlen = _varlen_attn()
         head_dim = query.shape[-1]
@@ -91,3 +96,29 @@ class PackedDotProductAttention(DotProductAttention):
         if bounds[-1] != t:
             raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed row has {t} tokens")
         return torch.cat(outs).reshape(t, self.hidden_size_per_partition)
+
+    def _scale(self) -> float:
+        # megatron divides softmax_scale by the layer number under query-key layer scaling and multiplies
+        # the scores back inside its softmax: the effective scale is the product.
+        return self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+
+    def _padded_sdpa(self, query, attention_mask, attn_mask_type, attention_bias) -> bool:
+        """The padded path takes torch's fused causal attention: CUDA, causal, no mask tensor, no bias,
+        no dropout while training, no sliding window, no attention sinks."""
+        # (megatron's local attention ignores the attn_mask_type argument and masks by its own type)
+        return (query.is_cuda and attention_mask is None and attention_bias is None
+                and self.attn_mask_type == AttnMaskType.causal and query.shape[0] > 0
+                and not (self.training and self.attention_dropout.p > 0)
+                and getattr(self.config, "window_size", None) is None
+                and getattr(self, "softmax_offset", None) is None)
+
+    def _causal_sdpa(self, query, key, value):
+        """[s, b, heads, d] q/k/v -> [s, b, heads * d]; KV heads repeated for grouped-query attention so
+        the flash kernel (which takes equal head counts) is the one that runs."""
+        r = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if r > 1:
+            key, value = key.repeat_interleave(r, dim=2), value.repeat_interleave(r, dim=2)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale())
+        s, b = query.shape[:2]
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)

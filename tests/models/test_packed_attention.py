@@ -53,3 +53,31 @@ def test_packed_row_layout():
     assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4] and bins == pack_by_budget([5, 3, 4, 2, 9], 9)
     shares = balanced_partition([[8], [1], [1], [6], [2], [2]], 2)
     assert [sum([8, 1, 1, 6, 2, 2][i] for i in s) for s in shares] == [10, 10]
+
+
+def test_padded_fused_attention_equals_megatrons(one_torch_thread):
+    """The CUDA padded path (torch's causal SDPA, KV heads repeated for GQA) computes what megatron's local
+    attention computes: forced on here on CPU (float32), Qwen2-shaped GQA (4 query heads, 2 KV groups)."""
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megaopd.models.packed_attention import PackedDotProductAttention
+    from megaopd.parallel.dist import init_distributed
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+
+    init_distributed()
+    pgs = initialize_actor_layout(Layout(1, 1))
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            attention_dropout=0.0, apply_query_key_layer_scaling=True, params_dtype=torch.float32)
+    attn = PackedDotProductAttention(cfg, layer_number=2, attn_mask_type=AttnMaskType.causal,
+                                     attention_type="self", pg_collection=pgs).eval()
+    g = torch.Generator().manual_seed(0)
+    s, b = 11, 3
+    q = torch.randn(s, b, 4, 8, generator=g)
+    k, v = torch.randn(s, b, 2, 8, generator=g), torch.randn(s, b, 2, 8, generator=g)
+    want = attn(q, k, v, None)
+    assert not attn._padded_sdpa(q, None, None, None)  # CPU: megatron's own
+    got = attn._causal_sdpa(q, k, v)
+    assert got.shape == want.shape == (s, b, 32)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
