@@ -197,8 +197,21 @@ def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
     )
     if not init_weights:
         compat.mark_tensor_parallel_params(model)
+    _cast_floating_params(model, config.params_dtype)
     if torch.cuda.is_available():
         # Without Transformer Engine, megatron's norms (torch.nn.RMSNorm) are made on the CPU while the
         # linears are made on the GPU: one model on one device, for every caller (trainer, tools, checks).
         model.cuda()
     return model
+
+
+def _cast_floating_params(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter in the model's dtype. Without Transformer Engine megatron's norms
+    (torch.nn.RMSNorm) ignore params_dtype and stay float32 in a bf16 model (Megatron-LM casts the whole
+    model in its Float16Module; megaopd has no such wrapper). A float32 norm among bf16 weights broke the
+    distributed optimizer's checkpoint on an H100 (its per-group parameter order assumes one dtype per
+    model), kept torch's fused RMSNorm off, and differed from HF/SGLang bf16 models, whose norms are bf16.
+    Buffers (RoPE frequencies) are left as they are."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
