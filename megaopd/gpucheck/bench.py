@@ -160,7 +160,7 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
                 "rollout.parity_interval=0", *(overrides or [])]
         cmd = train_command(YAML, args)
         with GpuMemoryPoll() as mem:
-            rc, _ = run_trainer(cmd, os.path.join(workdir, "train_bench.log"), timeout_s)
+            rc, _ = run_trainer(cmd, os.path.join(workdir, f"train_bench_{label or 'plain'}.log".replace("=", "_")), timeout_s)
         table.eq("bench", f"trainer {name} {steps} steps", dt, "exit code", rc, 0)
         records = read_metrics(run_dir)[1:]  # the first step pays for warm-up
         if not records:

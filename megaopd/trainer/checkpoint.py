@@ -113,6 +113,7 @@ def load_checkpoint(path: str, model, optimizer, pgs, restore_rng: bool = True) 
         trainer_state = json.load(f)
     load_model_checkpoint(model, path, pgs)
     if optimizer is not None:
+        compat.init_optimizer_states_for_loading(optimizer)
         loaded = dist_checkpointing.load(_optimizer_sd(model, optimizer, pgs, is_loading=True),
                                          os.path.join(path, "optimizer"))
         optimizer.load_state_dict(loaded["optimizer"])
