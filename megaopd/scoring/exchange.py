@@ -45,9 +45,9 @@ def route_rows(values_NC: torch.Tensor | None, held: Sequence[Sequence[int]], de
                 recv_counts[s] += positions[b]
     if values_NC is None or not mine:
         values_NC = torch.zeros(0, width, dtype=torch.float32, device=device)
-    index = torch.cat([torch.arange(offsets[b], offsets[b] + positions[b]) for b in order]) if order else \
-        torch.zeros(0, dtype=torch.long)
-    send = values_NC.to(device)[index.to(device)]
+    index = torch.cat([torch.arange(offsets[b], offsets[b] + positions[b], device=device) for b in order]) \
+        if order else torch.zeros(0, dtype=torch.long, device=device)
+    send = values_NC.to(device)[index]
     recv = torch.empty(sum(recv_counts), width, dtype=torch.float32, device=device)
     if world == 1:
         recv.copy_(send)
