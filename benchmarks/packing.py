@@ -13,12 +13,15 @@ peak resident memory (ru_maxrss) of its step is its own.
 
 useful-token fraction = real tokens / tokens through the model;  step time = median of --repeats steps.
 
-Rollout data per rank: "before" is what every rank holds after today's scoring (the whole batch's
-[B, T] float32 log-probs and [B, T, K] top-K log-probs + int64 ids, assembled by a world all-reduce);
-"owner" is what the rank that trains a row needs: its rows' real positions only, ids int32, log-probs
-float32, top-K ids int32. Measured at the CPU batch, computed at 256 x 8192 x K=32.
+Rollout data per rank (`rollout_bytes`): "before" is what every rank held after the old scoring (the whole
+batch's [B, T] float32 log-probs and [B, T, K] top-K log-probs + int64 ids, assembled by a world all-reduce);
+"after" is what a rank holds now: the replicated record (tokens, loss mask, engine log-probs) plus the
+scores of the rows its actor replica trains, ids int32 (measured: the tensors' bytes after real actor and
+teacher passes in gloo workers); "ragged" would keep only those rows' real positions. Measured at the CPU
+batch, computed at 256 x 8192 x K=32.
 
-    python benchmarks/packing.py                # scale 1/16, 32 sequences per step
+    python benchmarks/packing.py                        # scale 1/16, 32 sequences per step
+    python benchmarks/packing.py --rollout-bytes-only   # only the rollout-data table
 """
 from __future__ import annotations
 
@@ -102,15 +105,71 @@ def _worker(rank, world, hf_dir, mode, prompt_lens, response_lens, mbs, max_toke
                 step_mb=(peak - base) / 1024, micro=len(micro))
 
 
-def rollout_bytes(lengths: list[int], S: int, K: int, dp: int) -> tuple[float, float]:
-    """(before, owner) bytes per rank: every rank all of [B, T] + [B, T, K] zero-padded (fp32 log-probs of
-    actor and teacher, teacher top-K fp32 log-probs + int64 ids, int64 tokens); vs a rank's balanced share
-    of real positions with int32 ids."""
+def rollout_bytes(lengths: list[int], S: int, K: int, dp: int) -> dict[str, float]:
+    """Bytes of rollout data per rank, computed from the shapes. Every layout keeps the replicated record
+    (int64 tokens [B, S], float32 loss mask and engine log-probs [B, T]). Scores (actor and teacher float32
+    log-probs [., T], teacher top-K float32 log-probs + ids [., T, K]):
+      before: every rank the whole batch, zero-padded, ids int64 (the world all-reduce of the old passes);
+      owner:  the rows its DP replica trains (about B / DP of them, each [T] wide), ids int32 (this branch);
+      ragged: those rows' real positions only (length - 1 each), not padded to T (a further step)."""
     B, T = len(lengths), S - 1
-    before = B * S * 8 + 2 * B * T * 4 + B * T * K * (4 + 8)
-    real = sum(lengths)
-    owner = (real * 4 + 2 * (real - B) * 4 + (real - B) * K * (4 + 4)) / dp
-    return before, owner
+    replicated = B * S * 8 + 2 * B * T * 4
+    per_position = (2 * 4 + K * (4 + 8), 2 * 4 + K * (4 + 4))  # bytes per position: before, after
+    owned_rows = -(-B // dp)
+    real = sum(n - 1 for n in lengths)
+    return {"before": replicated + B * T * per_position[0], "owner": replicated + owned_rows * T * per_position[1],
+            "ragged": replicated + real / dp * per_position[1], "replicated": replicated}
+
+
+def _bytes_of(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, teacher_tp, K):
+    """Scores the synthetic rollout as the trainer does (actor in its layout, teacher in another, owners from
+    row_owners' packed partition) and returns the bytes this rank holds: replicated record + its scores."""
+    torch.set_num_threads(1)
+    import dataclasses
+
+    from megaopd.config.model import ModelConfig
+    from megaopd.config.trainer import TrainerConfig
+    from megaopd.losses import LossNeeds
+    from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
+    from megaopd.rollout.batch import RowOwners
+    from megaopd.scoring.passes import score_tokens
+    from megaopd.scoring.runner import PipelineRunner
+    from megaopd.trainer.micro_batches import row_owners
+    from megaopd.trainer.roles import load_role_model
+
+    pgs = initialize_actor_layout(Layout(actor_tp, 1))
+    actor = load_role_model(ModelConfig(path=hf_dir, tp=actor_tp), pgs, trainable=False)
+    tpgs = build_process_groups(Layout(teacher_tp, 1))
+    teacher = load_role_model(ModelConfig(path=hf_dir, tp=teacher_tp), tpgs, trainable=False)
+    V = actor.hf.vocab_size
+    rollout = synthetic_rollout(prompt_lens, response_lens, V)
+    cfg = dataclasses.replace(TrainerConfig(), prompts_per_step=rollout.size, max_tokens_per_micro_batch=4096)
+    owners = RowOwners(tuple(row_owners(rollout, None, pgs.dp.size(), LossNeeds(), cfg)), pgs.dp.rank(),
+                       pgs.dp.size(), pgs.tp.rank() == 0)
+    kw = {"lengths_B": rollout.prompt_lens_B + rollout.response_lens_B, "max_tokens": 4096, "owners": owners}
+    a = score_tokens(PipelineRunner(actor.model, pgs, V), rollout.tokens_BS, 4, 1.0, **kw)
+    t = score_tokens(PipelineRunner(teacher.model, tpgs, V), rollout.tokens_BS, 4, 1.0, topk=K, **kw)
+    replicated = _bytes_of(rollout.tokens_BS, rollout.loss_mask_BT, rollout.engine_logprobs_BT)
+    return {"replicated": replicated, "held": replicated + _bytes_of(a.logprobs_BT, t.logprobs_BT, t.topk_ids_BTK,
+                                                                      t.topk_logprobs_BTK), "rows": len(a.rows)}
+
+
+def measure_rollout_bytes(hf_dir: str, prompt_lens, response_lens, K: int = 32) -> list[tuple]:
+    """(world, actor layout, teacher layout, max bytes held by a rank, computed `before` bytes) per layout."""
+    from megaopd.parallel.launch import spawn
+
+    lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
+    out = []
+    for world, actor_tp, teacher_tp in ((2, 2, 1), (2, 1, 2), (4, 1, 2)):
+        res = spawn(_bytes_worker, world, args=(hf_dir, prompt_lens, response_lens, actor_tp, teacher_tp, K),
+                    timeout=3000)
+        computed = rollout_bytes(lengths, max(lengths), K, world // actor_tp)
+        out.append((world, actor_tp, teacher_tp, max(r["held"] for r in res), computed))
+    return out
 
 
 def main():
@@ -121,6 +180,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=0, help="packed budget; default micro_batch_size x the longest")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tps", default="1,2")
+    ap.add_argument("--rollout-bytes-only", action="store_true", help="only the rollout-data table")
     a = ap.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -129,6 +189,8 @@ def main():
     prompt_lens, response_lens = opd_lengths(a.sequences, a.scale)
     lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
     max_tokens = a.max_tokens or a.micro_batch_size * max(lengths)
+    if a.rollout_bytes_only:
+        return print_rollout_bytes(prompt_lens, response_lens, a.sequences)
     print(f"{a.sequences} sequences, lengths {min(lengths)}..{max(lengths)} (mean {statistics.mean(lengths):.0f}), "
           f"micro_batch_size {a.micro_batch_size}, max_tokens {max_tokens}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,15 +214,33 @@ def main():
         p, q = res["padded"], res["packed"]
         print(f"TP={tp}: packed/padded step time {q['time'] / p['time']:.2f}, peak RSS {q['peak_mb'] / p['peak_mb']:.2f}, "
               f"useful-token fraction {p['useful']:.0%} -> {q['useful']:.0%}")
+    print_rollout_bytes(prompt_lens, response_lens, a.sequences)
+
+
+def print_rollout_bytes(prompt_lens, response_lens, sequences: int) -> None:
+    """The rollout-data table: measured at the CPU batch (max over ranks of the bytes a rank holds after the
+    actor's and the teacher's passes), computed at 256 x 8192 x K=32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
     S = max(lengths)
-    before, owner = rollout_bytes(lengths, S, 32, 1)
-    print(f"rollout data per rank at this batch (B={a.sequences}, S={S}, K=32, DP=1): {before / 2**20:.1f} MiB "
-          f"-> {owner / 2**20:.1f} MiB")
+    print("| batch | layout | before: every rank | after: max over ranks | of it replicated | ragged (next step) |")
+    print("|---|---|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                                     tie_word_embeddings=False)).save_pretrained(tmp)
+        for world, atp, ttp, held, c in measure_rollout_bytes(tmp, prompt_lens, response_lens):
+            print(f"| CPU {sequences} x {S}, K=32, measured | world {world}: actor TP={atp} DP={world // atp}, teacher "
+                  f"TP={ttp} DP={world // ttp} | {c['before'] / 2**20:.2f} MiB | {held / 2**20:.2f} MiB | "
+                  f"{c['replicated'] / 2**20:.2f} MiB | {c['ragged'] / 2**20:.2f} MiB |")
     big_p, big_r = opd_lengths(256, 1.0, seed=3)
     big = [p + r for p, r in zip(big_p, big_r)]
     for dp in (1, 8, 64):
-        before, owner = rollout_bytes(big, 8192 + 300, 32, dp)
-        print(f"256 x 8192 x K=32, DP={dp}: {before / 2**30:.2f} GiB every rank -> {owner / 2**30:.3f} GiB per owner")
+        c = rollout_bytes(big, 8192 + 300, 32, dp)
+        print(f"| 256 x 8492, K=32, computed (OPD lengths) | DP={dp} | {c['before'] / 2**30:.3f} GiB | "
+              f"{c['owner'] / 2**30:.3f} GiB | {c['replicated'] / 2**30:.3f} GiB | {c['ragged'] / 2**30:.3f} GiB |")
 
 
 if __name__ == "__main__":

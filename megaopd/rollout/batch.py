@@ -23,18 +23,78 @@ from megaopd.rollout.protocol import FinishReason, Sample
 
 @dataclass
 class TokenScores:
-    """Per-token outputs of one model (the actor or the teacher) at every position of the batch."""
+    """Per-token outputs of one model (the actor or the teacher) at every position of the rows it holds.
+
+    In training a rank holds only the rows its actor data-parallel replica trains (`rows`, see RowOwners):
+    the leading dimension B of every field is then len(rows), row i of a field being batch row rows[i].
+    Log-probs stay float32: the losses' ratios and KLs are differences of log-probs, and bf16/fp16 would
+    round them by up to 1e-2 nats (exactness of the loss; the golden tests pin them at 1e-6)."""
 
     logprobs_BT: torch.Tensor
     """log p(tokens[:, t + 1] | tokens[:, :t + 1]) at the rollout temperature [B, T] (float32)."""
     entropy_BT: torch.Tensor | None = None
     """Entropy of the model's next-token distribution [B, T]; None unless a metric asked for it."""
     topk_ids_BTK: torch.Tensor | None = None
-    """The model's top-K token ids, by decreasing probability [B, T, K] (long)."""
+    """The model's top-K token ids, by decreasing probability [B, T, K] (int32: a vocabulary fits, and
+    half the bytes of long; ops that index take .long() of it on the device)."""
     topk_logprobs_BTK: torch.Tensor | None = None
     """Full-vocabulary log-probs at topk_ids_BTK [B, T, K]."""
     at_ids_logprobs_BTK: torch.Tensor | None = None
     """Log-probs at caller-given ids per position (the teacher at the student's top-k) [B, T, K]."""
+    rows: list[int] | None = None
+    """The batch rows held, in the order of the fields' first dimension (increasing); None = every row of
+    the batch, in batch order."""
+
+    def index(self, batch_rows) -> torch.Tensor:
+        """Positions in the fields' first dimension of the given batch rows (long); a row this rank does not
+        hold is an error that names it."""
+        batch_rows = torch.as_tensor(batch_rows, dtype=torch.long).reshape(-1)
+        if self.rows is None:
+            return batch_rows
+        where = {r: i for i, r in enumerate(self.rows)}
+        missing = [int(r) for r in batch_rows.tolist() if int(r) not in where]
+        if missing:
+            raise KeyError(f"rows {missing[:8]} are not held on this rank (it holds {len(self.rows)} rows, the ones "
+                           f"its actor data-parallel replica trains): build micro-batches from the same RowOwners "
+                           f"the scores were routed with (trainer/micro_batches.row_owners)")
+        return torch.tensor([where[int(r)] for r in batch_rows.tolist()], dtype=torch.long)
+
+    def take(self, batch_rows: list[int]) -> "TokenScores":
+        """The scores of the given batch rows only (rows set to them)."""
+        i = self.index(batch_rows)
+        fields = ("logprobs_BT", "entropy_BT", "topk_ids_BTK", "topk_logprobs_BTK", "at_ids_logprobs_BTK")
+        return TokenScores(**{f: None if getattr(self, f) is None else getattr(self, f)[i] for f in fields},
+                           rows=list(batch_rows))
+
+
+@dataclass(frozen=True)
+class RowOwners:
+    """Which actor data-parallel replica trains each row of a step's batch (made by
+    trainer/micro_batches.row_owners, the same partition its micro-batches take). Every TP/PP rank of a
+    replica holds that replica's rows' scores: the loss runs on the last PP stage, and each TP rank needs them."""
+
+    owner_B: tuple[int, ...]
+    """Actor DP rank that trains each batch row."""
+    dp_rank: int
+    """This rank's actor DP rank."""
+    dp_size: int
+    """Actor DP size."""
+    sends: bool
+    """This rank speaks for its replica when owned rows' data must move (actor TP rank 0 and PP rank 0)."""
+
+    @staticmethod
+    def replicated(num_rows: int, rank: int) -> "RowOwners":
+        """Every rank holds every row (one replica, global rank 0 speaking for it): `megaopd logprobs`, tests."""
+        return RowOwners(tuple([0] * num_rows), 0, 1, rank == 0)
+
+    def rows(self, dp_rank: int | None = None) -> list[int]:
+        """Rows owned by `dp_rank` (default: this rank's replica), increasing."""
+        d = self.dp_rank if dp_rank is None else dp_rank
+        return [b for b, o in enumerate(self.owner_B) if o == d]
+
+    def subset(self, batch_rows: list[int]) -> "RowOwners":
+        """The owners of a sub-batch made of `batch_rows` (its row i is batch row batch_rows[i])."""
+        return RowOwners(tuple(self.owner_B[b] for b in batch_rows), self.dp_rank, self.dp_size, self.sends)
 
 
 @dataclass

@@ -6,11 +6,11 @@ What a pass computes at each position t (all vocab-parallel, megaopd.ops; no ran
 logits): log p(tokens[t + 1]) at the rollout temperature, optionally the top-k ids and log-probs, the
 entropy, and the log-probs at caller-given ids (the teacher at the student's top-k).
 
-Each model (actor, teacher) scores the rows of its own data-parallel shard in its own layout; the small
-per-token results are then assembled on EVERY rank, so that whichever rank trains a sample in the actor
-layout has its scores. Assembly is exact: only the first rank of each model-parallel group
-(tp_rank = pp_rank = 0) writes its rows into a zero tensor and the world sums them. The tensors of
-every collective live on the group's device (megaopd.parallel.dist.device(): the local GPU under NCCL).
+Each row's scores end on the ranks of the actor data-parallel replica that trains it (RowOwners), and
+only there: the actor and the reference score exactly their owned rows, so their scores never move; a
+teacher in another layout scores its own DP share and one all_to_all (scoring/exchange.py) sends each
+row's real positions to its owners. Top-k ids travel and are kept as int32. The tensors of every
+collective live on the group's device (megaopd.parallel.dist.device(): the local GPU under NCCL).
 
 Shape legend: B rows, S padded sequence length, T = S - 1 positions, K top-k size, v vocab shard.
 """
@@ -24,7 +24,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd import ops
 from megaopd.parallel.dist import device as group_device
-from megaopd.rollout.batch import TokenScores, dp_rows, pad_rows
+from megaopd.rollout.batch import RowOwners, TokenScores, dp_rows, pad_rows
+from megaopd.scoring.exchange import pack_columns, route_rows, unpack_columns
 from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, round_up, row_lengths
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
@@ -46,6 +47,7 @@ class ScoringMicroBatch:
 
 
 def _micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, size: int) -> list[ScoringMicroBatch]:
+    """This rank's rows in micro-batches of `size` rows (the last padded with empty rows)."""
     n = tokens_BS.shape[0]
     if n == 0:
         return []
@@ -53,17 +55,6 @@ def _micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, siz
     tokens = pad_rows(tokens_BS, rows).split(size)
     at_ids = pad_rows(at_ids_BTK, rows).split(size) if at_ids_BTK is not None else [None] * len(tokens)
     return [ScoringMicroBatch(t, a) for t, a in zip(tokens, at_ids)]
-
-
-def _assemble(local: torch.Tensor | None, rows: list[int], full_shape, dtype, contributes: bool,
-              device: torch.device) -> torch.Tensor:
-    full = torch.zeros(full_shape, dtype=dtype, device=device)
-    if contributes and local is not None and len(rows):
-        index = torch.tensor(rows, dtype=torch.long, device=device)
-        full[index] = local[: len(rows)].to(device=device, dtype=dtype)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(full)
-    return full.cpu()
 
 
 def _packed_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, lengths: list[int],
@@ -85,31 +76,54 @@ def _packed_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | No
 
 def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_size: int, temperature: float,
                  topk: int = 0, entropy: bool = False, at_ids_BTK: torch.Tensor | None = None,
-                 lengths_B: torch.Tensor | None = None, max_tokens: int | None = None) -> TokenScores:
-    """Log-probs of tokens_BS[:, 1:] (and optional top-k, entropy, log-probs at given ids) for all rows.
+                 lengths_B: torch.Tensor | None = None, max_tokens: int | None = None,
+                 owners: RowOwners | None = None) -> TokenScores:
+    """Log-probs of tokens_BS[:, 1:] (and optional top-k, entropy, log-probs at given ids), each row's
+    landing on the ranks that own it.
 
-    Padded (max_tokens None): contiguous DP rows, micro_batch_size rows per micro-batch. Packed (max_tokens
-    given, lengths_B the real tokens per row): DP shares balanced by tokens and attention cost
-    (packing.balanced_partition), each rank's rows packed into micro-batches of at most max_tokens tokens;
-    positions at or past a row's length - 1 are then 0.
+    owners: which actor DP replica keeps each row (None: every rank keeps every row, RowOwners.replicated).
+    The result holds this rank's owned rows (`rows`, increasing). When the runner's DP ranks are the owners'
+    (the actor, the reference, a teacher in the actor's layout) each DP rank scores exactly its owned rows
+    and nothing moves. Otherwise (a teacher in another layout) each DP rank scores its share: padded
+    (max_tokens None) contiguous rows, micro_batch_size per micro-batch; packed (max_tokens given) shares
+    balanced by tokens and attention cost (packing.balanced_partition), packed by the token budget. Then one
+    all_to_all sends each row's real positions (lengths_B[b] - 1) from the share's last PP stage, TP rank 0,
+    to every rank of the owning replica (exchange.route_rows; at_ids_BTK travels the other way first).
 
-    Collective over the world (every rank of every layout calls it with the same tokens). Returns CPU
-    tensors on every rank."""
+    at_ids_BTK: ids to score at, for this rank's owned rows (owners.rows() order). lengths_B: real tokens
+    per row (None: the whole width); positions at or past a row's length - 1 are 0. Collective over the
+    world (every rank of every layout calls it with the same tokens). Returns CPU tensors."""
     pgs: ProcessGroupCollection = runner.pgs
     B, S = tokens_BS.shape
     T = S - 1
     packed = max_tokens is not None and runner.packs
+    lengths = row_lengths(tokens_BS, lengths_B)
+    positions = [min(n, S) - 1 for n in lengths]
+    device = group_device()
+    me = dist.get_rank() if dist.is_initialized() else 0
+    owners = owners if owners is not None else RowOwners.replicated(B, me)
+    if len(owners.owner_B) != B:
+        raise ValueError(f"owners cover {len(owners.owner_B)} rows, the batch has {B}: pass owners.subset(rows) "
+                         f"for a sub-batch")
+    world = _world_layout(pgs, owners, device)
+    last_stage = pgs.pp.rank() == pgs.pp.size() - 1
+    aligned = pgs.dp.size() == owners.dp_size and all(w[0] == w[2] for w in world)
+    if aligned:  # the runner's DP replicas are the owners: score the owned rows, keep them
+        shares = [owners.rows(d) for d in range(owners.dp_size)]
+    elif packed:
+        shares = balanced_partition([[n] for n in lengths], pgs.dp.size())
+    else:
+        shares = [list(dp_rows(B, d, pgs.dp.size())) for d in range(pgs.dp.size())]
+    rows = shares[pgs.dp.rank()]
+    local_at_ids = None
+    if at_ids_BTK is not None:
+        local_at_ids = at_ids_BTK if aligned else _route_at_ids(at_ids_BTK, owners, shares, pgs.dp.rank(), world,
+                                                                positions, T, device)
     if packed:
-        lengths = row_lengths(tokens_BS, lengths_B)
-        rows = balanced_partition([[n] for n in lengths], pgs.dp.size())[pgs.dp.rank()]
-        local_at_ids = at_ids_BTK[rows] if at_ids_BTK is not None else None
         mbs = _packed_micro_batches(tokens_BS[rows], local_at_ids, [lengths[i] for i in rows], max_tokens,
                                     uniform=pgs.pp.size() > 1, multiple=runner.seq_multiple)
     else:
-        rows = list(dp_rows(B, pgs.dp.rank(), pgs.dp.size()))
-        local_at_ids = at_ids_BTK[rows[0]:rows[-1] + 1] if at_ids_BTK is not None and rows else None
-        mbs = _micro_batches(tokens_BS[rows[0]:rows[-1] + 1] if rows else tokens_BS[:0], local_at_ids,
-                             micro_batch_size)
+        mbs = _micro_batches(tokens_BS[rows], local_at_ids, micro_batch_size)
 
     def step_fn(mb: ScoringMicroBatch, logits_BSv, _partner):
         logits_BTv = logits_BSv[:, :-1].float()
@@ -118,10 +132,12 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
         if entropy:
             out["entropy"] = ops.vocab_parallel_entropy(logits_BTv, pgs.tp, temperature)
         if topk:
-            out["topk_logprobs"], out["topk_ids"] = ops.vocab_parallel_topk(logits_BTv, topk, pgs.tp, temperature)
+            lp, ids = ops.vocab_parallel_topk(logits_BTv, topk, pgs.tp, temperature)
+            out["topk_logprobs"], out["topk_ids"] = lp, ids.int()
         if mb.at_ids_BTK is not None:
             lse = ops.vocab_parallel_logsumexp(logits_BTv, pgs.tp, temperature)
-            out["at_ids"] = ops.vocab_parallel_gather(logits_BTv, mb.at_ids_BTK, pgs.tp) / temperature - lse.unsqueeze(-1)
+            at_ids = mb.at_ids_BTK.long()  # gathers index with long
+            out["at_ids"] = ops.vocab_parallel_gather(logits_BTv, at_ids, pgs.tp) / temperature - lse.unsqueeze(-1)
         if mb.packed is not None:  # back to one row per sequence: [n_seqs, T, ...], zero past each length
             out = {k: _unpack(mb.packed, v, T) for k, v in out.items()}
         return torch.zeros((), device=logits_BSv.device), out
@@ -129,30 +145,100 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     with torch.no_grad():
         results = runner.run(mbs, step_fn, forward_only=True)
 
-    n_local = len(rows) if packed else len(mbs) * micro_batch_size
-    first_of_mp = pgs.tp.rank() == 0 and pgs.pp.rank() == 0
-    device = group_device()
+    fields = [("logprobs", "logprobs_BT", (), torch.float32)]
+    if entropy:
+        fields.append(("entropy", "entropy_BT", (), torch.float32))
+    if topk:
+        fields += [("topk_logprobs", "topk_logprobs_BTK", (topk,), torch.float32),
+                   ("topk_ids", "topk_ids_BTK", (topk,), torch.int32)]
+    if at_ids_BTK is not None:
+        fields.append(("at_ids", "at_ids_logprobs_BTK", (at_ids_BTK.shape[-1],), torch.float32))
     order = None
     if packed and mbs:  # micro-batch order -> this rank's row order
         order = torch.tensor([s.row for mb in mbs for s in mb.packed.segments]).argsort()
 
-    def collect(key, trailing=(), dtype=torch.float32):
-        local = torch.cat([r[key] for r in results]) if results else None
-        if local is not None and order is not None:
-            local = local[order]
-        if pgs.pp.size() > 1 and mbs:
-            local = broadcast_from_last_stage(local, (n_local, T, *trailing), dtype, pgs.pp, device)
-        return _assemble(local, rows, (B, T, *trailing), dtype, first_of_mp, device)
+    def local(key, trailing, dtype):
+        """This rank's scored rows [len(rows), T, ...] in `rows` order (None off the last stage)."""
+        if not results:
+            return None
+        x = torch.cat([r[key] for r in results])[: len(rows)]
+        return x[order] if order is not None else x
 
-    scores = TokenScores(logprobs_BT=collect("logprobs"))
-    if entropy:
-        scores.entropy_BT = collect("entropy")
-    if topk:
-        scores.topk_logprobs_BTK = collect("topk_logprobs", (topk,))
-        scores.topk_ids_BTK = collect("topk_ids", (topk,), torch.long)
-    if at_ids_BTK is not None:
-        scores.at_ids_logprobs_BTK = collect("at_ids", (at_ids_BTK.shape[-1],))
-    return scores
+    valid_BT = _valid_positions([positions[b] for b in rows], T)
+    if aligned:  # every TP rank has the results; PP: the last stage's, broadcast over the PP group
+        out = {}
+        for key, name, trailing, dtype in fields:
+            x = local(key, trailing, dtype)
+            if pgs.pp.size() > 1 and mbs:
+                x = broadcast_from_last_stage(x, (len(rows), T, *trailing), dtype, pgs.pp, device)
+            x = x.cpu() if x is not None else torch.zeros((0, T, *trailing), dtype=dtype)
+            out[name] = x * valid_BT.reshape(*valid_BT.shape, *[1] * len(trailing)).to(dtype)
+        return TokenScores(**out, rows=owners.rows())
+
+    # Another layout: one all_to_all from each share's speaker to the owning replicas' ranks.
+    speaks = pgs.tp.rank() == 0 and last_stage
+    held = [shares[w[0]] if w[1] else [] for w in world]
+    replica = [frozenset(r for r, w in enumerate(world) if w[2] == d) for d in range(owners.dp_size)]
+    dests = [replica[o] for o in owners.owner_B]
+    widths = [max(1, int(torch.Size(t).numel())) for _k, _n, t, _d in fields]
+    payload = None
+    if speaks and rows:
+        payload = pack_columns([local(k, t, d).to(device)[valid_BT.to(device)].reshape(-1, w)
+                                for (k, _n, t, d), w in zip(fields, widths)])
+    received, values = route_rows(payload, held, dests, positions, sum(widths), device)
+    mine = owners.rows()
+    where = {b: i for i, b in enumerate(mine)}
+    recv_valid = _valid_positions([positions[b] for b in received], T)
+    target = torch.tensor([where[b] for b in received], dtype=torch.long)
+    out = {}
+    for (key, name, trailing, dtype), col in zip(fields, unpack_columns(values, widths, [f[3] for f in fields])):
+        dense = torch.zeros((len(received), T, *trailing), dtype=dtype)
+        dense[recv_valid] = col.cpu().reshape(-1, *trailing)
+        x = torch.zeros((len(mine), T, *trailing), dtype=dtype)
+        x[target] = dense
+        out[name] = x
+    return TokenScores(**out, rows=mine)
+
+
+def _world_layout(pgs: ProcessGroupCollection, owners: RowOwners, device: torch.device) -> list[tuple[int, ...]]:
+    """Per global rank: (its DP rank in the runner's layout, whether it speaks for its share: TP rank 0 of
+    the last PP stage, its owners' DP rank, whether it speaks for its replica). One small all_gather."""
+    mine = torch.tensor([pgs.dp.rank(), int(pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1),
+                         owners.dp_rank, int(owners.sends)], dtype=torch.long, device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [tuple(mine.tolist())]
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [tuple(p.tolist()) for p in parts]
+
+
+def _route_at_ids(at_ids_BTK: torch.Tensor, owners: RowOwners, shares: list[list[int]], dp_rank: int, world,
+                  positions, T: int, device: torch.device) -> torch.Tensor:
+    """The owners' ids to score at -> every rank of the DP replica (runner layout) that scores each row,
+    [len(my share), T, K] int32 in share order."""
+    K = at_ids_BTK.shape[-1]
+    mine = owners.rows()
+    scorer = {b: d for d, share in enumerate(shares) for b in share}
+    groups = [frozenset(r for r, w in enumerate(world) if w[0] == d) for d in range(len(shares))]
+    dests = [groups[scorer[b]] for b in range(len(positions))]
+    held = [owners.rows(w[2]) if w[3] else [] for w in world]
+    payload = None
+    if owners.sends and mine:
+        valid = _valid_positions([positions[b] for b in mine], T)
+        payload = pack_columns([at_ids_BTK[:, :T].int().to(device)[valid.to(device)]])
+    received, values = route_rows(payload, held, dests, positions, K, device)
+    share = shares[dp_rank]
+    where = {b: i for i, b in enumerate(share)}
+    out = torch.zeros((len(share), T, K), dtype=torch.int32)
+    dense = torch.zeros((len(received), T, K), dtype=torch.int32)
+    dense[_valid_positions([positions[b] for b in received], T)] = unpack_columns(values, [K], [torch.int32])[0].cpu()
+    out[torch.tensor([where[b] for b in received], dtype=torch.long)] = dense
+    return out
+
+
+def _valid_positions(counts: list[int], T: int) -> torch.Tensor:
+    """[len(counts), T] bool: True at the first counts[i] positions of row i."""
+    return torch.arange(T).unsqueeze(0) < torch.tensor(counts, dtype=torch.long).reshape(-1, 1)
 
 
 def _unpack(row: PackedRow, y_1T: torch.Tensor, T: int) -> torch.Tensor:

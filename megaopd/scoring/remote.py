@@ -84,13 +84,13 @@ class RemoteTeacher:
         rows = [b for b in (range(B) if rows is None else rows) if int(response_lens_B[b]) > 0]
         per_row = self._score_rows(tokens_BS, prompt_lens_B, response_lens_B, rows, topk)
         logprobs_BT = torch.zeros(B, T)
-        ids_BTK = torch.zeros(B, T, topk, dtype=torch.long) if topk else None
+        ids_BTK = torch.zeros(B, T, topk, dtype=torch.int32) if topk else None
         top_BTK = torch.zeros(B, T, topk) if topk else None
         for b, row in per_row.items():
             p, r = int(prompt_lens_B[b]), int(response_lens_B[b])
             logprobs_BT[b, p - 1:p - 1 + r] = torch.tensor(row.logprobs, dtype=torch.float32)
             if topk:
-                ids_BTK[b, p - 1:p - 1 + r] = torch.tensor(row.top_ids, dtype=torch.long)
+                ids_BTK[b, p - 1:p - 1 + r] = torch.tensor(row.top_ids, dtype=torch.int32)
                 top_BTK[b, p - 1:p - 1 + r] = torch.tensor(row.top_logprobs, dtype=torch.float32)
         return TokenScores(logprobs_BT=logprobs_BT, topk_ids_BTK=ids_BTK, topk_logprobs_BTK=top_BTK)
 

@@ -10,8 +10,8 @@ Each sample is scored by the teacher of its prompt's data source (data.sources[]
 all of them): an in-job teacher runs score_tokens (megaopd.scoring.passes, collective over the world) on its
 rows only, a served teacher (megaopd.scoring.remote) scores its rows over HTTP from rank 0, started before the
 actor's own pass so the two overlap, and its result is broadcast to every rank afterwards. The per-teacher
-results are written into one TokenScores of the whole batch, row by row: the losses see one record, whoever
-scored it. A field is kept only when every teacher produced it (entropy: in-job teachers only).
+results are written into one TokenScores of this rank's owned rows (RowOwners: the rows its actor replica
+trains), row by row: the losses see one record, whoever scored it. A field is kept only when every teacher produced it (entropy: in-job teachers only).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from megaopd.parallel.dist import rank0_computes
-from megaopd.rollout.batch import RolloutBatch, TokenScores
+from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores
 from megaopd.scoring.passes import score_tokens
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.runner import PipelineRunner
@@ -113,29 +113,39 @@ class TeacherSet:
 
     def score(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
               micro_batch_size: int, temperature: float, topk: int = 0, entropy: bool = False,
-              at_ids_BTK: torch.Tensor | None = None,
+              at_ids: TokenScores | None = None,
               on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None,
-              packing: dict | None = None) -> TokenScores:
-        """The whole batch's teacher scores, each row from its routed teacher. Collective over the world
-        (in-job teachers' passes, then the broadcast of the served teachers' results from rank 0). packing:
+              packing: dict | None = None, owners: RowOwners | None = None) -> TokenScores:
+        """The teacher scores of this rank's owned rows (owners.rows(); None: every row), each row from its
+        routed teacher. Collective over the world (in-job teachers' passes, each routing its rows to their
+        owners, then the broadcast of the served teachers' results from rank 0). at_ids: the ids to score at
+        (the student's top-k) as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows). packing:
         score_tokens' lengths_B (of the whole batch) and max_tokens, or None for the padded path."""
         on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
+        owners = owners if owners is not None else RowOwners.replicated(batch.size, _rank())
         parts: dict[str, TokenScores] = {}
         for name, t in self.teachers.items():
             rows = rows_of.get(name, [])
             if not isinstance(t, InJobTeacher) or not rows:
                 continue
             idx = torch.tensor(rows, dtype=torch.long)
+            sub = owners.subset(rows)
             # Rows are independent (right padding, causal attention): a teacher scores its rows only.
-            packed = {} if not packing else {"lengths_B": packing["lengths_B"][idx], "max_tokens": packing["max_tokens"]}
+            packed = {} if not packing else {"lengths_B": packing["lengths_B"][idx],
+                                             "max_tokens": packing.get("max_tokens")}
+            sub_at = None
+            if at_ids is not None:
+                sub_at = at_ids.topk_ids_BTK[at_ids.index([rows[i] for i in sub.rows()])]
             with on_device(t.model, t.offload):
-                parts[name] = score_tokens(t.runner, batch.tokens_BS[idx], micro_batch_size, temperature, topk=topk,
-                                           entropy=entropy, at_ids_BTK=None if at_ids_BTK is None else at_ids_BTK[idx],
-                                           **packed)
+                part = score_tokens(t.runner, batch.tokens_BS[idx], micro_batch_size, temperature, topk=topk,
+                                    entropy=entropy, at_ids_BTK=sub_at, owners=sub, **packed)
+            part.rows = [rows[i] for i in part.rows]  # sub-batch rows -> batch rows
+            parts[name] = part
         remote = self.wait_remote(pending)
-        for name, scores in remote.items():  # already [B, T] with the routed rows filled
-            parts[name] = scores
-        return self._merge(batch, rows_of, parts)
+        for name, scores in remote.items():  # [B, T] on every rank with the routed rows filled: keep ours
+            # Served teachers' scores still reach every rank whole (rank0_computes); only the owned rows stay.
+            parts[name] = scores.take([b for b in owners.rows() if b in set(rows_of[name])])
+        return self._merge(batch, owners.rows(), parts)
 
     def wait_remote(self, pending: PendingRemote) -> dict[str, TokenScores]:
         """Rank 0 joins the thread; its results (or its error) reach every rank. Collective."""
@@ -151,41 +161,64 @@ class TeacherSet:
             raise error
         return results
 
-    def _merge(self, batch: RolloutBatch, rows_of: dict[str, list[int]], parts: dict[str, TokenScores]) -> TokenScores:
-        B, T = batch.size, batch.tokens_BS.shape[1] - 1
-        out = TokenScores(logprobs_BT=torch.zeros(B, T))
+    def _merge(self, batch: RolloutBatch, mine: list[int], parts: dict[str, TokenScores]) -> TokenScores:
+        """One TokenScores of the rows `mine` (increasing) from each teacher's part (each holds its rows)."""
+        T = batch.tokens_BS.shape[1] - 1
+        out = TokenScores(logprobs_BT=torch.zeros(len(mine), T), rows=list(mine))
+        where = {b: i for i, b in enumerate(mine)}
         fields = ("entropy_BT", "topk_ids_BTK", "topk_logprobs_BTK", "at_ids_logprobs_BTK")
         keep = {f: all(getattr(p, f) is not None for p in parts.values()) and bool(parts) for f in fields}
-        for name, part in parts.items():
-            rows = torch.tensor(rows_of[name], dtype=torch.long)
-            # In-job parts hold only their rows (in rows_of order); served parts are [B, ...] already.
-            # (rows_of lists are increasing, so with len(rows) == B both readings are the identity.)
-            src = rows if part.logprobs_BT.shape[0] == B else torch.arange(len(rows))
+        for part in parts.values():
+            dst = torch.tensor([where[b] for b in part.rows], dtype=torch.long)
             for f in ("logprobs_BT",) + fields:
                 if f != "logprobs_BT" and not keep[f]:
                     continue
                 value = getattr(part, f)
                 if getattr(out, f) is None:
-                    setattr(out, f, torch.zeros((B, *value.shape[1:]), dtype=value.dtype))
-                getattr(out, f)[rows] = value[src]
+                    setattr(out, f, torch.zeros((len(mine), *value.shape[1:]), dtype=value.dtype))
+                getattr(out, f)[dst] = value
         return out
 
 
-def teacher_metrics(batch: RolloutBatch, rows_of: dict[str, list[int]], prefix: str = "rollout") -> dict[str, float]:
+def teacher_metric_sums(batch: RolloutBatch, rows_of: dict[str, list[int]]) -> dict[str, float]:
+    """Per teacher, the sums and counts behind teacher_metrics over the rows this rank holds (batch.teacher's
+    rows): for reduction over the owners before dividing."""
+    out = {}
+    held = set(batch.teacher.rows if batch.teacher.rows is not None else range(batch.size))
+    for name, rows in rows_of.items():
+        rows = [b for b in rows if b in held]
+        idx = torch.tensor(rows, dtype=torch.long)
+        mask = batch.loss_mask_BT[idx].bool()
+        local = batch.teacher.index(rows)
+        q = batch.teacher.logprobs_BT[local].double()
+        out[f"{name}/count"] = float(mask.sum())
+        out[f"{name}/teacher_sum"] = float(q[mask].sum())
+        if batch.actor is not None:
+            out[f"{name}/advantage_sum"] = float((q - batch.actor.logprobs_BT[batch.actor.index(rows)].double())[mask].sum())
+    return out
+
+
+def teacher_metrics_from_sums(c: dict[str, float], rows_of: dict[str, list[int]], batch_size: int,
+                              prefix: str = "rollout") -> dict[str, float]:
     """Per teacher (jobs with several): token-means over its rows' responses of the teacher log-prob and
     the advantage log q - log pi_old, and its share of the batch's samples. Keys
     {prefix}/teacher_logprob_mean/<name>, {prefix}/advantage_mean/<name>, {prefix}/teacher_share/<name>."""
     out = {}
     for name, rows in rows_of.items():
-        out[f"{prefix}/teacher_share/{name}"] = len(rows) / max(batch.size, 1)
+        out[f"{prefix}/teacher_share/{name}"] = len(rows) / max(batch_size, 1)
         if not rows:
             continue
-        idx = torch.tensor(rows, dtype=torch.long)
-        mask = batch.loss_mask_BT[idx].bool()
-        n = int(mask.sum())
-        q = batch.teacher.logprobs_BT[idx].double()
-        out[f"{prefix}/teacher_logprob_mean/{name}"] = float(q[mask].sum() / n) if n else 0.0
-        if batch.actor is not None:
-            adv = q - batch.actor.logprobs_BT[idx].double()
-            out[f"{prefix}/advantage_mean/{name}"] = float(adv[mask].sum() / n) if n else 0.0
+        n = c[f"{name}/count"]
+        out[f"{prefix}/teacher_logprob_mean/{name}"] = c[f"{name}/teacher_sum"] / n if n else 0.0
+        if f"{name}/advantage_sum" in c:
+            out[f"{prefix}/advantage_mean/{name}"] = c[f"{name}/advantage_sum"] / n if n else 0.0
     return out
+
+
+def teacher_metrics(batch: RolloutBatch, rows_of: dict[str, list[int]], prefix: str = "rollout") -> dict[str, float]:
+    """teacher_metrics_from_sums of this rank's rows alone (a rank that holds the whole batch)."""
+    return teacher_metrics_from_sums(teacher_metric_sums(batch, rows_of), rows_of, batch.size, prefix)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -94,8 +94,9 @@ class MicroBatch:
             logits_BTv=logits_BTv, token_ids_BT=targets_BT, loss_mask_BT=self.loss_mask_BT, tp_group=tp_group,
             seq_ids_BT=self.seq_ids_BT, golden_seq_ids_BT=self.seq_ids_BT if needs.golden else None,
             temperature=temperature, old_logprobs_BT=self.old_logprobs_BT, teacher_logprobs_BT=self.teacher_logprobs_BT,
-            teacher_topk_ids_BTK=self.teacher_topk_ids_BTK, teacher_topk_logprobs_BTK=self.teacher_topk_logprobs_BTK,
-            student_topk_ids_BTK=self.student_topk_ids_BTK,
+            # Ids are kept int32; the gathers index with long, made here on the logits' device.
+            teacher_topk_ids_BTK=_long(self.teacher_topk_ids_BTK), teacher_topk_logprobs_BTK=self.teacher_topk_logprobs_BTK,
+            student_topk_ids_BTK=_long(self.student_topk_ids_BTK),
             student_topk_teacher_logprobs_BTK=self.student_topk_teacher_logprobs_BTK,
             ref_logits_BTv=partner_BTv if needs.reference else None,
             teacher_logits_BTv=partner_BTv if needs.teacher_logits else None,
@@ -105,6 +106,10 @@ class MicroBatch:
             golden_ids_BT=targets_BT if needs.golden else None,
             golden_mask_BT=self.golden_mask_BT if needs.golden else None,
             **dataclasses.asdict(self.counts))
+
+
+def _long(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.long()
 
 
 def _pad_to(x: torch.Tensor, length: int, value=0) -> torch.Tensor:
@@ -139,7 +144,8 @@ def assemble_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Ten
     counts = step_counts(loss_mask_BT, rows, golden, golden_rows)
     local, S = torch.arange(0), 0
     if rollout is not None:
-        local = rows[list(dp_rows(len(rows), dp_rank, dp_size))]
+        units, shares = _dp_shares(rollout, None, rows, None, dp_size, needs, packed=False)
+        local = torch.tensor([units[i][0].row for i in shares[dp_rank]], dtype=torch.long)
         S = rollout.tokens_BS.shape[1]
     g_local = None
     if golden is not None:
@@ -167,22 +173,29 @@ def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, nee
     def per_token(x_BT, fill=0.0):  # [B, T'(, K)] -> this micro-batch's rows, [mbs + g_per, T(, K)]
         return _pad_to(rows_of(x_BT, fill), T, fill)
 
+    def scores_of(scores, x_BT, fill=0.0):  # a TokenScores field (this rank's rows) -> like per_token
+        x = pad_rows(x_BT[scores.index(r)], mbs, fill)
+        if g_per:
+            x = torch.cat([x, torch.full((g_per, *x.shape[1:]), fill, dtype=x.dtype)])
+        return _pad_to(x, T, fill)
+
     R = mbs + g_per
     mb = MicroBatch(tokens_BS=torch.full((R, S), pad_id, dtype=torch.long), loss_mask_BT=torch.zeros(R, T),
                     golden_mask_BT=torch.zeros(R, T), counts=counts)
     if rollout is not None:
         mb.tokens_BS = _pad_to(rows_of(rollout.tokens_BS, pad_id), S, pad_id)
         mb.loss_mask_BT = per_token(loss_mask_BT)
+        actor, teacher = rollout.actor, rollout.teacher
         if needs.old_logprobs:
-            mb.old_logprobs_BT = per_token(rollout.actor.logprobs_BT)
+            mb.old_logprobs_BT = scores_of(actor, actor.logprobs_BT)
         if needs.teacher_logprobs:
-            mb.teacher_logprobs_BT = per_token(rollout.teacher.logprobs_BT)
+            mb.teacher_logprobs_BT = scores_of(teacher, teacher.logprobs_BT)
         if needs.teacher_topk:
-            mb.teacher_topk_ids_BTK = per_token(rollout.teacher.topk_ids_BTK[..., :needs.teacher_topk], 0)
-            mb.teacher_topk_logprobs_BTK = per_token(rollout.teacher.topk_logprobs_BTK[..., :needs.teacher_topk])
+            mb.teacher_topk_ids_BTK = scores_of(teacher, teacher.topk_ids_BTK[..., :needs.teacher_topk], 0)
+            mb.teacher_topk_logprobs_BTK = scores_of(teacher, teacher.topk_logprobs_BTK[..., :needs.teacher_topk])
         if needs.student_topk:
-            mb.student_topk_ids_BTK = per_token(rollout.actor.topk_ids_BTK[..., :needs.student_topk], 0)
-            mb.student_topk_teacher_logprobs_BTK = per_token(rollout.teacher.at_ids_logprobs_BTK)
+            mb.student_topk_ids_BTK = scores_of(actor, actor.topk_ids_BTK[..., :needs.student_topk], 0)
+            mb.student_topk_teacher_logprobs_BTK = scores_of(teacher, teacher.at_ids_logprobs_BTK)
         if needs.rewards:
             mb.rewards_S = rows_of(rollout.rewards_B)
             # Golden and padding rows get groups of their own (no loss tokens, no effect on the others).
@@ -226,9 +239,8 @@ def assemble_packed_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: to
     every micro-batch to the largest t (PP > 1: fixed-size pipeline buffers). Always at least one
     micro-batch (an empty one holds a padding segment) so every rank takes part in the gradient reduction."""
     counts = step_counts(loss_mask_BT, rows, golden, golden_rows)
-    units = _units(rollout, rows, golden, golden_rows, keep_groups=needs.rewards)
-    share = balanced_partition([[s.length for s in u] for u in units], dp_size)[dp_rank]
-    mine = [units[i] for i in share]
+    units, shares = _dp_shares(rollout, golden, rows, golden_rows, dp_size, needs, packed=True)
+    mine = [units[i] for i in shares[dp_rank]]
     bins = pack_by_budget([sum(s.length for s in u) for u in mine], max_tokens) or [[]]
     layouts = [[s for i in b for s in mine[i]] for b in bins]
     largest = max(max(sum(s.length for s in segs) for segs in layouts), 2)
@@ -249,17 +261,20 @@ def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, co
                     golden_mask_BT=torch.zeros(1, T), counts=counts, seq_ids_BT=row.seq_ids(), packed=row)
     if rollout is not None:
         mb.loss_mask_BT = row.per_token(loss_mask_BT, ON_POLICY)
+        actor, teacher = rollout.actor, rollout.teacher
+        # The scores hold this rank's rows only: the same layout with each segment's row as their position.
+        a_row = _held_layout(row, actor) if needs.old_logprobs or needs.student_topk else None
+        t_row = _held_layout(row, teacher) if needs.teacher_logprobs or needs.teacher_topk or needs.student_topk else None
         if needs.old_logprobs:
-            mb.old_logprobs_BT = row.per_token(rollout.actor.logprobs_BT, ON_POLICY)
+            mb.old_logprobs_BT = a_row.per_token(actor.logprobs_BT, ON_POLICY)
         if needs.teacher_logprobs:
-            mb.teacher_logprobs_BT = row.per_token(rollout.teacher.logprobs_BT, ON_POLICY)
+            mb.teacher_logprobs_BT = t_row.per_token(teacher.logprobs_BT, ON_POLICY)
         if needs.teacher_topk:
-            mb.teacher_topk_ids_BTK = row.per_token(rollout.teacher.topk_ids_BTK[..., :needs.teacher_topk], ON_POLICY)
-            mb.teacher_topk_logprobs_BTK = row.per_token(
-                rollout.teacher.topk_logprobs_BTK[..., :needs.teacher_topk], ON_POLICY)
+            mb.teacher_topk_ids_BTK = t_row.per_token(teacher.topk_ids_BTK[..., :needs.teacher_topk], ON_POLICY)
+            mb.teacher_topk_logprobs_BTK = t_row.per_token(teacher.topk_logprobs_BTK[..., :needs.teacher_topk], ON_POLICY)
         if needs.student_topk:
-            mb.student_topk_ids_BTK = row.per_token(rollout.actor.topk_ids_BTK[..., :needs.student_topk], ON_POLICY)
-            mb.student_topk_teacher_logprobs_BTK = row.per_token(rollout.teacher.at_ids_logprobs_BTK, ON_POLICY)
+            mb.student_topk_ids_BTK = a_row.per_token(actor.topk_ids_BTK[..., :needs.student_topk], ON_POLICY)
+            mb.student_topk_teacher_logprobs_BTK = t_row.per_token(teacher.at_ids_logprobs_BTK, ON_POLICY)
         if needs.rewards:
             # One entry per sequence of the row (segments, then the padding segment); golden and padding
             # sequences: reward 0 and a group of their own (no loss tokens, no effect on the others).
@@ -271,6 +286,56 @@ def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, co
     if golden is not None:
         mb.golden_mask_BT = row.per_token(golden.loss_mask_BT[:, 1:], GOLDEN)
     return mb
+
+
+def _held_layout(row: PackedRow, scores) -> PackedRow:
+    """`row` with each on-policy segment's row replaced by its position among the rows `scores` holds."""
+    on = [s.row for s in row.segments if s.source == ON_POLICY]
+    local = dict(zip(on, scores.index(on).tolist())) if on else {}
+    return PackedRow([Segment(s.source, local[s.row], s.length) if s.source == ON_POLICY else s
+                      for s in row.segments], row.total)
+
+
+def mini_batch_rows(num_rows: int, num_prompts: int, mini_batches: int, j: int,
+                    golden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """On-policy rows and golden rows (None without golden data) of mini-batch j of `mini_batches`."""
+    rows = torch.arange(j * num_rows // mini_batches, (j + 1) * num_rows // mini_batches)
+    golden_rows = torch.arange(j * num_prompts // mini_batches, (j + 1) * num_prompts // mini_batches) if golden else None
+    return rows, golden_rows
+
+
+def _dp_shares(rollout: RolloutBatch | None, golden: GoldenBatch | None, rows: torch.Tensor,
+               golden_rows: torch.Tensor | None, dp_size: int, needs: LossNeeds,
+               packed: bool) -> tuple[list[list[Segment]], list[list[int]]]:
+    """The packing units of one mini-batch and each DP rank's units (packed: balanced by tokens and
+    attention cost), the one partition both the micro-batches and row_owners take."""
+    if packed:
+        units = _units(rollout, rows, golden, golden_rows, keep_groups=needs.rewards)
+        return units, balanced_partition([[s.length for s in u] for u in units], dp_size)
+    units = [[Segment(ON_POLICY, int(r), 1)] for r in rows.tolist()] if rollout is not None else []
+    return units, [list(dp_rows(len(units), d, dp_size)) for d in range(dp_size)]
+
+
+def row_owners(rollout: RolloutBatch, golden: GoldenBatch | None, dp_size: int, needs: LossNeeds,
+               cfg: TrainerConfig, packs: bool = True) -> list[int]:
+    """The actor DP rank that trains each on-policy row of the step: per mini-batch (mini_batch_rows),
+    its rows shared over DP exactly as step_micro_batches shares them (packed: balanced_partition of the
+    packing units, golden rows included; padded: contiguous dp_rows). Pure and deterministic, so every rank
+    computes the same owners and a resumed run the same ones."""
+    B, M = rollout.size, cfg.mini_batches_per_step
+    owner = [-1] * B
+    for j in range(M):
+        rows, golden_rows = mini_batch_rows(B, cfg.prompts_per_step, M, j, golden is not None)
+        units, shares = _dp_shares(rollout, golden, rows, golden_rows, dp_size, needs, cfg.pack_sequences and packs)
+        for d, share in enumerate(shares):
+            for i in share:
+                for seg in units[i]:
+                    if seg.source == ON_POLICY:
+                        owner[seg.row] = d
+    if -1 in owner:
+        raise ValueError(f"rows {[b for b, o in enumerate(owner) if o < 0][:8]} belong to no mini-batch: "
+                         f"{B} rows over trainer.mini_batches_per_step={M}")
+    return owner
 
 
 def step_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor | None, golden: GoldenBatch | None,
@@ -290,7 +355,7 @@ def step_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor 
 
 
 def scoring_packing(batch: RolloutBatch, cfg: TrainerConfig) -> dict:
-    """score_tokens' packing arguments (real lengths, token budget), or none for the padded path."""
-    if not cfg.pack_sequences:
-        return {}
-    return {"lengths_B": batch.prompt_lens_B + batch.response_lens_B, "max_tokens": cfg.max_tokens_per_micro_batch}
+    """score_tokens' length arguments: the real lengths (only real positions move to the owners), and the
+    token budget when packing."""
+    lengths = {"lengths_B": batch.prompt_lens_B + batch.response_lens_B}
+    return {**lengths, "max_tokens": cfg.max_tokens_per_micro_batch} if cfg.pack_sequences else lengths

@@ -4,40 +4,94 @@ loss metrics over the data-parallel ranks.
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from megaopd.config.sections import MetricsConfig
-from megaopd.metrics import advantage_split, repetitive_token_mask, response_metrics, rollout_dynamics, topk_overlap
+from megaopd.metrics import repetitive_token_mask, response_metrics
+from megaopd.metrics.overlap import topk_overlap_counts, topk_overlap_from_counts
+from megaopd.metrics.rollout import advantage_split_counts, advantage_split_from_counts
+from megaopd.parallel.dist import device as group_device
 from megaopd.rollout.batch import RolloutBatch
-from megaopd.scoring.teachers import teacher_metrics
+from megaopd.scoring.teachers import teacher_metric_sums, teacher_metrics_from_sums
 
 
-def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig) -> dict[str, float]:
+def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool = True) -> dict[str, float]:
     """Truncation, repetition, dynamics, the repetitive/regular advantage split, top-k overlap, and the
-    engine/actor log-prob gap (the first sign of a broken weight sync) of one step's rollouts."""
+    engine/actor log-prob gap (the first sign of a broken weight sync) of one step's rollouts.
+
+    Each rank holds its owned rows' scores (batch.actor.rows): it sums over them, and one all_gather of a
+    small float64 vector of sums, counts and maxima (collective over the world; `contributes`: this rank
+    speaks for its actor replica, RowOwners.sends, the others send zeros) gives the whole batch's token-means,
+    the same definitions as over the whole batch at once. The rest (texts, lengths, rewards) is replicated."""
     actor, teacher = batch.actor, batch.teacher
-    mask = batch.loss_mask_BT  # every generated token (repetitive n-grams need them all)
+    rows = actor.rows if actor.rows is not None else list(range(batch.size))
+    idx = torch.tensor(rows, dtype=torch.long)
+    mask = batch.loss_mask_BT[idx]  # every generated token (repetitive n-grams need them all)
+    m = mask.bool()
+    a_lp = actor.logprobs_BT[actor.index(rows)]
+    sums = {"tokens": float(m.sum()), "student_sum": float(a_lp.double()[m].sum())}
+    t_lp = adv_BT = None
+    if teacher is not None:
+        t_lp = teacher.logprobs_BT[teacher.index(rows)]
+        adv_BT = (t_lp - a_lp) * mask
+        sums["teacher_sum"] = float(t_lp.double()[m].sum())
+        sums["advantage_sum"] = float(adv_BT.double()[m].sum())
+        rep_BT = repetitive_token_mask(batch.targets_BT[idx], mask, mcfg.repetition.ngram)
+        sums.update({f"split/{k}": v for k, v in advantage_split_counts(adv_BT, rep_BT, mask).items()})
+        if mcfg.overlap_k:
+            k = mcfg.overlap_k
+            a, t = actor.index(rows), teacher.index(rows)
+            ent = (actor.entropy_BT[a], teacher.entropy_BT[t]) if actor.entropy_BT is not None and \
+                teacher.entropy_BT is not None else (None, None)
+            sums.update({f"overlap/{k_}": v for k_, v in topk_overlap_counts(
+                actor.topk_ids_BTK[a][..., :k], actor.topk_logprobs_BTK[a][..., :k], teacher.topk_ids_BTK[t][..., :k],
+                mask, *ent).items()})
+        if len(batch.teacher_rows) > 1:  # several teachers: their metrics apart too
+            sums.update({f"teacher/{k_}": v for k_, v in teacher_metric_sums(batch, batch.teacher_rows).items()})
+    gap = (batch.engine_logprobs_BT[idx] - a_lp).abs()[m]
+    sums["gap_sum"] = float(gap.double().sum())
+    gap_max = float(gap.max()) if gap.numel() else float("-inf")
+    c, gap_max = _sum_over_owners(sums, gap_max, contributes)
+
+    lengths = torch.as_tensor(batch.response_lens_B, dtype=torch.float64)
     out = response_metrics(batch.texts, batch.finish_reasons, mcfg.repetition)
-    adv_BT = (teacher.logprobs_BT - actor.logprobs_BT) * mask if teacher is not None else None
-    out.update(rollout_dynamics(batch.response_lens_B, mask, actor.logprobs_BT,
-                                teacher.logprobs_BT if teacher is not None else None, adv_BT))
-    if adv_BT is not None:
-        rep_BT = repetitive_token_mask(batch.targets_BT, mask, mcfg.repetition.ngram)
-        split = advantage_split(adv_BT, rep_BT, mask)
+    n = c["tokens"]
+    out["rollout/response_length_mean"] = float(lengths.mean()) if lengths.numel() else 0.0
+    out["rollout/student_logprob_mean"] = c["student_sum"] / n if n > 0 else 0.0
+    if teacher is not None:
+        out["rollout/teacher_logprob_mean"] = c["teacher_sum"] / n if n > 0 else 0.0
+        out["rollout/advantage_mean"] = c["advantage_sum"] / n if n > 0 else 0.0
+        split = advantage_split_from_counts({k[len("split/"):]: v for k, v in c.items() if k.startswith("split/")})
         out.update({"adv/regular_mean": split["adv/regular_mean"],
                     "adv/repetitive_mean": split["adv/repetitive_mean"],
                     "adv/repetitive_token_share": split["adv/repetitive_share"]})
         if mcfg.overlap_k:
-            k = mcfg.overlap_k
-            out.update(topk_overlap(actor.topk_ids_BTK[..., :k], actor.topk_logprobs_BTK[..., :k],
-                                    teacher.topk_ids_BTK[..., :k], mask, actor.entropy_BT, teacher.entropy_BT))
-    if teacher is not None and len(batch.teacher_rows) > 1:  # several teachers: their metrics apart too
-        out.update(teacher_metrics(batch, batch.teacher_rows))
-    gap = (batch.engine_logprobs_BT - actor.logprobs_BT).abs()[mask.bool()]
-    out["sync/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
-    out["sync/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+            out.update(topk_overlap_from_counts({k[len("overlap/"):]: v for k, v in c.items()
+                                                 if k.startswith("overlap/")}))
+        if len(batch.teacher_rows) > 1:
+            out.update(teacher_metrics_from_sums({k[len("teacher/"):]: v for k, v in c.items()
+                                                  if k.startswith("teacher/")}, batch.teacher_rows, batch.size))
+    out["sync/logprob_gap_mean"] = c["gap_sum"] / n if n > 0 else 0.0
+    out["sync/logprob_gap_max"] = gap_max if n > 0 else 0.0
     out["rollout/reward_mean"] = float(batch.rewards_B.mean())
     return out
+
+
+def _sum_over_owners(sums: dict[str, float], maximum: float, contributes: bool) -> tuple[dict[str, float], float]:
+    """Sums over the world of each key (every rank passes the same keys in the same order) and the max of
+    `maximum`: one all_gather of a [len(sums) + 1] float64 vector. Non-contributing ranks count as zero."""
+    values = list(sums.values()) if contributes else [0.0] * len(sums)
+    vec = torch.tensor(values + [maximum if contributes else float("-inf")], dtype=torch.float64,
+                       device=group_device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [torch.empty_like(vec) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, vec)
+        table = torch.stack(parts).cpu()
+    else:
+        table = vec.cpu().unsqueeze(0)
+    total = table[:, :-1].sum(0).tolist()
+    return dict(zip(sums, total)), float(table[:, -1].max())
 
 
 def reduce_loss_metrics(results: list[dict], is_reporter: bool) -> dict[str, float]:

@@ -9,8 +9,9 @@
               the reference (or, for GKD, the teacher) in lockstep -> loss -> backward -> Adam step
     -> sync: actor shards -> HF tensors -> engines     then metrics, validation every N, checkpoint every M
 
-Every rank holds the whole rollout record (token ids and small per-token scores): global token counts are
-then local arithmetic and each layout takes its own data-parallel rows.
+Every rank holds the rollout's token ids, masks, lengths and rewards ([B, S] integers: global token counts
+and the DP partition are then local arithmetic), but the per-token scores only of the rows its actor DP
+replica trains (RowOwners, trainer/micro_batches.row_owners): whole-batch metrics reduce scalars.
 
     python -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=runs/tiny
 """
@@ -32,14 +33,14 @@ from megaopd.losses import build_loss_from, mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import init_distributed, rank0_computes
-from megaopd.rollout.batch import RolloutBatch, build_rollout_batch
+from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores, build_rollout_batch
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.scoring import bounds_for, parity_report, score_sequences, score_tokens
 from megaopd.sync import WeightSync
 from megaopd.sync.gather import gather_hf_weights, model_state
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from megaopd.trainer.micro_batches import MicroBatch, scoring_packing, step_micro_batches
+from megaopd.trainer.micro_batches import MicroBatch, mini_batch_rows, row_owners, scoring_packing, step_micro_batches
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
@@ -162,8 +163,8 @@ class Trainer:
     def train_step(self) -> dict:
         t0, times = time.time(), {}
         examples = self.loader.next_batch()
-        rollout = self._rollout(examples, times) if self.needs.on_policy else None
         golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
+        rollout = self._rollout(examples, times, golden) if self.needs.on_policy else None
         t = time.time()
         metrics = self._train(rollout, golden)
         times["time/train"] = time.time() - t
@@ -178,18 +179,24 @@ class Trainer:
             if interval and self.step % interval == 0:
                 self.check_parity()
         times["time/sync"] = time.time() - t
+        if rollout is not None:  # collective: each replica sums over its rows, one small gather
+            step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)
         if rollout is not None and self.rank == 0:
-            metrics.update(rollout_metrics(rollout, self.cfg.metrics))
+            metrics.update(step)
             self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
         metrics.update(times, **{"time/step": time.time() - t0})
         return metrics
 
-    def _rollout(self, examples, times: dict) -> RolloutBatch:
-        """Generate, then score the responses with the actor (log pi_old) and the teacher (log q)."""
-        cfg, needs, models = self.cfg, self.needs, self.models
+    def _rollout(self, examples, times: dict, golden=None) -> RolloutBatch:
+        """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
+        land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
+        cfg, needs, models, pgs = self.cfg, self.needs, self.models, self.actor_pgs
         t = time.time()
         samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
         batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
+        self.owners = owners = RowOwners(
+            tuple(row_owners(batch, golden, pgs.dp.size(), needs, cfg.trainer, self.train_runner.packs)),
+            pgs.dp.rank(), pgs.dp.size(), sends=pgs.tp.rank() == 0 and pgs.pp.rank() == 0)
         times["time/rollout"], t = time.time() - t, time.time()
         teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, cfg.trainer)
         overlap_k = cfg.metrics.overlap_k if teachers is not None else 0
@@ -198,13 +205,17 @@ class Trainer:
             batch.teacher_rows = teachers.route([ex.teacher for ex in examples], cfg.trainer.samples_per_prompt)
             pending = teachers.start_remote(batch, batch.teacher_rows, teacher_topk, self.rank)
         batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, mbs, self.temperature,
-                                   topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0, **packing)
+                                   topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0, owners=owners,
+                                   **packing)
         times["time/actor_logprobs"], t = time.time() - t, time.time()
         if teachers is not None:
-            support = batch.actor.topk_ids_BTK[..., :needs.student_topk] if needs.student_topk else None
+            support = None
+            if needs.student_topk:
+                support = TokenScores(batch.actor.logprobs_BT, rows=batch.actor.rows,
+                                      topk_ids_BTK=batch.actor.topk_ids_BTK[..., :needs.student_topk])
             batch.teacher = teachers.score(batch, batch.teacher_rows, pending, mbs, self.temperature,
-                                           topk=teacher_topk, entropy=overlap_k > 0, at_ids_BTK=support,
-                                           on_device=on_gpu_while_used, packing=packing)
+                                           topk=teacher_topk, entropy=overlap_k > 0, at_ids=support,
+                                           on_device=on_gpu_while_used, packing=packing, owners=owners)
             if teachers.has_remote and self.rank == 0:
                 times["time/teacher_remote"] = pending.seconds  # overlapped with time/actor_logprobs
         times["time/teacher"] = time.time() - t
@@ -242,8 +253,7 @@ class Trainer:
         P, M = cfg.prompts_per_step, cfg.mini_batches_per_step
         results, grad_norms = [], []
         for j in range(M):
-            rows = torch.arange(j * B // M, (j + 1) * B // M)
-            golden_rows = torch.arange(j * P // M, (j + 1) * P // M) if golden is not None else None
+            rows, golden_rows = mini_batch_rows(B, P, M, j, golden is not None)  # row_owners' rows too
             micro = step_micro_batches(rollout, mask_BT, golden, rows, golden_rows, pgs.dp.rank(), pgs.dp.size(),
                                        pgs.pp.size(), needs, cfg, self.pad_id, self.train_runner.seq_multiple,
                                        self.train_runner.packs)

@@ -172,8 +172,12 @@ def test_teacher_set_routes_rows_and_merges():
     samples = [Sample([1, 2, 3], [4, 5], [-.1, -.2], "stop") for _ in range(6)]
     batch = build_rollout_batch(samples, 0, 2)
     from megaopd.rollout.batch import TokenScores
-    parts = {n: TokenScores(logprobs_BT=torch.full((len(rows[n]), 4), t.value)) for n, t in ts.teachers.items()}
-    merged = ts._merge(batch, rows, parts)
+    parts = {n: TokenScores(logprobs_BT=torch.full((len(rows[n]), 4), t.value), rows=rows[n])
+             for n, t in ts.teachers.items()}
+    merged = ts._merge(batch, list(range(6)), parts)  # this rank holds every row
+    assert merged.rows == list(range(6))
+    owned = {n: p.take([b for b in rows[n] if b in (1, 2)]) for n, p in parts.items()}  # a rank owning rows 1, 2
+    assert ts._merge(batch, [1, 2], owned).logprobs_BT[:, 0].tolist() == [-1, -2]
     assert merged.logprobs_BT[:, 0].tolist() == [-1, -1, -2, -2, -1, -1]
     batch.teacher, batch.actor = merged, TokenScores(logprobs_BT=torch.zeros(6, 4))
     m = teacher_metrics(batch, rows)

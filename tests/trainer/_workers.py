@@ -46,12 +46,28 @@ def two_teachers_rollout(rank, world_size, cfg):
             alone[name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B).logprobs_BT
     if trainer.run_log is not None:
         trainer.run_log.close()
+    from megaopd.trainer.step_metrics import rollout_metrics
+    metrics = rollout_metrics(batch, cfg.metrics, contributes=trainer.owners.sends)  # collective
+    teacher = whole_batch(batch.teacher.logprobs_BT, batch.teacher.rows, batch.size, trainer.owners.sends)
     if rank != 0:
         return None
-    from megaopd.trainer.step_metrics import rollout_metrics
-    return {"teacher": batch.teacher.logprobs_BT, "rows": batch.teacher_rows, "alone": alone,
+    return {"teacher": teacher, "rows": batch.teacher_rows, "alone": alone,
             "mask": batch.loss_mask_BT, "sources": [ex.source for ex in examples],
-            "metrics": rollout_metrics(batch, cfg.metrics), "times": times}
+            "metrics": metrics, "times": times}
+
+
+def whole_batch(x_BT, rows, num_rows, contributes):
+    """The whole batch's [B, ...] from each rank's owned rows (collective; tests only: training never
+    assembles it)."""
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (rows, x_BT) if contributes else None)
+    out = torch.zeros((num_rows, *x_BT.shape[1:]), dtype=x_BT.dtype)
+    for part in parts:
+        if part is not None:
+            out[torch.tensor(part[0], dtype=torch.long)] = part[1]
+    return out
 
 
 def one_step_everything(rank, world_size, cfg):
@@ -64,12 +80,15 @@ def one_step_everything(rank, world_size, cfg):
     captured = {}
     original_rollout = trainer_module.Trainer._rollout
 
-    def capturing_rollout(self, examples, times):
-        batch = original_rollout(self, examples, times)
+    def capturing_rollout(self, examples, times, *args):
+        batch = original_rollout(self, examples, times, *args)
         mask = batch.loss_mask_BT.bool()
-        captured["actor_logprobs"] = torch.where(mask, batch.actor.logprobs_BT, 0.0)
+        sends = self.owners.sends
+        captured["actor_logprobs"] = torch.where(mask, whole_batch(batch.actor.logprobs_BT, batch.actor.rows,
+                                                                   batch.size, sends), 0.0)
         if batch.teacher is not None:
-            captured["teacher_logprobs"] = torch.where(mask, batch.teacher.logprobs_BT, 0.0)
+            captured["teacher_logprobs"] = torch.where(mask, whole_batch(batch.teacher.logprobs_BT, batch.teacher.rows,
+                                                                         batch.size, sends), 0.0)
         return batch
 
     trainer_module.Trainer._rollout = capturing_rollout

@@ -108,3 +108,60 @@ def test_packed_rows_are_padded_to_the_sequence_parallel_multiple():
                                               0, 1, needs, 20, PAD, uniform=uniform, multiple=4)
         assert all(mb.tokens_BS.shape[1] % 4 == 0 for mb in micro)
         assert sum(float(mb.loss_mask_BT.sum()) for mb in micro) == float(rollout.loss_mask_BT.sum())
+
+
+def _trained_rows(micro) -> list[int]:
+    """On-policy rows of a rank's micro-batches, read back from their old log-probs (row b's are all b + 1)."""
+    out = set()
+    for mb in micro:
+        values = mb.old_logprobs_BT[mb.loss_mask_BT.bool()]
+        out.update(int(v) - 1 for v in values.unique().tolist())
+    return sorted(out)
+
+
+def test_row_owners_is_the_partition_the_micro_batches_take():
+    """Each DP rank, given scores of ONLY the rows row_owners gives it, builds its micro-batches of every
+    mini-batch (no row it lacks is asked for) and they train exactly those rows: padded and packed, with
+    golden units in the balance, GRPO groups kept whole, 1 or 2 mini-batches, DP 1..3."""
+    import dataclasses
+
+    from megaopd.config.trainer import TrainerConfig
+    from megaopd.trainer.micro_batches import mini_batch_rows, row_owners, step_micro_batches
+
+    B, S = 12, 9
+    base = _rollout(B, S)
+    base.response_lens_B = base.loss_mask_BT.sum(-1).long() + torch.tensor([0, 3, 1, 0, 2, 0, 1, 0, 0, 2, 1, 0])  # uneven lengths
+    row_id_BT = (torch.arange(B, dtype=torch.float32) + 1).unsqueeze(1).expand(B, S - 1).contiguous()
+    golden = _golden(P=6, L=5)
+    for pack in (False, True):
+        for rewards in (False, True):
+            for M in (1, 2):
+                cfg = dataclasses.replace(TrainerConfig(), pack_sequences=pack, max_tokens_per_micro_batch=16,
+                                          micro_batch_size=2, mini_batches_per_step=M, prompts_per_step=6)
+                needs = LossNeeds(old_logprobs=True, golden=True, rewards=rewards)
+                for dp in (1, 2, 3):
+                    owner = row_owners(base, golden, dp, needs, cfg)
+                    assert owner == row_owners(base, golden, dp, needs, cfg)  # deterministic
+                    for d in range(dp):
+                        mine = [b for b in range(B) if owner[b] == d]
+                        rollout = dataclasses.replace(base, actor=TokenScores(row_id_BT[mine], rows=mine))
+                        trained = []
+                        for j in range(M):
+                            rows, grows = mini_batch_rows(B, 6, M, j, True)
+                            micro = step_micro_batches(rollout, rollout.loss_mask_BT, golden, rows, grows, d, dp, 1,
+                                                       needs, cfg, PAD)
+                            got = _trained_rows(micro)
+                            assert set(got) <= set(rows.tolist())
+                            trained += got
+                        assert trained == mine, (pack, rewards, M, dp, d)
+                    if rewards and pack:  # a GRPO group (rows 2i, 2i+1) has one owner
+                        assert all(owner[2 * i] == owner[2 * i + 1] for i in range(B // 2))
+
+
+def test_a_row_not_held_is_one_clear_error():
+    import pytest
+
+    scores = TokenScores(torch.zeros(2, 3), rows=[1, 4])
+    assert scores.index([4, 1]).tolist() == [1, 0]
+    with pytest.raises(KeyError, match="rows \\[2\\] are not held on this rank"):
+        scores.index([1, 2])
