@@ -11,7 +11,7 @@
 #   d  TP=2 on the one GPU: two processes over gloo with CUDA tensors, vocab-parallel ops vs TP=1 (<1 min)
 #
 #   bash scripts/gpu_check.sh [--parts a,b,c,d] [--layers N]      # or: make gpu-check
-#   bash scripts/gpu_check.sh --bench [loss,engine,trainer]        # issue 13's measurements (tables, INFO rows)
+#   bash scripts/gpu_check.sh --bench [loss,packing,engine,trainer] # measurements (tables, INFO rows)
 #   bash scripts/gpu_check.sh --quick                              # CPU smoke mode (tiny, fp32, gloo): the CI test
 #
 # On the lent GPU machine (no network): first, HERE, `bash scripts/gpu_wheels.sh` (megatron-core 0.16.1,
@@ -20,6 +20,8 @@
 #   command: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh --parts a,b,d 2>&1 | tee $OUT/log_abd.txt
 #   command: (same install line); PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh --parts c 2>&1 | tee $OUT/log_c.txt; cp /tmp/megaopd_gpu_check/train_*.log $OUT/ 2>/dev/null
 #   command: (same install line); PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh --bench 2>&1 | tee $OUT/log_bench.txt
+# Measured on an H100 (2026-11-23): parts a,b,d 82 s; c 2-3 min; --bench loss 21 s, packing 32 s, engine 49 s,
+# trainer ~3 min (benchmarks/README.md, section GPU).
 # (the second and third calls build the models they need again when the machine is a fresh one; on a warm one
 # /tmp/megaopd_gpu_check is reused). The tables come back as $OUT/gpu_check.md and $OUT/gpu_bench.md.
 set -uo pipefail
