@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores
-from megaopd.scoring.exchange import pack_columns, route_rows, unpack_columns
+from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, unpack_columns
 from megaopd.scoring.passes import score_tokens
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.runner import PipelineRunner
@@ -182,8 +181,8 @@ class TeacherSet:
         # Row b's response tokens are predicted at positions p - 1 .. p + r - 2: only those r travel.
         spans = [range(p - 1, p - 1 + r) if r > 0 else range(0) for p, r in zip(prompt_B, response_B)]
         held_rows = sorted(b for rows in served.values() for b in rows)  # rank 0 holds them all
-        replica_of = _replica_of_ranks(owners, device)
-        replica = [frozenset(r for r, d in enumerate(replica_of) if d == o) for o in range(owners.dp_size)]
+        ranks = owners.ranks if owners.ranks is not None else owner_ranks(owners.dp_rank, owners.sends, device)
+        replica = [frozenset(r for r, (d, _s) in enumerate(ranks) if d == o) for o in range(owners.dp_size)]
         dests = [replica[o] for o in owners.owner_B]
         widths, dtypes = [1], [torch.float32]
         if K:
@@ -200,7 +199,7 @@ class TeacherSet:
                     cols[2].append(scores.topk_logprobs_BTK[b, span.start:span.stop])
             payload = pack_columns([torch.cat(c).float() if dt == torch.float32 else torch.cat(c)
                                     for c, dt in zip(cols, dtypes)]).to(device)
-        held = [held_rows] + [[] for _ in range(len(replica_of) - 1)]
+        held = [held_rows] + [[] for _ in range(len(ranks) - 1)]
         received, values = route_rows(payload, held, dests, [len(sp) for sp in spans], sum(widths), device)
         columns = unpack_columns(values.cpu(), widths, dtypes)
         got, o = {}, 0  # batch row -> its slice of the received positions
@@ -285,12 +284,3 @@ def teacher_metrics(batch: RolloutBatch, rows_of: dict[str, list[int]], prefix: 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
-
-def _replica_of_ranks(owners: RowOwners, device: torch.device) -> list[int]:
-    """Per global rank, its actor DP rank (the replica whose rows it keeps). One small all_gather."""
-    mine = torch.tensor([owners.dp_rank], dtype=torch.long, device=device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [owners.dp_rank]
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    return [int(p) for p in parts]
