@@ -81,11 +81,15 @@ class RowOwners:
     """Actor DP size."""
     sends: bool
     """This rank speaks for its replica when owned rows' data must move (actor TP rank 0 and PP rank 0)."""
+    ranks: tuple[tuple[int, bool], ...] | None = None
+    """Per global rank, its (dp_rank, sends): the same layout every step, so the trainer gathers it once
+    (scoring.exchange.owner_ranks); None: every routing pass gathers it again (a small all_gather)."""
 
     @staticmethod
     def replicated(num_rows: int, rank: int) -> "RowOwners":
         """Every rank holds every row (one replica, global rank 0 speaking for it): `megaopd logprobs`, tests."""
-        return RowOwners(tuple([0] * num_rows), 0, 1, rank == 0)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return RowOwners(tuple([0] * num_rows), 0, 1, rank == 0, tuple((0, r == 0) for r in range(world)))
 
     def rows(self, dp_rank: int | None = None) -> list[int]:
         """Rows owned by `dp_rank` (default: this rank's replica), increasing."""
@@ -94,7 +98,8 @@ class RowOwners:
 
     def subset(self, batch_rows: list[int]) -> "RowOwners":
         """The owners of a sub-batch made of `batch_rows` (its row i is batch row batch_rows[i])."""
-        return RowOwners(tuple(self.owner_B[b] for b in batch_rows), self.dp_rank, self.dp_size, self.sends)
+        return RowOwners(tuple(self.owner_B[b] for b in batch_rows), self.dp_rank, self.dp_size, self.sends,
+                         self.ranks)
 
 
 @dataclass

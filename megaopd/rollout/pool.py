@@ -18,7 +18,11 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
 from megaopd.rollout.protocol import Engine, Sample, SamplingParams
+
+W, J, R = TypeVar("W"), TypeVar("J"), TypeVar("R")
 
 
 class PoolError(RuntimeError):
@@ -46,9 +50,102 @@ class PoolConfig:
 @dataclass
 class _Job:
     start: int
+    """Index of the job's first prompt in the batch."""
     prompts: list[list[int]]
-    attempts: int = 0
-    errors: tuple[str, ...] = ()
+
+
+@dataclass
+class JobFailure:
+    """Why spread_jobs gave up on one job."""
+
+    job: int
+    """Index of the job in the list given to spread_jobs."""
+    attempts: int
+    """Workers that failed on it."""
+    errors: tuple[str, ...]
+    """One "<worker>: <error type>: <message>" per failed attempt, in order."""
+    refused: bool
+    """A worker raised one of the `refuse` exceptions (the job itself is bad: no other worker was tried)."""
+    worker: str
+    """label() of the worker that failed last."""
+    error: BaseException
+    """What it raised."""
+
+
+class SpreadError(RuntimeError):
+    """spread_jobs could not finish: the callers turn it into their own error (PoolError, RemoteTeacherError)."""
+
+    def __init__(self, timed_out: bool, done: int, total: int, failures: list[JobFailure]):
+        self.timed_out, self.done, self.total, self.failures = timed_out, done, total, failures
+        what = "timed out" if timed_out else "; ".join(" | ".join(f.errors) for f in failures)
+        super().__init__(f"{done}/{total} jobs done: {what}")
+
+
+def spread_jobs(workers: Sequence[W], jobs: Sequence[J], call: Callable[[W, J], R], timeout_s: float,
+                max_attempts: int | None = None, refuse: tuple[type[BaseException], ...] = (),
+                label: Callable[[W], str] = repr, name: str = "megaopd-jobs",
+                on_worker_failed: Callable[[int], None] | None = None) -> list[R]:
+    """call(worker, job) for every job, spread over the workers: one thread per worker takes jobs from a
+    shared queue (a fast worker takes more). Returns the results in job order.
+
+    A worker whose call raises takes no more jobs in this call (on_worker_failed(its index) is called) and
+    the job goes back on the queue for another worker; it fails for good after `max_attempts` failed
+    workers (None: as many as there are) or when no worker is left. An exception of a `refuse` type means
+    the job itself is bad (another worker would refuse it too): the call fails at once. Raises SpreadError
+    (timed_out when `timeout_s` passes first; nothing waits forever)."""
+    if not jobs:
+        return []
+    todo: "queue.Queue[int]" = queue.Queue()
+    for j in range(len(jobs)):
+        todo.put(j)
+    results: dict[int, R] = {}
+    attempts, errors = [0] * len(jobs), [()] * len(jobs)
+    failures: list[JobFailure] = []
+    lock, done = threading.Lock(), threading.Event()
+    alive = [True] * len(workers)
+
+    def work(i: int):
+        worker = workers[i]
+        while not done.is_set():
+            try:
+                j = todo.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                out = call(worker, jobs[j])
+            except refuse as e:
+                with lock:
+                    failures.append(JobFailure(j, attempts[j] + 1, errors[j] + (f"{label(worker)}: {e}",), True,
+                                               label(worker), e))
+                    done.set()
+                return
+            except Exception as e:  # noqa: BLE001 - any worker failure sends the job elsewhere
+                with lock:
+                    attempts[j] += 1
+                    errors[j] += (f"{label(worker)}: {type(e).__name__}: {e}",)
+                    alive[i] = False
+                    if on_worker_failed is not None:
+                        on_worker_failed(i)
+                    if (max_attempts is not None and attempts[j] >= max_attempts) or not any(alive):
+                        failures.append(JobFailure(j, attempts[j], errors[j], False, label(worker), e))
+                        done.set()
+                    else:
+                        todo.put(j)
+                return  # this worker takes no more jobs in this call
+            with lock:
+                results[j] = out
+                if len(results) == len(jobs):
+                    done.set()
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True, name=f"{name}-{i}") for i in range(len(workers))]
+    for t in threads:
+        t.start()
+    if not done.wait(timeout=timeout_s):
+        done.set()
+        raise SpreadError(True, len(results), len(jobs), [])
+    if failures:
+        raise SpreadError(False, len(results), len(jobs), list(failures))
+    return [results[j] for j in range(len(jobs))]
 
 
 class EnginePool:
@@ -84,55 +181,26 @@ class EnginePool:
         if not live:
             raise PoolError(f"no healthy engine among {len(self.engines)}")
         per_job = self.config.prompts_per_job or -(-len(prompts) // len(live))
-        todo: "queue.Queue[_Job]" = queue.Queue()
         jobs = [_Job(s, prompts[s:s + per_job]) for s in range(0, len(prompts), per_job)]
-        for job in jobs:
-            todo.put(job)
-        results: dict[int, list[Sample]] = {}
-        fatal: list[str] = []
-        lock = threading.Lock()
-        done = threading.Event()
-        alive = {i: True for i in live}
 
-        def work(i: int):
-            engine = self.engines[i]
-            while not done.is_set():
-                try:
-                    job = todo.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                try:
-                    out = engine.generate(job.prompts, params, first_prompt_index=first_prompt_index + job.start)
-                    if len(out) != len(job.prompts) * params.n:
-                        raise RuntimeError(f"returned {len(out)} samples for {len(job.prompts)} prompts x n={params.n}")
-                except Exception as e:  # noqa: BLE001 - any engine failure sends the job elsewhere
-                    job.attempts += 1
-                    job.errors += (f"{engine!r}: {type(e).__name__}: {e}",)
-                    with lock:
-                        self.failed.add(i)
-                        alive[i] = False
-                        if job.attempts >= self.config.max_attempts or not any(alive.values()):
-                            fatal.append(f"prompts {job.start}..{job.start + len(job.prompts) - 1} failed on "
-                                         f"{job.attempts} engine(s): " + " | ".join(job.errors))
-                            done.set()
-                        else:
-                            todo.put(job)
-                    return  # this engine takes no more jobs in this call
-                with lock:
-                    results[job.start] = out
-                    if len(results) == len(jobs):
-                        done.set()
+        def run(engine: Engine, job: _Job) -> list[Sample]:
+            out = engine.generate(job.prompts, params, first_prompt_index=first_prompt_index + job.start)
+            if len(out) != len(job.prompts) * params.n:
+                raise RuntimeError(f"returned {len(out)} samples for {len(job.prompts)} prompts x n={params.n}")
+            return out
 
-        threads = [threading.Thread(target=work, args=(i,), daemon=True, name=f"megaopd-pool-{i}") for i in live]
-        for t in threads:
-            t.start()
-        if not done.wait(timeout=self.config.timeout_s):
-            done.set()
-            raise PoolError(f"generate did not finish in {self.config.timeout_s:.0f}s "
-                            f"({len(results)}/{len(jobs)} jobs done)")
-        if fatal:
-            raise PoolError("; ".join(fatal))
-        return [s for start in sorted(results) for s in results[start]]
+        try:
+            outs = spread_jobs([self.engines[i] for i in live], jobs, run, timeout_s=self.config.timeout_s,
+                               max_attempts=self.config.max_attempts, name="megaopd-pool",
+                               on_worker_failed=lambda k: self.failed.add(live[k]))
+        except SpreadError as e:
+            if e.timed_out:
+                raise PoolError(f"generate did not finish in {self.config.timeout_s:.0f}s "
+                                f"({e.done}/{e.total} jobs done)") from None
+            raise PoolError("; ".join(
+                f"prompts {jobs[f.job].start}..{jobs[f.job].start + len(jobs[f.job].prompts) - 1} failed on "
+                f"{f.attempts} engine(s): " + " | ".join(f.errors) for f in e.failures)) from None
+        return [s for out in outs for s in out]
 
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
         """Prompt log-probs from the first healthy engine that has them (all engines hold the same weights)."""

@@ -25,7 +25,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megaopd import ops
 from megaopd.parallel.dist import device as group_device
 from megaopd.rollout.batch import RowOwners, TokenScores, dp_rows, pad_rows
-from megaopd.scoring.exchange import pack_columns, route_rows, unpack_columns
+from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, unpack_columns
 from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, round_up, row_lengths
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
@@ -105,7 +105,7 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     if len(owners.owner_B) != B:
         raise ValueError(f"owners cover {len(owners.owner_B)} rows, the batch has {B}: pass owners.subset(rows) "
                          f"for a sub-batch")
-    world = _world_layout(pgs, owners, device)
+    world = _world_layout(runner, owners, device)
     last_stage = pgs.pp.rank() == pgs.pp.size() - 1
     aligned = pgs.dp.size() == owners.dp_size and all(w[0] == w[2] for w in world)
     if aligned:  # the runner's DP replicas are the owners: score the owned rows, keep them
@@ -200,16 +200,18 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     return TokenScores(**out, rows=mine)
 
 
-def _world_layout(pgs: ProcessGroupCollection, owners: RowOwners, device: torch.device) -> list[tuple[int, ...]]:
+def _world_layout(runner: PipelineRunner, owners: RowOwners, device: torch.device) -> list[tuple[int, ...]]:
     """Per global rank: (its DP rank in the runner's layout, whether it speaks for its share: TP rank 0 of
-    the last PP stage, its owners' DP rank, whether it speaks for its replica). One small all_gather."""
-    mine = torch.tensor([pgs.dp.rank(), int(pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1),
-                         owners.dp_rank, int(owners.sends)], dtype=torch.long, device=device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [tuple(mine.tolist())]
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    return [tuple(p.tolist()) for p in parts]
+    the last PP stage, its owners' DP rank, whether it speaks for its replica). Both halves are fixed for a
+    run: the runner's is gathered on its first pass and kept on it (every rank's first pass of a runner is
+    the same collective call, so all ranks gather together); the owners' is RowOwners.ranks (gathered here
+    when a caller did not set it)."""
+    pgs = runner.pgs
+    if getattr(runner, "world_dp", None) is None:
+        runner.world_dp = owner_ranks(pgs.dp.rank(), pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1,
+                                      device)
+    ranks = owners.ranks if owners.ranks is not None else owner_ranks(owners.dp_rank, owners.sends, device)
+    return [(d, int(s), o, int(t)) for (d, s), (o, t) in zip(runner.world_dp, ranks)]
 
 
 def _route_at_ids(at_ids_BTK: torch.Tensor, owners: RowOwners, shares: list[list[int]], dp_rank: int, world,

@@ -18,16 +18,14 @@ What a served teacher cannot give (the config refuses the first two at start-up,
     per position;
   - entropy: TokenScores.entropy_BT stays None, and the overlap metrics leave out overlap/entropy_gap.
 
-Servers: one thread per server takes requests from a shared queue (a fast server takes more). A request
-whose server fails (no answer after its retries, a 5xx, a malformed answer) goes back on the queue for
-another server, and that server takes no more requests in this call; when no server is left the call
-raises RemoteTeacherError naming the teacher, the servers and their errors. A 4xx answer is our bug (a bad
+Servers: one thread per server takes requests from a shared queue, so a fast server takes more (the rollout
+pool's loop, megaopd.rollout.pool.spread_jobs). A request whose server fails (no answer after its retries, a
+5xx, a malformed answer) goes back on the queue for another server, and that server takes no more requests in
+this call; when no server is left the call raises RemoteTeacherError naming the teacher, the servers and their errors. A 4xx answer is our bug (a bad
 request) and fails at once.
 """
 from __future__ import annotations
 
-import queue
-import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,18 +33,11 @@ import torch
 
 from megaopd.rollout.batch import TokenScores
 from megaopd.rollout.client import EngineRequestError, HttpEngine, HttpEngineConfig
+from megaopd.rollout.pool import SpreadError, spread_jobs
 
 
 class RemoteTeacherError(RuntimeError):
     """A served teacher could not score the batch: every server failed, or a request was refused."""
-
-
-@dataclass
-class _Request:
-    rows: list[int]
-    """Row indices of the batch in this request."""
-    attempts: int = 0
-    errors: tuple[str, ...] = ()
 
 
 @dataclass
@@ -98,60 +89,24 @@ class RemoteTeacher:
     def _score_rows(self, tokens_BS, prompt_lens_B, response_lens_B, rows: list[int], topk: int) -> dict[int, RowScores]:
         if not rows:
             return {}
-        todo: "queue.Queue[_Request]" = queue.Queue()
-        requests = [_Request(rows[i:i + self.rows_per_request]) for i in range(0, len(rows), self.rows_per_request)]
-        for req in requests:
-            todo.put(req)
-        results: dict[int, RowScores] = {}
-        fatal: list[str] = []
-        lock, done = threading.Lock(), threading.Event()
-        alive = [True] * len(self.servers)
-        finished = [0]
-
-        def work(i: int):
-            server = self.servers[i]
-            while not done.is_set():
-                try:
-                    req = todo.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                try:
-                    out = self._request(server, tokens_BS, prompt_lens_B, response_lens_B, req.rows, topk)
-                except EngineRequestError as e:  # the server refused what we sent: another one would too
-                    with lock:
-                        fatal.append(f"{server.url} refused the scoring request: {e}")
-                        done.set()
-                    return
-                except Exception as e:  # noqa: BLE001 - a dead or broken server: the request moves on
-                    with lock:
-                        req.attempts += 1
-                        req.errors += (f"{server.url}: {type(e).__name__}: {e}",)
-                        alive[i] = False
-                        if not any(alive):
-                            fatal.append(f"every server failed ({len(self.servers)}): " + " | ".join(req.errors))
-                            done.set()
-                        else:
-                            todo.put(req)
-                    return  # this server takes no more requests in this call
-                with lock:
-                    results.update(out)
-                    finished[0] += 1
-                    if finished[0] == len(requests):
-                        done.set()
-
-        threads = [threading.Thread(target=work, args=(i,), daemon=True, name=f"megaopd-teacher-{self.name}-{i}")
-                   for i in range(len(self.servers))]
-        for t in threads:
-            t.start()
-        if not done.wait(timeout=self.timeout_s * (len(requests) + 1)):
-            done.set()
-            raise RemoteTeacherError(f"teacher {self.name!r}: scoring did not finish "
-                                     f"({finished[0]}/{len(requests)} requests done)")
-        if fatal:
+        requests = [rows[i:i + self.rows_per_request] for i in range(0, len(rows), self.rows_per_request)]
+        try:
+            outs = spread_jobs(self.servers, requests,
+                               lambda server, req: self._request(server, tokens_BS, prompt_lens_B, response_lens_B,
+                                                                 req, topk),
+                               timeout_s=self.timeout_s * (len(requests) + 1),
+                               refuse=(EngineRequestError,),  # the server refused what we sent: another one would too
+                               label=lambda server: server.url, name=f"megaopd-teacher-{self.name}")
+        except SpreadError as e:
+            if e.timed_out:
+                raise RemoteTeacherError(f"teacher {self.name!r}: scoring did not finish "
+                                         f"({e.done}/{e.total} requests done)") from None
+            fatal = [f"{f.worker} refused the scoring request: {f.error}" if f.refused else
+                     f"every server failed ({len(self.servers)}): " + " | ".join(f.errors) for f in e.failures]
             raise RemoteTeacherError(f"teacher {self.name!r} could not score the step's responses: "
                                      + "; ".join(fatal) + ". Check that the teacher's servers (teacher.urls) run "
-                                     "and serve the teacher's model")
-        return results
+                                     "and serve the teacher's model") from None
+        return {b: row for out in outs for b, row in out.items()}
 
     @staticmethod
     def _request(server: HttpEngine, tokens_BS, prompt_lens_B, response_lens_B, rows: list[int],

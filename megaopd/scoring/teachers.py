@@ -9,9 +9,11 @@
 Each sample is scored by the teacher of its prompt's data source (data.sources[].teacher; with one teacher,
 all of them): an in-job teacher runs score_tokens (megaopd.scoring.passes, collective over the world) on its
 rows only, a served teacher (megaopd.scoring.remote) scores its rows over HTTP from rank 0, started before the
-actor's own pass so the two overlap, and its result is broadcast to every rank afterwards. The per-teacher
+actor's own pass so the two overlap; afterwards rank 0 sends each of its rows' response positions to the
+row's owners only (one all_to_all, scoring/exchange.py), as an in-job teacher's pass does. The per-teacher
 results are written into one TokenScores of this rank's owned rows (RowOwners: the rows its actor replica
-trains), row by row: the losses see one record, whoever scored it. A field is kept only when every teacher produced it (entropy: in-job teachers only).
+trains), row by row: the losses see one record, whoever scored it. A field is kept only when every teacher
+produced it (entropy: in-job teachers only).
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
+from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores
+from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, unpack_columns
 from megaopd.scoring.passes import score_tokens
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.runner import PipelineRunner
@@ -53,6 +57,8 @@ class PendingRemote:
     error: BaseException | None = None
     seconds: float = 0.0
     """Wall time of the remote scoring (rank 0)."""
+    topk: int = 0
+    """The top-K the served teachers give (every rank: the width of what their scores' routing carries)."""
 
 
 class TeacherSet:
@@ -92,7 +98,7 @@ class TeacherSet:
     def start_remote(self, batch: RolloutBatch, rows_of: dict[str, list[int]], topk: int, rank: int) -> PendingRemote:
         """Rank 0: starts the served teachers' scoring in a background thread (they wait on HTTP, so the
         actor's pass runs meanwhile); every other rank gets an empty PendingRemote."""
-        pending = PendingRemote()
+        pending = PendingRemote(topk=topk)
         remote = [t for t in self.teachers.values() if isinstance(t, RemoteTeacher) and rows_of.get(t.name)]
         if rank != 0 or not remote:
             return pending
@@ -118,7 +124,7 @@ class TeacherSet:
               packing: dict | None = None, owners: RowOwners | None = None) -> TokenScores:
         """The teacher scores of this rank's owned rows (owners.rows(); None: every row), each row from its
         routed teacher. Collective over the world (in-job teachers' passes, each routing its rows to their
-        owners, then the broadcast of the served teachers' results from rank 0). at_ids: the ids to score at
+        owners, then rank 0's served teachers' results routed to their owners the same way). at_ids: the ids to score at
         (the student's top-k) as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows). packing:
         score_tokens' lengths_B (of the whole batch) and max_tokens, or None for the padded path."""
         on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
@@ -141,25 +147,80 @@ class TeacherSet:
                                     entropy=entropy, at_ids_BTK=sub_at, owners=sub, **packed)
             part.rows = [rows[i] for i in part.rows]  # sub-batch rows -> batch rows
             parts[name] = part
-        remote = self.wait_remote(pending)
-        for name, scores in remote.items():  # [B, T] on every rank with the routed rows filled: keep ours
-            # Served teachers' scores still reach every rank whole (rank0_computes); only the owned rows stay.
-            parts[name] = scores.take([b for b in owners.rows() if b in set(rows_of[name])])
+        parts.update(self._route_remote(batch, rows_of, pending, owners))
         return self._merge(batch, owners.rows(), parts)
 
-    def wait_remote(self, pending: PendingRemote) -> dict[str, TokenScores]:
-        """Rank 0 joins the thread; its results (or its error) reach every rank. Collective."""
+    def wait_remote(self, pending: PendingRemote) -> None:
+        """Rank 0 joins the thread; its error (if any) is raised on every rank. Collective (a small object
+        broadcast); the scores stay on rank 0."""
         def collect():
             if pending.thread is not None:
                 pending.thread.join()
-            return pending.error, pending.results
+            return pending.error
 
-        if not self.has_remote:
-            return {}
-        error, results = rank0_computes(collect)
+        error = rank0_computes(collect)
         if error is not None:
             raise error
-        return results
+
+    def _route_remote(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
+                      owners: RowOwners) -> dict[str, TokenScores]:
+        """The served teachers' scores, held by rank 0, sent to each row's owners (every rank of the owning
+        actor replica): one all_to_all (exchange.route_rows) of the response positions only, log-probs and
+        top-K log-probs float32, top-K ids int32 bit for bit. Per served teacher, the TokenScores of this
+        rank's owned rows it scored. Collective over the world."""
+        served = {name: rows_of[name] for name, t in self.teachers.items()
+                  if isinstance(t, RemoteTeacher) and rows_of.get(name)}
+        if not served:  # the same on every rank (routing is a pure function of the batch): nothing to wait for
+            return {}
+        self.wait_remote(pending)
+        device = group_device()
+        me = _rank()
+        K = pending.topk
+        prompt_B, response_B = batch.prompt_lens_B.tolist(), batch.response_lens_B.tolist()
+        T = batch.tokens_BS.shape[1] - 1
+        # Row b's response tokens are predicted at positions p - 1 .. p + r - 2: only those r travel.
+        spans = [range(p - 1, p - 1 + r) if r > 0 else range(0) for p, r in zip(prompt_B, response_B)]
+        held_rows = sorted(b for rows in served.values() for b in rows)  # rank 0 holds them all
+        ranks = owners.ranks if owners.ranks is not None else owner_ranks(owners.dp_rank, owners.sends, device)
+        replica = [frozenset(r for r, (d, _s) in enumerate(ranks) if d == o) for o in range(owners.dp_size)]
+        dests = [replica[o] for o in owners.owner_B]
+        widths, dtypes = [1], [torch.float32]
+        if K:
+            widths, dtypes = [1, K, K], [torch.float32, torch.int32, torch.float32]
+        payload = None
+        if me == 0:
+            teacher_of = {b: name for name, rows in served.items() for b in rows}
+            cols: list[list[torch.Tensor]] = [[] for _ in widths]
+            for b in held_rows:
+                scores, span = pending.results[teacher_of[b]], spans[b]
+                cols[0].append(scores.logprobs_BT[b, span.start:span.stop].reshape(-1, 1))
+                if K:
+                    cols[1].append(scores.topk_ids_BTK[b, span.start:span.stop].int())
+                    cols[2].append(scores.topk_logprobs_BTK[b, span.start:span.stop])
+            payload = pack_columns([torch.cat(c).float() if dt == torch.float32 else torch.cat(c)
+                                    for c, dt in zip(cols, dtypes)]).to(device)
+        held = [held_rows] + [[] for _ in range(len(ranks) - 1)]
+        received, values = route_rows(payload, held, dests, [len(sp) for sp in spans], sum(widths), device)
+        columns = unpack_columns(values.cpu(), widths, dtypes)
+        got, o = {}, 0  # batch row -> its slice of the received positions
+        for b in received:
+            got[b], o = slice(o, o + len(spans[b])), o + len(spans[b])
+        mine = set(owners.rows())
+        out = {}
+        for name, rows in served.items():
+            kept = [b for b in rows if b in mine]
+            part = TokenScores(logprobs_BT=torch.zeros(len(kept), T), rows=kept)
+            if K:
+                part.topk_ids_BTK = torch.zeros(len(kept), T, K, dtype=torch.int32)
+                part.topk_logprobs_BTK = torch.zeros(len(kept), T, K)
+            for i, b in enumerate(kept):
+                span = spans[b]
+                part.logprobs_BT[i, span.start:span.stop] = columns[0][got[b], 0]
+                if K:
+                    part.topk_ids_BTK[i, span.start:span.stop] = columns[1][got[b]]
+                    part.topk_logprobs_BTK[i, span.start:span.stop] = columns[2][got[b]]
+            out[name] = part
+        return out
 
     def _merge(self, batch: RolloutBatch, mine: list[int], parts: dict[str, TokenScores]) -> TokenScores:
         """One TokenScores of the rows `mine` (increasing) from each teacher's part (each holds its rows)."""
@@ -222,3 +283,4 @@ def teacher_metrics(batch: RolloutBatch, rows_of: dict[str, list[int]], prefix: 
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+

@@ -32,6 +32,7 @@ from megaopd.data.vocab import loss_mask_ids
 from megaopd.losses import build_loss_from, mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
+from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import init_distributed, rank0_computes
 from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores, build_rollout_batch
 from megaopd.rollout.protocol import SamplingParams
@@ -47,6 +48,7 @@ from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu
 from megaopd.trainer.run_log import RunLog
 from megaopd.trainer.step_metrics import reduce_loss_metrics, rollout_metrics, sample_rows
 from megaopd.trainer.validation import validate
+from megaopd.scoring.exchange import owner_ranks
 from megaopd.scoring.runner import PipelineRunner
 
 
@@ -88,6 +90,10 @@ class Trainer:
         cfg = self.cfg
         self.models = build_models(cfg, self.needs)
         self.actor, self.actor_pgs = self.models.actor, self.models.actor.pgs
+        # Which actor replica each global rank is in, and which rank speaks for it (TP 0, PP 0): fixed for the
+        # run, so gathered once here, not by every step's scoring passes (RowOwners.ranks).
+        pgs = self.actor_pgs
+        self.owner_ranks = owner_ranks(pgs.dp.rank(), pgs.tp.rank() == 0 and pgs.pp.rank() == 0, dist_device())
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
         self.router_aux = RouterAuxLoss(self.actor.model)
         self.optimizer, self.scheduler = build_optimizer(
@@ -196,7 +202,7 @@ class Trainer:
         batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
         self.owners = owners = RowOwners(
             tuple(row_owners(batch, golden, pgs.dp.size(), needs, cfg.trainer, self.train_runner.packs)),
-            pgs.dp.rank(), pgs.dp.size(), sends=pgs.tp.rank() == 0 and pgs.pp.rank() == 0)
+            pgs.dp.rank(), pgs.dp.size(), sends=self.owner_ranks[self.rank][1], ranks=self.owner_ranks)
         times["time/rollout"], t = time.time() - t, time.time()
         teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, cfg.trainer)
         overlap_k = cfg.metrics.overlap_k if teachers is not None else 0

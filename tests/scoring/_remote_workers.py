@@ -38,3 +38,33 @@ def in_job_vs_remote(rank, world_size, teacher_dir, urls, topk):
     in_job = score_tokens(runner, tokens, 4, 1.0, topk=topk)
     remote = RemoteTeacher("t", urls, rows_per_request=2).score(tokens, p, r, topk=topk) if rank == 0 else None
     return (in_job, remote, mask) if rank == 0 else None
+
+
+OWNER = [1, 0, 0, 1, 1, 0]  # actor DP rank that trains each row of _batch() (non-contiguous on purpose)
+ROUTE = ["a", "b", "a"]  # teacher of each prompt (2 samples each): a has rows 0, 1, 4, 5; b rows 2, 3
+
+
+def served_owned_rows(rank, world_size, urls, topk):
+    """Two served teachers through TeacherSet with actor DP=2 over `world_size` ranks (replica = rank % 2, so
+    each replica has world_size / 2 ranks): per rank, the teacher scores it holds (and its owned rows); then
+    the error every rank raises when the teacher's servers are dead."""
+    from megaopd.rollout.batch import RolloutBatch, RowOwners
+    from megaopd.scoring.remote import RemoteTeacher
+    from megaopd.scoring.teachers import TeacherSet
+
+    tokens, p, r, mask = _batch()
+    B = tokens.shape[0]
+    batch = RolloutBatch(tokens, mask, torch.zeros_like(mask), p, r, ["stop"] * B, torch.arange(B) // 2)
+    owners = RowOwners(tuple(OWNER), rank % 2, 2, sends=rank < 2)
+    teachers = TeacherSet([RemoteTeacher(n, urls, rows_per_request=2) for n in ("a", "b")])
+    rows_of = teachers.route(ROUTE, 2)
+    pending = teachers.start_remote(batch, rows_of, topk, rank)
+    scores = teachers.score(batch, rows_of, pending, 2, 1.0, topk=topk, owners=owners)
+    dead = TeacherSet([RemoteTeacher("a", ["http://127.0.0.1:9"], retries=0)])
+    try:
+        dead.score(batch, {"a": list(range(B))}, dead.start_remote(batch, {"a": list(range(B))}, topk, rank), 2, 1.0,
+                   topk=topk, owners=owners)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        error = f"{type(e).__name__}: {e}"
+    return {"mine": owners.rows(), "scores": scores, "error": error}

@@ -184,3 +184,34 @@ def test_teacher_set_routes_rows_and_merges():
     assert m["rollout/teacher_logprob_mean/a"] == -1 and m["rollout/teacher_logprob_mean/b"] == -2
     with pytest.raises(ValueError, match="names no teacher"):
         ts.route(["a", ""], 2)
+
+
+@pytest.mark.slow
+def test_served_scores_reach_only_their_owners(server):
+    """Two served teachers, actor DP=2 over 4 ranks (two ranks a replica): every rank holds exactly its
+    replica's rows' teacher scores, equal to the served values (the route moves float32 and int32 bit for
+    bit), and a dead server is one RemoteTeacherError on every rank."""
+    from megaopd.parallel.launch import spawn
+    from tests.scoring import _remote_workers as w
+
+    tokens, p, r, _ = _batch()
+    B = tokens.shape[0]
+    alone = {}  # each teacher's rows scored alone, the same requests (2 rows each) as in the TeacherSet
+    for name in ("a", "b"):
+        rows = [b for b in range(B) if w.ROUTE[b // 2] == name]
+        alone[name] = (rows, RemoteTeacher(name, [server.url], rows_per_request=2).score(tokens, p, r, topk=K,
+                                                                                             rows=rows))
+    served = {f: torch.zeros_like(getattr(alone["a"][1], f)) for f in ("logprobs_BT", "topk_ids_BTK", "topk_logprobs_BTK")}
+    for rows, scores in alone.values():
+        for f, x in served.items():
+            x[rows] = getattr(scores, f)[rows]
+    results = spawn(w.served_owned_rows, 4, args=([server.url], K), timeout=600)
+    for rank, res in enumerate(results):
+        mine = [b for b in range(B) if w.OWNER[b] == rank % 2]
+        s = res["scores"]
+        assert res["mine"] == mine and s.rows == mine, rank
+        assert s.topk_ids_BTK.dtype == torch.int32 and s.entropy_BT is None
+        for f, x in served.items():
+            assert getattr(s, f).shape[0] == len(mine), (rank, f)  # only the owned rows are held
+            assert torch.equal(getattr(s, f), x[mine].to(getattr(s, f).dtype)), (rank, f)
+        assert "RemoteTeacherError" in res["error"] and "every server failed" in res["error"], (rank, res["error"])
