@@ -33,3 +33,12 @@ def test_no_package_imports_from_one_later_on_the_data_path():
                     if later:
                         violations.append(f"{os.path.relpath(path, ROOT)} imports {later}")
     assert not violations, violations
+
+
+def test_trainer_class_stays_under_300_lines():
+    """Issue 11's contract: the Trainer keeps the loop, the optimizer, checkpoints and the run log; what
+    grows belongs in the modules along the data's path."""
+    with open(os.path.join(ROOT, "trainer", "trainer.py")) as f:
+        tree = ast.parse(f.read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    assert cls.end_lineno - cls.lineno + 1 < 300, cls.end_lineno - cls.lineno + 1

@@ -59,6 +59,13 @@ class TokenScores:
                            f"the scores were routed with (trainer/micro_batches.row_owners)")
         return torch.tensor([where[int(r)] for r in batch_rows.tolist()], dtype=torch.long)
 
+    def topk_support(self, k: int) -> "TokenScores | None":
+        """The first k of the top-k ids (the student's support, which LSM asks the teacher to score); None
+        when k is 0."""
+        if not k:
+            return None
+        return TokenScores(self.logprobs_BT, rows=self.rows, topk_ids_BTK=self.topk_ids_BTK[..., :k])
+
     def take(self, batch_rows: list[int]) -> "TokenScores":
         """The scores of the given batch rows only (rows set to them)."""
         i = self.index(batch_rows)

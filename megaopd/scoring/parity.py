@@ -76,3 +76,26 @@ def bounds_for(dtype: str, max_abs: float, mean_abs: float, p99_abs: float, min_
     if dtype in ("float32", "fp32"):
         return ParityBounds(max_abs=max_abs)
     return ParityBounds(mean_abs=mean_abs, p99_abs=p99_abs, min_correlation=min_correlation)
+
+
+def check_engine_parity(engine, score_actor, probe: list[list[int]], bounds: ParityBounds, step: int,
+                        console) -> None:
+    """The probe after a sync (collective): rank 0's engine scores `probe` (its prompt log-probs), every rank
+    runs score_actor(probe) (the actor's log-probs of the same tokens), and a RuntimeError names the
+    statistics out of `bounds`. Engines without prompt log-probs skip it, saying so on the console."""
+    from megaopd.parallel.dist import rank0_computes
+
+    engine_lp = rank0_computes(lambda: [engine.prompt_logprobs(p)[1:] for p in probe]
+                               if hasattr(engine, "prompt_logprobs") else None)
+    if engine_lp is None:
+        console("parity check skipped: these engines expose no prompt log-probs; every step's "
+                "sync/logprob_gap_* still compares engine and actor log-probs")
+        return
+    report = parity_report(engine_lp, score_actor(probe))
+    problems = report.violations(bounds)
+    console(f"weight-sync parity at step {step}: {report.line()}")
+    if problems:
+        raise RuntimeError(f"engine and actor log-probs disagree after the weight sync at step {step}: "
+                           f"{'; '.join(problems)} ({report.line()}). The sync or the engine's model is broken: "
+                           f"check the HF <-> Megatron mapping and the engine's dtype (rollout.parity_* set the "
+                           f"bounds)")

@@ -34,9 +34,9 @@ from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import init_distributed, rank0_computes
-from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores, build_rollout_batch
+from megaopd.rollout.batch import RolloutBatch, RowOwners, build_rollout_batch
 from megaopd.rollout.protocol import SamplingParams
-from megaopd.scoring import bounds_for, parity_report, score_sequences, score_tokens
+from megaopd.scoring import bounds_for, check_engine_parity, score_sequences, score_tokens
 from megaopd.sync import WeightSync
 from megaopd.sync.gather import gather_hf_weights, model_state
 from megaopd.sync.weight_sync import expert_group
@@ -215,12 +215,9 @@ class Trainer:
                                    **packing)
         times["time/actor_logprobs"], t = time.time() - t, time.time()
         if teachers is not None:
-            support = None
-            if needs.student_topk:
-                support = TokenScores(batch.actor.logprobs_BT, rows=batch.actor.rows,
-                                      topk_ids_BTK=batch.actor.topk_ids_BTK[..., :needs.student_topk])
             batch.teacher = teachers.score(batch, batch.teacher_rows, pending, mbs, self.temperature,
-                                           topk=teacher_topk, entropy=overlap_k > 0, at_ids=support,
+                                           topk=teacher_topk, entropy=overlap_k > 0,
+                                           at_ids=batch.actor.topk_support(needs.student_topk),
                                            on_device=on_gpu_while_used, packing=packing, owners=owners)
             if teachers.has_remote and self.rank == 0:
                 times["time/teacher_remote"] = pending.seconds  # overlapped with time/actor_logprobs
@@ -303,23 +300,11 @@ class Trainer:
         """Engine vs actor log-probs of fixed probe sequences (the first prompts' golden solutions) after a
         sync; raises when the statistics leave their bounds (megaopd/scoring/parity.py)."""
         probe = [list(map(int, ex.golden_ids[:64])) for ex in self.loader.batch_at_step(0)[:4]]
-        engine_lp = rank0_computes(lambda: [self.engine.prompt_logprobs(p)[1:] for p in probe]
-                                   if hasattr(self.engine, "prompt_logprobs") else None)
-        if engine_lp is None:
-            self._console("parity check skipped: these engines expose no prompt log-probs; every step's "
-                          "sync/logprob_gap_* still compares engine and actor log-probs")
-            return
-        actor_lp = score_sequences(self.models.actor_runner, probe, self.cfg.trainer.micro_batch_size, self.pad_id)
-        report = parity_report(engine_lp, actor_lp)
-        r = self.cfg.rollout
-        problems = report.violations(bounds_for(self.cfg.student.dtype, r.parity_tolerance, r.parity_mean_tolerance,
-                                                r.parity_p99_tolerance, r.parity_min_correlation))
-        self._console(f"weight-sync parity at step {self.step}: {report.line()}")
-        if problems:
-            raise RuntimeError(f"engine and actor log-probs disagree after the weight sync at step {self.step}: "
-                               f"{'; '.join(problems)} ({report.line()}). The sync or the engine's model is broken: "
-                               f"check the HF <-> Megatron mapping and the engine's dtype (rollout.parity_* set the "
-                               f"bounds)")
+        r, mbs = self.cfg.rollout, self.cfg.trainer.micro_batch_size
+        check_engine_parity(self.engine, lambda p: score_sequences(self.models.actor_runner, p, mbs, self.pad_id),
+                            probe, bounds_for(self.cfg.student.dtype, r.parity_tolerance, r.parity_mean_tolerance,
+                                              r.parity_p99_tolerance, r.parity_min_correlation),
+                            self.step, self._console)
 
     # --------------------------------------------------------------------------- logging and saving
     def _validate(self) -> dict:
