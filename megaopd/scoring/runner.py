@@ -17,8 +17,9 @@ vocab shard of the logits (megatron's vocab-padding columns masked) and returns 
 backpropagated (forward_only=False), result is collected and returned in micro-batch order on the last
 stage (None elsewhere). `partner` is a frozen model of the same layout (the reference, or the GKD
 teacher) run in lockstep on the same tokens: its activations travel through the pipeline beside the
-student's, concatenated along the batch dimension, so the exact full-vocabulary KL of a micro-batch
-needs the partner's logits of that micro-batch only, never of the whole batch.
+student's, concatenated along the batch dimension (on the last stage the two logits stay apart,
+PairedLogits: no copy), so the exact full-vocabulary KL of a micro-batch needs the partner's logits of that
+micro-batch only, never of the whole batch.
 """
 from __future__ import annotations
 
