@@ -10,7 +10,8 @@ it), for three phases of a step:
 
     generate  colocated engines hold their memory fraction; the trainer keeps its weights, gradient
               buffer and optimizer state (plus the frozen models that are not offloaded)
-    score     teacher and actor forward passes of one micro-batch (log q, log pi_old); engines released
+    score     teacher and actor forward passes of one micro-batch (log q, log pi_old), one after the other
+              (the larger counts); engines released
     train     actor forward+backward of one micro-batch, with the reference in lockstep
 
 A micro-batch is what one forward holds: with trainer.pack_sequences=true (the default) one packed row of
@@ -32,12 +33,12 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
   probabilities 2*e*b*(a/t)*S^2 unless recompute=selective drops them; recompute=full keeps only each
   layer's input, e*b*S*h (/t with SP), plus one layer's worth while it is recomputed. Pipeline stages hold
   up to pp micro-batches in flight (1F1B);
-- logits (L = [b*S, V/t] in e bytes, the output layer's own output): what the code holds at its peak, the
-  fused ops' backward of the training step, is the student's logits, the frozen reference's (lockstep, for
-  the exact KL; kept apart from the student's, never concatenated) and the gradient: 3L, plus the ops'
-  float32 chunks (megaopd.ops upcasts 128 MiB of tokens at a time; neither the scoring passes nor the loss
-  make a float32 or shifted copy of the logits: benchmarks/memory.py measures it). A scoring pass holds L
-  and the chunks (padded rows: at least 2L for a moment, megatron's [S, b] -> [b, S] copy of its output).
+- logits (L = [b*S, V/t] in e bytes, the output layer's own output): the training step holds 2L, plus the
+  ops' float32 chunks (megaopd.ops upcasts 128 MiB of tokens at a time): the student's logits and the frozen
+  reference's (lockstep, for the exact KL; kept apart from the student's, never concatenated), whose memory
+  the fused backward then fills with the student's gradient (without a reference: the logits and their
+  gradient). Neither the scoring passes nor the loss make a float32 or shifted copy of the logits
+  (benchmarks/memory.py measures it). A scoring pass holds L and the chunks (padded rows: at least 2L for a moment, megatron's [S, b] -> [b, S] copy of its output).
 
 The numbers are estimates to size a layout, not a measurement: allocator fragmentation, NCCL buffers and
 the CUDA context are one flat `plan.reserved_gb`. Checked against hand-computed sizes of Qwen2.5-7B at
@@ -232,11 +233,16 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
                       activation_bytes(student, b, s, flash_attention, attn),
                       act_hint if act_hint == smaller else f"{act_hint}, or {smaller}"))
     lg = logits_bytes(student, b, s)
+    # Training with the reference in lockstep: the fused backward writes the student's gradient into the
+    # reference logits' memory (ops.vocab_parallel_logprobs_kl overwrite_q), so the gradient is no new buffer.
+    grad_in_reference = reference is not None and reference.dtype == student.dtype
     # Scoring: the logits (padded rows: megatron's [S, b] -> [b, S] copy of them too) and the ops' chunks.
     score_logits = lg + ops_chunk_bytes(student, b, s) if packed or b == 1 else max(2 * lg, lg + ops_chunk_bytes(student, b, s))
-    items.append(Item(f"student logits ({shape}; + grad in backward)", 0,
-                      score_logits + forward_layer_bytes(student, b, s, flash_attention, attn),
-                      2 * lg + ops_chunk_bytes(student, b, s), f"{smaller} or raise student.tp"))
+    # The scoring passes run one after the other (actor's log pi_old, then the teacher's): the larger counts.
+    scoring = [(score_logits + forward_layer_bytes(student, b, s, flash_attention, attn), "student")]
+    items.append(Item(f"student logits ({shape}{'' if grad_in_reference else '; + grad in backward'})", 0, 0,
+                      (1 if grad_in_reference else 2) * lg + ops_chunk_bytes(student, b, s),
+                      f"{smaller} or raise student.tp"))
     if reference is not None:
         w = params_per_rank(reference.hf, reference.tp, reference.pp, reference.ep) * DTYPE_BYTES[reference.dtype]
         # In lockstep with the actor: on the GPU whenever the actor trains; offload frees it while engines
@@ -244,16 +250,19 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
         off = 0.0 if reference.offload else w
         items.append(Item("reference weights" + (" (offloaded)" if reference.offload else ""), off, off, w,
                           "set reference.offload_between_uses=true"))
-        items.append(Item("reference logits (lockstep KL)", 0, 0, logits_bytes(reference, b, s), smaller))
+        items.append(Item("reference logits (lockstep KL" + ("; then the student's grad)" if grad_in_reference else ")"),
+                          0, 0, logits_bytes(reference, b, s), smaller))
     if teacher is not None:
         w = params_per_rank(teacher.hf, teacher.tp, teacher.pp, teacher.ep) * DTYPE_BYTES[teacher.dtype]
         off = 0.0 if teacher.offload else w
         items.append(Item("teacher weights" + (" (offloaded)" if teacher.offload else ""), off, w, off,
                           "set teacher.offload_between_uses=true or raise teacher.tp"))
         t_lg = logits_bytes(teacher, b, s)
-        items.append(Item("teacher scoring (logits + one layer)", 0,
-                          max(t_lg if packed or b == 1 else 2 * t_lg, t_lg + ops_chunk_bytes(teacher, b, s))
-                          + forward_layer_bytes(teacher, b, s, flash_attention, attn), 0, f"{smaller} or raise teacher.tp"))
+        scoring.append((max(t_lg if packed or b == 1 else 2 * t_lg, t_lg + ops_chunk_bytes(teacher, b, s))
+                        + forward_layer_bytes(teacher, b, s, flash_attention, attn), "teacher"))
+    score_bytes, scorer = max(scoring)
+    items.append(Item(f"scoring pass ({scorer}'s, the larger: logits + one layer)", 0, score_bytes, 0,
+                      f"{smaller} or raise {scorer}.tp"))
     if colocated:
         share = engine_memory_fraction * gpu_memory_gb * GB
         rest = engine_released_gb * GB

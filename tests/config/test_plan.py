@@ -98,9 +98,9 @@ def test_packed_micro_batch_is_the_token_budget():
                           use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80,
                           engine_memory_fraction=0.5, engine_released_gb=3, reserved_gb=5, flash_attention=True,
                           packed_tokens=tokens)
-        # training: the student's logits and their gradient, the reference's logits (3L, the fused ops'
-        # backward), plus the ops' float32 chunks; no float32 or concatenated copy of the logits
-        assert _item(plan, "student logits").train == 2 * L + chunks
+        # training: the student's logits and the reference's, whose memory then takes the student's gradient
+        # (2L), plus the ops' float32 chunks; no float32 or concatenated copy of the logits
+        assert _item(plan, "student logits").train == L + chunks
         assert _item(plan, "reference logits").train == L
         assert _item(plan, "student activations").train == activation_bytes(student, 1, tokens, True)
         assert "16384 tokens packed" in _item(plan, "student activations").name
@@ -113,6 +113,11 @@ def test_packed_micro_batch_is_the_token_budget():
     assert packed_micro_batch_tokens(16384, 384) == 16384
     assert packed_micro_batch_tokens(16384, 9216, 4) == 4 * 9216
     assert packed_micro_batch_tokens(4096, 9216) == 9216
+    # no reference (opd alone): the logits and a gradient buffer of their own
+    alone = build_plan(student, None, None, world_size=1, micro_batch_rows=1, seq_len=384,
+                       use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80, engine_memory_fraction=0.5,
+                       engine_released_gb=3, reserved_gb=5, flash_attention=True, packed_tokens=tokens)
+    assert _item(alone, "student logits").train == 2 * L + chunks
 
 
 def test_gpu_check_shape_names_the_budget_and_recompute():
