@@ -145,8 +145,10 @@ class PipelineRunner:
 
             def loss_func(output_tensor):
                 student, partner = output_tensor if paired else (output_tensor, None)
-                student = mask_vocab_padding(student, self.vocab_size, self.pgs.tp)
-                partner = mask_vocab_padding(partner, self.vocab_size, self.pgs.tp) if paired else None
+                # In place: megatron's schedule holds the model's output through the loss, so a masked copy
+                # would be a second logits-sized tensor per model.
+                student = mask_vocab_padding(student, self.vocab_size, self.pgs.tp, inplace=True)
+                partner = mask_vocab_padding(partner, self.vocab_size, self.pgs.tp, inplace=True) if paired else None
                 loss, result = step_fn(mb, student, partner)
                 # calculate_per_token_loss semantics: the schedule neither divides the loss nor
                 # (with our finalize hook) rescales the gradients; losses divide by global counts.
