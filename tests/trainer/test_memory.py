@@ -2,9 +2,9 @@
 of the micro-batch), measured with torch's CPU allocation events (benchmarks/memory.py, whose README table
 is the same measurement at 2048 tokens). Before the fixes of 2026-11-23 these sizes gave 4.03L (scoring: a
 float32 copy, a masked copy of the vocabulary padding), 4.01L (padded scoring) and 4.22L (training:
-concatenated lockstep logits, a separate gradient buffer); now 1.04L, 2.01L and 2.21L: the model's own output is 1L (2L for padded rows: megatron's
-[S, b] -> [b, S] copy), the training step's 2L (the student's logits and the reference's, which take the
-gradient)."""
+concatenated lockstep logits, a separate gradient buffer); now 1.04L, 2.01L and 2.21L: the model's own
+output is 1L (2L for padded rows: megatron's [S, b] -> [b, S] copy), the training step's 2L (the student's
+logits and the reference's, which take the gradient)."""
 import pytest
 
 from benchmarks.memory import measure
