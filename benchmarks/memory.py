@@ -10,6 +10,7 @@ process:
     score, padded     the same rows as one padded micro-batch [seqs, tokens / seqs]
     train, packed     the trainer's step: the actor with the frozen reference in lockstep, MicroBatch.loss_inputs,
                       stable_opd (opd + sft + exact ref_kl), backward
+    train, padded     the same rows as one padded micro-batch (trainer.pack_sequences=false)
 Memory is what torch allocates on the CPU during the call, from the profiler's allocation events
 (torch.profiler, profile_memory=True: every allocation and free in time order; the peak of their running
 sum), so the weights and anything allocated before the call are not counted. L = tokens x V x 2 bytes is one
@@ -29,7 +30,7 @@ import tarfile
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = ("score, packed", "score, padded", "train, packed")
+CASES = ("score, packed", "score, padded", "train, packed", "train, padded")
 
 
 def _peak_bytes(fn) -> int:
@@ -98,16 +99,23 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
                         old_logprobs_BT=-torch.rand(1, T), teacher_logprobs_BT=-torch.rand(1, T),
                         seq_ids_BT=row.seq_ids(), packed=row)
 
+        Tp = L - 1
+        half_BT = (torch.arange(Tp) >= L // 2).expand(seqs, Tp)
+        padded = MicroBatch(tokens_BS=tokens_BS, loss_mask_BT=half_BT.float(), golden_mask_BT=(~half_BT).float(),
+                            counts=StepCounts(T / 2, seqs, T / 2, seqs), old_logprobs_BT=-torch.rand(seqs, Tp),
+                            teacher_logprobs_BT=-torch.rand(seqs, Tp))
+
         def step_fn(m, logits_BSv, partner_BSv):
             loss, _ = loss_fn(m.loss_inputs(logits_BSv, partner_BSv, pgs.tp, 1.0, loss_fn.needs))
             return loss, None
 
-        def train():
-            train_runner.run([mb], step_fn, forward_only=False)
+        def train(m):
+            train_runner.run([m], step_fn, forward_only=False)
             for p in actor.parameters():  # megatron's main_grad buffers are not in use here: plain .grad
                 p.grad = None
 
-        cases = {"score, packed": lambda: score(True), "score, padded": lambda: score(False), "train, packed": train}
+        cases = {"score, packed": lambda: score(True), "score, padded": lambda: score(False),
+                 "train, packed": lambda: train(mb), "train, padded": lambda: train(padded)}
         for fn in cases.values():  # warm-up: lazy buffers (rope cache), first-call allocations
             fn()
         return {name: _peak_bytes(fn) for name, fn in cases.items()}

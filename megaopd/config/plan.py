@@ -37,8 +37,9 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
   ops' float32 chunks (megaopd.ops upcasts 128 MiB of tokens at a time): the student's logits and the frozen
   reference's (lockstep, for the exact KL; kept apart from the student's, never concatenated), whose memory
   the fused backward then fills with the student's gradient (without a reference: the logits and their
-  gradient). Neither the scoring passes nor the loss make a float32 or shifted copy of the logits
-  (benchmarks/memory.py measures it). A scoring pass holds L and the chunks (padded rows: at least 2L for a moment, megatron's [S, b] -> [b, S] copy of its output).
+  gradient). Neither the scoring passes nor the loss make a float32 copy of the logits (benchmarks/memory.py
+  measures it); padded rows (b > 1, pack_sequences=false) add a shifted contiguous copy of each model's
+  logits (the loss reads logits[:, :-1]): 4L with the reference. A scoring pass holds L and the chunks (padded rows: at least 2L for a moment, megatron's [S, b] -> [b, S] copy of its output).
 
 The numbers are estimates to size a layout, not a measurement: allocator fragmentation, NCCL buffers and
 the CUDA context are one flat `plan.reserved_gb`. Checked against hand-computed sizes of Qwen2.5-7B at
@@ -240,9 +241,13 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
     score_logits = lg + ops_chunk_bytes(student, b, s) if packed or b == 1 else max(2 * lg, lg + ops_chunk_bytes(student, b, s))
     # The scoring passes run one after the other (actor's log pi_old, then the teacher's): the larger counts.
     scoring = [(score_logits + forward_layer_bytes(student, b, s, flash_attention, attn), "student")]
-    items.append(Item(f"student logits ({shape}{'' if grad_in_reference else '; + grad in backward'})", 0, 0,
-                      (1 if grad_in_reference else 2) * lg + ops_chunk_bytes(student, b, s),
-                      f"{smaller} or raise student.tp"))
+    # Padded rows (b > 1): logits[:, :-1] of several rows is not contiguous, and the loss's ops each take a
+    # contiguous copy of it while megatron still holds the output: one more L (benchmarks/memory.py: 4.5L
+    # with the reference, against 2.4L packed).
+    student_train = (1 if grad_in_reference else 2) * lg + (lg if not packed and b > 1 else 0)
+    items.append(Item(f"student logits ({shape}{'' if grad_in_reference else '; + grad in backward'}"
+                      f"{'; + shifted copy' if not packed and b > 1 else ''})", 0, 0,
+                      student_train + ops_chunk_bytes(student, b, s), f"{smaller} or raise student.tp"))
     if reference is not None:
         w = params_per_rank(reference.hf, reference.tp, reference.pp, reference.ep) * DTYPE_BYTES[reference.dtype]
         # In lockstep with the actor: on the GPU whenever the actor trains; offload frees it while engines
@@ -250,8 +255,9 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
         off = 0.0 if reference.offload else w
         items.append(Item("reference weights" + (" (offloaded)" if reference.offload else ""), off, off, w,
                           "set reference.offload_between_uses=true"))
+        ref_lg = logits_bytes(reference, b, s) * (2 if not packed and b > 1 else 1)  # padded: + its shifted copy
         items.append(Item("reference logits (lockstep KL" + ("; then the student's grad)" if grad_in_reference else ")"),
-                          0, 0, logits_bytes(reference, b, s), smaller))
+                          0, 0, ref_lg, smaller))
     if teacher is not None:
         w = params_per_rank(teacher.hf, teacher.tp, teacher.pp, teacher.ep) * DTYPE_BYTES[teacher.dtype]
         off = 0.0 if teacher.offload else w

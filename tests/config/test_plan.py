@@ -118,6 +118,14 @@ def test_packed_micro_batch_is_the_token_budget():
                        use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80, engine_memory_fraction=0.5,
                        engine_released_gb=3, reserved_gb=5, flash_attention=True, packed_tokens=tokens)
     assert _item(alone, "student logits").train == 2 * L + chunks
+    # padded rows (pack_sequences=false, 8 x 384): the loss's logits[:, :-1] of several rows is copied by the
+    # ops, for each model (benchmarks/memory.py "train, padded": 4.5L)
+    padded = build_plan(student, reference, None, world_size=1, micro_batch_rows=8, seq_len=384,
+                        use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80, engine_memory_fraction=0.5,
+                        engine_released_gb=3, reserved_gb=5, flash_attention=True)
+    L8 = 8 * 384 * V * 2
+    assert _item(padded, "student logits").train == 2 * L8 + chunks
+    assert _item(padded, "reference logits").train == 2 * L8
 
 
 def test_gpu_check_shape_names_the_budget_and_recompute():
