@@ -37,7 +37,7 @@ def config_main(argv: list[str] | None = None) -> int:
 def plan_for(cfg: MegaOPDConfig):
     """The Plan of a loaded config (reads the models' config.json files)."""
     from megaopd.config.model import find_hf_config
-    from megaopd.config.plan import RoleLayout, build_plan
+    from megaopd.config.plan import RoleLayout, build_plan, packed_micro_batch_tokens
     from megaopd.losses import build_loss_from
     from megaopd.models.hf_config import read_hf_config
 
@@ -53,8 +53,13 @@ def plan_for(cfg: MegaOPDConfig):
     teacher = role("teacher", cfg.teacher) if cfg.teacher.path else None
     seq = cfg.plan.max_tokens or cfg.data.max_prompt_len + max(
         cfg.rollout.max_new_tokens if needs.on_policy else 0, cfg.data.max_golden_len if needs.golden else 0)
+    # Packed micro-batches (the default) hold max_tokens_per_micro_batch tokens whatever micro_batch_size is;
+    # a GRPO group is packed whole (rewards), so a group longer than the budget is one micro-batch.
+    group = cfg.trainer.samples_per_prompt if needs.rewards else 1
+    packed = packed_micro_batch_tokens(cfg.trainer.max_tokens_per_micro_batch, seq, group) \
+        if cfg.trainer.pack_sequences else 0
     return build_plan(student, reference, teacher, world_size=cfg.run.world_size,
-                      micro_batch_rows=cfg.trainer.micro_batch_size, seq_len=seq,
+                      micro_batch_rows=cfg.trainer.micro_batch_size, seq_len=seq, packed_tokens=packed,
                       use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
                       colocated=cfg.rollout.colocated and cfg.rollout.engine == "remote",
                       gpu_memory_gb=cfg.plan.gpu_memory_gb, engine_memory_fraction=cfg.plan.engine_memory_fraction,

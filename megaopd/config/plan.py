@@ -10,8 +10,14 @@ it), for three phases of a step:
 
     generate  colocated engines hold their memory fraction; the trainer keeps its weights, gradient
               buffer and optimizer state (plus the frozen models that are not offloaded)
-    score     teacher and actor forward passes of one micro-batch (log q, log pi_old); engines released
+    score     teacher and actor forward passes of one micro-batch (log q, log pi_old), one after the other
+              (the larger counts); engines released
     train     actor forward+backward of one micro-batch, with the reference in lockstep
+
+A micro-batch is what one forward holds: with trainer.pack_sequences=true (the default) one packed row of
+trainer.max_tokens_per_micro_batch tokens (or one longer sequence, or one GRPO group kept whole; attention
+only within each sequence: its scores are bounded by tokens x the longest sequence), otherwise
+trainer.micro_batch_size padded rows of the longest sequence.
 
 Per item (b rows of S tokens per micro-batch, e bytes per element of the model's dtype, t = tp, d = DP):
 - weights: params_rank * e; gradients: params_rank * 4 (megatron's DDP accumulates and reduces in fp32,
@@ -27,9 +33,13 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
   probabilities 2*e*b*(a/t)*S^2 unless recompute=selective drops them; recompute=full keeps only each
   layer's input, e*b*S*h (/t with SP), plus one layer's worth while it is recomputed. Pipeline stages hold
   up to pp micro-batches in flight (1F1B);
-- logits: the output layer's vocab-parallel [b*S, V/t] in e bytes, its gradient (same size) in backward,
-  the frozen reference's logits for the exact KL, and the loss ops' float32 chunks (megaopd.ops processes
-  tokens in chunks of 128 MiB, so no [b*S, V/t] float32 copy is made).
+- logits (L = [b*S, V/t] in e bytes, the output layer's own output): the training step holds 2L, plus the
+  ops' float32 chunks (megaopd.ops upcasts 128 MiB of tokens at a time): the student's logits and the frozen
+  reference's (lockstep, for the exact KL; kept apart from the student's, never concatenated), whose memory
+  the fused backward then fills with the student's gradient (without a reference: the logits and their
+  gradient). Neither the scoring passes nor the loss make a float32 copy of the logits (benchmarks/memory.py
+  measures it); padded rows (b > 1, pack_sequences=false) add a shifted contiguous copy of each model's
+  logits (the loss reads logits[:, :-1]): 4L with the reference. A scoring pass holds L and the chunks (padded rows: at least 2L for a moment, megatron's [S, b] -> [b, S] copy of its output).
 
 The numbers are estimates to size a layout, not a measurement: allocator fragmentation, NCCL buffers and
 the CUDA context are one flat `plan.reserved_gb`. Checked against hand-computed sizes of Qwen2.5-7B at
@@ -127,15 +137,19 @@ def adam_bytes_per_param(dtype: str) -> int:
 
 
 def layer_activation_bytes(hf: HFModelConfig, rows: int, seq: int, tp: int, dtype: str, recompute: str,
-                           sequence_parallel: bool, flash_attention: bool) -> tuple[float, float]:
-    """(bytes saved per layer for backward, bytes of one layer's full set) for one micro-batch."""
+                           sequence_parallel: bool, flash_attention: bool,
+                           attn_seq: int | None = None) -> tuple[float, float]:
+    """(bytes saved per layer for backward, bytes of one layer's full set) for one micro-batch of rows x seq
+    tokens whose unfused attention scores span attn_seq keys per token (None: seq; a packed row: its longest
+    sequence, attention stays within each)."""
     e = DTYPE_BYTES[dtype]
     tokens = rows * seq
     h, f = hf.hidden_size, hf.intermediate_size
     k = hf.num_key_value_heads * hf.head_dim
     split = 2 * h + 2 * k + 3 * f
     whole = e * tokens * ((4 * h + split) / tp if sequence_parallel else 4 * h + split / tp)
-    scores = 0.0 if flash_attention else 2 * e * rows * (hf.num_attention_heads / tp) * seq * seq
+    keys = seq if attn_seq is None else min(attn_seq, seq)
+    scores = 0.0 if flash_attention else 2 * e * rows * (hf.num_attention_heads / tp) * seq * keys
     full_layer = whole + scores
     if recompute == "full":
         return e * tokens * h / (tp if sequence_parallel else 1), full_layer
@@ -144,10 +158,11 @@ def layer_activation_bytes(hf: HFModelConfig, rows: int, seq: int, tp: int, dtyp
     return full_layer, full_layer
 
 
-def activation_bytes(role: RoleLayout, rows: int, seq: int, flash_attention: bool) -> float:
+def activation_bytes(role: RoleLayout, rows: int, seq: int, flash_attention: bool,
+                     attn_seq: int | None = None) -> float:
     """Activations saved by the trained model for one optimizer micro-batch (all in-flight micro-batches)."""
     saved, one_layer = layer_activation_bytes(role.hf, rows, seq, role.tp, role.dtype, role.recompute,
-                                              role.sequence_parallel, flash_attention)
+                                              role.sequence_parallel, flash_attention, attn_seq)
     layers = role.hf.num_layers // role.pp
     in_flight = role.pp  # 1F1B: the first stage holds pp micro-batches before its first backward
     total = saved * layers * in_flight
@@ -167,23 +182,39 @@ def ops_chunk_bytes(role: RoleLayout, rows: int, seq: int) -> float:
     return min(OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES, OPS_CHUNKS_LIVE * 4.0 * rows * seq * vocab_shard)
 
 
-def forward_layer_bytes(role: RoleLayout, rows: int, seq: int, flash_attention: bool) -> float:
+def forward_layer_bytes(role: RoleLayout, rows: int, seq: int, flash_attention: bool,
+                        attn_seq: int | None = None) -> float:
     """Working set of a forward-only pass: one layer's tensors at a time (nothing is saved)."""
     return layer_activation_bytes(role.hf, rows, seq, role.tp, role.dtype, "none", role.sequence_parallel,
-                                  flash_attention)[1]
+                                  flash_attention, attn_seq)[1]
+
+
+def packed_micro_batch_tokens(max_tokens: int, seq_len: int, group_size: int = 1) -> int:
+    """Tokens of the largest packed micro-batch: the budget, or one packing unit longer than it (a sequence
+    of seq_len tokens, or a GRPO group of group_size sequences, which packing keeps whole)."""
+    return max(max_tokens, seq_len * group_size)
 
 
 # ------------------------------------------------------------------------------------------- the plan
 def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleLayout | None, *, world_size: int,
                micro_batch_rows: int, seq_len: int, use_distributed_optimizer: bool, colocated: bool,
                gpu_memory_gb: float, engine_memory_fraction: float, engine_released_gb: float,
-               reserved_gb: float, flash_attention: bool) -> Plan:
-    """Bytes per GPU of every item in each phase; pure (no file or device is touched)."""
+               reserved_gb: float, flash_attention: bool, packed_tokens: int = 0) -> Plan:
+    """Bytes per GPU of every item in each phase; pure (no file or device is touched).
+
+    packed_tokens > 0 (trainer.pack_sequences=true): every micro-batch is one packed row of that many tokens
+    (packed_micro_batch_tokens), whose sequences are at most seq_len long; micro_batch_rows is then unused.
+    0: micro_batch_rows padded rows of seq_len tokens."""
     dp = max(1, world_size // (student.tp * student.pp))
     p_actor = params_per_rank(student.hf, student.tp, student.pp, student.ep)
     e = DTYPE_BYTES[student.dtype]
     adam = adam_bytes_per_param(student.dtype) * p_actor / (dp if use_distributed_optimizer else 1)
-    b, s = micro_batch_rows, seq_len
+    packed = packed_tokens > 0
+    b, s = (1, packed_tokens) if packed else (micro_batch_rows, seq_len)
+    attn = seq_len if packed else None  # a packed row attends within each sequence only
+    # What to lower when a micro-batch's activations or logits do not fit.
+    smaller = ("lower trainer.max_tokens_per_micro_batch" if packed else "lower trainer.micro_batch_size")
+    shape = f"{s} tokens packed" if packed else f"{b} x {s} tokens"
     items = []
 
     def static(name, nbytes, hint=""):
@@ -195,16 +226,28 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
                 if not use_distributed_optimizer else "add data-parallel ranks (more GPUs) or raise student.tp")
     static(f"Adam states{' (sharded /' + str(dp) + ')' if use_distributed_optimizer else ''}", adam, opt_hint)
     act_hint = ("set student.recompute=full" if student.recompute != "full" else
-                "lower trainer.micro_batch_size" if b > 1 else "raise student.tp with student.sequence_parallel=true")
+                smaller if packed or b > 1 else "raise student.tp with student.sequence_parallel=true")
     if student.recompute != "full" and not student.sequence_parallel and student.tp > 1:
         act_hint += " or student.sequence_parallel=true"
-    items.append(Item(f"student activations ({b} x {s} tokens, recompute={student.recompute}"
+    items.append(Item(f"student activations ({shape}, recompute={student.recompute}"
                       f"{', SP' if student.sequence_parallel else ''})", 0, 0,
-                      activation_bytes(student, b, s, flash_attention), act_hint + ", or lower trainer.micro_batch_size"))
+                      activation_bytes(student, b, s, flash_attention, attn),
+                      act_hint if act_hint == smaller else f"{act_hint}, or {smaller}"))
     lg = logits_bytes(student, b, s)
-    items.append(Item("student logits (+ grad in backward)", 0,
-                      lg + forward_layer_bytes(student, b, s, flash_attention),
-                      2 * lg + ops_chunk_bytes(student, b, s), "lower trainer.micro_batch_size or raise student.tp"))
+    # Training with the reference in lockstep: the fused backward writes the student's gradient into the
+    # reference logits' memory (ops.vocab_parallel_logprobs_kl overwrite_q), so the gradient is no new buffer.
+    grad_in_reference = reference is not None and reference.dtype == student.dtype
+    # Scoring: the logits (padded rows: megatron's [S, b] -> [b, S] copy of them too) and the ops' chunks.
+    score_logits = lg + ops_chunk_bytes(student, b, s) if packed or b == 1 else max(2 * lg, lg + ops_chunk_bytes(student, b, s))
+    # The scoring passes run one after the other (actor's log pi_old, then the teacher's): the larger counts.
+    scoring = [(score_logits + forward_layer_bytes(student, b, s, flash_attention, attn), "student")]
+    # Padded rows (b > 1): logits[:, :-1] of several rows is not contiguous, and the loss's ops each take a
+    # contiguous copy of it while megatron still holds the output: one more L (benchmarks/memory.py: 4.5L
+    # with the reference, against 2.4L packed).
+    student_train = (1 if grad_in_reference else 2) * lg + (lg if not packed and b > 1 else 0)
+    items.append(Item(f"student logits ({shape}{'' if grad_in_reference else '; + grad in backward'}"
+                      f"{'; + shifted copy' if not packed and b > 1 else ''})", 0, 0,
+                      student_train + ops_chunk_bytes(student, b, s), f"{smaller} or raise student.tp"))
     if reference is not None:
         w = params_per_rank(reference.hf, reference.tp, reference.pp, reference.ep) * DTYPE_BYTES[reference.dtype]
         # In lockstep with the actor: on the GPU whenever the actor trains; offload frees it while engines
@@ -212,16 +255,20 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
         off = 0.0 if reference.offload else w
         items.append(Item("reference weights" + (" (offloaded)" if reference.offload else ""), off, off, w,
                           "set reference.offload_between_uses=true"))
-        items.append(Item("reference logits (lockstep KL)", 0, 0, logits_bytes(reference, b, s),
-                          "lower trainer.micro_batch_size"))
+        ref_lg = logits_bytes(reference, b, s) * (2 if not packed and b > 1 else 1)  # padded: + its shifted copy
+        items.append(Item("reference logits (lockstep KL" + ("; then the student's grad)" if grad_in_reference else ")"),
+                          0, 0, ref_lg, smaller))
     if teacher is not None:
         w = params_per_rank(teacher.hf, teacher.tp, teacher.pp, teacher.ep) * DTYPE_BYTES[teacher.dtype]
         off = 0.0 if teacher.offload else w
         items.append(Item("teacher weights" + (" (offloaded)" if teacher.offload else ""), off, w, off,
                           "set teacher.offload_between_uses=true or raise teacher.tp"))
-        items.append(Item("teacher scoring (logits + one layer)", 0,
-                          logits_bytes(teacher, b, s) + forward_layer_bytes(teacher, b, s, flash_attention)
-                          + ops_chunk_bytes(teacher, b, s), 0, "lower trainer.micro_batch_size or raise teacher.tp"))
+        t_lg = logits_bytes(teacher, b, s)
+        scoring.append((max(t_lg if packed or b == 1 else 2 * t_lg, t_lg + ops_chunk_bytes(teacher, b, s))
+                        + forward_layer_bytes(teacher, b, s, flash_attention, attn), "teacher"))
+    score_bytes, scorer = max(scoring)
+    items.append(Item(f"scoring pass ({scorer}'s, the larger: logits + one layer)", 0, score_bytes, 0,
+                      f"{smaller} or raise {scorer}.tp"))
     if colocated:
         share = engine_memory_fraction * gpu_memory_gb * GB
         rest = engine_released_gb * GB
@@ -231,7 +278,7 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
                           "or give engines their own nodes (ENGINE_NODES)"))
     static("reserved (CUDA context, NCCL, fragmentation)", reserved_gb * GB)
     notes = [f"per GPU at student tp={student.tp} pp={student.pp} dp={dp}, {p_actor / 1e9:.3f}B student params "
-             f"per rank, micro-batch {b} x {s} tokens, {'flash' if flash_attention else 'unfused'} attention"]
+             f"per rank, micro-batch {shape}, {'flash' if flash_attention else 'unfused'} attention"]
     return Plan(items, gpu_memory_gb * GB, notes=notes)
 
 

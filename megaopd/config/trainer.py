@@ -58,7 +58,8 @@ class TrainerConfig:
     """Token budget of one packed micro-batch on one rank (pack_sequences: true): sequences are packed
     first-fit-decreasing up to it; a longer sequence gets a micro-batch of its own. With PP > 1 every
     micro-batch of a pass is padded to the pass's largest (fixed-size pipeline buffers). Bounds the
-    activation and logit memory of a forward ([tokens, vocab / TP] float32 logits)."""
+    activation and logit memory of a forward ([tokens, vocab / TP] logits in the model's dtype; `megaopd plan`
+    counts it)."""
     save_interval: int = 50
     """Checkpoint every N steps (and on SIGTERM/SIGUSR1, and at the end)."""
     eval_interval: int = 25

@@ -98,6 +98,12 @@ class LossInputs:
     passes and two summed [T, V] gradients. With a k1-k3 ref_kl estimator the exact KL is then an unused
     by-product of the forward pass (no backward cost): set False to skip it."""
 
+    ref_logits_disposable: bool = False
+    """The caller drops ref_logits_BTv after this micro-batch's backward (the trainer: the lockstep
+    reference's logits): the fused backward then writes the student's gradient into their memory instead of
+    a new [T, V] buffer (ops.vocab_parallel_logprobs_kl overwrite_q), one logits-sized buffer less at the
+    step's peak. False: ref_logits_BTv stay intact."""
+
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -169,7 +175,8 @@ class LossInputs:
         fused pass; see `fuse_reference`."""
         logprobs_BT, kl_BT, entropy_BT = ops.vocab_parallel_logprobs_kl(
             self.logits_BTv, self.token_ids_BT, self.ref_logits_BTv.detach(), group=self.tp_group,
-            temperature=self.temperature, with_entropy="entropy" not in self._cache)
+            temperature=self.temperature, with_entropy="entropy" not in self._cache,
+            overwrite_q=self.ref_logits_disposable)
         self._cache["logprobs"], self._cache["ref_kl"] = logprobs_BT, kl_BT
         if entropy_BT is not None:
             self._cache["entropy"] = entropy_BT

@@ -11,9 +11,10 @@ the logits and small per-token stats instead of saving it. Ops are per-token: ca
     vocab_parallel_entropy(logits, group=None, temperature=1.0, chunk_size=None) -> [...]
     vocab_parallel_kl(logits_p, logits_q, group=None, temperature=1.0, chunk_size=None) -> [...]
     vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=1.0, chunk_size=None,
-                               with_entropy=False) -> (logprobs [...], kl [...], entropy [...] or None)
+                               with_entropy=False, overwrite_q=False) -> (logprobs [...], kl [...], entropy [...] or None)
         fused: one pass and one backward for the student's sampled-token log-probs, KL(p||q) to a
-        frozen reference q (no gradient for q) and optionally the entropy metric (fused.py)
+        frozen reference q (no gradient for q) and optionally the entropy metric (fused.py); overwrite_q:
+        the backward writes the gradient into q's memory (a caller that drops q after backward)
     vocab_parallel_jsd(logits_student, logits_teacher, beta, group=None, temperature=1.0,
                        chunk_size=None) -> [...]
     vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None)

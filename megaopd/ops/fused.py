@@ -38,7 +38,7 @@ class _VocabParallelLogProbsKL(torch.autograd.Function):
     SUM all-reduce; backward: the combined gradient w.r.t. logits_p in one buffer, no comm."""
 
     @staticmethod
-    def forward(ctx, logits_p_TV, ids_T, logits_q_TV, group, temperature, chunk_size, with_entropy):
+    def forward(ctx, logits_p_TV, ids_T, logits_q_TV, group, temperature, chunk_size, with_entropy, overwrite_q):
         T, V = logits_p_TV.shape
         chunks = token_chunks(T, V, chunk_size)
         f32 = dict(dtype=torch.float32, device=logits_p_TV.device)
@@ -74,7 +74,7 @@ class _VocabParallelLogProbsKL(torch.autograd.Function):
         entropy_T = log_sumexp_p_T - sums_nT[4] / sums_nT[0] if with_entropy else None
         ctx.save_for_backward(logits_p_TV, logits_q_TV, owned_T, local_ids_T, max_2T, log_sumexp_p_T,
                               log_sumexp_q_T, kl_T)
-        ctx.temperature, ctx.chunks = temperature, chunks
+        ctx.temperature, ctx.chunks, ctx.overwrite_q = temperature, chunks, overwrite_q
         ctx.set_materialize_grads(False)  # an unused output (e.g. only the KL is in the loss) costs nothing
         if with_entropy:
             ctx.mark_non_differentiable(entropy_T)
@@ -86,7 +86,11 @@ class _VocabParallelLogProbsKL(torch.autograd.Function):
         logits_p_TV, logits_q_TV, owned_T, local_ids_T, max_2T, log_sumexp_p_T, log_sumexp_q_T, kl_T = \
             ctx.saved_tensors
         temperature = ctx.temperature
-        grad_TV = torch.empty_like(logits_p_TV)
+        # overwrite_q: the caller drops q after this backward, so its buffer takes the gradient; each chunk of
+        # q is read (log q) before the same rows are written, chunks are disjoint. One [T, V] buffer less.
+        reuse = (ctx.overwrite_q and logits_q_TV.dtype == logits_p_TV.dtype and logits_q_TV.is_contiguous()
+                 and logits_q_TV.device == logits_p_TV.device)
+        grad_TV = logits_q_TV if reuse else torch.empty_like(logits_p_TV)
         direct = grad_TV.dtype == torch.float32  # write each chunk's product straight into grad_TV
         # Per token: a = dL/dKL / temperature, b = dL/dlogprob / temperature; the chunk gradient is
         # p * (a (log p - log q) - c) + b 1[v = id] with c = a KL + b.
@@ -119,7 +123,7 @@ class _VocabParallelLogProbsKL(torch.autograd.Function):
                 out_cV.scatter_add_(1, local_ids_T[sl].unsqueeze(1), onehot_T[sl].unsqueeze(1))
             if not direct:
                 grad_TV[sl] = out_cV
-        return grad_TV, None, None, None, None, None, None
+        return grad_TV, None, None, None, None, None, None, None
 
 
 def _rowdot(a_cV: torch.Tensor, b_cV: torch.Tensor) -> torch.Tensor:
@@ -132,7 +136,7 @@ def _rowdot(a_cV: torch.Tensor, b_cV: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=1.0, chunk_size=None,
-                               with_entropy=False):
+                               with_entropy=False, overwrite_q=False):
     """(logprobs, kl, entropy) per token in one fused pass over the logits shards (see module docstring).
 
     logits_p: [..., V] student shard, differentiable; ids: [...] GLOBAL token ids (as in
@@ -142,6 +146,9 @@ def vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=
     differentiable w.r.t. logits_p with one combined backward pass; entropy = H(p) without gradient if
     with_entropy else None. Equal (to float32 rounding) to vocab_parallel_logprobs(logits_p, ids),
     vocab_parallel_kl(logits_p, logits_q.detach()) and vocab_parallel_entropy(logits_p).
+    overwrite_q: the backward writes the gradient into logits_q's memory (when it has logits_p's dtype and
+    its flattened view is contiguous, else a copy of it) instead of a new [T, V] buffer, so logits_q holds
+    garbage after backward: only for a caller that drops it (the trainer's lockstep reference logits).
     """
     temperature = check_temperature(temperature)
     if logits_p.shape != logits_q.shape:
@@ -154,5 +161,5 @@ def vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=
     lead = logits_p.shape[:-1]
     logprobs_T, kl_T, entropy_T = _VocabParallelLogProbsKL.apply(
         flatten_tokens(logits_p, "logits_p"), ids.reshape(-1).long(), flatten_tokens(logits_q, "logits_q"),
-        group, temperature, chunk_size, bool(with_entropy))
+        group, temperature, chunk_size, bool(with_entropy), bool(overwrite_q))
     return logprobs_T.view(lead), kl_T.view(lead), entropy_T.view(lead) if entropy_T is not None else None

@@ -126,18 +126,23 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
         mbs = _micro_batches(tokens_BS[rows], local_at_ids, micro_batch_size)
 
     def step_fn(mb: ScoringMicroBatch, logits_BSv, _partner):
-        logits_BTv = logits_BSv[:, :-1].float()
-        targets_BT = mb.tokens_BS[:, 1:]
-        out = {"logprobs": ops.vocab_parallel_logprobs(logits_BTv, targets_BT, pgs.tp, temperature)}
+        # The ops read the model's logits as they are (bf16 on a GPU) and upcast one 128 MiB chunk of tokens
+        # at a time: a .float() here would make a full-vocabulary float32 copy of the micro-batch (2x the
+        # logits). They also read all S positions, not logits[:, :-1]: for b > 1 rows that slice is not
+        # contiguous and every op would copy it. The last position predicts nothing: its target is a
+        # placeholder id 0 and its outputs are dropped ([:, :-1]).
+        targets_BS = torch.nn.functional.pad(mb.tokens_BS[:, 1:], (0, 1))
+        out = {"logprobs": ops.vocab_parallel_logprobs(logits_BSv, targets_BS, pgs.tp, temperature)}
         if entropy:
-            out["entropy"] = ops.vocab_parallel_entropy(logits_BTv, pgs.tp, temperature)
+            out["entropy"] = ops.vocab_parallel_entropy(logits_BSv, pgs.tp, temperature)
         if topk:
-            lp, ids = ops.vocab_parallel_topk(logits_BTv, topk, pgs.tp, temperature)
+            lp, ids = ops.vocab_parallel_topk(logits_BSv, topk, pgs.tp, temperature)
             out["topk_logprobs"], out["topk_ids"] = lp, ids.int()
         if mb.at_ids_BTK is not None:
-            lse = ops.vocab_parallel_logsumexp(logits_BTv, pgs.tp, temperature)
-            at_ids = mb.at_ids_BTK.long()  # gathers index with long
-            out["at_ids"] = ops.vocab_parallel_gather(logits_BTv, at_ids, pgs.tp) / temperature - lse.unsqueeze(-1)
+            lse = ops.vocab_parallel_logsumexp(logits_BSv, pgs.tp, temperature)
+            at_ids = torch.nn.functional.pad(mb.at_ids_BTK.long(), (0, 0, 0, 1))  # gathers index with long
+            out["at_ids"] = ops.vocab_parallel_gather(logits_BSv, at_ids, pgs.tp) / temperature - lse.unsqueeze(-1)
+        out = {k: v[:, :-1] for k, v in out.items()}
         if mb.packed is not None:  # back to one row per sequence: [n_seqs, T, ...], zero past each length
             out = {k: _unpack(mb.packed, v, T) for k, v in out.items()}
         return torch.zeros((), device=logits_BSv.device), out

@@ -17,12 +17,13 @@ vocab shard of the logits (megatron's vocab-padding columns masked) and returns 
 backpropagated (forward_only=False), result is collected and returned in micro-batch order on the last
 stage (None elsewhere). `partner` is a frozen model of the same layout (the reference, or the GKD
 teacher) run in lockstep on the same tokens: its activations travel through the pipeline beside the
-student's, concatenated along the batch dimension, so the exact full-vocabulary KL of a micro-batch
-needs the partner's logits of that micro-batch only, never of the whole batch.
+student's, concatenated along the batch dimension (on the last stage the two logits stay apart,
+PairedLogits: no copy), so the exact full-vocabulary KL of a micro-batch needs the partner's logits of that
+micro-batch only, never of the whole batch.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,11 +46,21 @@ M = TypeVar("M", bound=MicroBatchLike)
 StepFn = Callable[[Any, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Any]]
 
 
+class PairedLogits(NamedTuple):
+    """The last stage's output of a lockstep pair: the two models' logits [b, s, v], each its own tensor."""
+
+    student: torch.Tensor
+    partner: torch.Tensor
+
+
 class _LockstepPair(torch.nn.Module):
     """Student and a frozen partner of the same layout, run on the same micro-batch.
 
     Between pipeline stages the two hidden states travel as one tensor [s, 2b, h] (student rows
-    first); on the last stage the logits come out as [2b, s, v]. The partner runs without grad.
+    first). On the last stage the logits stay apart (PairedLogits): megatron hands the last stage's
+    output straight to the loss function, and concatenating two [b, s, v] logits would copy both (2x the
+    student's logits, the largest tensors of the step) and, in backward, give the student's slice of the
+    concatenation a zero-filled [2b, s, v] gradient. The partner runs without grad.
     """
 
     def __init__(self, student: torch.nn.Module, partner: torch.nn.Module):
@@ -77,6 +88,8 @@ class _LockstepPair(torch.nn.Module):
         out = self.student(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
         with torch.no_grad():
             partner_out = self.partner(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+        if self._batch_dim == 0:  # last stage: logits, read by the loss function only
+            return PairedLogits(out, partner_out)
         return torch.cat([out, partner_out], dim=self._batch_dim)
 
 
@@ -134,8 +147,11 @@ class PipelineRunner:
                 output = model(mb.tokens_BS, position_ids, None)  # causal mask from the layer spec
 
             def loss_func(output_tensor):
-                logits = mask_vocab_padding(output_tensor, self.vocab_size, self.pgs.tp)
-                student, partner = (logits[:b], logits[b:]) if paired else (logits, None)
+                student, partner = output_tensor if paired else (output_tensor, None)
+                # In place: megatron's schedule holds the model's output through the loss, so a masked copy
+                # would be a second logits-sized tensor per model.
+                student = mask_vocab_padding(student, self.vocab_size, self.pgs.tp, inplace=True)
+                partner = mask_vocab_padding(partner, self.vocab_size, self.pgs.tp, inplace=True) if paired else None
                 loss, result = step_fn(mb, student, partner)
                 # calculate_per_token_loss semantics: the schedule neither divides the loss nor
                 # (with our finalize hook) rescales the gradients; losses divide by global counts.

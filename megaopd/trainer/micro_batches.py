@@ -99,6 +99,8 @@ class MicroBatch:
             student_topk_ids_BTK=_long(self.student_topk_ids_BTK),
             student_topk_teacher_logprobs_BTK=self.student_topk_teacher_logprobs_BTK,
             ref_logits_BTv=partner_BTv if needs.reference else None,
+            # The partner's logits die with this micro-batch: the fused backward may take their memory.
+            ref_logits_disposable=needs.reference and not needs.teacher_logits,
             teacher_logits_BTv=partner_BTv if needs.teacher_logits else None,
             rewards_S=self.rewards_S, group_ids_S=self.group_ids_S,
             # Golden rows share the on-policy forward: the SFT term reads the same logits, its own mask.

@@ -19,13 +19,14 @@ import sys
 
 import pytest
 
-from megaopd.config.plan import (RoleLayout, activation_bytes, build_plan, explain_overflow, logits_bytes,
-                                 params_per_rank)
+from megaopd.config.plan import (OPS_CHUNK_BYTES, OPS_CHUNKS_LIVE, RoleLayout, activation_bytes, build_plan,
+                                 explain_overflow, logits_bytes, packed_micro_batch_tokens, params_per_rank)
 from megaopd.models.hf_config import read_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 Q7B = os.path.join(FIXTURES, "qwen2.5-math-7b")
+Q15B = os.path.join(FIXTURES, "qwen2.5-math-1.5b")
 
 
 def _role(path, tp=2, dtype="bfloat16", **kw):
@@ -83,6 +84,69 @@ def test_overflow_names_the_biggest_items_and_the_fix():
     assert fixed.fits()
 
 
+def test_packed_micro_batch_is_the_token_budget():
+    """With trainer.pack_sequences=true a forward holds max_tokens_per_micro_batch tokens, whatever
+    micro_batch_size is: the GPU check's 1.5B shape at 16384 tokens, by hand."""
+    student = _role(Q15B, tp=1)
+    reference = RoleLayout("reference", student.hf, 1, 1, "bfloat16")
+    tokens, V = 16384, 151936  # 151936 = 1187 * 128: no vocabulary padding at TP=1
+    L = tokens * V * 2  # one bf16 logits tensor of the micro-batch: 4.98e9 bytes, the H100 OOM's "4.63 GiB"
+    assert L / 2**30 == pytest.approx(4.64, abs=0.01)
+    chunks = OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES
+    for rows in (1, 8):  # micro_batch_size is not read on the packed path
+        plan = build_plan(student, reference, None, world_size=1, micro_batch_rows=rows, seq_len=384,
+                          use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80,
+                          engine_memory_fraction=0.5, engine_released_gb=3, reserved_gb=5, flash_attention=True,
+                          packed_tokens=tokens)
+        # training: the student's logits and the reference's, whose memory then takes the student's gradient
+        # (2L), plus the ops' float32 chunks; no float32 or concatenated copy of the logits
+        assert _item(plan, "student logits").train == L + chunks
+        assert _item(plan, "reference logits").train == L
+        assert _item(plan, "student activations").train == activation_bytes(student, 1, tokens, True)
+        assert "16384 tokens packed" in _item(plan, "student activations").name
+    # unfused attention: scores only within each sequence (<= 384 keys), not 16384 x 16384
+    e, heads = 2, 12
+    full_seq = activation_bytes(student, 1, tokens, False)
+    within = activation_bytes(student, 1, tokens, False, attn_seq=384)
+    assert full_seq - within == pytest.approx(28 * 2 * e * heads * tokens * (tokens - 384))
+    # the largest micro-batch: the budget, or one unit longer than it (a sequence, a GRPO group kept whole)
+    assert packed_micro_batch_tokens(16384, 384) == 16384
+    assert packed_micro_batch_tokens(16384, 9216, 4) == 4 * 9216
+    assert packed_micro_batch_tokens(4096, 9216) == 9216
+    # no reference (opd alone): the logits and a gradient buffer of their own
+    alone = build_plan(student, None, None, world_size=1, micro_batch_rows=1, seq_len=384,
+                       use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80, engine_memory_fraction=0.5,
+                       engine_released_gb=3, reserved_gb=5, flash_attention=True, packed_tokens=tokens)
+    assert _item(alone, "student logits").train == 2 * L + chunks
+    # padded rows (pack_sequences=false, 8 x 384): the loss's logits[:, :-1] of several rows is copied by the
+    # ops, for each model (benchmarks/memory.py "train, padded": 4.5L)
+    padded = build_plan(student, reference, None, world_size=1, micro_batch_rows=8, seq_len=384,
+                        use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80, engine_memory_fraction=0.5,
+                        engine_released_gb=3, reserved_gb=5, flash_attention=True)
+    L8 = 8 * 384 * V * 2
+    assert _item(padded, "student logits").train == 2 * L8 + chunks
+    assert _item(padded, "reference logits").train == 2 * L8
+
+
+def test_gpu_check_shape_names_the_budget_and_recompute():
+    """The H100 trainer bench (1.5B student/reference/teacher, 16 x 4 x 256 new tokens, packed 16384-token
+    micro-batches): recompute=none ran out of memory there; the plan refuses it naming what to lower, and
+    passes recompute=full or a smaller token budget."""
+    yaml_path = os.path.join(ROOT, "scripts", "gpu_check", "stable_opd_gpu.yaml")
+    common = [f"student.path={Q15B}", f"teacher.path={Q15B}", "trainer.prompts_per_step=16",
+              "trainer.samples_per_prompt=4", "rollout.max_new_tokens=256", "plan.gpu_memory_gb=80"]
+    bad = _cli("plan", yaml_path, *common, "student.recompute=none")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "16384 tokens packed" in bad.stdout
+    assert "student.recompute=full" in bad.stderr and "trainer.max_tokens_per_micro_batch" in bad.stderr
+    assert _cli("plan", yaml_path, *common, "student.recompute=full").returncode == 0
+    smaller = _cli("plan", yaml_path, *common, "student.recompute=none", "trainer.max_tokens_per_micro_batch=4096")
+    assert smaller.returncode == 0, smaller.stdout + smaller.stderr
+    assert "4096 tokens packed" in smaller.stdout
+    padded = _cli("plan", yaml_path, *common, "student.recompute=none", "trainer.pack_sequences=false")
+    assert "8 x 384 tokens" in padded.stdout  # micro_batch_size=8 rows of 128 + 256 tokens
+
+
 def _write_preset(tmp_path, **sections):
     import yaml
 
@@ -114,7 +178,7 @@ def test_plan_command_exit_status(tmp_path):
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "student weights" in ok.stdout and "teacher weights" in ok.stdout and "reference weights" in ok.stdout
     assert "fits: peak" in ok.stdout
-    bad = _cli("plan", preset, "trainer.micro_batch_size=8", "plan.gpu_memory_gb=80")
+    bad = _cli("plan", preset, "trainer.pack_sequences=false", "trainer.micro_batch_size=8", "plan.gpu_memory_gb=80")
     assert bad.returncode == 1
     assert "does not fit" in bad.stderr and "student activations" in bad.stderr
     assert _cli("plan", preset, "plan.attention=sdpa").returncode == 2

@@ -26,3 +26,23 @@ def test_masked_padding_is_finite_and_has_no_mass(temperature):
     # The same quantities over the real vocabulary alone (the reference).
     ref = torch.log_softmax(logits.detach()[..., :real].double() / temperature, -1)
     assert torch.allclose(ent.double(), -(ref.exp() * ref).sum(-1), atol=1e-5)
+
+
+def test_in_place_mask_gives_the_same_values_and_gradients():
+    """The runner masks the model's output in place (no second logits-sized tensor): same logits, same
+    gradient, none at padding columns, through a non-leaf like the output layer's."""
+    torch.manual_seed(0)
+    real, ids = 10, torch.randint(0, 10, (3, 4))
+    w = torch.randn(8, 16, requires_grad=True)
+    h = torch.randn(3, 4, 8)
+    grads, values = [], []
+    for inplace in (False, True):
+        logits = (h.transpose(0, 1) @ w).transpose(0, 1)  # a non-leaf view, as megatron's [s, b] -> [b, s] output
+        masked = mask_vocab_padding(logits, real, inplace=inplace)
+        assert (masked is logits) == inplace
+        loss = ops.vocab_parallel_logprobs(masked, ids).sum() + ops.vocab_parallel_entropy(masked).sum()
+        grads.append(torch.autograd.grad(loss, w)[0])
+        values.append(masked.detach().clone())
+        assert masked[..., real:].max() < -1e29
+    assert torch.equal(values[0], values[1])
+    assert torch.equal(grads[0], grads[1])

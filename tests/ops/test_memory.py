@@ -86,3 +86,34 @@ def test_forward_without_grad_allocates_only_chunks():
         ops.vocab_parallel_logprobs_kl(p, ids, q, chunk_size=CHUNK, with_entropy=True)
     largest = max(e.self_cpu_memory_usage for e in prof.events())
     assert largest <= CHUNK * V * 4, f"largest allocation {largest} bytes exceeds one float32 chunk"
+
+
+def _lp_kl(p, ids, q, **kw):
+    """A scalar of both differentiable outputs, with per-token weights (distinct upstream gradients)."""
+    lp, kl, _ = ops.vocab_parallel_logprobs_kl(p, ids, q, chunk_size=CHUNK, **kw)
+    w = torch.linspace(0.5, 1.5, lp.numel())
+    return (w * lp).sum() + 0.1 * (w.flip(0) * kl).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_backward_can_take_q_memory_for_the_gradient(dtype):
+    """overwrite_q (the trainer's lockstep reference logits, dropped after backward): the gradient is written
+    into q's buffer, bit for bit the gradient of the default path, and no [T, V] gradient buffer is made."""
+    p, q, ids, _, _ = _inputs(dtype)
+    q = q.detach()
+    expected = torch.autograd.grad(_lp_kl(p, ids, q), p)[0]
+    q_ptr, seen = q.untyped_storage().data_ptr(), []
+    p.register_hook(lambda g: seen.append(g.untyped_storage().data_ptr()))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = _lp_kl(p, ids, q, overwrite_q=True)
+        (grad,) = torch.autograd.grad(out, p)
+    assert seen == [q_ptr]  # the gradient reached p in q's memory
+    assert torch.equal(grad, expected)
+    largest = max(e.self_cpu_memory_usage for e in prof.events())
+    assert largest < T * V * q.element_size(), f"a [T, V] buffer of {largest} bytes was allocated"
+    # q in another dtype than p: a gradient buffer of p's dtype after all, q left as it was
+    q32 = q.float()
+    before = q32.clone()
+    grad32 = torch.autograd.grad(_lp_kl(p, ids, q32, overwrite_q=True), p)[0]
+    if dtype != torch.float32:
+        assert torch.equal(q32, before) and grad32.dtype == dtype

@@ -1,0 +1,20 @@
+"""The logits' memory of a scoring pass and of a training micro-batch, in units of L (one bf16 logits tensor
+of the micro-batch), measured with torch's CPU allocation events (benchmarks/memory.py, whose README table
+is the same measurement at 2048 tokens). Before the fixes of 2026-11-23 these sizes gave 4.03L (scoring: a
+float32 copy, a masked copy of the vocabulary padding), 4.01L (padded scoring) and 4.22L (training:
+concatenated lockstep logits, a separate gradient buffer); now 1.04L, 2.01L and 2.21L: the model's own
+output is 1L (2L for padded rows: megatron's [S, b] -> [b, S] copy), the training step's 2L (the student's
+logits and the reference's, which take the gradient)."""
+import pytest
+
+from benchmarks.memory import measure
+
+
+@pytest.mark.slow
+def test_logits_memory_in_units_of_one_logits_tensor():
+    vocab, tokens = 31900, 512  # megatron pads 31900 to 32000 columns: the padding mask is exercised too
+    L = tokens * vocab * 2
+    peak = {k: v / L for k, v in measure(vocab, tokens, seqs=8, chunk_mib=0.25).items()}
+    assert peak["score, packed"] < 1.5, peak
+    assert peak["score, padded"] < 2.5, peak
+    assert peak["train, packed"] < 2.8, peak
