@@ -45,7 +45,9 @@ def route_rows(values_NC: torch.Tensor | None, held: Sequence[Sequence[int]], de
                 recv_counts[s] += positions[b]
     if values_NC is None or not mine:
         values_NC = torch.zeros(0, width, dtype=torch.float32, device=device)
-    index = torch.cat([torch.arange(offsets[b], offsets[b] + positions[b], device=device) for b in order]) \
+    # The gather index of what is sent, built on the CPU and moved once (one small kernel per row on a GPU
+    # would be hundreds of launches per pass).
+    index = torch.cat([torch.arange(offsets[b], offsets[b] + positions[b], device="cpu") for b in order]).to(device) \
         if order else torch.zeros(0, dtype=torch.long, device=device)
     send = values_NC.to(device)[index]
     recv = torch.empty(sum(recv_counts), width, dtype=torch.float32, device=device)
