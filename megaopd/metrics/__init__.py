@@ -18,7 +18,8 @@ _EXPORTS = {
     "rollout": [
         "RepetitionConfig", "advantage_split", "advantage_split_counts", "advantage_split_from_counts",
         "compression_ratio", "is_repetitive", "repetition_rate", "repetitive_token_flags",
-        "repetitive_token_mask", "response_metrics", "rollout_dynamics", "truncation_rate",
+        "repetitive_token_mask", "response_metrics", "rollout_dynamics", "rollout_dynamics_counts",
+        "rollout_dynamics_from_counts", "truncation_rate",
     ],
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}

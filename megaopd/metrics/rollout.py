@@ -172,10 +172,32 @@ def advantage_split(
     return advantage_split_from_counts(advantage_split_counts(adv_BT, repetitive_BT, mask_BT), prefix)
 
 
-def _masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+def rollout_dynamics_counts(
+    mask_BT: torch.Tensor,
+    student_logprobs_BT: torch.Tensor | None = None,
+    teacher_logprobs_BT: torch.Tensor | None = None,
+    adv_BT: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Sums over masked tokens (and the token count) behind `rollout_dynamics`' token-means, for reduction
+    over data-parallel ranks before dividing; a tensor passed as None is left out."""
     mask = mask_BT.bool()
-    n = int(mask.sum())
-    return float(x_BT.detach().double()[mask].sum() / n) if n > 0 else 0.0
+    out = {"tokens": float(mask.sum())}
+    for name, x in (("student_logprob", student_logprobs_BT), ("teacher_logprob", teacher_logprobs_BT), ("advantage", adv_BT)):
+        if x is not None:
+            out[f"{name}_sum"] = float(x.detach().double()[mask].sum())
+    return out
+
+
+def rollout_dynamics_from_counts(response_lengths: Sequence[int] | torch.Tensor, c: dict[str, float],
+                                 prefix: str = "rollout") -> dict[str, float]:
+    """Mean response length (per response) and the token-means from (possibly reduced) counts; no token: 0.0."""
+    lengths = torch.as_tensor(response_lengths, dtype=torch.float64)
+    out = {f"{prefix}/response_length_mean": float(lengths.mean()) if lengths.numel() else 0.0}
+    n = c["tokens"]
+    for name in ("student_logprob", "teacher_logprob", "advantage"):
+        if f"{name}_sum" in c:
+            out[f"{prefix}/{name}_mean"] = c[f"{name}_sum"] / n if n > 0 else 0.0
+    return out
 
 
 def rollout_dynamics(
@@ -191,9 +213,5 @@ def rollout_dynamics(
     Keys: {prefix}/response_length_mean, /student_logprob_mean, /teacher_logprob_mean, /advantage_mean;
     a tensor passed as None is left out.
     """
-    lengths = torch.as_tensor(response_lengths, dtype=torch.float64)
-    out = {f"{prefix}/response_length_mean": float(lengths.mean()) if lengths.numel() else 0.0}
-    for name, x in (("student_logprob", student_logprobs_BT), ("teacher_logprob", teacher_logprobs_BT), ("advantage", adv_BT)):
-        if x is not None:
-            out[f"{prefix}/{name}_mean"] = _masked_mean(x, mask_BT)
-    return out
+    return rollout_dynamics_from_counts(
+        response_lengths, rollout_dynamics_counts(mask_BT, student_logprobs_BT, teacher_logprobs_BT, adv_BT), prefix)

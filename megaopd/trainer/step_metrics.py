@@ -10,7 +10,8 @@ import torch.distributed as dist
 from megaopd.config.sections import MetricsConfig
 from megaopd.metrics import repetitive_token_mask, response_metrics
 from megaopd.metrics.overlap import topk_overlap_counts, topk_overlap_from_counts
-from megaopd.metrics.rollout import advantage_split_counts, advantage_split_from_counts
+from megaopd.metrics.rollout import (advantage_split_counts, advantage_split_from_counts, rollout_dynamics_counts,
+                                     rollout_dynamics_from_counts)
 from megaopd.parallel.dist import device as group_device
 from megaopd.rollout.batch import RolloutBatch
 from megaopd.scoring.teachers import teacher_metric_sums, teacher_metrics_from_sums
@@ -29,19 +30,17 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     idx = torch.tensor(rows, dtype=torch.long)
     mask = batch.loss_mask_BT[idx]  # every generated token (repetitive n-grams need them all)
     m = mask.bool()
-    a_lp = actor.logprobs_BT[actor.index(rows)]
-    sums = {"tokens": float(m.sum()), "student_sum": float(a_lp.double()[m].sum())}
-    t_lp = adv_BT = None
+    a = actor.index(rows)
+    t = teacher.index(rows) if teacher is not None else None
+    a_lp = actor.logprobs_BT[a]
+    t_lp = teacher.logprobs_BT[t] if teacher is not None else None
+    adv_BT = (t_lp - a_lp) * mask if teacher is not None else None
+    sums = {f"dyn/{k}": v for k, v in rollout_dynamics_counts(mask, a_lp, t_lp, adv_BT).items()}
     if teacher is not None:
-        t_lp = teacher.logprobs_BT[teacher.index(rows)]
-        adv_BT = (t_lp - a_lp) * mask
-        sums["teacher_sum"] = float(t_lp.double()[m].sum())
-        sums["advantage_sum"] = float(adv_BT.double()[m].sum())
         rep_BT = repetitive_token_mask(batch.targets_BT[idx], mask, mcfg.repetition.ngram)
         sums.update({f"split/{k}": v for k, v in advantage_split_counts(adv_BT, rep_BT, mask).items()})
         if mcfg.overlap_k:
             k = mcfg.overlap_k
-            a, t = actor.index(rows), teacher.index(rows)
             ent = (actor.entropy_BT[a], teacher.entropy_BT[t]) if actor.entropy_BT is not None and \
                 teacher.entropy_BT is not None else (None, None)
             sums.update({f"overlap/{k_}": v for k_, v in topk_overlap_counts(
@@ -54,28 +53,27 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     gap_max = float(gap.max()) if gap.numel() else float("-inf")
     c, gap_max = _sum_over_owners(sums, gap_max, contributes)
 
-    lengths = torch.as_tensor(batch.response_lens_B, dtype=torch.float64)
     out = response_metrics(batch.texts, batch.finish_reasons, mcfg.repetition)
-    n = c["tokens"]
-    out["rollout/response_length_mean"] = float(lengths.mean()) if lengths.numel() else 0.0
-    out["rollout/student_logprob_mean"] = c["student_sum"] / n if n > 0 else 0.0
+    out.update(rollout_dynamics_from_counts(batch.response_lens_B, _with_prefix(c, "dyn/")))
+    n = c["dyn/tokens"]
     if teacher is not None:
-        out["rollout/teacher_logprob_mean"] = c["teacher_sum"] / n if n > 0 else 0.0
-        out["rollout/advantage_mean"] = c["advantage_sum"] / n if n > 0 else 0.0
-        split = advantage_split_from_counts({k[len("split/"):]: v for k, v in c.items() if k.startswith("split/")})
+        split = advantage_split_from_counts(_with_prefix(c, "split/"))
         out.update({"adv/regular_mean": split["adv/regular_mean"],
                     "adv/repetitive_mean": split["adv/repetitive_mean"],
                     "adv/repetitive_token_share": split["adv/repetitive_share"]})
         if mcfg.overlap_k:
-            out.update(topk_overlap_from_counts({k[len("overlap/"):]: v for k, v in c.items()
-                                                 if k.startswith("overlap/")}))
+            out.update(topk_overlap_from_counts(_with_prefix(c, "overlap/")))
         if len(batch.teacher_rows) > 1:
-            out.update(teacher_metrics_from_sums({k[len("teacher/"):]: v for k, v in c.items()
-                                                  if k.startswith("teacher/")}, batch.teacher_rows, batch.size))
+            out.update(teacher_metrics_from_sums(_with_prefix(c, "teacher/"), batch.teacher_rows, batch.size))
     out["sync/logprob_gap_mean"] = c["gap_sum"] / n if n > 0 else 0.0
     out["sync/logprob_gap_max"] = gap_max if n > 0 else 0.0
     out["rollout/reward_mean"] = float(batch.rewards_B.mean())
     return out
+
+
+def _with_prefix(c: dict[str, float], prefix: str) -> dict[str, float]:
+    """The entries of c whose key starts with prefix, the prefix taken off."""
+    return {k[len(prefix):]: v for k, v in c.items() if k.startswith(prefix)}
 
 
 def _sum_over_owners(sums: dict[str, float], maximum: float, contributes: bool) -> tuple[dict[str, float], float]:
