@@ -58,6 +58,28 @@ def route_rows(values_NC: torch.Tensor | None, held: Sequence[Sequence[int]], de
     return received, recv
 
 
+def scatter_received(values_N: torch.Tensor, received: Sequence[int], counts: Sequence[int], rows: Sequence[int],
+                     T: int, starts: Sequence[int] | None = None) -> torch.Tensor:
+    """What route_rows delivered -> dense rows [len(rows), T, ...] on the CPU, zero elsewhere: received row b's
+    counts[b] values (route_rows' order, row after row) land at positions starts[b] .. starts[b] + counts[b] - 1
+    (starts default 0) of row b's place among `rows`. Received rows not in `rows` are skipped."""
+    values_N = values_N.cpu()
+    where = {b: i for i, b in enumerate(rows)}
+    out = torch.zeros((len(rows), T, *values_N.shape[1:]), dtype=values_N.dtype)
+    src, dst_row, dst_t, o = [], [], [], 0
+    for b in received:
+        n = counts[b]
+        if b in where and n:
+            s = starts[b] if starts is not None else 0
+            src.append(torch.arange(o, o + n))
+            dst_row.append(torch.full((n,), where[b], dtype=torch.long))
+            dst_t.append(torch.arange(s, s + n))
+        o += n
+    if src:
+        out[torch.cat(dst_row), torch.cat(dst_t)] = values_N[torch.cat(src)]
+    return out
+
+
 def owner_ranks(dp_rank: int, sends: bool, device: torch.device) -> tuple[tuple[int, bool], ...]:
     """Per global rank, its actor DP rank and whether it speaks for its replica (RowOwners.ranks): one small
     all_gather, once per run (the layout does not change)."""

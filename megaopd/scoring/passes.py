@@ -25,7 +25,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megaopd import ops
 from megaopd.parallel.dist import device as group_device
 from megaopd.rollout.batch import RowOwners, TokenScores, dp_rows, pad_rows
-from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, unpack_columns
+from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, round_up, row_lengths
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
@@ -162,7 +162,7 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     if packed and mbs:  # micro-batch order -> this rank's row order
         order = torch.tensor([s.row for mb in mbs for s in mb.packed.segments]).argsort()
 
-    def local(key, trailing, dtype):
+    def local(key):
         """This rank's scored rows [len(rows), T, ...] in `rows` order (None off the last stage)."""
         if not results:
             return None
@@ -173,7 +173,7 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     if aligned:  # every TP rank has the results; PP: the last stage's, broadcast over the PP group
         out = {}
         for key, name, trailing, dtype in fields:
-            x = local(key, trailing, dtype)
+            x = local(key)
             if pgs.pp.size() > 1 and mbs:
                 x = broadcast_from_last_stage(x, (len(rows), T, *trailing), dtype, pgs.pp, device)
             x = x.cpu() if x is not None else torch.zeros((0, T, *trailing), dtype=dtype)
@@ -188,20 +188,12 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     widths = [max(1, int(torch.Size(t).numel())) for _k, _n, t, _d in fields]
     payload = None
     if speaks and rows:
-        payload = pack_columns([local(k, t, d).to(device)[valid_BT.to(device)].reshape(-1, w)
-                                for (k, _n, t, d), w in zip(fields, widths)])
+        valid = valid_BT.to(device)
+        payload = pack_columns([local(k).to(device)[valid].reshape(-1, w) for (k, _n, _t, _d), w in zip(fields, widths)])
     received, values = route_rows(payload, held, dests, positions, sum(widths), device)
     mine = owners.rows()
-    where = {b: i for i, b in enumerate(mine)}
-    recv_valid = _valid_positions([positions[b] for b in received], T)
-    target = torch.tensor([where[b] for b in received], dtype=torch.long)
-    out = {}
-    for (key, name, trailing, dtype), col in zip(fields, unpack_columns(values, widths, [f[3] for f in fields])):
-        dense = torch.zeros((len(received), T, *trailing), dtype=dtype)
-        dense[recv_valid] = col.cpu().reshape(-1, *trailing)
-        x = torch.zeros((len(mine), T, *trailing), dtype=dtype)
-        x[target] = dense
-        out[name] = x
+    out = {name: scatter_received(col.reshape(-1, *trailing), received, positions, mine, T)
+           for (_k, name, trailing, _d), col in zip(fields, unpack_columns(values, widths, [f[3] for f in fields]))}
     return TokenScores(**out, rows=mine)
 
 
@@ -234,13 +226,7 @@ def _route_at_ids(at_ids_BTK: torch.Tensor, owners: RowOwners, shares: list[list
         valid = _valid_positions([positions[b] for b in mine], T)
         payload = pack_columns([at_ids_BTK[:, :T].int().to(device)[valid.to(device)]])
     received, values = route_rows(payload, held, dests, positions, K, device)
-    share = shares[dp_rank]
-    where = {b: i for i, b in enumerate(share)}
-    out = torch.zeros((len(share), T, K), dtype=torch.int32)
-    dense = torch.zeros((len(received), T, K), dtype=torch.int32)
-    dense[_valid_positions([positions[b] for b in received], T)] = unpack_columns(values, [K], [torch.int32])[0].cpu()
-    out[torch.tensor([where[b] for b in received], dtype=torch.long)] = dense
-    return out
+    return scatter_received(unpack_columns(values, [K], [torch.int32])[0], received, positions, shares[dp_rank], T)
 
 
 def _valid_positions(counts: list[int], T: int) -> torch.Tensor:

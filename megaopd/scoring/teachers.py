@@ -28,7 +28,7 @@ import torch
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores
-from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, unpack_columns
+from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.passes import score_tokens
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.runner import PipelineRunner
@@ -200,26 +200,17 @@ class TeacherSet:
             payload = pack_columns([torch.cat(c).float() if dt == torch.float32 else torch.cat(c)
                                     for c, dt in zip(cols, dtypes)]).to(device)
         held = [held_rows] + [[] for _ in range(len(ranks) - 1)]
-        received, values = route_rows(payload, held, dests, [len(sp) for sp in spans], sum(widths), device)
-        columns = unpack_columns(values.cpu(), widths, dtypes)
-        got, o = {}, 0  # batch row -> its slice of the received positions
-        for b in received:
-            got[b], o = slice(o, o + len(spans[b])), o + len(spans[b])
+        counts, starts = [len(sp) for sp in spans], [sp.start for sp in spans]
+        received, values = route_rows(payload, held, dests, counts, sum(widths), device)
+        columns = unpack_columns(values, widths, dtypes)
         mine = set(owners.rows())
         out = {}
         for name, rows in served.items():
             kept = [b for b in rows if b in mine]
-            part = TokenScores(logprobs_BT=torch.zeros(len(kept), T), rows=kept)
+            dense = [scatter_received(c, received, counts, kept, T, starts) for c in columns]
+            out[name] = TokenScores(logprobs_BT=dense[0][..., 0], rows=kept)
             if K:
-                part.topk_ids_BTK = torch.zeros(len(kept), T, K, dtype=torch.int32)
-                part.topk_logprobs_BTK = torch.zeros(len(kept), T, K)
-            for i, b in enumerate(kept):
-                span = spans[b]
-                part.logprobs_BT[i, span.start:span.stop] = columns[0][got[b], 0]
-                if K:
-                    part.topk_ids_BTK[i, span.start:span.stop] = columns[1][got[b]]
-                    part.topk_logprobs_BTK[i, span.start:span.stop] = columns[2][got[b]]
-            out[name] = part
+                out[name].topk_ids_BTK, out[name].topk_logprobs_BTK = dense[1], dense[2]
         return out
 
     def _merge(self, batch: RolloutBatch, mine: list[int], parts: dict[str, TokenScores]) -> TokenScores:
