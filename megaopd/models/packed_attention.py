@@ -24,6 +24,7 @@ refused).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -32,11 +33,13 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 
+@functools.cache
 def _varlen_attn():
     """torch's varlen flash attention and the names of its keyword arguments, or None (torch < 2.9).
 
     Its signature moved between torch releases: 2.9/2.10 take `is_causal` (and no scale before 2.10),
-    later ones `window_size=(-1, 0)` for causal, `scale` and `enable_gqa`."""
+    later ones `window_size=(-1, 0)` for causal, `scale` and `enable_gqa`. Read once (every layer of every
+    packed forward asks)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
