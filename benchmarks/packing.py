@@ -38,14 +38,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-
-def opd_lengths(n: int, scale: float, seed: int = 0) -> tuple[list[int], list[int]]:
-    """(prompt, response) lengths of n OPD-like rollouts: responses log-normal (median 2.2k, mean about
-    3k), cut at 8k (the truncated tail), times scale."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(100, 300, (n,), generator=g).float()
-    responses = torch.exp(torch.randn(n, generator=g) * 0.8 + 7.7).clamp(64, 8192)
-    return ([max(2, int(p * scale)) for p in prompts.tolist()], [max(1, int(r * scale)) for r in responses.tolist()])
+from megaopd.gpucheck.build import opd_lengths  # noqa: E402
 
 
 def synthetic_rollout(prompt_lens, response_lens, vocab: int):

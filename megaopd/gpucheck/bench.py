@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaopd.gpucheck.build import QWEN_VOCAB, hf_config_dict, num_params, write_hf_dir
+from megaopd.gpucheck.build import QWEN_VOCAB, hf_config_dict, num_params, opd_lengths, write_hf_dir
 from megaopd.gpucheck.report import Table
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
@@ -233,15 +233,6 @@ def _peak_tflops() -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def opd_like_lengths(n: int, scale: float, seed: int = 0) -> list[int]:
-    """Total lengths of n OPD-like rollouts (benchmarks/packing.py's distribution: prompts 100-300 tokens,
-    responses log-normal with median 2.2k and mean about 3k, cut at 8k), times scale."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(100, 300, (n,), generator=g).float()
-    responses = torch.exp(torch.randn(n, generator=g) * 0.8 + 7.7).clamp(64, 8192)
-    return [max(3, int((p + r) * scale)) for p, r in zip(prompts.tolist(), responses.tolist())]
-
-
 @dataclass
 class _NllMicroBatch:
     """A micro-batch of the packing bench: ids, the targets that count, the packed layout (None = padded)."""
@@ -272,7 +263,8 @@ def bench_packing(table: Table, device, shape: str, vocab: int, sequences: int =
     pgs = initialize_actor_layout(Layout(1, 1))
     cfg = read_hf_config(hf_config_dict(shape, vocab))
     model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, dtype=dtype)
-    lengths = opd_like_lengths(sequences, scale)
+    prompts, responses = opd_lengths(sequences, scale)
+    lengths = [p + r for p, r in zip(prompts, responses)]
     B, S = len(lengths), max(lengths)
     g = torch.Generator().manual_seed(1)
     tokens = torch.zeros(B, S, dtype=torch.long)

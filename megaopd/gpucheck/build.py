@@ -120,3 +120,12 @@ def num_params(cfg: dict) -> int:
     attn = h * heads * d + 2 * h * kv * d + heads * d * h + (heads + 2 * kv) * d  # q, k, v, o, qkv biases
     per_layer = attn + 3 * h * f + 2 * h
     return L * per_layer + V * h * (1 if cfg["tie_word_embeddings"] else 2) + h
+
+
+def opd_lengths(n: int, scale: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(prompt, response) lengths of n OPD-like rollouts: responses log-normal (median 2.2k, mean about
+    3k), cut at 8k (the truncated tail), times scale. benchmarks/packing.py and the packing bench use them."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(100, 300, (n,), generator=g).float()
+    responses = torch.exp(torch.randn(n, generator=g) * 0.8 + 7.7).clamp(64, 8192)
+    return ([max(2, int(p * scale)) for p in prompts.tolist()], [max(1, int(r * scale)) for r in responses.tolist()])
