@@ -39,6 +39,16 @@ def local_rank() -> int:
     return 0
 
 
+def global_rank() -> int:
+    """This process's rank in the default group; 0 when no group is initialized (one process)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Ranks in the default group; 1 when no group is initialized (one process)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> None:
     """Initializes the default process group once (idempotent) and the CPU compatibility if needed.
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megaopd.parallel.dist import world_size
 from megaopd.rollout.protocol import FinishReason, Sample
 
 
@@ -95,7 +96,7 @@ class RowOwners:
     @staticmethod
     def replicated(num_rows: int, rank: int) -> "RowOwners":
         """Every rank holds every row (one replica, global rank 0 speaking for it): `megaopd logprobs`, tests."""
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        world = world_size()
         return RowOwners(tuple([0] * num_rows), 0, 1, rank == 0, tuple((0, r == 0) for r in range(world)))
 
     def rows(self, dp_rank: int | None = None) -> list[int]:

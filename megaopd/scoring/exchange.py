@@ -19,13 +19,14 @@ from typing import Collection, Sequence
 import torch
 import torch.distributed as dist
 
+from megaopd.parallel.dist import global_rank, world_size
+
 
 def route_rows(values_NC: torch.Tensor | None, held: Sequence[Sequence[int]], dests: Sequence[Collection[int]],
                positions: Sequence[int], width: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
     """Collective over the world: see the module docstring. Returns the received rows and their positions
     [sum of their positions, width] (float32, on `device`)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    me = dist.get_rank() if dist.is_initialized() else 0
+    world, me = world_size(), global_rank()
     send_counts = [0] * world
     order: list[int] = []  # this rank's held rows grouped by destination (one row may go to several ranks)
     mine = list(held[me]) if me < len(held) else []
@@ -84,9 +85,9 @@ def owner_ranks(dp_rank: int, sends: bool, device: torch.device) -> tuple[tuple[
     """Per global rank, its actor DP rank and whether it speaks for its replica (RowOwners.ranks): one small
     all_gather, once per run (the layout does not change)."""
     mine = torch.tensor([dp_rank, int(sends)], dtype=torch.long, device=device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return ((dp_rank, sends),)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    parts = [torch.empty_like(mine) for _ in range(world_size())]
     dist.all_gather(parts, mine)
     return tuple((int(p[0]), bool(p[1])) for p in parts)
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd import ops
-from megaopd.parallel.dist import device as group_device
+from megaopd.parallel.dist import device as group_device, global_rank
 from megaopd.rollout.batch import RowOwners, TokenScores, dp_rows, pad_rows
 from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, round_up, row_lengths
@@ -100,7 +99,7 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     lengths = row_lengths(tokens_BS, lengths_B)
     positions = [min(n, S) - 1 for n in lengths]
     device = group_device()
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = global_rank()
     owners = owners if owners is not None else RowOwners.replicated(B, me)
     if len(owners.owner_B) != B:
         raise ValueError(f"owners cover {len(owners.owner_B)} rows, the batch has {B}: pass owners.subset(rows) "

@@ -26,7 +26,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from megaopd.parallel.dist import device as group_device
-from megaopd.parallel.dist import rank0_computes
+from megaopd.parallel.dist import global_rank, rank0_computes
 from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores
 from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.passes import score_tokens
@@ -128,7 +128,7 @@ class TeacherSet:
         (the student's top-k) as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows). packing:
         score_tokens' lengths_B (of the whole batch) and max_tokens, or None for the padded path."""
         on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
-        owners = owners if owners is not None else RowOwners.replicated(batch.size, _rank())
+        owners = owners if owners is not None else RowOwners.replicated(batch.size, global_rank())
         parts: dict[str, TokenScores] = {}
         for name, t in self.teachers.items():
             rows = rows_of.get(name, [])
@@ -174,7 +174,7 @@ class TeacherSet:
             return {}
         self.wait_remote(pending)
         device = group_device()
-        me = _rank()
+        me = global_rank()
         K = pending.topk
         prompt_B, response_B = batch.prompt_lens_B.tolist(), batch.response_lens_B.tolist()
         T = batch.tokens_BS.shape[1] - 1
@@ -270,8 +270,4 @@ def teacher_metrics_from_sums(c: dict[str, float], rows_of: dict[str, list[int]]
 def teacher_metrics(batch: RolloutBatch, rows_of: dict[str, list[int]], prefix: str = "rollout") -> dict[str, float]:
     """teacher_metrics_from_sums of this rank's rows alone (a rank that holds the whole batch)."""
     return teacher_metrics_from_sums(teacher_metric_sums(batch, rows_of), rows_of, batch.size, prefix)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
