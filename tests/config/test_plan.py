@@ -11,7 +11,6 @@ Hand computation for Qwen2.5-7B (fixtures/qwen2.5-math-7b/config.json, the real 
   Adam fp32 master + m + v = 12 B/param = 45,694,924,800 B, /4 with the distributed optimizer at
   8 GPUs (DP = 8/2 = 4) = 11,423,731,200 B.
 """
-import gc
 import json
 import os
 import subprocess
@@ -185,18 +184,22 @@ def test_plan_command_exit_status(tmp_path):
 
 
 # --------------------------------------------------------------------------------------- measurement
-def _rss() -> int:
-    import psutil
+def _net_allocated_bytes(fn):
+    """(fn(), bytes torch allocated minus bytes it freed on the CPU while fn ran), from the profiler's
+    allocation events. Unlike RSS growth (what this test measured before 2026-11-25), it does not depend
+    on what the allocator kept from earlier tests: the same number alone or after the whole suite."""
+    from torch.profiler import ProfilerActivity, profile
 
-    gc.collect()
-    return psutil.Process().memory_info().rss
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return out, sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
 
 
 @pytest.mark.slow
 def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
-    """The RSS growth of one float32 forward whose graph is kept (what backward needs) against the plan's
-    activations + logits for megatron's unfused CPU attention (within 30%: the model is an estimate, RSS is
-    coarse), and the parameter count against the megatron model's own."""
+    """The bytes one float32 forward leaves allocated while its graph is kept (what backward needs) against
+    the plan's activations + logits for megatron's unfused CPU attention (within 30%: the plan is an
+    estimate), and the parameter count against the megatron model's own."""
     import torch
     from transformers import Qwen2Config
 
@@ -223,9 +226,7 @@ def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
         pos = torch.arange(seq)[None].expand(rows, seq)
         with torch.no_grad():  # warm-up: allocator pools and lazy buffers (rope cache, masks)
             model(ids[:1, :8], pos[:1, :8], None)
-        base = _rss()
-        logits = model(ids, pos, None)
-        kept = _rss() - base
+        logits, kept = _net_allocated_bytes(lambda: model(ids, pos, None))
         del logits
     finally:
         destroy_distributed()
