@@ -1,7 +1,8 @@
 """Golden metrics: the tiny Stable-OPD, LSM and GRPO runs (5 steps, fixed seed, student TP=2, teacher
-TP=1, committed tiny models) reproduce the per-step metrics committed in tests/trainer/golden/ to 1e-6
-relative, on the padded path (trainer.pack_sequences=false: the packed path's summation order differs,
-and test_packed_stable_opd_matches_padded holds it to the padded numbers within a stated tolerance).
+TP=1, committed tiny models) reproduce the per-step metrics committed in tests/trainer/golden/ to 1e-4
+relative (float32 round-off across CPUs and thread counts: see REL), on the padded path
+(trainer.pack_sequences=false: the packed path's summation order differs, and
+test_packed_stable_opd_matches_padded holds it to the padded numbers within a stated tolerance).
 A refactor of the trainer, scoring, batching or sync must keep them; a deliberate change of
 behaviour regenerates them with
 
@@ -23,7 +24,21 @@ from tests.trainer.tiny_models import ROOT
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "golden")
 PRESETS = ["stable_opd", "lsm", "grpo"]
-REL = 1e-6
+# Tolerance: float32 round-off, not the digits of one machine. The same commit gives different last digits
+# on another CPU, SIMD width (ATEN_CPU_CAPABILITY), thread count or BLAS build: each changes the summation
+# order of the reductions (matmuls, log-sum-exp over the vocabulary, token means), and one n-term float32
+# sum may move by up to n * 2^-24 (6e-8) relative; the tiny models' longest reductions have ~10^3 terms
+# (6e-5), and five optimizer steps carry such differences into every metric. Measured 2026-11-25 on an
+# AMD EPYC (2 cores): the committed files, written with AVX2 kernels, are reproduced bit for bit with
+# ATEN_CPU_CAPABILITY=avx2 and differ by up to 7.2e-6 relative under AVX-512, 3.4e-6 with no SIMD kernels,
+# 7.2e-6 at 2 threads a worker (tests/trainer/golden/README.md: what varies). REL = 1e-4 admits those with margin,
+# while any change of behaviour a refactor can make (a mask, a count, a coefficient, a token of a sample)
+# moves these metrics by 1e-3 or more. ABS covers metrics that are zero or nearly so (KL terms at step 1).
+REL = 1e-4
+ABS = 1e-8
+# The engine/actor log-prob gap is float32 round-off itself (1e-7 to 1e-5): checked against a bound.
+ROUND_OFF_METRICS = ("sync/logprob_gap",)
+ROUND_OFF_BOUND = 1e-4
 
 
 def golden_overrides(run_dir: str) -> list[str]:
@@ -46,12 +61,18 @@ def _step_metrics(run_dir: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def _deviation(got: float, want: float) -> float:
+    """|got - want| in units of the tolerance: <= 1 passes."""
+    return abs(got - want) / (REL * abs(want) + ABS)
+
+
 @pytest.mark.slow
 def test_golden_metrics(tmp_path):
     cfgs = [load_config(MegaOPDConfig, os.path.join(ROOT, "examples", "tiny", f"{name}.yaml"),
                         golden_overrides(str(tmp_path / name))) for name in PRESETS]
     spawn(_workers.run_presets, 2, args=(cfgs,), timeout=1500)
     update = os.environ.get("MEGAOPD_UPDATE_GOLDEN") == "1"
+    worst = []  # (deviation in tolerances, preset, step, key, got, want)
     for name in PRESETS:
         got = _step_metrics(str(tmp_path / name))
         path = os.path.join(GOLDEN_DIR, f"{name}.json")
@@ -66,10 +87,17 @@ def test_golden_metrics(tmp_path):
             missing = sorted(set(metrics) - set(got[step]))
             assert not missing, (name, step, missing)
             for key, value in metrics.items():
-                # The engine/actor gap is float32 round-off (1e-7): any change of summation order moves it.
-                abs_tol = 1e-6 if key.startswith("sync/logprob_gap") else 1e-9
-                assert math.isclose(got[step][key], value, rel_tol=REL, abs_tol=abs_tol), \
-                    (name, step, key, got[step][key], value)
+                if key.startswith(ROUND_OFF_METRICS):
+                    # A measurement of round-off itself (engine vs actor): bounded, not reproduced.
+                    assert abs(got[step][key]) <= ROUND_OFF_BOUND, (name, step, key, got[step][key])
+                    continue
+                worst.append((_deviation(got[step][key], value), name, step, key, got[step][key], value))
+    worst.sort(reverse=True)
+    rel = max((abs(g - w) / abs(w) for _, _, _, _, g, w in worst if w), default=0.0)
+    print(f"golden metrics: {len(worst)} compared, largest relative difference {rel:.2e}, "
+          f"largest in units of the tolerance {worst[0][0] if worst else 0:.3f}")
+    bad = [w for w in worst if not w[0] <= 1]
+    assert not bad, f"{len(bad)} of {len(worst)} golden metrics differ; worst: {bad[:5]}"
 
 
 # The packed path against the pinned padded numbers: step-wide metrics (losses are shares of global counts;
