@@ -14,4 +14,13 @@ Libraries any of them may use: config, parallel, models (HF <-> Megatron), ops (
 metrics, eval. `megaopd <command>`: cli.py.
 """
 
+import warnings as _warnings
+
 __version__ = "0.1.0"
+
+# megatron-core announces at import, once per module and per process (so ~20 times in a 2-worker run), that
+# it falls back to torch's norm and optimizers without Apex or Transformer Engine. That is the intended
+# CPU path and an informed choice on GPUs (README, "GPU clusters: optional pieces"), so the lines say
+# nothing to a user and drown the step lines; megaopd's own start-up says which layers it builds.
+_warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed",
+                         category=UserWarning, module=r"megatron\.")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # command -> "module:function"; modules are imported only when their command runs (megatron's import
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"megaopd: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    # megatron's tensor-parallel layers rely on one CUDA work queue to order their asynchronous gradient
+    # all-reduce before the weight-gradient GEMM (and warn without it); set before any CUDA context, as
+    # slurm/common.sh does, so that local runs get it too. Spawned workers inherit it.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     module_name, func_name = COMMANDS[command].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     return int(func(rest) or 0)

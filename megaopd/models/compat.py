@@ -151,6 +151,9 @@ def forward_backward_func(pg_collection: ProcessGroupCollection):
 
 
 def make_transformer_config(**kwargs) -> TransformerConfig:
+    # megatron 0.16's default cuda_graph_scope "full" is deprecated in its own __post_init__ (a warning on
+    # every config); [] is its documented equivalent (the whole layer).
+    kwargs.setdefault("cuda_graph_scope", [])
     return TransformerConfig(**kwargs)
 
 

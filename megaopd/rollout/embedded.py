@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import json
 import os
 import threading
@@ -222,6 +223,9 @@ class EmbeddedEngine:
             config.hf_dir, dtype=self.dtype, attn_implementation=config.attn_implementation)
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
+        # transformers 5.2x renamed forward's `past_key_values` to `cache` (the old name warns on every call
+        # and goes in 5.40); older releases know only the old name.
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.eos_ids = list(config.eos_token_ids) if config.eos_token_ids is not None else read_eos_ids(config.hf_dir)
         mc = self.model.config
         self.vocab_size = int(mc.vocab_size)
@@ -321,9 +325,9 @@ class EmbeddedEngine:
         # Positions count real tokens only, so a left-padded prompt sees the same RoPE phases as unpadded.
         pos_SL = (mask_SL.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids_SL, attention_mask=mask_SL, position_ids=pos_SL, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
-        return out.past_key_values, out.logits[:, -1, :].float(), mask_SL, pos_SL[:, -1] + 1
+        out = self.model(input_ids=ids_SL, attention_mask=mask_SL, position_ids=pos_SL, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
+        return cache, out.logits[:, -1, :].float(), mask_SL, pos_SL[:, -1] + 1
 
     @torch.inference_mode()
     def _decode_chunk(self, rows: list[RowRequest], epoch: int) -> list[RowResult]:
@@ -384,8 +388,8 @@ class EmbeddedEngine:
             else:
                 mask_BL = torch.cat([mask_BL, torch.ones_like(mask_BL[:, :1])], dim=1)
                 out = self.model(input_ids=new_tokens_A.unsqueeze(-1), attention_mask=mask_BL,
-                                 position_ids=next_pos_B.unsqueeze(-1), past_key_values=cache, use_cache=True)
-                cache, logits_BV = out.past_key_values, out.logits[:, -1, :].float()
+                                 position_ids=next_pos_B.unsqueeze(-1), use_cache=True, **{self._cache_kw: cache})
+                logits_BV = out.logits[:, -1, :].float()  # the cache object is updated in place
                 next_pos_B = next_pos_B + 1
         return results
 
