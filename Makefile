@@ -23,8 +23,9 @@ test-all: test test-e2e
 # Stable-OPD of the tiny student from the tiny teacher, CPU, student TP=2 on 2 gloo workers, about three
 # minutes (examples/tiny/README.md). Prints validation accuracy before -> after. Each call is a fresh run
 # folder (runs/tiny/demo_DATE_TIME): the preset's own folder would resume a finished run.
+DEMO_DIR ?= runs/tiny/demo_$(shell date +%Y%m%d_%H%M%S)
 demo: install
-	$(PYTHON) -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=runs/tiny/demo_$$(date +%Y%m%d_%H%M%S)
+	$(PYTHON) -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=$(DEMO_DIR)
 
 # Issue 13's GPU bring-up check on one GPU (scripts/gpu_check.sh: the table, the parts, how to run it on the
 # lent machine). `make gpu-check ARGS=--quick` is the CPU smoke mode.
