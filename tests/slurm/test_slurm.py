@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -364,6 +365,10 @@ class Jobs:
         """Submits; with wait, returns (job id, exit code) once the job ended. Polls scontrol every 0.5 s
         rather than `sbatch --wait`, whose growing poll interval adds ~20 s to every short job."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DRY_RUN")) and k not in LAUNCHER_VARS}
+        # The job runs in this test's Python environment, as a user's does after `source .venv/bin/activate`
+        # (sbatch exports the submitting environment): its torchrun and python first on PATH.
+        bin_dir = os.path.dirname(sys.executable)
+        env.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), PYTHON=sys.executable)
         env.update(env_extra, MEGAOPD_ROOT=ROOT)
         r = subprocess.run(["sbatch", "--parsable", *args, script], capture_output=True, text=True, env=env,
                            cwd=ROOT, timeout=60)
