@@ -7,8 +7,12 @@ Every request has a timeout; connection failures, timeouts and 5xx answers are r
 exponential backoff, 4xx answers are not (they are the caller's bug) and raise EngineRequestError
 with the server's message. Every sampling parameter is sent explicitly (servers fill omitted ones from
 generation_config.json). A prompt's n samples are sent as n batch entries with n=1 and their own
-sampling_seed (protocol.expand_samples), so results are prompt-major, independent of how the server
-orders an n > 1 request, and identical to the embedded engine's for the same seed.
+sampling_seed (protocol.expand_samples), so results are prompt-major and independent of how the server
+orders an n > 1 request.
+
+Seeds: on `megaopd serve` a seeded call gives the same samples every time, equal to the embedded engine's.
+SGLang honours sampling_seed only when launched with --enable-deterministic-inference (rollout.deterministic;
+GPU attention backends, 25-45% slower rollouts); without it two equal seeded calls can differ.
 
 Weights reach the server through megaopd.sync (weight_transports: a torch.distributed group, or CUDA IPC
 handles when colocated); this client only carries the HTTP side of them: the server's version, and the

@@ -98,16 +98,15 @@ class RowRequest:
     top_k: int = -1
     min_p: float = 0.0
     stop_ids: frozenset[int] = frozenset()
-    """Ids that finish the row, EOS included unless ignore_eos (the caller builds this set)."""
+    """Ids that finish the row: EOS and stop_token_ids, none with ignore_eos (the caller builds this set)."""
     seed: int | None = None
     """Seed of this row's generator; None draws a fresh random seed."""
 
     @classmethod
     def from_params(cls, prompt_ids: list[int], params: SamplingParams, eos_ids: Iterable[int],
                     seed: int | None) -> "RowRequest":
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop.update(eos_ids)
+        # SGLang 0.5.23: ignore_eos ignores stop_token_ids too (the response runs to its budget).
+        stop = set() if params.ignore_eos else set(params.stop_token_ids) | set(eos_ids)
         return cls(prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
                    temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                    min_p=params.min_p, stop_ids=frozenset(stop), seed=seed)

@@ -252,7 +252,7 @@ class RolloutServer:
         entries, rows = [], []
         for s in expand_samples(prompts, [p.n for p in params], [p.seed for p in params], keep_single_seeds=True):
             i, p = s.prompt_index, params[s.prompt_index]
-            stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.eos_ids))
+            stop = set() if p.ignore_eos else set(p.stop_token_ids) | set(engine.eos_ids)  # as RowRequest.from_params
             row = RowRequest(prompt_ids=s.prompt_ids, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                              top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, stop_ids=frozenset(stop), seed=s.seed)
             if p.max_new_tokens > 0:

@@ -61,8 +61,9 @@ class SGLangLaunchConfig:
     module docstring for what it costs). GPU attention backends only."""
     device: str = "cuda"
     """cuda, or cpu: SGLang's CPU engine with the flags that run a Qwen2 model there without sgl-kernel's
-    CPU build (torch-native attention, PyTorch sampling, no grammar backend, no CUDA graphs; float32 unless
-    `dtype` says otherwise) and SGLANG_USE_CPU_ENGINE=1 (sglang_env). Used by the CPU test tier."""
+    CPU build (torch-native attention, PyTorch sampling, no grammar backend, no CUDA graphs, no busy idle
+    loop; float32 unless `dtype` says otherwise) and SGLANG_USE_CPU_ENGINE=1 (sglang_env). Used by the CPU
+    test tier (tests/e2e/sglang)."""
     max_total_tokens: int | None = None
     """KV-cache size in tokens (--max-total-tokens); None = SGLang's default, which on a CPU takes most of
     the machine's memory."""
@@ -110,8 +111,9 @@ def sglang_command(cfg: SGLangLaunchConfig) -> list[str]:
     if cfg.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
     if cfg.device == "cpu":
+        # --sleep-on-idle: the scheduler otherwise polls its sockets in a busy loop, a whole CPU core per server.
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-                "--grammar-backend", "none", "--disable-cuda-graph"]
+                "--grammar-backend", "none", "--disable-cuda-graph", "--sleep-on-idle"]
         if cfg.dtype is None:
             cmd += ["--dtype", "float32"]
     return cmd + list(cfg.extra_args)

@@ -169,6 +169,11 @@ class CudaIpcTransport:
         return bodies
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+        if self.device.type != "cuda":
+            # A CPU tensor pickles as a file descriptor shared through this process's resource sharer, which
+            # the engine cannot authenticate to: SGLang 0.5.23's server exits on such a payload (seen on CPU).
+            raise ValueError(f"the cuda_ipc transport sends CUDA tensors only (device {self.device}): colocated "
+                             "engines need the trainer on GPUs; set rollout.colocated=false (a weight-update group)")
         world = dist.get_world_size(self.group)
         sessions = weight_update_sessions(self.engines) if self.rank == 0 else None
         if sessions is not None:

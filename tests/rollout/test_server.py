@@ -98,7 +98,7 @@ def test_generate_matches_sglang_schema(server, tiny_dir):
     stop_id = free["output_ids"][2]
     status, out = post(server.url, "/generate", {
         "input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 0,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop_id], "ignore_eos": True}})
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop_id]}})
     assert status == 200
     assert_same_shape(dict(out["meta_info"], finish_reason=None), SGLANG_LOGPROB_RESPONSE_META)  # a stop here
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
