@@ -17,7 +17,9 @@ logprob_start_len s give input_token_logprobs entries about prompt tokens s, s +
 s is always [null, id, null] (SGLang 0.5.23, for any s, not only 0: nothing before s is scored, so the
 token at s has no log-prob); input_top_logprobs / input_token_ids_logprobs have null there too. To score
 the tokens from position p on, prefill_request asks from p - 1 and prefill_scores_from_json drops that
-first entry: the one place that knows it.
+first entry: the one place that knows it. SGLang 0.5.23 also reports the id of the last vocabulary entry
+(vocab_size - 1) as 0 in input_token_logprobs (`x if x < vocab_size - 1 else 0`, a guard meant for image
+tokens' hashes); its log-prob is the sent token's, so an answered 0 is read as the id sent.
 """
 from __future__ import annotations
 
@@ -231,8 +233,11 @@ def prefill_scores_from_json(entry: Any, seq: list[int], first: int, topk: int =
                          f"the {n} tokens scored plus the one at logprob_start_len={first - 1} "
                          f"(sequence of {len(seq)})")
     lps = lps[1:]  # the entry at logprob_start_len: [null, id, null] on SGLang (nothing before it is scored)
-    if [int(e[1]) for e in lps] != list(seq[first:]):
-        raise ValueError("input_token_logprobs names other token ids than the sequence sent")
+    got = [int(e[1]) for e in lps]
+    if not all(a == b or a == 0 for a, b in zip(got, seq[first:])):  # SGLang names the last vocabulary id 0
+        i = next(i for i, (a, b) in enumerate(zip(got, seq[first:])) if a not in (b, 0))
+        raise ValueError(f"input_token_logprobs names other token ids than the sequence sent: at token {first + i} "
+                         f"of {len(seq)}, sent {list(seq[first + i:first + i + 4])}, answered {got[i:i + 4]}")
     if any(e[0] is None for e in lps):
         raise ValueError("input_token_logprobs has a null log-prob after logprob_start_len")
     out = PrefillScores(logprobs=[float(e[0]) for e in lps])

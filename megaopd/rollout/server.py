@@ -7,7 +7,9 @@ Endpoints (schemas as SGLang's; see /work/shared/design/SGLANG-PROTOCOL.md):
                                                    prefill scoring: max_new_tokens 0, return_logprob,
                                                    logprob_start_len, top_logprobs_num, token_ids_logprob
                                                    -> input_token_logprobs, input_top_logprobs,
-                                                   input_token_ids_logprobs (temperature 1, as SGLang)
+                                                   input_token_ids_logprobs (temperature 1; null AT
+                                                   logprob_start_len for any start), output_top_logprobs /
+                                                   output_token_ids_logprobs (the next token's), as SGLang
   POST /init_weights_update_group                  joins the trainer's group (blocks until it forms)
   POST /update_weights_from_distributed            receives broadcast tensors, loads them by HF name
                                                    (per-tensor format: straight into the parameters)
@@ -24,8 +26,12 @@ Endpoints (schemas as SGLang's; see /work/shared/design/SGLANG-PROTOCOL.md):
   POST /pause_generation   /continue_generation   /abort_request
 Memory tags (weights, kv_cache, cuda_graph) can be resumed only after a release: resuming another is
 HTTP 400 here (SGLang 0.5.23 dies on it). GET /server_info carries "version" (the SGLang version acted).
-Errors are HTTP 400 with SGLang's bodies ({"error": {"message"}} for a bad value, the OpenAI-style
-{"object": "error", ...} for a schema error); /health answers 503 until the model is loaded.
+Answers have SGLang 0.5.23's keys at every level (meta_info included: fields megaopd has no notion of at
+their neutral values), and its errors: HTTP 400 with {"error": {"message"}} for a bad value, the
+OpenAI-style {"object": "error", ...} for a request field's type, {"error": "<text>"} for a
+sampling_params field's type or name; /health answers 503 until the model is loaded. Held to a real
+SGLang server by tests/e2e/sglang (tests/rollout/sglang_cases.py lists the refusals, and the requests
+refused here on purpose where SGLang does otherwise: docs/engines.md).
 
 Requests that arrive while a batch decodes are queued and decoded together in the next batch (one
 scheduler thread); each HTTP request is served by its own thread (ThreadingHTTPServer, stdlib only).

@@ -160,8 +160,10 @@ class ServerProcess:
 
     @classmethod
     def start(cls, command: list[str], url: str, startup_timeout_s: float = 900.0, log_path: str | None = None,
-              env: dict[str, str] | None = None) -> "ServerProcess":
-        """Runs `command` in its own process group, logging to `log_path` (a temp file by default)."""
+              env: dict[str, str] | None = None, die_with_parent: bool = False) -> "ServerProcess":
+        """Runs `command` in its own process group, logging to `log_path` (a temp file by default).
+        die_with_parent (Linux): the server gets SIGTERM when this process dies, even by SIGKILL, so a killed
+        test session leaves no server behind (SGLang then stops its own workers)."""
         if is_healthy(url, timeout_s=2.0):
             raise ServerStartError(f"something already answers on {url}; attach to it or pick another port")
         if log_path is None:
@@ -170,7 +172,8 @@ class ServerProcess:
         log = open(log_path, "ab")
         try:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, **(env or {})})
+                                    env={**os.environ, **(env or {})},
+                                    preexec_fn=_term_when_parent_dies if die_with_parent else None)
         finally:
             log.close()
         server = cls(url, proc, log_path)
@@ -217,6 +220,14 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _term_when_parent_dies() -> None:
+    """In the child before exec: prctl(PR_SET_PDEATHSIG, SIGTERM)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def megaopd_serve_command(hf_dir: str, port: int, host: str = "127.0.0.1", extra_args: list[str] | None = None,

@@ -214,3 +214,30 @@ def test_two_prompts_in_one_n_request_get_their_own_seeds(server, tiny_dir):
     want = local.generate([[5, 6, 7], [5, 6, 7]], SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3,
                                                                   ignore_eos=True))
     assert ids == [s.output_ids for s in want]
+
+
+def test_prefill_parsing_reads_sglangs_answers():
+    """The client's parsing of prefill scores on answers recorded from SGLang 0.5.23: it asked from
+    first - 1, the entry there is null, the last vocabulary id (255 in the tiny student) comes back as 0."""
+    from megaopd.rollout.schema import prefill_request, prefill_scores_from_json
+
+    seq = [5, 9, 17, 33, 4]
+    body = prefill_request([seq], [3], topk=2)
+    assert body["logprob_start_len"] == [2] and body["sampling_params"][0]["max_new_tokens"] == 0
+    answer = {"meta_info": {  # SGLang 0.5.23, logprob_start_len 2, top_logprobs_num 2 (cut from 3)
+        "input_token_logprobs": [[None, 17, None], [-8.874113082885742, 33, None], [-10.857186317443848, 4, None]],
+        "input_top_logprobs": [None, [[-0.14435583353042603, 196, None], [-3.968883991241455, 254, None]],
+                               [[-1.2047711610794067, 196, None], [-1.310813069343567, 254, None]]]}}
+    scores = prefill_scores_from_json(answer, seq, 3, topk=2)
+    assert scores.logprobs == [-8.874113082885742, -10.857186317443848]
+    assert scores.top_ids == [[196, 254], [196, 254]]
+    last = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-9.52465534210205, 0, None],
+                                                   [-1.6511369943618774, 150, None]]}}
+    assert prefill_scores_from_json(last, [5, 255, 150], 1).logprobs == [-9.52465534210205, -1.6511369943618774]
+    with pytest.raises(ValueError, match="at token 2 of 3, sent \\[150\\], answered \\[151\\]"):
+        prefill_scores_from_json({"meta_info": {"input_token_logprobs": [[None, 5, None], [-1.0, 255, None],
+                                                                         [-1.0, 151, None]]}}, [5, 255, 150], 1)
+    with pytest.raises(ValueError, match="3 entries for the 1 tokens scored"):  # an answer from another start
+        prefill_scores_from_json(last, [5, 255, 150], 2)
+    with pytest.raises(ValueError, match="first positions"):
+        prefill_request([seq], [0])

@@ -223,3 +223,31 @@ def test_pool_targets_take_a_group_and_prompt_logprobs(served, tiny_dir):
     finally:
         transport.close()
         pool.close()
+
+
+def test_started_server_dies_with_its_parent(tmp_path):
+    """die_with_parent: a server started by a process that is SIGKILLed gets SIGTERM (PR_SET_PDEATHSIG), so
+    a killed test session leaves no server running."""
+    import os
+    import signal
+    import subprocess
+
+    script = ("import subprocess, sys, time\n"
+              "from megaopd.rollout.sglang_launcher import _term_when_parent_dies\n"
+              "p = subprocess.Popen(['sleep', '60'], start_new_session=True, preexec_fn=_term_when_parent_dies)\n"
+              "print(p.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its SIGKILLed parent")

@@ -16,6 +16,7 @@ import subprocess
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from megaopd.parallel.launch import find_free_port
 from megaopd.rollout.sglang_launcher import (SGLangLaunchConfig, ServerProcess, megaopd_serve_command,
@@ -28,6 +29,17 @@ TEACHER = os.path.join(ROOT, "examples", "tiny", "models", "teacher")
 STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs")
 KV_TOKENS = 16384
 """SGLang's KV cache, in tokens (its CPU default takes ~14 GB of this 24 GB machine)."""
+
+
+def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log softmax of transformers' logits in float64: row t is the distribution that predicts token t + 1."""
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+
+
+def gap(values, reference) -> float:
+    """max |values - reference| (0 for no values)."""
+    return float((torch.tensor(values, dtype=torch.float64) - reference).abs().max()) if len(values) else 0.0
 
 
 @dataclass
@@ -70,7 +82,8 @@ def _start_sglang(python: str, hf_dir: str, log_dir) -> Served:
     # The stand-ins for sgl_kernel and torchvision, and one intra-op thread (a shared 2-core machine).
     env = {**sglang_env(cfg), "PYTHONPATH": STUBS, "OMP_NUM_THREADS": "1"}
     log = str(log_dir / f"sglang-{os.path.basename(hf_dir)}-{port}.log")
-    process = ServerProcess.start(sglang_command(cfg), url=cfg.url, startup_timeout_s=600, log_path=log, env=env)
+    process = ServerProcess.start(sglang_command(cfg), url=cfg.url, startup_timeout_s=600, log_path=log, env=env,
+                                  die_with_parent=True)
     return Served("sglang", cfg.url, hf_dir, process)
 
 
@@ -94,7 +107,7 @@ def megaopd_student(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     log = str(tmp_path_factory.mktemp("megaopd_logs") / f"megaopd-serve-{port}.log")
     process = ServerProcess.start(megaopd_serve_command(STUDENT, port, extra_args=["--num-threads", "1"]), url=url,
-                                  startup_timeout_s=300, log_path=log, env={"PYTHONPATH": ROOT})
+                                  startup_timeout_s=300, log_path=log, env={"PYTHONPATH": ROOT}, die_with_parent=True)
     yield Served("megaopd", url, STUDENT, process)
     process.stop()
 

@@ -8,7 +8,6 @@ deterministic inference) is a test of its own below that says so; docs/engines.m
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from megaopd.rollout.client import EngineError, HttpEngine
 from megaopd.rollout.embedded import read_eos_ids
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
-from tests.e2e.sglang.conftest import STUDENT
+from tests.e2e.sglang.conftest import STUDENT, gap, reference_logprobs
 from tests.rollout.sglang_cases import (DIFFERENCES, IDS_KEYS, LOGPROB_KEYS, META_KEYS, REFUSALS, TOP_KEYS,
                                         assert_same_shape, call, error_kind, error_message, send_refusal)
 
@@ -32,16 +31,6 @@ def hf_model():
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(STUDENT, dtype=torch.float64, attn_implementation="eager").eval()
-
-
-def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """log softmax of transformers' logits in float64: row t is the distribution that predicts token t + 1."""
-    with torch.no_grad():
-        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], dim=-1)
-
-
-def gap(values, reference) -> float:
-    return float((torch.tensor(values, dtype=torch.float64) - reference).abs().max()) if len(values) else 0.0
 
 
 def generate(server, body, sglang_answer):
@@ -81,6 +70,28 @@ def test_generate_with_logprobs_and_stop(server, sglang_answer, hf_model):
     in_gap = gap([e[0] for e in inp[1:]], lp[:P - 1].gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0])
     print(f"{server.kind}: max |log-prob - transformers| output {out_gap:.2e} input {in_gap:.2e}")
     assert out_gap < TOL and in_gap < TOL
+
+
+def test_both_servers_agree(megaopd_student, sglang_student):
+    """The same greedy continuation and the same log-probs from both servers (float32 each, two attention
+    implementations): the numbers the tier reports as the gap between SGLang and megaopd serve."""
+    body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
+    ours, theirs = (call(s.url, "POST", "/generate", body)[1] for s in (megaopd_student, sglang_student))
+    assert ours["output_ids"] == theirs["output_ids"]
+    seq = PROMPT + ours["output_ids"]
+    prefill = {"input_ids": seq, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 4,
+               "sampling_params": {"max_new_tokens": 0}}
+    ours_top, theirs_top = (call(s.url, "POST", "/generate", prefill)[1] for s in (megaopd_student, sglang_student))
+    worst = {}
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        a, b = ([e[0] for e in x["meta_info"][key] if e[0] is not None] for x in (ours, theirs))
+        worst[key] = gap(a, torch.tensor(b, dtype=torch.float64))
+    a, b = ([[e[1], e[0]] for t in x["meta_info"]["input_top_logprobs"] if t for e in t] for x in (ours_top, theirs_top))
+    assert [i for i, _ in a] == [i for i, _ in b]
+    worst["input_top_logprobs"] = gap([v for _, v in a], torch.tensor([v for _, v in b], dtype=torch.float64))
+    print(f"max |megaopd serve - SGLang| log-prob: {worst}")
+    assert max(worst.values()) < TOL
 
 
 def test_client_generate_at_a_temperature(server, hf_model):
@@ -159,6 +170,19 @@ def test_client_prefill_scores(server, hf_model):
     lps = client.prompt_logprobs(PROMPT)
     assert lps[0] is None and len(lps) == len(PROMPT)
     assert gap(lps[1:], reference_logprobs(hf_model, PROMPT)[:-1].gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0]) < TOL
+
+
+def test_last_vocabulary_id_is_named_zero_by_sglang(server, hf_model):
+    """SGLang 0.5.23 reports the id of the last vocabulary entry (here 255, '</think>') as 0 in
+    input_token_logprobs; the log-prob is still that token's. megaopd serve names it; the client reads both."""
+    last = hf_model.config.vocab_size - 1
+    seq = [5, last, 150]
+    status, out = call(server.url, "POST", "/generate", {"input_ids": seq, "sampling_params": {"max_new_tokens": 0},
+                                                         "return_logprob": True, "logprob_start_len": 0})
+    ids = [e[1] for e in out["meta_info"]["input_token_logprobs"]]
+    assert ids == ([5, 0, 150] if server.kind == "sglang" else seq)
+    ref = reference_logprobs(hf_model, seq)[:-1].gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+    assert gap(HttpEngine(server.url).prompt_logprobs(seq)[1:], ref) < TOL
 
 
 def test_weight_update_over_gloo(server):

@@ -21,7 +21,7 @@ from megaopd.config.schema import MegaOPDConfig
 from megaopd.parallel.launch import spawn
 from megaopd.rollout.client import HttpEngine
 from tests.e2e.sglang import _workers
-from tests.e2e.sglang.conftest import ROOT, TEACHER
+from tests.e2e.sglang.conftest import ROOT, STUDENT, TEACHER, gap, reference_logprobs
 from tests.trainer import _workers as trainer_workers
 from tests.trainer.test_golden import _step_metrics, golden_overrides
 
@@ -33,6 +33,17 @@ PRESET = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
 
 def _config(run_dir, *extra):
     return load_config(MegaOPDConfig, PRESET, golden_overrides(str(run_dir)) + [f"trainer.max_steps={STEPS}", *extra])
+
+
+PROBE = [1, 40, 75, 13, 200, 9, 31, 118, 2]
+
+
+def checkpoint_logprobs() -> torch.Tensor:
+    """transformers' log-probs of PROBE's tokens under the student checkpoint (what the server started with)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(STUDENT, dtype=torch.float64, attn_implementation="eager").eval()
+    return reference_logprobs(model, PROBE)[:-1].gather(-1, torch.tensor(PROBE[1:])[:, None])[:, 0]
 
 
 def _requests(served, path: str) -> int:
@@ -48,9 +59,12 @@ def test_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path):
     try:
         # check_parity runs after the start-up sync and after every step's: a gap out of bounds raises here.
         spawn(trainer_workers.run_presets, 2, args=([cfg],), timeout=1200)
-        version = HttpEngine(sglang_student.url).weight_version()
+        client = HttpEngine(sglang_student.url)
+        version = client.weight_version()
+        trained_gap = gap(client.prompt_logprobs(PROBE)[1:], checkpoint_logprobs())
     finally:
         sglang_student.restore_weights()
+    assert gap(HttpEngine(sglang_student.url).prompt_logprobs(PROBE)[1:], checkpoint_logprobs()) < 1e-4
     after = {p: _requests(sglang_student, p) - n for p, n in before.items()}
     steps = _step_metrics(str(tmp_path / "run"))
     assert sorted(steps, key=int) == [str(s) for s in range(1, STEPS + 1)]
@@ -59,7 +73,7 @@ def test_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path):
         # The engine's own log-probs of its samples against the actor's recomputation (float32 both sides).
         assert m["sync/logprob_gap_max"] < 1e-3, (step, m["sync/logprob_gap_max"])
     print({s: (m["sync/logprob_gap_max"], m["loss/total"]) for s, m in steps.items()}, after)
-    assert version == str(STEPS)  # the server holds the last step's weights
+    assert version == str(STEPS) and trained_gap > 1e-3  # the server holds the last step's weights, trained ones
     # One group for the run; a session around every sync (start-up, then each step), every update inside one.
     assert after["/init_weights_update_group"] == 1
     assert after["/begin_weight_update"] == after["/end_weight_update"] >= STEPS + 1
