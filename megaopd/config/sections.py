@@ -34,6 +34,11 @@ class RolloutConfig:
     the weight sync and the next generation (SGLang --enable-memory-saver)."""
     max_batch_size: int = 64
     """Sequences the embedded engine decodes together."""
+    deterministic: bool = False
+    """SGLang engines reproduce seeded samples: launched with --enable-deterministic-inference
+    (megaopd.rollout.sglang_launcher.launch_config; slurm/common.sh with ROLLOUT_DETERMINISTIC=1). Without it
+    SGLang ignores sampling_seed. Costs SGLang 25-45% of its rollout throughput and needs a GPU attention
+    backend. The embedded engine and `megaopd serve` are reproducible from trainer.seed either way."""
     parity_interval: int = 0
     """Every N steps, compare engine and actor log-probs of a fixed probe set after the sync (0: at start only)."""
     parity_tolerance: float = 1e-3

@@ -8,7 +8,7 @@ Why both ids: a base model's EOS is not its chat template's turn end. Qwen2.5-Ma
 `<|endoftext|>` (151643) while its ChatML template closes a turn with `<|im_end|>` (151645); golden
 solutions end with the turn end, so a rollout that stops only at the EOS runs on past its answer to the
 token budget and inflates the truncation rate the paper watches. SGLang already stops at the model's own
-EOS ids (config.json / generation_config.json) unless ignore_eos; `stop_token_ids` adds the rest.
+EOS ids (config.json / generation_config.json) and `stop_token_ids` adds the rest (ignore_eos drops both).
 
 The ids, in order (duplicates dropped):
   1. the configured template's turn end (the golden's last token; see turn_end_token);

@@ -7,8 +7,12 @@ Every request has a timeout; connection failures, timeouts and 5xx answers are r
 exponential backoff, 4xx answers are not (they are the caller's bug) and raise EngineRequestError
 with the server's message. Every sampling parameter is sent explicitly (servers fill omitted ones from
 generation_config.json). A prompt's n samples are sent as n batch entries with n=1 and their own
-sampling_seed (protocol.expand_samples), so results are prompt-major, independent of how the server
-orders an n > 1 request, and identical to the embedded engine's for the same seed.
+sampling_seed (protocol.expand_samples), so results are prompt-major and independent of how the server
+orders an n > 1 request.
+
+Seeds: on `megaopd serve` a seeded call gives the same samples every time, equal to the embedded engine's.
+SGLang honours sampling_seed only when launched with --enable-deterministic-inference (rollout.deterministic;
+GPU attention backends, 25-45% slower rollouts); without it two equal seeded calls can differ.
 
 Weights reach the server through megaopd.sync (weight_transports: a torch.distributed group, or CUDA IPC
 handles when colocated); this client only carries the HTTP side of them: the server's version, and the
@@ -28,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megaopd.rollout.protocol import Sample, SamplingParams, check_resume, expand_samples, memory_tags
-from megaopd.rollout.schema import WEIGHT_UPDATE_SESSION_SINCE, params_to_json, parse_version, sample_from_json
+from megaopd.rollout.schema import (WEIGHT_UPDATE_SESSION_SINCE, PrefillScores, params_to_json, parse_version,
+                                    prefill_request, prefill_scores_from_json, sample_from_json)
 
 class EngineError(RuntimeError):
     """A rollout server failed a request; the message names the server, the endpoint and why."""
@@ -215,18 +220,24 @@ class HttpEngine:
             return False
 
     # ------------------------------------------------------------------------------- extras
-    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
-        """log softmax(logits) (temperature 1) of each prompt token given its prefix; None for the first
-        (SGLang's input_token_logprobs with logprob_start_len=0)."""
-        sp = params_to_json(SamplingParams(max_new_tokens=1, temperature=0.0), seed=None)
-        out = self.request("POST", "/generate", {"input_ids": list(prompt_ids), "sampling_params": sp,
-                                                 "return_logprob": True, "logprob_start_len": 0},
-                           timeout_s=self.config.generate_timeout_s)
+    def score_prefill(self, seqs: list[list[int]], firsts: list[int], topk: int = 0) -> list[PrefillScores]:
+        """Each sequence's log-probs of its tokens from firsts[i] on (and the top-`topk` of each distribution),
+        by prefill alone at temperature 1, in one /generate request (schema.prefill_request says how).
+        EngineRequestError when the server refuses it, EngineError when the answer is malformed."""
+        body = prefill_request(seqs, firsts, topk)
+        out = self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
+        if not isinstance(out, list) or len(out) != len(seqs):
+            raise EngineError(f"{self.url}/generate answered {type(out).__name__} of "
+                              f"{len(out) if isinstance(out, list) else 1} entries for {len(seqs)} sequences")
         try:
-            entries = out["meta_info"]["input_token_logprobs"]
-        except (KeyError, TypeError) as e:
-            raise EngineError(f"{self.url}/generate returned no input_token_logprobs") from e
-        return [None if e[0] is None else float(e[0]) for e in entries]
+            return [prefill_scores_from_json(e, s, f, topk) for e, s, f in zip(out, seqs, firsts)]
+        except ValueError as e:
+            raise EngineError(f"{self.url}/generate: {e}") from e
+
+    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
+        """log softmax(logits) (temperature 1) of each prompt token given its prefix; None for the first,
+        which has no prefix (the embedded engine's prompt_logprobs; the parity probe reads it)."""
+        return [None] + self.score_prefill([list(prompt_ids)], [1])[0].logprobs
 
     def health_generate(self) -> bool:
         try:

@@ -99,16 +99,15 @@ class RowRequest:
     top_k: int = -1
     min_p: float = 0.0
     stop_ids: frozenset[int] = frozenset()
-    """Ids that finish the row, EOS included unless ignore_eos (the caller builds this set)."""
+    """Ids that finish the row: EOS and stop_token_ids, none with ignore_eos (the caller builds this set)."""
     seed: int | None = None
     """Seed of this row's generator; None draws a fresh random seed."""
 
     @classmethod
     def from_params(cls, prompt_ids: list[int], params: SamplingParams, eos_ids: Iterable[int],
                     seed: int | None) -> "RowRequest":
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop.update(eos_ids)
+        # SGLang 0.5.23: ignore_eos ignores stop_token_ids too (the response runs to its budget).
+        stop = set() if params.ignore_eos else set(params.stop_token_ids) | set(eos_ids)
         return cls(prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
                    temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                    min_p=params.min_p, stop_ids=frozenset(stop), seed=seed)
@@ -171,15 +170,16 @@ def fused_expert_slots(params: dict[str, torch.Tensor]) -> dict[str, WeightSlot]
 
 @dataclass
 class PromptScores:
-    """EmbeddedEngine.prompt_scores: per prompt position i (about token i + 1), temperature 1."""
+    """EmbeddedEngine.prompt_scores, temperature 1: about the prompt's tokens from `first` on."""
 
     logprobs: list[float]
-    """log p(token i + 1 | tokens 0..i)."""
+    """Entry j: log p(token first + j | tokens before it); len(prompt) - first entries."""
     top_ids: list[list[int]] | None = None
-    """The top-k ids of that distribution, by decreasing probability."""
+    """Entry j: the top-k ids of the distribution that predicts token first + j, by decreasing probability;
+    one entry more than logprobs: the last is the distribution after the prompt (the next token's)."""
     top_logprobs: list[list[float]] | None = None
     at_ids_logprobs: list[list[float]] | None = None
-    """Log-probs at the caller's fixed ids (SGLang's token_ids_logprob), in their order."""
+    """Log-probs at the caller's fixed ids (SGLang's token_ids_logprob), in their order; rows as top_ids."""
 
 
 class WeightMismatchError(ValueError):
@@ -393,36 +393,32 @@ class EmbeddedEngine:
                 next_pos_B = next_pos_B + 1
         return results
 
-    @torch.inference_mode()
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
         """log softmax(logits) (temperature 1, as SGLang's input_token_logprobs) of each prompt token
         given its prefix; the first token has none."""
-        with self._cond:
-            if self._kv_released or self._weights_released or self._stale:
-                raise EngineReleasedError(self._released_message())
-            ids = torch.tensor([prompt_ids], device=self.device)
-            logits_LV = self.model(input_ids=ids).logits[0].float()
-        lps = torch.log_softmax(logits_LV[:-1], dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
-        return [None] + lps.tolist()
+        return [None] + self.prompt_scores(prompt_ids).logprobs
 
     @torch.inference_mode()
-    def prompt_scores(self, prompt_ids: list[int], top_k: int = 0, at_ids: list[int] | None = None) -> PromptScores:
-        """Prefill scoring (SGLang's input logprobs, temperature 1): for each prompt token after the first,
-        its log-prob given its prefix, the top_k (id, log-prob) pairs of that prefix's next-token
-        distribution by decreasing probability, and the log-probs at the fixed ids `at_ids` (SGLang's
-        token_ids_logprob). Lists of len(prompt_ids) - 1 (index i is about token i + 1)."""
+    def prompt_scores(self, prompt_ids: list[int], top_k: int = 0, at_ids: list[int] | None = None,
+                      first: int = 1) -> PromptScores:
+        """Prefill scoring (SGLang's input log-probs, temperature 1) of the prompt's tokens from `first` on
+        (1 <= first <= len: token 0 has no prefix): their log-probs given their prefixes; with top_k / at_ids
+        also the top_k (id, log-prob) pairs and the log-probs at `at_ids` of the distributions that predict
+        them and of the one after the prompt (see PromptScores)."""
+        if not 1 <= first <= len(prompt_ids):
+            raise ValueError(f"first={first} must be in [1, {len(prompt_ids)}] (token 0 has no prefix)")
         with self._cond:
             if self._kv_released or self._weights_released or self._stale:
                 raise EngineReleasedError(self._released_message())
             ids = torch.tensor([prompt_ids], device=self.device)
             logits_LV = self.model(input_ids=ids).logits[0].float()
-        lp_LV = torch.log_softmax(logits_LV[:-1], dim=-1)
-        out = PromptScores(logprobs=lp_LV.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist())
+        lp_RV = torch.log_softmax(logits_LV[first - 1:], dim=-1)  # rows predict tokens first..L-1, then the next
+        out = PromptScores(logprobs=lp_RV[:-1].gather(-1, ids[0, first:].unsqueeze(-1)).squeeze(-1).tolist())
         if top_k:
-            vals, idx = lp_LV.topk(min(top_k, lp_LV.shape[-1]), dim=-1)
+            vals, idx = lp_RV.topk(min(top_k, lp_RV.shape[-1]), dim=-1)
             out.top_logprobs, out.top_ids = vals.tolist(), idx.tolist()
         if at_ids:
-            out.at_ids_logprobs = lp_LV[:, torch.tensor(at_ids, device=lp_LV.device)].tolist()
+            out.at_ids_logprobs = lp_RV[:, torch.tensor(at_ids, device=lp_RV.device)].tolist()
         return out
 
     @property

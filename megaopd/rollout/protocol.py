@@ -50,13 +50,14 @@ class SamplingParams:
     max_new_tokens: int = 128
     """Token budget per response; a response that uses it all finishes with reason "length"."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Extra ids that end a response (the tokenizer's EOS always does unless ignore_eos)."""
+    """Extra ids that end a response, as the model's EOS ids do (neither with ignore_eos)."""
     n: int = 1
     """Samples per prompt."""
     seed: int | None = None
-    """Makes sampling deterministic for a given prompt batch (SGLang: sampling_seed)."""
+    """Makes sampling deterministic for a given prompt batch (SGLang: sampling_seed, which SGLang honours only
+    with --enable-deterministic-inference; the embedded engine and `megaopd serve` always do)."""
     ignore_eos: bool = False
-    """Keep generating past EOS (stop_token_ids still stop)."""
+    """Generate to max_new_tokens: neither EOS nor stop_token_ids end the response (SGLang 0.5.23 ignores both)."""
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the most likely token's; 0 disables."""
 

@@ -10,7 +10,16 @@ fills omitted ones from the model's generation_config.json, e.g. Qwen's repetiti
 Response entry:
     {"text": str, "output_ids": [int], "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
-     "output_token_logprobs": [[logprob, id, null], ...]}}
+     "output_token_logprobs": [[logprob, id, null], ...], "input_token_logprobs": [...], ...}}
+
+Prefill scoring (served teachers, the parity probe): max_new_tokens 0, return_logprob and
+logprob_start_len s give input_token_logprobs entries about prompt tokens s, s + 1, ..., and the entry AT
+s is always [null, id, null] (SGLang 0.5.23, for any s, not only 0: nothing before s is scored, so the
+token at s has no log-prob); input_top_logprobs / input_token_ids_logprobs have null there too. To score
+the tokens from position p on, prefill_request asks from p - 1 and prefill_scores_from_json drops that
+first entry: the one place that knows it. SGLang 0.5.23 also reports the id of the last vocabulary entry
+(vocab_size - 1) as 0 in input_token_logprobs (`x if x < vocab_size - 1 else 0`, a guard meant for image
+tokens' hashes); its log-prob is the sent token's, so an answered 0 is read as the id sent.
 """
 from __future__ import annotations
 
@@ -33,16 +42,23 @@ def parse_version(text) -> tuple[int, int, int] | None:
 
 
 class BadRequest(ValueError):
-    """A request that fails validation. kind "value" -> {"error": {"message"}};
-    kind "schema" -> {"object": "error", ..., "code": 400} (SGLang's two HTTP 400 bodies)."""
+    """A request that fails validation, answered HTTP 400 with the body SGLang 0.5.23 gives that kind of error:
+    kind "value" (a bad value: top_p 0)       -> {"error": {"message": ...}};
+    kind "schema" (a request field's type)    -> {"object": "error", "message", "type": "Bad Request", ..., "code": 400};
+    kind "text" (a sampling_params field's type or name, which 0.5.23 checks with a strict decoder)
+                                              -> {"error": "<text>"}."""
 
     def __init__(self, message: str, kind: str = "value"):
         super().__init__(message)
+        if kind not in ("value", "schema", "text"):
+            raise ValueError(f"BadRequest kind {kind!r}")
         self.kind = kind
 
     def body(self) -> dict:
         if self.kind == "schema":
             return {"object": "error", "message": str(self), "type": "Bad Request", "param": None, "code": 400}
+        if self.kind == "text":
+            return {"error": str(self)}
         return {"error": {"message": str(self)}}
 
 
@@ -89,9 +105,14 @@ def _number(d: dict, key: str, default, kind):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-        raise BadRequest(f"sampling_params.{key}={value!r} must be {'an integer' if kind is int else 'a number'}",
-                         kind="schema")
+        raise BadRequest(f"invalid type: sampling_params.{key}={value!r}, expected "
+                         f"{'an integer' if kind is int else 'a number'}", kind="text")
     return kind(value)
+
+
+def _num(x: float):
+    """A number as SGLang prints it in its messages: -1 for an integral value, else as is."""
+    return int(x) if float(x).is_integer() else x
 
 
 def parse_params(d: Any, defaults: dict | None = None) -> ParsedParams:
@@ -99,12 +120,12 @@ def parse_params(d: Any, defaults: dict | None = None) -> ParsedParams:
     if d is None:
         d = {}
     if not isinstance(d, dict):
-        raise BadRequest(f"sampling_params must be an object (or a list of objects for a batch), got {type(d).__name__}",
-                         kind="schema")
+        raise BadRequest(f"invalid type: sampling_params must be an object (or a list of objects for a batch), "
+                         f"got {type(d).__name__}", kind="text")
     d = {**(defaults or {}), **d}
     unknown = set(d) - IMPLEMENTED - set(NEUTRAL) - IGNORED
     if unknown:
-        raise BadRequest(f"unexpected sampling_params {sorted(unknown)}", kind="schema")
+        raise BadRequest(f"unknown field(s) {sorted(unknown)} in sampling_params", kind="text")
     for key, neutral in NEUTRAL.items():
         value = d.get(key, neutral)
         if value not in (neutral, [], "") and value is not None:
@@ -117,16 +138,17 @@ def parse_params(d: Any, defaults: dict | None = None) -> ParsedParams:
         seed=None if d.get("sampling_seed") is None else _number(d, "sampling_seed", 0, int))
     stop_ids = d.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids):
-        raise BadRequest(f"sampling_params.stop_token_ids={stop_ids!r} must be a list of integers", kind="schema")
+        raise BadRequest(f"invalid type: sampling_params.stop_token_ids={stop_ids!r}, expected a list of "
+                         "integers", kind="text")
     p.stop_token_ids = list(stop_ids)
     if p.temperature < 0.0:
-        raise BadRequest(f"temperature must be non-negative, got {p.temperature}.")
+        raise BadRequest(f"temperature must be a non-negative finite number, got {_num(p.temperature)}.")
     if not 0.0 < p.top_p <= 1.0:
         raise BadRequest(f"top_p must be in (0, 1], got {p.top_p}.")
     if not 0.0 <= p.min_p <= 1.0:
-        raise BadRequest(f"min_p must be in [0, 1], got {p.min_p}.")
+        raise BadRequest(f"min_p must be in [0, 1], got {_num(p.min_p)}.")
     if p.top_k < 1 and p.top_k != -1:
-        raise BadRequest(f"top_k must be -1 (disable), or at least 1, got {p.top_k}.")
+        raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {p.top_k}.")
     if p.max_new_tokens < 0:
         raise BadRequest(f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
     if p.n < 1:
@@ -161,3 +183,72 @@ def sample_from_json(prompt_ids: list[int], entry: dict) -> Sample:
     return Sample(prompt_ids=list(prompt_ids), output_ids=output_ids,
                   output_logprobs=[float(x[0]) for x in lps], finish_reason=kind,
                   weight_version=meta.get("weight_version"))
+
+
+@dataclass
+class PrefillScores:
+    """One sequence's scores of its tokens seq[first:] by prefill alone, at temperature 1 (SGLang's input
+    log-probs): entry j is about token first + j given the tokens before it."""
+
+    logprobs: list[float]
+    """log p(seq[first + j] | seq[:first + j])."""
+    top_ids: list[list[int]] | None = None
+    """With top-K: the K most likely ids of the distribution that predicts seq[first + j], most likely first."""
+    top_logprobs: list[list[float]] | None = None
+    """Their log-probs, in the same order."""
+
+
+def prefill_request(seqs: list[list[int]], firsts: list[int], topk: int = 0) -> dict:
+    """The /generate body that scores tokens firsts[i]: of seqs[i] (1 <= firsts[i] <= len: token 0 has no
+    prefix), with the top-`topk` of each distribution when topk > 0. One batch entry per sequence, every
+    sampling parameter explicit (max_new_tokens 0: prefill only), logprob_start_len one before the first
+    token to score (see the module docstring)."""
+    if len(seqs) != len(firsts):
+        raise ValueError(f"prefill_request: {len(seqs)} sequences but {len(firsts)} first positions")
+    bad = [(len(s), f) for s, f in zip(seqs, firsts) if not 1 <= f <= len(s)]
+    if bad:
+        raise ValueError(f"prefill_request: first positions must be in [1, len(seq)] (token 0 has no prefix to "
+                         f"be scored from); got (len, first) {bad[:4]}")
+    if topk < 0:
+        raise ValueError(f"prefill_request: topk={topk} must be >= 0")
+    sp = dict(params_to_json(SamplingParams(temperature=1.0), seed=None), max_new_tokens=0)
+    body = {"input_ids": [list(s) for s in seqs], "sampling_params": [dict(sp) for _ in seqs],
+            "return_logprob": True, "logprob_start_len": [f - 1 for f in firsts], "stream": False}
+    if topk:
+        body["top_logprobs_num"] = topk
+    return body
+
+
+def prefill_scores_from_json(entry: Any, seq: list[int], first: int, topk: int = 0) -> PrefillScores:
+    """PrefillScores of one answer entry to prefill_request; ValueError naming what is malformed."""
+    try:
+        meta = entry["meta_info"]
+        lps = meta["input_token_logprobs"]
+        tops = meta.get("input_top_logprobs") if topk else None
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"an answer has no meta_info.input_token_logprobs ({e})") from None
+    n = len(seq) - first
+    if not isinstance(lps, list) or len(lps) != n + 1:
+        raise ValueError(f"input_token_logprobs has {len(lps) if isinstance(lps, list) else lps!r} entries for "
+                         f"the {n} tokens scored plus the one at logprob_start_len={first - 1} "
+                         f"(sequence of {len(seq)})")
+    lps = lps[1:]  # the entry at logprob_start_len: [null, id, null] on SGLang (nothing before it is scored)
+    got = [int(e[1]) for e in lps]
+    if not all(a == b or a == 0 for a, b in zip(got, seq[first:])):  # SGLang names the last vocabulary id 0
+        i = next(i for i, (a, b) in enumerate(zip(got, seq[first:])) if a not in (b, 0))
+        raise ValueError(f"input_token_logprobs names other token ids than the sequence sent: at token {first + i} "
+                         f"of {len(seq)}, sent {list(seq[first + i:first + i + 4])}, answered {got[i:i + 4]}")
+    if any(e[0] is None for e in lps):
+        raise ValueError("input_token_logprobs has a null log-prob after logprob_start_len")
+    out = PrefillScores(logprobs=[float(e[0]) for e in lps])
+    if topk:
+        if not isinstance(tops, list) or len(tops) != n + 1:
+            raise ValueError(f"input_top_logprobs is missing or has a wrong length for top_logprobs_num={topk}")
+        tops = tops[1:]
+        if any(t is None or len(t) < topk for t in tops):
+            raise ValueError(f"input_top_logprobs has fewer than top_logprobs_num={topk} entries at some of the "
+                             f"{n} positions scored")
+        ranked = [sorted(t, key=lambda e: -float(e[0]))[:topk] for t in tops]  # most likely first
+        out.top_ids = [[int(e[1]) for e in t] for t in ranked]
+        out.top_logprobs = [[float(e[0]) for e in t] for t in ranked]
+    return out

@@ -7,7 +7,9 @@ Endpoints (schemas as SGLang's; see /work/shared/design/SGLANG-PROTOCOL.md):
                                                    prefill scoring: max_new_tokens 0, return_logprob,
                                                    logprob_start_len, top_logprobs_num, token_ids_logprob
                                                    -> input_token_logprobs, input_top_logprobs,
-                                                   input_token_ids_logprobs (temperature 1, as SGLang)
+                                                   input_token_ids_logprobs (temperature 1; null AT
+                                                   logprob_start_len for any start), output_top_logprobs /
+                                                   output_token_ids_logprobs (the next token's), as SGLang
   POST /init_weights_update_group                  joins the trainer's group (blocks until it forms)
   POST /update_weights_from_distributed            receives broadcast tensors, loads them by HF name
                                                    (per-tensor format: straight into the parameters)
@@ -24,8 +26,12 @@ Endpoints (schemas as SGLang's; see /work/shared/design/SGLANG-PROTOCOL.md):
   POST /pause_generation   /continue_generation   /abort_request
 Memory tags (weights, kv_cache, cuda_graph) can be resumed only after a release: resuming another is
 HTTP 400 here (SGLang 0.5.23 dies on it). GET /server_info carries "version" (the SGLang version acted).
-Errors are HTTP 400 with SGLang's bodies ({"error": {"message"}} for a bad value, the OpenAI-style
-{"object": "error", ...} for a schema error); /health answers 503 until the model is loaded.
+Answers have SGLang 0.5.23's keys at every level (meta_info included: fields megaopd has no notion of at
+their neutral values), and its errors: HTTP 400 with {"error": {"message"}} for a bad value, the
+OpenAI-style {"object": "error", ...} for a request field's type, {"error": "<text>"} for a
+sampling_params field's type or name; /health answers 503 until the model is loaded. Held to a real
+SGLang server by tests/e2e/sglang (tests/rollout/sglang_cases.py lists the refusals, and the requests
+refused here on purpose where SGLang does otherwise: docs/engines.md).
 
 Requests that arrive while a batch decodes are queued and decoded together in the next batch (one
 scheduler thread); each HTTP request is served by its own thread (ThreadingHTTPServer, stdlib only).
@@ -34,6 +40,7 @@ Bind to 127.0.0.1 unless the trainer is on another machine: the API has no authe
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import logging
 import os
@@ -213,8 +220,10 @@ class RolloutServer:
         if not isinstance(req, dict):
             raise BadRequest("the request body must be a JSON object", kind="schema")
         given = [k for k in ("text", "input_ids", "input_embeds") if req.get(k) is not None]
-        if len(given) != 1:
-            raise BadRequest("Either text, input_ids or input_embeds should be provided (exactly one).")
+        if not given:
+            raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+        if len(given) > 1:  # SGLang 0.5.23 silently uses input_ids: refused here, so a caller's mix-up shows
+            raise BadRequest(f"give exactly one of text, input_ids, input_embeds (got {given})")
         if req.get("stream"):
             raise BadRequest("stream=true is not supported by megaopd serve")
         if req.get("input_embeds") is not None:
@@ -240,13 +249,16 @@ class RolloutServer:
                 raise BadRequest("megaopd serve returns top_logprobs_num / token_ids_logprob for input (prompt) "
                                  "positions only: send max_new_tokens=0, return_logprob=true and "
                                  "logprob_start_len >= 0 (prefill scoring), or use a real SGLang server")
+            if return_logprob[i] and start_len[i] is not None and start_len[i] > len(prompts[i]):
+                raise BadRequest(f"logprob_start_len={start_len[i]} is higher than the number of input tokens "
+                                 f"({len(prompts[i])}). Please use a smaller logprob_start_len.")
 
         # Expand n: prompt i's samples are consecutive entries (prompt-major); an entry with n > 1 gives
         # sample j of prompt i the seed derive_seed(seed, i, j), one with n == 1 keeps the client's seed.
         entries, rows = [], []
         for s in expand_samples(prompts, [p.n for p in params], [p.seed for p in params], keep_single_seeds=True):
             i, p = s.prompt_index, params[s.prompt_index]
-            stop = set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.eos_ids))
+            stop = set() if p.ignore_eos else set(p.stop_token_ids) | set(engine.eos_ids)  # as RowRequest.from_params
             row = RowRequest(prompt_ids=s.prompt_ids, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                              top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, stop_ids=frozenset(stop), seed=s.seed)
             if p.max_new_tokens > 0:
@@ -268,14 +280,10 @@ class RolloutServer:
         out = []
         for i, p, row, rid in entries:
             res = next(it) if row.max_new_tokens > 0 else RowResult(weight_version=engine.weight_version)
-            meta = {"id": rid,
-                    "finish_reason": finish_reason_json(res.finish_reason, res.matched, row.max_new_tokens),
-                    "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(res.output_ids),
-                    "cached_tokens": 0, "weight_version": res.weight_version, "e2e_latency": latency}
+            meta = _meta(rid, res, row, latency)
             if return_logprob[i]:
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.logprobs, res.output_ids)]
-                if start_len[i] is not None and start_len[i] >= 0:
-                    meta.update(_input_logprobs(engine, row.prompt_ids, start_len[i], top_num[i], at_ids[i]))
+                start = start_len[i] if start_len[i] is not None else -1
+                meta.update(_logprobs_meta(engine, row.prompt_ids, res, start, top_num[i], at_ids[i]))
             out.append({"text": engine.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta})
         return out[0] if single and len(out) == 1 else out
 
@@ -322,15 +330,16 @@ class RolloutServer:
         names, dtypes, shapes = req["names"], req["dtypes"], req["shapes"]
         name = req.get("group_name", "weight_update_group")
         fmt = req.get("load_format")
+        refused = self._session_refusal("update_weights_from_distributed")  # SGLang's first check
+        if refused:
+            return refused
         if not (len(names) == len(dtypes) == len(shapes)):
             raise BadRequest(f"names, dtypes, shapes have lengths {len(names)}, {len(dtypes)}, {len(shapes)}")
         if fmt not in (None, "flattened_bucket"):
             raise BadRequest(f"load_format {fmt!r}: megaopd serve takes null or 'flattened_bucket'")
         if name not in self.groups:
-            raise BadRequest(f"Group {name} not in {list(self.groups)}. Please call `init_weights_update_group` first.")
-        refused = self._session_refusal("update_weights_from_distributed")
-        if refused:
-            return refused
+            return {"success": False, "message": f"Failed to receive weights: Group {name} not in "
+                                                 f"{list(self.groups)}. Please call `init_weights_update_group` first."}
         try:
             torch_dtypes = [wire.parse_dtype(d) for d in dtypes]
         except ValueError as e:
@@ -386,31 +395,35 @@ class RolloutServer:
     def _session_refusal(self, what: str) -> dict | None:
         """SGLang 0.5.2x's answer to an update outside a session (None: go on)."""
         if self.config.weight_update_sessions and self.session is None:
-            return {"success": False, "message": f"{what} needs an open weight update session: POST "
-                                                 "/begin_weight_update first and /end_weight_update after"}
+            return {"success": False, "message": f"{what} must run between begin_weight_update() and "
+                                                 "end_weight_update()"}
         return None
 
     def begin_weight_update(self, req: Any) -> dict:
         selector = (req or {}).get("selector", "all") if isinstance(req, (dict, type(None))) else None
         if selector not in ("target", "draft", "all"):
-            raise BadRequest(f"selector={selector!r}: use 'target', 'draft' or 'all'")
+            raise BadRequest(f"selector={selector!r}: Input should be 'target', 'draft' or 'all'", kind="schema")
         with self._session_lock:
             if self.session is not None:
-                return {"success": False, "message": f"a weight update session ({self.session}) is already open; "
-                                                     "end it first"}
+                return {"success": False, "message": "a weight-update session is already open; call "
+                                                     "end_weight_update() first"}
             self.session = selector
-        return {"success": True, "message": "Weight update session started."}
+        return {"success": True, "message": "Success"}
 
     def end_weight_update(self, _req: Any) -> dict:
         with self._session_lock:
             if self.session is None:
-                return {"success": False, "message": "no weight update session is open"}
+                return {"success": False, "message": "no weight-update session is open; call "
+                                                     "begin_weight_update() first"}
             self.session = None
-        return {"success": True, "message": "Weight update session ended."}
+        return {"success": True, "message": "Success"}
 
     def update_from_tensor(self, req: Any) -> dict:
         self._engine()
         _require(req, ("serialized_named_tensors",))
+        payloads = req["serialized_named_tensors"]
+        if not isinstance(payloads, list) or not all(isinstance(x, str) and _is_base64(x) for x in payloads):
+            raise BadRequest("serialized_named_tensors: Value error, Expected base64-encoded bytes", kind="schema")
         refused = self._session_refusal("update_weights_from_tensor")
         if refused:
             return refused
@@ -425,22 +438,23 @@ class RolloutServer:
         path = req["model_path"]
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
         if not files:
-            return {"success": False, "message": f"Failed to update weights: no *.safetensors in {path!r}"}
+            return {"success": False, "message": f"Failed to get weights iterator: Cannot find any model weights "
+                                                 f"with `{path}`.", "num_paused_requests": 0}
         tensors = {}
         for f in files:
             tensors.update(load_file(os.path.join(path, f)))
         try:
             engine.update_weights(tensors.items(), weight_version=req.get("weight_version"))
         except WeightMismatchError as e:
-            return {"success": False, "message": f"Failed to update weights: {e}"}
-        return {"success": True, "message": "Succeeded to update model weights."}
+            return {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def destroy_group(self, req: dict) -> dict:
         name = (req or {}).get("group_name", "weight_update_group")
         pg = self.groups.pop(name, None)
         self._recv_buffers.pop(name, None)
         if pg is None:
-            return {"success": False, "message": f"Group {name} not in {list(self.groups)}."}
+            return {"success": False, "message": "The group to be destroyed does not exist."}
         dist_group.destroy_custom_process_group(pg)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
@@ -475,25 +489,52 @@ def _prefill_options(req: dict, n: int) -> tuple[list[int], list[list[int] | Non
     return [int(k) for k in top], per
 
 
-def _input_logprobs(engine: EmbeddedEngine, prompt_ids: list[int], start: int, top_num: int,
-                    at_ids: list[int] | None) -> dict:
-    """SGLang's input log-probs from logprob_start_len `start` on: entry j is about prompt token start + j,
-    [logprob, id, null] (the first token of the prompt has no log-prob: null); with top_logprobs_num the
-    top entries of the distribution that predicts that token, with token_ids_logprob the given ids'."""
+def _meta(rid: str, res: RowResult, row: RowRequest, latency: float) -> dict:
+    """SGLang 0.5.23's meta_info of one entry, every field it sends (those megaopd has no notion of at their
+    neutral values: no retractions, no reasoning parser, no prefix cache, one data-parallel rank)."""
+    n = len(res.output_ids)
+    return {"id": rid, "finish_reason": finish_reason_json(res.finish_reason, res.matched, row.max_new_tokens),
+            "prompt_tokens": len(row.prompt_ids), "completion_tokens": n, "cached_tokens": 0,
+            "cached_tokens_details": None, "weight_version": res.weight_version,
+            "weight_versions": [{"version": res.weight_version, "start": 0, "end": n}], "num_retractions": 0,
+            "reasoning_tokens": 0, "dp_rank": None, "e2e_latency": latency, "response_sent_to_client_ts": time.time()}
+
+
+def _logprobs_meta(engine: EmbeddedEngine, prompt_ids: list[int], res: RowResult, start: int, top_num: int,
+                   at_ids: list[int] | None) -> dict:
+    """The log-prob fields of a return_logprob answer, as SGLang 0.5.23 sends them.
+
+    output_token_logprobs: [logprob, id, null] per output token. input_token_logprobs (always present;
+    [] for logprob_start_len -1): entry j is about prompt token start + j, and the entry AT start is
+    [null, id, null] for every start, since SGLang scores nothing before start (so the token at start has
+    no prefix to be scored from). With top_logprobs_num / token_ids_logprob (prefill scoring only, see
+    generate): input_top_logprobs / input_token_ids_logprobs with null at start, and output_top_logprobs /
+    output_token_ids_logprobs with one entry, the distribution after the prompt (SGLang computes it even
+    with max_new_tokens 0). Temperature 1, as SGLang's input log-probs.
+    """
+    meta = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(res.logprobs, res.output_ids)],
+            "output_token_logprobs_length": len(res.output_ids), "input_token_logprobs": []}
+    if start < 0:
+        return meta
     if any(not 0 <= int(t) < engine.vocab_size for t in prompt_ids):
         raise BadRequest(f"input_ids has ids outside the vocabulary [0, {engine.vocab_size})")
     if at_ids and any(not 0 <= t < engine.vocab_size for t in at_ids):
         raise BadRequest(f"token_ids_logprob has ids outside the vocabulary [0, {engine.vocab_size})")
-    scores = engine.prompt_scores(prompt_ids, top_num, at_ids)
-    lps = [None] + scores.logprobs
-    meta = {"input_token_logprobs": [[lp, t, None] for lp, t in zip(lps, prompt_ids)][start:]}
+    L, n_in = len(prompt_ids), len(prompt_ids) - start  # n_in input entries, about tokens start..L-1
+    scores = engine.prompt_scores(prompt_ids, top_num, at_ids, first=min(start + 1, L))
+    if n_in:
+        meta["input_token_logprobs"] = [[None, prompt_ids[start], None]] + [
+            [lp, t, None] for lp, t in zip(scores.logprobs, prompt_ids[start + 1:])]
+
+    def split(rows_KV):  # distributions predicting tokens start+1..L-1, then the one after the prompt
+        return ([None] + rows_KV[:n_in - 1]) if n_in else [], rows_KV[-1:]
+
     if top_num:
-        tops = [None] + [[[lp, t, None] for lp, t in zip(v, i)]
-                         for v, i in zip(scores.top_logprobs, scores.top_ids)]
-        meta["input_top_logprobs"] = tops[start:]
+        meta["input_top_logprobs"], meta["output_top_logprobs"] = split(
+            [[[lp, t, None] for lp, t in zip(v, i)] for v, i in zip(scores.top_logprobs, scores.top_ids)])
     if at_ids:
-        at = [None] + [[[lp, t, None] for lp, t in zip(v, at_ids)] for v in scores.at_ids_logprobs]
-        meta["input_token_ids_logprobs"] = at[start:]
+        meta["input_token_ids_logprobs"], meta["output_token_ids_logprobs"] = split(
+            [[[lp, t, None] for lp, t in zip(v, at_ids)] for v in scores.at_ids_logprobs])
     return meta
 
 
@@ -501,6 +542,14 @@ class _HttpError(Exception):
     def __init__(self, status: int, body: Any):
         super().__init__(str(body))
         self.status, self.body = status, body
+
+
+def _is_base64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+        return True
+    except ValueError:
+        return False
 
 
 def _is_int(x) -> bool:
@@ -539,10 +588,9 @@ def _make_handler(server: RolloutServer):
 
     def pause(req):
         mode = (req or {}).get("mode", "abort")
-        try:
-            server._engine().pause(mode)
-        except ValueError as e:
-            raise BadRequest(str(e)) from e
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode={mode!r}: Input should be 'abort', 'retract' or 'in_place'", kind="schema")
+        server._engine().pause(mode)
         return ok_json({"message": "Generation paused successfully.", "status": "ok"})
 
     def resume(_req):

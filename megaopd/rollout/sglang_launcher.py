@@ -7,10 +7,19 @@
 
     server = ServerProcess.attach("http://node7:30000")          # someone else started it
 
-sglang_command builds `python -m sglang.launch_server ...`; ServerProcess runs any command that brings
-up an SGLang-compatible server (tests use `megaopd serve`, since SGLang is absent on CPU machines),
-waits for GET /health with a deadline, fails early with the log tail when the process exits, and
-stops the process group it started (SIGTERM, then SIGKILL) on stop() or exit from the `with` block.
+    cfg = SGLangLaunchConfig(model_path=hf_dir, device="cpu", python=venv_python)   # SGLang on a CPU (tests)
+    ServerProcess.start(sglang_command(cfg), url=cfg.url, env=sglang_env(cfg))
+
+sglang_command builds `python -m sglang.launch_server ...` and sglang_env its environment; ServerProcess
+runs any command that brings up an SGLang-compatible server (SGLang itself, or `megaopd serve`), waits
+for GET /health with a deadline, fails early with the log tail when the process exits, and stops the
+process group it started (SIGTERM, then SIGKILL) on stop() or exit from the `with` block.
+
+Seeds: SGLang honours sampling_seed only with --enable-deterministic-inference (`deterministic`, from
+rollout.deterministic); without it two equal seeded requests may sample differently. That mode needs a
+GPU attention backend (FlashInfer, FA3 or Triton) and its batch-invariant kernels cost throughput: SGLang
+measured 25-45% slower rollouts (34% on average, its announcement of 2025-09). The embedded engine and
+`megaopd serve` reproduce seeded samples without it.
 """
 from __future__ import annotations
 
@@ -47,6 +56,17 @@ class SGLangLaunchConfig:
     """First GPU of this engine when several engines share a node."""
     random_seed: int | None = None
     trust_remote_code: bool = False
+    deterministic: bool = False
+    """--enable-deterministic-inference: sampling_seed reproduces samples (rollout.deterministic; see the
+    module docstring for what it costs). GPU attention backends only."""
+    device: str = "cuda"
+    """cuda, or cpu: SGLang's CPU engine with the flags that run a Qwen2 model there without sgl-kernel's
+    CPU build (torch-native attention, PyTorch sampling, no grammar backend, no CUDA graphs, no busy idle
+    loop; float32 unless `dtype` says otherwise) and SGLANG_USE_CPU_ENGINE=1 (sglang_env). Used by the CPU
+    test tier (tests/e2e/sglang)."""
+    max_total_tokens: int | None = None
+    """KV-cache size in tokens (--max-total-tokens); None = SGLang's default, which on a CPU takes most of
+    the machine's memory."""
     python: str = sys.executable
     extra_args: list[str] = field(default_factory=list)
     """Further flags, passed through verbatim (e.g. ["--enable-deterministic-inference"])."""
@@ -58,6 +78,11 @@ class SGLangLaunchConfig:
             raise ValueError(f"port={self.port} must be in 1..65535")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device={self.device!r}: choose cuda or cpu")
+        if self.deterministic and self.device == "cpu":
+            raise ValueError("deterministic=True needs a GPU attention backend (FlashInfer, FA3 or Triton); "
+                             "SGLang's CPU engine cannot run --enable-deterministic-inference")
 
     @property
     def url(self) -> str:
@@ -81,7 +106,29 @@ def sglang_command(cfg: SGLangLaunchConfig) -> list[str]:
         cmd += ["--random-seed", str(cfg.random_seed)]
     if cfg.trust_remote_code:
         cmd.append("--trust-remote-code")
+    if cfg.deterministic:
+        cmd.append("--enable-deterministic-inference")
+    if cfg.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    if cfg.device == "cpu":
+        # --sleep-on-idle: the scheduler otherwise polls its sockets in a busy loop, a whole CPU core per server.
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                "--grammar-backend", "none", "--disable-cuda-graph", "--sleep-on-idle"]
+        if cfg.dtype is None:
+            cmd += ["--dtype", "float32"]
     return cmd + list(cfg.extra_args)
+
+
+def sglang_env(cfg: SGLangLaunchConfig) -> dict[str, str]:
+    """Environment variables the server needs beside the caller's (SGLANG_USE_CPU_ENGINE for device cpu)."""
+    return {"SGLANG_USE_CPU_ENGINE": "1"} if cfg.device == "cpu" else {}
+
+
+def launch_config(rollout, model_path: str, **kwargs) -> SGLangLaunchConfig:
+    """The launch settings of a rollout engine for a RolloutConfig: its deterministic flag, tp size and
+    memory saver (colocated engines) from the config, the rest from kwargs."""
+    return SGLangLaunchConfig(model_path=model_path, tp_size=rollout.engine_tp, deterministic=rollout.deterministic,
+                              enable_memory_saver=rollout.colocated, **kwargs)
 
 
 class ServerStartError(RuntimeError):
@@ -113,8 +160,10 @@ class ServerProcess:
 
     @classmethod
     def start(cls, command: list[str], url: str, startup_timeout_s: float = 900.0, log_path: str | None = None,
-              env: dict[str, str] | None = None) -> "ServerProcess":
-        """Runs `command` in its own process group, logging to `log_path` (a temp file by default)."""
+              env: dict[str, str] | None = None, die_with_parent: bool = False) -> "ServerProcess":
+        """Runs `command` in its own process group, logging to `log_path` (a temp file by default).
+        die_with_parent (Linux): the server gets SIGTERM when this process dies, even by SIGKILL, so a killed
+        test session leaves no server behind (SGLang then stops its own workers)."""
         if is_healthy(url, timeout_s=2.0):
             raise ServerStartError(f"something already answers on {url}; attach to it or pick another port")
         if log_path is None:
@@ -123,7 +172,8 @@ class ServerProcess:
         log = open(log_path, "ab")
         try:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, **(env or {})})
+                                    env={**os.environ, **(env or {})},
+                                    preexec_fn=_term_when_parent_dies if die_with_parent else None)
         finally:
             log.close()
         server = cls(url, proc, log_path)
@@ -170,6 +220,14 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _term_when_parent_dies() -> None:
+    """In the child before exec: prctl(PR_SET_PDEATHSIG, SIGTERM)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def megaopd_serve_command(hf_dir: str, port: int, host: str = "127.0.0.1", extra_args: list[str] | None = None,

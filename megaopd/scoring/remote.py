@@ -3,12 +3,12 @@
     teacher = RemoteTeacher("math", ["http://node3:30000", "http://node4:30000"])
     scores = teacher.score(tokens_BS, prompt_lens_B, response_lens_B, topk=16)   # TokenScores [B, T(, K)]
 
-One /generate request carries `rows_per_request` sequences (prompt + response) as input_ids with
-max_new_tokens 0, return_logprob, logprob_start_len = the prompt's length and top_logprobs_num K. SGLang
-answers, per sequence, input_token_logprobs (entry j: [log p(token p + j | tokens < p + j), id, text])
-and input_top_logprobs (entry j: the K most likely [log-prob, id, text] of that same distribution): they
-land at the record's positions t = p - 1 + j, exactly where the in-job teacher's scores of those tokens
-are (position t predicts token t + 1; docs/architecture.md). Positions outside the responses (prompt,
+One /generate request carries `rows_per_request` sequences (prompt + response) and asks, by prefill
+alone, for the log-probs of each response's tokens and the top-K of their distributions
+(HttpEngine.score_prefill: the request and its parsing live in megaopd.rollout.schema, which asks from
+logprob_start_len = p - 1 and drops SGLang's null entry at that position). Response token j's scores
+land at the record's position t = p - 1 + j, exactly where the in-job teacher's scores of that token are
+(position t predicts token t + 1; docs/architecture.md). Positions outside the responses (prompt,
 padding) stay 0 (ids 0): every loss and metric reads teacher scores under the loss mask only.
 
 What a served teacher cannot give (the config refuses the first two at start-up, before any model loads):
@@ -26,7 +26,6 @@ request) and fails at once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -34,19 +33,11 @@ import torch
 from megaopd.rollout.batch import TokenScores
 from megaopd.rollout.client import EngineRequestError, HttpEngine, HttpEngineConfig
 from megaopd.rollout.pool import SpreadError, spread_jobs
+from megaopd.rollout.schema import PrefillScores
 
 
 class RemoteTeacherError(RuntimeError):
     """A served teacher could not score the batch: every server failed, or a request was refused."""
-
-
-@dataclass
-class RowScores:
-    """One row's response scores, entry j about response token j (position prompt_len - 1 + j)."""
-
-    logprobs: list[float]
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
 
 
 class RemoteTeacher:
@@ -86,7 +77,7 @@ class RemoteTeacher:
         return TokenScores(logprobs_BT=logprobs_BT, topk_ids_BTK=ids_BTK, topk_logprobs_BTK=top_BTK)
 
     # ----------------------------------------------------------------------------------------- private
-    def _score_rows(self, tokens_BS, prompt_lens_B, response_lens_B, rows: list[int], topk: int) -> dict[int, RowScores]:
+    def _score_rows(self, tokens_BS, prompt_lens_B, response_lens_B, rows: list[int], topk: int) -> dict[int, PrefillScores]:
         if not rows:
             return {}
         requests = [rows[i:i + self.rows_per_request] for i in range(0, len(rows), self.rows_per_request)]
@@ -110,48 +101,8 @@ class RemoteTeacher:
 
     @staticmethod
     def _request(server: HttpEngine, tokens_BS, prompt_lens_B, response_lens_B, rows: list[int],
-                 topk: int) -> dict[int, RowScores]:
-        seqs, starts = [], []
-        for b in rows:
-            p, r = int(prompt_lens_B[b]), int(response_lens_B[b])
-            seqs.append(tokens_BS[b, :p + r].tolist())
-            starts.append(p)
-        # Every sampling parameter explicit (servers fill omitted ones from generation_config.json).
-        sp = {"max_new_tokens": 0, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "n": 1,
-              "stop_token_ids": [], "ignore_eos": False, "skip_special_tokens": False}
-        body = {"input_ids": seqs, "sampling_params": [dict(sp) for _ in seqs], "return_logprob": True,
-                "logprob_start_len": starts, "stream": False}
-        if topk:
-            body["top_logprobs_num"] = topk
-        out = server.request("POST", "/generate", body, timeout_s=server.config.generate_timeout_s)
-        if not isinstance(out, list) or len(out) != len(seqs):
-            raise ValueError(f"/generate answered {type(out).__name__} of "
-                             f"{len(out) if isinstance(out, list) else 1} entries for {len(seqs)} sequences")
-        return {b: _parse(entry, seq, p, topk) for b, entry, seq, p in zip(rows, out, seqs, starts)}
-
-
-def _parse(entry: dict, seq: list[int], start: int, topk: int) -> RowScores:
-    """One answer's input log-probs of tokens start..len-1 (and their distributions' top-K)."""
-    try:
-        meta = entry["meta_info"]
-        lps = meta["input_token_logprobs"]
-        tops = meta.get("input_top_logprobs") if topk else None
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"an answer has no meta_info.input_token_logprobs ({e})") from None
-    r = len(seq) - start
-    if len(lps) != r:
-        raise ValueError(f"input_token_logprobs has {len(lps)} entries for the {r} response tokens "
-                         f"(logprob_start_len={start} of {len(seq)})")
-    if [int(e[1]) for e in lps] != seq[start:]:
-        raise ValueError("input_token_logprobs names other token ids than the sequence sent")
-    if any(e[0] is None for e in lps):
-        raise ValueError("input_token_logprobs has a null log-prob inside the response")
-    row = RowScores(logprobs=[float(e[0]) for e in lps])
-    if topk:
-        if tops is None or len(tops) != r or any(t is None or len(t) < topk for t in tops):
-            raise ValueError(f"input_top_logprobs is missing or has fewer than top_logprobs_num={topk} "
-                             f"entries at some of the {r} response positions")
-        ranked = [sorted(t, key=lambda e: -float(e[0]))[:topk] for t in tops]  # decreasing probability
-        row.top_ids = [[int(e[1]) for e in t] for t in ranked]
-        row.top_logprobs = [[float(e[0]) for e in t] for t in ranked]
-    return row
+                 topk: int) -> dict[int, PrefillScores]:
+        """One request: row b's scores of its response tokens (entry j about response token j)."""
+        seqs = [tokens_BS[b, :int(prompt_lens_B[b]) + int(response_lens_B[b])].tolist() for b in rows]
+        firsts = [int(prompt_lens_B[b]) for b in rows]
+        return dict(zip(rows, server.score_prefill(seqs, firsts, topk)))

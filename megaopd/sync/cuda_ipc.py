@@ -22,8 +22,9 @@ on local GPU base_gpu_id + r; trainer rank g is on node g // local_world_size, l
 g % local_world_size (torchrun's order). feeder_ranks() computes the map, and refuses layouts where
 an engine rank has no trainer rank on its GPU.
 
-On a CPU machine the transport cannot run for real (no CUDA IPC; SGLang is absent); the payloads it
-builds are unit-tested (tests/sync/test_cuda_ipc.py), and the GPU check script runs it.
+On a CPU machine the transport cannot run for real (CUDA IPC needs GPUs; SGLang's CPU build refuses
+nothing but has no handles to open); the payloads it builds are unit-tested (tests/sync/test_transports.py),
+SGLang 0.5.23 accepts their format (tests/e2e/sglang), and the GPU check script runs it.
 """
 from __future__ import annotations
 
@@ -37,30 +38,47 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
+from torch.multiprocessing import reductions
 
 from megaopd.rollout.client import EngineError, HttpEngine
 from megaopd.rollout import weight_wire as wire
 from megaopd.sync.distributed import weight_update_sessions
 
 
-def _patch_sglang_reductions() -> None:
-    """SGLang's engines rebuild IPC tensors with its patched reductions (devices named by UUID, so a
-    different CUDA_VISIBLE_DEVICES order cannot pick the wrong GPU); the sender must use the same
-    patch. Applied when SGLang is importable (the `gpu` extra), a no-op otherwise."""
-    for module in ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"):
-        try:
-            patch = __import__(module, fromlist=["monkey_patch_torch_reductions"]).monkey_patch_torch_reductions
-        except (ImportError, AttributeError):
-            continue
-        patch()
-        return
+_DEVICE_ARG = 6
+"""Index of the CUDA device in the arguments torch's reduce_tensor gives a CUDA tensor (SGLang's patch
+reads the same slot: _REDUCE_TENSOR_ARG_DEVICE_INDEX in sglang.srt.utils.patch_torch)."""
+
+
+def _reduce_tensor_by_uuid(tensor: torch.Tensor):
+    """torch's reduction of a tensor, its CUDA device named by UUID instead of index. SGLang's engines rebuild
+    IPC tensors with their patched rebuild_cuda_tensor, which reads either (a UUID cannot pick the wrong GPU
+    under another CUDA_VISIBLE_DEVICES order). CPU tensors keep torch's own reduction untouched."""
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda:
+        uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
+        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1:])
+    return rebuild, args
+
+
+class _IpcPickler(ForkingPickler):
+    """ForkingPickler whose tensors name their GPU by UUID. A private dispatch table instead of SGLang's
+    monkey_patch_torch_reductions: that patch replaces torch's reduce_tensor for the whole process and
+    assumes every tensor is a CUDA one, so afterwards pickling any CPU tensor through torch.multiprocessing
+    (spawned workers' queues, data loaders) fails with IndexError; this pickler changes nothing else."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dispatch_table = {cls: (_reduce_tensor_by_uuid if fn is reductions.reduce_tensor else fn)
+                               for cls, fn in self.dispatch_table.items()}
 
 
 def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     """SGLang's MultiprocessingSerializer format with output_str: base64 of a ForkingPickler dump of
-    [(name, tensor), ...]. CUDA tensors become IPC handles: keep them alive until the engine loaded."""
+    [(name, tensor), ...]. CUDA tensors become IPC handles (device by UUID): keep them alive until the
+    engine loaded them."""
     buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump([(str(n), t) for n, t in named])
+    _IpcPickler(buf, pickle.HIGHEST_PROTOCOL).dump([(str(n), t) for n, t in named])
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -131,7 +149,6 @@ class CudaIpcTransport:
         self.device = device
         if rank == 0 and (self.engines is None or len(self.engines) != len(self.feeders)):
             raise ValueError(f"CudaIpcTransport on rank 0 needs the {len(self.feeders)} engine(s) the feeders name")
-        _patch_sglang_reductions()
 
     def payload(self, bucket: list[tuple[str, torch.Tensor]]) -> str | None:
         """This rank's serialized bucket when it feeds an engine rank, else None. One text serves all of
@@ -152,6 +169,11 @@ class CudaIpcTransport:
         return bodies
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+        if self.device.type != "cuda":
+            # A CPU tensor pickles as a file descriptor shared through this process's resource sharer, which
+            # the engine cannot authenticate to: SGLang 0.5.23's server exits on such a payload (seen on CPU).
+            raise ValueError(f"the cuda_ipc transport sends CUDA tensors only (device {self.device}): colocated "
+                             "engines need the trainer on GPUs; set rollout.colocated=false (a weight-update group)")
         world = dist.get_world_size(self.group)
         sessions = weight_update_sessions(self.engines) if self.rank == 0 else None
         if sessions is not None:

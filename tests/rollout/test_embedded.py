@@ -59,10 +59,15 @@ def test_stop_token_id(engine):
     free = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))[0]
     stop_id = free.output_ids[5]
     first = free.output_ids.index(stop_id)
-    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True,
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0,
                                                           stop_token_ids=[stop_id]))[0]
     assert stopped.finish_reason == "stop"
-    assert stopped.output_ids == free.output_ids[:first + 1]
+    end = min(first, free.output_ids.index(EOS) if EOS in free.output_ids else first)  # EOS stops too
+    assert stopped.output_ids == free.output_ids[:end + 1]
+    # SGLang 0.5.23: ignore_eos ignores stop_token_ids as well (seen against its server, tests/e2e/sglang).
+    ignored = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True,
+                                                          stop_token_ids=[stop_id]))[0]
+    assert ignored.output_ids == free.output_ids and ignored.finish_reason == "length"
 
 
 def test_seed_determinism_and_batch_independence(engine):

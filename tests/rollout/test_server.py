@@ -10,24 +10,29 @@ from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.rollout.server import RolloutServer, ServeConfig
 from tests.rollout._models import EOS, hf_logprobs
+from tests.rollout.sglang_cases import (DIFFERENCES, REFUSALS, assert_same_shape, call, error_kind, error_message,
+                                        send_refusal)
 
-# --- SGLang's documented examples (docs/basic_usage/native_api, sampling_params, sglang_for_rl),
-# --- with their token ids and texts; our answers must have the same structure and types.
+# --- Answers of a real SGLang 0.5.23 server (CPU, 2026-11) to such requests (ids of the tiny student); ours
+# --- must have the same keys and types at every level (sglang_cases.assert_same_shape).
 SGLANG_GENERATE_REQUEST = json.loads("""
 {"input_ids": [785, 6722, 315, 9625, 374], "sampling_params": {"temperature": 0, "max_new_tokens": 32}}
 """)
 SGLANG_GENERATE_RESPONSE = json.loads("""
-{"text": " Paris. It is the capital of France.", "output_ids": [12095, 13, 1084, 374, 279, 6722, 315, 9625, 13],
- "meta_info": {"id": "4a8f0c1e6b2d4e7f9a3c5b1d2e4f6a8b",
-               "finish_reason": {"type": "length", "length": 32},
-               "prompt_tokens": 5, "weight_version": "default", "completion_tokens": 32,
-               "cached_tokens": 0, "e2e_latency": 0.2411651611328125}}
+{"text": "r fr both", "output_ids": [87, 5, 75, 87, 5, 200], "meta_info": {"id": "5ec101be62f44aab98628a78e5d51d0e",
+ "finish_reason": {"type": "length", "length": 6}, "prompt_tokens": 2, "weight_version": "default",
+ "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": 6, "cached_tokens": 0,
+ "weight_versions": [{"version": "default", "start": 0, "end": 6}], "cached_tokens_details": null,
+ "dp_rank": null, "e2e_latency": 0.25, "response_sent_to_client_ts": 1795571753.0379405}}
 """)
 SGLANG_LOGPROB_RESPONSE_META = json.loads("""
-{"id": "c3b0a2d4e6f8", "finish_reason": {"type": "stop", "matched": 151645}, "prompt_tokens": 5,
- "weight_version": "default", "completion_tokens": 3, "cached_tokens": 0, "e2e_latency": 0.05,
- "output_token_logprobs": [[-0.0123, 12095, null], [-1.25, 13, null], [-0.002, 151645, null]],
- "input_token_logprobs": [[null, 785, null], [-9.5, 6722, null]]}
+{"id": "371889315a444d17bb9042e0e06b4cef", "finish_reason": {"type": "length", "length": 3}, "prompt_tokens": 5,
+ "weight_version": "default", "num_retractions": 0,
+ "input_token_logprobs": [[null, 5, null], [-10.51, 9, null], [-9.25, 17, null]],
+ "output_token_logprobs": [[-0.19, 128, null], [-0.08, 128, null], [-0.52, 243, null]],
+ "output_token_logprobs_length": 3, "reasoning_tokens": 0, "completion_tokens": 3, "cached_tokens": 0,
+ "weight_versions": [{"version": "default", "start": 0, "end": 3}], "cached_tokens_details": null,
+ "dp_rank": null, "e2e_latency": 0.25, "response_sent_to_client_ts": 1795571753.0379405}
 """)
 SGLANG_INIT_GROUP_REQUEST = json.loads("""
 {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2,
@@ -37,40 +42,7 @@ SGLANG_UPDATE_REQUEST = json.loads("""
 {"names": ["model.embed_tokens.weight"], "dtypes": ["float32"], "shapes": [[128, 64]],
  "group_name": "weight_update_group", "flush_cache": true, "weight_version": "v1"}
 """)
-SGLANG_SUCCESS_RESPONSE = json.loads("""{"success": true, "message": "Succeeded to update parameter online."}""")
-SGLANG_VALUE_ERROR = json.loads("""{"error": {"message": "top_p must be in (0, 1], got 0.0."}}""")
-SGLANG_SCHEMA_ERROR = json.loads("""
-{"object": "error", "message": "1 validation error ...", "type": "Bad Request", "param": null, "code": 400}
-""")
 SGLANG_PAUSE_RESPONSE = json.loads("""{"message": "Generation paused successfully.", "status": "ok"}""")
-
-
-def skeleton(x):
-    """The JSON's structure: dict keys -> skeletons, lists -> their first item's skeleton, leaves -> type."""
-    if isinstance(x, dict):
-        return {k: skeleton(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [skeleton(x[0])] if x else []
-    if isinstance(x, bool) or x is None:
-        return type(x).__name__
-    return "number" if isinstance(x, (int, float)) else type(x).__name__
-
-
-def assert_same_shape(ours, theirs, path="$"):
-    """Every key SGLang sends is present with the same structure (extra keys are allowed)."""
-    s_ours, s_theirs = skeleton(ours), skeleton(theirs)
-    if isinstance(s_theirs, dict):
-        assert isinstance(s_ours, dict), f"{path}: {s_ours} is not an object"
-        for k in theirs:
-            assert k in ours, f"{path}.{k} missing (ours has {sorted(ours)})"
-            assert_same_shape(ours[k], theirs[k], f"{path}.{k}")
-    elif isinstance(s_theirs, list) and theirs and ours:
-        for i, item in enumerate(theirs[0]) if isinstance(theirs[0], list) else []:
-            # logprob triples: [number | null, int, null]
-            assert len(ours[0]) == len(theirs[0]), f"{path}[0] has {len(ours[0])} items"
-        assert_same_shape(ours[0], theirs[0], f"{path}[0]")
-    elif s_theirs != "NoneType" and s_ours != "NoneType":
-        assert s_ours == s_theirs, f"{path}: {s_ours} != {s_theirs}"
 
 
 def post(url, path, body, raw=None):
@@ -126,9 +98,9 @@ def test_generate_matches_sglang_schema(server, tiny_dir):
     stop_id = free["output_ids"][2]
     status, out = post(server.url, "/generate", {
         "input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 0,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop_id], "ignore_eos": True}})
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop_id]}})
     assert status == 200
-    assert_same_shape(out["meta_info"], SGLANG_LOGPROB_RESPONSE_META)
+    assert_same_shape(dict(out["meta_info"], finish_reason=None), SGLANG_LOGPROB_RESPONSE_META)  # a stop here
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     assert out["output_ids"][-1] == stop_id
     lps = out["meta_info"]["output_token_logprobs"]
@@ -164,37 +136,22 @@ def test_batch_and_n(server):
     assert status == 200 and zero["output_ids"] == [] and zero["meta_info"]["finish_reason"]["length"] == 0
 
 
-@pytest.mark.parametrize("body,kind,needle", [
-    ({"sampling_params": {"max_new_tokens": 2}}, "value", "input_ids"),
-    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0.0}}, "value", "top_p"),
-    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "value", "top_k"),
-    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "value", "temperature"),
-    ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.1}}, "value", "repetition_penalty"),
-    ({"input_ids": [1, 999]}, "value", "vocabulary"),
-    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "value", "list of 1 for 2"),
-    ({"input_ids": [1, 2], "stream": True}, "value", "stream"),
-    ({"input_ids": "1 2"}, "schema", "input_ids"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "8"}}, "schema", "max_new_tokens"),
-    ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "schema", "bogus"),
-])
-def test_bad_generate_requests_are_400(server, body, kind, needle):
-    status, out = post(server.url, "/generate", body)
-    assert status == 400
-    if kind == "value":
-        assert_same_shape(out, SGLANG_VALUE_ERROR)
-        assert needle in out["error"]["message"]
-    else:
-        assert_same_shape(out, SGLANG_SCHEMA_ERROR)
-        assert out["code"] == 400 and needle in out["message"]
+@pytest.mark.parametrize("case", REFUSALS, ids=lambda c: c.name)
+def test_refusals_are_sglangs(server, case, tmp_path):
+    """Every request SGLang 0.5.23 refuses (tests/rollout/sglang_cases.py, checked against SGLang itself in
+    tests/e2e/sglang), refused with its status and kind of body."""
+    status, out = send_refusal(server.url, case, str(tmp_path))
+    assert status == case.status, out
+    assert error_kind(status, out) == case.kind, out
+    assert case.needle in error_message(out), out
 
 
-def test_malformed_json_and_routes(server):
-    status, out = post(server.url, "/generate", None, raw=b"{not json")
-    assert status == 400 and out["object"] == "error"
-    assert get(server.url, "/nope")[0] == 404
-    assert get(server.url, "/generate")[0] == 405
-    status, out = post(server.url, "/update_weights_from_distributed", dict(SGLANG_UPDATE_REQUEST, group_name="none"))
-    assert status == 400 and "init_weights_update_group" in out["error"]["message"]
+@pytest.mark.parametrize("case", DIFFERENCES, ids=lambda c: c.name)
+def test_refusals_where_sglang_differs(server, case):
+    """What megaopd serve refuses on purpose where SGLang samples, reinterprets, fails inside or dies."""
+    status, out = call(server.url, "POST", case.path, case.body)
+    assert status == 400 and error_kind(status, out) in ("value", "schema"), out
+    assert case.needle in error_message(out), out
 
 
 def test_control_endpoints(server):
@@ -257,3 +214,30 @@ def test_two_prompts_in_one_n_request_get_their_own_seeds(server, tiny_dir):
     want = local.generate([[5, 6, 7], [5, 6, 7]], SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3,
                                                                   ignore_eos=True))
     assert ids == [s.output_ids for s in want]
+
+
+def test_prefill_parsing_reads_sglangs_answers():
+    """The client's parsing of prefill scores on answers recorded from SGLang 0.5.23: it asked from
+    first - 1, the entry there is null, the last vocabulary id (255 in the tiny student) comes back as 0."""
+    from megaopd.rollout.schema import prefill_request, prefill_scores_from_json
+
+    seq = [5, 9, 17, 33, 4]
+    body = prefill_request([seq], [3], topk=2)
+    assert body["logprob_start_len"] == [2] and body["sampling_params"][0]["max_new_tokens"] == 0
+    answer = {"meta_info": {  # SGLang 0.5.23, logprob_start_len 2, top_logprobs_num 2 (cut from 3)
+        "input_token_logprobs": [[None, 17, None], [-8.874113082885742, 33, None], [-10.857186317443848, 4, None]],
+        "input_top_logprobs": [None, [[-0.14435583353042603, 196, None], [-3.968883991241455, 254, None]],
+                               [[-1.2047711610794067, 196, None], [-1.310813069343567, 254, None]]]}}
+    scores = prefill_scores_from_json(answer, seq, 3, topk=2)
+    assert scores.logprobs == [-8.874113082885742, -10.857186317443848]
+    assert scores.top_ids == [[196, 254], [196, 254]]
+    last = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-9.52465534210205, 0, None],
+                                                   [-1.6511369943618774, 150, None]]}}
+    assert prefill_scores_from_json(last, [5, 255, 150], 1).logprobs == [-9.52465534210205, -1.6511369943618774]
+    with pytest.raises(ValueError, match="at token 2 of 3, sent \\[150\\], answered \\[151\\]"):
+        prefill_scores_from_json({"meta_info": {"input_token_logprobs": [[None, 5, None], [-1.0, 255, None],
+                                                                         [-1.0, 151, None]]}}, [5, 255, 150], 1)
+    with pytest.raises(ValueError, match="3 entries for the 1 tokens scored"):  # an answer from another start
+        prefill_scores_from_json(last, [5, 255, 150], 2)
+    with pytest.raises(ValueError, match="first positions"):
+        prefill_request([seq], [0])

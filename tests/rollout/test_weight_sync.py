@@ -14,8 +14,8 @@ from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megaopd.rollout.pool import EnginePool, PoolConfig, PoolError
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.rollout.server import RolloutServer, ServeConfig
-from megaopd.rollout.sglang_launcher import (SGLangLaunchConfig, ServerProcess, ServerStartError,
-                                             megaopd_serve_command, sglang_command)
+from megaopd.rollout.sglang_launcher import (SGLangLaunchConfig, ServerProcess, ServerStartError, launch_config,
+                                             megaopd_serve_command, sglang_command, sglang_env)
 from megaopd.sync.distributed import DistGroupTransport, DistributedUpdateConfig, DistributedWeightUpdater
 from tests.rollout._models import hf_logprobs, random_state_dict
 
@@ -42,6 +42,20 @@ def test_sglang_command_line():
                      "127.0.0.1", "--port", "30000"]
     with pytest.raises(ValueError, match="mem_fraction_static"):
         SGLangLaunchConfig(model_path="m", mem_fraction_static=1.5)
+    # SGLang on a CPU (the e2e tier's servers), and seeded rollouts from the config.
+    cpu = SGLangLaunchConfig(model_path="m", python="py", device="cpu", max_total_tokens=4096)
+    assert sglang_command(cpu)[-14:] == ["--max-total-tokens", "4096", "--device", "cpu", "--attention-backend",
+                                         "torch_native", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+                                         "--disable-cuda-graph", "--sleep-on-idle", "--dtype", "float32"]
+    assert sglang_env(cpu) == {"SGLANG_USE_CPU_ENGINE": "1"} and sglang_env(cfg) == {}
+    from megaopd.config.sections import RolloutConfig
+
+    seeded = launch_config(RolloutConfig(engine="remote", urls=["http://h:1"], deterministic=True, engine_tp=2),
+                           "/ckpt/hf", python="py")
+    assert "--enable-deterministic-inference" in sglang_command(seeded) and seeded.tp_size == 2
+    assert "--enable-deterministic-inference" not in plain
+    with pytest.raises(ValueError, match="GPU attention backend"):
+        SGLangLaunchConfig(model_path="m", device="cpu", deterministic=True)
 
 
 def test_launcher_failures_are_quick_and_clear():
@@ -223,3 +237,31 @@ def test_pool_targets_take_a_group_and_prompt_logprobs(served, tiny_dir):
     finally:
         transport.close()
         pool.close()
+
+
+def test_started_server_dies_with_its_parent(tmp_path):
+    """die_with_parent: a server started by a process that is SIGKILLed gets SIGTERM (PR_SET_PDEATHSIG), so
+    a killed test session leaves no server running."""
+    import os
+    import signal
+    import subprocess
+
+    script = ("import subprocess, sys, time\n"
+              "from megaopd.rollout.sglang_launcher import _term_when_parent_dies\n"
+              "p = subprocess.Popen(['sleep', '60'], start_new_session=True, preexec_fn=_term_when_parent_dies)\n"
+              "print(p.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its SIGKILLed parent")

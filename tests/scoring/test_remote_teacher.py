@@ -69,6 +69,16 @@ def test_prefill_scoring_schema(server):
     # a top entry that is the sampled token carries the same log-prob as input_token_logprobs
     for lp, top in zip(meta["input_token_logprobs"][1:], meta["input_top_logprobs"][1:]):
         assert all(abs(e[0] - lp[0]) < 1e-6 for e in top if e[1] == lp[1])
+    # SGLang 0.5.23: the entry AT logprob_start_len is null for every start, not only 0 (nothing before it is
+    # scored); the one distribution after the prompt comes as output_top_logprobs even with max_new_tokens 0.
+    body2 = dict(body, logprob_start_len=2)
+    req = urllib.request.Request(server.url + "/generate", data=__import__("json").dumps(body2).encode(),
+                                 headers={"Content-Type": "application/json"})
+    meta2 = __import__("json").loads(urllib.request.urlopen(req).read())["meta_info"]
+    assert meta2["input_token_logprobs"] == [[None, 17, None]] + meta["input_token_logprobs"][3:]
+    assert meta2["input_top_logprobs"] == [None] + meta["input_top_logprobs"][3:]
+    assert meta2["input_token_ids_logprobs"] == [None] + meta["input_token_ids_logprobs"][3:]
+    assert len(meta2["output_top_logprobs"]) == 1 and meta2["output_top_logprobs"] == meta["output_top_logprobs"]
 
 
 def test_remote_scores_equal_transformers_float64(server):

@@ -85,7 +85,7 @@ def test_server_speaks_both_protocols_and_client_detects_them(servers):
     assert new.server_info()["version"] == "0.5.23" and new.server_version() == (0, 5, 23)
     assert old.request("GET", "/get_server_info")["version"] == "0.5.2" and old.server_version() == (0, 5, 2)
     # New protocol: updates outside a session are refused; one session at a time.
-    body = {"serialized_named_tensors": ["x"], "load_format": None, "flush_cache": True}
+    body = {"serialized_named_tensors": ["eA=="], "load_format": None, "flush_cache": True}  # base64, as SGLang checks
     with pytest.raises(EngineRequestError, match="begin_weight_update") as err:
         new.request("POST", "/update_weights_from_tensor", body)
     assert err.value.status == 400
@@ -95,7 +95,7 @@ def test_server_speaks_both_protocols_and_client_detects_them(servers):
     with pytest.raises(EngineRequestError, match="CUDA IPC"):  # past the session check
         new.request("POST", "/update_weights_from_tensor", body)
     new.end_weight_update()
-    with pytest.raises(EngineRequestError, match="no weight update session"):
+    with pytest.raises(EngineRequestError, match="no weight-update session"):
         new.end_weight_update()
     # Old protocol: no session endpoints (404), and the client does not ask for one.
     with pytest.raises(EngineRequestError) as err:
@@ -156,3 +156,27 @@ def test_weight_sync_memory_order(tiny_dir):
     assert calls["after_release"] == ["resume(['weights'])", "update_weights(v1)",
                                       "resume(['kv_cache', 'cuda_graph'])"]
     assert calls["gap"] < 1e-4  # the engine now holds the actor's weights
+
+
+def test_cuda_ipc_serializer_leaves_torchs_reductions_alone():
+    """The payload pickler names GPUs by UUID in its own dispatch table. It used to apply SGLang's
+    monkey_patch_torch_reductions, which swaps torch's reduce_tensor for the whole process and assumes a CUDA
+    tensor: afterwards any CPU tensor pickled through torch.multiprocessing failed with IndexError."""
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    from megaopd.sync.cuda_ipc import _IpcPickler, _reduce_tensor_by_uuid, serialize_named_tensors
+
+    before = reductions.reduce_tensor
+    CudaIpcTransport(None, [[0]], rank=1, device=torch.device("cpu"))
+    text = serialize_named_tensors([("w", torch.arange(3.0))])
+    assert torch.equal(deserialize_named_tensors(text)[0][1], torch.arange(3.0))
+    assert reductions.reduce_tensor is before
+    assert ForkingPickler._extra_reducers[torch.Tensor] is before  # the process-wide table is torch's own
+    assert _IpcPickler(io.BytesIO()).dispatch_table[torch.Tensor] is _reduce_tensor_by_uuid
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(torch.ones(2))  # what spawned workers' queues do
+    assert torch.equal(pickle.loads(buf.getvalue()), torch.ones(2))

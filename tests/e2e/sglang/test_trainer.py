@@ -1,0 +1,103 @@
+"""The trainer end to end against SGLang 0.5.23's own server (tests/e2e/sglang/conftest.py), on the tiny models:
+
+- two Stable-OPD steps with `rollout.engine: remote` on SGLang: the actor's weights synced into the server
+  every step (a weight-update session + the gloo group), the parity probe after every sync;
+- two Stable-OPD steps with the teacher served by SGLang (`teacher.engine: remote`): its scores equal the
+  in-job Megatron teacher's on the same rollouts within 1e-4.
+
+The runs are the golden runs' settings (tests/trainer/test_golden.py: student TP=2 on 2 gloo workers,
+8 prompts x 2 samples of up to 48 tokens) cut to two steps.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from megaopd.config import load_config
+from megaopd.config.schema import MegaOPDConfig
+from megaopd.parallel.launch import spawn
+from megaopd.rollout.client import HttpEngine
+from tests.e2e.sglang import _workers
+from tests.e2e.sglang.conftest import ROOT, STUDENT, TEACHER, gap, reference_logprobs
+from tests.trainer import _workers as trainer_workers
+from tests.trainer.test_golden import _step_metrics, golden_overrides
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+PRESET = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
+
+
+def _config(run_dir, *extra):
+    return load_config(MegaOPDConfig, PRESET, golden_overrides(str(run_dir)) + [f"trainer.max_steps={STEPS}", *extra])
+
+
+PROBE = [1, 40, 75, 13, 200, 9, 31, 118, 2]
+
+
+def checkpoint_logprobs() -> torch.Tensor:
+    """transformers' log-probs of PROBE's tokens under the student checkpoint (what the server started with)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(STUDENT, dtype=torch.float64, attn_implementation="eager").eval()
+    return reference_logprobs(model, PROBE)[:-1].gather(-1, torch.tensor(PROBE[1:])[:, None])[:, 0]
+
+
+def _requests(served, path: str) -> int:
+    """How many times the server's access log shows POST `path` answered 200."""
+    return sum(f'"POST {path} HTTP/1.1" 200' in line for line in served.log_tail(n_bytes=10**8).splitlines())
+
+
+def test_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path):
+    before = {p: _requests(sglang_student, p) for p in ("/begin_weight_update", "/end_weight_update",
+                                                       "/update_weights_from_distributed", "/init_weights_update_group")}
+    cfg = _config(tmp_path / "run", "rollout.engine=remote", f"rollout.urls=[{sglang_student.url}]",
+                  "rollout.parity_interval=1")
+    try:
+        # check_parity runs after the start-up sync and after every step's: a gap out of bounds raises here.
+        spawn(trainer_workers.run_presets, 2, args=([cfg],), timeout=1200)
+        client = HttpEngine(sglang_student.url)
+        version = client.weight_version()
+        trained_gap = gap(client.prompt_logprobs(PROBE)[1:], checkpoint_logprobs())
+    finally:
+        sglang_student.restore_weights()
+    assert gap(HttpEngine(sglang_student.url).prompt_logprobs(PROBE)[1:], checkpoint_logprobs()) < 1e-4
+    after = {p: _requests(sglang_student, p) - n for p, n in before.items()}
+    steps = _step_metrics(str(tmp_path / "run"))
+    assert sorted(steps, key=int) == [str(s) for s in range(1, STEPS + 1)]
+    for step, m in steps.items():
+        assert math.isfinite(m["loss/total"]) and m["train/grad_norm"] > 0, (step, m)
+        # The engine's own log-probs of its samples against the actor's recomputation (float32 both sides).
+        assert m["sync/logprob_gap_max"] < 1e-3, (step, m["sync/logprob_gap_max"])
+    print({s: (m["sync/logprob_gap_max"], m["loss/total"]) for s, m in steps.items()}, after)
+    assert version == str(STEPS) and trained_gap > 1e-3  # the server holds the last step's weights, trained ones
+    # One group for the run; a session around every sync (start-up, then each step), every update inside one.
+    assert after["/init_weights_update_group"] == 1
+    assert after["/begin_weight_update"] == after["/end_weight_update"] >= STEPS + 1
+    assert after["/update_weights_from_distributed"] >= after["/begin_weight_update"]
+
+
+def test_stable_opd_with_teacher_on_sglang(sglang_teacher, tmp_path):
+    cfgs = [_config(tmp_path / "in_job"),
+            _config(tmp_path / "served", "teacher.engine=remote", f"teacher.urls=[{sglang_teacher.url}]",
+                    f"teacher.path={TEACHER}")]
+    in_job, served = spawn(_workers.train_capturing_teacher, 2, args=(cfgs,), timeout=1500)[0]
+    assert len(in_job["steps"]) == len(served["steps"]) == STEPS
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(in_job["steps"], served["steps"]), start=1):
+        # The same rollouts (embedded engine, same seed; step 2 after updates equal to float32 rounding).
+        assert torch.equal(a["tokens"], b["tokens"]), f"step {step}: the two runs sampled different tokens"
+        m = a["mask"].bool()
+        assert m.any() and torch.equal(m, b["mask"].bool())
+        gap = float((a["teacher"][m] - b["teacher"][m]).abs().max())
+        worst = max(worst, gap)
+        print(f"step {step}: max |served - in-job teacher log q| = {gap:.2e} over {int(m.sum())} tokens")
+    assert worst < 1e-4
+    # The rest of the step follows: the same losses to float32 rounding; no entropy from a server.
+    a, b = in_job["metrics"], served["metrics"]
+    assert "overlap/entropy_gap" in a and "overlap/entropy_gap" not in b
+    for key in ("loss/total", "rollout/teacher_logprob_mean", "overlap/ratio", "train/grad_norm"):
+        assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-5), (key, a[key], b[key])
