@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from megaopd.parallel.launch import find_free_port
+from megaopd.parallel.dist import find_free_port
 from megaopd.rollout.client import EngineError, EngineUnavailableError, HttpEngine, HttpEngineConfig
 from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megaopd.rollout.pool import EnginePool, PoolConfig, PoolError
