@@ -38,7 +38,7 @@ from megaopd.rollout.batch import RolloutBatch, RowOwners, build_rollout_batch
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.scoring import bounds_for, check_engine_parity, score_sequences, score_tokens
 from megaopd.sync import WeightSync
-from megaopd.sync.gather import gather_hf_weights, model_state
+from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.micro_batches import MicroBatch, mini_batch_rows, row_owners, scoring_packing, step_micro_batches

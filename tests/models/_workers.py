@@ -66,7 +66,7 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import gather_stage_hf_weights, hf_shapes
-    from megaopd.sync.gather import gather_hf_weights, model_state
+    from megaopd.models.gather import gather_hf_weights, model_state
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 
     res = {}

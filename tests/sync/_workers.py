@@ -134,7 +134,7 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
     from megaopd.sync import WeightSync
-    from megaopd.sync.gather import gather_hf_weights, model_state
+    from megaopd.models.gather import gather_hf_weights, model_state
     from megaopd.sync.weight_sync import expert_group
     from megaopd.trainer.roles import load_role_model
 

@@ -104,7 +104,7 @@ def one_step_everything(rank, world_size, cfg):
 def one_step_gradients_and_metrics(rank, world_size, cfg):
     """One training step: the actor's gradient as full HF-named tensors (gathered over TP/EP/PP), the
     grad norm and every metric of the step (rank 0)."""
-    from megaopd.sync.gather import gather_hf_weights
+    from megaopd.models.gather import gather_hf_weights
     from megaopd.sync.weight_sync import expert_group
     from megaopd.trainer.trainer import Trainer
 
