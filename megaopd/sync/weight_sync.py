@@ -27,10 +27,10 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from megaopd.config.sections import RolloutConfig
+from megaopd.models.gather import gather_hf_weights, model_state
+from megaopd.rollout.config import RolloutConfig
 from megaopd.sync.cuda_ipc import CudaIpcTransport, IpcLayout, feeder_ranks
 from megaopd.sync.distributed import DistGroupTransport, DistributedUpdateConfig
-from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.sync.in_process import InProcessTransport
 
 TRANSPORTS = ("in_process", "dist_group", "cuda_ipc")

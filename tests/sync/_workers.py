@@ -14,7 +14,7 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     from megaopd.config.model import ModelConfig
     from megaopd.models.builder import StageInfo
     from megaopd.models.hf_io import HFWeights
-    from megaopd.config.sections import RolloutConfig
+    from megaopd.rollout.config import RolloutConfig
     from megaopd.models.weights import load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.client import HttpEngine
@@ -88,7 +88,7 @@ class _Recording:
 
 def push_and_record(rank, world_size, hf_dir):
     from megaopd.config.model import ModelConfig
-    from megaopd.config.sections import RolloutConfig
+    from megaopd.rollout.config import RolloutConfig
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
     from megaopd.sync import WeightSync
@@ -127,7 +127,7 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     exactly the checkpoint's, "perturbed_dir": the perturbed HF dir, "engine_lp": the engine's log-probs of
     PROBE[0] after the push}."""
     from megaopd.config.model import ModelConfig
-    from megaopd.config.sections import RolloutConfig
+    from megaopd.rollout.config import RolloutConfig
     from megaopd.models.builder import StageInfo
     from megaopd.models.hf_io import HFWeights, save_hf_dir
     from megaopd.models.weights import load_hf_weights
