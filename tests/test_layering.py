@@ -41,7 +41,6 @@ KNOWN_BACK_UP = {
     ("trainer/optim.py", "megaopd.config.trainer"),
     ("trainer/roles.py", "megaopd.config.model"),
     ("trainer/roles.py", "megaopd.config.schema"),
-    ("trainer/step_metrics.py", "megaopd.config.sections"),
     ("trainer/trainer.py", "megaopd.config.schema"),
     ("trainer/validation.py", "megaopd.config.schema"),
 }

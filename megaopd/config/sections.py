@@ -1,20 +1,7 @@
-"""Config sections of the metrics, validation and `megaopd plan`."""
+"""Config sections of validation and `megaopd plan`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from megaopd.metrics import CollapseConfig, RepetitionConfig
-
-
-@dataclass
-class MetricsConfig:
-    """Training-dynamics metrics (docs/algorithms.md section 2) and the collapse early warning."""
-
-    repetition: RepetitionConfig = field(default_factory=RepetitionConfig)
-    """Repetition rate (tail length L, ratio tau) and the repetitive-token n-gram."""
-    collapse: CollapseConfig = field(default_factory=CollapseConfig)
-    """Jump/level thresholds on the rollout truncation and repetition rates."""
-    overlap_k: int = 16
-    """k of the student/teacher top-k overlap metrics (paper 2604.13016: 16); 0 disables them."""
+from dataclasses import dataclass
 
 
 @dataclass
