@@ -125,7 +125,7 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     import dataclasses
 
     from megaopd.config.model import ModelConfig
-    from megaopd.config.trainer import TrainerConfig
+    from megaopd.trainer.config import TrainerConfig
     from megaopd.losses import LossNeeds
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
     from megaopd.rollout.batch import RowOwners

@@ -5,7 +5,6 @@ overrides and validates; every error is one ConfigError line naming the key and 
 """
 from megaopd.config.load import ConfigError, load_config, to_yaml
 from megaopd.config.model import ModelConfig, ModelDims, check_layout, read_model_dims
-from megaopd.config.trainer import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig
 
 __all__ = ["ConfigError", "load_config", "to_yaml", "ModelConfig", "ModelDims", "check_layout",
-           "read_model_dims", "LoggingConfig", "OptimizerConfig", "RunConfig", "TrainerConfig"]
+           "read_model_dims"]

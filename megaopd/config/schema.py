@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import List
 
 from megaopd.config.model import ModelConfig, TeacherConfig, check_context, check_layout
-from megaopd.config.sections import PlanConfig, ValidationConfig
-from megaopd.config.trainer import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig
+from megaopd.config.sections import PlanConfig
 from megaopd.data.config import DataConfig
 from megaopd.losses import LossConfig
 from megaopd.metrics.config import MetricsConfig
 from megaopd.rollout.config import RolloutConfig
+from megaopd.trainer.config import (LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig,
+                                    ValidationConfig)
 
 
 @dataclass

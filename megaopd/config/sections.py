@@ -1,21 +1,7 @@
-"""Config sections of validation and `megaopd plan`."""
+"""The config section of `megaopd plan`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-@dataclass
-class ValidationConfig:
-    """Validation every trainer.eval_interval steps, with the evaluator's code."""
-
-    path: str = ""
-    """Benchmark-format jsonl (id, problem, answer); empty disables validation."""
-    max_problems: int = 0
-    """Use the first N problems (0 = all)."""
-    samples: int = 1
-    temperature: float = 0.6
-    """Paper 2604.08527 evaluates at 0.6."""
-    max_new_tokens: int = 1024
 
 
 @dataclass

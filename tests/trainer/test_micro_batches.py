@@ -125,7 +125,7 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
     golden units in the balance, GRPO groups kept whole, 1 or 2 mini-batches, DP 1..3."""
     import dataclasses
 
-    from megaopd.config.trainer import TrainerConfig
+    from megaopd.trainer.config import TrainerConfig
     from megaopd.trainer.micro_batches import mini_batch_rows, row_owners, step_micro_batches
 
     B, S = 12, 9
