@@ -124,7 +124,7 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     torch.set_num_threads(1)
     import dataclasses
 
-    from megaopd.config.model import ModelConfig
+    from megaopd.models.config import ModelConfig
     from megaopd.trainer.config import TrainerConfig
     from megaopd.losses import LossNeeds
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout

@@ -36,7 +36,7 @@ def config_main(argv: list[str] | None = None) -> int:
 
 def plan_for(cfg: MegaOPDConfig):
     """The Plan of a loaded config (reads the models' config.json files)."""
-    from megaopd.config.model import find_hf_config
+    from megaopd.models.config import find_hf_config
     from megaopd.config.plan import RoleLayout, build_plan, packed_micro_batch_tokens
     from megaopd.losses import build_loss_from
     from megaopd.models.hf_config import read_hf_config

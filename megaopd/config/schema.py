@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-from megaopd.config.model import ModelConfig, TeacherConfig, check_context, check_layout
 from megaopd.config.sections import PlanConfig
 from megaopd.data.config import DataConfig
 from megaopd.losses import LossConfig
 from megaopd.metrics.config import MetricsConfig
+from megaopd.models.config import ModelConfig, check_context, check_role_layout
 from megaopd.rollout.config import RolloutConfig
+from megaopd.scoring.config import TeacherConfig
 from megaopd.trainer.config import (LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig,
                                     ValidationConfig)
 
@@ -59,7 +60,7 @@ class MegaOPDConfig:
         from megaopd.losses import build_loss_from
         needs = build_loss_from(self.loss).needs  # unknown loss names and keys fail here
         world = self.run.world_size
-        student_dims = check_layout("student", self.student, world)
+        student_dims = check_role_layout("student", self.student, world)
         teachers = self.teacher_list()
         if needs.teacher and not teachers:
             raise ValueError(f"loss {self.loss.name!r} needs a teacher: set teacher.path=DIR (an HF directory or a "
@@ -71,7 +72,7 @@ class MegaOPDConfig:
             if t.engine == "megatron":
                 # Embedding sizes may differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what must
                 # match is the tokenizer, which the trainer compares before loading any model.
-                teacher_dims = check_layout(key, t, world)
+                teacher_dims = check_role_layout(key, t, world)
                 check_context(key, t.path, teacher_dims, tokens, why)
                 continue
             if not t.urls:
@@ -104,7 +105,7 @@ class MegaOPDConfig:
                 f"share the student's layout so their vocab shards and expert groups line up; set "
                 f"reference.tp={self.student.tp} reference.pp={self.student.pp} reference.ep={self.student.ep}")
         if self.reference.path:
-            ref_dims = check_layout("reference", self.reference, world)
+            ref_dims = check_role_layout("reference", self.reference, world)
             if ref_dims != student_dims:
                 raise ValueError(f"reference {self.reference.path} has other sizes than student "
                                  f"{self.student.path} ({ref_dims} vs {student_dims}): the reference must be "

@@ -15,12 +15,12 @@ from typing import Sequence
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megaopd.config.model import ModelConfig
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.data.vocab import VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
 from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
+from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
 from megaopd.models.weights import load_hf_weights

@@ -25,7 +25,7 @@ def _batch(seed: int = 0, B: int = 6, vocab: int = 256):
 def in_job_vs_remote(rank, world_size, teacher_dir, urls, topk):
     """The in-job Megatron teacher (TP=world_size) and the same weights behind `megaopd serve`, on the same
     responses: TokenScores of both, on rank 0."""
-    from megaopd.config.model import TeacherConfig
+    from megaopd.scoring.config import TeacherConfig
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring import PipelineRunner, score_tokens
     from megaopd.scoring.remote import RemoteTeacher

@@ -11,7 +11,7 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     """Builds an actor at (tp, pp) from hf_dir with perturbed weights (a "trained" student), measures the
     server's log-probs of PROBE before and after pushing the actor's weights over a gloo group, and the
     actor's own log-probs. Returns (max |before - actor|, max |after - actor|) on rank 0."""
-    from megaopd.config.model import ModelConfig
+    from megaopd.models.config import ModelConfig
     from megaopd.models.builder import StageInfo
     from megaopd.models.hf_io import HFWeights
     from megaopd.rollout.config import RolloutConfig
@@ -87,7 +87,7 @@ class _Recording:
 
 
 def push_and_record(rank, world_size, hf_dir):
-    from megaopd.config.model import ModelConfig
+    from megaopd.models.config import ModelConfig
     from megaopd.rollout.config import RolloutConfig
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
@@ -126,7 +126,7 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     {"mismatches": names whose gathered tensor differs, on any rank, "names_ok": the gather's names are
     exactly the checkpoint's, "perturbed_dir": the perturbed HF dir, "engine_lp": the engine's log-probs of
     PROBE[0] after the push}."""
-    from megaopd.config.model import ModelConfig
+    from megaopd.models.config import ModelConfig
     from megaopd.rollout.config import RolloutConfig
     from megaopd.models.builder import StageInfo
     from megaopd.models.hf_io import HFWeights, save_hf_dir
