@@ -2,16 +2,19 @@
 
     megaopd train examples/tiny/stable_opd.yaml run.dir=runs/x trainer.max_steps=3
 
-Sections: run, student, reference (ModelConfig each), teacher (TeacherConfig: in the job or remote) or
-teachers (a list of named TeacherConfig, routed per data source), trainer, optimizer, logging, rollout,
-loss (megaopd.losses), data (megaopd.data), metrics, validation, plan (`megaopd plan` only).
+Sections, each a dataclass owned by the package that builds from it: student, reference (ModelConfig,
+models/config.py); teacher or teachers (TeacherConfig, scoring/config.py: in the job or remote; a named
+list routed per data source); run, trainer, optimizer, logging, validation (trainer/config.py); rollout
+(rollout/config.py); loss (megaopd.losses); data (data/config.py); metrics (metrics/config.py); plan
+(config/plan.py, `megaopd plan` only). This module is the top floor: it imports every package's section
+and no package imports it (the trainer names MegaOPDConfig in annotations only).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import List
 
-from megaopd.config.sections import PlanConfig
+from megaopd.config.plan import PlanConfig
 from megaopd.data.config import DataConfig
 from megaopd.losses import LossConfig
 from megaopd.metrics.config import MetricsConfig

@@ -197,7 +197,7 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
 def _planned_peak_gib(yaml_path: str, overrides: list[str]) -> float | None:
     """`megaopd plan`'s per-GPU peak for the run the bench starts (None if it cannot be planned)."""
     from megaopd.config import load_config
-    from megaopd.config.cli import plan_for
+    from megaopd.config.plan import plan_for
     from megaopd.config.schema import MegaOPDConfig
 
     try:
