@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megaopd.config.schema import MegaOPDConfig
 from megaopd.data.vocab import VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
 from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
@@ -28,6 +27,9 @@ from megaopd.parallel.groups import Layout, build_process_groups, initialize_act
 from megaopd.scoring import PipelineRunner
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.teachers import InJobTeacher, TeacherSet
+
+if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
+    from megaopd.config.schema import MegaOPDConfig
 
 
 @dataclass

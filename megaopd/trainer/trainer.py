@@ -21,16 +21,17 @@ import dataclasses
 import json
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megaopd.config.schema import MegaOPDConfig
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
 from megaopd.data.vocab import loss_mask_ids
 from megaopd.losses import build_loss_from, mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
+from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import init_distributed, rank0_computes
@@ -38,7 +39,6 @@ from megaopd.rollout.batch import RolloutBatch, RowOwners, build_rollout_batch
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.scoring import bounds_for, check_engine_parity, score_sequences, score_tokens
 from megaopd.sync import WeightSync
-from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.micro_batches import MicroBatch, mini_batch_rows, row_owners, scoring_packing, step_micro_batches
@@ -50,6 +50,9 @@ from megaopd.trainer.step_metrics import reduce_loss_metrics, rollout_metrics, s
 from megaopd.trainer.validation import validate
 from megaopd.scoring.exchange import owner_ranks
 from megaopd.scoring.runner import PipelineRunner
+
+if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
+    from megaopd.config.schema import MegaOPDConfig
 
 
 class Trainer:
