@@ -12,7 +12,7 @@ and no package imports it (the trainer names MegaOPDConfig in annotations only).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import ClassVar, List
 
 from megaopd.config.plan import PlanConfig
 from megaopd.data.config import DataConfig
@@ -48,6 +48,12 @@ class MegaOPDConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     """Read only by `megaopd plan` (the GPU's memory, the engines' share); the trainer ignores it."""
+
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "trainer.log_interval": "it was never read: every step is logged",
+    }
+    """Keys a config may still name from an older megaopd, and why they went: load_config stops at them
+    with that reason (an unknown key would only say it is unknown)."""
 
     def max_row_tokens(self, needs) -> tuple[int, str]:
         """The longest row the job builds (prompt + the longest response it generates or trains on)."""

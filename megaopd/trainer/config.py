@@ -66,11 +66,10 @@ class TrainerConfig:
     eval_interval: int = 25
     """Validation every N steps (and at step 0 and the end); 0 disables it."""
     seed: int = 1234
-    log_interval: int = 1
 
     def __post_init__(self):
         for name in ("max_steps", "prompts_per_step", "samples_per_prompt", "mini_batches_per_step",
-                     "micro_batch_size", "save_interval", "log_interval", "max_tokens_per_micro_batch"):
+                     "micro_batch_size", "save_interval", "max_tokens_per_micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be at least 1")
         if self.eval_interval < 0:

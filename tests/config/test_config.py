@@ -35,6 +35,17 @@ def test_valid_config_with_overrides(models):
     assert cfg.trainer.max_steps == 3 and cfg.teacher.tp == 4 and cfg.run.world_size == 4
 
 
+def test_removed_key_is_one_clear_error(models, tmp_path):
+    """A key megaopd no longer reads is refused with the reason, wherever it is set."""
+    with pytest.raises(ConfigError, match=r"^trainer.log_interval was removed \(it was never read.*\): delete it "
+                                          r"from the command-line overrides$"):
+        _load(models, "trainer.log_interval=5")
+    preset = tmp_path / "old.yaml"
+    preset.write_text("trainer:\n  max_steps: 7\n  log_interval: 10\n")
+    with pytest.raises(ConfigError, match=f"^trainer.log_interval was removed .*: delete it from {preset}$"):
+        _load(models, preset=str(preset))
+
+
 def test_preset_then_override(models, tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("trainer:\n  max_steps: 7\n  eval_interval: 2\noptimizer:\n  lr: 2.0e-6\n")
