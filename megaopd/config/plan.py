@@ -353,7 +353,10 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
 
     student = role("student", cfg.student)
     reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path) if needs.reference else None
-    teacher = role("teacher", cfg.teacher) if cfg.teacher.path else None
+    # The in-job teacher's weights share the GPUs (a served one's do not). build_plan counts one teacher: with
+    # several in-job teachers, the first.
+    in_job = [t for t in cfg.teachers if t.engine == "megatron"]
+    teacher = role("teacher", in_job[0]) if in_job else None
     seq = cfg.plan.max_tokens or cfg.data.max_prompt_len + max(
         cfg.rollout.max_new_tokens if needs.on_policy else 0, cfg.data.max_golden_len if needs.golden else 0)
     # Packed micro-batches (the default) hold max_tokens_per_micro_batch tokens whatever micro_batch_size is;

@@ -85,8 +85,8 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     """Actor in the student layout (which also initializes megatron's global state), teacher in its own
     layout (the actor's groups when equal), and the lockstep partner."""
     student_layout = Layout(cfg.student.tp, cfg.student.pp, cfg.student.ep)
-    teacher_layout = Layout(cfg.teacher.tp, cfg.teacher.pp, cfg.teacher.ep)
-    if needs.teacher_logits and (teacher_layout != student_layout or needs.reference or cfg.teachers):
+    layouts = [Layout(t.tp, t.pp, t.ep) for t in cfg.teachers]
+    if needs.teacher_logits and (layouts != [student_layout] or needs.reference):
         raise ValueError("gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
                          "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
     actor_pgs = initialize_actor_layout(student_layout, seed=cfg.trainer.seed)
@@ -94,7 +94,7 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     # In-job teachers, each in its own layout (groups shared between equal layouts); served ones are HTTP.
     groups = {student_layout: actor_pgs}
     in_job: dict[str, RoleModel] = {}
-    for t in cfg.teacher_list():
+    for t in cfg.teachers:
         if t.engine == "megatron":
             layout = Layout(t.tp, t.pp, t.ep)
             if layout not in groups:
@@ -109,13 +109,13 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
         partner_offload = cfg.reference.offload_between_uses
         _park(partner, partner_offload)
     elif needs.teacher_logits:
-        partner, partner_offload = teacher.model, cfg.teacher.offload_between_uses
+        partner, partner_offload = teacher.model, cfg.teachers[0].offload_between_uses
     vocab_size = actor.hf.vocab_size
     # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
     # masked, so its top-K never proposes a token the student cannot produce.
     runners = {n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size)) for n, m in in_job.items()}
     members = []
-    for t in cfg.teacher_list():
+    for t in cfg.teachers:
         if t.engine == "megatron":
             members.append(InJobTeacher(t.name, runners[t.name], in_job[t.name].model, t.offload_between_uses))
         else:

@@ -76,7 +76,7 @@ class Trainer:
         """Tokenizers and data first: a bad file fails here, before any model is loaded."""
         cfg = self.cfg
         self.tokenizer = tok = load_tokenizer(cfg.student.path)
-        teachers = cfg.teacher_list()  # in-job or served: each names an HF directory with its tokenizer
+        teachers = cfg.teachers  # in-job or served: each names an HF directory with its tokenizer
         teacher_tokenizers = [load_tokenizer(t.path) for t in teachers]
         teacher_tokenizer = teacher_tokenizers[0] if teachers else None  # the template of data.prompt_template
         # Rollouts stop at the template's turn end and the EOS; golden solutions end with the first of them.
@@ -335,7 +335,7 @@ class Trainer:
     def save(self) -> None:
         state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),
                  "collapse": self.detector.state_dict(), "weight_version": str(self.step), "student":
-                 self.cfg.student.path, "teachers": {t.name: t.path or t.urls for t in self.cfg.teacher_list()}}
+                 self.cfg.student.path, "teachers": {t.name: t.path or t.urls for t in self.cfg.teachers}}
         path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs, state,
                                self.actor.hf, hf_side_dir=tokenizer_dir(self.actor.path))
         if self.rank == 0:

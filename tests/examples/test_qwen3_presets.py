@@ -45,7 +45,7 @@ def test_qwen3_preset_validates(tmp_path, monkeypatch, name):
     preset.write_text(yaml.safe_dump(raw))
     cfg = load_config(MegaOPDConfig, str(preset), [])
     assert cfg.run.world_size == 8 and cfg.student.tp == 2
-    assert (cfg.teacher.tp, cfg.teacher.ep) == ((1, 8) if name.endswith("moe_teacher") else (4, 1))
+    assert (cfg.teachers[0].tp, cfg.teachers[0].ep) == ((1, 8) if name.endswith("moe_teacher") else (4, 1))
     if name.endswith("moe_teacher"):
         from megaopd.config.plan import plan_for
 
