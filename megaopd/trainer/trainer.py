@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +46,7 @@ from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.run_log import RunLog
 from megaopd.trainer.step_metrics import reduce_loss_metrics, rollout_metrics, sample_rows
+from megaopd.trainer.timer import Timer
 from megaopd.trainer.validation import validate
 from megaopd.scoring.exchange import owner_ranks
 from megaopd.scoring.runner import PipelineRunner
@@ -107,7 +107,7 @@ class Trainer:
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
         cfg = self.cfg
-        self.step, self._last_metrics, self.stopping = 0, {}, False
+        self.step, self._last_metrics, self.stopping, self.timer = 0, {}, False, Timer()
         self.detector = CollapseDetector(cfg.metrics.collapse)
         self.preemption = PreemptionFlag()
         latest = latest_checkpoint(cfg.run.dir)
@@ -170,61 +170,60 @@ class Trainer:
         return summary
 
     def train_step(self) -> dict:
-        t0, times = time.time(), {}
-        examples = self.loader.next_batch()
-        golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
-        rollout = self._rollout(examples, times, golden) if self.needs.on_policy else None
-        t = time.time()
-        metrics = self._train(rollout, golden)
-        times["time/train"] = time.time() - t
-        self.step += 1
-        # Collective: every rank stops after the same step, even if the signal reached only some. After a
-        # preemption signal nothing talks to the engines (Slurm may have killed them): straight to the save.
-        self.stopping = self.preemption.should_stop()
-        t = time.time()
-        if rollout is not None and not self.stopping:  # SFT-only steps generate nothing: synced before validation
-            self.sync_weights()
-            interval = self.cfg.rollout.parity_interval
-            if interval and self.step % interval == 0:
-                self.check_parity()
-        times["time/sync"] = time.time() - t
-        if rollout is not None:  # collective: each replica sums over its rows, one small gather
-            step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)
-        if rollout is not None and self.rank == 0:
-            metrics.update(step)
-            self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
-        metrics.update(times, **{"time/step": time.time() - t0})
+        timer = self.timer
+        with timer("step"):
+            examples = self.loader.next_batch()
+            golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
+            rollout = self._rollout(examples, golden) if self.needs.on_policy else None
+            with timer("train"):
+                metrics = self._train(rollout, golden)
+            self.step += 1
+            # Collective: every rank stops after the same step, even if the signal reached only some. After a
+            # preemption signal nothing talks to the engines (Slurm may have killed them): straight to the save.
+            self.stopping = self.preemption.should_stop()
+            with timer("sync"):
+                # SFT-only steps generate nothing: their weights are synced before validation.
+                if rollout is not None and not self.stopping:
+                    self.sync_weights()
+                    interval = self.cfg.rollout.parity_interval
+                    if interval and self.step % interval == 0:
+                        self.check_parity()
+            if rollout is not None:  # collective: each replica sums over its rows, one small gather
+                step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)
+            if rollout is not None and self.rank == 0:
+                metrics.update(step)
+                self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
+        metrics.update(timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's times
         return metrics
 
-    def _rollout(self, examples, times: dict, golden=None) -> RolloutBatch:
+    def _rollout(self, examples, golden=None) -> RolloutBatch:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
         land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
-        cfg, needs, models, pgs = self.cfg, self.needs, self.models, self.actor_pgs
-        t = time.time()
-        samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
-        batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
-        self.owners = owners = RowOwners(
-            tuple(row_owners(batch, golden, pgs.dp.size(), needs, cfg.trainer, self.train_runner.packs)),
-            pgs.dp.rank(), pgs.dp.size(), sends=self.owner_ranks[self.rank][1], ranks=self.owner_ranks)
-        times["time/rollout"], t = time.time() - t, time.time()
-        teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, cfg.trainer)
-        overlap_k = cfg.metrics.overlap_k if teachers is not None else 0
-        teacher_topk = max(needs.teacher_topk, overlap_k)
-        if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
-            batch.teacher_rows = teachers.route([ex.teacher for ex in examples], cfg.trainer.samples_per_prompt)
-            pending = teachers.start_remote(batch, batch.teacher_rows, teacher_topk, self.rank)
-        batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, mbs, self.temperature,
-                                   topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0, owners=owners,
-                                   **packing)
-        times["time/actor_logprobs"], t = time.time() - t, time.time()
-        if teachers is not None:
-            batch.teacher = teachers.score(batch, batch.teacher_rows, pending, mbs, self.temperature,
-                                           topk=teacher_topk, entropy=overlap_k > 0,
-                                           at_ids=batch.actor.topk_support(needs.student_topk),
-                                           on_device=on_gpu_while_used, packing=packing, owners=owners)
-            if teachers.has_remote and self.rank == 0:
-                times["time/teacher_remote"] = pending.seconds  # overlapped with time/actor_logprobs
-        times["time/teacher"] = time.time() - t
+        cfg, needs, models, pgs, timer = self.cfg, self.needs, self.models, self.actor_pgs, self.timer
+        with timer("rollout"):
+            samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
+            batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
+            self.owners = owners = RowOwners(
+                tuple(row_owners(batch, golden, pgs.dp.size(), needs, cfg.trainer, self.train_runner.packs)),
+                pgs.dp.rank(), pgs.dp.size(), sends=self.owner_ranks[self.rank][1], ranks=self.owner_ranks)
+        with timer("actor_logprobs"):
+            teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, cfg.trainer)
+            overlap_k = cfg.metrics.overlap_k if teachers is not None else 0
+            teacher_topk = max(needs.teacher_topk, overlap_k)
+            if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
+                batch.teacher_rows = teachers.route([ex.teacher for ex in examples], cfg.trainer.samples_per_prompt)
+                pending = teachers.start_remote(batch, batch.teacher_rows, teacher_topk, self.rank)
+            batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, mbs, self.temperature,
+                                       topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0, owners=owners,
+                                       **packing)
+        with timer("teacher"):
+            if teachers is not None:
+                batch.teacher = teachers.score(batch, batch.teacher_rows, pending, mbs, self.temperature,
+                                               topk=teacher_topk, entropy=overlap_k > 0,
+                                               at_ids=batch.actor.topk_support(needs.student_topk),
+                                               on_device=on_gpu_while_used, packing=packing, owners=owners)
+                if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
+                    timer.add("teacher_remote", pending.seconds)
         batch.texts, rewards = rank0_computes(self._texts_and_rewards, samples, examples)
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
         return batch
