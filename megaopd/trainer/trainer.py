@@ -110,13 +110,11 @@ class Trainer:
         self.step, self._last_metrics, self.stopping, self.timer = 0, {}, False, Timer()
         self.detector = CollapseDetector(cfg.metrics.collapse)
         self.preemption = PreemptionFlag()
+        # What a checkpoint keeps besides weights, optimizer and RNG: saved and restored under these keys.
+        self.stateful = {"scheduler": self.scheduler, "data": self.loader, "collapse": self.detector}
         latest = latest_checkpoint(cfg.run.dir)
         if latest is not None:
-            state = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs)
-            self.step = state["step"]
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.loader.load_state_dict(state["data"])
-            self.detector.load_state_dict(state["collapse"])
+            self.step = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs, self.stateful)
         if self.rank == 0:
             self.run_log = RunLog(cfg.run.dir, cfg.trainer.max_steps, cfg.logging.tensorboard,
                                   cfg.logging.progress_bar, start_step=self.step, wandb=cfg.logging.wandb,
@@ -332,11 +330,10 @@ class Trainer:
             print(line, flush=True)  # before the run log exists (start-up): the Slurm log sees it at once
 
     def save(self) -> None:
-        state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),
-                 "collapse": self.detector.state_dict(), "weight_version": str(self.step), "student":
-                 self.cfg.student.path, "teachers": {t.name: t.path or t.urls for t in self.cfg.teachers}}
-        path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs, state,
-                               self.actor.hf, hf_side_dir=tokenizer_dir(self.actor.path))
+        meta = {"weight_version": str(self.step), "student": self.cfg.student.path,  # for people: never read back
+                "teachers": {t.name: t.path or t.urls for t in self.cfg.teachers}}
+        path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs,
+                               self.stateful, meta, self.actor.hf, hf_side_dir=tokenizer_dir(self.actor.path))
         if self.rank == 0:
             self.run_log.event(self.step, "checkpoint", path)
 
