@@ -42,7 +42,7 @@ from megaopd.gpucheck.build import opd_lengths  # noqa: E402
 
 
 def synthetic_rollout(prompt_lens, response_lens, vocab: int):
-    from megaopd.rollout.batch import RolloutBatch
+    from megaopd.rollout.records import RolloutBatch
 
     B, S = len(prompt_lens), max(p + r for p, r in zip(prompt_lens, response_lens))
     g = torch.Generator().manual_seed(1)
@@ -124,13 +124,13 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     torch.set_num_threads(1)
     import dataclasses
 
-    from megaopd.models.config import ModelConfig
-    from megaopd.trainer.config import TrainerConfig
+    from megaopd.batching.owners import RowOwners
     from megaopd.losses import LossNeeds
+    from megaopd.models.config import ModelConfig
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
-    from megaopd.rollout.batch import RowOwners
     from megaopd.scoring.passes import score_tokens
     from megaopd.scoring.runner import PipelineRunner
+    from megaopd.trainer.config import TrainerConfig
     from megaopd.trainer.micro_batches import row_owners
     from megaopd.trainer.roles import load_role_model
 

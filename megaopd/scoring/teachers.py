@@ -25,9 +25,10 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
+from megaopd.batching.owners import RowOwners
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, rank0_computes
-from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores
+from megaopd.rollout.records import RolloutBatch, TokenScores
 from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.passes import score_tokens
 from megaopd.scoring.remote import RemoteTeacher

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megaopd.batching.padding import pad_rows
+from megaopd.batching.shares import dp_rows
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossInputs, LossNeeds
-from megaopd.rollout.batch import RolloutBatch, dp_rows, pad_rows
+from megaopd.rollout.records import RolloutBatch
 from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, round_up
 from megaopd.trainer.config import TrainerConfig
 

@@ -11,7 +11,8 @@
 
 Every rank holds the rollout's token ids, masks, lengths and rewards ([B, S] integers: global token counts
 and the DP partition are then local arithmetic), but the per-token scores only of the rows its actor DP
-replica trains (RowOwners, trainer/micro_batches.row_owners): whole-batch metrics reduce scalars.
+replica trains (batching.owners.RowOwners, from trainer/micro_batches.row_owners): whole-batch metrics
+reduce scalars.
 
     python -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=runs/tiny
 """
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megaopd.batching.owners import RowOwners
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
 from megaopd.data.vocab import loss_mask_ids
@@ -34,9 +36,11 @@ from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import init_distributed, rank0_computes
-from megaopd.rollout.batch import RolloutBatch, RowOwners, build_rollout_batch
 from megaopd.rollout.protocol import SamplingParams
+from megaopd.rollout.records import RolloutBatch, build_rollout_batch
 from megaopd.scoring import bounds_for, check_engine_parity, score_sequences, score_tokens
+from megaopd.scoring.exchange import owner_ranks
+from megaopd.scoring.runner import PipelineRunner
 from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -48,8 +52,6 @@ from megaopd.trainer.run_log import RunLog
 from megaopd.trainer.step_metrics import reduce_loss_metrics, rollout_metrics, sample_rows
 from megaopd.trainer.timer import Timer
 from megaopd.trainer.validation import validate
-from megaopd.scoring.exchange import owner_ranks
-from megaopd.scoring.runner import PipelineRunner
 
 if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
     from megaopd.config.schema import MegaOPDConfig

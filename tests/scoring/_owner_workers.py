@@ -30,9 +30,9 @@ def owned_scores(rank, world_size, student_dir, teacher_dir, actor_tp, teacher_l
     """Actor at TP=actor_tp (DP = world / TP), teachers at each (tp, pp) of teacher_layouts; every pass with
     owners OWNER. Per rank: the rows held, the shapes held, and max |error| against HF float64 of each
     pass on the real positions (and exact zeros past them); the teacher also at the actor's top-k ids."""
+    from megaopd.batching.owners import RowOwners
     from megaopd.models.config import ModelConfig
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
-    from megaopd.rollout.batch import RowOwners
     from megaopd.scoring.passes import score_tokens
     from megaopd.scoring.runner import PipelineRunner
     from megaopd.trainer.roles import load_role_model

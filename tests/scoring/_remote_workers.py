@@ -25,9 +25,9 @@ def _batch(seed: int = 0, B: int = 6, vocab: int = 256):
 def in_job_vs_remote(rank, world_size, teacher_dir, urls, topk):
     """The in-job Megatron teacher (TP=world_size) and the same weights behind `megaopd serve`, on the same
     responses: TokenScores of both, on rank 0."""
-    from megaopd.scoring.config import TeacherConfig
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring import PipelineRunner, score_tokens
+    from megaopd.scoring.config import TeacherConfig
     from megaopd.scoring.remote import RemoteTeacher
     from megaopd.trainer.roles import load_role_model
 
@@ -48,7 +48,8 @@ def served_owned_rows(rank, world_size, urls, topk):
     """Two served teachers through TeacherSet with actor DP=2 over `world_size` ranks (replica = rank % 2, so
     each replica has world_size / 2 ranks): per rank, the teacher scores it holds (and its owned rows); then
     the error every rank raises when the teacher's servers are dead."""
-    from megaopd.rollout.batch import RolloutBatch, RowOwners
+    from megaopd.batching.owners import RowOwners
+    from megaopd.rollout.records import RolloutBatch
     from megaopd.scoring.remote import RemoteTeacher
     from megaopd.scoring.teachers import TeacherSet
 

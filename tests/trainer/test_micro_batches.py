@@ -4,7 +4,7 @@ import torch
 
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossNeeds
-from megaopd.rollout.batch import RolloutBatch, TokenScores
+from megaopd.rollout.records import RolloutBatch, TokenScores
 from megaopd.trainer.micro_batches import assemble_micro_batches
 
 PAD = 0

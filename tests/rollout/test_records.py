@@ -1,7 +1,7 @@
 import torch
 
 from megaopd.rollout.protocol import Sample
-from megaopd.rollout.batch import build_rollout_batch
+from megaopd.rollout.records import build_rollout_batch
 
 
 def test_rollout_batch_alignment_and_padding():
