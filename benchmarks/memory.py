@@ -58,13 +58,13 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
     # is 1.3% of a float32 copy of the logits; at the default size here 4 MiB is about that share.
     ops_common.DEFAULT_CHUNK_BYTES = int(chunk_mib * 2**20)
 
+    from megaopd.batching.packing import PackedRow, Segment
     from megaopd.losses import build_loss
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.dist import destroy_distributed, init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring import PipelineRunner
-    from megaopd.scoring.packing import PackedRow, Segment
     from megaopd.scoring.passes import score_tokens
     from megaopd.trainer.micro_batches import MicroBatch, StepCounts
 

@@ -252,12 +252,12 @@ def bench_packing(table: Table, device, shape: str, vocab: int, sequences: int =
     (THD rows of at most the longest sequence's tokens; the varlen flash kernel on CUDA): time, peak memory,
     useful-token fraction, and the ratios."""
     from megaopd import ops
+    from megaopd.batching.packing import PackedRow, Segment, pack_by_budget
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.dist import init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring.runner import PipelineRunner
-    from megaopd.scoring.packing import PackedRow, Segment, pack_by_budget
 
     init_distributed()
     pgs = initialize_actor_layout(Layout(1, 1))

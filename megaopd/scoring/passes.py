@@ -23,12 +23,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd import ops
 from megaopd.batching.owners import RowOwners
+from megaopd.batching.packing import PackedRow, Segment, pack_by_budget, round_up, row_lengths
 from megaopd.batching.padding import pad_rows
 from megaopd.batching.shares import dp_rows
+from megaopd.batching.shares import balanced_partition
 from megaopd.parallel.dist import device as group_device, global_rank
 from megaopd.rollout.records import TokenScores
 from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
-from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, round_up, row_lengths
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
 

@@ -6,7 +6,7 @@
 Every scoring pass, the training step, `megaopd logprobs` and the parity probe run their models
 through it. A micro-batch is any record with `tokens_BS` [b, S] (long) and `to(device)`; every
 micro-batch of one run has the same [b, S] shape when PP > 1 (pipeline buffers are fixed-size). A record
-whose `packed` attribute is a `megaopd.scoring.packing.PackedRow` is one packed row [1, total] of several
+whose `packed` attribute is a `megaopd.batching.packing.PackedRow` is one packed row [1, total] of several
 sequences: the runner passes megatron's PackedSeqParams (THD, cu_seqlens) and per-sequence position ids, and
 the model's core attention keeps every sequence to itself (models/packed_attention.py, or TE's). This is the one
 place where micro-batches move to the model's device: `step_fn` receives the moved record, so every

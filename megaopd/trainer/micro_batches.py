@@ -13,7 +13,7 @@ exactly the one-big-batch gradient (losses/inputs.py "Counts").
 
 Packed (trainer.pack_sequences, `assemble_packed_micro_batches`): every micro-batch is ONE row [1, t] of
 whole sequences laid end to end (on-policy and golden beside each other), at most max_tokens tokens;
-the DP shares are balanced by token count and attention cost (scoring/packing.py), a GRPO group stays in
+the DP shares are balanced by token count and attention cost (batching/shares.py), a GRPO group stays in
 one micro-batch, and the same StepCounts make the same one-big-batch gradient.
 
 Shape legend: R rows of a micro-batch, S padded sequence length, T = S - 1 positions, K top-k size.
@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megaopd.batching.packing import PackedRow, Segment, pack_by_budget, round_up
 from megaopd.batching.padding import pad_rows
 from megaopd.batching.shares import dp_rows
+from megaopd.batching.shares import balanced_partition
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossInputs, LossNeeds
 from megaopd.rollout.records import RolloutBatch
-from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget, round_up
 from megaopd.trainer.config import TrainerConfig
 
 
