@@ -66,7 +66,7 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring import PipelineRunner
     from megaopd.scoring.passes import score_tokens
-    from megaopd.trainer.micro_batches import MicroBatch, StepCounts
+    from megaopd.batching.micro_batches import MicroBatch, StepCounts
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ from megaopd.parallel.dist import world_size
 @dataclass(frozen=True)
 class RowOwners:
     """Which actor data-parallel replica trains each row of a step's batch (made by
-    trainer/micro_batches.row_owners, the same partition its micro-batches take). Every TP/PP rank of a
+    batching.shares.row_owners, the same partition its micro-batches take). Every TP/PP rank of a
     replica holds that replica's rows' scores: the loss runs on the last PP stage, and each TP rank needs them."""
 
     owner_B: tuple[int, ...]

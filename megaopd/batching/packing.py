@@ -23,6 +23,9 @@ from typing import Sequence
 import torch
 
 
+ON_POLICY, GOLDEN = 0, 1  # the two sources of a training micro-batch's segments (rollout rows, golden rows)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One sequence of a packed row: `length` tokens of row `row` of source `source`."""

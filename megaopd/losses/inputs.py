@@ -15,7 +15,7 @@ accumulated over micro-batches and summed (averaged then rescaled) over DP then 
 one big batch exactly. Left as None they default to this micro-batch's own counts (one micro-batch, one
 DP rank), which is what a test or a metric-only call wants.
 
-Mapping from megaopd.rollout.records.RolloutBatch (via megaopd.trainer.micro_batches): token_ids_BT =
+Mapping from megaopd.rollout.records.RolloutBatch (via megaopd.batching.micro_batches): token_ids_BT =
 targets_BT, rewards_S = rewards_B, group_ids_S = group_ids_B (rows are sequences). Megatron's logits come sequence-first [T, B, v]:
 transpose them and make them contiguous (the ops otherwise copy).
 """

@@ -16,8 +16,8 @@ from megaopd.scoring.parity import ParityBounds, ParityReport, bounds_for, check
 
 # The runner and the passes import megatron (seconds, and its warnings): loaded on first use, so that
 # `megaopd logprobs` can refuse a bad input before paying for it.
-_LAZY = {"PipelineRunner": "megaopd.scoring.runner", "ScoringMicroBatch": "megaopd.scoring.passes",
-         "score_sequences": "megaopd.scoring.passes", "score_tokens": "megaopd.scoring.passes"}
+_LAZY = {"PipelineRunner": "megaopd.scoring.runner", "score_sequences": "megaopd.scoring.passes",
+         "score_tokens": "megaopd.scoring.passes"}
 
 
 def __getattr__(name: str):
@@ -28,5 +28,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'megaopd.scoring' has no attribute {name!r}")
 
 
-__all__ = ["ParityBounds", "ParityReport", "PipelineRunner", "ScoringMicroBatch", "bounds_for", "check_engine_parity", "parity_report",
+__all__ = ["ParityBounds", "ParityReport", "PipelineRunner", "bounds_for", "check_engine_parity", "parity_report",
            "score_sequences", "score_tokens"]

@@ -16,65 +16,18 @@ Shape legend: B rows, S padded sequence length, T = S - 1 positions, K top-k siz
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd import ops
+from megaopd.batching.micro_batches import ScoringMicroBatch, packed_scoring_micro_batches, scoring_micro_batches
 from megaopd.batching.owners import RowOwners
-from megaopd.batching.packing import PackedRow, Segment, pack_by_budget, round_up, row_lengths
-from megaopd.batching.padding import pad_rows
-from megaopd.batching.shares import dp_rows
-from megaopd.batching.shares import balanced_partition
+from megaopd.batching.packing import PackedRow, row_lengths
+from megaopd.batching.shares import balanced_partition, dp_rows
 from megaopd.parallel.dist import device as group_device, global_rank
 from megaopd.rollout.records import TokenScores
 from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
-
-
-@dataclass
-class ScoringMicroBatch:
-    """One micro-batch of a scoring pass."""
-
-    tokens_BS: torch.Tensor
-    """Sequences to score [b, S] (long); rows past the batch's end are padding rows."""
-    at_ids_BTK: torch.Tensor | None = None
-    """Ids to score at each position [b, T, K] (long), or None."""
-    packed: PackedRow | None = None
-    """The layout of a packed row (b = 1, several sequences); None = one sequence per row."""
-
-    def to(self, device: torch.device) -> "ScoringMicroBatch":
-        return ScoringMicroBatch(self.tokens_BS.to(device),
-                                 None if self.at_ids_BTK is None else self.at_ids_BTK.to(device), self.packed)
-
-
-def _micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, size: int) -> list[ScoringMicroBatch]:
-    """This rank's rows in micro-batches of `size` rows (the last padded with empty rows)."""
-    n = tokens_BS.shape[0]
-    if n == 0:
-        return []
-    rows = -(-n // size) * size
-    tokens = pad_rows(tokens_BS, rows).split(size)
-    at_ids = pad_rows(at_ids_BTK, rows).split(size) if at_ids_BTK is not None else [None] * len(tokens)
-    return [ScoringMicroBatch(t, a) for t, a in zip(tokens, at_ids)]
-
-
-def _packed_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, lengths: list[int],
-                          max_tokens: int, uniform: bool, multiple: int = 1) -> list[ScoringMicroBatch]:
-    """This rank's rows packed into rows of at most max_tokens tokens (uniform: all padded to the
-    largest, for fixed-size pipeline buffers; every row padded to a multiple of `multiple`)."""
-    if not lengths:
-        return []
-    bins = pack_by_budget(lengths, max_tokens)
-    largest = max(sum(lengths[i] for i in b) for b in bins)
-    mbs = []
-    for b in bins:
-        total = round_up(largest if uniform else sum(lengths[i] for i in b), multiple)
-        row = PackedRow([Segment(0, i, lengths[i]) for i in b], total)
-        at_ids = row.per_token(at_ids_BTK) if at_ids_BTK is not None else None
-        mbs.append(ScoringMicroBatch(row.tokens({0: tokens_BS}, 0), at_ids, row))
-    return mbs
 
 
 def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_size: int, temperature: float,
@@ -123,10 +76,10 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
         local_at_ids = at_ids_BTK if aligned else _route_at_ids(at_ids_BTK, owners, shares, pgs.dp.rank(), world,
                                                                 positions, T, device)
     if packed:
-        mbs = _packed_micro_batches(tokens_BS[rows], local_at_ids, [lengths[i] for i in rows], max_tokens,
+        mbs = packed_scoring_micro_batches(tokens_BS[rows], local_at_ids, [lengths[i] for i in rows], max_tokens,
                                     uniform=pgs.pp.size() > 1, multiple=runner.seq_multiple)
     else:
-        mbs = _micro_batches(tokens_BS[rows], local_at_ids, micro_batch_size)
+        mbs = scoring_micro_batches(tokens_BS[rows], local_at_ids, micro_batch_size)
 
     def step_fn(mb: ScoringMicroBatch, logits_BSv, _partner):
         # The ops read the model's logits as they are (bf16 on a GPU) and upcast one 128 MiB chunk of tokens

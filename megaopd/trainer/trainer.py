@@ -5,14 +5,14 @@
     -> scoring: actor log pi_old (+ top-k, entropy)    each model in its own TP/PP layout (megaopd.scoring)
                 teacher log q (+ top-K, at the student's top-k)
     -> rewards (math-verify, rank 0)
-    -> train: per mini-batch, micro-batches (trainer/micro_batches.py) through the pipeline runner with
+    -> train: per mini-batch, micro-batches (megaopd.batching) through the pipeline runner with
               the reference (or, for GKD, the teacher) in lockstep -> loss -> backward -> Adam step
     -> sync: actor shards -> HF tensors -> engines     then metrics, validation every N, checkpoint every M
 
 Every rank holds the rollout's token ids, masks, lengths and rewards ([B, S] integers: global token counts
 and the DP partition are then local arithmetic), but the per-token scores only of the rows its actor DP
-replica trains (batching.owners.RowOwners, from trainer/micro_batches.row_owners): whole-batch metrics
-reduce scalars.
+replica trains (batching.owners.RowOwners, from batching.shares.row_owners): whole-batch metrics reduce
+scalars.
 
     python -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=runs/tiny
 """
@@ -26,7 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megaopd.batching.micro_batches import MicroBatch, MiniBatch, scoring_packing, step_micro_batches
 from megaopd.batching.owners import RowOwners
+from megaopd.batching.plan import BatchingPlan
+from megaopd.batching.shares import mini_batch_rows, row_owners
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
 from megaopd.data.vocab import loss_mask_ids
@@ -44,7 +47,6 @@ from megaopd.scoring.runner import PipelineRunner
 from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from megaopd.trainer.micro_batches import MicroBatch, mini_batch_rows, row_owners, scoring_packing, step_micro_batches
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
@@ -105,6 +107,11 @@ class Trainer:
             self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
         self.train_runner = PipelineRunner(self.ddp, self.actor_pgs, self.actor.hf.vocab_size,
                                            partner=self.models.partner)
+        t = cfg.trainer
+        self.batching = BatchingPlan(  # the training step's micro-batches (and so the rows each replica owns)
+            t.prompts_per_step, t.mini_batches_per_step, t.micro_batch_size, self.pad_id,
+            max_tokens=t.max_tokens_per_micro_batch if t.pack_sequences and self.train_runner.packs else None,
+            uniform=self.actor_pgs.pp.size() > 1, multiple=self.train_runner.seq_multiple)
 
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
@@ -204,10 +211,11 @@ class Trainer:
             samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
             batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
             self.owners = owners = RowOwners(
-                tuple(row_owners(batch, golden, pgs.dp.size(), needs, cfg.trainer, self.train_runner.packs)),
+                tuple(row_owners(batch, golden, pgs.dp.size(), needs, self.batching)),
                 pgs.dp.rank(), pgs.dp.size(), sends=self.owner_ranks[self.rank][1], ranks=self.owner_ranks)
         with timer("actor_logprobs"):
-            teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, cfg.trainer)
+            max_tokens = cfg.trainer.max_tokens_per_micro_batch if cfg.trainer.pack_sequences else None
+            teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, max_tokens)
             overlap_k = cfg.metrics.overlap_k if teachers is not None else 0
             teacher_topk = max(needs.teacher_topk, overlap_k)
             if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
@@ -255,13 +263,12 @@ class Trainer:
             if self.special_ids:
                 mask_BT = mask_first_occurrences(rollout.targets_BT, mask_BT, self.special_ids)
         B = rollout.size if rollout is not None else 0
-        P, M = cfg.prompts_per_step, cfg.mini_batches_per_step
+        P, M = self.batching.prompts_per_step, self.batching.mini_batches
         results, grad_norms = [], []
         for j in range(M):
             rows, golden_rows = mini_batch_rows(B, P, M, j, golden is not None)  # row_owners' rows too
-            micro = step_micro_batches(rollout, mask_BT, golden, rows, golden_rows, pgs.dp.rank(), pgs.dp.size(),
-                                       pgs.pp.size(), needs, cfg, self.pad_id, self.train_runner.seq_multiple,
-                                       self.train_runner.packs)
+            micro = step_micro_batches(MiniBatch(rollout, mask_BT, golden, rows, golden_rows), pgs.dp.rank(),
+                                       pgs.dp.size(), needs, self.batching)
             self.router_aux.scale_for(micro, pgs.dp)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()

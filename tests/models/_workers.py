@@ -21,7 +21,7 @@ def _gather_tp(shard, group):
 def _run_model(model, cfg, pgs, ids):
     """Full-vocab logits (test-only TP gather) and sharded log-probs, on the last stage; else None."""
     from megaopd import ops
-    from megaopd.scoring.passes import ScoringMicroBatch
+    from megaopd.batching.micro_batches import ScoringMicroBatch
     from megaopd.scoring.runner import PipelineRunner
 
     def on_logits(mb, shard, _partner):
@@ -146,7 +146,7 @@ def packed_vs_alone(rank, world_size, models, lengths):
     from megaopd.batching.packing import PackedRow, Segment
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
-    from megaopd.scoring.passes import ScoringMicroBatch
+    from megaopd.batching.micro_batches import ScoringMicroBatch
     from megaopd.scoring.runner import PipelineRunner
 
     res = {}

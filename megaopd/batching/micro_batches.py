@@ -1,20 +1,23 @@
-"""Micro-batches of a training step: a pure function of the rollout record, the golden batch, the rows of
-this mini-batch, the data-parallel rank and the loss's needs.
+"""Micro-batches: a step's rows cut into what one forward pass holds, for the training step and the scoring
+passes. Pure functions of the records, the rows, the data-parallel rank and the loss's needs.
 
-    micro = assemble_micro_batches(rollout, loss_mask_BT, golden, rows, golden_rows,
-                                   dp_rank, dp_size, needs, micro_batch_size, pad_id)
+    mini = MiniBatch(rollout, loss_mask_BT, golden, rows, golden_rows)   # one optimizer step's rows
+    micro = step_micro_batches(mini, dp_rank, dp_size, needs, plan)      # plan: BatchingPlan
     inputs = micro[i].to(device).loss_inputs(logits_BSv, partner_BSv, tp_group, temperature, needs)
 
-Each micro-batch holds up to micro_batch_size on-policy rows (padded to exactly that many), then its
-share of the golden rows, then nothing else: every micro-batch of a step has the same [R, S] shape, as
-megatron's pipeline buffers require. The loss denominators (StepCounts) are counted over the WHOLE
-mini-batch, every DP rank's rows, so that gradient accumulation over micro-batches and the DP sum give
-exactly the one-big-batch gradient (losses/inputs.py "Counts").
+Padded (`assemble_micro_batches`): each micro-batch holds up to micro_batch_size on-policy rows (padded to
+exactly that many), then its share of the golden rows, then nothing else: every micro-batch of a step has
+the same [R, S] shape, as megatron's pipeline buffers require. The loss denominators (StepCounts) are counted
+over the WHOLE mini-batch, every DP rank's rows, so that gradient accumulation over micro-batches and the DP
+sum give exactly the one-big-batch gradient (losses/inputs.py "Counts").
 
 Packed (trainer.pack_sequences, `assemble_packed_micro_batches`): every micro-batch is ONE row [1, t] of
 whole sequences laid end to end (on-policy and golden beside each other), at most max_tokens tokens;
 the DP shares are balanced by token count and attention cost (batching/shares.py), a GRPO group stays in
 one micro-batch, and the same StepCounts make the same one-big-batch gradient.
+
+Scoring passes (`scoring_micro_batches`, `packed_scoring_micro_batches`) cut the rows a rank scores the
+same two ways, into ScoringMicroBatch records.
 
 Shape legend: R rows of a micro-batch, S padded sequence length, T = S - 1 positions, K top-k size.
 """
@@ -25,14 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megaopd.batching.packing import PackedRow, Segment, pack_by_budget, round_up
-from megaopd.batching.padding import pad_rows
-from megaopd.batching.shares import dp_rows
-from megaopd.batching.shares import balanced_partition
+from megaopd.batching.packing import GOLDEN, ON_POLICY, PackedRow, Segment, pack_by_budget, round_up
+from megaopd.batching.padding import pad_rows, pad_to
+from megaopd.batching.plan import BatchingPlan
+from megaopd.batching.shares import dp_rows, dp_shares
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossInputs, LossNeeds
 from megaopd.rollout.records import RolloutBatch
-from megaopd.trainer.config import TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,22 @@ class StepCounts:
     """Golden (SFT) loss tokens."""
     global_num_golden_seqs: float | None = None
     """Golden sequences with at least one loss token."""
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """The rows of one optimizer step, before they are shared over DP and cut into micro-batches."""
+
+    rollout: RolloutBatch | None
+    """The step's rollout record (None: SFT alone)."""
+    loss_mask_BT: torch.Tensor | None
+    """The rollout's loss mask after special-token masking [B, T] (None without a rollout)."""
+    golden: GoldenBatch | None
+    """The step's golden solutions (None: the loss reads none)."""
+    rows: torch.Tensor | None
+    """This mini-batch's on-policy rows of `rollout` (long)."""
+    golden_rows: torch.Tensor | None
+    """This mini-batch's rows of `golden` (long)."""
 
 
 @dataclass
@@ -117,14 +135,6 @@ def _long(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.long()
 
 
-def _pad_to(x: torch.Tensor, length: int, value=0) -> torch.Tensor:
-    """[rows, L(, K)] -> [rows, length(, K)] along dim 1."""
-    if x.shape[1] == length:
-        return x
-    pad = torch.full((x.shape[0], length - x.shape[1], *x.shape[2:]), value, dtype=x.dtype)
-    return torch.cat([x, pad], dim=1)
-
-
 def step_counts(loss_mask_BT: torch.Tensor | None, rows: torch.Tensor, golden: GoldenBatch | None,
                 golden_rows: torch.Tensor | None) -> StepCounts:
     """The denominators of the mini-batch made of `rows` (on-policy) and `golden_rows`."""
@@ -139,17 +149,16 @@ def step_counts(loss_mask_BT: torch.Tensor | None, rows: torch.Tensor, golden: G
     return StepCounts(**values)
 
 
-def assemble_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor | None,
-                           golden: GoldenBatch | None, rows: torch.Tensor, golden_rows: torch.Tensor | None,
-                           dp_rank: int, dp_size: int, needs: LossNeeds, micro_batch_size: int,
+def assemble_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, micro_batch_size: int,
                            pad_id: int) -> list[MicroBatch]:
-    """This DP rank's share of one mini-batch (on-policy `rows` of `rollout`, `golden_rows` of `golden`), cut
-    into equal-shaped micro-batches. loss_mask_BT is the rollout's loss mask after special-token masking.
-    With no rollout (SFT alone) the micro-batches are micro_batch_size golden rows each."""
+    """This DP rank's share of one mini-batch, cut into equal-shaped micro-batches of padded rows. With no
+    rollout (SFT alone) the micro-batches are micro_batch_size golden rows each."""
+    rollout, loss_mask_BT, golden, rows, golden_rows = (mini.rollout, mini.loss_mask_BT, mini.golden, mini.rows,
+                                                       mini.golden_rows)
     counts = step_counts(loss_mask_BT, rows, golden, golden_rows)
     local, S = torch.arange(0), 0
     if rollout is not None:
-        units, shares = _dp_shares(rollout, None, rows, None, dp_size, needs, packed=False)
+        units, shares = dp_shares(rollout, None, rows, None, dp_size, needs, packed=False)
         local = torch.tensor([units[i][0].row for i in shares[dp_rank]], dtype=torch.long)
         S = rollout.tokens_BS.shape[1]
     g_local = None
@@ -176,19 +185,19 @@ def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, nee
         return torch.cat([x, torch.full((g_per, *x.shape[1:]), fill, dtype=x.dtype)]) if g_per else x
 
     def per_token(x_BT, fill=0.0):  # [B, T'(, K)] -> this micro-batch's rows, [mbs + g_per, T(, K)]
-        return _pad_to(rows_of(x_BT, fill), T, fill)
+        return pad_to(rows_of(x_BT, fill), T, fill)
 
     def scores_of(scores, x_BT, fill=0.0):  # a TokenScores field (this rank's rows) -> like per_token
         x = pad_rows(x_BT[scores.index(r)], mbs, fill)
         if g_per:
             x = torch.cat([x, torch.full((g_per, *x.shape[1:]), fill, dtype=x.dtype)])
-        return _pad_to(x, T, fill)
+        return pad_to(x, T, fill)
 
     R = mbs + g_per
     mb = MicroBatch(tokens_BS=torch.full((R, S), pad_id, dtype=torch.long), loss_mask_BT=torch.zeros(R, T),
                     golden_mask_BT=torch.zeros(R, T), counts=counts)
     if rollout is not None:
-        mb.tokens_BS = _pad_to(rows_of(rollout.tokens_BS, pad_id), S, pad_id)
+        mb.tokens_BS = pad_to(rows_of(rollout.tokens_BS, pad_id), S, pad_id)
         mb.loss_mask_BT = per_token(loss_mask_BT)
         actor, teacher = rollout.actor, rollout.teacher
         if needs.old_logprobs:
@@ -207,44 +216,20 @@ def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, nee
             mb.group_ids_S = torch.where(torch.arange(R) < len(r), rows_of(rollout.group_ids_B),
                                          rollout.size + torch.arange(R))
     if g_per:
-        mb.tokens_BS[mbs:] = _pad_to(pad_rows(golden.input_ids_BT[gr], g_per, pad_id), S, pad_id)
-        mb.golden_mask_BT[mbs:] = _pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), T)
+        mb.tokens_BS[mbs:] = pad_to(pad_rows(golden.input_ids_BT[gr], g_per, pad_id), S, pad_id)
+        mb.golden_mask_BT[mbs:] = pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), T)
     return mb
 
 
-ON_POLICY, GOLDEN = 0, 1  # the two sources of a packed micro-batch's segments
-
-
-def _units(rollout: RolloutBatch | None, rows: torch.Tensor, golden: GoldenBatch | None,
-           golden_rows: torch.Tensor | None, keep_groups: bool) -> list[list[Segment]]:
-    """The mini-batch's packing units: one sequence each, or a whole GRPO group (keep_groups)."""
-    units: list[list[Segment]] = []
-    if rollout is not None:
-        lengths = (rollout.prompt_lens_B + rollout.response_lens_B).clamp(min=1).tolist()
-        by_group: dict[int, list[Segment]] = {}
-        for r in rows.tolist():
-            seg = Segment(ON_POLICY, r, lengths[r])
-            if keep_groups:
-                by_group.setdefault(int(rollout.group_ids_B[r]), []).append(seg)
-            else:
-                units.append([seg])
-        units += list(by_group.values())
-    if golden is not None:
-        lengths = golden.lengths_B.clamp(min=1).tolist()
-        units += [[Segment(GOLDEN, g, lengths[g])] for g in golden_rows.tolist()]
-    return units
-
-
-def assemble_packed_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor | None,
-                                  golden: GoldenBatch | None, rows: torch.Tensor, golden_rows: torch.Tensor | None,
-                                  dp_rank: int, dp_size: int, needs: LossNeeds, max_tokens: int, pad_id: int,
-                                  uniform: bool = False, multiple: int = 1) -> list[MicroBatch]:
+def assemble_packed_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, max_tokens: int,
+                                  pad_id: int, uniform: bool = False, multiple: int = 1) -> list[MicroBatch]:
     """This DP rank's share of one mini-batch as packed micro-batches (one [1, t] row each, t <= max_tokens
     unless one unit is longer). The share is balanced over DP by tokens and attention cost; uniform pads
     every micro-batch to the largest t (PP > 1: fixed-size pipeline buffers). Always at least one
     micro-batch (an empty one holds a padding segment) so every rank takes part in the gradient reduction."""
-    counts = step_counts(loss_mask_BT, rows, golden, golden_rows)
-    units, shares = _dp_shares(rollout, golden, rows, golden_rows, dp_size, needs, packed=True)
+    rollout, loss_mask_BT, golden = mini.rollout, mini.loss_mask_BT, mini.golden
+    counts = step_counts(loss_mask_BT, mini.rows, golden, mini.golden_rows)
+    units, shares = dp_shares(rollout, golden, mini.rows, mini.golden_rows, dp_size, needs, packed=True)
     mine = [units[i] for i in shares[dp_rank]]
     bins = pack_by_budget([sum(s.length for s in u) for u in mine], max_tokens) or [[]]
     layouts = [[s for i in b for s in mine[i]] for b in bins]
@@ -301,66 +286,65 @@ def _held_layout(row: PackedRow, scores) -> PackedRow:
                       for s in row.segments], row.total)
 
 
-def mini_batch_rows(num_rows: int, num_prompts: int, mini_batches: int, j: int,
-                    golden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """On-policy rows and golden rows (None without golden data) of mini-batch j of `mini_batches`."""
-    rows = torch.arange(j * num_rows // mini_batches, (j + 1) * num_rows // mini_batches)
-    golden_rows = torch.arange(j * num_prompts // mini_batches, (j + 1) * num_prompts // mini_batches) if golden else None
-    return rows, golden_rows
+def step_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds,
+                       plan: BatchingPlan) -> list[MicroBatch]:
+    """The micro-batches of one mini-batch as the plan asks: packed by its token budget (uniform lengths
+    under PP; lengths a multiple of plan.multiple, the TP size under sequence parallelism), or padded rows
+    of micro_batch_size (pack_sequences off, or a model that cannot take packed rows: expert parallelism)."""
+    if plan.packed:
+        return assemble_packed_micro_batches(mini, dp_rank, dp_size, needs, plan.max_tokens, plan.pad_id,
+                                             uniform=plan.uniform, multiple=plan.multiple)
+    return assemble_micro_batches(mini, dp_rank, dp_size, needs, plan.micro_batch_size, plan.pad_id)
 
 
-def _dp_shares(rollout: RolloutBatch | None, golden: GoldenBatch | None, rows: torch.Tensor,
-               golden_rows: torch.Tensor | None, dp_size: int, needs: LossNeeds,
-               packed: bool) -> tuple[list[list[Segment]], list[list[int]]]:
-    """The packing units of one mini-batch and each DP rank's units (packed: balanced by tokens and
-    attention cost), the one partition both the micro-batches and row_owners take."""
-    if packed:
-        units = _units(rollout, rows, golden, golden_rows, keep_groups=needs.rewards)
-        return units, balanced_partition([[s.length for s in u] for u in units], dp_size)
-    units = [[Segment(ON_POLICY, int(r), 1)] for r in rows.tolist()] if rollout is not None else []
-    return units, [list(dp_rows(len(units), d, dp_size)) for d in range(dp_size)]
+# ------------------------------------------------------------------------------------------ scoring passes
+@dataclass
+class ScoringMicroBatch:
+    """One micro-batch of a scoring pass."""
+
+    tokens_BS: torch.Tensor
+    """Sequences to score [b, S] (long); rows past the batch's end are padding rows."""
+    at_ids_BTK: torch.Tensor | None = None
+    """Ids to score at each position [b, T, K] (long), or None."""
+    packed: PackedRow | None = None
+    """The layout of a packed row (b = 1, several sequences); None = one sequence per row."""
+
+    def to(self, device: torch.device) -> "ScoringMicroBatch":
+        return ScoringMicroBatch(self.tokens_BS.to(device),
+                                 None if self.at_ids_BTK is None else self.at_ids_BTK.to(device), self.packed)
 
 
-def row_owners(rollout: RolloutBatch, golden: GoldenBatch | None, dp_size: int, needs: LossNeeds,
-               cfg: TrainerConfig, packs: bool = True) -> list[int]:
-    """The actor DP rank that trains each on-policy row of the step: per mini-batch (mini_batch_rows),
-    its rows shared over DP exactly as step_micro_batches shares them (packed: balanced_partition of the
-    packing units, golden rows included; padded: contiguous dp_rows). Pure and deterministic, so every rank
-    computes the same owners and a resumed run the same ones."""
-    B, M = rollout.size, cfg.mini_batches_per_step
-    owner = [-1] * B
-    for j in range(M):
-        rows, golden_rows = mini_batch_rows(B, cfg.prompts_per_step, M, j, golden is not None)
-        units, shares = _dp_shares(rollout, golden, rows, golden_rows, dp_size, needs, cfg.pack_sequences and packs)
-        for d, share in enumerate(shares):
-            for i in share:
-                for seg in units[i]:
-                    if seg.source == ON_POLICY:
-                        owner[seg.row] = d
-    if -1 in owner:
-        raise ValueError(f"rows {[b for b, o in enumerate(owner) if o < 0][:8]} belong to no mini-batch: "
-                         f"{B} rows over trainer.mini_batches_per_step={M}")
-    return owner
+def scoring_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None,
+                          size: int) -> list[ScoringMicroBatch]:
+    """A rank's rows to score in micro-batches of `size` rows (the last padded with empty rows)."""
+    n = tokens_BS.shape[0]
+    if n == 0:
+        return []
+    rows = -(-n // size) * size
+    tokens = pad_rows(tokens_BS, rows).split(size)
+    at_ids = pad_rows(at_ids_BTK, rows).split(size) if at_ids_BTK is not None else [None] * len(tokens)
+    return [ScoringMicroBatch(t, a) for t, a in zip(tokens, at_ids)]
 
 
-def step_micro_batches(rollout: RolloutBatch | None, loss_mask_BT: torch.Tensor | None, golden: GoldenBatch | None,
-                       rows: torch.Tensor, golden_rows: torch.Tensor | None, dp_rank: int, dp_size: int, pp_size: int,
-                       needs: LossNeeds, cfg: TrainerConfig, pad_id: int, seq_multiple: int = 1,
-                       packs: bool = True) -> list[MicroBatch]:
-    """The micro-batches of one mini-batch as trainer.pack_sequences asks: packed by the token budget
-    (trainer.max_tokens_per_micro_batch; uniform lengths under PP; lengths a multiple of seq_multiple, the TP
-    size under sequence parallelism), or padded rows of micro_batch_size (also when the model cannot take
-    packed rows: `packs` False, expert parallelism)."""
-    if cfg.pack_sequences and packs:
-        return assemble_packed_micro_batches(rollout, loss_mask_BT, golden, rows, golden_rows, dp_rank, dp_size, needs,
-                                             cfg.max_tokens_per_micro_batch, pad_id, uniform=pp_size > 1,
-                                             multiple=seq_multiple)
-    return assemble_micro_batches(rollout, loss_mask_BT, golden, rows, golden_rows, dp_rank, dp_size, needs,
-                                  cfg.micro_batch_size, pad_id)
+def packed_scoring_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, lengths: list[int],
+                                 max_tokens: int, uniform: bool, multiple: int = 1) -> list[ScoringMicroBatch]:
+    """A rank's rows to score packed into rows of at most max_tokens tokens (uniform: all padded to the
+    largest, for fixed-size pipeline buffers; every row padded to a multiple of `multiple`)."""
+    if not lengths:
+        return []
+    bins = pack_by_budget(lengths, max_tokens)
+    largest = max(sum(lengths[i] for i in b) for b in bins)
+    mbs = []
+    for b in bins:
+        total = round_up(largest if uniform else sum(lengths[i] for i in b), multiple)
+        row = PackedRow([Segment(0, i, lengths[i]) for i in b], total)
+        at_ids = row.per_token(at_ids_BTK) if at_ids_BTK is not None else None
+        mbs.append(ScoringMicroBatch(row.tokens({0: tokens_BS}, 0), at_ids, row))
+    return mbs
 
 
-def scoring_packing(batch: RolloutBatch, cfg: TrainerConfig) -> dict:
+def scoring_packing(batch: RolloutBatch, max_tokens: int | None) -> dict:
     """score_tokens' length arguments: the real lengths (only real positions move to the owners), and the
-    token budget when packing."""
+    token budget when packing (None: padded rows)."""
     lengths = {"lengths_B": batch.prompt_lens_B + batch.response_lens_B}
-    return {**lengths, "max_tokens": cfg.max_tokens_per_micro_batch} if cfg.pack_sequences else lengths
+    return {**lengths, "max_tokens": max_tokens} if max_tokens is not None else lengths

@@ -2,10 +2,10 @@
 rows spread over the micro-batches, GRPO group ids, and equal shapes."""
 import torch
 
+from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossNeeds
 from megaopd.rollout.records import RolloutBatch, TokenScores
-from megaopd.trainer.micro_batches import assemble_micro_batches
 
 PAD = 0
 
@@ -37,7 +37,8 @@ def test_denominators_are_global_and_dp_shares_partition_the_rows():
     rows, grows = torch.arange(6), torch.arange(3)
     seen, golden_seen = [], []
     for dp_rank in range(2):
-        micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, golden, rows, grows, dp_rank, 2, needs, 2, PAD)
+        micro = assemble_micro_batches(MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows), dp_rank, 2, needs,
+                                       2, PAD)
         for mb in micro:
             assert mb.counts.global_num_tokens == float(rollout.loss_mask_BT.sum())
             assert mb.counts.global_num_seqs == 6.0
@@ -59,7 +60,8 @@ def test_denominators_are_global_and_dp_shares_partition_the_rows():
 def test_per_token_fields_follow_their_rows():
     rollout = _rollout()
     needs = LossNeeds(old_logprobs=True, teacher_logprobs=True)
-    micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, torch.arange(2, 6), None, 0, 1, needs, 3, PAD)
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(2, 6), None)
+    micro = assemble_micro_batches(mini, 0, 1, needs, 3, PAD)
     assert len(micro) == 2 and micro[1].tokens_BS[1:].eq(PAD).all()  # row padding to micro_batch_size
     assert torch.equal(micro[0].old_logprobs_BT, rollout.actor.logprobs_BT[2:5])
     assert torch.equal(micro[1].teacher_logprobs_BT[0], rollout.teacher.logprobs_BT[5])
@@ -70,7 +72,8 @@ def test_per_token_fields_follow_their_rows():
 def test_grpo_group_ids_keep_padding_rows_out_of_real_groups():
     rollout = _rollout()
     needs = LossNeeds(old_logprobs=True, rewards=True)
-    micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, torch.arange(6), None, 0, 1, needs, 4, PAD)
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
+    micro = assemble_micro_batches(mini, 0, 1, needs, 4, PAD)
     assert micro[0].group_ids_S.tolist() == [0, 0, 1, 1]
     assert micro[1].group_ids_S.tolist()[:2] == [2, 2]
     assert all(g >= rollout.size for g in micro[1].group_ids_S.tolist()[2:])  # padding: groups of their own
@@ -79,7 +82,8 @@ def test_grpo_group_ids_keep_padding_rows_out_of_real_groups():
 
 def test_sft_only_micro_batches_are_golden_rows():
     golden = _golden(P=5)
-    micro = assemble_micro_batches(None, None, golden, None, torch.arange(5), 0, 1, LossNeeds(golden=True), 2, PAD)
+    mini = MiniBatch(None, None, golden, None, torch.arange(5))
+    micro = assemble_micro_batches(mini, 0, 1, LossNeeds(golden=True), 2, PAD)
     assert len(micro) == 3 and all(mb.tokens_BS.shape == (2, 9) for mb in micro)
     assert micro[0].counts.global_num_tokens is None
     assert micro[0].counts.global_num_golden_seqs == 5.0
@@ -89,7 +93,8 @@ def test_sft_only_micro_batches_are_golden_rows():
 def test_loss_inputs_shift_by_one_and_route_the_partner():
     rollout = _rollout()
     needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, reference=True)
-    mb = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, torch.arange(2), None, 0, 1, needs, 2, PAD)[0]
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(2), None)
+    mb = assemble_micro_batches(mini, 0, 1, needs, 2, PAD)[0]
     logits = torch.randn(2, 7, 11)
     ref = torch.randn(2, 7, 11)
     inputs = mb.to(torch.device("cpu")).loss_inputs(logits, ref, None, 1.0, needs)
@@ -99,13 +104,13 @@ def test_loss_inputs_shift_by_one_and_route_the_partner():
 
 
 def test_packed_rows_are_padded_to_the_sequence_parallel_multiple():
-    from megaopd.trainer.micro_batches import assemble_packed_micro_batches
+    from megaopd.batching.micro_batches import assemble_packed_micro_batches
 
     rollout, golden = _rollout(), _golden()
     needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, golden=True)
     for uniform in (False, True):
-        micro = assemble_packed_micro_batches(rollout, rollout.loss_mask_BT, golden, torch.arange(6), torch.arange(3),
-                                              0, 1, needs, 20, PAD, uniform=uniform, multiple=4)
+        mini = MiniBatch(rollout, rollout.loss_mask_BT, golden, torch.arange(6), torch.arange(3))
+        micro = assemble_packed_micro_batches(mini, 0, 1, needs, 20, PAD, uniform=uniform, multiple=4)
         assert all(mb.tokens_BS.shape[1] % 4 == 0 for mb in micro)
         assert sum(float(mb.loss_mask_BT.sum()) for mb in micro) == float(rollout.loss_mask_BT.sum())
 
@@ -125,8 +130,9 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
     golden units in the balance, GRPO groups kept whole, 1 or 2 mini-batches, DP 1..3."""
     import dataclasses
 
-    from megaopd.trainer.config import TrainerConfig
-    from megaopd.trainer.micro_batches import mini_batch_rows, row_owners, step_micro_batches
+    from megaopd.batching.micro_batches import step_micro_batches
+    from megaopd.batching.plan import BatchingPlan
+    from megaopd.batching.shares import mini_batch_rows, row_owners
 
     B, S = 12, 9
     base = _rollout(B, S)
@@ -136,20 +142,20 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
     for pack in (False, True):
         for rewards in (False, True):
             for M in (1, 2):
-                cfg = dataclasses.replace(TrainerConfig(), pack_sequences=pack, max_tokens_per_micro_batch=16,
-                                          micro_batch_size=2, mini_batches_per_step=M, prompts_per_step=6)
+                plan = BatchingPlan(prompts_per_step=6, mini_batches=M, micro_batch_size=2, pad_id=PAD,
+                                    max_tokens=16 if pack else None)
                 needs = LossNeeds(old_logprobs=True, golden=True, rewards=rewards)
                 for dp in (1, 2, 3):
-                    owner = row_owners(base, golden, dp, needs, cfg)
-                    assert owner == row_owners(base, golden, dp, needs, cfg)  # deterministic
+                    owner = row_owners(base, golden, dp, needs, plan)
+                    assert owner == row_owners(base, golden, dp, needs, plan)  # deterministic
                     for d in range(dp):
                         mine = [b for b in range(B) if owner[b] == d]
                         rollout = dataclasses.replace(base, actor=TokenScores(row_id_BT[mine], rows=mine))
                         trained = []
                         for j in range(M):
                             rows, grows = mini_batch_rows(B, 6, M, j, True)
-                            micro = step_micro_batches(rollout, rollout.loss_mask_BT, golden, rows, grows, d, dp, 1,
-                                                       needs, cfg, PAD)
+                            micro = step_micro_batches(MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows),
+                                                       d, dp, needs, plan)
                             got = _trained_rows(micro)
                             assert set(got) <= set(rows.tolist())
                             trained += got
