@@ -66,6 +66,7 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring import PipelineRunner
     from megaopd.scoring.passes import score_tokens
+    from megaopd.batching.fields import OLD_LOGPROBS, TEACHER_LOGPROBS
     from megaopd.batching.micro_batches import MicroBatch, StepCounts
 
     torch.set_num_threads(1)
@@ -96,14 +97,14 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
         half = (torch.arange(T) % L) >= L // 2  # response: the second half of each sequence
         mb = MicroBatch(tokens_BS=row.tokens({0: tokens_BS}, 0), loss_mask_BT=half[None].float(),
                         golden_mask_BT=(~half)[None].float(), counts=StepCounts(T / 2, seqs, T / 2, seqs),
-                        old_logprobs_BT=-torch.rand(1, T), teacher_logprobs_BT=-torch.rand(1, T),
+                        inputs={OLD_LOGPROBS: -torch.rand(1, T), TEACHER_LOGPROBS: -torch.rand(1, T)},
                         seq_ids_BT=row.seq_ids(), packed=row)
 
         Tp = L - 1
         half_BT = (torch.arange(Tp) >= L // 2).expand(seqs, Tp)
         padded = MicroBatch(tokens_BS=tokens_BS, loss_mask_BT=half_BT.float(), golden_mask_BT=(~half_BT).float(),
-                            counts=StepCounts(T / 2, seqs, T / 2, seqs), old_logprobs_BT=-torch.rand(seqs, Tp),
-                            teacher_logprobs_BT=-torch.rand(seqs, Tp))
+                            counts=StepCounts(T / 2, seqs, T / 2, seqs),
+                            inputs={OLD_LOGPROBS: -torch.rand(seqs, Tp), TEACHER_LOGPROBS: -torch.rand(seqs, Tp)})
 
         def step_fn(m, logits_BSv, partner_BSv):
             loss, _ = loss_fn(m.loss_inputs(logits_BSv, partner_BSv, pgs.tp, 1.0, loss_fn.needs))

@@ -28,13 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
+from megaopd.batching.fields import TokenField, needed_fields
 from megaopd.batching.packing import GOLDEN, ON_POLICY, PackedRow, Segment, pack_by_budget, round_up
 from megaopd.batching.padding import pad_rows, pad_to
 from megaopd.batching.plan import BatchingPlan
 from megaopd.batching.shares import dp_rows, dp_shares
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossInputs, LossNeeds
-from megaopd.rollout.records import RolloutBatch
+from megaopd.rollout.records import RolloutBatch, TokenScores
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class MiniBatch:
 
 @dataclass
 class MicroBatch:
-    """One micro-batch: on-policy rows first, then golden rows. Field names are LossInputs' names."""
+    """One micro-batch: on-policy rows first, then golden rows."""
 
     tokens_BS: torch.Tensor
     """Input ids [R, S] (long): on-policy rows (padded with pad_id rows), then golden rows."""
@@ -78,31 +79,19 @@ class MicroBatch:
     golden_mask_BT: torch.Tensor
     """1 where position t's target counts in the SFT loss [R, T]; 0 on on-policy rows."""
     counts: StepCounts
-    old_logprobs_BT: torch.Tensor | None = None
-    """log pi_old of each target [R, T] (needs.old_logprobs)."""
-    teacher_logprobs_BT: torch.Tensor | None = None
-    """log q of each target [R, T] (needs.teacher_logprobs)."""
-    teacher_topk_ids_BTK: torch.Tensor | None = None
-    """Teacher's top-K ids [R, T, K] (needs.teacher_topk)."""
-    teacher_topk_logprobs_BTK: torch.Tensor | None = None
-    """Teacher's log-probs at its top-K ids [R, T, K]."""
-    student_topk_ids_BTK: torch.Tensor | None = None
-    """Student's (pi_old's) top-k ids [R, T, K] (needs.student_topk)."""
-    student_topk_teacher_logprobs_BTK: torch.Tensor | None = None
-    """Teacher's log-probs at the student's top-k ids [R, T, K]."""
-    rewards_S: torch.Tensor | None = None
-    """Reward per row [R] (needs.rewards); 0 on golden and padding rows."""
-    group_ids_S: torch.Tensor | None = None
-    """GRPO group per row [R]; golden and padding rows get groups of their own."""
+    inputs: dict[TokenField, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """The inputs this loss reads (batching.fields.needed_fields) on this micro-batch's rows: [R, T(, K)] per
+    token, [R] per sequence ([num_seqs] packed); their pad value at padding and golden rows."""
     seq_ids_BT: torch.Tensor | None = None
-    """Packed rows: the sequence of each position [1, T] (rewards_S / group_ids_S are then per sequence)."""
+    """Packed rows: the sequence of each position [1, T] (per-sequence inputs are then per sequence)."""
     packed: PackedRow | None = None
     """Packed rows: the row's layout (the runner passes its cu_seqlens to the model); None = padded."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         """The record with every tensor on `device` (the runner calls this, once per micro-batch)."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved, inputs={f: x.to(device) for f, x in self.inputs.items()})
 
     def loss_inputs(self, logits_BSv: torch.Tensor, partner_BSv: torch.Tensor | None, tp_group, temperature: float,
                     needs: LossNeeds) -> LossInputs:
@@ -111,28 +100,22 @@ class MicroBatch:
         logits_BTv = logits_BSv[:, :-1]
         targets_BT = self.tokens_BS[:, 1:]
         partner_BTv = partner_BSv[:, :-1] if partner_BSv is not None else None
+        c = self.counts
         return LossInputs(
             logits_BTv=logits_BTv, token_ids_BT=targets_BT, loss_mask_BT=self.loss_mask_BT, tp_group=tp_group,
             seq_ids_BT=self.seq_ids_BT, golden_seq_ids_BT=self.seq_ids_BT if needs.golden else None,
-            temperature=temperature, old_logprobs_BT=self.old_logprobs_BT, teacher_logprobs_BT=self.teacher_logprobs_BT,
-            # Ids are kept int32; the gathers index with long, made here on the logits' device.
-            teacher_topk_ids_BTK=_long(self.teacher_topk_ids_BTK), teacher_topk_logprobs_BTK=self.teacher_topk_logprobs_BTK,
-            student_topk_ids_BTK=_long(self.student_topk_ids_BTK),
-            student_topk_teacher_logprobs_BTK=self.student_topk_teacher_logprobs_BTK,
+            temperature=temperature,
             ref_logits_BTv=partner_BTv if needs.reference else None,
             # The partner's logits die with this micro-batch: the fused backward may take their memory.
             ref_logits_disposable=needs.reference and not needs.teacher_logits,
             teacher_logits_BTv=partner_BTv if needs.teacher_logits else None,
-            rewards_S=self.rewards_S, group_ids_S=self.group_ids_S,
             # Golden rows share the on-policy forward: the SFT term reads the same logits, its own mask.
             golden_logits_BTv=logits_BTv if needs.golden else None,
             golden_ids_BT=targets_BT if needs.golden else None,
             golden_mask_BT=self.golden_mask_BT if needs.golden else None,
-            **dataclasses.asdict(self.counts))
-
-
-def _long(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.long()
+            global_num_tokens=c.global_num_tokens, global_num_seqs=c.global_num_seqs,
+            global_num_golden_tokens=c.global_num_golden_tokens, global_num_golden_seqs=c.global_num_golden_seqs,
+            **{f.name: f.on_device(x) for f, x in self.inputs.items()})
 
 
 def step_counts(loss_mask_BT: torch.Tensor | None, rows: torch.Tensor, golden: GoldenBatch | None,
@@ -187,38 +170,33 @@ def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, nee
     def per_token(x_BT, fill=0.0):  # [B, T'(, K)] -> this micro-batch's rows, [mbs + g_per, T(, K)]
         return pad_to(rows_of(x_BT, fill), T, fill)
 
-    def scores_of(scores, x_BT, fill=0.0):  # a TokenScores field (this rank's rows) -> like per_token
-        x = pad_rows(x_BT[scores.index(r)], mbs, fill)
-        if g_per:
-            x = torch.cat([x, torch.full((g_per, *x.shape[1:]), fill, dtype=x.dtype)])
-        return pad_to(x, T, fill)
-
     R = mbs + g_per
     mb = MicroBatch(tokens_BS=torch.full((R, S), pad_id, dtype=torch.long), loss_mask_BT=torch.zeros(R, T),
                     golden_mask_BT=torch.zeros(R, T), counts=counts)
     if rollout is not None:
         mb.tokens_BS = pad_to(rows_of(rollout.tokens_BS, pad_id), S, pad_id)
         mb.loss_mask_BT = per_token(loss_mask_BT)
-        actor, teacher = rollout.actor, rollout.teacher
-        if needs.old_logprobs:
-            mb.old_logprobs_BT = scores_of(actor, actor.logprobs_BT)
-        if needs.teacher_logprobs:
-            mb.teacher_logprobs_BT = scores_of(teacher, teacher.logprobs_BT)
-        if needs.teacher_topk:
-            mb.teacher_topk_ids_BTK = scores_of(teacher, teacher.topk_ids_BTK[..., :needs.teacher_topk], 0)
-            mb.teacher_topk_logprobs_BTK = scores_of(teacher, teacher.topk_logprobs_BTK[..., :needs.teacher_topk])
-        if needs.student_topk:
-            mb.student_topk_ids_BTK = scores_of(actor, actor.topk_ids_BTK[..., :needs.student_topk], 0)
-            mb.student_topk_teacher_logprobs_BTK = scores_of(teacher, teacher.at_ids_logprobs_BTK)
-        if needs.rewards:
-            mb.rewards_S = rows_of(rollout.rewards_B)
-            # Golden and padding rows get groups of their own (no loss tokens, no effect on the others).
-            mb.group_ids_S = torch.where(torch.arange(R) < len(r), rows_of(rollout.group_ids_B),
-                                         rollout.size + torch.arange(R))
+        mb.inputs = {f: _padded_input(f, k, rollout, r, mbs, g_per, T) for f, k in needed_fields(needs)}
     if g_per:
         mb.tokens_BS[mbs:] = pad_to(pad_rows(golden.input_ids_BT[gr], g_per, pad_id), S, pad_id)
         mb.golden_mask_BT[mbs:] = pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), T)
     return mb
+
+
+def _padded_input(field: TokenField, k: int | None, rollout: RolloutBatch, r: torch.Tensor, mbs: int, g_per: int,
+                  T: int) -> torch.Tensor:
+    """A loss input on a padded micro-batch: on-policy rows r (padded to mbs rows), then g_per golden rows;
+    the field's pad value on padding and golden rows and past each row's positions."""
+    held = field.holder(rollout)
+    x = field.source(rollout, k)
+    x = x[held.index(r)] if isinstance(held, TokenScores) else x[r]  # scores hold this rank's rows only
+    fill = 0 if field.pad is None else field.pad
+    x = pad_rows(x, mbs, fill)
+    if g_per:
+        x = torch.cat([x, torch.full((g_per, *x.shape[1:]), fill, dtype=x.dtype)])
+    if field.pad is None:  # padding and golden rows: groups of their own (no loss tokens, no effect on others)
+        x = torch.where(torch.arange(mbs + g_per) < len(r), x, rollout.size + torch.arange(mbs + g_per))
+    return x if field.per_sequence else pad_to(x, T, fill)
 
 
 def assemble_packed_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, max_tokens: int,
@@ -251,31 +229,31 @@ def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, co
                     golden_mask_BT=torch.zeros(1, T), counts=counts, seq_ids_BT=row.seq_ids(), packed=row)
     if rollout is not None:
         mb.loss_mask_BT = row.per_token(loss_mask_BT, ON_POLICY)
-        actor, teacher = rollout.actor, rollout.teacher
-        # The scores hold this rank's rows only: the same layout with each segment's row as their position.
-        a_row = _held_layout(row, actor) if needs.old_logprobs or needs.student_topk else None
-        t_row = _held_layout(row, teacher) if needs.teacher_logprobs or needs.teacher_topk or needs.student_topk else None
-        if needs.old_logprobs:
-            mb.old_logprobs_BT = a_row.per_token(actor.logprobs_BT, ON_POLICY)
-        if needs.teacher_logprobs:
-            mb.teacher_logprobs_BT = t_row.per_token(teacher.logprobs_BT, ON_POLICY)
-        if needs.teacher_topk:
-            mb.teacher_topk_ids_BTK = t_row.per_token(teacher.topk_ids_BTK[..., :needs.teacher_topk], ON_POLICY)
-            mb.teacher_topk_logprobs_BTK = t_row.per_token(teacher.topk_logprobs_BTK[..., :needs.teacher_topk], ON_POLICY)
-        if needs.student_topk:
-            mb.student_topk_ids_BTK = a_row.per_token(actor.topk_ids_BTK[..., :needs.student_topk], ON_POLICY)
-            mb.student_topk_teacher_logprobs_BTK = t_row.per_token(teacher.at_ids_logprobs_BTK, ON_POLICY)
-        if needs.rewards:
-            # One entry per sequence of the row (segments, then the padding segment); golden and padding
-            # sequences: reward 0 and a group of their own (no loss tokens, no effect on the others).
-            on = [s.source == ON_POLICY for s in row.segments] + [False] * (row.num_seqs - len(row.segments))
-            src = [s.row if s.source == ON_POLICY else 0 for s in row.segments] + [0] * (row.num_seqs - len(row.segments))
-            on_S, src_S = torch.tensor(on), torch.tensor(src, dtype=torch.long)
-            mb.rewards_S = torch.where(on_S, rollout.rewards_B[src_S], torch.zeros(()))
-            mb.group_ids_S = torch.where(on_S, rollout.group_ids_B[src_S], rollout.size + torch.arange(row.num_seqs))
+        layouts: dict = {}  # per holder of scores: the row's layout in the rows it holds (built once)
+        mb.inputs = {f: _packed_input(f, k, rollout, row, layouts) for f, k in needed_fields(needs)}
     if golden is not None:
         mb.golden_mask_BT = row.per_token(golden.loss_mask_BT[:, 1:], GOLDEN)
     return mb
+
+
+def _packed_input(field: TokenField, k: int | None, rollout: RolloutBatch, row: PackedRow,
+                  layouts: dict) -> torch.Tensor:
+    """A loss input on a packed row: per token [1, T] at each on-policy segment's positions; per sequence
+    [num_seqs] (segments, then the padding segment). The field's pad value on golden and padding ones."""
+    x = field.source(rollout, k)
+    if field.per_sequence:
+        n_pad = row.num_seqs - len(row.segments)
+        on_S = torch.tensor([s.source == ON_POLICY for s in row.segments] + [False] * n_pad)
+        src_S = torch.tensor([s.row if s.source == ON_POLICY else 0 for s in row.segments] + [0] * n_pad,
+                             dtype=torch.long)
+        pad = rollout.size + torch.arange(row.num_seqs) if field.pad is None else torch.tensor(field.pad, dtype=x.dtype)
+        return torch.where(on_S, x[src_S], pad)
+    held = field.holder(rollout)
+    if isinstance(held, TokenScores):  # the scores hold this rank's rows: segments point at their positions
+        if field.holder not in layouts:
+            layouts[field.holder] = _held_layout(row, held)
+        return layouts[field.holder].per_token(x, ON_POLICY, fill=field.pad)
+    return row.per_token(x, ON_POLICY, fill=field.pad)
 
 
 def _held_layout(row: PackedRow, scores) -> PackedRow:

@@ -2,6 +2,7 @@
 rows spread over the micro-batches, GRPO group ids, and equal shapes."""
 import torch
 
+from megaopd.batching import fields as F
 from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossNeeds
@@ -63,9 +64,9 @@ def test_per_token_fields_follow_their_rows():
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(2, 6), None)
     micro = assemble_micro_batches(mini, 0, 1, needs, 3, PAD)
     assert len(micro) == 2 and micro[1].tokens_BS[1:].eq(PAD).all()  # row padding to micro_batch_size
-    assert torch.equal(micro[0].old_logprobs_BT, rollout.actor.logprobs_BT[2:5])
-    assert torch.equal(micro[1].teacher_logprobs_BT[0], rollout.teacher.logprobs_BT[5])
-    assert micro[0].rewards_S is None and micro[0].teacher_topk_ids_BTK is None  # only what the loss needs
+    assert torch.equal(micro[0].inputs[F.OLD_LOGPROBS], rollout.actor.logprobs_BT[2:5])
+    assert torch.equal(micro[1].inputs[F.TEACHER_LOGPROBS][0], rollout.teacher.logprobs_BT[5])
+    assert set(micro[0].inputs) == {F.OLD_LOGPROBS, F.TEACHER_LOGPROBS}  # only what the loss needs
     assert micro[0].counts.global_num_tokens == float(rollout.loss_mask_BT[2:6].sum())
 
 
@@ -74,10 +75,10 @@ def test_grpo_group_ids_keep_padding_rows_out_of_real_groups():
     needs = LossNeeds(old_logprobs=True, rewards=True)
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
     micro = assemble_micro_batches(mini, 0, 1, needs, 4, PAD)
-    assert micro[0].group_ids_S.tolist() == [0, 0, 1, 1]
-    assert micro[1].group_ids_S.tolist()[:2] == [2, 2]
-    assert all(g >= rollout.size for g in micro[1].group_ids_S.tolist()[2:])  # padding: groups of their own
-    assert micro[1].rewards_S.tolist() == [4.0, 5.0, 0.0, 0.0]
+    assert micro[0].inputs[F.GROUP_IDS].tolist() == [0, 0, 1, 1]
+    assert micro[1].inputs[F.GROUP_IDS].tolist()[:2] == [2, 2]
+    assert all(g >= rollout.size for g in micro[1].inputs[F.GROUP_IDS].tolist()[2:])  # padding: groups of their own
+    assert micro[1].inputs[F.REWARDS].tolist() == [4.0, 5.0, 0.0, 0.0]
 
 
 def test_sft_only_micro_batches_are_golden_rows():
@@ -119,7 +120,7 @@ def _trained_rows(micro) -> list[int]:
     """On-policy rows of a rank's micro-batches, read back from their old log-probs (row b's are all b + 1)."""
     out = set()
     for mb in micro:
-        values = mb.old_logprobs_BT[mb.loss_mask_BT.bool()]
+        values = mb.inputs[F.OLD_LOGPROBS][mb.loss_mask_BT.bool()]
         out.update(int(v) - 1 for v in values.unique().tolist())
     return sorted(out)
 
@@ -171,3 +172,28 @@ def test_a_row_not_held_is_one_clear_error():
     assert scores.index([4, 1]).tolist() == [1, 0]
     with pytest.raises(KeyError, match="rows \\[2\\] are not held on this rank"):
         scores.index([1, 2])
+
+
+def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
+    """Every TokenField fills a LossInputs field of its name, and micro-batches carry it in its dtype, padded
+    and packed alike (what a loss needs is declared once: the table)."""
+    import dataclasses
+
+    from megaopd.batching.micro_batches import assemble_packed_micro_batches
+    from megaopd.losses import LossInputs
+
+    assert {f.name for f in F.FIELDS} <= {f.name for f in dataclasses.fields(LossInputs)}
+    K = 2
+    rollout = _rollout()
+    scores = TokenScores(rollout.actor.logprobs_BT, topk_ids_BTK=torch.zeros(6, 6, 3, dtype=torch.int32),
+                         topk_logprobs_BTK=torch.zeros(6, 6, 3), at_ids_logprobs_BTK=torch.zeros(6, 6, K))
+    rollout = dataclasses.replace(rollout, actor=scores, teacher=scores)
+    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, teacher_topk=K, student_topk=K, rewards=True)
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
+    padded, packed = assemble_micro_batches(mini, 0, 1, needs, 4, PAD), assemble_packed_micro_batches(mini, 0, 1,
+                                                                                                        needs, 20, PAD)
+    for micro in (padded, packed):
+        assert set(micro[0].inputs) == set(F.FIELDS)
+        for f, x in micro[0].inputs.items():
+            assert x.dtype == f.dtype, f.name
+            assert x.shape[-1] == K or f.per_sequence or f.name.endswith("_BT"), f.name  # top-k cut to the need
