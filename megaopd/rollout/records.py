@@ -15,6 +15,7 @@ and the training step are cut from both by megaopd.batching.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -67,12 +68,40 @@ class TokenScores:
             return None
         return TokenScores(self.logprobs_BT, rows=self.rows, topk_ids_BTK=self.topk_ids_BTK[..., :k])
 
+    def present(self) -> list["ScoreField"]:
+        """The score fields this record holds (SCORE_FIELDS order)."""
+        return [f for f in SCORE_FIELDS if getattr(self, f.name) is not None]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: list[int] | None = None) -> "TokenScores":
+        """fn of every field held, as a new record (of `rows`, default: the same rows)."""
+        return TokenScores(**{f.name: fn(getattr(self, f.name)) for f in self.present()},
+                           rows=self.rows if rows is None else rows)
+
     def take(self, batch_rows: list[int]) -> "TokenScores":
         """The scores of the given batch rows only (rows set to them)."""
         i = self.index(batch_rows)
-        fields = ("logprobs_BT", "entropy_BT", "topk_ids_BTK", "topk_logprobs_BTK", "at_ids_logprobs_BTK")
-        return TokenScores(**{f: None if getattr(self, f) is None else getattr(self, f)[i] for f in fields},
-                           rows=list(batch_rows))
+        return self.map(lambda x: x[i], rows=list(batch_rows))
+
+
+@dataclass(frozen=True)
+class ScoreField:
+    """One per-token output of a scoring pass as TokenScores holds it: a row of SCORE_FIELDS, the table
+    that the passes, the routing of scores to their owners and the teachers' merge loop over."""
+
+    name: str
+    """The TokenScores attribute."""
+    dtype: torch.dtype
+    """float32 (log-probs, entropy) or int32 (ids: a vocabulary fits, half the bytes of long)."""
+    trailing: Callable[[int, int], tuple[int, ...]]
+    """Its shape past [B, T] given (the pass's top-k, the number of ids it scores at)."""
+
+
+LOGPROBS = ScoreField("logprobs_BT", torch.float32, lambda topk, at: ())
+ENTROPY = ScoreField("entropy_BT", torch.float32, lambda topk, at: ())
+TOPK_IDS = ScoreField("topk_ids_BTK", torch.int32, lambda topk, at: (topk,))
+TOPK_LOGPROBS = ScoreField("topk_logprobs_BTK", torch.float32, lambda topk, at: (topk,))
+AT_IDS_LOGPROBS = ScoreField("at_ids_logprobs_BTK", torch.float32, lambda topk, at: (at,))
+SCORE_FIELDS: tuple[ScoreField, ...] = (LOGPROBS, ENTROPY, TOPK_IDS, TOPK_LOGPROBS, AT_IDS_LOGPROBS)
 
 
 @dataclass

@@ -18,6 +18,7 @@ produced it (entropy: in-job teachers only).
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ import torch
 from megaopd.batching.owners import RowOwners
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, rank0_computes
-from megaopd.rollout.records import RolloutBatch, TokenScores
+from megaopd.rollout.records import (LOGPROBS, SCORE_FIELDS, TOPK_IDS, TOPK_LOGPROBS, RolloutBatch,
+                                     TokenScores)
 from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.passes import score_tokens
 from megaopd.scoring.remote import RemoteTeacher
@@ -185,33 +187,29 @@ class TeacherSet:
         ranks = owners.ranks if owners.ranks is not None else owner_ranks(owners.dp_rank, owners.sends, device)
         replica = [frozenset(r for r, (d, _s) in enumerate(ranks) if d == o) for o in range(owners.dp_size)]
         dests = [replica[o] for o in owners.owner_B]
-        widths, dtypes = [1], [torch.float32]
-        if K:
-            widths, dtypes = [1, K, K], [torch.float32, torch.int32, torch.float32]
+        fields = [LOGPROBS, TOPK_IDS, TOPK_LOGPROBS] if K else [LOGPROBS]  # what a served teacher gives
+        widths = [max(1, math.prod(f.trailing(K, 0))) for f in fields]
         payload = None
         if me == 0:
             teacher_of = {b: name for name, rows in served.items() for b in rows}
-            cols: list[list[torch.Tensor]] = [[] for _ in widths]
+            cols: list[list[torch.Tensor]] = [[] for _ in fields]
             for b in held_rows:
                 scores, span = pending.results[teacher_of[b]], spans[b]
-                cols[0].append(scores.logprobs_BT[b, span.start:span.stop].reshape(-1, 1))
-                if K:
-                    cols[1].append(scores.topk_ids_BTK[b, span.start:span.stop].int())
-                    cols[2].append(scores.topk_logprobs_BTK[b, span.start:span.stop])
-            payload = pack_columns([torch.cat(c).float() if dt == torch.float32 else torch.cat(c)
-                                    for c, dt in zip(cols, dtypes)]).to(device)
+                for col, f, w in zip(cols, fields, widths):
+                    col.append(getattr(scores, f.name)[b, span.start:span.stop].reshape(-1, w).to(f.dtype))
+            payload = pack_columns([torch.cat(c) for c in cols]).to(device)
         held = [held_rows] + [[] for _ in range(len(ranks) - 1)]
         counts, starts = [len(sp) for sp in spans], [sp.start for sp in spans]
         received, values = route_rows(payload, held, dests, counts, sum(widths), device)
-        columns = unpack_columns(values, widths, dtypes)
+        columns = unpack_columns(values, widths, [f.dtype for f in fields])
         mine = set(owners.rows())
         out = {}
         for name, rows in served.items():
             kept = [b for b in rows if b in mine]
-            dense = [scatter_received(c, received, counts, kept, T, starts) for c in columns]
-            out[name] = TokenScores(logprobs_BT=dense[0][..., 0], rows=kept)
-            if K:
-                out[name].topk_ids_BTK, out[name].topk_logprobs_BTK = dense[1], dense[2]
+            dense = {f.name: scatter_received(c, received, counts, kept, T, starts).reshape(len(kept), T,
+                                                                                           *f.trailing(K, 0))
+                     for f, c in zip(fields, columns)}
+            out[name] = TokenScores(**dense, rows=kept)
         return out
 
     def _merge(self, batch: RolloutBatch, mine: list[int], parts: dict[str, TokenScores]) -> TokenScores:
@@ -219,17 +217,16 @@ class TeacherSet:
         T = batch.tokens_BS.shape[1] - 1
         out = TokenScores(logprobs_BT=torch.zeros(len(mine), T), rows=list(mine))
         where = {b: i for i, b in enumerate(mine)}
-        fields = ("entropy_BT", "topk_ids_BTK", "topk_logprobs_BTK", "at_ids_logprobs_BTK")
-        keep = {f: all(getattr(p, f) is not None for p in parts.values()) and bool(parts) for f in fields}
+        # Log-probs always; any other field only when every teacher produced it.
+        keep = [f for f in SCORE_FIELDS
+                if f is LOGPROBS or (parts and all(getattr(p, f.name) is not None for p in parts.values()))]
         for part in parts.values():
             dst = torch.tensor([where[b] for b in part.rows], dtype=torch.long)
-            for f in ("logprobs_BT",) + fields:
-                if f != "logprobs_BT" and not keep[f]:
-                    continue
-                value = getattr(part, f)
-                if getattr(out, f) is None:
-                    setattr(out, f, torch.zeros((len(mine), *value.shape[1:]), dtype=value.dtype))
-                getattr(out, f)[dst] = value
+            for f in keep:
+                value = getattr(part, f.name)
+                if getattr(out, f.name) is None:
+                    setattr(out, f.name, torch.zeros((len(mine), *value.shape[1:]), dtype=value.dtype))
+                getattr(out, f.name)[dst] = value
         return out
 
 
