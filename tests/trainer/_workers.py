@@ -36,8 +36,7 @@ def two_teachers_rollout(rank, world_size, cfg):
 
     trainer = Trainer(cfg)
     examples = trainer.loader.next_batch()
-    times = {}
-    batch = trainer._rollout(examples, times)
+    batch = trainer._rollout(examples)
     alone = {}
     for name, t in trainer.models.teachers.teachers.items():
         if isinstance(t, InJobTeacher):
@@ -53,7 +52,7 @@ def two_teachers_rollout(rank, world_size, cfg):
         return None
     return {"teacher": teacher, "rows": batch.teacher_rows, "alone": alone,
             "mask": batch.loss_mask_BT, "sources": [ex.source for ex in examples],
-            "metrics": metrics, "times": times}
+            "metrics": metrics}
 
 
 def whole_batch(x_BT, rows, num_rows, contributes):
@@ -80,8 +79,8 @@ def one_step_everything(rank, world_size, cfg):
     captured = {}
     original_rollout = trainer_module.Trainer._rollout
 
-    def capturing_rollout(self, examples, times, *args):
-        batch = original_rollout(self, examples, times, *args)
+    def capturing_rollout(self, examples, golden=None):
+        batch = original_rollout(self, examples, golden)
         mask = batch.loss_mask_BT.bool()
         sends = self.owners.sends
         captured["actor_logprobs"] = torch.where(mask, whole_batch(batch.actor.logprobs_BT, batch.actor.rows,
