@@ -1,13 +1,51 @@
-"""Which actor data-parallel replica trains each row of a step's batch: where every row's scores must land.
+"""Where a step's rows and their scores live: each rank's place in a model's layout (WorldLayout) and the
+actor data-parallel replica that trains each row (RowOwners).
 
-    owners = RowOwners(tuple(row_owners(...)), dp_rank, dp_size, sends=..., ranks=...)
+    owners = RowOwners(tuple(row_owners(...)), dp_rank, dp_size, sends=..., layout=owner_layout)
     owners.rows()        # this replica's rows, increasing: the rows its TokenScores hold
+    layout = WorldLayout.gather(pgs.dp.rank(), speaks, device)   # once per model and run (collective)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from megaopd.parallel.dist import world_size
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """One global rank's place in a model's layout."""
+
+    dp_rank: int
+    """Its data-parallel replica."""
+    speaks: bool
+    """It sends for its replica when rows' data move between layouts (one rank per replica)."""
+
+
+@dataclass(frozen=True)
+class WorldLayout:
+    """Every global rank's place in one model's layout, by global rank. Fixed for a run: gathered once per
+    model (at start-up) and passed to every routing pass."""
+
+    places: tuple[RankPlace, ...]
+
+    @staticmethod
+    def gather(dp_rank: int, speaks: bool, device: torch.device) -> "WorldLayout":
+        """This rank's place, and every other rank's: one small all_gather, collective over the world (the
+        default group, whose ranks the routing addresses); `device` is its backend's device."""
+        if world_size() == 1:
+            return WorldLayout((RankPlace(dp_rank, speaks),))
+        mine = torch.tensor([dp_rank, int(speaks)], dtype=torch.long, device=device)
+        parts = [torch.empty_like(mine) for _ in range(world_size())]
+        dist.all_gather(parts, mine)
+        return WorldLayout(tuple(RankPlace(int(p[0]), bool(p[1])) for p in parts))
+
+    def replica(self, dp_rank: int) -> frozenset[int]:
+        """The global ranks of one data-parallel replica."""
+        return frozenset(r for r, p in enumerate(self.places) if p.dp_rank == dp_rank)
 
 
 @dataclass(frozen=True)
@@ -24,15 +62,19 @@ class RowOwners:
     """Actor DP size."""
     sends: bool
     """This rank speaks for its replica when owned rows' data must move (actor TP rank 0 and PP rank 0)."""
-    ranks: tuple[tuple[int, bool], ...] | None = None
-    """Per global rank, its (dp_rank, sends): the same layout every step, so the trainer gathers it once
-    (scoring.exchange.owner_ranks); None: every routing pass gathers it again (a small all_gather)."""
+    layout: WorldLayout | None = None
+    """Every global rank's actor replica and whether it speaks for it: the same every step, so the trainer
+    gathers it once; None: each routing pass gathers it again (world_layout, a small all_gather)."""
 
     @staticmethod
     def replicated(num_rows: int, rank: int) -> "RowOwners":
         """Every rank holds every row (one replica, global rank 0 speaking for it): `megaopd logprobs`, tests."""
-        world = world_size()
-        return RowOwners(tuple([0] * num_rows), 0, 1, rank == 0, tuple((0, r == 0) for r in range(world)))
+        layout = WorldLayout(tuple(RankPlace(0, r == 0) for r in range(world_size())))
+        return RowOwners(tuple([0] * num_rows), 0, 1, rank == 0, layout)
+
+    def world_layout(self, device: torch.device) -> WorldLayout:
+        """`layout`, or gathered now when the caller did not set it (collective over the world)."""
+        return self.layout if self.layout is not None else WorldLayout.gather(self.dp_rank, self.sends, device)
 
     def rows(self, dp_rank: int | None = None) -> list[int]:
         """Rows owned by `dp_rank` (default: this rank's replica), increasing."""
@@ -42,4 +84,4 @@ class RowOwners:
     def subset(self, batch_rows: list[int]) -> "RowOwners":
         """The owners of a sub-batch made of `batch_rows` (its row i is batch row batch_rows[i])."""
         return RowOwners(tuple(self.owner_B[b] for b in batch_rows), self.dp_rank, self.dp_size, self.sends,
-                         self.ranks)
+                         self.layout)

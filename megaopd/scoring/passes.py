@@ -21,19 +21,19 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd import ops
 from megaopd.batching.micro_batches import ScoringMicroBatch, packed_scoring_micro_batches, scoring_micro_batches
-from megaopd.batching.owners import RowOwners
+from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.packing import PackedRow, row_lengths
 from megaopd.batching.shares import balanced_partition, dp_rows
 from megaopd.parallel.dist import device as group_device, global_rank
 from megaopd.rollout.records import TokenScores
-from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
+from megaopd.scoring.exchange import pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
 
 def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_size: int, temperature: float,
                  topk: int = 0, entropy: bool = False, at_ids_BTK: torch.Tensor | None = None,
                  lengths_B: torch.Tensor | None = None, max_tokens: int | None = None,
-                 owners: RowOwners | None = None) -> TokenScores:
+                 owners: RowOwners | None = None, layout: WorldLayout | None = None) -> TokenScores:
     """Log-probs of tokens_BS[:, 1:] (and optional top-k, entropy, log-probs at given ids), each row's
     landing on the ranks that own it.
 
@@ -47,8 +47,9 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     to every rank of the owning replica (exchange.route_rows; at_ids_BTK travels the other way first).
 
     at_ids_BTK: ids to score at, for this rank's owned rows (owners.rows() order). lengths_B: real tokens
-    per row (None: the whole width); positions at or past a row's length - 1 are 0. Collective over the
-    world (every rank of every layout calls it with the same tokens). Returns CPU tensors."""
+    per row (None: the whole width); positions at or past a row's length - 1 are 0. layout: the runner's
+    scorer_layout, gathered once per run (None: gathered by this call). Collective over the world (every
+    rank of every layout calls it with the same tokens). Returns CPU tensors."""
     pgs: ProcessGroupCollection = runner.pgs
     B, S = tokens_BS.shape
     T = S - 1
@@ -61,9 +62,11 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     if len(owners.owner_B) != B:
         raise ValueError(f"owners cover {len(owners.owner_B)} rows, the batch has {B}: pass owners.subset(rows) "
                          f"for a sub-batch")
-    world = _world_layout(runner, owners, device)
+    scorers = layout if layout is not None else scorer_layout(pgs, device)
+    owner_layout = owners.world_layout(device)
     last_stage = pgs.pp.rank() == pgs.pp.size() - 1
-    aligned = pgs.dp.size() == owners.dp_size and all(w[0] == w[2] for w in world)
+    aligned = pgs.dp.size() == owners.dp_size and all(
+        s.dp_rank == o.dp_rank for s, o in zip(scorers.places, owner_layout.places))
     if aligned:  # the runner's DP replicas are the owners: score the owned rows, keep them
         shares = [owners.rows(d) for d in range(owners.dp_size)]
     elif packed:
@@ -73,8 +76,8 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     rows = shares[pgs.dp.rank()]
     local_at_ids = None
     if at_ids_BTK is not None:
-        local_at_ids = at_ids_BTK if aligned else _route_at_ids(at_ids_BTK, owners, shares, pgs.dp.rank(), world,
-                                                                positions, T, device)
+        local_at_ids = at_ids_BTK if aligned else _route_at_ids(at_ids_BTK, owners, shares, pgs.dp.rank(), scorers,
+                                                                owner_layout, positions, T, device)
     if packed:
         mbs = packed_scoring_micro_batches(tokens_BS[rows], local_at_ids, [lengths[i] for i in rows], max_tokens,
                                     uniform=pgs.pp.size() > 1, multiple=runner.seq_multiple)
@@ -138,8 +141,8 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
 
     # Another layout: one all_to_all from each share's speaker to the owning replicas' ranks.
     speaks = pgs.tp.rank() == 0 and last_stage
-    held = [shares[w[0]] if w[1] else [] for w in world]
-    replica = [frozenset(r for r, w in enumerate(world) if w[2] == d) for d in range(owners.dp_size)]
+    held = [shares[p.dp_rank] if p.speaks else [] for p in scorers.places]
+    replica = [owner_layout.replica(d) for d in range(owners.dp_size)]
     dests = [replica[o] for o in owners.owner_B]
     widths = [max(1, int(torch.Size(t).numel())) for _k, _n, t, _d in fields]
     payload = None
@@ -153,30 +156,23 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, micro_batch_si
     return TokenScores(**out, rows=mine)
 
 
-def _world_layout(runner: PipelineRunner, owners: RowOwners, device: torch.device) -> list[tuple[int, ...]]:
-    """Per global rank: (its DP rank in the runner's layout, whether it speaks for its share: TP rank 0 of
-    the last PP stage, its owners' DP rank, whether it speaks for its replica). Both halves are fixed for a
-    run: the runner's is gathered on its first pass and kept on it (every rank's first pass of a runner is
-    the same collective call, so all ranks gather together); the owners' is RowOwners.ranks (gathered here
-    when a caller did not set it)."""
-    pgs = runner.pgs
-    if getattr(runner, "world_dp", None) is None:
-        runner.world_dp = owner_ranks(pgs.dp.rank(), pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1,
-                                      device)
-    ranks = owners.ranks if owners.ranks is not None else owner_ranks(owners.dp_rank, owners.sends, device)
-    return [(d, int(s), o, int(t)) for (d, s), (o, t) in zip(runner.world_dp, ranks)]
+def scorer_layout(pgs: ProcessGroupCollection, device: torch.device) -> WorldLayout:
+    """Every global rank's DP replica in a scoring model's layout and whether it speaks for its share (TP rank 0
+    of the last PP stage, which holds the results). Fixed for a run: gathered once per model (collective)."""
+    return WorldLayout.gather(pgs.dp.rank(), pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1, device)
 
 
-def _route_at_ids(at_ids_BTK: torch.Tensor, owners: RowOwners, shares: list[list[int]], dp_rank: int, world,
-                  positions, T: int, device: torch.device) -> torch.Tensor:
+def _route_at_ids(at_ids_BTK: torch.Tensor, owners: RowOwners, shares: list[list[int]], dp_rank: int,
+                  scorers: WorldLayout, owner_layout: WorldLayout, positions, T: int,
+                  device: torch.device) -> torch.Tensor:
     """The owners' ids to score at -> every rank of the DP replica (runner layout) that scores each row,
     [len(my share), T, K] int32 in share order."""
     K = at_ids_BTK.shape[-1]
     mine = owners.rows()
     scorer = {b: d for d, share in enumerate(shares) for b in share}
-    groups = [frozenset(r for r, w in enumerate(world) if w[0] == d) for d in range(len(shares))]
+    groups = [scorers.replica(d) for d in range(len(shares))]
     dests = [groups[scorer[b]] for b in range(len(positions))]
-    held = [owners.rows(w[2]) if w[3] else [] for w in world]
+    held = [owners.rows(p.dp_rank) if p.speaks else [] for p in owner_layout.places]
     payload = None
     if owners.sends and mine:
         valid = _valid_positions([positions[b] for b in mine], T)
@@ -200,7 +196,7 @@ def _unpack(row: PackedRow, y_1T: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def score_sequences(runner: PipelineRunner, sequences: list[list[int]], micro_batch_size: int = 4,
-                    pad_id: int = 0, temperature: float = 1.0) -> list[list[float]]:
+                    pad_id: int = 0, temperature: float = 1.0, layout: WorldLayout | None = None) -> list[list[float]]:
     """log p(x_{i+1} | x_0..x_i) of each sequence (len - 1 values each), right-padded to one length (causal
     attention keeps real positions unaffected). Collective; the lists on every rank."""
     if not sequences:
@@ -209,5 +205,5 @@ def score_sequences(runner: PipelineRunner, sequences: list[list[int]], micro_ba
     tokens_BS = torch.full((len(sequences), S), pad_id, dtype=torch.long)
     for b, x in enumerate(sequences):
         tokens_BS[b, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
-    logprobs_BT = score_tokens(runner, tokens_BS, micro_batch_size, temperature).logprobs_BT
+    logprobs_BT = score_tokens(runner, tokens_BS, micro_batch_size, temperature, layout=layout).logprobs_BT
     return [logprobs_BT[b, :len(x) - 1].tolist() for b, x in enumerate(sequences)]

@@ -110,9 +110,6 @@ class PipelineRunner:
         # micro-batches of one shape in lockstep: an EP > 1 model takes the padded path, never packed rows.
         ep = getattr(pg_collection, "ep", None)
         self.packs = ep is None or ep.size() == 1
-        self.world_dp: tuple[tuple[int, bool], ...] | None = None
-        """Per global rank, its DP rank in this layout and whether it speaks for its share (TP rank 0 of the
-        last stage): gathered by the first scoring pass (scoring/passes.py) and kept, the layout being fixed."""
 
     def run(self, micro_batches: Sequence[M], step_fn: StepFn, forward_only: bool) -> list[Any] | None:
         """Runs every micro-batch; returns step_fn's results in order on the last pipeline stage, None on

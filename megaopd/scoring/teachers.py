@@ -26,12 +26,12 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from megaopd.batching.owners import RowOwners
+from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, rank0_computes
 from megaopd.rollout.records import (LOGPROBS, SCORE_FIELDS, TOPK_IDS, TOPK_LOGPROBS, RolloutBatch,
                                      TokenScores)
-from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
+from megaopd.scoring.exchange import pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.passes import score_tokens
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.runner import PipelineRunner
@@ -46,6 +46,8 @@ class InJobTeacher:
     model: torch.nn.Module
     offload: bool = False
     """Park in CPU memory between uses (GPU only; the caller's `on_device` context does the moves)."""
+    layout: WorldLayout | None = None
+    """Its scorer_layout, gathered once at start-up (None: each pass gathers it)."""
 
 
 Teacher = InJobTeacher | RemoteTeacher
@@ -147,7 +149,7 @@ class TeacherSet:
                 sub_at = at_ids.topk_ids_BTK[at_ids.index([rows[i] for i in sub.rows()])]
             with on_device(t.model, t.offload):
                 part = score_tokens(t.runner, batch.tokens_BS[idx], micro_batch_size, temperature, topk=topk,
-                                    entropy=entropy, at_ids_BTK=sub_at, owners=sub, **packed)
+                                    entropy=entropy, at_ids_BTK=sub_at, owners=sub, layout=t.layout, **packed)
             part.rows = [rows[i] for i in part.rows]  # sub-batch rows -> batch rows
             parts[name] = part
         parts.update(self._route_remote(batch, rows_of, pending, owners))
@@ -184,9 +186,8 @@ class TeacherSet:
         # Row b's response tokens are predicted at positions p - 1 .. p + r - 2: only those r travel.
         spans = [range(p - 1, p - 1 + r) if r > 0 else range(0) for p, r in zip(prompt_B, response_B)]
         held_rows = sorted(b for rows in served.values() for b in rows)  # rank 0 holds them all
-        ranks = owners.ranks if owners.ranks is not None else owner_ranks(owners.dp_rank, owners.sends, device)
-        replica = [frozenset(r for r, (d, _s) in enumerate(ranks) if d == o) for o in range(owners.dp_size)]
-        dests = [replica[o] for o in owners.owner_B]
+        layout = owners.world_layout(device)
+        dests = [layout.replica(o) for o in owners.owner_B]
         fields = [LOGPROBS, TOPK_IDS, TOPK_LOGPROBS] if K else [LOGPROBS]  # what a served teacher gives
         widths = [max(1, math.prod(f.trailing(K, 0))) for f in fields]
         payload = None
@@ -198,7 +199,7 @@ class TeacherSet:
                 for col, f, w in zip(cols, fields, widths):
                     col.append(getattr(scores, f.name)[b, span.start:span.stop].reshape(-1, w).to(f.dtype))
             payload = pack_columns([torch.cat(c) for c in cols]).to(device)
-        held = [held_rows] + [[] for _ in range(len(ranks) - 1)]
+        held = [held_rows] + [[] for _ in range(len(layout.places) - 1)]
         counts, starts = [len(sp) for sp in spans], [sp.start for sp in spans]
         received, values = route_rows(payload, held, dests, counts, sum(widths), device)
         columns = unpack_columns(values, widths, [f.dtype for f in fields])

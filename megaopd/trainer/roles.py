@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megaopd.batching.owners import WorldLayout
 from megaopd.data.vocab import VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
 from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
@@ -23,8 +24,10 @@ from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
 from megaopd.models.weights import load_hf_weights
+from megaopd.parallel.dist import device
 from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 from megaopd.scoring import PipelineRunner
+from megaopd.scoring.passes import scorer_layout
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.teachers import InJobTeacher, TeacherSet
 
@@ -75,6 +78,8 @@ class Models:
     partner_offload: bool
     actor_runner: PipelineRunner
     """The actor alone (forward-only log pi_old); train_runner drives the DDP-wrapped actor + partner."""
+    actor_layout: WorldLayout
+    """The actor's scorer_layout (which replica each global rank scores for, and who speaks for it)."""
     teacher_runner: PipelineRunner | None
     teachers: TeacherSet | None = None
     """Every teacher of the job by name (in-job ones with their runners, served ones as RemoteTeacher) and
@@ -114,16 +119,21 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
     # masked, so its top-K never proposes a token the student cannot produce.
     runners = {n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size)) for n, m in in_job.items()}
+    # Where each global rank scores for in every model's layout: fixed, so gathered once here (collectives in
+    # the same order on every rank: the actor, then the in-job teachers in list order).
+    actor_layout = scorer_layout(actor_pgs, device())
     members = []
     for t in cfg.teachers:
         if t.engine == "megatron":
-            members.append(InJobTeacher(t.name, runners[t.name], in_job[t.name].model, t.offload_between_uses))
+            m = in_job[t.name]
+            members.append(InJobTeacher(t.name, runners[t.name], m.model, t.offload_between_uses,
+                                        layout=scorer_layout(m.pgs, device())))
         else:
             members.append(RemoteTeacher(t.name, t.urls, rows_per_request=t.rows_per_request,
                                          timeout_s=t.request_timeout_s, retries=t.retries))
     teacher_runner = runners[next(iter(in_job))] if teacher is not None else None
     return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size),
-                  teacher_runner, TeacherSet(members) if members else None)
+                  actor_layout, teacher_runner, TeacherSet(members) if members else None)
 
 
 def _park(model: torch.nn.Module, offload: bool) -> None:

@@ -19,6 +19,7 @@ scalars.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import TYPE_CHECKING
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megaopd.batching.micro_batches import MicroBatch, MiniBatch, scoring_packing, step_micro_batches
-from megaopd.batching.owners import RowOwners
+from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.plan import BatchingPlan
 from megaopd.batching.shares import mini_batch_rows, row_owners
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
@@ -42,7 +43,6 @@ from megaopd.parallel.dist import init_distributed, rank0_computes
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.rollout.records import RolloutBatch, build_rollout_batch
 from megaopd.scoring import bounds_for, check_engine_parity, score_sequences, score_tokens
-from megaopd.scoring.exchange import owner_ranks
 from megaopd.scoring.runner import PipelineRunner
 from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
@@ -98,9 +98,9 @@ class Trainer:
         self.models = build_models(cfg, self.needs)
         self.actor, self.actor_pgs = self.models.actor, self.models.actor.pgs
         # Which actor replica each global rank is in, and which rank speaks for it (TP 0, PP 0): fixed for the
-        # run, so gathered once here, not by every step's scoring passes (RowOwners.ranks).
+        # run, so gathered once here, not by every step's scoring passes (RowOwners.layout).
         pgs = self.actor_pgs
-        self.owner_ranks = owner_ranks(pgs.dp.rank(), pgs.tp.rank() == 0 and pgs.pp.rank() == 0, dist_device())
+        self.owner_layout = WorldLayout.gather(pgs.dp.rank(), pgs.tp.rank() == 0 and pgs.pp.rank() == 0, dist_device())
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
         self.router_aux = RouterAuxLoss(self.actor.model)
         self.optimizer, self.scheduler = build_optimizer(
@@ -212,7 +212,8 @@ class Trainer:
             batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
             self.owners = owners = RowOwners(
                 tuple(row_owners(batch, golden, pgs.dp.size(), needs, self.batching)),
-                pgs.dp.rank(), pgs.dp.size(), sends=self.owner_ranks[self.rank][1], ranks=self.owner_ranks)
+                pgs.dp.rank(), pgs.dp.size(), sends=self.owner_layout.places[self.rank].speaks,
+                layout=self.owner_layout)
         with timer("actor_logprobs"):
             max_tokens = cfg.trainer.max_tokens_per_micro_batch if cfg.trainer.pack_sequences else None
             teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, max_tokens)
@@ -223,7 +224,7 @@ class Trainer:
                 pending = teachers.start_remote(batch, batch.teacher_rows, teacher_topk, self.rank)
             batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, mbs, self.temperature,
                                        topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0, owners=owners,
-                                       **packing)
+                                       layout=models.actor_layout, **packing)
         with timer("teacher"):
             if teachers is not None:
                 batch.teacher = teachers.score(batch, batch.teacher_rows, pending, mbs, self.temperature,
@@ -310,10 +311,11 @@ class Trainer:
         sync; raises when the statistics leave their bounds (megaopd/scoring/parity.py)."""
         probe = [list(map(int, ex.golden_ids[:64])) for ex in self.loader.batch_at_step(0)[:4]]
         r, mbs = self.cfg.rollout, self.cfg.trainer.micro_batch_size
-        check_engine_parity(self.engine, lambda p: score_sequences(self.models.actor_runner, p, mbs, self.pad_id),
-                            probe, bounds_for(self.cfg.student.dtype, r.parity_tolerance, r.parity_mean_tolerance,
-                                              r.parity_p99_tolerance, r.parity_min_correlation),
-                            self.step, self._console)
+        score = functools.partial(score_sequences, self.models.actor_runner, micro_batch_size=mbs, pad_id=self.pad_id,
+                                  layout=self.models.actor_layout)
+        bounds = bounds_for(self.cfg.student.dtype, r.parity_tolerance, r.parity_mean_tolerance, r.parity_p99_tolerance,
+                            r.parity_min_correlation)
+        check_engine_parity(self.engine, score, probe, bounds, self.step, self._console)
 
     # --------------------------------------------------------------------------- logging and saving
     def _validate(self) -> dict:
