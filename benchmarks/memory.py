@@ -6,7 +6,8 @@ large vocabulary, measured on CPU for this checkout and for an earlier revision 
 A bf16 random Qwen2 (hidden 64, 2 layers: the model is small on purpose, so the logits [tokens, V] dominate
 as they do for a 1.5B model at 16k tokens x 152k ids) is run through megaopd's PipelineRunner in one gloo
 process:
-    score, packed     score_tokens(..., entropy=True, max_tokens=tokens): one packed row of `seqs` sequences
+    score, packed     score_tokens(..., ScoringBatches(seqs, max_tokens=tokens), ScoreRequest(1.0, entropy=True)):
+                      one packed row of `seqs` sequences
     score, padded     the same rows as one padded micro-batch [seqs, tokens / seqs]
     train, packed     the trainer's step: the actor with the frozen reference in lockstep, MicroBatch.loss_inputs,
                       stable_opd (opd + sft + exact ref_kl), backward
@@ -58,6 +59,8 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
     # is 1.3% of a float32 copy of the logits; at the default size here 4 MiB is about that share.
     ops_common.DEFAULT_CHUNK_BYTES = int(chunk_mib * 2**20)
 
+    from megaopd.batching.fields import OLD_LOGPROBS, TEACHER_LOGPROBS
+    from megaopd.batching.micro_batches import MicroBatch, ScoringBatches, StepCounts
     from megaopd.batching.packing import PackedRow, Segment
     from megaopd.losses import build_loss
     from megaopd.models.builder import build_gpt_model
@@ -65,9 +68,7 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
     from megaopd.parallel.dist import destroy_distributed, init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring import PipelineRunner
-    from megaopd.scoring.passes import score_tokens
-    from megaopd.batching.fields import OLD_LOGPROBS, TEACHER_LOGPROBS
-    from megaopd.batching.micro_batches import MicroBatch, StepCounts
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -89,8 +90,8 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
 
         def score(packed: bool):
             with torch.no_grad():
-                score_tokens(runner, tokens_BS, seqs, 1.0, entropy=True, lengths_B=lengths_B,
-                             max_tokens=tokens if packed else None)
+                score_tokens(runner, tokens_BS, ScoringBatches(seqs, tokens if packed else None, lengths_B),
+                             ScoreRequest(1.0, entropy=True))
 
         row = PackedRow([Segment(0, b, L) for b in range(seqs)], tokens)
         T = tokens - 1

@@ -122,13 +122,14 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     """Scores the synthetic rollout as the trainer does (actor in its layout, teacher in another, owners from
     row_owners' packed partition) and returns the bytes this rank holds: replicated record + its scores."""
     torch.set_num_threads(1)
+    from megaopd.batching.micro_batches import ScoringBatches
     from megaopd.batching.owners import RowOwners
     from megaopd.batching.plan import BatchingPlan
     from megaopd.batching.shares import row_owners
     from megaopd.losses import LossNeeds
     from megaopd.models.config import ModelConfig
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
-    from megaopd.scoring.passes import score_tokens
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
     from megaopd.scoring.runner import PipelineRunner
     from megaopd.trainer.roles import load_role_model
 
@@ -141,9 +142,10 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     plan = BatchingPlan(prompts_per_step=rollout.size, mini_batches=1, micro_batch_size=4, pad_id=0, max_tokens=4096)
     owners = RowOwners(tuple(row_owners(rollout, None, pgs.dp.size(), LossNeeds(), plan)), pgs.dp.rank(),
                        pgs.dp.size(), pgs.tp.rank() == 0)
-    kw = {"lengths_B": rollout.prompt_lens_B + rollout.response_lens_B, "max_tokens": 4096, "owners": owners}
-    a = score_tokens(PipelineRunner(actor.model, pgs, V), rollout.tokens_BS, 4, 1.0, **kw)
-    t = score_tokens(PipelineRunner(teacher.model, tpgs, V), rollout.tokens_BS, 4, 1.0, topk=K, **kw)
+    batches = ScoringBatches(4, 4096, rollout.prompt_lens_B + rollout.response_lens_B)
+    a = score_tokens(PipelineRunner(actor.model, pgs, V), rollout.tokens_BS, batches, ScoreRequest(1.0), owners=owners)
+    t = score_tokens(PipelineRunner(teacher.model, tpgs, V), rollout.tokens_BS, batches, ScoreRequest(1.0, topk=K),
+                     owners=owners)
     replicated = _bytes_of(rollout.tokens_BS, rollout.loss_mask_BT, rollout.engine_logprobs_BT)
     return {"replicated": replicated, "held": replicated + _bytes_of(a.logprobs_BT, t.logprobs_BT, t.topk_ids_BTK,
                                                                       t.topk_logprobs_BTK), "rows": len(a.rows)}

@@ -276,6 +276,25 @@ def step_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossN
 
 
 # ------------------------------------------------------------------------------------------ scoring passes
+@dataclass(frozen=True)
+class ScoringBatches:
+    """How a scoring pass cuts the rows it scores into micro-batches."""
+
+    micro_batch_size: int
+    """Rows per padded micro-batch (trainer.micro_batch_size)."""
+    max_tokens: int | None = None
+    """Packed micro-batches of at most this many tokens (trainer.max_tokens_per_micro_batch with
+    trainer.pack_sequences; used when the model takes packed rows); None: padded rows."""
+    lengths_B: torch.Tensor | None = None
+    """Real tokens per row [B] (only real positions are scored into the result and move to the owners);
+    None: the whole width."""
+
+    def subset(self, batch_rows: torch.Tensor) -> "ScoringBatches":
+        """The same cut for a sub-batch made of `batch_rows`."""
+        lengths = None if self.lengths_B is None else self.lengths_B[batch_rows]
+        return ScoringBatches(self.micro_batch_size, self.max_tokens, lengths)
+
+
 @dataclass
 class ScoringMicroBatch:
     """One micro-batch of a scoring pass."""
@@ -319,10 +338,3 @@ def packed_scoring_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tens
         at_ids = row.per_token(at_ids_BTK) if at_ids_BTK is not None else None
         mbs.append(ScoringMicroBatch(row.tokens({0: tokens_BS}, 0), at_ids, row))
     return mbs
-
-
-def scoring_packing(batch: RolloutBatch, max_tokens: int | None) -> dict:
-    """score_tokens' length arguments: the real lengths (only real positions move to the owners), and the
-    token budget when packing (None: padded rows)."""
-    lengths = {"lengths_B": batch.prompt_lens_B + batch.response_lens_B}
-    return {**lengths, "max_tokens": max_tokens} if max_tokens is not None else lengths

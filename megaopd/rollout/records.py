@@ -6,7 +6,7 @@ Sequences are right-padded, so causal attention never lets padding reach a real 
 
     batch = build_rollout_batch(samples, pad_id, samples_per_prompt)   # engines -> record (every rank)
     batch.actor = score_tokens(...)      # megaopd.scoring fills the per-token scores ...
-    batch.teacher = score_tokens(...)
+    batch.teacher = teachers.score(...)
     batch.rewards_B = ...                # ... and the trainer the verifiable rewards
 
 Golden (SFT) rows travel beside it in megaopd.data.GoldenBatch; the micro-batches of the scoring passes

@@ -26,13 +26,14 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
+from megaopd.batching.micro_batches import ScoringBatches
 from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, rank0_computes
 from megaopd.rollout.records import (LOGPROBS, SCORE_FIELDS, TOPK_IDS, TOPK_LOGPROBS, RolloutBatch,
                                      TokenScores)
 from megaopd.scoring.exchange import pack_columns, route_rows, scatter_received, unpack_columns
-from megaopd.scoring.passes import score_tokens
+from megaopd.scoring.passes import ScoreRequest, score_tokens
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.runner import PipelineRunner
 
@@ -123,15 +124,15 @@ class TeacherSet:
         return pending
 
     def score(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
-              micro_batch_size: int, temperature: float, topk: int = 0, entropy: bool = False,
-              at_ids: TokenScores | None = None,
+              batches: ScoringBatches, request: ScoreRequest, at_ids: TokenScores | None = None,
               on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None,
-              packing: dict | None = None, owners: RowOwners | None = None) -> TokenScores:
+              owners: RowOwners | None = None) -> TokenScores:
         """The teacher scores of this rank's owned rows (owners.rows(); None: every row), each row from its
         routed teacher. Collective over the world (in-job teachers' passes, each routing its rows to their
-        owners, then rank 0's served teachers' results routed to their owners the same way). at_ids: the ids to score at
-        (the student's top-k) as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows). packing:
-        score_tokens' lengths_B (of the whole batch) and max_tokens, or None for the padded path."""
+        owners, then rank 0's served teachers' results routed to their owners the same way). batches: the
+        cut of the whole batch (each teacher takes its rows' subset); request: what the in-job teachers
+        compute (served ones give what start_remote asked). at_ids: the ids to score at (the student's top-k)
+        as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows)."""
         on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
         owners = owners if owners is not None else RowOwners.replicated(batch.size, global_rank())
         parts: dict[str, TokenScores] = {}
@@ -141,15 +142,13 @@ class TeacherSet:
                 continue
             idx = torch.tensor(rows, dtype=torch.long)
             sub = owners.subset(rows)
-            # Rows are independent (right padding, causal attention): a teacher scores its rows only.
-            packed = {} if not packing else {"lengths_B": packing["lengths_B"][idx],
-                                             "max_tokens": packing.get("max_tokens")}
             sub_at = None
             if at_ids is not None:
                 sub_at = at_ids.topk_ids_BTK[at_ids.index([rows[i] for i in sub.rows()])]
             with on_device(t.model, t.offload):
-                part = score_tokens(t.runner, batch.tokens_BS[idx], micro_batch_size, temperature, topk=topk,
-                                    entropy=entropy, at_ids_BTK=sub_at, owners=sub, layout=t.layout, **packed)
+                # Rows are independent (right padding, causal attention): a teacher scores its rows only.
+                part = score_tokens(t.runner, batch.tokens_BS[idx], batches.subset(idx), request, at_ids_BTK=sub_at,
+                                    owners=sub, layout=t.layout)
             part.rows = [rows[i] for i in part.rows]  # sub-batch rows -> batch rows
             parts[name] = part
         parts.update(self._route_remote(batch, rows_of, pending, owners))

@@ -80,6 +80,9 @@ class Models:
     """The actor alone (forward-only log pi_old); train_runner drives the DDP-wrapped actor + partner."""
     actor_layout: WorldLayout
     """The actor's scorer_layout (which replica each global rank scores for, and who speaks for it)."""
+    owner_layout: WorldLayout
+    """Which actor replica each global rank is in and whether it speaks for it (TP rank 0, PP rank 0): where
+    every row's scores are owned (RowOwners.layout)."""
     teacher_runner: PipelineRunner | None
     teachers: TeacherSet | None = None
     """Every teacher of the job by name (in-job ones with their runners, served ones as RemoteTeacher) and
@@ -119,8 +122,10 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
     # masked, so its top-K never proposes a token the student cannot produce.
     runners = {n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size)) for n, m in in_job.items()}
-    # Where each global rank scores for in every model's layout: fixed, so gathered once here (collectives in
-    # the same order on every rank: the actor, then the in-job teachers in list order).
+    # Where each global rank sits in every model's layout: fixed for the run, so gathered once here, not by
+    # every step's passes (collectives in the same order on every rank: owners, actor, in-job teachers).
+    owner_layout = WorldLayout.gather(actor_pgs.dp.rank(), actor_pgs.tp.rank() == 0 and actor_pgs.pp.rank() == 0,
+                                      device())
     actor_layout = scorer_layout(actor_pgs, device())
     members = []
     for t in cfg.teachers:
@@ -133,7 +138,7 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
                                          timeout_s=t.request_timeout_s, retries=t.retries))
     teacher_runner = runners[next(iter(in_job))] if teacher is not None else None
     return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size),
-                  actor_layout, teacher_runner, TeacherSet(members) if members else None)
+                  actor_layout, owner_layout, teacher_runner, TeacherSet(members) if members else None)
 
 
 def _park(model: torch.nn.Module, offload: bool) -> None:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megaopd.batching.micro_batches import MicroBatch, MiniBatch, scoring_packing, step_micro_batches
-from megaopd.batching.owners import RowOwners, WorldLayout
+from megaopd.batching.micro_batches import MicroBatch, MiniBatch, ScoringBatches, step_micro_batches
+from megaopd.batching.owners import RowOwners
 from megaopd.batching.plan import BatchingPlan
 from megaopd.batching.shares import mini_batch_rows, row_owners
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
@@ -42,7 +42,8 @@ from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import init_distributed, rank0_computes
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.rollout.records import RolloutBatch, build_rollout_batch
-from megaopd.scoring import bounds_for, check_engine_parity, score_sequences, score_tokens
+from megaopd.scoring import bounds_for, check_engine_parity
+from megaopd.scoring.passes import ScoreRequest, score_sequences, score_tokens
 from megaopd.scoring.runner import PipelineRunner
 from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
@@ -97,16 +98,16 @@ class Trainer:
         cfg = self.cfg
         self.models = build_models(cfg, self.needs)
         self.actor, self.actor_pgs = self.models.actor, self.models.actor.pgs
-        # Which actor replica each global rank is in, and which rank speaks for it (TP 0, PP 0): fixed for the
-        # run, so gathered once here, not by every step's scoring passes (RowOwners.layout).
-        pgs = self.actor_pgs
-        self.owner_layout = WorldLayout.gather(pgs.dp.rank(), pgs.tp.rank() == 0 and pgs.pp.rank() == 0, dist_device())
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
         self.router_aux = RouterAuxLoss(self.actor.model)
         self.optimizer, self.scheduler = build_optimizer(
             self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
         self.train_runner = PipelineRunner(self.ddp, self.actor_pgs, self.actor.hf.vocab_size,
                                            partner=self.models.partner)
+        # What the passes score besides log-probs: the loss's top-k, and the overlap metrics' top-k and entropy.
+        overlap_k = cfg.metrics.overlap_k if self.models.teachers is not None else 0
+        self.actor_request = ScoreRequest(self.temperature, max(self.needs.student_topk, overlap_k), overlap_k > 0)
+        self.teacher_request = ScoreRequest(self.temperature, max(self.needs.teacher_topk, overlap_k), overlap_k > 0)
         t = cfg.trainer
         self.batching = BatchingPlan(  # the training step's micro-batches (and so the rows each replica owns)
             t.prompts_per_step, t.mini_batches_per_step, t.micro_batch_size, self.pad_id,
@@ -212,25 +213,22 @@ class Trainer:
             batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
             self.owners = owners = RowOwners(
                 tuple(row_owners(batch, golden, pgs.dp.size(), needs, self.batching)),
-                pgs.dp.rank(), pgs.dp.size(), sends=self.owner_layout.places[self.rank].speaks,
-                layout=self.owner_layout)
+                pgs.dp.rank(), pgs.dp.size(), sends=models.owner_layout.places[self.rank].speaks,
+                layout=models.owner_layout)
         with timer("actor_logprobs"):
-            max_tokens = cfg.trainer.max_tokens_per_micro_batch if cfg.trainer.pack_sequences else None
-            teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, max_tokens)
-            overlap_k = cfg.metrics.overlap_k if teachers is not None else 0
-            teacher_topk = max(needs.teacher_topk, overlap_k)
+            t, teachers = cfg.trainer, models.teachers
+            batches = ScoringBatches(t.micro_batch_size, t.max_tokens_per_micro_batch if t.pack_sequences else None,
+                                     batch.prompt_lens_B + batch.response_lens_B)
             if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
-                batch.teacher_rows = teachers.route([ex.teacher for ex in examples], cfg.trainer.samples_per_prompt)
-                pending = teachers.start_remote(batch, batch.teacher_rows, teacher_topk, self.rank)
-            batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, mbs, self.temperature,
-                                       topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0, owners=owners,
-                                       layout=models.actor_layout, **packing)
+                batch.teacher_rows = teachers.route([ex.teacher for ex in examples], t.samples_per_prompt)
+                pending = teachers.start_remote(batch, batch.teacher_rows, self.teacher_request.topk, self.rank)
+            batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, batches, self.actor_request,
+                                       owners=owners, layout=models.actor_layout)
         with timer("teacher"):
             if teachers is not None:
-                batch.teacher = teachers.score(batch, batch.teacher_rows, pending, mbs, self.temperature,
-                                               topk=teacher_topk, entropy=overlap_k > 0,
+                batch.teacher = teachers.score(batch, batch.teacher_rows, pending, batches, self.teacher_request,
                                                at_ids=batch.actor.topk_support(needs.student_topk),
-                                               on_device=on_gpu_while_used, packing=packing, owners=owners)
+                                               on_device=on_gpu_while_used, owners=owners)
                 if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
                     timer.add("teacher_remote", pending.seconds)
         batch.texts, rewards = rank0_computes(self._texts_and_rewards, samples, examples)

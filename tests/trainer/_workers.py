@@ -30,7 +30,8 @@ def run_presets(rank, world_size, cfgs):
 def two_teachers_rollout(rank, world_size, cfg):
     """One rollout of a two-teacher config; then every teacher scores the WHOLE batch alone. Returns the
     batch's routed teacher scores, the rows of each teacher and each teacher's scores alone (rank 0)."""
-    from megaopd.scoring import score_tokens
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
     from megaopd.scoring.teachers import InJobTeacher
     from megaopd.trainer.trainer import Trainer
 
@@ -40,7 +41,8 @@ def two_teachers_rollout(rank, world_size, cfg):
     alone = {}
     for name, t in trainer.models.teachers.teachers.items():
         if isinstance(t, InJobTeacher):
-            alone[name] = score_tokens(t.runner, batch.tokens_BS, cfg.trainer.micro_batch_size, 1.0).logprobs_BT
+            alone[name] = score_tokens(t.runner, batch.tokens_BS, ScoringBatches(cfg.trainer.micro_batch_size),
+                                       ScoreRequest(1.0)).logprobs_BT
         elif rank == 0:
             alone[name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B).logprobs_BT
     if trainer.run_log is not None:
