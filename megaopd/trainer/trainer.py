@@ -255,7 +255,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- train
     def _train(self, rollout: RolloutBatch | None, golden) -> dict:
         """One optimizer step per mini-batch of the step's rows."""
-        cfg, needs, pgs = self.cfg.trainer, self.needs, self.actor_pgs
+        needs, pgs = self.needs, self.actor_pgs
         mask_BT = None
         if rollout is not None:
             mask_BT = rollout.loss_mask_BT
