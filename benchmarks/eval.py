@@ -68,7 +68,7 @@ def start_servers(hf_dir: str, n: int, max_batch: int) -> tuple[list, list[str]]
     import subprocess
 
     from megaopd.eval.engines import engine_pool
-    from megaopd.parallel.launch import find_free_port
+    from megaopd.parallel.dist import find_free_port
 
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     ports = [find_free_port() for _ in range(n)]

@@ -6,7 +6,8 @@ large vocabulary, measured on CPU for this checkout and for an earlier revision 
 A bf16 random Qwen2 (hidden 64, 2 layers: the model is small on purpose, so the logits [tokens, V] dominate
 as they do for a 1.5B model at 16k tokens x 152k ids) is run through megaopd's PipelineRunner in one gloo
 process:
-    score, packed     score_tokens(..., entropy=True, max_tokens=tokens): one packed row of `seqs` sequences
+    score, packed     score_tokens(..., ScoringBatches(seqs, max_tokens=tokens), ScoreRequest(1.0, entropy=True)):
+                      one packed row of `seqs` sequences
     score, padded     the same rows as one padded micro-batch [seqs, tokens / seqs]
     train, packed     the trainer's step: the actor with the frozen reference in lockstep, MicroBatch.loss_inputs,
                       stable_opd (opd + sft + exact ref_kl), backward
@@ -58,15 +59,16 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
     # is 1.3% of a float32 copy of the logits; at the default size here 4 MiB is about that share.
     ops_common.DEFAULT_CHUNK_BYTES = int(chunk_mib * 2**20)
 
+    from megaopd.batching.fields import OLD_LOGPROBS, TEACHER_LOGPROBS
+    from megaopd.batching.micro_batches import MicroBatch, ScoringBatches, StepCounts
+    from megaopd.batching.packing import PackedRow, Segment
     from megaopd.losses import build_loss
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.dist import destroy_distributed, init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring import PipelineRunner
-    from megaopd.scoring.packing import PackedRow, Segment
-    from megaopd.scoring.passes import score_tokens
-    from megaopd.trainer.micro_batches import MicroBatch, StepCounts
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -88,22 +90,22 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
 
         def score(packed: bool):
             with torch.no_grad():
-                score_tokens(runner, tokens_BS, seqs, 1.0, entropy=True, lengths_B=lengths_B,
-                             max_tokens=tokens if packed else None)
+                score_tokens(runner, tokens_BS, ScoringBatches(seqs, tokens if packed else None, lengths_B),
+                             ScoreRequest(1.0, entropy=True))
 
         row = PackedRow([Segment(0, b, L) for b in range(seqs)], tokens)
         T = tokens - 1
         half = (torch.arange(T) % L) >= L // 2  # response: the second half of each sequence
         mb = MicroBatch(tokens_BS=row.tokens({0: tokens_BS}, 0), loss_mask_BT=half[None].float(),
                         golden_mask_BT=(~half)[None].float(), counts=StepCounts(T / 2, seqs, T / 2, seqs),
-                        old_logprobs_BT=-torch.rand(1, T), teacher_logprobs_BT=-torch.rand(1, T),
+                        inputs={OLD_LOGPROBS: -torch.rand(1, T), TEACHER_LOGPROBS: -torch.rand(1, T)},
                         seq_ids_BT=row.seq_ids(), packed=row)
 
         Tp = L - 1
         half_BT = (torch.arange(Tp) >= L // 2).expand(seqs, Tp)
         padded = MicroBatch(tokens_BS=tokens_BS, loss_mask_BT=half_BT.float(), golden_mask_BT=(~half_BT).float(),
-                            counts=StepCounts(T / 2, seqs, T / 2, seqs), old_logprobs_BT=-torch.rand(seqs, Tp),
-                            teacher_logprobs_BT=-torch.rand(seqs, Tp))
+                            counts=StepCounts(T / 2, seqs, T / 2, seqs),
+                            inputs={OLD_LOGPROBS: -torch.rand(seqs, Tp), TEACHER_LOGPROBS: -torch.rand(seqs, Tp)})
 
         def step_fn(m, logits_BSv, partner_BSv):
             loss, _ = loss_fn(m.loss_inputs(logits_BSv, partner_BSv, pgs.tp, 1.0, loss_fn.needs))

@@ -42,7 +42,7 @@ from megaopd.gpucheck.build import opd_lengths  # noqa: E402
 
 
 def synthetic_rollout(prompt_lens, response_lens, vocab: int):
-    from megaopd.rollout.batch import RolloutBatch
+    from megaopd.rollout.records import RolloutBatch
 
     B, S = len(prompt_lens), max(p + r for p, r in zip(prompt_lens, response_lens))
     g = torch.Generator().manual_seed(1)
@@ -59,23 +59,23 @@ def synthetic_rollout(prompt_lens, response_lens, vocab: int):
 def _worker(rank, world, hf_dir, mode, prompt_lens, response_lens, mbs, max_tokens, repeats):
     torch.set_num_threads(1)
     from megaopd import ops
+    from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches, assemble_packed_micro_batches
     from megaopd.losses import LossNeeds
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring.runner import PipelineRunner
-    from megaopd.trainer.micro_batches import assemble_micro_batches, assemble_packed_micro_batches
 
     pgs = initialize_actor_layout(Layout(world, 1))  # TP = world, one DP replica: the whole batch per rank
     cfg = read_hf_config(hf_dir)
     model = build_gpt_model(cfg, world, 1, pg_collection=pgs)
     rollout = synthetic_rollout(prompt_lens, response_lens, cfg.vocab_size)
     rows, needs = torch.arange(rollout.size), LossNeeds()
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, rows, None)
     if mode == "packed":
-        micro = assemble_packed_micro_batches(rollout, rollout.loss_mask_BT, None, rows, None, 0, 1, needs,
-                                              max_tokens, 0)
+        micro = assemble_packed_micro_batches(mini, 0, 1, needs, max_tokens, 0)
     else:
-        micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, rows, None, 0, 1, needs, mbs, 0)
+        micro = assemble_micro_batches(mini, 0, 1, needs, mbs, 0)
     n_tokens = float(rollout.loss_mask_BT.sum())
 
     def step_fn(mb, logits, _partner):
@@ -122,16 +122,15 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     """Scores the synthetic rollout as the trainer does (actor in its layout, teacher in another, owners from
     row_owners' packed partition) and returns the bytes this rank holds: replicated record + its scores."""
     torch.set_num_threads(1)
-    import dataclasses
-
-    from megaopd.config.model import ModelConfig
-    from megaopd.config.trainer import TrainerConfig
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.batching.owners import RowOwners
+    from megaopd.batching.plan import BatchingPlan
+    from megaopd.batching.shares import row_owners
     from megaopd.losses import LossNeeds
+    from megaopd.models.config import ModelConfig
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
-    from megaopd.rollout.batch import RowOwners
-    from megaopd.scoring.passes import score_tokens
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
     from megaopd.scoring.runner import PipelineRunner
-    from megaopd.trainer.micro_batches import row_owners
     from megaopd.trainer.roles import load_role_model
 
     pgs = initialize_actor_layout(Layout(actor_tp, 1))
@@ -140,12 +139,13 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     teacher = load_role_model(ModelConfig(path=hf_dir, tp=teacher_tp), tpgs, trainable=False)
     V = actor.hf.vocab_size
     rollout = synthetic_rollout(prompt_lens, response_lens, V)
-    cfg = dataclasses.replace(TrainerConfig(), prompts_per_step=rollout.size, max_tokens_per_micro_batch=4096)
-    owners = RowOwners(tuple(row_owners(rollout, None, pgs.dp.size(), LossNeeds(), cfg)), pgs.dp.rank(),
+    plan = BatchingPlan(prompts_per_step=rollout.size, mini_batches=1, micro_batch_size=4, pad_id=0, max_tokens=4096)
+    owners = RowOwners(tuple(row_owners(rollout, None, pgs.dp.size(), LossNeeds(), plan)), pgs.dp.rank(),
                        pgs.dp.size(), pgs.tp.rank() == 0)
-    kw = {"lengths_B": rollout.prompt_lens_B + rollout.response_lens_B, "max_tokens": 4096, "owners": owners}
-    a = score_tokens(PipelineRunner(actor.model, pgs, V), rollout.tokens_BS, 4, 1.0, **kw)
-    t = score_tokens(PipelineRunner(teacher.model, tpgs, V), rollout.tokens_BS, 4, 1.0, topk=K, **kw)
+    batches = ScoringBatches(4, 4096, rollout.prompt_lens_B + rollout.response_lens_B)
+    a = score_tokens(PipelineRunner(actor.model, pgs, V), rollout.tokens_BS, batches, ScoreRequest(1.0), owners=owners)
+    t = score_tokens(PipelineRunner(teacher.model, tpgs, V), rollout.tokens_BS, batches, ScoreRequest(1.0, topk=K),
+                     owners=owners)
     replicated = _bytes_of(rollout.tokens_BS, rollout.loss_mask_BT, rollout.engine_logprobs_BT)
     return {"replicated": replicated, "held": replicated + _bytes_of(a.logprobs_BT, t.logprobs_BT, t.topk_ids_BTK,
                                                                       t.topk_logprobs_BTK), "rows": len(a.rows)}

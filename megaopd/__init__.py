@@ -1,17 +1,19 @@
 """megaopd: on-policy distillation of LLMs with Megatron-core models and SGLang rollouts.
 
-The packages along the data's path of one training step (docs/architecture.md):
+The packages stand on floors (docs/architecture.md; tests/test_layering.py checks them): each imports its
+own floor's package or lower floors only, and the libraries never import an application.
 
-    data      prompts and golden solutions (datasets, templates, tokenization, stop tokens)
-    rollout   engines generate responses -> RolloutBatch (the one record from engine to loss)
-    scoring   the pipeline runner and the scoring passes: actor log pi_old, teacher log q, parity probe
-    losses    every objective as a pure function of a LossInputs record, one registry with LossNeeds
-    sync      weight sync: actor shards -> HF tensors -> engines (in-process, NCCL/gloo group, CUDA IPC)
-    trainer   the step loop composing them: micro-batches, optimizer, checkpoints, run log
-
-No package imports from one later in that order (tests/test_layering.py); the trainer composes them all.
-Libraries any of them may use: config, parallel, models (HF <-> Megatron), ops (vocab-parallel math),
-metrics, eval. `megaopd <command>`: cli.py.
+    0  parallel, ops           distributed start-up and groups; vocab-parallel math
+    1  models, data, metrics,  HF <-> Megatron models; prompts and golden solutions; rollout metrics;
+       losses                  every objective as a pure function of a LossInputs record
+    3  rollout                 engines generate responses -> RolloutBatch / TokenScores records
+    4  batching                rows -> micro-batches: DP shares, row owners, padding, packing, field table
+    5  scoring, sync           the pipeline runner and scoring passes; weight sync to the engines
+    6  eval                    benchmark evaluation
+    7  trainer                 the step loop composing them: optimizer, checkpoints, run log
+    8  config                  the job's schema, composed from each package's own section
+    9  gpucheck                the GPU bring-up check
+`megaopd <command>`: cli.py (entry points, */cli.py, may import any floor).
 """
 
 import warnings as _warnings

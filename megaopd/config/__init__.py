@@ -4,8 +4,5 @@ Loading: `load_config(Schema, preset_yaml, ["key=value", ...])` merges defaults,
 overrides and validates; every error is one ConfigError line naming the key and the fix.
 """
 from megaopd.config.load import ConfigError, load_config, to_yaml
-from megaopd.config.model import ModelConfig, ModelDims, check_layout, read_model_dims
-from megaopd.config.trainer import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig
 
-__all__ = ["ConfigError", "load_config", "to_yaml", "ModelConfig", "ModelDims", "check_layout",
-           "read_model_dims", "LoggingConfig", "OptimizerConfig", "RunConfig", "TrainerConfig"]
+__all__ = ["ConfigError", "load_config", "to_yaml"]

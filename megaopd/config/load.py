@@ -42,9 +42,27 @@ def _merge(schema, other, source: str):
         raise ConfigError(f"bad value for {e.full_key!r} in {source}: {msg}") from None
 
 
+def _dotted_keys(node, prefix: str = "") -> list[str]:
+    """Every key of a loaded YAML mapping, dotted (trainer.max_steps); list items are not descended."""
+    out = []
+    for key, value in node.items_ex(resolve=False) if OmegaConf.is_dict(node) else []:
+        out.append(f"{prefix}{key}")
+        if OmegaConf.is_dict(value):
+            out += _dotted_keys(value, f"{prefix}{key}.")
+    return out
+
+
+def _refuse_removed(removed: dict[str, str], keys: Sequence[str], source: str) -> None:
+    for key in keys:
+        if key in removed:
+            raise ConfigError(f"{key} was removed ({removed[key]}): delete it from {source}")
+
+
 def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None,
                 overrides: Sequence[str] = ()) -> T:
-    """Returns a validated `schema_cls` instance (its __post_init__ checks have run)."""
+    """Returns a validated `schema_cls` instance (its __post_init__ checks have run). Keys the schema lists
+    in a REMOVED_KEYS class attribute ({dotted key: why}) are refused with that reason."""
+    removed = getattr(schema_cls, "REMOVED_KEYS", {})
     cfg = OmegaConf.structured(schema_cls)
     presets = [preset] if isinstance(preset, str) else list(preset or [])
     for path in presets:
@@ -56,10 +74,12 @@ def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None,
         except Exception as e:  # noqa: BLE001 - yaml's scanner/parser errors have no common public base
             raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]} "
                               f"({' '.join(str(e).split()[-4:])})") from None
+        _refuse_removed(removed, _dotted_keys(loaded), path)
         cfg = _merge(cfg, loaded, path)
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. trainer.max_steps=10)")
+    _refuse_removed(removed, [o.split("=", 1)[0] for o in overrides], "the command-line overrides")
     cfg = _merge(cfg, OmegaConf.from_dotlist(list(overrides)), "command-line overrides")
     try:
         obj = OmegaConf.to_object(cfg)

@@ -48,13 +48,51 @@ TP=2 and a psutil measurement on CPU (tests/config/test_plan.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from megaopd.models.hf_config import HFModelConfig, padded_vocab_size
+from megaopd.losses import build_loss_from
+from megaopd.models.config import find_hf_config
+from megaopd.models.hf_config import HFModelConfig, padded_vocab_size, read_hf_config
+
+if TYPE_CHECKING:  # the schema composes PlanConfig from here
+    from megaopd.config.schema import MegaOPDConfig
 
 GB = 1e9
 OPS_CHUNK_BYTES = 128 * 2**20  # megaopd.ops._common.DEFAULT_CHUNK_BYTES: one float32 chunk of logits
 OPS_CHUNKS_LIVE = 3            # a chunk's logits in float32, its softmax and a gradient (or q's chunk)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class PlanConfig:
+    """Inputs of `megaopd plan` (per-GPU memory of the configured layout) that the rest of the config
+    does not say: the GPU, the engines' share, what the model leaves out."""
+
+    gpu_memory_gb: float = 141.0
+    """Memory of one GPU in GB (1e9 bytes): 141 for an H200, 80 for an H100."""
+    engine_memory_fraction: float = 0.5
+    """Colocated engines (rollout.colocated): the share of GPU memory they hold while generating (SGLang
+    --mem-fraction-static; slurm/common.sh ENGINE_MEM_FRACTION, 0.5 colocated)."""
+    engine_released_gb: float = 3.0
+    """What a colocated engine keeps after releasing its weights and KV cache (CUDA context, CUDA graphs)."""
+    reserved_gb: float = 5.0
+    """The trainer's CUDA context, NCCL buffers and allocator fragmentation, as one flat amount."""
+    attention: str = "flash"
+    """flash: fused attention (Transformer Engine / flash-attention on GPU) saves no S x S scores; unfused:
+    megatron's local attention (CPU, or no TE) saves scores and probabilities."""
+    max_tokens: int = 0
+    """Tokens per row to plan for; 0: data.max_prompt_len + the longer of rollout.max_new_tokens and (for
+    losses that train on golden solutions) data.max_golden_len."""
+
+    def __post_init__(self):
+        if self.gpu_memory_gb <= 0:
+            raise ValueError(f"plan.gpu_memory_gb={self.gpu_memory_gb} must be positive (141 for an H200)")
+        if not 0 <= self.engine_memory_fraction < 1:
+            raise ValueError(f"plan.engine_memory_fraction={self.engine_memory_fraction} must be in [0, 1)")
+        if self.attention not in ("flash", "unfused"):
+            raise ValueError(f"plan.attention={self.attention!r}: choose flash or unfused")
+        if self.max_tokens < 0:
+            raise ValueError(f"plan.max_tokens={self.max_tokens} must be >= 0 (0: from data and rollout)")
 
 
 @dataclass(frozen=True)
@@ -302,3 +340,34 @@ def explain_overflow(plan: Plan, top: int = 3) -> str:
     parts = [f"{i.name} {getattr(i, phase) / GB:.1f} GB ({i.hint})" for i in biggest if i.hint]
     return (f"does not fit: the {phase} phase needs {plan.total(phase) / GB:.1f} GB per GPU, "
             f"{over / GB:.1f} GB more than plan.gpu_memory_gb={plan.gpu_bytes / GB:g}; biggest: " + "; ".join(parts))
+
+
+def plan_for(cfg: MegaOPDConfig) -> Plan:
+    """The Plan of a loaded config (reads the models' config.json files)."""
+    needs = build_loss_from(cfg.loss).needs
+
+    def role(name, section, path=None):
+        hf = read_hf_config(find_hf_config(path or section.path))
+        return RoleLayout(name, hf, section.tp, section.pp, section.dtype, section.recompute,
+                          section.sequence_parallel, section.offload_between_uses and name != "student", section.ep)
+
+    student = role("student", cfg.student)
+    reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path) if needs.reference else None
+    # The in-job teacher's weights share the GPUs (a served one's do not). build_plan counts one teacher: with
+    # several in-job teachers, the first.
+    in_job = [t for t in cfg.teachers if t.engine == "megatron"]
+    teacher = role("teacher", in_job[0]) if in_job else None
+    seq = cfg.plan.max_tokens or cfg.data.max_prompt_len + max(
+        cfg.rollout.max_new_tokens if needs.on_policy else 0, cfg.data.max_golden_len if needs.golden else 0)
+    # Packed micro-batches (the default) hold max_tokens_per_micro_batch tokens whatever micro_batch_size is;
+    # a GRPO group is packed whole (rewards), so a group longer than the budget is one micro-batch.
+    group = cfg.trainer.samples_per_prompt if needs.rewards else 1
+    packed = packed_micro_batch_tokens(cfg.trainer.max_tokens_per_micro_batch, seq, group) \
+        if cfg.trainer.pack_sequences else 0
+    return build_plan(student, reference, teacher, world_size=cfg.run.world_size,
+                      micro_batch_rows=cfg.trainer.micro_batch_size, seq_len=seq, packed_tokens=packed,
+                      use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                      colocated=cfg.rollout.colocated and cfg.rollout.engine == "remote",
+                      gpu_memory_gb=cfg.plan.gpu_memory_gb, engine_memory_fraction=cfg.plan.engine_memory_fraction,
+                      engine_released_gb=cfg.plan.engine_released_gb, reserved_gb=cfg.plan.reserved_gb,
+                      flash_attention=cfg.plan.attention == "flash")

@@ -2,20 +2,27 @@
 
     megaopd train examples/tiny/stable_opd.yaml run.dir=runs/x trainer.max_steps=3
 
-Sections: run, student, reference (ModelConfig each), teacher (TeacherConfig: in the job or remote) or
-teachers (a list of named TeacherConfig, routed per data source), trainer, optimizer, logging, rollout,
-loss (megaopd.losses), data (megaopd.data), metrics, validation, plan (`megaopd plan` only).
+Sections, each a dataclass owned by the package that builds from it: student, reference (ModelConfig,
+models/config.py); teacher or teachers (TeacherConfig, scoring/config.py: in the job or remote; a named
+list routed per data source); run, trainer, optimizer, logging, validation (trainer/config.py); rollout
+(rollout/config.py); loss (megaopd.losses); data (data/config.py); metrics (metrics/config.py); plan
+(config/plan.py, `megaopd plan` only). This module is the top floor: it imports every package's section
+and no package imports it (the trainer names MegaOPDConfig in annotations only).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, List
 
-from megaopd.config.model import ModelConfig, TeacherConfig, check_context, check_layout
-from megaopd.config.sections import MetricsConfig, PlanConfig, RolloutConfig, ValidationConfig
-from megaopd.config.trainer import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig
+from megaopd.config.plan import PlanConfig
 from megaopd.data.config import DataConfig
 from megaopd.losses import LossConfig
+from megaopd.metrics.config import MetricsConfig
+from megaopd.models.config import ModelConfig, check_context, check_role_layout
+from megaopd.rollout.config import RolloutConfig
+from megaopd.scoring.config import TeacherConfig
+from megaopd.trainer.config import (LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig,
+                                    ValidationConfig)
 
 
 @dataclass
@@ -26,11 +33,12 @@ class MegaOPDConfig:
     reference: ModelConfig = field(default_factory=ModelConfig)
     """The student's initial weights for the reference KL; an empty path means student.path."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    """The one teacher: a forward-only Megatron scorer with its own tp/pp over the same ranks (engine
-    megatron), or SGLang servers scoring by prefill (engine remote, urls)."""
+    """Input shorthand for a one-teacher job: a forward-only Megatron scorer with its own tp/pp over the
+    same ranks (engine megatron), or SGLang servers scoring by prefill (engine remote, urls). Loading folds
+    it into `teachers` (named "teacher" unless it has a name) and leaves this section empty."""
     teachers: List[TeacherConfig] = field(default_factory=list)
-    """Several named teachers (each megatron or remote) instead of `teacher`; every data source names its
-    teacher (data.sources[].teacher) and each sample is scored by the teacher of its prompt's source."""
+    """The job's teachers, named (each megatron or remote): the one list code reads. With several, every data
+    source names its teacher (data.sources[].teacher) and each sample is scored by its prompt's source's."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -41,6 +49,25 @@ class MegaOPDConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     """Read only by `megaopd plan` (the GPU's memory, the engines' share); the trainer ignores it."""
+
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "trainer.log_interval": "it was never read: every step is logged",
+    }
+    """Keys a config may still name from an older megaopd, and why they went: load_config stops at them
+    with that reason (an unknown key would only say it is unknown)."""
+
+    def __post_init__(self):
+        # One teacher list, made while the config is built (OmegaConf.to_object runs this), so that nothing
+        # changes the config after load and no reader has to know about the shorthand.
+        if self.teacher.configured:
+            if self.teachers:
+                raise ValueError("both `teacher` and `teachers` are set: use `teacher` for one teacher or "
+                                 "`teachers` (a named list) for several, not both")
+            self.teachers = [replace(self.teacher, name=self.teacher.name or "teacher")]
+            self.teacher = TeacherConfig()
+        names = [t.name for t in self.teachers]
+        if any(not n for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"teachers[].name must be set and distinct, got {names}")
 
     def max_row_tokens(self, needs) -> tuple[int, str]:
         """The longest row the job builds (prompt + the longest response it generates or trains on)."""
@@ -56,19 +83,20 @@ class MegaOPDConfig:
         from megaopd.losses import build_loss_from
         needs = build_loss_from(self.loss).needs  # unknown loss names and keys fail here
         world = self.run.world_size
-        student_dims = check_layout("student", self.student, world)
-        teachers = self.teacher_list()
+        student_dims = check_role_layout("student", self.student, world)
+        teachers = self.teachers
         if needs.teacher and not teachers:
             raise ValueError(f"loss {self.loss.name!r} needs a teacher: set teacher.path=DIR (an HF directory or a "
                              f"megaopd checkpoint), or teacher.engine=remote with teacher.urls")
         tokens, why = self.max_row_tokens(needs)
         check_context("student", self.student.path, student_dims, tokens, why)
         for i, t in enumerate(teachers):
-            key = "teacher" if not self.teachers else f"teachers[{i}] ({t.name})"
+            # The `teacher:` shorthand's errors name its keys (teacher.tp, ...), as the user wrote them.
+            key = "teacher" if len(teachers) == 1 and t.name == "teacher" else f"teachers[{i}] ({t.name})"
             if t.engine == "megatron":
                 # Embedding sizes may differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what must
                 # match is the tokenizer, which the trainer compares before loading any model.
-                teacher_dims = check_layout(key, t, world)
+                teacher_dims = check_role_layout(key, t, world)
                 check_context(key, t.path, teacher_dims, tokens, why)
                 continue
             if not t.urls:
@@ -101,7 +129,7 @@ class MegaOPDConfig:
                 f"share the student's layout so their vocab shards and expert groups line up; set "
                 f"reference.tp={self.student.tp} reference.pp={self.student.pp} reference.ep={self.student.ep}")
         if self.reference.path:
-            ref_dims = check_layout("reference", self.reference, world)
+            ref_dims = check_role_layout("reference", self.reference, world)
             if ref_dims != student_dims:
                 raise ValueError(f"reference {self.reference.path} has other sizes than student "
                                  f"{self.student.path} ({ref_dims} vs {student_dims}): the reference must be "
@@ -110,23 +138,6 @@ class MegaOPDConfig:
             raise ValueError("trainer.prompts_per_step*samples_per_prompt must be a multiple of "
                              "trainer.mini_batches_per_step")
         self.data.validate()
-
-    def teacher_list(self) -> list[TeacherConfig]:
-        """The job's teachers, named: `teachers`, or the single `teacher` section (named "teacher" unless
-        it has a name); empty when the loss reads no teacher and none is configured."""
-        if self.teachers:
-            if self.teacher.configured:
-                raise ValueError("both `teacher` and `teachers` are set: use `teacher` for one teacher or "
-                                 "`teachers` (a named list) for several, not both")
-            names = [t.name for t in self.teachers]
-            if any(not n for n in names) or len(set(names)) != len(names):
-                raise ValueError(f"teachers[].name must be set and distinct, got {names}")
-            return list(self.teachers)
-        if not self.teacher.configured:
-            return []
-        if not self.teacher.name:
-            self.teacher.name = "teacher"
-        return [self.teacher]
 
     def _check_routing(self, teachers: list[TeacherConfig]) -> None:
         """Every data source names one of the teachers (several teachers), or none / the one (one teacher)."""

@@ -197,7 +197,7 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
 def _planned_peak_gib(yaml_path: str, overrides: list[str]) -> float | None:
     """`megaopd plan`'s per-GPU peak for the run the bench starts (None if it cannot be planned)."""
     from megaopd.config import load_config
-    from megaopd.config.cli import plan_for
+    from megaopd.config.plan import plan_for
     from megaopd.config.schema import MegaOPDConfig
 
     try:
@@ -252,12 +252,12 @@ def bench_packing(table: Table, device, shape: str, vocab: int, sequences: int =
     (THD rows of at most the longest sequence's tokens; the varlen flash kernel on CUDA): time, peak memory,
     useful-token fraction, and the ratios."""
     from megaopd import ops
+    from megaopd.batching.packing import PackedRow, Segment, pack_by_budget
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.dist import init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring.runner import PipelineRunner
-    from megaopd.scoring.packing import PackedRow, Segment, pack_by_budget
 
     init_distributed()
     pgs = initialize_actor_layout(Layout(1, 1))

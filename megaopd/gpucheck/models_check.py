@@ -35,9 +35,9 @@ def packed_lengths(batch: int, seq: int) -> list[int]:
 def _megatron_out(cfg, hf_state, ids, dtype, vocab, lengths):
     """Padded logits [b, s, V] and log-probs [b, s - 1], and the packed row's log-probs per sequence."""
     from megaopd import ops
+    from megaopd.batching.packing import PackedRow, Segment
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.weights import load_hf_weights
-    from megaopd.scoring.packing import PackedRow, Segment
     from megaopd.scoring.runner import _packed_seq_params
 
     model = build_gpt_model(cfg, 1, 1, dtype=dtype, init_weights=False).eval()

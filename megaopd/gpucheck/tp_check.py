@@ -61,7 +61,7 @@ def _worker(rank: int, port: int, device_type: str, inp: dict, out_dir: str) -> 
 def check_tp2(table: Table, device, dtypes, vocab: int, tokens: int) -> None:
     import torch.multiprocessing as mp
 
-    from megaopd.parallel.launch import find_free_port
+    from megaopd.parallel.dist import find_free_port
 
     for dtype_name in dtypes:
         with table.guard("d", "TP=2 gloo", dtype_name):

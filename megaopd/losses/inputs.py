@@ -15,13 +15,13 @@ accumulated over micro-batches and summed (averaged then rescaled) over DP then 
 one big batch exactly. Left as None they default to this micro-batch's own counts (one micro-batch, one
 DP rank), which is what a test or a metric-only call wants.
 
-Mapping from megaopd.rollout.batch.RolloutBatch (via megaopd.trainer.micro_batches): token_ids_BT = targets_BT, rewards_S = rewards_B,
-group_ids_S = group_ids_B (rows are sequences). Megatron's logits come sequence-first [T, B, v]:
+Mapping from megaopd.rollout.records.RolloutBatch (via megaopd.batching.micro_batches): token_ids_BT =
+targets_BT, rewards_S = rewards_B, group_ids_S = group_ids_B (rows are sequences). Megatron's logits come sequence-first [T, B, v]:
 transpose them and make them contiguous (the ops otherwise copy).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -111,7 +111,10 @@ class LossInputs:
         if self.logits_BTv.shape[:2] != (B, T):
             raise ValueError(f"logits_BTv {tuple(self.logits_BTv.shape)} and token_ids_BT {(B, T)} differ "
                              f"in [B, T]: shift logits and ids so position t predicts token t")
-        for name in ("loss_mask_BT", "seq_ids_BT", "old_logprobs_BT", "teacher_logprobs_BT", "ref_logprobs_BT"):
+        # Every [B, T] field but the ids themselves and the golden rows' own (which may have another [Bg, Tg]).
+        per_token = [f.name for f in fields(self) if f.name.endswith("_BT") and f.name != "token_ids_BT"
+                     and not f.name.startswith("golden_")]
+        for name in per_token:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (B, T):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {(B, T)} like token_ids_BT")

@@ -103,7 +103,7 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, t
     from megaopd.models.builder import build_gpt_model, torch_dtype
     from megaopd.models.checkpoint import load_model_checkpoint, read_checkpoint_meta
     from megaopd.models.hf_io import save_hf_dir
-    from megaopd.sync.gather import gather_hf_weights, model_state
+    from megaopd.models.gather import gather_hf_weights, model_state
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
     pgs = initialize_actor_layout(Layout(tp, pp))

@@ -2,7 +2,7 @@
 
 Two directions, both per rank:
     shard_hf_weights(get_hf, cfg, tp_rank, tp_size, pp_rank, pp_size)  HF tensors -> this rank's megatron shard
-    megaopd.sync.gather.gather_hf_weights(state, cfg, tp_group, pp_group)  this rank's shard -> full HF
+    megaopd.models.gather.gather_hf_weights(state, cfg, tp_group, pp_group)  this rank's shard -> full HF
                                                                         tensors (collective; built on merge_shards)
 and their single-process cores, which need no process group:
     shard_tensor(rule, hf_tensors, cfg, tp_rank, tp_size) / merge_shards(rule, shards, cfg)

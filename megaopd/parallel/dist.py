@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,13 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def find_free_port() -> int:
+    """A TCP port free on this host now (the OS picks it; another process may take it before it is bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> None:
     """Initializes the default process group once (idempotent) and the CPU compatibility if needed.
 
@@ -68,8 +76,6 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> N
     if "WORLD_SIZE" not in os.environ:
         # A one-process group of its own. A tcp:// rendezvous instead of MASTER_* variables leaves nothing
         # in the environment for child processes (a later torchrun or sbatch) to inherit.
-        from megaopd.parallel.launch import find_free_port
-
         dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0,
                                 world_size=1, timeout=timeout)
         return

@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
-
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megaopd.parallel.dist import find_free_port
 
 
 class WorkerError(RuntimeError):

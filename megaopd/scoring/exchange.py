@@ -81,17 +81,6 @@ def scatter_received(values_N: torch.Tensor, received: Sequence[int], counts: Se
     return out
 
 
-def owner_ranks(dp_rank: int, sends: bool, device: torch.device) -> tuple[tuple[int, bool], ...]:
-    """Per global rank, its actor DP rank and whether it speaks for its replica (RowOwners.ranks): one small
-    all_gather, once per run (the layout does not change)."""
-    mine = torch.tensor([dp_rank, int(sends)], dtype=torch.long, device=device)
-    if world_size() == 1:
-        return ((dp_rank, sends),)
-    parts = [torch.empty_like(mine) for _ in range(world_size())]
-    dist.all_gather(parts, mine)
-    return tuple((int(p[0]), bool(p[1])) for p in parts)
-
-
 def pack_columns(columns: Sequence[torch.Tensor]) -> torch.Tensor:
     """[N, c_i] float32 / int32 columns -> one [N, sum c_i] float32 payload (int32 reinterpreted bit for bit)."""
     parts = []

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from megaopd.rollout.batch import TokenScores
+from megaopd.rollout.records import TokenScores
 from megaopd.rollout.client import EngineRequestError, HttpEngine, HttpEngineConfig
 from megaopd.rollout.pool import SpreadError, spread_jobs
 from megaopd.rollout.schema import PrefillScores

@@ -6,7 +6,7 @@
 Every scoring pass, the training step, `megaopd logprobs` and the parity probe run their models
 through it. A micro-batch is any record with `tokens_BS` [b, S] (long) and `to(device)`; every
 micro-batch of one run has the same [b, S] shape when PP > 1 (pipeline buffers are fixed-size). A record
-whose `packed` attribute is a `megaopd.scoring.packing.PackedRow` is one packed row [1, total] of several
+whose `packed` attribute is a `megaopd.batching.packing.PackedRow` is one packed row [1, total] of several
 sequences: the runner passes megatron's PackedSeqParams (THD, cu_seqlens) and per-sequence position ids, and
 the model's core attention keeps every sequence to itself (models/packed_attention.py, or TE's). This is the one
 place where micro-batches move to the model's device: `step_fn` receives the moved record, so every
@@ -110,9 +110,6 @@ class PipelineRunner:
         # micro-batches of one shape in lockstep: an EP > 1 model takes the padded path, never packed rows.
         ep = getattr(pg_collection, "ep", None)
         self.packs = ep is None or ep.size() == 1
-        self.world_dp: tuple[tuple[int, bool], ...] | None = None
-        """Per global rank, its DP rank in this layout and whether it speaks for its share (TP rank 0 of the
-        last stage): gathered by the first scoring pass (scoring/passes.py) and kept, the layout being fixed."""
 
     def run(self, micro_batches: Sequence[M], step_fn: StepFn, forward_only: bool) -> list[Any] | None:
         """Runs every micro-batch; returns step_fn's results in order on the last pipeline stage, None on

@@ -18,6 +18,7 @@ produced it (entropy: in-job teachers only).
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,11 +26,14 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
+from megaopd.batching.micro_batches import ScoringBatches
+from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, rank0_computes
-from megaopd.rollout.batch import RolloutBatch, RowOwners, TokenScores
-from megaopd.scoring.exchange import owner_ranks, pack_columns, route_rows, scatter_received, unpack_columns
-from megaopd.scoring.passes import score_tokens
+from megaopd.rollout.records import (LOGPROBS, SCORE_FIELDS, TOPK_IDS, TOPK_LOGPROBS, RolloutBatch,
+                                     TokenScores)
+from megaopd.scoring.exchange import pack_columns, route_rows, scatter_received, unpack_columns
+from megaopd.scoring.passes import ScoreRequest, score_tokens
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.runner import PipelineRunner
 
@@ -43,6 +47,8 @@ class InJobTeacher:
     model: torch.nn.Module
     offload: bool = False
     """Park in CPU memory between uses (GPU only; the caller's `on_device` context does the moves)."""
+    layout: WorldLayout | None = None
+    """Its scorer_layout, gathered once at start-up (None: each pass gathers it)."""
 
 
 Teacher = InJobTeacher | RemoteTeacher
@@ -118,15 +124,15 @@ class TeacherSet:
         return pending
 
     def score(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
-              micro_batch_size: int, temperature: float, topk: int = 0, entropy: bool = False,
-              at_ids: TokenScores | None = None,
+              batches: ScoringBatches, request: ScoreRequest, at_ids: TokenScores | None = None,
               on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None,
-              packing: dict | None = None, owners: RowOwners | None = None) -> TokenScores:
+              owners: RowOwners | None = None) -> TokenScores:
         """The teacher scores of this rank's owned rows (owners.rows(); None: every row), each row from its
         routed teacher. Collective over the world (in-job teachers' passes, each routing its rows to their
-        owners, then rank 0's served teachers' results routed to their owners the same way). at_ids: the ids to score at
-        (the student's top-k) as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows). packing:
-        score_tokens' lengths_B (of the whole batch) and max_tokens, or None for the padded path."""
+        owners, then rank 0's served teachers' results routed to their owners the same way). batches: the
+        cut of the whole batch (each teacher takes its rows' subset); request: what the in-job teachers
+        compute (served ones give what start_remote asked). at_ids: the ids to score at (the student's top-k)
+        as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows)."""
         on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
         owners = owners if owners is not None else RowOwners.replicated(batch.size, global_rank())
         parts: dict[str, TokenScores] = {}
@@ -136,15 +142,13 @@ class TeacherSet:
                 continue
             idx = torch.tensor(rows, dtype=torch.long)
             sub = owners.subset(rows)
-            # Rows are independent (right padding, causal attention): a teacher scores its rows only.
-            packed = {} if not packing else {"lengths_B": packing["lengths_B"][idx],
-                                             "max_tokens": packing.get("max_tokens")}
             sub_at = None
             if at_ids is not None:
                 sub_at = at_ids.topk_ids_BTK[at_ids.index([rows[i] for i in sub.rows()])]
             with on_device(t.model, t.offload):
-                part = score_tokens(t.runner, batch.tokens_BS[idx], micro_batch_size, temperature, topk=topk,
-                                    entropy=entropy, at_ids_BTK=sub_at, owners=sub, **packed)
+                # Rows are independent (right padding, causal attention): a teacher scores its rows only.
+                part = score_tokens(t.runner, batch.tokens_BS[idx], batches.subset(idx), request, at_ids_BTK=sub_at,
+                                    owners=sub, layout=t.layout)
             part.rows = [rows[i] for i in part.rows]  # sub-batch rows -> batch rows
             parts[name] = part
         parts.update(self._route_remote(batch, rows_of, pending, owners))
@@ -181,36 +185,31 @@ class TeacherSet:
         # Row b's response tokens are predicted at positions p - 1 .. p + r - 2: only those r travel.
         spans = [range(p - 1, p - 1 + r) if r > 0 else range(0) for p, r in zip(prompt_B, response_B)]
         held_rows = sorted(b for rows in served.values() for b in rows)  # rank 0 holds them all
-        ranks = owners.ranks if owners.ranks is not None else owner_ranks(owners.dp_rank, owners.sends, device)
-        replica = [frozenset(r for r, (d, _s) in enumerate(ranks) if d == o) for o in range(owners.dp_size)]
-        dests = [replica[o] for o in owners.owner_B]
-        widths, dtypes = [1], [torch.float32]
-        if K:
-            widths, dtypes = [1, K, K], [torch.float32, torch.int32, torch.float32]
+        layout = owners.world_layout(device)
+        dests = [layout.replica(o) for o in owners.owner_B]
+        fields = [LOGPROBS, TOPK_IDS, TOPK_LOGPROBS] if K else [LOGPROBS]  # what a served teacher gives
+        widths = [max(1, math.prod(f.trailing(K, 0))) for f in fields]
         payload = None
         if me == 0:
             teacher_of = {b: name for name, rows in served.items() for b in rows}
-            cols: list[list[torch.Tensor]] = [[] for _ in widths]
+            cols: list[list[torch.Tensor]] = [[] for _ in fields]
             for b in held_rows:
                 scores, span = pending.results[teacher_of[b]], spans[b]
-                cols[0].append(scores.logprobs_BT[b, span.start:span.stop].reshape(-1, 1))
-                if K:
-                    cols[1].append(scores.topk_ids_BTK[b, span.start:span.stop].int())
-                    cols[2].append(scores.topk_logprobs_BTK[b, span.start:span.stop])
-            payload = pack_columns([torch.cat(c).float() if dt == torch.float32 else torch.cat(c)
-                                    for c, dt in zip(cols, dtypes)]).to(device)
-        held = [held_rows] + [[] for _ in range(len(ranks) - 1)]
+                for col, f, w in zip(cols, fields, widths):
+                    col.append(getattr(scores, f.name)[b, span.start:span.stop].reshape(-1, w).to(f.dtype))
+            payload = pack_columns([torch.cat(c) for c in cols]).to(device)
+        held = [held_rows] + [[] for _ in range(len(layout.places) - 1)]
         counts, starts = [len(sp) for sp in spans], [sp.start for sp in spans]
         received, values = route_rows(payload, held, dests, counts, sum(widths), device)
-        columns = unpack_columns(values, widths, dtypes)
+        columns = unpack_columns(values, widths, [f.dtype for f in fields])
         mine = set(owners.rows())
         out = {}
         for name, rows in served.items():
             kept = [b for b in rows if b in mine]
-            dense = [scatter_received(c, received, counts, kept, T, starts) for c in columns]
-            out[name] = TokenScores(logprobs_BT=dense[0][..., 0], rows=kept)
-            if K:
-                out[name].topk_ids_BTK, out[name].topk_logprobs_BTK = dense[1], dense[2]
+            dense = {f.name: scatter_received(c, received, counts, kept, T, starts).reshape(len(kept), T,
+                                                                                           *f.trailing(K, 0))
+                     for f, c in zip(fields, columns)}
+            out[name] = TokenScores(**dense, rows=kept)
         return out
 
     def _merge(self, batch: RolloutBatch, mine: list[int], parts: dict[str, TokenScores]) -> TokenScores:
@@ -218,17 +217,16 @@ class TeacherSet:
         T = batch.tokens_BS.shape[1] - 1
         out = TokenScores(logprobs_BT=torch.zeros(len(mine), T), rows=list(mine))
         where = {b: i for i, b in enumerate(mine)}
-        fields = ("entropy_BT", "topk_ids_BTK", "topk_logprobs_BTK", "at_ids_logprobs_BTK")
-        keep = {f: all(getattr(p, f) is not None for p in parts.values()) and bool(parts) for f in fields}
+        # Log-probs always; any other field only when every teacher produced it.
+        keep = [f for f in SCORE_FIELDS
+                if f is LOGPROBS or (parts and all(getattr(p, f.name) is not None for p in parts.values()))]
         for part in parts.values():
             dst = torch.tensor([where[b] for b in part.rows], dtype=torch.long)
-            for f in ("logprobs_BT",) + fields:
-                if f != "logprobs_BT" and not keep[f]:
-                    continue
-                value = getattr(part, f)
-                if getattr(out, f) is None:
-                    setattr(out, f, torch.zeros((len(mine), *value.shape[1:]), dtype=value.dtype))
-                getattr(out, f)[dst] = value
+            for f in keep:
+                value = getattr(part, f.name)
+                if getattr(out, f.name) is None:
+                    setattr(out, f.name, torch.zeros((len(mine), *value.shape[1:]), dtype=value.dtype))
+                getattr(out, f.name)[dst] = value
         return out
 
 

@@ -3,9 +3,8 @@
     sync = WeightSync(engine if rank == 0 else None, cfg.rollout, rank)
     sync.push(actor_model, actor_hf_cfg, actor_pgs, weight_version=str(step))   # collective
 
-Modules (one job each):
-    gather       this rank's Megatron shards -> full HF-named tensors (TP all-gather, PP collection),
-                 on the one mapping of megaopd.models.weights
+Modules (one job each; the gather of this rank's shards into full HF-named tensors is
+megaopd.models.gather, which the checkpoint converter uses too):
     in_process   transport "in_process": update_weights on an engine in this process
     distributed  transport "dist_group": SGLang's /update_weights_from_distributed over that group
     cuda_ipc     transport "cuda_ipc": SGLang's /update_weights_from_tensor with CUDA IPC handles

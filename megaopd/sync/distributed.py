@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 import torch
 
-from megaopd.parallel.launch import find_free_port
+from megaopd.parallel.dist import find_free_port
 from megaopd.rollout.client import EngineError, HttpEngine
 from megaopd.rollout import weight_wire as wire
 from megaopd.parallel import custom_group as dist_group

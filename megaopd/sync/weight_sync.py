@@ -10,7 +10,7 @@ push() is collective over `group` (default: torch's default group) and the actor
        ranks take part (cuda_ipc) and which ranks feed which engine GPU;
     2. colocated engines: every rank empties its CUDA cache (the trainer's cached blocks would leave
        the engines too little memory), then rank 0 resumes "weights" on the engines that released them;
-    3. gather (megaopd.sync.gather: over TP, over EP for a MoE actor's experts, then PP) and send (the transports); ranks that send nothing drain the gather;
+    3. gather (megaopd.models.gather: over TP, over EP for a MoE actor's experts, then PP) and send (the transports); ranks that send nothing drain the gather;
     4. colocated engines: rank 0 resumes "kv_cache" and "cuda_graph" where released (SGLang's order
        after training: weights first, then the KV cache, so the two never compete for memory);
     5. a barrier: no rank runs ahead while the engines still load.
@@ -27,10 +27,10 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from megaopd.config.sections import RolloutConfig
+from megaopd.models.gather import gather_hf_weights, model_state
+from megaopd.rollout.config import RolloutConfig
 from megaopd.sync.cuda_ipc import CudaIpcTransport, IpcLayout, feeder_ranks
 from megaopd.sync.distributed import DistGroupTransport, DistributedUpdateConfig
-from megaopd.sync.gather import gather_hf_weights, model_state
 from megaopd.sync.in_process import InProcessTransport
 
 TRANSPORTS = ("in_process", "dist_group", "cuda_ipc")

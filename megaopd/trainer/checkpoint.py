@@ -6,18 +6,23 @@
                              so `megaopd eval --ckpt`, `megaopd logprobs`, convert_megatron_to_hf.py and
                              `student.path=` all take it as it is
       optimizer/             Adam state (dist_checkpointing, sharded like the model)
-      trainer_state.json     step, world size, the actor's layout {tp, pp, ep}, lr scheduler, data position,
-                             collapse detector, weight version, ...
+      trainer_state.json     step, world size, the actor's layout {tp, pp, ep}; each Stateful component's
+                             state under its key (lr scheduler, data position, collapse detector); metadata
+                             for people and tools (weight version, model paths), never read back
       rng/rank_R.safetensors each rank's torch RNG state (uint8 tensors, no pickle)
 
 A checkpoint is written under a temporary name and renamed when every rank has finished, then `latest`
 is replaced atomically: a run killed mid-save resumes from the previous complete checkpoint.
+
+The trainer's small state travels as Stateful components (torchtitan's pattern): save and resume get the
+same {key: object} mapping, so each key is named in one place and each object says what it keeps.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from typing import Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,36 @@ from megaopd.models import compat
 from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint, saved_ep
 
 LATEST = "latest"
+
+
+class Stateful(Protocol):
+    """What a checkpoint restores of one object besides the model, the optimizer and the RNG."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def trainer_state(step: int, world_size: int, layout: dict, components: Mapping[str, Stateful],
+                  meta: Mapping[str, object]) -> dict:
+    """trainer_state.json's contents: step, world size and layout (read back on resume), then each component's
+    state_dict() under its key, then `meta` (for people and tools; never read back)."""
+    clash = ({"step", "world_size", "layout"} | set(components)) & set(meta)
+    if clash:
+        raise ValueError(f"checkpoint metadata keys {sorted(clash)} would overwrite saved state")
+    return {"step": step, "world_size": world_size, "layout": layout,
+            **{key: c.state_dict() for key, c in components.items()}, **meta}
+
+
+def restore_components(state: dict, components: Mapping[str, Stateful], path: str) -> int:
+    """Loads each component from its key of trainer_state.json's contents; returns the saved step."""
+    missing = [key for key in components if key not in state]
+    if missing:
+        raise ValueError(f"{path}/trainer_state.json has no state for {missing}: it was written by another "
+                         f"version of megaopd; start a new run.dir")
+    for key, c in components.items():
+        c.load_state_dict(state[key])
+    return int(state["step"])
 
 
 def checkpoints_dir(run_dir: str) -> str:
@@ -68,10 +103,12 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, trainer_state: dict, hf_cfg, hf_side_dir: str,
-                    keep: int = 2) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory. hf_cfg / hf_side_dir: the
-    student's architecture and the directory whose config.json and tokenizer files are copied in."""
+def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, components: Mapping[str, Stateful],
+                    meta: Mapping[str, object], hf_cfg, hf_side_dir: str, keep: int = 2) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory. components: the Stateful objects
+    load_checkpoint restores (rank 0's are saved: they are the same on every rank); meta: what
+    trainer_state.json records for people and tools. hf_cfg / hf_side_dir: the student's architecture and
+    the directory whose config.json and tokenizer files are copied in."""
     rank = dist.get_rank()
     name = f"step_{step:06d}"
     final = os.path.join(checkpoints_dir(run_dir), name)
@@ -88,8 +125,7 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, trainer_stat
     if rank == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             layout = {"tp": pgs.tp.size(), "pp": pgs.pp.size(), "ep": saved_ep(pgs)}
-            json.dump({"step": step, "world_size": dist.get_world_size(), "layout": layout, **trainer_state}, f,
-                      indent=1)
+            json.dump(trainer_state(step, dist.get_world_size(), layout, components, meta), f, indent=1)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         pointer_tmp = os.path.join(checkpoints_dir(run_dir), LATEST + ".tmp")
@@ -107,10 +143,11 @@ def _prune(run_dir: str, keep: int) -> None:
         shutil.rmtree(os.path.join(checkpoints_dir(run_dir), old), ignore_errors=True)
 
 
-def load_checkpoint(path: str, model, optimizer, pgs, restore_rng: bool = True) -> dict:
-    """Collective. Loads weights and optimizer state in place; returns trainer_state.json's contents."""
+def load_checkpoint(path: str, model, optimizer, pgs, components: Mapping[str, Stateful],
+                    restore_rng: bool = True) -> int:
+    """Collective. Loads weights, optimizer state and every component in place; returns the saved step."""
     with open(os.path.join(path, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
+        state = json.load(f)
     load_model_checkpoint(model, path, pgs)
     if optimizer is not None:
         compat.init_optimizer_states_for_loading(optimizer)
@@ -118,9 +155,9 @@ def load_checkpoint(path: str, model, optimizer, pgs, restore_rng: bool = True) 
                                          os.path.join(path, "optimizer"))
         optimizer.load_state_dict(loaded["optimizer"])
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.safetensors")
-    if restore_rng and trainer_state.get("world_size") == dist.get_world_size() and os.path.exists(rng_file):
+    if restore_rng and state.get("world_size") == dist.get_world_size() and os.path.exists(rng_file):
         rng = load_file(rng_file)
         torch.set_rng_state(rng["torch_cpu"])
         if torch.cuda.is_available() and "torch_cuda" in rng:
             torch.cuda.set_rng_state(rng["torch_cuda"])
-    return trainer_state
+    return restore_components(state, components, path)

@@ -28,7 +28,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megaopd.config.trainer import OptimizerConfig
+from megaopd.trainer.config import OptimizerConfig
 
 
 def wrap_for_training(model: torch.nn.Module, pgs, use_distributed_optimizer: bool) -> DistributedDataParallel:

@@ -10,24 +10,29 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megaopd.config.model import ModelConfig
-from megaopd.config.schema import MegaOPDConfig
+from megaopd.batching.owners import WorldLayout
 from megaopd.data.vocab import VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
 from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
+from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
 from megaopd.models.weights import load_hf_weights
+from megaopd.parallel.dist import device
 from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 from megaopd.scoring import PipelineRunner
+from megaopd.scoring.passes import scorer_layout
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.teachers import InJobTeacher, TeacherSet
+
+if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
+    from megaopd.config.schema import MegaOPDConfig
 
 
 @dataclass
@@ -73,6 +78,11 @@ class Models:
     partner_offload: bool
     actor_runner: PipelineRunner
     """The actor alone (forward-only log pi_old); train_runner drives the DDP-wrapped actor + partner."""
+    actor_layout: WorldLayout
+    """The actor's scorer_layout (which replica each global rank scores for, and who speaks for it)."""
+    owner_layout: WorldLayout
+    """Which actor replica each global rank is in and whether it speaks for it (TP rank 0, PP rank 0): where
+    every row's scores are owned (RowOwners.layout)."""
     teacher_runner: PipelineRunner | None
     teachers: TeacherSet | None = None
     """Every teacher of the job by name (in-job ones with their runners, served ones as RemoteTeacher) and
@@ -83,8 +93,8 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     """Actor in the student layout (which also initializes megatron's global state), teacher in its own
     layout (the actor's groups when equal), and the lockstep partner."""
     student_layout = Layout(cfg.student.tp, cfg.student.pp, cfg.student.ep)
-    teacher_layout = Layout(cfg.teacher.tp, cfg.teacher.pp, cfg.teacher.ep)
-    if needs.teacher_logits and (teacher_layout != student_layout or needs.reference or cfg.teachers):
+    layouts = [Layout(t.tp, t.pp, t.ep) for t in cfg.teachers]
+    if needs.teacher_logits and (layouts != [student_layout] or needs.reference):
         raise ValueError("gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
                          "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
     actor_pgs = initialize_actor_layout(student_layout, seed=cfg.trainer.seed)
@@ -92,7 +102,7 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     # In-job teachers, each in its own layout (groups shared between equal layouts); served ones are HTTP.
     groups = {student_layout: actor_pgs}
     in_job: dict[str, RoleModel] = {}
-    for t in cfg.teacher_list():
+    for t in cfg.teachers:
         if t.engine == "megatron":
             layout = Layout(t.tp, t.pp, t.ep)
             if layout not in groups:
@@ -107,21 +117,28 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
         partner_offload = cfg.reference.offload_between_uses
         _park(partner, partner_offload)
     elif needs.teacher_logits:
-        partner, partner_offload = teacher.model, cfg.teacher.offload_between_uses
+        partner, partner_offload = teacher.model, cfg.teachers[0].offload_between_uses
     vocab_size = actor.hf.vocab_size
     # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
     # masked, so its top-K never proposes a token the student cannot produce.
     runners = {n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size)) for n, m in in_job.items()}
+    # Where each global rank sits in every model's layout: fixed for the run, so gathered once here, not by
+    # every step's passes (collectives in the same order on every rank: owners, actor, in-job teachers).
+    owner_layout = WorldLayout.gather(actor_pgs.dp.rank(), actor_pgs.tp.rank() == 0 and actor_pgs.pp.rank() == 0,
+                                      device())
+    actor_layout = scorer_layout(actor_pgs, device())
     members = []
-    for t in cfg.teacher_list():
+    for t in cfg.teachers:
         if t.engine == "megatron":
-            members.append(InJobTeacher(t.name, runners[t.name], in_job[t.name].model, t.offload_between_uses))
+            m = in_job[t.name]
+            members.append(InJobTeacher(t.name, runners[t.name], m.model, t.offload_between_uses,
+                                        layout=scorer_layout(m.pgs, device())))
         else:
             members.append(RemoteTeacher(t.name, t.urls, rows_per_request=t.rows_per_request,
                                          timeout_s=t.request_timeout_s, retries=t.retries))
     teacher_runner = runners[next(iter(in_job))] if teacher is not None else None
     return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size),
-                  teacher_runner, TeacherSet(members) if members else None)
+                  actor_layout, owner_layout, teacher_runner, TeacherSet(members) if members else None)
 
 
 def _park(model: torch.nn.Module, offload: bool) -> None:

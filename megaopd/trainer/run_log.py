@@ -98,7 +98,7 @@ def _table_cell(v):
 class RunLog:
     def __init__(self, run_dir: str, max_steps: int, tensorboard: bool = True, progress_bar: str = "auto",
                  start_step: int = 0, wandb=None, config: dict | None = None):
-        """wandb: a config.trainer.WandbConfig (logging.wandb; None or no project: no W&B); config: the
+        """wandb: a trainer.config.WandbConfig (logging.wandb; None or no project: no W&B); config: the
         run's resolved config as a plain dict, shown in W&B's config panel."""
         self.run_dir = run_dir
         os.makedirs(os.path.join(run_dir, "samples"), exist_ok=True)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megaopd.config.sections import MetricsConfig
 from megaopd.metrics import repetitive_token_mask, response_metrics
+from megaopd.metrics.config import MetricsConfig
 from megaopd.metrics.overlap import topk_overlap_counts, topk_overlap_from_counts
 from megaopd.metrics.rollout import (advantage_split_counts, advantage_split_from_counts, rollout_dynamics_counts,
                                      rollout_dynamics_from_counts)
 from megaopd.parallel.dist import device as group_device
-from megaopd.rollout.batch import RolloutBatch
+from megaopd.rollout.records import RolloutBatch
 from megaopd.scoring.teachers import teacher_metric_sums, teacher_metrics_from_sums
 
 

@@ -5,51 +5,59 @@
     -> scoring: actor log pi_old (+ top-k, entropy)    each model in its own TP/PP layout (megaopd.scoring)
                 teacher log q (+ top-K, at the student's top-k)
     -> rewards (math-verify, rank 0)
-    -> train: per mini-batch, micro-batches (trainer/micro_batches.py) through the pipeline runner with
+    -> train: per mini-batch, micro-batches (megaopd.batching) through the pipeline runner with
               the reference (or, for GKD, the teacher) in lockstep -> loss -> backward -> Adam step
     -> sync: actor shards -> HF tensors -> engines     then metrics, validation every N, checkpoint every M
 
 Every rank holds the rollout's token ids, masks, lengths and rewards ([B, S] integers: global token counts
 and the DP partition are then local arithmetic), but the per-token scores only of the rows its actor DP
-replica trains (RowOwners, trainer/micro_batches.row_owners): whole-batch metrics reduce scalars.
+replica trains (batching.owners.RowOwners, from batching.shares.row_owners): whole-batch metrics reduce
+scalars.
 
     python -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=runs/tiny
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megaopd.config.schema import MegaOPDConfig
+from megaopd.batching.micro_batches import MicroBatch, MiniBatch, ScoringBatches, step_micro_batches
+from megaopd.batching.owners import RowOwners
+from megaopd.batching.plan import BatchingPlan
+from megaopd.batching.shares import mini_batch_rows, row_owners
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
 from megaopd.data.vocab import loss_mask_ids
 from megaopd.losses import build_loss_from, mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
+from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import init_distributed, rank0_computes
-from megaopd.rollout.batch import RolloutBatch, RowOwners, build_rollout_batch
 from megaopd.rollout.protocol import SamplingParams
-from megaopd.scoring import bounds_for, check_engine_parity, score_sequences, score_tokens
+from megaopd.rollout.records import RolloutBatch, build_rollout_batch
+from megaopd.scoring import bounds_for, check_engine_parity
+from megaopd.scoring.passes import ScoreRequest, score_sequences, score_tokens
+from megaopd.scoring.runner import PipelineRunner
 from megaopd.sync import WeightSync
-from megaopd.sync.gather import gather_hf_weights, model_state
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from megaopd.trainer.micro_batches import MicroBatch, mini_batch_rows, row_owners, scoring_packing, step_micro_batches
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.run_log import RunLog
 from megaopd.trainer.step_metrics import reduce_loss_metrics, rollout_metrics, sample_rows
+from megaopd.trainer.timer import Timer
 from megaopd.trainer.validation import validate
-from megaopd.scoring.exchange import owner_ranks
-from megaopd.scoring.runner import PipelineRunner
+
+if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
+    from megaopd.config.schema import MegaOPDConfig
 
 
 class Trainer:
@@ -73,7 +81,7 @@ class Trainer:
         """Tokenizers and data first: a bad file fails here, before any model is loaded."""
         cfg = self.cfg
         self.tokenizer = tok = load_tokenizer(cfg.student.path)
-        teachers = cfg.teacher_list()  # in-job or served: each names an HF directory with its tokenizer
+        teachers = cfg.teachers  # in-job or served: each names an HF directory with its tokenizer
         teacher_tokenizers = [load_tokenizer(t.path) for t in teachers]
         teacher_tokenizer = teacher_tokenizers[0] if teachers else None  # the template of data.prompt_template
         # Rollouts stop at the template's turn end and the EOS; golden solutions end with the first of them.
@@ -90,30 +98,33 @@ class Trainer:
         cfg = self.cfg
         self.models = build_models(cfg, self.needs)
         self.actor, self.actor_pgs = self.models.actor, self.models.actor.pgs
-        # Which actor replica each global rank is in, and which rank speaks for it (TP 0, PP 0): fixed for the
-        # run, so gathered once here, not by every step's scoring passes (RowOwners.ranks).
-        pgs = self.actor_pgs
-        self.owner_ranks = owner_ranks(pgs.dp.rank(), pgs.tp.rank() == 0 and pgs.pp.rank() == 0, dist_device())
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
         self.router_aux = RouterAuxLoss(self.actor.model)
         self.optimizer, self.scheduler = build_optimizer(
             self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
         self.train_runner = PipelineRunner(self.ddp, self.actor_pgs, self.actor.hf.vocab_size,
                                            partner=self.models.partner)
+        # What the passes score besides log-probs: the loss's top-k, and the overlap metrics' top-k and entropy.
+        overlap_k = cfg.metrics.overlap_k if self.models.teachers is not None else 0
+        self.actor_request = ScoreRequest(self.temperature, max(self.needs.student_topk, overlap_k), overlap_k > 0)
+        self.teacher_request = ScoreRequest(self.temperature, max(self.needs.teacher_topk, overlap_k), overlap_k > 0)
+        t = cfg.trainer
+        self.batching = BatchingPlan(  # the training step's micro-batches (and so the rows each replica owns)
+            t.prompts_per_step, t.mini_batches_per_step, t.micro_batch_size, self.pad_id,
+            max_tokens=t.max_tokens_per_micro_batch if t.pack_sequences and self.train_runner.packs else None,
+            uniform=self.actor_pgs.pp.size() > 1, multiple=self.train_runner.seq_multiple)
 
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
         cfg = self.cfg
-        self.step, self._last_metrics, self.stopping = 0, {}, False
+        self.step, self._last_metrics, self.stopping, self.timer = 0, {}, False, Timer()
         self.detector = CollapseDetector(cfg.metrics.collapse)
         self.preemption = PreemptionFlag()
+        # What a checkpoint keeps besides weights, optimizer and RNG: saved and restored under these keys.
+        self.stateful = {"scheduler": self.scheduler, "data": self.loader, "collapse": self.detector}
         latest = latest_checkpoint(cfg.run.dir)
         if latest is not None:
-            state = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs)
-            self.step = state["step"]
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.loader.load_state_dict(state["data"])
-            self.detector.load_state_dict(state["collapse"])
+            self.step = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs, self.stateful)
         if self.rank == 0:
             self.run_log = RunLog(cfg.run.dir, cfg.trainer.max_steps, cfg.logging.tensorboard,
                                   cfg.logging.progress_bar, start_step=self.step, wandb=cfg.logging.wandb,
@@ -167,61 +178,59 @@ class Trainer:
         return summary
 
     def train_step(self) -> dict:
-        t0, times = time.time(), {}
-        examples = self.loader.next_batch()
-        golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
-        rollout = self._rollout(examples, times, golden) if self.needs.on_policy else None
-        t = time.time()
-        metrics = self._train(rollout, golden)
-        times["time/train"] = time.time() - t
-        self.step += 1
-        # Collective: every rank stops after the same step, even if the signal reached only some. After a
-        # preemption signal nothing talks to the engines (Slurm may have killed them): straight to the save.
-        self.stopping = self.preemption.should_stop()
-        t = time.time()
-        if rollout is not None and not self.stopping:  # SFT-only steps generate nothing: synced before validation
-            self.sync_weights()
-            interval = self.cfg.rollout.parity_interval
-            if interval and self.step % interval == 0:
-                self.check_parity()
-        times["time/sync"] = time.time() - t
-        if rollout is not None:  # collective: each replica sums over its rows, one small gather
-            step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)
-        if rollout is not None and self.rank == 0:
-            metrics.update(step)
-            self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
-        metrics.update(times, **{"time/step": time.time() - t0})
+        timer = self.timer
+        with timer("step"):
+            examples = self.loader.next_batch()
+            golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
+            rollout = self._rollout(examples, golden) if self.needs.on_policy else None
+            with timer("train"):
+                metrics = self._train(rollout, golden)
+            self.step += 1
+            # Collective: every rank stops after the same step, even if the signal reached only some. After a
+            # preemption signal nothing talks to the engines (Slurm may have killed them): straight to the save.
+            self.stopping = self.preemption.should_stop()
+            with timer("sync"):
+                # SFT-only steps generate nothing: their weights are synced before validation.
+                if rollout is not None and not self.stopping:
+                    self.sync_weights()
+                    interval = self.cfg.rollout.parity_interval
+                    if interval and self.step % interval == 0:
+                        self.check_parity()
+            if rollout is not None:  # collective: each replica sums over its rows, one small gather
+                step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)
+            if rollout is not None and self.rank == 0:
+                metrics.update(step)
+                self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
+        metrics.update(timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's times
         return metrics
 
-    def _rollout(self, examples, times: dict, golden=None) -> RolloutBatch:
+    def _rollout(self, examples, golden=None) -> RolloutBatch:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
         land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
-        cfg, needs, models, pgs = self.cfg, self.needs, self.models, self.actor_pgs
-        t = time.time()
-        samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
-        batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
-        self.owners = owners = RowOwners(
-            tuple(row_owners(batch, golden, pgs.dp.size(), needs, cfg.trainer, self.train_runner.packs)),
-            pgs.dp.rank(), pgs.dp.size(), sends=self.owner_ranks[self.rank][1], ranks=self.owner_ranks)
-        times["time/rollout"], t = time.time() - t, time.time()
-        teachers, mbs, packing = models.teachers, cfg.trainer.micro_batch_size, scoring_packing(batch, cfg.trainer)
-        overlap_k = cfg.metrics.overlap_k if teachers is not None else 0
-        teacher_topk = max(needs.teacher_topk, overlap_k)
-        if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
-            batch.teacher_rows = teachers.route([ex.teacher for ex in examples], cfg.trainer.samples_per_prompt)
-            pending = teachers.start_remote(batch, batch.teacher_rows, teacher_topk, self.rank)
-        batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, mbs, self.temperature,
-                                   topk=max(needs.student_topk, overlap_k), entropy=overlap_k > 0, owners=owners,
-                                   **packing)
-        times["time/actor_logprobs"], t = time.time() - t, time.time()
-        if teachers is not None:
-            batch.teacher = teachers.score(batch, batch.teacher_rows, pending, mbs, self.temperature,
-                                           topk=teacher_topk, entropy=overlap_k > 0,
-                                           at_ids=batch.actor.topk_support(needs.student_topk),
-                                           on_device=on_gpu_while_used, packing=packing, owners=owners)
-            if teachers.has_remote and self.rank == 0:
-                times["time/teacher_remote"] = pending.seconds  # overlapped with time/actor_logprobs
-        times["time/teacher"] = time.time() - t
+        cfg, needs, models, pgs, timer = self.cfg, self.needs, self.models, self.actor_pgs, self.timer
+        with timer("rollout"):
+            samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
+            batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
+            self.owners = owners = RowOwners(
+                tuple(row_owners(batch, golden, pgs.dp.size(), needs, self.batching)),
+                pgs.dp.rank(), pgs.dp.size(), sends=models.owner_layout.places[self.rank].speaks,
+                layout=models.owner_layout)
+        with timer("actor_logprobs"):
+            t, teachers = cfg.trainer, models.teachers
+            batches = ScoringBatches(t.micro_batch_size, t.max_tokens_per_micro_batch if t.pack_sequences else None,
+                                     batch.prompt_lens_B + batch.response_lens_B)
+            if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
+                batch.teacher_rows = teachers.route([ex.teacher for ex in examples], t.samples_per_prompt)
+                pending = teachers.start_remote(batch, batch.teacher_rows, self.teacher_request.topk, self.rank)
+            batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, batches, self.actor_request,
+                                       owners=owners, layout=models.actor_layout)
+        with timer("teacher"):
+            if teachers is not None:
+                batch.teacher = teachers.score(batch, batch.teacher_rows, pending, batches, self.teacher_request,
+                                               at_ids=batch.actor.topk_support(needs.student_topk),
+                                               on_device=on_gpu_while_used, owners=owners)
+                if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
+                    timer.add("teacher_remote", pending.seconds)
         batch.texts, rewards = rank0_computes(self._texts_and_rewards, samples, examples)
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
         return batch
@@ -246,20 +255,19 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- train
     def _train(self, rollout: RolloutBatch | None, golden) -> dict:
         """One optimizer step per mini-batch of the step's rows."""
-        cfg, needs, pgs = self.cfg.trainer, self.needs, self.actor_pgs
+        needs, pgs = self.needs, self.actor_pgs
         mask_BT = None
         if rollout is not None:
             mask_BT = rollout.loss_mask_BT
             if self.special_ids:
                 mask_BT = mask_first_occurrences(rollout.targets_BT, mask_BT, self.special_ids)
         B = rollout.size if rollout is not None else 0
-        P, M = cfg.prompts_per_step, cfg.mini_batches_per_step
+        P, M = self.batching.prompts_per_step, self.batching.mini_batches
         results, grad_norms = [], []
         for j in range(M):
             rows, golden_rows = mini_batch_rows(B, P, M, j, golden is not None)  # row_owners' rows too
-            micro = step_micro_batches(rollout, mask_BT, golden, rows, golden_rows, pgs.dp.rank(), pgs.dp.size(),
-                                       pgs.pp.size(), needs, cfg, self.pad_id, self.train_runner.seq_multiple,
-                                       self.train_runner.packs)
+            micro = step_micro_batches(MiniBatch(rollout, mask_BT, golden, rows, golden_rows), pgs.dp.rank(),
+                                       pgs.dp.size(), needs, self.batching)
             self.router_aux.scale_for(micro, pgs.dp)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -301,10 +309,11 @@ class Trainer:
         sync; raises when the statistics leave their bounds (megaopd/scoring/parity.py)."""
         probe = [list(map(int, ex.golden_ids[:64])) for ex in self.loader.batch_at_step(0)[:4]]
         r, mbs = self.cfg.rollout, self.cfg.trainer.micro_batch_size
-        check_engine_parity(self.engine, lambda p: score_sequences(self.models.actor_runner, p, mbs, self.pad_id),
-                            probe, bounds_for(self.cfg.student.dtype, r.parity_tolerance, r.parity_mean_tolerance,
-                                              r.parity_p99_tolerance, r.parity_min_correlation),
-                            self.step, self._console)
+        score = functools.partial(score_sequences, self.models.actor_runner, micro_batch_size=mbs, pad_id=self.pad_id,
+                                  layout=self.models.actor_layout)
+        bounds = bounds_for(self.cfg.student.dtype, r.parity_tolerance, r.parity_mean_tolerance, r.parity_p99_tolerance,
+                            r.parity_min_correlation)
+        check_engine_parity(self.engine, score, probe, bounds, self.step, self._console)
 
     # --------------------------------------------------------------------------- logging and saving
     def _validate(self) -> dict:
@@ -330,11 +339,10 @@ class Trainer:
             print(line, flush=True)  # before the run log exists (start-up): the Slurm log sees it at once
 
     def save(self) -> None:
-        state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),
-                 "collapse": self.detector.state_dict(), "weight_version": str(self.step), "student":
-                 self.cfg.student.path, "teachers": {t.name: t.path or t.urls for t in self.cfg.teacher_list()}}
-        path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs, state,
-                               self.actor.hf, hf_side_dir=tokenizer_dir(self.actor.path))
+        meta = {"weight_version": str(self.step), "student": self.cfg.student.path,  # for people: never read back
+                "teachers": {t.name: t.path or t.urls for t in self.cfg.teachers}}
+        path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs,
+                               self.stateful, meta, self.actor.hf, hf_side_dir=tokenizer_dir(self.actor.path))
         if self.rank == 0:
             self.run_log.event(self.step, "checkpoint", path)
 

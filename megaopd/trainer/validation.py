@@ -5,9 +5,12 @@ every rank receives the metrics (the loop logs and decides on them in lockstep).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from megaopd.config.schema import MegaOPDConfig
 from megaopd.parallel.dist import rank0_computes
+
+if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
+    from megaopd.config.schema import MegaOPDConfig
 
 
 def validate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[int], run_log=None) -> dict[str, float]:

@@ -32,7 +32,18 @@ def _load(models, *overrides, preset=None):
 def test_valid_config_with_overrides(models):
     cfg = _load(models, "run.world_size=4", "student.tp=2", "teacher.tp=4", "trainer.max_steps=3",
                 "reference.tp=2")
-    assert cfg.trainer.max_steps == 3 and cfg.teacher.tp == 4 and cfg.run.world_size == 4
+    assert cfg.trainer.max_steps == 3 and cfg.teachers[0].tp == 4 and cfg.run.world_size == 4
+
+
+def test_removed_key_is_one_clear_error(models, tmp_path):
+    """A key megaopd no longer reads is refused with the reason, wherever it is set."""
+    with pytest.raises(ConfigError, match=r"^trainer.log_interval was removed \(it was never read.*\): delete it "
+                                          r"from the command-line overrides$"):
+        _load(models, "trainer.log_interval=5")
+    preset = tmp_path / "old.yaml"
+    preset.write_text("trainer:\n  max_steps: 7\n  log_interval: 10\n")
+    with pytest.raises(ConfigError, match=f"^trainer.log_interval was removed .*: delete it from {preset}$"):
+        _load(models, preset=str(preset))
 
 
 def test_preset_then_override(models, tmp_path):
@@ -103,7 +114,7 @@ def moe_models(tmp_path):
 
 def test_teacher_expert_parallel_layout(moe_models):
     cfg = _load(moe_models, "run.world_size=4", "teacher.ep=4")
-    assert cfg.teacher.ep == 4 and cfg.student.ep == 1
+    assert cfg.teachers[0].ep == 4 and cfg.student.ep == 1
 
 
 @pytest.mark.parametrize("overrides, message", [

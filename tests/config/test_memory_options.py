@@ -6,7 +6,7 @@ equal those without it (megatron recomputes the same ops in backward; dropout is
 import pytest
 import torch
 
-from megaopd.config.model import ModelConfig
+from megaopd.models.config import ModelConfig
 
 
 def test_memory_option_checks():

@@ -57,9 +57,11 @@ def test_paper_presets_resolve_to_the_papers_settings(cluster_env, preset, stude
     assert cfg["loss"]["name"] == "stable_opd"
     assert cfg["loss"]["config"] == {"sft_weight": 0.1, "ref_kl_weight": 0.01}
     assert cfg["student"]["path"] == os.path.join(cluster_env["MODELS_DIR"], student)
-    assert cfg["teacher"]["path"] == os.path.join(cluster_env["MODELS_DIR"], teacher)
+    # The preset's `teacher:` is resolved into the one teacher list, named "teacher".
+    assert [(t["name"], t["path"]) for t in cfg["teachers"]] == [("teacher", os.path.join(cluster_env["MODELS_DIR"],
+                                                                                            teacher))]
     assert cfg["student"]["tp"] == cfg["reference"]["tp"] == tp and cfg["student"]["dtype"] == "bfloat16"
-    assert cfg["reference"]["offload_between_uses"] and cfg["teacher"]["offload_between_uses"]
+    assert cfg["reference"]["offload_between_uses"] and cfg["teachers"][0]["offload_between_uses"]
     # The layout the comments were sized with fits the H200.
     r = _run("-m", "megaopd.cli", "plan", path, env_extra=cluster_env)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -22,11 +22,14 @@ def _load(preset, overrides=()):
 
 
 def test_defaults_and_remote():
-    assert [(t.name, t.engine) for t in _load("stable_opd.yaml").teacher_list()] == [("teacher", "megatron")]
-    t = _load("stable_opd.yaml", REMOTE).teacher_list()[0]
+    one = _load("stable_opd.yaml")
+    # `teacher:` is folded into the one list while loading; the section itself is left empty.
+    assert [(t.name, t.engine) for t in one.teachers] == [("teacher", "megatron")] and not one.teacher.configured
+    t = _load("stable_opd.yaml", REMOTE).teachers[0]
     assert t.engine == "remote" and t.urls == ["http://127.0.0.1:30000"]
+    assert _load("stable_opd.yaml", ["teacher.name=math"]).teachers[0].name == "math"
     two = _load("two_teachers.yaml")
-    assert [t.name for t in two.teacher_list()] == ["arith", "algebra"]
+    assert [t.name for t in two.teachers] == ["arith", "algebra"]
     assert [s.teacher for s in two.data.sources] == ["arith", "algebra"]
 
 

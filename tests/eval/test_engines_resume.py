@@ -154,7 +154,7 @@ def _env():
 
 
 def _free_port():
-    from megaopd.parallel.launch import find_free_port
+    from megaopd.parallel.dist import find_free_port
 
     return find_free_port()
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from megaopd.config.trainer import WandbConfig
+from megaopd.trainer.config import WandbConfig
 from megaopd.eval.evaluate import BenchmarkResult, EvalResult
 from megaopd.trainer.run_log import RunLog
 

@@ -45,9 +45,9 @@ def test_qwen3_preset_validates(tmp_path, monkeypatch, name):
     preset.write_text(yaml.safe_dump(raw))
     cfg = load_config(MegaOPDConfig, str(preset), [])
     assert cfg.run.world_size == 8 and cfg.student.tp == 2
-    assert (cfg.teacher.tp, cfg.teacher.ep) == ((1, 8) if name.endswith("moe_teacher") else (4, 1))
+    assert (cfg.teachers[0].tp, cfg.teachers[0].ep) == ((1, 8) if name.endswith("moe_teacher") else (4, 1))
     if name.endswith("moe_teacher"):
-        from megaopd.config.cli import plan_for
+        from megaopd.config.plan import plan_for
 
         teacher = [i for i in plan_for(cfg).items if i.name.startswith("teacher weights")][0]
         assert teacher.score / 2 == pytest.approx(5.17e9, rel=0.01)  # bf16 bytes / 2 = parameters per GPU

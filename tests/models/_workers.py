@@ -21,7 +21,7 @@ def _gather_tp(shard, group):
 def _run_model(model, cfg, pgs, ids):
     """Full-vocab logits (test-only TP gather) and sharded log-probs, on the last stage; else None."""
     from megaopd import ops
-    from megaopd.scoring.passes import ScoringMicroBatch
+    from megaopd.batching.micro_batches import ScoringMicroBatch
     from megaopd.scoring.runner import PipelineRunner
 
     def on_logits(mb, shard, _partner):
@@ -63,10 +63,10 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
     Returns {(name, tp, pp, what): value} from this rank.
     """
     from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint
+    from megaopd.models.gather import gather_hf_weights, model_state
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import gather_stage_hf_weights, hf_shapes
-    from megaopd.sync.gather import gather_hf_weights, model_state
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 
     res = {}
@@ -143,10 +143,10 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
 def packed_vs_alone(rank, world_size, models, lengths):
     """Per layout (tp, pp) in PACKED_LAYOUTS and model: logits of sequences of very uneven lengths packed
     into one THD row vs each sequence run alone (padded path, b = 1); max |difference| on the last stage."""
+    from megaopd.batching.packing import PackedRow, Segment
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
-    from megaopd.scoring.packing import PackedRow, Segment
-    from megaopd.scoring.passes import ScoringMicroBatch
+    from megaopd.batching.micro_batches import ScoringMicroBatch
     from megaopd.scoring.runner import PipelineRunner
 
     res = {}

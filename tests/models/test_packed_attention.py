@@ -40,7 +40,8 @@ def test_packed_logits_equal_each_sequence_alone(packed, name, tp, pp):
 def test_packed_row_layout():
     import torch
 
-    from megaopd.scoring.packing import PackedRow, Segment, balanced_partition, pack_by_budget
+    from megaopd.batching.packing import PackedRow, Segment, pack_by_budget
+    from megaopd.batching.shares import balanced_partition
 
     row = PackedRow([Segment(0, 2, 3), Segment(1, 0, 2)], total=7)
     assert row.cu_seqlens.tolist() == [0, 3, 5, 7] and row.max_seqlen == 3 and row.num_seqs == 3

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from megaopd.parallel.launch import find_free_port
+from megaopd.parallel.dist import find_free_port
 from megaopd.rollout.client import EngineError, EngineUnavailableError, HttpEngine, HttpEngineConfig
 from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megaopd.rollout.pool import EnginePool, PoolConfig, PoolError
@@ -48,7 +48,7 @@ def test_sglang_command_line():
                                          "torch_native", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                                          "--disable-cuda-graph", "--sleep-on-idle", "--dtype", "float32"]
     assert sglang_env(cpu) == {"SGLANG_USE_CPU_ENGINE": "1"} and sglang_env(cfg) == {}
-    from megaopd.config.sections import RolloutConfig
+    from megaopd.rollout.config import RolloutConfig
 
     seeded = launch_config(RolloutConfig(engine="remote", urls=["http://h:1"], deterministic=True, engine_tp=2),
                            "/ckpt/hf", python="py")

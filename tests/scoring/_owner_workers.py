@@ -30,10 +30,11 @@ def owned_scores(rank, world_size, student_dir, teacher_dir, actor_tp, teacher_l
     """Actor at TP=actor_tp (DP = world / TP), teachers at each (tp, pp) of teacher_layouts; every pass with
     owners OWNER. Per rank: the rows held, the shapes held, and max |error| against HF float64 of each
     pass on the real positions (and exact zeros past them); the teacher also at the actor's top-k ids."""
-    from megaopd.config.model import ModelConfig
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.batching.owners import RowOwners
+    from megaopd.models.config import ModelConfig
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
-    from megaopd.rollout.batch import RowOwners
-    from megaopd.scoring.passes import score_tokens
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
     from megaopd.scoring.runner import PipelineRunner
     from megaopd.trainer.roles import load_role_model
 
@@ -46,7 +47,8 @@ def owned_scores(rank, world_size, student_dir, teacher_dir, actor_tp, teacher_l
     owners = RowOwners(tuple(o % dp for o in OWNER), pgs.dp.rank(), dp, pgs.tp.rank() == 0 and pgs.pp.rank() == 0)
     mine = owners.rows()
     valid = torch.arange(T).unsqueeze(0) < (lengths[mine] - 1).unsqueeze(1)
-    kw = {"lengths_B": lengths, "max_tokens": 24 if pack else None}
+    batches = ScoringBatches(2, 24 if pack else None, lengths)
+    request = ScoreRequest(1.0, topk=TOPK, entropy=True)
 
     def errors(scores, ref_BTV, at_ids=None):
         ref = ref_BTV[mine]
@@ -67,17 +69,17 @@ def owned_scores(rank, world_size, student_dir, teacher_dir, actor_tp, teacher_l
         return out
 
     res = {"dp_rank": pgs.dp.rank(), "mine": mine}
-    a = score_tokens(PipelineRunner(actor.model, pgs, V), tokens, 2, 1.0, topk=TOPK, entropy=True, owners=owners, **kw)
+    a = score_tokens(PipelineRunner(actor.model, pgs, V), tokens, batches, request, owners=owners)
     res["actor"] = errors(a, hf_reference(student_dir, tokens))
     t_ref = hf_reference(teacher_dir, tokens)
     for tp, pp in teacher_layouts:
         tpgs = pgs if (tp, pp) == (actor_tp, 1) else build_process_groups(Layout(tp, pp))
         teacher = load_role_model(ModelConfig(path=teacher_dir, tp=tp, pp=pp), tpgs, trainable=False)
-        t = score_tokens(PipelineRunner(teacher.model, tpgs, V), tokens, 2, 1.0, topk=TOPK, entropy=True,
-                         at_ids_BTK=a.topk_ids_BTK, owners=owners, **kw)
+        t = score_tokens(PipelineRunner(teacher.model, tpgs, V), tokens, batches, request, at_ids_BTK=a.topk_ids_BTK,
+                         owners=owners)
         res[f"teacher_tp{tp}_pp{pp}"] = errors(t, t_ref, a.topk_ids_BTK)
     # No owners (`megaopd logprobs`, the parity probe): every rank gets every row.
-    everyone = score_tokens(PipelineRunner(teacher.model, tpgs, V), tokens, 2, 1.0, **kw)
+    everyone = score_tokens(PipelineRunner(teacher.model, tpgs, V), tokens, batches, ScoreRequest(1.0))
     lp = t_ref.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     all_valid = torch.arange(T).unsqueeze(0) < (lengths - 1).unsqueeze(1)
     res["everyone"] = {"rows": everyone.rows, "logprobs": float((everyone.logprobs_BT.double() - lp)[all_valid].abs().max())}

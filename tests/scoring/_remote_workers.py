@@ -25,9 +25,11 @@ def _batch(seed: int = 0, B: int = 6, vocab: int = 256):
 def in_job_vs_remote(rank, world_size, teacher_dir, urls, topk):
     """The in-job Megatron teacher (TP=world_size) and the same weights behind `megaopd serve`, on the same
     responses: TokenScores of both, on rank 0."""
-    from megaopd.config.model import TeacherConfig
+    from megaopd.batching.micro_batches import ScoringBatches
     from megaopd.parallel.groups import Layout, initialize_actor_layout
-    from megaopd.scoring import PipelineRunner, score_tokens
+    from megaopd.scoring import PipelineRunner
+    from megaopd.scoring.config import TeacherConfig
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
     from megaopd.scoring.remote import RemoteTeacher
     from megaopd.trainer.roles import load_role_model
 
@@ -35,7 +37,7 @@ def in_job_vs_remote(rank, world_size, teacher_dir, urls, topk):
     teacher = load_role_model(TeacherConfig(path=teacher_dir, tp=world_size), pgs, trainable=False)
     runner = PipelineRunner(teacher.model, pgs, teacher.hf.vocab_size)
     tokens, p, r, mask = _batch()
-    in_job = score_tokens(runner, tokens, 4, 1.0, topk=topk)
+    in_job = score_tokens(runner, tokens, ScoringBatches(4), ScoreRequest(1.0, topk=topk))
     remote = RemoteTeacher("t", urls, rows_per_request=2).score(tokens, p, r, topk=topk) if rank == 0 else None
     return (in_job, remote, mask) if rank == 0 else None
 
@@ -48,7 +50,10 @@ def served_owned_rows(rank, world_size, urls, topk):
     """Two served teachers through TeacherSet with actor DP=2 over `world_size` ranks (replica = rank % 2, so
     each replica has world_size / 2 ranks): per rank, the teacher scores it holds (and its owned rows); then
     the error every rank raises when the teacher's servers are dead."""
-    from megaopd.rollout.batch import RolloutBatch, RowOwners
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.batching.owners import RowOwners
+    from megaopd.rollout.records import RolloutBatch
+    from megaopd.scoring.passes import ScoreRequest
     from megaopd.scoring.remote import RemoteTeacher
     from megaopd.scoring.teachers import TeacherSet
 
@@ -59,11 +64,12 @@ def served_owned_rows(rank, world_size, urls, topk):
     teachers = TeacherSet([RemoteTeacher(n, urls, rows_per_request=2) for n in ("a", "b")])
     rows_of = teachers.route(ROUTE, 2)
     pending = teachers.start_remote(batch, rows_of, topk, rank)
-    scores = teachers.score(batch, rows_of, pending, 2, 1.0, topk=topk, owners=owners)
+    batches, request = ScoringBatches(2), ScoreRequest(1.0, topk=topk)
+    scores = teachers.score(batch, rows_of, pending, batches, request, owners=owners)
     dead = TeacherSet([RemoteTeacher("a", ["http://127.0.0.1:9"], retries=0)])
     try:
-        dead.score(batch, {"a": list(range(B))}, dead.start_remote(batch, {"a": list(range(B))}, topk, rank), 2, 1.0,
-                   topk=topk, owners=owners)
+        dead.score(batch, {"a": list(range(B))}, dead.start_remote(batch, {"a": list(range(B))}, topk, rank), batches,
+                   request, owners=owners)
         error = None
     except Exception as e:  # noqa: BLE001 - the test reads it
         error = f"{type(e).__name__}: {e}"

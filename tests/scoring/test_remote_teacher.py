@@ -167,7 +167,7 @@ def test_no_server_left_is_one_clear_error():
 def test_teacher_set_routes_rows_and_merges():
     """Each row's scores are its routed teacher's scored alone (two served teachers here; the trainer test
     covers in-job ones)."""
-    from megaopd.rollout.batch import build_rollout_batch
+    from megaopd.rollout.records import build_rollout_batch
     from megaopd.rollout.protocol import Sample
     from megaopd.scoring.teachers import TeacherSet, teacher_metrics
 
@@ -181,7 +181,7 @@ def test_teacher_set_routes_rows_and_merges():
     assert rows == {"a": [0, 1, 4, 5], "b": [2, 3]}
     samples = [Sample([1, 2, 3], [4, 5], [-.1, -.2], "stop") for _ in range(6)]
     batch = build_rollout_batch(samples, 0, 2)
-    from megaopd.rollout.batch import TokenScores
+    from megaopd.rollout.records import TokenScores
     parts = {n: TokenScores(logprobs_BT=torch.full((len(rows[n]), 4), t.value), rows=rows[n])
              for n, t in ts.teachers.items()}
     merged = ts._merge(batch, list(range(6)), parts)  # this rank holds every row

@@ -11,18 +11,19 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     """Builds an actor at (tp, pp) from hf_dir with perturbed weights (a "trained" student), measures the
     server's log-probs of PROBE before and after pushing the actor's weights over a gloo group, and the
     actor's own log-probs. Returns (max |before - actor|, max |after - actor|) on rank 0."""
-    from megaopd.config.model import ModelConfig
+    from megaopd.batching.micro_batches import ScoringBatches
     from megaopd.models.builder import StageInfo
+    from megaopd.models.config import ModelConfig
     from megaopd.models.hf_io import HFWeights
-    from megaopd.config.sections import RolloutConfig
     from megaopd.models.weights import load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.client import HttpEngine
+    from megaopd.rollout.config import RolloutConfig
     from megaopd.rollout.pool import EnginePool
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
+    from megaopd.scoring.runner import PipelineRunner
     from megaopd.sync import WeightSync
     from megaopd.trainer.roles import load_role_model
-    from megaopd.scoring.passes import score_tokens
-    from megaopd.scoring.runner import PipelineRunner
 
     pgs = initialize_actor_layout(Layout(tp, pp))
     actor = load_role_model(ModelConfig(path=hf_dir, tp=tp, pp=pp), pgs, trainable=False)
@@ -49,7 +50,8 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     tokens = torch.zeros(len(PROBE), S, dtype=torch.long)
     for b, p in enumerate(PROBE):
         tokens[b, :len(p)] = torch.tensor(p)
-    actor_lp = score_tokens(PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, 2, 1.0).logprobs_BT
+    actor_lp = score_tokens(PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, ScoringBatches(2),
+                            ScoreRequest(1.0)).logprobs_BT
 
     def gap(engine_lp):
         return max(abs(e - a) for b, lp in enumerate(engine_lp) for e, a in zip(lp, actor_lp[b, :len(lp)].tolist()))
@@ -87,14 +89,15 @@ class _Recording:
 
 
 def push_and_record(rank, world_size, hf_dir):
-    from megaopd.config.model import ModelConfig
-    from megaopd.config.sections import RolloutConfig
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.models.config import ModelConfig
     from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.rollout.config import RolloutConfig
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
+    from megaopd.scoring.runner import PipelineRunner
     from megaopd.sync import WeightSync
     from megaopd.trainer.roles import load_role_model
-    from megaopd.scoring.passes import score_tokens
-    from megaopd.scoring.runner import PipelineRunner
 
     pgs = initialize_actor_layout(Layout(world_size, 1))
     actor = load_role_model(ModelConfig(path=hf_dir, tp=world_size, pp=1), pgs, trainable=False)
@@ -110,7 +113,8 @@ def push_and_record(rank, world_size, hf_dir):
         engine.release_memory()  # as the trainer does after generating
     sync.push(actor.model, actor.hf, pgs, weight_version="v1")
     tokens = torch.tensor([PROBE[0]])
-    actor_lp = score_tokens(PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, 1, 1.0).logprobs_BT
+    actor_lp = score_tokens(PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, ScoringBatches(1),
+                            ScoreRequest(1.0)).logprobs_BT
     if rank != 0:
         return None
     out["after_release"] = engine.calls
@@ -126,15 +130,15 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     {"mismatches": names whose gathered tensor differs, on any rank, "names_ok": the gather's names are
     exactly the checkpoint's, "perturbed_dir": the perturbed HF dir, "engine_lp": the engine's log-probs of
     PROBE[0] after the push}."""
-    from megaopd.config.model import ModelConfig
-    from megaopd.config.sections import RolloutConfig
     from megaopd.models.builder import StageInfo
+    from megaopd.models.config import ModelConfig
+    from megaopd.models.gather import gather_hf_weights, model_state
     from megaopd.models.hf_io import HFWeights, save_hf_dir
     from megaopd.models.weights import load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.rollout.config import RolloutConfig
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
     from megaopd.sync import WeightSync
-    from megaopd.sync.gather import gather_hf_weights, model_state
     from megaopd.sync.weight_sync import expert_group
     from megaopd.trainer.roles import load_role_model
 

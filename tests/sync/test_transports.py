@@ -5,10 +5,10 @@ that was never released)."""
 import pytest
 import torch
 
-from megaopd.config.sections import RolloutConfig
 from megaopd.parallel.launch import spawn
 from megaopd.rollout import build_engine
 from megaopd.rollout.client import EngineError, EngineRequestError, HttpEngine, HttpEngineConfig
+from megaopd.rollout.config import RolloutConfig
 from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megaopd.rollout.pool import EnginePool
 from megaopd.rollout.protocol import MemoryStateError

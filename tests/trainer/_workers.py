@@ -30,18 +30,19 @@ def run_presets(rank, world_size, cfgs):
 def two_teachers_rollout(rank, world_size, cfg):
     """One rollout of a two-teacher config; then every teacher scores the WHOLE batch alone. Returns the
     batch's routed teacher scores, the rows of each teacher and each teacher's scores alone (rank 0)."""
-    from megaopd.scoring import score_tokens
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
     from megaopd.scoring.teachers import InJobTeacher
     from megaopd.trainer.trainer import Trainer
 
     trainer = Trainer(cfg)
     examples = trainer.loader.next_batch()
-    times = {}
-    batch = trainer._rollout(examples, times)
+    batch = trainer._rollout(examples)
     alone = {}
     for name, t in trainer.models.teachers.teachers.items():
         if isinstance(t, InJobTeacher):
-            alone[name] = score_tokens(t.runner, batch.tokens_BS, cfg.trainer.micro_batch_size, 1.0).logprobs_BT
+            alone[name] = score_tokens(t.runner, batch.tokens_BS, ScoringBatches(cfg.trainer.micro_batch_size),
+                                       ScoreRequest(1.0)).logprobs_BT
         elif rank == 0:
             alone[name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B).logprobs_BT
     if trainer.run_log is not None:
@@ -53,7 +54,7 @@ def two_teachers_rollout(rank, world_size, cfg):
         return None
     return {"teacher": teacher, "rows": batch.teacher_rows, "alone": alone,
             "mask": batch.loss_mask_BT, "sources": [ex.source for ex in examples],
-            "metrics": metrics, "times": times}
+            "metrics": metrics}
 
 
 def whole_batch(x_BT, rows, num_rows, contributes):
@@ -80,8 +81,8 @@ def one_step_everything(rank, world_size, cfg):
     captured = {}
     original_rollout = trainer_module.Trainer._rollout
 
-    def capturing_rollout(self, examples, times, *args):
-        batch = original_rollout(self, examples, times, *args)
+    def capturing_rollout(self, examples, golden=None):
+        batch = original_rollout(self, examples, golden)
         mask = batch.loss_mask_BT.bool()
         sends = self.owners.sends
         captured["actor_logprobs"] = torch.where(mask, whole_batch(batch.actor.logprobs_BT, batch.actor.rows,
@@ -104,7 +105,7 @@ def one_step_everything(rank, world_size, cfg):
 def one_step_gradients_and_metrics(rank, world_size, cfg):
     """One training step: the actor's gradient as full HF-named tensors (gathered over TP/EP/PP), the
     grad norm and every metric of the step (rank 0)."""
-    from megaopd.sync.gather import gather_hf_weights
+    from megaopd.models.gather import gather_hf_weights
     from megaopd.sync.weight_sync import expert_group
     from megaopd.trainer.trainer import Trainer
 

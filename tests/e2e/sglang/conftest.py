@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from megaopd.parallel.launch import find_free_port
+from megaopd.parallel.dist import find_free_port
 from megaopd.rollout.sglang_launcher import (SGLangLaunchConfig, ServerProcess, megaopd_serve_command,
                                              sglang_command, sglang_env)
 from tests.rollout.sglang_cases import call

@@ -2,10 +2,11 @@
 rows spread over the micro-batches, GRPO group ids, and equal shapes."""
 import torch
 
+from megaopd.batching import fields as F
+from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossNeeds
-from megaopd.rollout.batch import RolloutBatch, TokenScores
-from megaopd.trainer.micro_batches import assemble_micro_batches
+from megaopd.rollout.records import RolloutBatch, TokenScores
 
 PAD = 0
 
@@ -37,7 +38,8 @@ def test_denominators_are_global_and_dp_shares_partition_the_rows():
     rows, grows = torch.arange(6), torch.arange(3)
     seen, golden_seen = [], []
     for dp_rank in range(2):
-        micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, golden, rows, grows, dp_rank, 2, needs, 2, PAD)
+        micro = assemble_micro_batches(MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows), dp_rank, 2, needs,
+                                       2, PAD)
         for mb in micro:
             assert mb.counts.global_num_tokens == float(rollout.loss_mask_BT.sum())
             assert mb.counts.global_num_seqs == 6.0
@@ -59,27 +61,30 @@ def test_denominators_are_global_and_dp_shares_partition_the_rows():
 def test_per_token_fields_follow_their_rows():
     rollout = _rollout()
     needs = LossNeeds(old_logprobs=True, teacher_logprobs=True)
-    micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, torch.arange(2, 6), None, 0, 1, needs, 3, PAD)
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(2, 6), None)
+    micro = assemble_micro_batches(mini, 0, 1, needs, 3, PAD)
     assert len(micro) == 2 and micro[1].tokens_BS[1:].eq(PAD).all()  # row padding to micro_batch_size
-    assert torch.equal(micro[0].old_logprobs_BT, rollout.actor.logprobs_BT[2:5])
-    assert torch.equal(micro[1].teacher_logprobs_BT[0], rollout.teacher.logprobs_BT[5])
-    assert micro[0].rewards_S is None and micro[0].teacher_topk_ids_BTK is None  # only what the loss needs
+    assert torch.equal(micro[0].inputs[F.OLD_LOGPROBS], rollout.actor.logprobs_BT[2:5])
+    assert torch.equal(micro[1].inputs[F.TEACHER_LOGPROBS][0], rollout.teacher.logprobs_BT[5])
+    assert set(micro[0].inputs) == {F.OLD_LOGPROBS, F.TEACHER_LOGPROBS}  # only what the loss needs
     assert micro[0].counts.global_num_tokens == float(rollout.loss_mask_BT[2:6].sum())
 
 
 def test_grpo_group_ids_keep_padding_rows_out_of_real_groups():
     rollout = _rollout()
     needs = LossNeeds(old_logprobs=True, rewards=True)
-    micro = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, torch.arange(6), None, 0, 1, needs, 4, PAD)
-    assert micro[0].group_ids_S.tolist() == [0, 0, 1, 1]
-    assert micro[1].group_ids_S.tolist()[:2] == [2, 2]
-    assert all(g >= rollout.size for g in micro[1].group_ids_S.tolist()[2:])  # padding: groups of their own
-    assert micro[1].rewards_S.tolist() == [4.0, 5.0, 0.0, 0.0]
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
+    micro = assemble_micro_batches(mini, 0, 1, needs, 4, PAD)
+    assert micro[0].inputs[F.GROUP_IDS].tolist() == [0, 0, 1, 1]
+    assert micro[1].inputs[F.GROUP_IDS].tolist()[:2] == [2, 2]
+    assert all(g >= rollout.size for g in micro[1].inputs[F.GROUP_IDS].tolist()[2:])  # padding: groups of their own
+    assert micro[1].inputs[F.REWARDS].tolist() == [4.0, 5.0, 0.0, 0.0]
 
 
 def test_sft_only_micro_batches_are_golden_rows():
     golden = _golden(P=5)
-    micro = assemble_micro_batches(None, None, golden, None, torch.arange(5), 0, 1, LossNeeds(golden=True), 2, PAD)
+    mini = MiniBatch(None, None, golden, None, torch.arange(5))
+    micro = assemble_micro_batches(mini, 0, 1, LossNeeds(golden=True), 2, PAD)
     assert len(micro) == 3 and all(mb.tokens_BS.shape == (2, 9) for mb in micro)
     assert micro[0].counts.global_num_tokens is None
     assert micro[0].counts.global_num_golden_seqs == 5.0
@@ -89,7 +94,8 @@ def test_sft_only_micro_batches_are_golden_rows():
 def test_loss_inputs_shift_by_one_and_route_the_partner():
     rollout = _rollout()
     needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, reference=True)
-    mb = assemble_micro_batches(rollout, rollout.loss_mask_BT, None, torch.arange(2), None, 0, 1, needs, 2, PAD)[0]
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(2), None)
+    mb = assemble_micro_batches(mini, 0, 1, needs, 2, PAD)[0]
     logits = torch.randn(2, 7, 11)
     ref = torch.randn(2, 7, 11)
     inputs = mb.to(torch.device("cpu")).loss_inputs(logits, ref, None, 1.0, needs)
@@ -99,13 +105,13 @@ def test_loss_inputs_shift_by_one_and_route_the_partner():
 
 
 def test_packed_rows_are_padded_to_the_sequence_parallel_multiple():
-    from megaopd.trainer.micro_batches import assemble_packed_micro_batches
+    from megaopd.batching.micro_batches import assemble_packed_micro_batches
 
     rollout, golden = _rollout(), _golden()
     needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, golden=True)
     for uniform in (False, True):
-        micro = assemble_packed_micro_batches(rollout, rollout.loss_mask_BT, golden, torch.arange(6), torch.arange(3),
-                                              0, 1, needs, 20, PAD, uniform=uniform, multiple=4)
+        mini = MiniBatch(rollout, rollout.loss_mask_BT, golden, torch.arange(6), torch.arange(3))
+        micro = assemble_packed_micro_batches(mini, 0, 1, needs, 20, PAD, uniform=uniform, multiple=4)
         assert all(mb.tokens_BS.shape[1] % 4 == 0 for mb in micro)
         assert sum(float(mb.loss_mask_BT.sum()) for mb in micro) == float(rollout.loss_mask_BT.sum())
 
@@ -114,7 +120,7 @@ def _trained_rows(micro) -> list[int]:
     """On-policy rows of a rank's micro-batches, read back from their old log-probs (row b's are all b + 1)."""
     out = set()
     for mb in micro:
-        values = mb.old_logprobs_BT[mb.loss_mask_BT.bool()]
+        values = mb.inputs[F.OLD_LOGPROBS][mb.loss_mask_BT.bool()]
         out.update(int(v) - 1 for v in values.unique().tolist())
     return sorted(out)
 
@@ -125,8 +131,9 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
     golden units in the balance, GRPO groups kept whole, 1 or 2 mini-batches, DP 1..3."""
     import dataclasses
 
-    from megaopd.config.trainer import TrainerConfig
-    from megaopd.trainer.micro_batches import mini_batch_rows, row_owners, step_micro_batches
+    from megaopd.batching.micro_batches import step_micro_batches
+    from megaopd.batching.plan import BatchingPlan
+    from megaopd.batching.shares import mini_batch_rows, row_owners
 
     B, S = 12, 9
     base = _rollout(B, S)
@@ -136,20 +143,20 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
     for pack in (False, True):
         for rewards in (False, True):
             for M in (1, 2):
-                cfg = dataclasses.replace(TrainerConfig(), pack_sequences=pack, max_tokens_per_micro_batch=16,
-                                          micro_batch_size=2, mini_batches_per_step=M, prompts_per_step=6)
+                plan = BatchingPlan(prompts_per_step=6, mini_batches=M, micro_batch_size=2, pad_id=PAD,
+                                    max_tokens=16 if pack else None)
                 needs = LossNeeds(old_logprobs=True, golden=True, rewards=rewards)
                 for dp in (1, 2, 3):
-                    owner = row_owners(base, golden, dp, needs, cfg)
-                    assert owner == row_owners(base, golden, dp, needs, cfg)  # deterministic
+                    owner = row_owners(base, golden, dp, needs, plan)
+                    assert owner == row_owners(base, golden, dp, needs, plan)  # deterministic
                     for d in range(dp):
                         mine = [b for b in range(B) if owner[b] == d]
                         rollout = dataclasses.replace(base, actor=TokenScores(row_id_BT[mine], rows=mine))
                         trained = []
                         for j in range(M):
                             rows, grows = mini_batch_rows(B, 6, M, j, True)
-                            micro = step_micro_batches(rollout, rollout.loss_mask_BT, golden, rows, grows, d, dp, 1,
-                                                       needs, cfg, PAD)
+                            micro = step_micro_batches(MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows),
+                                                       d, dp, needs, plan)
                             got = _trained_rows(micro)
                             assert set(got) <= set(rows.tolist())
                             trained += got
@@ -165,3 +172,28 @@ def test_a_row_not_held_is_one_clear_error():
     assert scores.index([4, 1]).tolist() == [1, 0]
     with pytest.raises(KeyError, match="rows \\[2\\] are not held on this rank"):
         scores.index([1, 2])
+
+
+def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
+    """Every TokenField fills a LossInputs field of its name, and micro-batches carry it in its dtype, padded
+    and packed alike (what a loss needs is declared once: the table)."""
+    import dataclasses
+
+    from megaopd.batching.micro_batches import assemble_packed_micro_batches
+    from megaopd.losses import LossInputs
+
+    assert {f.name for f in F.FIELDS} <= {f.name for f in dataclasses.fields(LossInputs)}
+    K = 2
+    rollout = _rollout()
+    scores = TokenScores(rollout.actor.logprobs_BT, topk_ids_BTK=torch.zeros(6, 6, 3, dtype=torch.int32),
+                         topk_logprobs_BTK=torch.zeros(6, 6, 3), at_ids_logprobs_BTK=torch.zeros(6, 6, K))
+    rollout = dataclasses.replace(rollout, actor=scores, teacher=scores)
+    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, teacher_topk=K, student_topk=K, rewards=True)
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
+    padded, packed = assemble_micro_batches(mini, 0, 1, needs, 4, PAD), assemble_packed_micro_batches(mini, 0, 1,
+                                                                                                        needs, 20, PAD)
+    for micro in (padded, packed):
+        assert set(micro[0].inputs) == set(F.FIELDS)
+        for f, x in micro[0].inputs.items():
+            assert x.dtype == f.dtype, f.name
+            assert x.shape[-1] == K or f.per_sequence or f.name.endswith("_BT"), f.name  # top-k cut to the need

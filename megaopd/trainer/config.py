@@ -1,4 +1,5 @@
-"""Configs of the step loop: optimizer and schedule, step counts and intervals, logging, the run folder."""
+"""trainer: the job config's sections of the step loop: optimizer and schedule, step counts and intervals,
+logging, the run folder, validation. Only dataclasses (no torch, no megatron): `megaopd config` loads them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,11 +66,10 @@ class TrainerConfig:
     eval_interval: int = 25
     """Validation every N steps (and at step 0 and the end); 0 disables it."""
     seed: int = 1234
-    log_interval: int = 1
 
     def __post_init__(self):
         for name in ("max_steps", "prompts_per_step", "samples_per_prompt", "mini_batches_per_step",
-                     "micro_batch_size", "save_interval", "log_interval", "max_tokens_per_micro_batch"):
+                     "micro_batch_size", "save_interval", "max_tokens_per_micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be at least 1")
         if self.eval_interval < 0:
@@ -120,3 +120,17 @@ class RunConfig:
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError(f"run.world_size={self.world_size} must be at least 1")
+
+
+@dataclass
+class ValidationConfig:
+    """Validation every trainer.eval_interval steps, with the evaluator's code."""
+
+    path: str = ""
+    """Benchmark-format jsonl (id, problem, answer); empty disables validation."""
+    max_problems: int = 0
+    """Use the first N problems (0 = all)."""
+    samples: int = 1
+    temperature: float = 0.6
+    """Paper 2604.08527 evaluates at 0.6."""
+    max_new_tokens: int = 1024

@@ -1,4 +1,4 @@
-"""RolloutBatch: the one record that carries a step's responses from the engines to the loss.
+"""RolloutBatch and TokenScores: the records that carry a step's responses from the engines to the loss.
 
 Shape legend: B sequences, S = padded length of prompt + response, T = S - 1 predicted positions
 (position t holds the logits of tokens[:, t] and predicts tokens[:, t + 1]), K top-K size.
@@ -6,19 +6,19 @@ Sequences are right-padded, so causal attention never lets padding reach a real 
 
     batch = build_rollout_batch(samples, pad_id, samples_per_prompt)   # engines -> record (every rank)
     batch.actor = score_tokens(...)      # megaopd.scoring fills the per-token scores ...
-    batch.teacher = score_tokens(...)
+    batch.teacher = teachers.score(...)
     batch.rewards_B = ...                # ... and the trainer the verifiable rewards
 
-Golden (SFT) rows travel beside it in megaopd.data.GoldenBatch; the micro-batches of the training step
-are cut from both by megaopd.trainer.micro_batches.
+Golden (SFT) rows travel beside it in megaopd.data.GoldenBatch; the micro-batches of the scoring passes
+and the training step are cut from both by megaopd.batching.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from megaopd.parallel.dist import world_size
 from megaopd.rollout.protocol import FinishReason, Sample
 
 
@@ -26,7 +26,8 @@ from megaopd.rollout.protocol import FinishReason, Sample
 class TokenScores:
     """Per-token outputs of one model (the actor or the teacher) at every position of the rows it holds.
 
-    In training a rank holds only the rows its actor data-parallel replica trains (`rows`, see RowOwners):
+    In training a rank holds only the rows its actor data-parallel replica trains (`rows`, see
+    megaopd.batching.owners.RowOwners):
     the leading dimension B of every field is then len(rows), row i of a field being batch row rows[i].
     Log-probs stay float32: the losses' ratios and KLs are differences of log-probs, and bf16/fp16 would
     round them by up to 1e-2 nats (exactness of the loss; the golden tests pin them at 1e-6)."""
@@ -57,7 +58,7 @@ class TokenScores:
         if missing:
             raise KeyError(f"rows {missing[:8]} are not held on this rank (it holds {len(self.rows)} rows, the ones "
                            f"its actor data-parallel replica trains): build micro-batches from the same RowOwners "
-                           f"the scores were routed with (trainer/micro_batches.row_owners)")
+                           f"the scores were routed with (batching.shares.row_owners)")
         return torch.tensor([where[int(r)] for r in batch_rows.tolist()], dtype=torch.long)
 
     def topk_support(self, k: int) -> "TokenScores | None":
@@ -67,47 +68,40 @@ class TokenScores:
             return None
         return TokenScores(self.logprobs_BT, rows=self.rows, topk_ids_BTK=self.topk_ids_BTK[..., :k])
 
+    def present(self) -> list["ScoreField"]:
+        """The score fields this record holds (SCORE_FIELDS order)."""
+        return [f for f in SCORE_FIELDS if getattr(self, f.name) is not None]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: list[int] | None = None) -> "TokenScores":
+        """fn of every field held, as a new record (of `rows`, default: the same rows)."""
+        return TokenScores(**{f.name: fn(getattr(self, f.name)) for f in self.present()},
+                           rows=self.rows if rows is None else rows)
+
     def take(self, batch_rows: list[int]) -> "TokenScores":
         """The scores of the given batch rows only (rows set to them)."""
         i = self.index(batch_rows)
-        fields = ("logprobs_BT", "entropy_BT", "topk_ids_BTK", "topk_logprobs_BTK", "at_ids_logprobs_BTK")
-        return TokenScores(**{f: None if getattr(self, f) is None else getattr(self, f)[i] for f in fields},
-                           rows=list(batch_rows))
+        return self.map(lambda x: x[i], rows=list(batch_rows))
 
 
 @dataclass(frozen=True)
-class RowOwners:
-    """Which actor data-parallel replica trains each row of a step's batch (made by
-    trainer/micro_batches.row_owners, the same partition its micro-batches take). Every TP/PP rank of a
-    replica holds that replica's rows' scores: the loss runs on the last PP stage, and each TP rank needs them."""
+class ScoreField:
+    """One per-token output of a scoring pass as TokenScores holds it: a row of SCORE_FIELDS, the table
+    that the passes, the routing of scores to their owners and the teachers' merge loop over."""
 
-    owner_B: tuple[int, ...]
-    """Actor DP rank that trains each batch row."""
-    dp_rank: int
-    """This rank's actor DP rank."""
-    dp_size: int
-    """Actor DP size."""
-    sends: bool
-    """This rank speaks for its replica when owned rows' data must move (actor TP rank 0 and PP rank 0)."""
-    ranks: tuple[tuple[int, bool], ...] | None = None
-    """Per global rank, its (dp_rank, sends): the same layout every step, so the trainer gathers it once
-    (scoring.exchange.owner_ranks); None: every routing pass gathers it again (a small all_gather)."""
+    name: str
+    """The TokenScores attribute."""
+    dtype: torch.dtype
+    """float32 (log-probs, entropy) or int32 (ids: a vocabulary fits, half the bytes of long)."""
+    trailing: Callable[[int, int], tuple[int, ...]]
+    """Its shape past [B, T] given (the pass's top-k, the number of ids it scores at)."""
 
-    @staticmethod
-    def replicated(num_rows: int, rank: int) -> "RowOwners":
-        """Every rank holds every row (one replica, global rank 0 speaking for it): `megaopd logprobs`, tests."""
-        world = world_size()
-        return RowOwners(tuple([0] * num_rows), 0, 1, rank == 0, tuple((0, r == 0) for r in range(world)))
 
-    def rows(self, dp_rank: int | None = None) -> list[int]:
-        """Rows owned by `dp_rank` (default: this rank's replica), increasing."""
-        d = self.dp_rank if dp_rank is None else dp_rank
-        return [b for b, o in enumerate(self.owner_B) if o == d]
-
-    def subset(self, batch_rows: list[int]) -> "RowOwners":
-        """The owners of a sub-batch made of `batch_rows` (its row i is batch row batch_rows[i])."""
-        return RowOwners(tuple(self.owner_B[b] for b in batch_rows), self.dp_rank, self.dp_size, self.sends,
-                         self.ranks)
+LOGPROBS = ScoreField("logprobs_BT", torch.float32, lambda topk, at: ())
+ENTROPY = ScoreField("entropy_BT", torch.float32, lambda topk, at: ())
+TOPK_IDS = ScoreField("topk_ids_BTK", torch.int32, lambda topk, at: (topk,))
+TOPK_LOGPROBS = ScoreField("topk_logprobs_BTK", torch.float32, lambda topk, at: (topk,))
+AT_IDS_LOGPROBS = ScoreField("at_ids_logprobs_BTK", torch.float32, lambda topk, at: (at,))
+SCORE_FIELDS: tuple[ScoreField, ...] = (LOGPROBS, ENTROPY, TOPK_IDS, TOPK_LOGPROBS, AT_IDS_LOGPROBS)
 
 
 @dataclass
@@ -181,17 +175,3 @@ def build_rollout_batch(samples: list[Sample], pad_id: int, samples_per_prompt: 
         finish_reasons=[s.finish_reason for s in samples],
         group_ids_B=torch.arange(B) // samples_per_prompt,
     )
-
-
-def dp_rows(num_rows: int, dp_rank: int, dp_size: int) -> range:
-    """The contiguous block of rows data-parallel replica `dp_rank` of `dp_size` handles."""
-    per = -(-num_rows // dp_size)
-    return range(min(dp_rank * per, num_rows), min((dp_rank + 1) * per, num_rows))
-
-
-def pad_rows(x: torch.Tensor, rows: int, value=0) -> torch.Tensor:
-    """x with extra rows of `value` so that it has `rows` rows (equal-shaped micro-batches)."""
-    if x.shape[0] == rows:
-        return x
-    pad = torch.full((rows - x.shape[0], *x.shape[1:]), value, dtype=x.dtype, device=x.device)
-    return torch.cat([x, pad])

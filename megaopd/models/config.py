@@ -1,10 +1,10 @@
-"""Config of one model of the job (student, reference or teacher) and the checks of its layout."""
+"""models: the job config's section of one model (student, reference; a teacher extends it in
+scoring/config.py) and the start-up checks of its layout against the model's config.json (no torch)."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
-from typing import List
+from dataclasses import dataclass
 
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -57,53 +57,6 @@ class ModelConfig:
                              "set tp=2 or more, or sequence_parallel=false")
 
 
-TEACHER_ENGINES = ("megatron", "remote")
-
-
-@dataclass
-class TeacherConfig(ModelConfig):
-    """A teacher: a Megatron model inside the job (engine megatron: path/tp/pp/ep/dtype as any model) or
-    SGLang servers that score the responses by prefill (engine remote: urls; path then only names the HF
-    directory whose tokenizer is checked against the student's)."""
-
-    name: str = ""
-    """The teacher's name in `teachers:` lists, data.sources[].teacher and per-teacher metrics
-    (rollout/teacher_logprob_mean/<name>); the single `teacher:` section is named "teacher"."""
-    engine: str = "megatron"
-    """megatron (in the job, in its own tp/pp/ep layout) or remote (SGLang servers at `urls`, or
-    `megaopd serve`; scores at temperature 1 only, no entropy, no log-probs at the student's top-k)."""
-    urls: List[str] = field(default_factory=list)
-    """engine remote: base URLs of the teacher's servers (or one router), e.g. [http://node3:30000];
-    requests are spread over them and a request whose server fails is retried on another."""
-    rows_per_request: int = 8
-    """engine remote: responses per /generate request (the unit spread over servers and retried)."""
-    request_timeout_s: float = 600.0
-    """engine remote: longest wait for one scoring request."""
-    retries: int = 1
-    """engine remote: extra attempts on the same server after a connection error or 5xx before the
-    request moves to another server."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.engine not in TEACHER_ENGINES:
-            raise ValueError(f"teacher engine={self.engine!r}: choose megatron (in the job) or remote (SGLang "
-                             f"servers at teacher.urls)")
-        if self.engine == "remote":
-            bad = [u for u in self.urls if not str(u).startswith(("http://", "https://"))]
-            if bad:
-                raise ValueError(f"teacher urls {bad}: each must start with http:// or https://")
-        elif self.urls:
-            raise ValueError(f"teacher urls={list(self.urls)} are set but engine={self.engine!r}: set "
-                             f"engine=remote to score with those servers, or drop the urls")
-        if self.rows_per_request < 1 or self.request_timeout_s <= 0 or self.retries < 0:
-            raise ValueError("teacher rows_per_request must be >= 1, request_timeout_s > 0, retries >= 0")
-
-    @property
-    def configured(self) -> bool:
-        """Whether this section names a teacher at all (a path, or remote servers)."""
-        return bool(self.path) or (self.engine == "remote" and bool(self.urls))
-
-
 @dataclass(frozen=True)
 class ModelDims:
     """The sizes of a model that parallel layouts must divide, read from its config.json."""
@@ -154,7 +107,7 @@ def check_context(role: str, path: str, dims: ModelDims, tokens: int, why: str) 
             f"(python tools/extend_context.py --recipe luffy FOLDER ...; docs/cluster.md) or lower the lengths")
 
 
-def check_layout(role: str, model: ModelConfig, world_size: int) -> ModelDims:
+def check_role_layout(role: str, model: ModelConfig, world_size: int) -> ModelDims:
     """Raises ValueError naming the role, the size and the fix when the layout cannot be built."""
     if not model.path:
         raise ValueError(f"{role}.path is empty: set {role}.path=DIR (an HF directory or a megaopd checkpoint)")

@@ -1,6 +1,6 @@
-"""Packed rows: several sequences in one [1, t] row (THD), cut by a token budget, and balanced DP shares.
+"""Packed rows: several sequences in one [1, t] row (THD), cut by a token budget.
 
-    shares = balanced_partition(unit_costs, dp_size)                 # which units each DP rank takes
+    shares = balanced_partition(unit_costs, dp_size)                 # which units each DP rank takes (shares.py)
     bins = pack_by_budget([sum(lengths of u) for u in units], budget) # which units share a micro-batch
     row = PackedRow([Segment(source=0, row=b, length=L) ...], total)  # one micro-batch's layout
     row.tokens({0: tokens_BS}, pad_id)  -> [1, total]                 row.cu_seqlens -> int32 [n + 1]
@@ -17,11 +17,13 @@ micro-batches, and a resumed run makes the same partition.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+
+ON_POLICY, GOLDEN = 0, 1  # the two sources of a training micro-batch's segments (rollout rows, golden rows)
 
 
 @dataclass(frozen=True)
@@ -121,24 +123,6 @@ def pack_by_budget(unit_tokens: Sequence[int], budget: int) -> list[list[int]]:
             bins.append([i])
             loads.append(n)
     return [sorted(b) for b in bins]
-
-
-def balanced_partition(unit_lengths: Sequence[Sequence[int]], parts: int) -> list[list[int]]:
-    """Units (each a list of sequence lengths) into `parts` shares of nearly equal cost: the longest
-    processing time rule on (tokens, attention cost sum(len^2)), deterministic (ties by index, then by
-    share number), so that every rank and a resumed run compute the same shares. Returns each share's
-    unit indices in increasing order (shares may be empty when units < parts)."""
-    if parts < 1:
-        raise ValueError(f"balanced_partition needs parts >= 1, got {parts}")
-    cost = [(sum(ls), sum(n * n for n in ls)) for ls in unit_lengths]
-    order = sorted(range(len(cost)), key=lambda i: (-cost[i][0], -cost[i][1], i))
-    heap = [(0, 0, p) for p in range(parts)]  # (tokens, attention cost, share): least loaded first
-    shares: list[list[int]] = [[] for _ in range(parts)]
-    for i in order:
-        tokens, attn, p = heapq.heappop(heap)
-        shares[p].append(i)
-        heapq.heappush(heap, (tokens + cost[i][0], attn + cost[i][1], p))
-    return [sorted(s) for s in shares]
 
 
 def row_lengths(tokens_BS: torch.Tensor, lengths_B: torch.Tensor | None) -> list[int]:

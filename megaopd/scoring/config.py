@@ -1,0 +1,55 @@
+"""scoring: the job config's section of one teacher, in the job (an InJobTeacher: a model in its own layout)
+or served (a RemoteTeacher: its servers), from which trainer/roles.py builds the job's TeacherSet."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from megaopd.models.config import ModelConfig
+
+
+TEACHER_ENGINES = ("megatron", "remote")
+
+
+@dataclass
+class TeacherConfig(ModelConfig):
+    """A teacher: a Megatron model inside the job (engine megatron: path/tp/pp/ep/dtype as any model) or
+    SGLang servers that score the responses by prefill (engine remote: urls; path then only names the HF
+    directory whose tokenizer is checked against the student's)."""
+
+    name: str = ""
+    """The teacher's name in `teachers:` lists, data.sources[].teacher and per-teacher metrics
+    (rollout/teacher_logprob_mean/<name>); the single `teacher:` section is named "teacher"."""
+    engine: str = "megatron"
+    """megatron (in the job, in its own tp/pp/ep layout) or remote (SGLang servers at `urls`, or
+    `megaopd serve`; scores at temperature 1 only, no entropy, no log-probs at the student's top-k)."""
+    urls: List[str] = field(default_factory=list)
+    """engine remote: base URLs of the teacher's servers (or one router), e.g. [http://node3:30000];
+    requests are spread over them and a request whose server fails is retried on another."""
+    rows_per_request: int = 8
+    """engine remote: responses per /generate request (the unit spread over servers and retried)."""
+    request_timeout_s: float = 600.0
+    """engine remote: longest wait for one scoring request."""
+    retries: int = 1
+    """engine remote: extra attempts on the same server after a connection error or 5xx before the
+    request moves to another server."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.engine not in TEACHER_ENGINES:
+            raise ValueError(f"teacher engine={self.engine!r}: choose megatron (in the job) or remote (SGLang "
+                             f"servers at teacher.urls)")
+        if self.engine == "remote":
+            bad = [u for u in self.urls if not str(u).startswith(("http://", "https://"))]
+            if bad:
+                raise ValueError(f"teacher urls {bad}: each must start with http:// or https://")
+        elif self.urls:
+            raise ValueError(f"teacher urls={list(self.urls)} are set but engine={self.engine!r}: set "
+                             f"engine=remote to score with those servers, or drop the urls")
+        if self.rows_per_request < 1 or self.request_timeout_s <= 0 or self.retries < 0:
+            raise ValueError("teacher rows_per_request must be >= 1, request_timeout_s > 0, retries >= 0")
+
+    @property
+    def configured(self) -> bool:
+        """Whether this section names a teacher at all (a path, or remote servers)."""
+        return bool(self.path) or (self.engine == "remote" and bool(self.urls))

@@ -1,0 +1,60 @@
+"""Phase timings of a training step (NeMo-RL's Timer): named, nested, reduced across ranks, written to the
+step's metrics as time/<name>.
+
+    timer = Timer()
+    with timer("step"):
+        with timer("rollout"):
+            ...
+    timer.add("teacher_remote", seconds)              # measured elsewhere (rank 0's scoring thread)
+    metrics.update(timer.reduce(group, device))       # {"time/rollout": s, "time/step": s}; collective
+
+A name's metric is flat (time/rollout, not time/step/rollout) however it is nested: those are the names the
+run log, the benchmarks and the GPU check read. The seconds of one name add up over its blocks. reduce()
+takes each name's maximum over the group's ranks (the step waits for the slowest) and starts the timer
+afresh; every rank must time the same names in the same order (the step's code path, which is collective).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class Timer:
+    def __init__(self):
+        self._seconds: dict[str, float] = {}
+        """Seconds per name, in the order the names were first closed (the metrics' order)."""
+        self._open: list[str] = []
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        """Times the block under `name` (wall clock, perf_counter)."""
+        if name in self._open:
+            raise ValueError(f"timer {name!r} is already running: a name cannot nest inside itself")
+        self._open.append(name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._open.remove(name)
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Adds seconds measured elsewhere (another thread, another process) to `name`."""
+        self._seconds[name] = self._seconds.get(name, 0.0) + float(seconds)
+
+    def reduce(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
+        """{"time/<name>": the largest seconds over the group's ranks} of every closed name; then empty.
+        Collective over `group` (one all_reduce of float64 on `device`, the group's device); group None:
+        this process alone."""
+        if self._open:
+            raise ValueError(f"timers {self._open} are still running: reduce after their blocks end")
+        names = list(self._seconds)
+        values = torch.tensor([self._seconds[n] for n in names], dtype=torch.float64, device=device)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        self._seconds = {}
+        return {f"time/{n}": v for n, v in zip(names, values.tolist())}
