@@ -50,7 +50,7 @@ import torch
 
 from megaopd.rollout.protocol import (FinishReason, Sample, SamplingParams, check_resume, expand_samples,
                                       memory_tags)
-from megaopd.rollout.sampling import row_generator, sample_tokens
+from megaopd.engine.sampling import row_generator, sample_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
