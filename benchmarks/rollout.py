@@ -72,7 +72,7 @@ def bench_generation(repeats: int, threads: list[int], new_tokens: int = 64, pro
 def _server_process(model_dir: str, to_parent, from_parent):
     """Helper: a RolloutServer in a thread; on request, raw receives on its weight-update group."""
     torch.set_num_threads(1)
-    from megaopd.rollout.server import RolloutServer, ServeConfig
+    from megaopd.serving.server import RolloutServer, ServeConfig
     from megaopd.parallel import custom_group as dist_group
 
     server = RolloutServer(ServeConfig(hf_dir=model_dir, port=0))

@@ -44,7 +44,7 @@ def embedded():
 @pytest.fixture(scope="module")
 def two_servers():
     from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megaopd.rollout.server import RolloutServer, ServeConfig
+    from megaopd.serving.server import RolloutServer, ServeConfig
 
     servers = [RolloutServer(ServeConfig(hf_dir=STUDENT, port=0),
                              engine=EmbeddedEngine(EmbeddedEngineConfig(hf_dir=STUDENT, max_batch_size=16))).start()

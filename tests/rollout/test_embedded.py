@@ -8,7 +8,7 @@ import torch
 from megaopd.rollout.embedded import (EmbeddedEngine, EmbeddedEngineConfig, EngineReleasedError,
                                       WeightMismatchError)
 from megaopd.rollout.protocol import SamplingParams
-from tests.rollout._models import EOS, hf_logprobs, random_state_dict
+from tests.engine._models import EOS, hf_logprobs, random_state_dict
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3] * 12, [40, 41, 42]]
 

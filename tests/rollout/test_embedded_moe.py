@@ -7,7 +7,7 @@ from megaopd.models.hf_io import HFWeights
 from megaopd.models.presets import make_hf_model
 from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, EngineReleasedError, fused_expert_slots
 from megaopd.rollout.protocol import SamplingParams
-from tests.rollout._models import hf_logprobs
+from tests.engine._models import hf_logprobs
 
 PROBE = [1, 5, 9, 14, 30, 41, 7, 7, 60, 2, 80, 81]
 

@@ -12,12 +12,12 @@ from megaopd.rollout.client import EngineError, EngineRequestError, HttpEngine, 
 from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from megaopd.rollout.pool import EnginePool
 from megaopd.rollout.protocol import MemoryStateError
-from megaopd.rollout.server import RolloutServer, ServeConfig
+from megaopd.serving.server import RolloutServer, ServeConfig
 from megaopd.sync import choose_transport
 from megaopd.sync.cuda_ipc import (CudaIpcTransport, IpcLayout, deserialize_named_tensors, feeder_ranks,
                                    tensor_request)
 from megaopd.sync.distributed import weight_update_sessions
-from tests.rollout._models import build_tiny_qwen2
+from tests.engine._models import build_tiny_qwen2
 from tests.sync import _workers
 
 

@@ -30,7 +30,7 @@ Answers have SGLang 0.5.23's keys at every level (meta_info included: fields meg
 their neutral values), and its errors: HTTP 400 with {"error": {"message"}} for a bad value, the
 OpenAI-style {"object": "error", ...} for a request field's type, {"error": "<text>"} for a
 sampling_params field's type or name; /health answers 503 until the model is loaded. Held to a real
-SGLang server by tests/e2e/sglang (tests/rollout/sglang_cases.py lists the refusals, and the requests
+SGLang server by tests/e2e/sglang (tests/serving/sglang_cases.py lists the refusals, and the requests
 refused here on purpose where SGLang does otherwise: docs/engines.md).
 
 Requests that arrive while a batch decodes are queued and decoded together in the next batch (one
