@@ -43,7 +43,8 @@ def build_model(path: str, hidden: int, layers: int, vocab: int, seed: int = 0) 
 
 
 def bench_generation(repeats: int, threads: list[int], new_tokens: int = 64, prompt_len: int = 32) -> list[dict]:
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.rollout.protocol import SamplingParams
 
     rows = []

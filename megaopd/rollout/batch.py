@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megaopd.engine.rows import FinishReason
 from megaopd.parallel.dist import world_size
-from megaopd.rollout.protocol import FinishReason, Sample
+from megaopd.rollout.protocol import Sample
 
 
 @dataclass

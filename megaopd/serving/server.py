@@ -57,13 +57,17 @@ from typing import Any, Callable
 
 import torch
 
-from megaopd.rollout.embedded import (EmbeddedEngine, EmbeddedEngineConfig, EngineReleasedError, RowRequest,
-                                      RowResult, WeightMismatchError)
-from megaopd.rollout.protocol import MemoryStateError, expand_samples, memory_tags
+from megaopd.engine.config import EmbeddedEngineConfig
+from megaopd.engine.memory import EngineReleasedError, MemoryStateError, memory_tags
+from megaopd.engine.rows import RowRequest, RowResult
+from megaopd.engine.runner import ModelRunner
+from megaopd.engine.weights import WeightMismatchError
+from megaopd.parallel import custom_group as dist_group
+from megaopd.rollout import weight_wire as wire
+from megaopd.rollout.embedded import row_request
+from megaopd.rollout.protocol import expand_samples
 from megaopd.rollout.schema import (WEIGHT_UPDATE_SESSION_SINCE, BadRequest, finish_reason_json, parse_params,
                                     parse_version)
-from megaopd.rollout import weight_wire as wire
-from megaopd.parallel import custom_group as dist_group
 
 log = logging.getLogger("megaopd.serve")
 
@@ -115,7 +119,7 @@ class _Job:
 class _Scheduler:
     """One thread that decodes queued rows; everything queued while a batch runs joins the next one."""
 
-    def __init__(self, engine: EmbeddedEngine):
+    def __init__(self, engine: ModelRunner):
         self.engine = engine
         self.queue: "queue.Queue[_Job]" = queue.Queue()
         self.stopped = threading.Event()
@@ -159,9 +163,9 @@ class _Scheduler:
 class RolloutServer:
     """The HTTP server; `serve_forever()` for the CLI, `start()` for a background thread (tests)."""
 
-    def __init__(self, config: ServeConfig, engine: EmbeddedEngine | None = None):
+    def __init__(self, config: ServeConfig, engine: ModelRunner | None = None):
         self.config = config
-        self.engine: EmbeddedEngine | None = None
+        self.engine: ModelRunner | None = None
         self.scheduler: _Scheduler | None = None
         self.groups: dict[str, dist_group.dist.ProcessGroup] = {}
         self._recv_buffers: dict[str, torch.Tensor] = {}  # group name -> reusable flattened-bucket buffer
@@ -179,14 +183,14 @@ class RolloutServer:
     def url(self) -> str:
         return f"http://{self.config.host}:{self.port}"
 
-    def _set_engine(self, engine: EmbeddedEngine):
+    def _set_engine(self, engine: ModelRunner):
         self.engine = engine
         self.scheduler = _Scheduler(engine)
 
     def load_engine(self):
         """Builds the engine (the slow part of start-up); /health answers 503 until it is done."""
         try:
-            self._set_engine(EmbeddedEngine(self.config.engine_config()))
+            self._set_engine(ModelRunner(self.config.engine_config()))
         except Exception as e:  # noqa: BLE001 - kept for /health and the log; the server stays up to say why
             self.load_error = f"{type(e).__name__}: {e}"
             log.error("megaopd serve: failed to load %s: %s", self.config.hf_dir, self.load_error)
@@ -210,7 +214,7 @@ class RolloutServer:
         self.groups.clear()
 
     # ----------------------------------------------------------------------------------- endpoints
-    def _engine(self) -> EmbeddedEngine:
+    def _engine(self) -> ModelRunner:
         if self.engine is None:
             raise _HttpError(503, {"error": {"message": self.load_error or "the model is still loading"}})
         return self.engine
@@ -258,9 +262,7 @@ class RolloutServer:
         entries, rows = [], []
         for s in expand_samples(prompts, [p.n for p in params], [p.seed for p in params], keep_single_seeds=True):
             i, p = s.prompt_index, params[s.prompt_index]
-            stop = set() if p.ignore_eos else set(p.stop_token_ids) | set(engine.eos_ids)  # as RowRequest.from_params
-            row = RowRequest(prompt_ids=s.prompt_ids, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
-                             top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, stop_ids=frozenset(stop), seed=s.seed)
+            row = row_request(s, p, engine.eos_ids)
             if p.max_new_tokens > 0:
                 try:
                     engine.check_row(row)
@@ -287,7 +289,7 @@ class RolloutServer:
             out.append({"text": engine.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta})
         return out[0] if single and len(out) == 1 else out
 
-    def _prompts(self, engine: EmbeddedEngine, req: dict) -> tuple[list[list[int]], bool]:
+    def _prompts(self, engine: ModelRunner, req: dict) -> tuple[list[list[int]], bool]:
         if req.get("text") is not None:
             if engine.tokenizer is None:
                 raise BadRequest("this model directory has no tokenizer; send input_ids instead of text")
@@ -500,7 +502,7 @@ def _meta(rid: str, res: RowResult, row: RowRequest, latency: float) -> dict:
             "reasoning_tokens": 0, "dp_rank": None, "e2e_latency": latency, "response_sent_to_client_ts": time.time()}
 
 
-def _logprobs_meta(engine: EmbeddedEngine, prompt_ids: list[int], res: RowResult, start: int, top_num: int,
+def _logprobs_meta(engine: ModelRunner, prompt_ids: list[int], res: RowResult, start: int, top_num: int,
                    at_ids: list[int] | None) -> dict:
     """The log-prob fields of a return_logprob answer, as SGLang 0.5.23 sends them.
 

@@ -32,6 +32,7 @@ def eos_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(tiny_dir):
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
 
     return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=16))

@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
+from megaopd.engine.config import EmbeddedEngineConfig
 from megaopd.parallel.launch import find_free_port
 from megaopd.rollout.client import EngineError, EngineUnavailableError, HttpEngine, HttpEngineConfig
-from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool, PoolConfig, PoolError
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.serving.sglang_launcher import ServerProcess, megaopd_serve_command

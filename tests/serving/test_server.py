@@ -5,8 +5,9 @@ import urllib.request
 
 import pytest
 
+from megaopd.engine.config import EmbeddedEngineConfig
 from megaopd.rollout.client import EngineRequestError, HttpEngine
-from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.serving.server import RolloutServer, ServeConfig
 from tests.engine._models import EOS, hf_logprobs

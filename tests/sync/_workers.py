@@ -89,8 +89,9 @@ class _Recording:
 def push_and_record(rank, world_size, hf_dir):
     from megaopd.config.model import ModelConfig
     from megaopd.config.sections import RolloutConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.parallel.groups import Layout, initialize_actor_layout
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.sync import WeightSync
     from megaopd.trainer.roles import load_role_model
     from megaopd.scoring.passes import score_tokens
@@ -128,11 +129,12 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     PROBE[0] after the push}."""
     from megaopd.config.model import ModelConfig
     from megaopd.config.sections import RolloutConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.models.builder import StageInfo
     from megaopd.models.hf_io import HFWeights, save_hf_dir
     from megaopd.models.weights import load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.sync import WeightSync
     from megaopd.sync.gather import gather_hf_weights, model_state
     from megaopd.sync.weight_sync import expert_group

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from megaopd.config.sections import RolloutConfig
+from megaopd.engine.config import EmbeddedEngineConfig
+from megaopd.engine.memory import MemoryStateError
 from megaopd.parallel.launch import spawn
 from megaopd.rollout import build_engine
 from megaopd.rollout.client import EngineError, EngineRequestError, HttpEngine, HttpEngineConfig
-from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool
-from megaopd.rollout.protocol import MemoryStateError
 from megaopd.serving.server import RolloutServer, ServeConfig
 from megaopd.sync import choose_transport
 from megaopd.sync.cuda_ipc import (CudaIpcTransport, IpcLayout, deserialize_named_tensors, feeder_ranks,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megaopd.engine.config import read_eos_ids
 from megaopd.rollout.client import EngineError, HttpEngine
-from megaopd.rollout.embedded import read_eos_ids
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
 from tests.e2e.sglang.conftest import STUDENT, gap, reference_logprobs

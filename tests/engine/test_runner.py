@@ -1,12 +1,15 @@
-"""Embedded engine against an independent HF forward: lengths, stops, log-probs, seeds, weight loads."""
+"""The model runner, driven through the trainer's EmbeddedEngine, against an independent HF forward:
+lengths, stops, log-probs, seeds, weight loads, memory release."""
 import threading
 import time
 
 import pytest
 import torch
 
-from megaopd.rollout.embedded import (EmbeddedEngine, EmbeddedEngineConfig, EngineReleasedError,
-                                      WeightMismatchError)
+from megaopd.engine.config import EmbeddedEngineConfig
+from megaopd.engine.memory import EngineReleasedError
+from megaopd.engine.weights import WeightMismatchError
+from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.protocol import SamplingParams
 from tests.engine._models import EOS, hf_logprobs, random_state_dict
 
