@@ -85,7 +85,7 @@ def _server_process(model_dir: str, to_parent, from_parent):
         cmd = from_parent.get()
         if cmd[0] == "raw":
             _, group_name, sizes = cmd
-            pg = server.groups[group_name]
+            pg = server.weights.groups[group_name]
             # Buffers allocated and touched once, reused by every repeat: the best case for raw.
             bufs = cache.setdefault(tuple(sizes), [torch.zeros(n, dtype=torch.uint8) for n in sizes])
             to_parent.put("ready")

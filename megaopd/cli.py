@@ -20,7 +20,7 @@ COMMANDS = {
     "train": "megaopd.trainer.cli:main",
     "eval": "megaopd.eval.cli:main",
     "logprobs": "megaopd.scoring.cli:main",
-    "serve": "megaopd.serving.server:main",
+    "serve": "megaopd.serving.cli:main",
     "plot": "megaopd.metrics.plot:main",
     "config": "megaopd.config.cli:config_main",
     "plan": "megaopd.config.cli:plan_main",

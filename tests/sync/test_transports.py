@@ -116,10 +116,10 @@ def test_sessions_close_after_errors(servers):
     with pytest.raises(RuntimeError, match="boom"):
         with weight_update_sessions([new]):
             raise RuntimeError("boom")
-    assert servers[0].session is None  # closed, so the next update can open one
+    assert servers[0].weights.session is None  # closed, so the next update can open one
     with weight_update_sessions([new]) as s:
-        assert s.opened == [new] and servers[0].session == "all"
-    assert servers[0].session is None
+        assert s.opened == [new] and servers[0].weights.session == "all"
+    assert servers[0].weights.session is None
 
 
 def test_resume_needs_a_release(servers, tiny_dir):
