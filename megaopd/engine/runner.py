@@ -11,11 +11,12 @@ output_ids), one that uses max_new_tokens finishes "length". How a chunk is deco
 weight names: megaopd.engine.weights; memory release: megaopd.engine.memory. The trainer uses it as an
 Engine through megaopd.rollout.embedded, `megaopd serve` through megaopd.serving.
 
-Concurrency: one chunk decodes at a time; weight updates wait for it to finish unless generation is
-paused (pause("in_place") / pause("retract")), in which case they load between two decode steps. After a
-"retract" pause the running rows are re-prefilled (prompt + tokens so far) under the new weights;
-after "in_place" they keep their KV cache. pause("abort") ends running and waiting rows with
-finish reason "abort".
+Concurrency: one chunk decodes at a time, and holds the model; weight loads and memory release wait for
+it. A run may carry a StepControl (a server's pause / abort / retract: megaopd.serving.scheduling), which
+the runner asks before each chunk and between two decode steps: while it holds the run, the model is free
+and weight loads go ahead between those two steps; when it ends a hold "retracting", the running rows are
+re-prefilled (prompt + tokens so far) under the new weights, otherwise they keep their KV cache; when it
+aborts the run, its running and waiting rows finish "abort". The trainer's runs carry none.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import gc
 import inspect
 import os
 import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -34,6 +35,35 @@ from megaopd.engine.decode import Forward, StepAction, decode_rows
 from megaopd.engine.memory import EngineReleasedError
 from megaopd.engine.rows import PromptScores, RowRequest, RowResult
 from megaopd.engine.weights import WeightTable
+
+
+class StepControl(Protocol):
+    """What a run asks, before each chunk and between two decode steps, of whoever may pause it."""
+
+    def held(self) -> bool:
+        """Wait (the model free for weight loads) before going on."""
+
+    def aborted(self) -> bool:
+        """End the run's running and waiting rows with finish reason "abort"."""
+
+    def retracting(self) -> bool:
+        """A hold asks the running rows to be re-prefilled when it ends (their KV cache is recomputed)."""
+
+
+class _Unheld:
+    """The control of a run nobody pauses (the trainer's)."""
+
+    def held(self) -> bool:
+        return False
+
+    def aborted(self) -> bool:
+        return False
+
+    def retracting(self) -> bool:
+        return False
+
+
+UNHELD: StepControl = _Unheld()
 
 
 class ModelRunner:
@@ -63,12 +93,9 @@ class ModelRunner:
         if self.release_weights == "auto":
             self.release_weights = "offload" if self.device.type == "cuda" else "keep"
         self.weight_version = "default"
-        # One condition guards the model: a decoding chunk holds it (releasing it only while paused),
-        # weight loads and memory release take it.
+        # One condition guards the model: a decoding chunk holds it (releasing it only while its control
+        # holds the run), weight loads and memory release take it.
         self._cond = threading.Condition(threading.Lock())
-        self._paused = False
-        self._pause_mode = "in_place"
-        self._abort_epoch = 0
         self._waiting_updates = 0  # weight loads queued: new chunks wait so loads are not starved
         self._released: set[str] = set()  # memory tags released and not resumed since
         self._stale: set[str] = set()  # parameters discarded and not yet reloaded
@@ -78,24 +105,23 @@ class ModelRunner:
         self.running = 0  # rows currently decoding, for /get_server_info style reporting
 
     # ----------------------------------------------------------------------------------- generation
-    def run(self, rows: list[RowRequest], epoch: int | None = None) -> list[RowResult]:
+    def run(self, rows: list[RowRequest], control: StepControl = UNHELD) -> list[RowResult]:
         """Generates every row (in chunks of max_batch_size); results in row order.
 
-        epoch: the abort epoch the rows were submitted in (a server queues them); rows submitted before
-        an abort (pause("abort") / abort_all) finish "abort". Default: now.
+        control: who may hold or abort the run (see the module docstring); a chunk also waits for queued
+        weight loads, so they are not starved.
         """
         for r in rows:
             self.check_row(r)
         results: list[RowResult] = []
-        epoch = self._abort_epoch if epoch is None else epoch
         for start in range(0, len(rows), self.config.max_batch_size):
             chunk = rows[start:start + self.config.max_batch_size]
             with self._cond:
-                while self._paused or self._waiting_updates:
-                    if self._abort_epoch != epoch:
+                while control.held() or self._waiting_updates:
+                    if control.aborted():
                         break
                     self._cond.wait(timeout=0.5)
-                if self._abort_epoch != epoch:
+                if control.aborted():
                     results.extend(RowResult(finish_reason="abort", weight_version=self.weight_version)
                                    for _ in chunk)
                     continue
@@ -104,22 +130,31 @@ class ModelRunner:
                 self.running += len(chunk)
                 try:
                     results.extend(decode_rows(self._forward, chunk, self.weight_version,
-                                               lambda: self._boundary(epoch)))
+                                               lambda: self._boundary(control)))
                 finally:
                     self.running -= len(chunk)
                     self._cond.notify_all()
         return results
 
-    def _boundary(self, epoch: int) -> StepAction:
+    def _boundary(self, control: StepControl) -> StepAction:
         """Between two decode steps, the model held: the only place a pause, an abort or a weight load
-        (while paused: the wait releases the model) can intervene."""
+        (while held: the wait releases the model) can intervene."""
         retract = False
-        while self._paused and self._abort_epoch == epoch:
-            retract |= self._pause_mode == "retract"
+        while control.held() and not control.aborted():
+            retract |= control.retracting()
             self._cond.wait(timeout=0.5)
-        if self._abort_epoch != epoch or self._kv_released or self._weights_released:
-            return "abort"  # aborted, or memory was released while paused: the running rows cannot continue
+        if control.aborted() or self._kv_released or self._weights_released:
+            return "abort"  # aborted, or memory was released while held: the running rows cannot continue
         return "retract" if retract else "go"
+
+    def wake(self) -> None:
+        """Makes a run waiting at a hold look at its control again (call after changing what it answers).
+        Never blocks: a chunk that is computing holds the model and looks at its next step boundary anyway."""
+        if self._cond.acquire(timeout=0.0):
+            try:
+                self._cond.notify_all()
+            finally:
+                self._cond.release()
 
     def check_row(self, r: RowRequest) -> None:
         """ValueError naming the problem when a row cannot run (bad ids, empty prompt, too long)."""
@@ -162,45 +197,6 @@ class ModelRunner:
         if at_ids:
             out.at_ids_logprobs = lp_RV[:, torch.tensor(at_ids, device=lp_RV.device)].tolist()
         return out
-
-    @property
-    def abort_epoch(self) -> int:
-        """Incremented by every abort; pass the value seen at submission to run(epoch=...)."""
-        return self._abort_epoch
-
-    # ------------------------------------------------------------------------------- control plane
-    def pause(self, mode: str = "in_place") -> None:
-        """Stops decoding at the next step boundary. mode: in_place | retract | abort (see module docstring)."""
-        if mode not in ("in_place", "retract", "abort"):
-            raise ValueError(f"pause mode {mode!r}; choose abort, retract or in_place")
-        self._pause_mode = mode
-        self._paused = True
-        if mode == "abort":
-            self._abort_epoch += 1
-        self._notify()
-
-    def continue_generation(self) -> None:
-        self._paused = False
-        self._notify()
-
-    def abort_all(self) -> None:
-        """Ends running and waiting rows with finish reason "abort" (without pausing)."""
-        self._abort_epoch += 1
-        self._notify()
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    def _notify(self) -> None:
-        # Flags are plain attributes read by the decoding thread at step boundaries. Wake a paused chunk
-        # at once if the condition is free; a chunk that is computing holds it and sees the flag at its
-        # next boundary anyway, so never block here.
-        if self._cond.acquire(timeout=0.0):
-            try:
-                self._cond.notify_all()
-            finally:
-                self._cond.release()
 
     def flush_cache(self) -> bool:
         """No cache outlives a batch here (no prefix cache); returns False while rows are decoding, like SGLang."""

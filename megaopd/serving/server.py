@@ -24,7 +24,7 @@ Endpoints (schemas as SGLang's; docs/engines.md "SGLang's HTTP API, as megaopd u
                                                    session check
   GET|POST /flush_cache    GET /health  GET /health_generate   GET /get_model_info (/model_info)
   GET /get_server_info     POST /release_memory_occupation  /resume_memory_occupation
-  POST /pause_generation   /continue_generation   /abort_request
+  POST /pause_generation   /continue_generation   /abort_request     (serving.scheduling)
 Memory tags (weights, kv_cache, cuda_graph) can be resumed only after a release: resuming another is
 HTTP 400 here (SGLang 0.5.23 dies on it). GET /server_info carries "version" (the SGLang version acted).
 Answers have SGLang 0.5.23's keys at every level (meta_info included: fields megaopd has no notion of at
@@ -55,7 +55,7 @@ from megaopd.engine.runner import ModelRunner
 from megaopd.rollout.schema import WEIGHT_UPDATE_SESSION_SINCE, BadRequest, parse_version
 from megaopd.serving.generate import generate
 from megaopd.serving.http import HttpError, Route, make_handler
-from megaopd.serving.scheduling import Scheduler
+from megaopd.serving.scheduling import PAUSE_MODES, PauseControl, Scheduler
 from megaopd.serving.weights import WeightUpdates
 
 log = logging.getLogger("megaopd.serve")
@@ -151,6 +151,10 @@ class RolloutServer:
             raise HttpError(503, {"error": {"message": self.load_error or "the model is still loading"}})
         return self.engine
 
+    def _pauses(self) -> PauseControl:
+        self._engine()  # 503 while loading
+        return self.scheduler.pauses
+
     def health_generate(self) -> bool:
         """One greedy token through the scheduler: the whole path a /generate takes."""
         engine = self._engine()
@@ -175,18 +179,18 @@ class RolloutServer:
 
         def pause(req):
             mode = (req or {}).get("mode", "abort")
-            if mode not in ("abort", "retract", "in_place"):
+            if mode not in PAUSE_MODES:
                 raise BadRequest(f"mode={mode!r}: Input should be 'abort', 'retract' or 'in_place'", kind="schema")
-            self._engine().pause(mode)
+            self._pauses().pause(mode)
             return ok_json({"message": "Generation paused successfully.", "status": "ok"})
 
         def resume(_req):
-            self._engine().continue_generation()
+            self._pauses().continue_generation()
             return ok_json({"message": "Generation continued successfully.", "status": "ok"})
 
         def abort(req):
             if (req or {}).get("abort_all"):
-                self._engine().abort_all()
+                self._pauses().abort_all()
             return 200, ""
 
         def release(req):
@@ -214,7 +218,7 @@ class RolloutServer:
                             "weight_version": engine.weight_version, "max_running_requests": config.max_batch_size,
                             "host": config.host, "port": self.port, "version": config.sglang_version,
                             "megaopd_serve": True,
-                            "internal_states": [{"running": engine.running, "paused": engine.paused}]})
+                            "internal_states": [{"running": engine.running, "paused": self.scheduler.pauses.paused}]})
 
         def with_success(fn):
             def run(req):
@@ -231,7 +235,8 @@ class RolloutServer:
             ("POST", "/update_weights_from_tensor"): with_success(weights.update_from_tensor),
             ("POST", "/destroy_weights_update_group"): with_success(weights.destroy_group),
             ("GET", "/flush_cache"): flush, ("POST", "/flush_cache"): flush,
-            ("GET", "/health"): health, ("GET", "/health_generate"): lambda _r: (200, "") if self.health_generate() else (503, ""),
+            ("GET", "/health"): health,
+            ("GET", "/health_generate"): lambda _r: (200, "") if self.health_generate() else (503, ""),
             ("GET", "/get_model_info"): model_info, ("GET", "/model_info"): model_info,
             ("GET", "/get_server_info"): server_info, ("GET", "/server_info"): server_info,
             ("POST", "/release_memory_occupation"): release, ("POST", "/resume_memory_occupation"): resume_mem,
