@@ -17,11 +17,13 @@ from typing import Iterable
 from megaopd.engine.rows import RowRequest
 from megaopd.engine.runner import ModelRunner
 from megaopd.rollout.protocol import Sample, SampleRequest, SamplingParams, expand_samples
+from megaopd.rollout.schema import ParsedParams
 
 
-def row_request(sample: SampleRequest, params: SamplingParams, eos_ids: Iterable[int]) -> RowRequest:
+def row_request(sample: SampleRequest, params: SamplingParams | ParsedParams, eos_ids: Iterable[int]) -> RowRequest:
     """The runner's row for one sample: its prompt and seed, the sampling settings of params, and the ids
-    that stop it (EOS and stop_token_ids)."""
+    that stop it (EOS and stop_token_ids). params: the trainer's SamplingParams, or a server request's
+    ParsedParams (the same fields; max_new_tokens may be 0 there: prefill scoring runs no row)."""
     # SGLang 0.5.23: ignore_eos ignores stop_token_ids too (the response runs to its budget).
     stop = set() if params.ignore_eos else set(params.stop_token_ids) | set(eos_ids)
     return RowRequest(prompt_ids=list(sample.prompt_ids), max_new_tokens=params.max_new_tokens,

@@ -21,8 +21,8 @@ from megaopd.engine.memory import EngineReleasedError
 from megaopd.engine.rows import RowRequest, RowResult
 from megaopd.engine.runner import ModelRunner
 from megaopd.rollout.embedded import row_request
-from megaopd.rollout.protocol import SamplingParams, expand_samples
-from megaopd.rollout.schema import BadRequest, finish_reason_json, parse_params
+from megaopd.rollout.protocol import expand_samples
+from megaopd.rollout.schema import BadRequest, ParsedParams, finish_reason_json, parse_params
 
 
 @dataclass
@@ -32,7 +32,7 @@ class GenerateRequest:
     prompts: list[list[int]]
     single: bool
     """The prompt came bare (not in a list): a one-entry answer is an object, not a list."""
-    params: list[SamplingParams]
+    params: list[ParsedParams]
     return_logprob: list[bool]
     start_len: list[int | None]
     """logprob_start_len: -1 = output tokens only; s >= 0 = prompt tokens from s on too."""
