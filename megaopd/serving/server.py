@@ -168,86 +168,89 @@ class RolloutServer:
     # ----------------------------------------------------------------------------------- endpoints
     def _routes(self) -> dict[tuple[str, str], Route]:
         """(method, path) -> endpoint: the body (parsed JSON or None) in, (HTTP status, body) out."""
-        def ok_json(body):
-            return 200, body
-
-        def flush(_req):
-            if self._engine().flush_cache():
-                return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                             "waiting requests, the operation will not be performed.)\n")
-            return 400, "Cache not flushed: requests are running; retry when idle.\n"
-
-        def pause(req):
-            mode = (req or {}).get("mode", "abort")
-            if mode not in PAUSE_MODES:
-                raise BadRequest(f"mode={mode!r}: Input should be 'abort', 'retract' or 'in_place'", kind="schema")
-            self._pauses().pause(mode)
-            return ok_json({"message": "Generation paused successfully.", "status": "ok"})
-
-        def resume(_req):
-            self._pauses().continue_generation()
-            return ok_json({"message": "Generation continued successfully.", "status": "ok"})
-
-        def abort(req):
-            if (req or {}).get("abort_all"):
-                self._pauses().abort_all()
-            return 200, ""
-
-        def release(req):
-            tags = _tags(req)
-            self._engine().release_memory(tags)
-            return ok_json(None)
-
-        def resume_mem(req):
-            tags = _tags(req)
-            try:
-                self._engine().resume_memory(tags)
-            except MemoryStateError as e:  # SGLang 0.5.23 dies here; we answer why instead
-                raise BadRequest(str(e)) from e
-            return ok_json(None)
-
-        def health(_req):
-            return (200, "") if self._engine().health() else (503, "")
-
-        def model_info(_req):
-            return ok_json(self._engine().model_info())
-
-        def server_info(_req):
-            engine, config = self._engine(), self.config
-            return ok_json({"model_path": config.hf_dir, "tp_size": 1, "dp_size": 1, "pp_size": 1,
-                            "weight_version": engine.weight_version, "max_running_requests": config.max_batch_size,
-                            "host": config.host, "port": self.port, "version": config.sglang_version,
-                            "megaopd_serve": True,
-                            "internal_states": [{"running": engine.running, "paused": self.scheduler.pauses.paused}]})
-
-        def with_success(fn):
-            def run(req):
-                res = fn(req)
-                return (200 if res["success"] else 400), res
-            return run
-
-        weights = self.weights
+        w = self.weights
         routes: dict[tuple[str, str], Route] = {
-            ("POST", "/generate"): lambda req: ok_json(generate(self._engine(), self.scheduler.run, req)),
-            ("POST", "/init_weights_update_group"): with_success(weights.init_group),
-            ("POST", "/update_weights_from_distributed"): with_success(weights.update_from_distributed),
-            ("POST", "/update_weights_from_disk"): with_success(weights.update_from_disk),
-            ("POST", "/update_weights_from_tensor"): with_success(weights.update_from_tensor),
-            ("POST", "/destroy_weights_update_group"): with_success(weights.destroy_group),
-            ("GET", "/flush_cache"): flush, ("POST", "/flush_cache"): flush,
-            ("GET", "/health"): health,
-            ("GET", "/health_generate"): lambda _r: (200, "") if self.health_generate() else (503, ""),
-            ("GET", "/get_model_info"): model_info, ("GET", "/model_info"): model_info,
-            ("GET", "/get_server_info"): server_info, ("GET", "/server_info"): server_info,
-            ("POST", "/release_memory_occupation"): release, ("POST", "/resume_memory_occupation"): resume_mem,
-            ("POST", "/pause_generation"): pause, ("POST", "/continue_generation"): resume,
-            ("POST", "/abort_request"): abort,
+            ("POST", "/generate"): self._generate,
+            ("POST", "/init_weights_update_group"): _with_success(w.init_group),
+            ("POST", "/update_weights_from_distributed"): _with_success(w.update_from_distributed),
+            ("POST", "/update_weights_from_disk"): _with_success(w.update_from_disk),
+            ("POST", "/update_weights_from_tensor"): _with_success(w.update_from_tensor),
+            ("POST", "/destroy_weights_update_group"): _with_success(w.destroy_group),
+            ("GET", "/flush_cache"): self._flush, ("POST", "/flush_cache"): self._flush,
+            ("GET", "/health"): self._health, ("GET", "/health_generate"): self._health_generate,
+            ("GET", "/get_model_info"): self._model_info, ("GET", "/model_info"): self._model_info,
+            ("GET", "/get_server_info"): self._server_info, ("GET", "/server_info"): self._server_info,
+            ("POST", "/release_memory_occupation"): self._release,
+            ("POST", "/resume_memory_occupation"): self._resume,
+            ("POST", "/pause_generation"): self._pause, ("POST", "/continue_generation"): self._continue,
+            ("POST", "/abort_request"): self._abort,
         }
         if self.config.weight_update_sessions:  # older SGLang has neither endpoint (404)
-            routes[("POST", "/begin_weight_update")] = with_success(weights.begin_weight_update)
-            routes[("POST", "/end_weight_update")] = with_success(weights.end_weight_update)
+            routes[("POST", "/begin_weight_update")] = _with_success(w.begin_weight_update)
+            routes[("POST", "/end_weight_update")] = _with_success(w.end_weight_update)
         return routes
 
+    def _generate(self, req):
+        return 200, generate(self._engine(), self.scheduler.run, req)
+
+    def _flush(self, _req):
+        if self._engine().flush_cache():
+            return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                         "waiting requests, the operation will not be performed.)\n")
+        return 400, "Cache not flushed: requests are running; retry when idle.\n"
+
+    def _health(self, _req):
+        return (200, "") if self._engine().health() else (503, "")
+
+    def _health_generate(self, _req):
+        return (200, "") if self.health_generate() else (503, "")
+
+    def _model_info(self, _req):
+        return 200, self._engine().model_info()
+
+    def _server_info(self, _req):
+        engine, config = self._engine(), self.config
+        return 200, {"model_path": config.hf_dir, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+                     "weight_version": engine.weight_version, "max_running_requests": config.max_batch_size,
+                     "host": config.host, "port": self.port, "version": config.sglang_version, "megaopd_serve": True,
+                     "internal_states": [{"running": engine.running, "paused": self.scheduler.pauses.paused}]}
+
+    def _release(self, req):
+        tags = _tags(req)
+        self._engine().release_memory(tags)
+        return 200, None
+
+    def _resume(self, req):
+        tags = _tags(req)
+        try:
+            self._engine().resume_memory(tags)
+        except MemoryStateError as e:  # SGLang 0.5.23 dies here; we answer why instead
+            raise BadRequest(str(e)) from e
+        return 200, None
+
+    def _pause(self, req):
+        mode = (req or {}).get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"mode={mode!r}: Input should be 'abort', 'retract' or 'in_place'", kind="schema")
+        self._pauses().pause(mode)
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def _continue(self, _req):
+        self._pauses().continue_generation()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _abort(self, req):
+        if (req or {}).get("abort_all"):
+            self._pauses().abort_all()
+        return 200, ""
+
+
+def _with_success(fn) -> Route:
+    """An endpoint answering {"success", ...}: HTTP 200 when it succeeded, else 400 (as SGLang)."""
+    def run(req):
+        res = fn(req)
+        return (200 if res["success"] else 400), res
+    return run
 
 def _tags(req: Any):
     """The memory tags of a release / resume body (null or absent: all), checked as SGLang would."""
