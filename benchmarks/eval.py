@@ -84,8 +84,9 @@ def run(model: str, batch: int, n_problems: int, max_new_tokens: int, workdir: s
     """servers = 0: the embedded engine in this process; k > 0: an EnginePool over k `megaopd serve`."""
     from transformers import AutoTokenizer
 
+    from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.eval.benchmarks import Benchmark, Problem, convert_rows, read_rows
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
 
     hf_dir = os.path.join(workdir, model)
     if not os.path.isdir(hf_dir):

@@ -43,7 +43,8 @@ def build_model(path: str, hidden: int, layers: int, vocab: int, seed: int = 0) 
 
 
 def bench_generation(repeats: int, threads: list[int], new_tokens: int = 64, prompt_len: int = 32) -> list[dict]:
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.rollout.protocol import SamplingParams
 
     rows = []
@@ -72,7 +73,7 @@ def bench_generation(repeats: int, threads: list[int], new_tokens: int = 64, pro
 def _server_process(model_dir: str, to_parent, from_parent):
     """Helper: a RolloutServer in a thread; on request, raw receives on its weight-update group."""
     torch.set_num_threads(1)
-    from megaopd.rollout.server import RolloutServer, ServeConfig
+    from megaopd.serving.server import RolloutServer, ServeConfig
     from megaopd.parallel import custom_group as dist_group
 
     server = RolloutServer(ServeConfig(hf_dir=model_dir, port=0))
@@ -84,7 +85,7 @@ def _server_process(model_dir: str, to_parent, from_parent):
         cmd = from_parent.get()
         if cmd[0] == "raw":
             _, group_name, sizes = cmd
-            pg = server.groups[group_name]
+            pg = server.weights.groups[group_name]
             # Buffers allocated and touched once, reused by every repeat: the best case for raw.
             bufs = cache.setdefault(tuple(sizes), [torch.zeros(n, dtype=torch.uint8) for n in sizes])
             to_parent.put("ready")

@@ -3,7 +3,7 @@
     megaopd train CONFIG [key=value ...]   the OPD trainer (megaopd.trainer)
     megaopd eval --ckpt DIR --benchmarks ...  benchmark table (megaopd.eval)
     megaopd logprobs --ckpt DIR --input IN.jsonl --output OUT.jsonl   per-token log-probs (megaopd.scoring)
-    megaopd serve --hf-dir DIR --port P    embedded engine speaking SGLang's HTTP API (megaopd.rollout)
+    megaopd serve --hf-dir DIR --port P    embedded engine speaking SGLang's HTTP API (megaopd.serving)
     megaopd plot RUN [RUN ...]             training-dynamics figures (megaopd.metrics)
     megaopd config CONFIG [key=value ...]  the fully resolved config as YAML: what the job runs (megaopd.config)
     megaopd plan CONFIG [key=value ...]    per-GPU memory of the configured layout; exit 1 when it does not fit
@@ -20,7 +20,7 @@ COMMANDS = {
     "train": "megaopd.trainer.cli:main",
     "eval": "megaopd.eval.cli:main",
     "logprobs": "megaopd.scoring.cli:main",
-    "serve": "megaopd.rollout.server:main",
+    "serve": "megaopd.serving.cli:main",
     "plot": "megaopd.metrics.plot:main",
     "config": "megaopd.config.cli:config_main",
     "plan": "megaopd.config.cli:plan_main",

@@ -169,8 +169,9 @@ def evaluate_dir(hf_dir: str, problems: int = EVAL_PROBLEMS) -> dict:
     """Accuracy (and truncation) on the first `problems` of val.jsonl: embedded engine + megaopd.eval."""
     import torch
 
+    from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.eval.evaluate import EvalConfig, evaluate
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.models.hf_io import load_tokenizer
 
     torch.set_num_threads(int(THREADS))

@@ -44,7 +44,8 @@ def export_megatron_to_hf(ckpt: str, out_dir: str) -> str:
 
 def load_engine(hf_dir: str, max_batch_size: int = 64, dtype: str = "float32"):
     """The embedded (in-process HF transformers) engine over hf_dir; GPU when present."""
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
 
     return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=max_batch_size, dtype=dtype, load_tokenizer=False))
 

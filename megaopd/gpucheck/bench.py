@@ -116,7 +116,8 @@ def bench_loss(table: Table, device, vocab: int, token_counts, dtype=torch.bfloa
 
 
 def bench_engine(table: Table, hf_dir: str, dtypes, seqs=(1, 64), new_tokens: int = 128, prompt_len: int = 32) -> None:
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.rollout.protocol import SamplingParams
 
     for dtype in dtypes:

@@ -9,9 +9,10 @@ rollout.engine_tp workers); hf_dir is not read: the servers loaded their own cop
 """
 from __future__ import annotations
 
+from megaopd.engine.config import EmbeddedEngineConfig
 from megaopd.rollout.client import HttpEngine, HttpEngineConfig
 from megaopd.rollout.config import RolloutConfig
-from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool, PoolConfig
 
 

@@ -31,7 +31,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from megaopd.rollout.protocol import Sample, SamplingParams, check_resume, expand_samples, memory_tags
+from megaopd.engine.memory import check_resume, memory_tags
+from megaopd.rollout.protocol import Sample, SamplingParams, expand_samples
 from megaopd.rollout.schema import (WEIGHT_UPDATE_SESSION_SINCE, PrefillScores, params_to_json, parse_version,
                                     prefill_request, prefill_scores_from_json, sample_from_json)
 

@@ -35,7 +35,7 @@ class RolloutConfig:
     """Sequences the embedded engine decodes together."""
     deterministic: bool = False
     """SGLang engines reproduce seeded samples: launched with --enable-deterministic-inference
-    (megaopd.rollout.sglang_launcher.launch_config; slurm/common.sh with ROLLOUT_DETERMINISTIC=1). Without it
+    (megaopd.serving.sglang_launcher.launch_config; slurm/common.sh with ROLLOUT_DETERMINISTIC=1). Without it
     SGLang ignores sampling_seed. Costs SGLang 25-45% of its rollout throughput and needs a GPU attention
     backend. The embedded engine and `megaopd serve` are reproducible from trainer.seed either way."""
     parity_interval: int = 0

@@ -20,21 +20,18 @@ one per engine; nothing checks engine classes):
     "cuda_ipc"    SGLang's /update_weights_from_tensor with CUDA IPC handles (HTTP engines on the
                   trainer's own GPUs: colocated)
 and `weight_targets()` lists the engines that receive weights (itself, or a pool's members).
-Memory: release_memory(tags) / resume_memory(tags) with tags among MEMORY_TAGS; an engine remembers
-what it released (`released_tags`) and refuses to resume a tag it never released, as SGLang does (0.5.23
-kills the server when asked to).
+Memory: release_memory(tags) / resume_memory(tags) with tags among megaopd.engine.memory.MEMORY_TAGS;
+an engine remembers what it released (`released_tags`) and refuses to resume a tag it never released, as
+SGLang does (0.5.23 kills the server when asked to).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
-FinishReason = Literal["stop", "length", "abort"]
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-"""SGLang's memory tags (release/resume_memory_occupation); None in a request means all of them."""
+from megaopd.engine.rows import FinishReason
 
 
 @dataclass
@@ -174,28 +171,3 @@ class InProcessEngine(Engine, Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
         """Loads full (unsharded) HF-named tensors into the engine's model; flushes its cache."""
 
-
-class MemoryStateError(ValueError):
-    """resume_memory was asked for a tag that is not released (SGLang 0.5.23 dies on this: KeyError in
-    its scheduler, then SIGQUIT to its parent), or release/resume got an unknown tag."""
-
-
-def memory_tags(tags: Sequence[str] | None, who: str) -> list[str]:
-    """The tags a release/resume request names (None = all, as SGLang); MemoryStateError for unknown ones."""
-    wanted = list(MEMORY_TAGS) if tags is None else list(tags)
-    bad = [t for t in wanted if t not in MEMORY_TAGS]
-    if bad:
-        raise MemoryStateError(f"{who}: unknown memory tags {bad}; use {list(MEMORY_TAGS)}")
-    return wanted
-
-
-def check_resume(tags: Sequence[str] | None, released: Iterable[str], who: str) -> list[str]:
-    """The tags a resume request names (None = all, as SGLang), or MemoryStateError naming the unreleased ones."""
-    wanted = memory_tags(tags, who)
-    released = set(released)
-    missing = [t for t in wanted if t not in released]
-    if missing:
-        raise MemoryStateError(
-            f"{who}: cannot resume {missing}: not released (released: {sorted(released)}). Resume only what "
-            "release_memory freed; SGLang kills the server on this request")
-    return wanted

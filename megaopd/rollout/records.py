@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from megaopd.rollout.protocol import FinishReason, Sample
+from megaopd.engine.rows import FinishReason
+from megaopd.rollout.protocol import Sample
 
 
 @dataclass

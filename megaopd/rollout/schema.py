@@ -1,7 +1,7 @@
 """SGLang /generate JSON <-> megaopd types, shared by the server (parsing) and the client (building).
 
 One module for both directions so the client and `megaopd serve` cannot drift apart; the field names,
-defaults and error classes are SGLang's (see /work/shared/design/SGLANG-PROTOCOL.md).
+defaults and error classes are SGLang's (docs/engines.md, "SGLang's HTTP API, as megaopd uses it").
 
 Request the client sends (one entry per sample, every sampling parameter explicit, because a server
 fills omitted ones from the model's generation_config.json, e.g. Qwen's repetition_penalty):

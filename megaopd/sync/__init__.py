@@ -12,7 +12,7 @@ megaopd.models.gather, which the checkpoint converter uses too):
     weight_sync  WeightSync: picks a transport per engine (engine.weight_transports + rollout.colocated)
                  and orders memory resume around the push
 What both ends of SGLang's update protocol share lives below this package, so that `megaopd serve`
-(rollout/) can speak it too: the bucket wire format in megaopd.rollout.weight_wire, the standalone
+(serving/) can speak it too: the bucket wire format in megaopd.rollout.weight_wire, the standalone
 process group in megaopd.parallel.custom_group.
 """
 from megaopd.sync.weight_sync import SyncStats, WeightSync, choose_transport

@@ -36,15 +36,17 @@ def tok():
 
 @pytest.fixture(scope="module")
 def embedded():
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
 
     return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=STUDENT, max_batch_size=16))
 
 
 @pytest.fixture(scope="module")
 def two_servers():
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from megaopd.rollout.server import RolloutServer, ServeConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
+    from megaopd.serving.server import RolloutServer, ServeConfig
 
     servers = [RolloutServer(ServeConfig(hf_dir=STUDENT, port=0),
                              engine=EmbeddedEngine(EmbeddedEngineConfig(hf_dir=STUDENT, max_batch_size=16))).start()

@@ -87,7 +87,8 @@ def test_paper_column_order(tok, tmp_path):
 def test_end_to_end_tiny_model(tiny_hf_dir, tiny_bench, tmp_path):
     from transformers import AutoTokenizer
 
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
 
     tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
     eng = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_hf_dir, max_batch_size=4))

@@ -53,8 +53,9 @@ def test_models_load_with_documented_sizes(role):
 def test_teacher_beats_student_on_val_subset():
     import torch
 
+    from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.eval.evaluate import EvalConfig, evaluate
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.models.hf_io import load_tokenizer
 
     torch.set_num_threads(2)

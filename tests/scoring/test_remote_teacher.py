@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 import torch
 
-from megaopd.rollout.server import RolloutServer, ServeConfig
+from megaopd.serving.server import RolloutServer, ServeConfig
 from megaopd.scoring.remote import RemoteTeacher, RemoteTeacherError
 from tests.scoring._remote_workers import _batch
 

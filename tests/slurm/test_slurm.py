@@ -549,7 +549,7 @@ run_torchrun "{out}" allreduce "${{ROLLOUT_OVERRIDES[@]}}"
 def test_engines_start_wait_and_stop(jobs, tmp_path):
     """start_engines for real: one srun step per engine on its node, /health waited for, URLs handed to the
     trainer, the servers stopped when the batch shell exits."""
-    from tests.rollout._models import build_tiny_qwen2
+    from tests.engine._models import build_tiny_qwen2
 
     hf = build_tiny_qwen2(tmp_path / "hf")
     out = tmp_path / "out"

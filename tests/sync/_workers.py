@@ -90,10 +90,11 @@ class _Recording:
 
 def push_and_record(rank, world_size, hf_dir):
     from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.models.config import ModelConfig
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.config import RolloutConfig
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.scoring.passes import ScoreRequest, score_tokens
     from megaopd.scoring.runner import PipelineRunner
     from megaopd.sync import WeightSync
@@ -130,6 +131,7 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     {"mismatches": names whose gathered tensor differs, on any rank, "names_ok": the gather's names are
     exactly the checkpoint's, "perturbed_dir": the perturbed HF dir, "engine_lp": the engine's log-probs of
     PROBE[0] after the push}."""
+    from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.models.builder import StageInfo
     from megaopd.models.config import ModelConfig
     from megaopd.models.gather import gather_hf_weights, model_state
@@ -137,7 +139,7 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     from megaopd.models.weights import load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.config import RolloutConfig
-    from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.sync import WeightSync
     from megaopd.sync.weight_sync import expert_group
     from megaopd.trainer.roles import load_role_model

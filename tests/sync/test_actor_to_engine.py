@@ -7,7 +7,7 @@ import pytest
 
 from megaopd.parallel.dist import find_free_port
 from megaopd.parallel.launch import spawn
-from megaopd.rollout.sglang_launcher import ServerProcess, megaopd_serve_command
+from megaopd.serving.sglang_launcher import ServerProcess, megaopd_serve_command
 from tests.sync import _workers
 from tests.trainer.tiny_models import make_tiny_pair
 

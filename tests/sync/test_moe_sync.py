@@ -7,7 +7,7 @@ import torch
 
 from megaopd.models.presets import make_hf_model
 from megaopd.parallel.launch import spawn
-from tests.rollout._models import hf_logprobs
+from tests.engine._models import hf_logprobs
 from tests.sync import _workers
 
 

@@ -5,19 +5,20 @@ that was never released)."""
 import pytest
 import torch
 
+from megaopd.engine.config import EmbeddedEngineConfig
+from megaopd.engine.memory import MemoryStateError
 from megaopd.parallel.launch import spawn
 from megaopd.rollout import build_engine
 from megaopd.rollout.client import EngineError, EngineRequestError, HttpEngine, HttpEngineConfig
 from megaopd.rollout.config import RolloutConfig
-from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool
-from megaopd.rollout.protocol import MemoryStateError
-from megaopd.rollout.server import RolloutServer, ServeConfig
+from megaopd.serving.server import RolloutServer, ServeConfig
 from megaopd.sync import choose_transport
 from megaopd.sync.cuda_ipc import (CudaIpcTransport, IpcLayout, deserialize_named_tensors, feeder_ranks,
                                    tensor_request)
 from megaopd.sync.distributed import weight_update_sessions
-from tests.rollout._models import build_tiny_qwen2
+from tests.engine._models import build_tiny_qwen2
 from tests.sync import _workers
 
 
@@ -115,10 +116,10 @@ def test_sessions_close_after_errors(servers):
     with pytest.raises(RuntimeError, match="boom"):
         with weight_update_sessions([new]):
             raise RuntimeError("boom")
-    assert servers[0].session is None  # closed, so the next update can open one
+    assert servers[0].weights.session is None  # closed, so the next update can open one
     with weight_update_sessions([new]) as s:
-        assert s.opened == [new] and servers[0].session == "all"
-    assert servers[0].session is None
+        assert s.opened == [new] and servers[0].weights.session == "all"
+    assert servers[0].weights.session is None
 
 
 def test_resume_needs_a_release(servers, tiny_dir):

@@ -12,7 +12,7 @@ from megaopd.config import load_config
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.parallel.launch import spawn
 from megaopd.rollout.embedded import EmbeddedEngine
-from megaopd.rollout.server import RolloutServer, ServeConfig
+from megaopd.serving.server import RolloutServer, ServeConfig
 from tests.trainer import _workers
 from tests.trainer.test_golden import _step_metrics, golden_overrides
 from tests.trainer.tiny_models import ROOT

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from megaopd.parallel.dist import find_free_port
-from megaopd.rollout.sglang_launcher import (SGLangLaunchConfig, ServerProcess, megaopd_serve_command,
+from megaopd.serving.sglang_launcher import (SGLangLaunchConfig, ServerProcess, megaopd_serve_command,
                                              sglang_command, sglang_env)
-from tests.rollout.sglang_cases import call
+from tests.serving.sglang_cases import call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STUDENT = os.path.join(ROOT, "examples", "tiny", "models", "student")

@@ -3,7 +3,7 @@ both must give the same shapes, fields and refusals, and log-probs equal to tran
 
 Every /generate answer is compared key by key with SGLang's answer to the same request
 (sglang_cases.assert_same_shape); the refusals and the deliberate differences are the lists in
-tests/rollout/sglang_cases.py. What SGLang's CPU build cannot do (CUDA IPC, NCCL, tp > 1, the memory saver,
+tests/serving/sglang_cases.py. What SGLang's CPU build cannot do (CUDA IPC, NCCL, tp > 1, the memory saver,
 deterministic inference) is a test of its own below that says so; docs/engines.md lists them.
 """
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megaopd.engine.config import read_eos_ids
 from megaopd.rollout.client import EngineError, HttpEngine
-from megaopd.rollout.embedded import read_eos_ids
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
 from tests.e2e.sglang.conftest import STUDENT, gap, reference_logprobs
-from tests.rollout.sglang_cases import (DIFFERENCES, IDS_KEYS, LOGPROB_KEYS, META_KEYS, REFUSALS, TOP_KEYS,
+from tests.serving.sglang_cases import (DIFFERENCES, IDS_KEYS, LOGPROB_KEYS, META_KEYS, REFUSALS, TOP_KEYS,
                                         assert_same_shape, call, error_kind, error_message, send_refusal)
 
 pytestmark = pytest.mark.slow

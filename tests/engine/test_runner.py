@@ -1,14 +1,14 @@
-"""Embedded engine against an independent HF forward: lengths, stops, log-probs, seeds, weight loads."""
-import threading
-import time
-
+"""The model runner, driven through the trainer's EmbeddedEngine, against an independent HF forward:
+lengths, stops, log-probs, seeds, weight loads, memory release."""
 import pytest
 import torch
 
-from megaopd.rollout.embedded import (EmbeddedEngine, EmbeddedEngineConfig, EngineReleasedError,
-                                      WeightMismatchError)
+from megaopd.engine.config import EmbeddedEngineConfig
+from megaopd.engine.memory import EngineReleasedError
+from megaopd.engine.weights import WeightMismatchError
+from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.protocol import SamplingParams
-from tests.rollout._models import EOS, hf_logprobs, random_state_dict
+from tests.engine._models import EOS, hf_logprobs, random_state_dict
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [3] * 12, [40, 41, 42]]
 
@@ -163,43 +163,3 @@ def test_bad_prompts(engine):
     with pytest.raises(ValueError, match="exceeds the model's context"):
         engine.generate([[1] * 10], SamplingParams(max_new_tokens=600))
 
-
-def _run_in_thread(fn):
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("v", fn()), daemon=True)
-    t.start()
-    return t, out
-
-
-def test_pause_update_retract_and_abort(tiny_dir):
-    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
-    new = random_state_dict(tiny_dir, seed=43)
-    params = SamplingParams(n=2, max_new_tokens=300, ignore_eos=True, seed=3)
-    engine.pause("retract")
-    engine.continue_generation()
-    t, out = _run_in_thread(lambda: engine.generate([[5, 6]], params))
-    while engine.running == 0:
-        time.sleep(0.001)
-    engine.pause("retract")
-    engine.update_weights(new.items(), weight_version="v2")  # loads between two decode steps
-    engine.continue_generation()
-    t.join(timeout=60)
-    samples = out["v"]
-    assert all(s.finish_reason == "length" and len(s.output_ids) == 300 for s in samples)
-    # Retract re-prefilled under the new weights: the tail's log-probs are the new model's.
-    from transformers import Qwen2ForCausalLM
-
-    ref = Qwen2ForCausalLM(engine.model.config).float().eval()
-    ref.load_state_dict(new)
-    s = samples[0]
-    lp_new = hf_logprobs(ref, s.prompt_ids, s.output_ids, 1.0)
-    assert (lp_new[-5:] - torch.tensor(s.output_logprobs[-5:], dtype=torch.float64)).abs().max() < 1e-4
-
-    t, out = _run_in_thread(lambda: engine.generate([[5, 6]], params))
-    while engine.running == 0:
-        time.sleep(0.001)
-    engine.pause("abort")
-    t.join(timeout=60)
-    assert all(s.finish_reason == "abort" and len(s.output_ids) < 300 for s in out["v"])
-    engine.continue_generation()
-    assert engine.generate([[5]], SamplingParams(max_new_tokens=2))[0].finish_reason == "length"

@@ -1,7 +1,7 @@
 """Sampling math as pure functions of logits: temperature, top-k / top-p / min-p filtering, draws.
 
 Used by the embedded engine at every decode step and tested on fixed logits
-(tests/rollout/test_sampling.py). The semantics follow SGLang's sampler so that a run on the embedded
+(tests/engine/test_sampling.py). The semantics follow SGLang's sampler so that a run on the embedded
 engine and one on SGLang mean the same thing:
 
     logprob(y)  = log softmax(logits / T)[y]           T = temperature; greedy (T < 1e-6) uses T = 1

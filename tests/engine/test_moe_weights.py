@@ -1,13 +1,16 @@
-"""The embedded engine loads a Qwen3-MoE model's per-expert HF names into transformers 5's fused expert
+"""The model runner loads a Qwen3-MoE model's per-expert HF names into transformers 5's fused expert
 tensors: after loading another model's checkpoint tensors, its log-probs equal that model's own HF forward."""
 import pytest
 import torch
 
+from megaopd.engine.config import EmbeddedEngineConfig
+from megaopd.engine.memory import EngineReleasedError
+from megaopd.engine.weights import fused_expert_slots
 from megaopd.models.hf_io import HFWeights
 from megaopd.models.presets import make_hf_model
-from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig, EngineReleasedError, fused_expert_slots
+from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.protocol import SamplingParams
-from tests.rollout._models import hf_logprobs
+from tests.engine._models import hf_logprobs
 
 PROBE = [1, 5, 9, 14, 30, 41, 7, 7, 60, 2, 80, 81]
 

@@ -1,6 +1,6 @@
 """What SGLang 0.5.23's server answers, as requests and expected answers both servers are held to.
 
-Read from a real 0.5.23 server on this CPU (scripts/install_sglang.sh, 2026-11). tests/rollout/test_server.py
+Read from a real 0.5.23 server on this CPU (scripts/install_sglang.sh, 2026-11). tests/serving/test_server.py
 checks `megaopd serve` against these in the quick tier; tests/e2e/sglang/test_conformance.py sends the same
 requests to `megaopd serve` and to SGLang itself, so a fact here that SGLang stops answering fails there.
 

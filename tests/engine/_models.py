@@ -1,4 +1,4 @@
-"""Tiny random Qwen2 HF models for rollout tests: built from a config, saved into a tmp dir, no download."""
+"""Tiny random Qwen2 HF models for the engine, serving and rollout tests: built from a config, saved into a tmp dir, no download."""
 from __future__ import annotations
 
 import functools

@@ -1,11 +1,9 @@
 """Sampling math on fixed logits: filtering sets, frequencies (chi-square), log-probs, determinism."""
-import math
 
 import pytest
 import torch
 
-from megaopd.rollout.protocol import SamplingParams, derive_seed
-from megaopd.rollout.sampling import (filtered_probs, keep_mask, row_generator, sample_tokens, scaled_logprobs)
+from megaopd.engine.sampling import (filtered_probs, keep_mask, row_generator, sample_tokens, scaled_logprobs)
 
 # Fixed logits over 8 tokens; softmax at T=1 is about [.43 .21 .16 .08 .06 .03 .02 .01].
 LOGITS = torch.tensor([2.0, 1.3, 1.0, 0.3, 0.0, -0.7, -1.0, -1.7])
@@ -101,18 +99,3 @@ def test_mixed_rows_and_generators_are_independent():
     c, _ = sample_tokens(logits[1:2], temp[1:2], top_p[1:2], top_k[1:2], [row_generator(2)])
     assert c.tolist() == a[1:2].tolist()  # ...and not on the other rows of the batch
 
-
-def test_seeds():
-    assert derive_seed(1, 0, 0) == derive_seed(1, 0, 0)
-    assert len({derive_seed(1, i, j) for i in range(10) for j in range(10)}) == 100
-    assert 0 <= derive_seed(2**70, 3, 4) < 2**63
-
-
-def test_sampling_params_validation():
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0.0)
-    with pytest.raises(ValueError, match="top_k"):
-        SamplingParams(top_k=0)
-    with pytest.raises(ValueError, match="min_p"):
-        SamplingParams(min_p=1.5)
-    assert math.isclose(SamplingParams(min_p=0.1).min_p, 0.1)

@@ -5,12 +5,13 @@ import urllib.request
 
 import pytest
 
+from megaopd.engine.config import EmbeddedEngineConfig
 from megaopd.rollout.client import EngineRequestError, HttpEngine
-from megaopd.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.protocol import SamplingParams
-from megaopd.rollout.server import RolloutServer, ServeConfig
-from tests.rollout._models import EOS, hf_logprobs
-from tests.rollout.sglang_cases import (DIFFERENCES, REFUSALS, assert_same_shape, call, error_kind, error_message,
+from megaopd.serving.server import RolloutServer, ServeConfig
+from tests.engine._models import EOS, hf_logprobs
+from tests.serving.sglang_cases import (DIFFERENCES, REFUSALS, assert_same_shape, call, error_kind, error_message,
                                         send_refusal)
 
 # --- Answers of a real SGLang 0.5.23 server (CPU, 2026-11) to such requests (ids of the tiny student); ours
@@ -138,7 +139,7 @@ def test_batch_and_n(server):
 
 @pytest.mark.parametrize("case", REFUSALS, ids=lambda c: c.name)
 def test_refusals_are_sglangs(server, case, tmp_path):
-    """Every request SGLang 0.5.23 refuses (tests/rollout/sglang_cases.py, checked against SGLang itself in
+    """Every request SGLang 0.5.23 refuses (tests/serving/sglang_cases.py, checked against SGLang itself in
     tests/e2e/sglang), refused with its status and kind of body."""
     status, out = send_refusal(server.url, case, str(tmp_path))
     assert status == case.status, out

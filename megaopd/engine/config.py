@@ -1,0 +1,58 @@
+"""How to build the embedded engine: EmbeddedEngineConfig, and the EOS ids an HF directory declares."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+@dataclass
+class EmbeddedEngineConfig:
+    """How to build and run the embedded engine."""
+
+    hf_dir: str
+    """HF model directory (config.json + safetensors), e.g. the student's initial checkpoint."""
+    device: str = "auto"
+    """"auto" (cuda when present, else cpu), "cpu", or a torch device string such as "cuda:1"."""
+    dtype: str = "float32"
+    """Compute dtype of the model: float32 | bfloat16 | float16 | float64. Use float32 on CPU."""
+    max_batch_size: int = 64
+    """Rows (sequences) decoded together; a larger request runs in consecutive chunks."""
+    release_weights: Literal["auto", "keep", "offload", "discard"] = "auto"
+    """What release_memory does to the weights (megaopd.engine.memory); auto = offload on GPU, keep on CPU."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend ("sdpa" or "eager")."""
+    load_tokenizer: bool = True
+    """Load the HF dir's tokenizer when it has one (only used to fill the "text" field of responses)."""
+    eos_token_ids: list[int] | None = None
+    """Ids that end a response; None reads config.json and generation_config.json (their union)."""
+
+    def __post_init__(self):
+        if not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
+            raise ValueError(f"hf_dir={self.hf_dir!r} has no config.json; point it at an HF model directory")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; choose one of {sorted(DTYPES)}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size={self.max_batch_size} must be at least 1")
+        if self.release_weights not in ("auto", "keep", "offload", "discard"):
+            raise ValueError(f"release_weights={self.release_weights!r}; choose auto, keep, offload or discard")
+
+
+def read_eos_ids(hf_dir: str) -> list[int]:
+    """EOS ids of an HF dir: config.json's eos_token_id plus generation_config.json's (int or list)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            for v in (value if isinstance(value, list) else [value]):
+                if v is not None and int(v) not in ids:
+                    ids.append(int(v))
+    return ids
