@@ -40,8 +40,10 @@ in_env() { (cd / && "$PY" "$@"); }
 pip_q() { in_env -m pip -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 stamp_dir=$(in_env -c 'import sys; print(sys.prefix)')
 stamp=$stamp_dir/.megaopd-install-$(cat setup.py scripts/install.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && in_env -c "import importlib.metadata as m; m.distribution('megaopd')" 2>/dev/null \
-   && [ -x "$(dirname "$PY")/megaopd" ]; then
+# Up to date: the stamp, and megaopd installed (editable) from this checkout, not from another clone.
+installed_here="import importlib.metadata as m, json, sys
+sys.exit(json.loads(m.distribution('megaopd').read_text('direct_url.json') or '{}').get('url') != 'file://$repo')"
+if [ -f "$stamp" ] && in_env -c "$installed_here" 2>/dev/null && [ -x "$(dirname "$PY")/megaopd" ]; then
   say "up to date in $stamp_dir ($(cat "$stamp"))"
   exit 0
 fi
