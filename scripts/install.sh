@@ -34,8 +34,9 @@ if [ "$PY" = .venv/bin/python ] || [ "$PY" = "$repo/.venv/bin/python" ]; then
     python3 -m venv --system-site-packages .venv
   fi
 fi
-# Checks run from / so that the repository's own megaopd/ folder is never what gets imported.
-in_env() { (cd / && "$PY" "$@"); }
+# Checks run from / and without PYTHONPATH (test runners set it to the repository) so that the repository's
+# own megaopd/ and megaopd.egg-info/ folders are never what gets found: only what is installed.
+in_env() { (cd / && env -u PYTHONPATH "$PY" "$@"); }
 # pip, minus one warning per package that some machines' pip configs (file:// extra indexes) print
 pip_q() { in_env -m pip -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 stamp_dir=$(in_env -c 'import sys; print(sys.prefix)')
