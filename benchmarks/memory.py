@@ -34,17 +34,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("score, packed", "score, padded", "train, packed", "train, padded")
 
 
-def _peak_bytes(fn) -> int:
-    """The peak of (bytes allocated - bytes freed) on the CPU while fn() runs."""
+def allocations(fn):
+    """(fn(), the bytes of every CPU allocation (+) and free (-) torch made while fn ran, in time order), from
+    the profiler's allocation events (torch.profiler, profile_memory=True). Independent of what the
+    allocator kept from earlier work, unlike RSS."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+        out = fn()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
+    return out, [e.nbytes() for e in events]
+
+
+def _peak_bytes(fn) -> int:
+    """The peak of (bytes allocated - bytes freed) on the CPU while fn() runs."""
     live = peak = 0
-    for e in events:
-        live += e.nbytes()
+    for nbytes in allocations(fn)[1]:
+        live += nbytes
         peak = max(peak, live)
     return peak
 

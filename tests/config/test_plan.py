@@ -184,17 +184,6 @@ def test_plan_command_exit_status(tmp_path):
 
 
 # --------------------------------------------------------------------------------------- measurement
-def _net_allocated_bytes(fn):
-    """(fn(), bytes torch allocated minus bytes it freed on the CPU while fn ran), from the profiler's
-    allocation events. Unlike RSS growth (what this test measured before 2026-11-25), it does not depend
-    on what the allocator kept from earlier tests: the same number alone or after the whole suite."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    return out, sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-
-
 @pytest.mark.slow
 def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
     """The bytes one float32 forward leaves allocated while its graph is kept (what backward needs) against
@@ -203,6 +192,7 @@ def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
     import torch
     from transformers import Qwen2Config
 
+    from benchmarks.memory import allocations
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.dist import destroy_distributed, init_distributed
@@ -226,7 +216,10 @@ def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
         pos = torch.arange(seq)[None].expand(rows, seq)
         with torch.no_grad():  # warm-up: allocator pools and lazy buffers (rope cache, masks)
             model(ids[:1, :8], pos[:1, :8], None)
-        logits, kept = _net_allocated_bytes(lambda: model(ids, pos, None))
+        # Net bytes from torch's allocation events (not RSS growth, which depended on what the allocator
+        # kept from earlier tests): the same number alone or after the whole suite.
+        logits, events = allocations(lambda: model(ids, pos, None))
+        kept = sum(events)
         del logits
     finally:
         destroy_distributed()
