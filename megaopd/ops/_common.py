@@ -21,6 +21,7 @@ logits and the saved per-token (M, log S), chunk by chunk over tokens.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -151,3 +152,34 @@ def owned_local_ids(ids: torch.Tensor, vocab_shard_size: int, group):
     start, end = vocab_range(vocab_shard_size, rank)
     owned = (ids >= start) & (ids < end)
     return owned, torch.where(owned, ids - start, torch.zeros_like(ids))
+
+
+# ---- implementation choice ---------------------------------------------------------------------------
+
+IMPLS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_impl(impl: str, logits: torch.Tensor) -> str:
+    """"triton" or "torch" for an op on `logits`. auto: the Triton kernels (_triton.py) on CUDA when triton
+    is installed, the torch path (the reference) otherwise. "triton" on CPU tensors runs only under Triton's
+    interpreter (TRITON_INTERPRET=1, read by triton when the kernels are first imported: the tests)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if logits.is_cuda and triton_available() else "torch"
+    if impl == "triton":
+        if not triton_available():
+            raise ValueError("impl='triton' needs the triton package (pip install triton==3.7.1; "
+                             "scripts/install.sh installs it), or pass impl='torch'")
+        if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"impl='triton' on {logits.device.type} tensors needs Triton's interpreter: set "
+                             f"TRITON_INTERPRET=1 before megaopd.ops' kernels are first used, or pass impl='torch'")
+    return impl

@@ -17,6 +17,8 @@ Generalized JSD(beta) (GKD, Agarwal et al. 2024, eq. 1; p = student, q = teacher
 KL: one chunked pass over both shards, all-reduce MAX [2, T] and SUM [3, T]. JSD needs the global
 log-normalizers before log M can be formed: two passes, all-reduces MAX [2, T], SUM [2, T], SUM [2, T].
 Backward: no communication; both softmaxes recomputed chunk by chunk. Outputs are float32.
+impl="triton" (the default on CUDA): the same formulas from Triton kernels (_triton.py): KL reads both shards
+once forward and once backward, both gradients written in one pass; JSD reads them twice forward.
 
 Tests: pytest tests/ops -x.   Tensor-name legend: megaopd/ops/_common.py.
 """
@@ -30,7 +32,7 @@ from torch.autograd.function import once_differentiable
 
 from megaopd.ops._common import (all_reduce_, check_same_tokens, check_temperature, flatten_tokens,
                                  global_max, global_max_log_sumexp, local_max_sumexp, log_softmax_chunk,
-                                 shifted, token_chunks)
+                                 resolve_impl, shifted, token_chunks)
 
 
 class _VocabParallelKL(torch.autograd.Function):
@@ -142,29 +144,37 @@ def _jsd_chunk(rawp_cV, rawq_cV, max_2c, log_sumexp_2c, temperature, log_a, log_
     return logp_cV, logq_cV, torch.logaddexp(logp_cV + log_a, logq_cV + log_b)
 
 
-def vocab_parallel_kl(logits_p, logits_q, group=None, temperature=1.0, chunk_size=None):
+def vocab_parallel_kl(logits_p, logits_q, group=None, temperature=1.0, chunk_size=None, impl="auto"):
     """Per-token KL(p||q) = sum_v p_v (log p_v - log q_v) over the full vocabulary.
 
     logits_p, logits_q: [..., V] local shards of the same vocabulary layout (p: student, q: reference).
     Returns [...] float32. Differentiable w.r.t. both (pass q detached when it is frozen: its gradient
     is then neither computed nor stored).
+    impl: "auto" (Triton kernels on CUDA, torch otherwise) | "triton" (_triton.py; chunk_size unused) | "torch".
     """
     temperature = check_temperature(temperature)
     if logits_p.shape != logits_q.shape:
         raise ValueError(f"logits_p {tuple(logits_p.shape)} and logits_q {tuple(logits_q.shape)} must have "
                          f"the same shape (same tokens, same vocab shard)")
+    if resolve_impl(impl, logits_p) == "triton":
+        from megaopd.ops import _triton
+        _, kl_T, _ = _triton.PairOp.apply(flatten_tokens(logits_p, "logits_p"), None,
+                                          flatten_tokens(logits_q, "logits_q"), group, temperature, False, False)
+        return kl_T.view(logits_p.shape[:-1])
     kl_T = _VocabParallelKL.apply(flatten_tokens(logits_p, "logits_p"), flatten_tokens(logits_q, "logits_q"),
                                   group, temperature, chunk_size)
     return kl_T.view(logits_p.shape[:-1])
 
 
-def vocab_parallel_jsd(logits_student, logits_teacher, beta, group=None, temperature=1.0, chunk_size=None):
+def vocab_parallel_jsd(logits_student, logits_teacher, beta, group=None, temperature=1.0, chunk_size=None,
+                       impl="auto"):
     """Per-token generalized JSD(beta) of GKD over the full vocabulary (p = student, q = teacher):
     M = beta q + (1 - beta) p,  JSD = beta KL(q||M) + (1 - beta) KL(p||M).
 
     beta = 0 returns KL(q||p) (forward KL) and beta = 1 returns KL(p||q) (reverse KL), TRL's convention
     (see the module docstring). logits_*: [..., V] local shards. Returns [...] float32. Differentiable
     w.r.t. the student (and the teacher, if it is not detached).
+    impl: "auto" (Triton kernels on CUDA, torch otherwise) | "triton" (_triton.py; chunk_size unused) | "torch".
     """
     temperature = check_temperature(temperature)
     beta = float(beta)
@@ -174,9 +184,14 @@ def vocab_parallel_jsd(logits_student, logits_teacher, beta, group=None, tempera
         raise ValueError(f"logits_student {tuple(logits_student.shape)} and logits_teacher "
                          f"{tuple(logits_teacher.shape)} must have the same shape")
     if beta == 0.0:
-        return vocab_parallel_kl(logits_teacher, logits_student, group, temperature, chunk_size)
+        return vocab_parallel_kl(logits_teacher, logits_student, group, temperature, chunk_size, impl)
     if beta == 1.0:
-        return vocab_parallel_kl(logits_student, logits_teacher, group, temperature, chunk_size)
+        return vocab_parallel_kl(logits_student, logits_teacher, group, temperature, chunk_size, impl)
+    if resolve_impl(impl, logits_student) == "triton":
+        from megaopd.ops import _triton
+        return _triton.JSDOp.apply(flatten_tokens(logits_student, "logits_student"),
+                                   flatten_tokens(logits_teacher, "logits_teacher"), beta, group,
+                                   temperature).view(logits_student.shape[:-1])
     jsd_T = _VocabParallelJSD.apply(flatten_tokens(logits_student, "logits_student"),
                                     flatten_tokens(logits_teacher, "logits_teacher"), beta, group,
                                     temperature, chunk_size)

@@ -21,6 +21,10 @@ per-token (max, log S). Outputs float32; the gradient comes back in the logits' 
 other ops (_common.py): maxima subtracted before the temperature, float32 accumulation, sums kept relative
 to the shard's own max until the all-reduce (finite for logits ~1e4 and padding columns at -1e30).
 
+impl="triton" (the default on CUDA; _triton.PairOp): the same formulas from Triton kernels, one read of both
+shards forward (partials of all ranks combined by one all-gather), one read of both and one write of the
+gradient (in the logits' dtype, into q's memory under overwrite_q) backward: ~10 bytes per bf16 logit.
+
 Tests: pytest tests/ops -x.   Tensor-name legend: megaopd/ops/_common.py.
 """
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from megaopd.ops._common import (all_reduce_, check_same_tokens, check_temperature, flatten_tokens,
-                                 global_max, log_softmax_chunk, owned_local_ids, shifted, token_chunks)
+                                 global_max, log_softmax_chunk, owned_local_ids, resolve_impl, shifted,
+                                 token_chunks)
 
 
 class _VocabParallelLogProbsKL(torch.autograd.Function):
@@ -136,7 +141,7 @@ def _rowdot(a_cV: torch.Tensor, b_cV: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=1.0, chunk_size=None,
-                               with_entropy=False, overwrite_q=False):
+                               with_entropy=False, overwrite_q=False, impl="auto"):
     """(logprobs, kl, entropy) per token in one fused pass over the logits shards (see module docstring).
 
     logits_p: [..., V] student shard, differentiable; ids: [...] GLOBAL token ids (as in
@@ -149,6 +154,8 @@ def vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=
     overwrite_q: the backward writes the gradient into logits_q's memory (when it has logits_p's dtype and
     its flattened view is contiguous, else a copy of it) instead of a new [T, V] buffer, so logits_q holds
     garbage after backward: only for a caller that drops it (the trainer's lockstep reference logits).
+    impl: "auto" (Triton kernels on CUDA, torch otherwise) | "triton" (_triton.py: one read of both shards
+    forward, one read of both and one write of the gradient backward; chunk_size unused) | "torch".
     """
     temperature = check_temperature(temperature)
     if logits_p.shape != logits_q.shape:
@@ -159,6 +166,12 @@ def vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=
                          "gradient for it: pass logits_q.detach() (or use vocab_parallel_kl for both gradients)")
     check_same_tokens(logits_p.shape[:-1], ids, "ids")
     lead = logits_p.shape[:-1]
+    if resolve_impl(impl, logits_p) == "triton":
+        from megaopd.ops import _triton
+        logprobs_T, kl_T, entropy_T = _triton.PairOp.apply(
+            flatten_tokens(logits_p, "logits_p"), ids.reshape(-1).long(), flatten_tokens(logits_q, "logits_q"),
+            group, temperature, bool(with_entropy), bool(overwrite_q))
+        return logprobs_T.view(lead), kl_T.view(lead), entropy_T.view(lead) if entropy_T is not None else None
     logprobs_T, kl_T, entropy_T = _VocabParallelLogProbsKL.apply(
         flatten_tokens(logits_p, "logits_p"), ids.reshape(-1).long(), flatten_tokens(logits_q, "logits_q"),
         group, temperature, chunk_size, bool(with_entropy), bool(overwrite_q))

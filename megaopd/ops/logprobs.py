@@ -9,6 +9,8 @@ Gradients (w.r.t. the logits, hence the 1/temperature):
 Forward: one chunked pass over the shard, then two small all-reduces over [T] (MAX, then SUM).
 Backward: no communication; softmax recomputed chunk by chunk from the saved logits and (max, log S).
 Outputs are float32 whatever the logits' dtype; gradients come back in the logits' dtype.
+impl="triton" (the default on CUDA): the same formulas from Triton kernels, one read of the shard forward,
+one read and one write backward, the ranks' partials combined by one all-gather (_triton.py, _kernels.py).
 
 Tests: pytest tests/ops -x  (multi-process TP=2/4 checks are marked slow).
 Tensor-name legend: see megaopd/ops/_common.py.
@@ -21,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from megaopd.ops._common import (all_reduce_, check_same_tokens, check_temperature, flatten_tokens,
                                  global_max, global_max_log_sumexp, local_max_sumexp, log_softmax_chunk,
-                                 owned_local_ids, shifted, token_chunks)
+                                 owned_local_ids, resolve_impl, shifted, token_chunks)
 
 
 class _VocabParallelLogSumExp(torch.autograd.Function):
@@ -124,39 +126,52 @@ class _VocabParallelEntropy(torch.autograd.Function):
         return grad_TV, None, None, None
 
 
-def vocab_parallel_logsumexp(logits, group=None, temperature=1.0, chunk_size=None):
+def vocab_parallel_logsumexp(logits, group=None, temperature=1.0, chunk_size=None, impl="auto"):
     """Per-token log sum_v exp(logits_v / temperature) over the full vocabulary.
 
     logits: [..., V] local shard; returns [...] float32, identical on every TP rank. Differentiable.
+    impl: "auto" (Triton kernels on CUDA, torch otherwise) | "triton" (_triton.py; chunk_size unused) | "torch".
     """
     temperature = check_temperature(temperature)
     logits_TV = flatten_tokens(logits, "logits")
+    if resolve_impl(impl, logits) == "triton":
+        from megaopd.ops import _triton
+        return _triton.SoftmaxOp.apply(logits_TV, None, group, temperature, "logsumexp").view(logits.shape[:-1])
     lse_T = _VocabParallelLogSumExp.apply(logits_TV, group, temperature, chunk_size)
     return lse_T.view(logits.shape[:-1])
 
 
-def vocab_parallel_logprobs(logits, ids, group=None, temperature=1.0, chunk_size=None):
+def vocab_parallel_logprobs(logits, ids, group=None, temperature=1.0, chunk_size=None, impl="auto"):
     """log softmax(logits / temperature) over the full vocabulary, at global token ids.
 
     logits: [..., V] local shard (rank r owns ids [r*V, (r+1)*V)); ids: [...] int64 GLOBAL ids in
     [0, V*TP) (ids outside that range give a meaningless value: mask such tokens afterwards).
     Returns [...] float32, identical on every TP rank. Differentiable w.r.t. logits.
     chunk_size: tokens processed at a time (None: sized so one float32 [chunk, V] is 128 MiB).
+    impl: "auto" (Triton kernels on CUDA, torch otherwise) | "triton" (_triton.py; chunk_size unused) | "torch".
     """
     temperature = check_temperature(temperature)
     check_same_tokens(logits.shape[:-1], ids, "ids")
     logits_TV = flatten_tokens(logits, "logits")
+    if resolve_impl(impl, logits) == "triton":
+        from megaopd.ops import _triton
+        return _triton.SoftmaxOp.apply(logits_TV, ids.reshape(-1).long(), group, temperature,
+                                       "logprobs").view(logits.shape[:-1])
     logprobs_T = _VocabParallelLogProbs.apply(logits_TV, ids.reshape(-1).long(), group, temperature,
                                               chunk_size)
     return logprobs_T.view(logits.shape[:-1])
 
 
-def vocab_parallel_entropy(logits, group=None, temperature=1.0, chunk_size=None):
+def vocab_parallel_entropy(logits, group=None, temperature=1.0, chunk_size=None, impl="auto"):
     """Per-token entropy -sum_v p_v log p_v of p = softmax(logits / temperature), full vocabulary.
 
     logits: [..., V] local shard; returns [...] float32. Differentiable w.r.t. logits.
+    impl: "auto" (Triton kernels on CUDA, torch otherwise) | "triton" (_triton.py; chunk_size unused) | "torch".
     """
     temperature = check_temperature(temperature)
     logits_TV = flatten_tokens(logits, "logits")
+    if resolve_impl(impl, logits) == "triton":
+        from megaopd.ops import _triton
+        return _triton.SoftmaxOp.apply(logits_TV, None, group, temperature, "entropy").view(logits.shape[:-1])
     entropy_T = _VocabParallelEntropy.apply(logits_TV, group, temperature, chunk_size)
     return entropy_T.view(logits.shape[:-1])

@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from megaopd.ops._common import (all_gather, all_reduce_, check_same_tokens, check_temperature,
                                  flatten_tokens, global_max_log_sumexp, group_rank_and_size,
-                                 owned_local_ids, shifted, token_chunks, vocab_range)
+                                 owned_local_ids, resolve_impl, shifted, token_chunks, vocab_range)
 
 
 class _VocabParallelGather(torch.autograd.Function):
@@ -50,12 +50,15 @@ class _VocabParallelGather(torch.autograd.Function):
         return grad_TV, None, None
 
 
-def vocab_parallel_gather(logits, ids, group=None):
+def vocab_parallel_gather(logits, ids, group=None, impl="auto"):
     """The logits (raw, float32) at global ids, identical on every TP rank.
 
     logits: [..., V] local shard; ids: [..., K] global ids in [0, V*TP) (others give 0).
     Returns [..., K] float32. Differentiable w.r.t. logits (gradient only at the given ids).
+    impl: checked like the other ops' but one path serves all: the forward reads K logits per token and the
+    backward is one zero-filled [T, V] write plus K scattered adds, already one write per logit.
     """
+    resolve_impl(impl, logits)
     check_same_tokens(logits.shape[:-1], ids, "ids", trailing=1)
     logits_TV = flatten_tokens(logits, "logits")
     values_TK = _VocabParallelGather.apply(logits_TV, ids.reshape(-1, ids.shape[-1]).long(), group)
@@ -63,7 +66,7 @@ def vocab_parallel_gather(logits, ids, group=None):
 
 
 @torch.no_grad()
-def vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None):
+def vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None, impl="auto"):
     """The k most probable tokens of softmax(logits / temperature) over the full vocabulary.
 
     logits: [..., V] local shard. Returns (logprobs [..., k] float32, full-vocabulary log-probs sorted
@@ -72,6 +75,8 @@ def vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None)
     Ties: across shards the lower global id comes first (a deterministic merge on every rank); within
     one shard, which of several equal logits torch.topk picks is up to torch. Either way the values
     are the exact k largest and the ids are distinct.
+    impl="triton": the lse statistics from the stats kernel (_triton.py) in one read, the shard's top-k from
+    torch.topk over all tokens at once; "torch": both chunk by chunk.
     """
     temperature = check_temperature(temperature)
     logits_TV = flatten_tokens(logits, "logits")
@@ -80,6 +85,10 @@ def vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None)
     if not 1 <= k <= V * size:
         raise ValueError(f"top-k needs 1 <= k <= the vocabulary size {V * size}, got k={k}")
     k_local = min(k, V)
+    impl = resolve_impl(impl, logits)
+    if impl == "triton":
+        from megaopd.ops import _triton
+        chunk_size = max(T, 1)  # one "chunk": torch.topk allocates only its [T, k] outputs
     chunks = token_chunks(T, V, chunk_size)
     f32 = dict(dtype=torch.float32, device=logits_TV.device)
     max_loc_T, sumexp_loc_T = torch.empty(T, **f32), torch.empty(T, **f32)
@@ -90,9 +99,12 @@ def vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None)
         raw_cV = logits_TV[sl]
         values_cK, local_cK = raw_cV.topk(k_local, dim=-1, sorted=False)
         top_raw_TK[sl], top_ids_TK[sl] = values_cK.float(), local_cK + start
-        max_c = raw_cV.amax(dim=-1).float()
-        max_loc_T[sl] = max_c
-        sumexp_loc_T[sl] = shifted(raw_cV, max_c, temperature).exp_().sum(dim=-1)
+        if impl != "triton":
+            max_c = raw_cV.amax(dim=-1).float()
+            max_loc_T[sl] = max_c
+            sumexp_loc_T[sl] = shifted(raw_cV, max_c, temperature).exp_().sum(dim=-1)
+    if impl == "triton":
+        max_loc_T, sumexp_loc_T = _triton.local_max_sumexp(logits_TV, temperature)
     max_T, log_sumexp_T, _ = global_max_log_sumexp(max_loc_T, sumexp_loc_T, temperature, group)
     # Candidates of all ranks, [T, R * k_local]; order by id, then a stable sort by value keeps the
     # lower id first among equal values, the same on every rank.
@@ -109,7 +121,7 @@ def vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None)
 
 
 def vocab_parallel_support_kl(logits_student, support_ids, support_logprobs_ref, group=None, temperature=1.0,
-                              support_mask=None):
+                              support_mask=None, impl="auto"):
     """Reverse KL(pihat || qhat) with both renormalized over the support S (LSM).
 
     logits_student: [..., V] local shard; support_ids: [..., K] global ids; support_logprobs_ref: [..., K]
@@ -118,6 +130,7 @@ def vocab_parallel_support_kl(logits_student, support_ids, support_logprobs_ref,
     temperature applies to the student logits only (the reference log-probs come as given).
     Returns [...] float32; a token with an empty support gives 0. Differentiable w.r.t. the student
     logits (gradient only at support ids) and w.r.t. support_logprobs_ref if it requires grad.
+    impl: as vocab_parallel_gather's (one path: nothing here reads the whole vocabulary).
     """
     temperature = check_temperature(temperature)
     check_same_tokens(logits_student.shape[:-1], support_ids, "support_ids", trailing=1)
@@ -129,7 +142,7 @@ def vocab_parallel_support_kl(logits_student, support_ids, support_logprobs_ref,
         raise ValueError(f"support_mask {tuple(mask.shape)} must match support_ids {tuple(support_ids.shape)}")
     # Masked entries may point anywhere (e.g. -1): gather id 0 there instead, its value is then ignored.
     ids = torch.where(mask, support_ids.long(), torch.zeros_like(support_ids, dtype=torch.long))
-    raw_TK = vocab_parallel_gather(logits_student, ids, group).reshape(-1, ids.shape[-1])
+    raw_TK = vocab_parallel_gather(logits_student, ids, group, impl).reshape(-1, ids.shape[-1])
     mask_TK = mask.reshape(raw_TK.shape)
     log_pihat_TK = _log_renormalized(raw_TK, mask_TK, temperature)
     log_qhat_TK = _log_renormalized(support_logprobs_ref.reshape(raw_TK.shape).float(), mask_TK, 1.0)

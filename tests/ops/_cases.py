@@ -102,12 +102,13 @@ def _shard(x, rank, world_size):
     return x[..., rank * v:(rank + 1) * v]
 
 
-def run_case(case: Case, rank: int, world_size: int, group) -> dict:
-    """All ops on this rank's shard. Returns {name: {"value": ..., "grad_p"/"grad_q": shard grads}}."""
+def run_case(case: Case, rank: int, world_size: int, group, impl: str = "torch") -> dict:
+    """All ops on this rank's shard. Returns {name: {"value": ..., "grad_p"/"grad_q": shard grads}}.
+    impl: the ops' implementation ("torch", or "triton" under TRITON_INTERPRET=1 on CPU)."""
     from megaopd import ops
 
     inp = make_inputs(case, world_size)
-    kw = dict(group=group, temperature=case.temperature)
+    kw = dict(group=group, temperature=case.temperature, impl=impl)
     ckw = dict(kw, chunk_size=case.chunk_size)
     out = {}
 
@@ -135,7 +136,7 @@ def run_case(case: Case, rank: int, world_size: int, group) -> dict:
         p, q = leaf("p"), leaf("q")
         record(f"jsd_{beta}", ops.vocab_parallel_jsd(p, q, beta, **ckw), p, q)
     p = leaf("p")
-    record("gather", ops.vocab_parallel_gather(p, inp["gather_ids"], group=group).sum(-1), p)
+    record("gather", ops.vocab_parallel_gather(p, inp["gather_ids"], group=group, impl=impl).sum(-1), p)
     p = leaf("p")
     record("support_kl", ops.vocab_parallel_support_kl(p, inp["support_ids"], inp["support_ref"],
                                                        support_mask=inp["support_mask"], **kw), p)
