@@ -13,11 +13,14 @@
 #                   neither source has a CPU build, the script stops and says what to do.
 #   cuda            PyPI's default build (CUDA on Linux), or TORCH_INDEX_URL's (e.g. a cuXXX index).
 # Everything else is resolved under a constraint that keeps that torch, so no dependency replaces it.
+# triton: an installed one is kept (CUDA builds of torch bring their own); otherwise triton==${MEGAOPD_TRITON_VERSION:-3.7.1}
+# (no dependencies, so it cannot pull a torch): megaopd.ops' kernels on GPUs, its interpreter in the CPU tests.
 # Runs again in about a second when nothing changed (a stamp keyed by setup.py and this script).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 TORCH_VERSION=${MEGAOPD_TORCH_VERSION:-2.13.0}
+TRITON_VERSION=${MEGAOPD_TRITON_VERSION:-3.7.1}
 TORCH_BUILD=${MEGAOPD_TORCH:-cpu}
 CPU_INDEX=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 say() { echo "[install] $*"; }
@@ -75,6 +78,13 @@ constraint=$(mktemp)
 in_env -c "import torch; print('torch==' + torch.__version__)" > "$constraint"
 say "installing megaopd (editable) and its dependencies, torch held at $(cat "$constraint")"
 pip_q install -c "$constraint" -e "$repo[dev]"
+if in_env -c 'import triton' 2>/dev/null; then
+  say "keeping the installed triton $(in_env -c 'import triton; print(triton.__version__)')"
+elif pip_q install -c "$constraint" "triton==$TRITON_VERSION"; then
+  say "installed triton==$TRITON_VERSION (megaopd.ops' Triton kernels; the CPU tests run them through its interpreter)"
+else
+  say "no triton==$TRITON_VERSION for this platform (wheels: Linux): the ops use their torch path, tests/ops/test_triton.py skips"
+fi
 rm -f "$constraint" "$stamp_dir"/.megaopd-install-*
 echo "$torch_now" > "$stamp"
 say "done: megaopd in $stamp_dir with $torch_now"

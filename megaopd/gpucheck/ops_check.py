@@ -1,7 +1,8 @@
 """Part a: megaopd.ops and megaopd.losses on the device, in bfloat16 and float32, against float64 CPU references
 (values and gradients) at the real vocabulary.
 
-Ops: the float64 formulas are written here (plain torch on the full vocabulary; they never call megaopd.ops).
+Ops: both implementations where they can run (the torch path, and the Triton kernels on CUDA: rows tagged
+[torch] / [triton]), plus the Triton fused op on T x V > 2^31 logits (int64 offsets). The float64 formulas are written here (plain torch on the full vocabulary; they never call megaopd.ops).
 Losses: tests/losses/_reference.py (the suite's float64 references, importable from the repository root) on
 its deterministic batches, with the vocabulary raised to the check's. Inputs are rounded to the dtype under
 test first and the reference computed from the rounded values, so a row measures the code's arithmetic, not
@@ -94,14 +95,15 @@ def _reference(inp: dict, tau: float) -> dict:
     return out
 
 
-def _device_results(inp: dict, tau: float, chunk, device, group=None, rank=0, world=1) -> dict:
-    """The ops on this rank's vocabulary shard (all of it at world 1): {name: (value, grad_p, grad_q)}."""
+def _device_results(inp: dict, tau: float, chunk, device, group=None, rank=0, world=1, impl="auto") -> dict:
+    """The ops on this rank's vocabulary shard (all of it at world 1): {name: (value, grad_p, grad_q)}.
+    impl: the ops' implementation ("auto": Triton kernels on CUDA, the torch path elsewhere)."""
     from megaopd import ops
 
     V = inp["p"].shape[-1]
     v = V // world
     sl = slice(rank * v, (rank + 1) * v)
-    kw = dict(group=group, temperature=tau)
+    kw = dict(group=group, temperature=tau, impl=impl)
     ckw = dict(kw, chunk_size=chunk)
     ids, gids = inp["ids"].to(device), inp["gather_ids"].to(device)
     out = {}
@@ -127,7 +129,7 @@ def _device_results(inp: dict, tau: float, chunk, device, group=None, rank=0, wo
     p, q = leaves()
     record("jsd", ops.vocab_parallel_jsd(p, q, JSD_BETA, **ckw), p, q)
     p, q = leaves()
-    record("gather", ops.vocab_parallel_gather(p, gids, group=group).sum(-1), p)
+    record("gather", ops.vocab_parallel_gather(p, gids, group=group, impl=impl).sum(-1), p)
     p, q = leaves()
     record("support_kl", ops.vocab_parallel_support_kl(p, inp["support_ids"].to(device),
                                                        inp["support_ref"].to(device), **kw), p)
@@ -143,34 +145,77 @@ def _device_results(inp: dict, tau: float, chunk, device, group=None, rank=0, wo
     return out
 
 
+def _impls(device) -> tuple[str, ...]:
+    """Both implementations where the Triton kernels can run (CUDA with triton), else the torch path."""
+    from megaopd.ops._common import triton_available
+    return ("torch", "triton") if device.type == "cuda" and triton_available() else ("torch",)
+
+
 def check_ops(table: Table, device, dtypes, vocab: int, tokens: int) -> None:
+    impls = _impls(device)
+    if "triton" not in impls:
+        table.skip("a", "ops [triton]", f"the Triton kernels run on CUDA with triton installed, not on {device.type} "
+                                        f"(tests/ops/test_triton.py runs them through Triton's interpreter)")
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         vb, gb = BOUND[dtype_name]
         for i, (label, scale, offset, tau, chunk) in enumerate(_cases(False)):
-            with table.guard("a", f"ops {label}", dtype_name):
-                inp = _inputs(tokens, vocab, scale, offset, dtype, seed=10 + i)
-                ref = _reference(inp, tau)
-                got = _device_results(inp, tau, chunk, device)
-                big = 10 if label == "hot" else 1
-                for name in ("logprobs", "logsumexp", "entropy", "kl", "jsd", "gather", "support_kl"):
-                    rv, rgp, rgq = ref[name]
-                    gv, ggp, ggq = got[name]
-                    table.le("a", f"ops.{name} {label}", dtype_name, "value rel", max_rel(gv, rv), vb * big)
-                    table.le("a", f"ops.{name} {label}", dtype_name, "grad_p rel", max_rel(ggp, rgp), gb * big)
-                    if rgq is not None:
-                        table.le("a", f"ops.{name} {label}", dtype_name, "grad_q rel", max_rel(ggq, rgq), gb * big)
-                for what, g, r in zip(("logprobs", "kl", "entropy"), got["fused_values"], ref["fused_values"]):
-                    table.le("a", f"ops.logprobs_kl {label}", dtype_name, f"{what} rel", max_rel(g, r), vb * big)
-                table.le("a", f"ops.logprobs_kl {label}", dtype_name, "grad_p rel",
-                         max_rel(got["fused"][1], ref["fused"][1]), gb * big)
-                vals, tids = got["topk"]
-                table.le("a", f"ops.topk k={TOPK} {label}", dtype_name, "values rel", max_rel(vals, ref["topk"]),
-                         vb * big)
-                # Ties (frequent in bf16) may pick other ids of equal log-prob: check the ids' own log-probs.
-                at_ids = ref["topk_logp"].gather(-1, tids.long())
-                table.le("a", f"ops.topk k={TOPK} {label}", dtype_name, "logp at ids rel", max_rel(vals, at_ids),
-                         vb * big)
+            inp = _inputs(tokens, vocab, scale, offset, dtype, seed=10 + i)
+            ref = _reference(inp, tau)
+            for impl in impls:
+                with table.guard("a", f"ops {label} [{impl}]", dtype_name):
+                    _check_ops_impl(table, dtype_name, label, ref, _device_results(inp, tau, chunk, device, impl=impl),
+                                    impl, vb, gb)
+        if "triton" in impls and dtype_name == "bfloat16":
+            with table.guard("a", "ops int64 offsets [triton]", dtype_name):
+                check_int64_offsets(table, device, vocab, dtype)
+
+
+def _check_ops_impl(table, dtype_name, label, ref, got, impl, vb, gb) -> None:
+    big = 10 if label == "hot" else 1
+    tag = f"{label} [{impl}]"
+    for name in ("logprobs", "logsumexp", "entropy", "kl", "jsd", "gather", "support_kl"):
+        rv, rgp, rgq = ref[name]
+        gv, ggp, ggq = got[name]
+        table.le("a", f"ops.{name} {tag}", dtype_name, "value rel", max_rel(gv, rv), vb * big)
+        table.le("a", f"ops.{name} {tag}", dtype_name, "grad_p rel", max_rel(ggp, rgp), gb * big)
+        if rgq is not None:
+            table.le("a", f"ops.{name} {tag}", dtype_name, "grad_q rel", max_rel(ggq, rgq), gb * big)
+    for what, g, r in zip(("logprobs", "kl", "entropy"), got["fused_values"], ref["fused_values"]):
+        table.le("a", f"ops.logprobs_kl {tag}", dtype_name, f"{what} rel", max_rel(g, r), vb * big)
+    table.le("a", f"ops.logprobs_kl {tag}", dtype_name, "grad_p rel", max_rel(got["fused"][1], ref["fused"][1]),
+             gb * big)
+    vals, tids = got["topk"]
+    table.le("a", f"ops.topk k={TOPK} {tag}", dtype_name, "values rel", max_rel(vals, ref["topk"]), vb * big)
+    # Ties (frequent in bf16) may pick other ids of equal log-prob: check the ids' own log-probs.
+    at_ids = ref["topk_logp"].gather(-1, tids.long())
+    table.le("a", f"ops.topk k={TOPK} {tag}", dtype_name, "logp at ids rel", max_rel(vals, at_ids), vb * big)
+
+
+def check_int64_offsets(table: Table, device, vocab: int, dtype, last: int = 4, elements: int = 2**31) -> None:
+    """The fused op on T x V > 2^31 (`elements`) logits, element offsets past int32: its last rows, which only
+    int64 offsets reach, against the float64 formulas on those rows (every quantity is per token)."""
+    from megaopd import ops
+
+    T = elements // vocab + last
+    g = torch.Generator(device=device).manual_seed(7)
+    p = (3 * torch.randn(T, vocab, generator=g, device=device)).to(dtype).requires_grad_()
+    q = (3 * torch.randn(T, vocab, generator=g, device=device)).to(dtype)
+    ids = torch.randint(0, vocab, (T,), generator=g, device=device)
+    lp, kl, ent = ops.vocab_parallel_logprobs_kl(p, ids, q, with_entropy=True, impl="triton")
+    (lp.sum() + kl.sum()).backward()
+    rows = slice(T - last, T)
+    p64, q64 = p.detach()[rows].double().cpu().requires_grad_(), q[rows].double().cpu()
+    lp64, lq64 = torch.log_softmax(p64, -1), torch.log_softmax(q64, -1)
+    ref_lp = lp64.gather(-1, ids[rows].cpu()[:, None])[:, 0]
+    ref_kl = (lp64.exp() * (lp64 - lq64)).sum(-1)
+    (ref_grad,) = torch.autograd.grad(ref_lp.sum() + ref_kl.sum(), p64)
+    check = f"ops.logprobs_kl T={T} V={vocab} (T*V > {elements}) [triton]"
+    vb, gb = BOUND[str(dtype).removeprefix("torch.")]
+    dtype_name = str(dtype).removeprefix("torch.")
+    table.le("a", check, dtype_name, "logprobs rel (last rows)", max_rel(lp.detach()[rows].double().cpu(), ref_lp), vb)
+    table.le("a", check, dtype_name, "kl rel (last rows)", max_rel(kl.detach()[rows].double().cpu(), ref_kl), vb)
+    table.le("a", check, dtype_name, "grad rel (last rows)", max_rel(p.grad[rows].double().cpu(), ref_grad), gb)
 
 
 # ------------------------------------------------------------------------------------------------- losses

@@ -17,9 +17,11 @@ from megaopd.parallel.launch import spawn  # noqa: E402
 from tests.ops import _cases, _triton_checks, _workers  # noqa: E402
 
 # The quick tier runs what the GPU path most depends on (bf16, padding columns, several splits, logits ~1e4);
-# the slow tier the rest of the cases and TP=2.
+# the slow tier more cases at TP=1, and at TP=2 those where the shards' partials meet (ties across shards, a
+# shard all padding at TP=2's boundary, bf16). The interpreter is slow: about a minute for both on this CPU.
 QUICK_CASES = ("bf16", "padded")
-SLOW_CASES = tuple(c.name for c in _cases.CASES if c.name not in QUICK_CASES)
+SLOW_CASES = ("unit", "ragged_3d_hot", "offset_1e4", "scale_1e4_temp")
+TP2_CASES = ("unit", "bf16", "padded", "ties")
 QUICK_CONFIGS = ("splits_bf16_padded", "extreme")
 SLOW_CONFIGS = tuple(c for c in _triton_checks.LAUNCH_CONFIGS if c not in QUICK_CONFIGS)
 INTERPRET = {"TRITON_INTERPRET": "1"}
@@ -47,10 +49,9 @@ def test_tp1_other_cases_match_float64_reference():
 
 @pytest.mark.slow
 def test_tp2_matches_float64_reference():
-    names = tuple(c.name for c in _cases.CASES)
-    results = spawn(_triton_checks.run, world_size=2, timeout=600, env=INTERPRET, args=(names, ()))
+    results = spawn(_triton_checks.run, world_size=2, timeout=600, env=INTERPRET, args=(TP2_CASES, ()))
     errors = []
-    for case in _cases.CASES:
+    for case in (c for c in _cases.CASES if c.name in TP2_CASES):
         errors += _cases.compare(case, 2, [r[f"case {case.name}"][0] for r in results], _cases.reference(case, 2))
     assert not errors, "\n".join(errors)
 
