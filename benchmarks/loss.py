@@ -21,6 +21,19 @@ buffers go back to the OS (a reused heap page would hide an allocation from RSS)
 the max over ranks. Time: median wall time of `--repeats` steps after one warm-up, ranks in lockstep
 (barrier before each step), `--threads` intra-op threads per worker (default 1). Best-of-N is the
 headline number because the machine is shared; the median is printed beside it.
+
+On a GPU (`--device cuda`; one process, TP=1, bf16 by default, tokens 4096 and 8192 unless --tokens says):
+
+    python benchmarks/loss.py --device cuda [--tokens 4096,8192] [--dtype bfloat16] [--repeats 20]
+
+times the Stable-OPD loss (forward + backward to the logits) as: the naive formula (eager, every [T, V]
+intermediate in float32), the same formula under torch.compile, the megaopd loss (build_loss("stable_opd")
+on LossInputs: the ops' default impl, Triton on CUDA), and the fused op under each implementation
+(ops.vocab_parallel_logprobs_kl with impl="torch" / "triton", plus the loss's per-token arithmetic written
+here). Time: CUDA events around each step, the median of --repeats (>= 20) after 3 warm-ups; peak = the
+allocator's peak above what was allocated before the step. GB/s = the bound's bytes / time, where the bound
+reads the logits and the reference logits twice each and writes the gradient once (5 T V dtype-sized
+passes); "of bound" = that rate / --peak-gbs (default 3000, ~an H100's HBM3 in practice).
 """
 from __future__ import annotations
 
@@ -167,12 +180,115 @@ def bench_worker(rank, world, tokens, vocab, repeats, losses, entropy, unfused=F
             for key in fns if times[key]}
 
 
+# ---------------------------------------------------------------------------------------------- one GPU
+def ops_stable_opd(d, impl, sft_weight=0.1, ref_kl_weight=0.01, eps=0.2):
+    """stable_opd's arithmetic (as naive_stable_opd) on the fused op with an explicit implementation."""
+    from megaopd import ops
+
+    logp, kl, entropy = ops.vocab_parallel_logprobs_kl(d["logits"], d["ids"], d["ref_logits"], with_entropy=True,
+                                                       impl=impl)
+    adv = d["teacher_lp"] - d["old_lp"]
+    ratio = torch.exp(logp - d["old_lp"])
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    loss = ((pg + sft_weight * -logp + ref_kl_weight * kl) * d["mask"]).sum() / d["mask"].sum()
+    return loss, entropy
+
+
+def _gpu_inputs(tokens, vocab, dtype, device):
+    g = torch.Generator(device=device).manual_seed(tokens)
+    logits = (3 * torch.randn(1, tokens, vocab, generator=g, device=device)).to(dtype)
+    ref = (logits.float() + torch.randn(1, tokens, vocab, generator=g, device=device)).to(dtype)
+    return dict(logits=logits.requires_grad_(), ref_logits=ref,
+                ids=torch.randint(0, vocab, (1, tokens), generator=g, device=device),
+                mask=torch.ones(1, tokens, device=device),
+                old_lp=-5 * torch.rand(1, tokens, generator=g, device=device),
+                teacher_lp=-5 * torch.rand(1, tokens, generator=g, device=device),
+                # read by parallel_step's LossInputs, unused by stable_opd
+                topk_ids=torch.zeros(1, tokens, TEACHER_K, dtype=torch.long, device=device),
+                topk_lp=torch.zeros(1, tokens, TEACHER_K, device=device))
+
+
+def _time_steps(step, d, repeats, device):
+    """(median ms, peak bytes above the allocated before) of forward + backward; CUDA events on a GPU."""
+    cuda = device.type == "cuda"
+    times, peak = [], 0
+    for i in range(3 + repeats):
+        d["logits"].grad = None
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            t0 = time.perf_counter()
+        loss, _ = step(d)
+        loss.backward()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            elapsed = start.elapsed_time(end)
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        else:
+            elapsed = (time.perf_counter() - t0) * 1e3
+        del loss
+        if i >= 3:
+            times.append(elapsed)
+    return statistics.median(times), peak
+
+
+def gpu_main(args):
+    from megaopd.losses import build_loss
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    stable_opd = build_loss("stable_opd", {"opd": {"log_entropy": True}})
+    compiled = torch.compile(naive_stable_opd)
+    variants = {
+        "naive (eager, float32 [T, V] intermediates)": lambda d: naive_stable_opd(d, None),
+        "naive under torch.compile": lambda d: compiled(d, None),
+        "megaopd stable_opd (LossInputs, default impl)": lambda d: parallel_step(stable_opd, d, None),
+        "fused op, impl=torch": lambda d: ops_stable_opd(d, "torch"),
+        "fused op, impl=triton": lambda d: ops_stable_opd(d, "triton"),
+    }
+    skip = set(args.skip.split(",")) if args.skip else set()
+    token_counts = [int(x) for x in (args.tokens or "4096,8192").split(",")]
+    size = torch.finfo(dtype).bits // 8
+    print(f"\n{torch.cuda.get_device_name(device) if device.type == 'cuda' else device}, torch {torch.__version__}, "
+          f"vocab {args.vocab}, {args.dtype} logits, TP=1; median of {args.repeats} steps (forward + backward); "
+          f"bound = 5 T V x {size} bytes (logits and reference read twice, gradient written once) at "
+          f"{args.peak_gbs:.0f} GB/s\n")
+    print("| variant | T | ms | GB/s | of bound | bound ms | loss | peak GiB above inputs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T in token_counts:
+        d = _gpu_inputs(T, args.vocab, dtype, device)
+        bound_bytes = 5 * T * args.vocab * size
+        for name, step in variants.items():
+            if any(k in name for k in skip):
+                continue
+            loss = float(step(d)[0].detach())
+            ms, peak = _time_steps(step, d, args.repeats, device)
+            gbs = bound_bytes / (ms * 1e-3) / 1e9
+            print(f"| {name} | {T} | {ms:.2f} | {gbs:.0f} | {gbs / args.peak_gbs:.2f} "
+                  f"| {bound_bytes / args.peak_gbs / 1e9 * 1e3:.2f} | {loss:.6f} | {peak / 2**30:.2f} |", flush=True)
+        del d
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=4096, help="response tokens per rank (default 4096)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default: TP workers over gloo, the table above) or cuda (one GPU, CUDA events)")
+    p.add_argument("--dtype", default="bfloat16", help="logits dtype with --device cuda (default bfloat16)")
+    p.add_argument("--peak-gbs", type=float, default=3000.0, help="memory bandwidth for the bound, GB/s")
+    p.add_argument("--skip", default="", help="with --device cuda: comma-separated substrings of variants to skip")
+    p.add_argument("--tokens", default=None,
+                   help="response tokens per rank (default 4096; with --device cuda a list, default 4096,8192)")
     p.add_argument("--vocab", type=int, default=QWEN_VOCAB, help="vocabulary size (default Qwen2.5: 152064)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes (gloo workers)")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps after one warm-up")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed steps after the warm-up (default 3 on CPU, 20 with --device cuda)")
     p.add_argument("--losses", default="stable_opd,lsm")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads per worker (default 1: extra threads spin against other jobs on a "
@@ -182,6 +298,11 @@ def main(argv=None):
     p.add_argument("--no-entropy", action="store_true",
                    help="stable_opd without the entropy metric (opd.log_entropy=false), in both implementations")
     args = p.parse_args(argv)
+    if args.device != "cpu":
+        args.repeats = args.repeats or 20
+        return gpu_main(args)
+    args.repeats = args.repeats or 3
+    args.tokens = int(args.tokens or 4096)
 
     # Read by glibc at process start, so it must be in the environment the workers inherit.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
