@@ -2,7 +2,9 @@
 # GPU bring-up check of issue 13: on one GPU, no download, no SGLang, no Transformer Engine, prints a table
 # (check, dtype, metric, value, bound, PASS/FAIL) and exits non-zero if any row fails; with OUT set it also
 # writes the table to $OUT/gpu_check.md ($OUT/gpu_bench.md for --bench).
-#   a  megaopd.ops and megaopd.losses on CUDA, bf16 and fp32, vs float64 CPU references, V=152064 (~1 min)
+#   a  megaopd.ops and megaopd.losses on CUDA, bf16 and fp32, vs float64 CPU references, V=152064 (~1 min);
+#      every op under both implementations (rows tagged [torch] and [triton]: the Triton kernels, the default
+#      on CUDA) and the Triton fused op on T x V > 2^31 bf16 logits (int64 offsets; ~13 GB)
 #   b  HF transformers vs megatron logits/log-probs, Qwen2.5-1.5B shape (28 layers; --layers N for fewer),
 #      random weights, fp32 (bound 1e-3) and bf16 (bound: 3x the HF bf16-vs-fp32 noise floor + 1e-2) (~1 min)
 #   c  `megaopd train scripts/gpu_check/stable_opd_gpu.yaml`: 10 steps, NCCL world 1, bf16, DDP + distributed
@@ -20,6 +22,9 @@
 #   command: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh --parts a,b,d 2>&1 | tee $OUT/log_abd.txt
 #   command: (same install line); PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh --parts c 2>&1 | tee $OUT/log_c.txt; cp /tmp/megaopd_gpu_check/train_*.log $OUT/ 2>/dev/null
 #   command: (same install line); PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh --bench 2>&1 | tee $OUT/log_bench.txt
+# The loss kernels' speed (issue 27: naive, compiled naive, megaopd loss, fused op impl=torch / impl=triton; CUDA
+# events, GB/s against the bandwidth bound), after the install line of the calls above:
+#   command: (same install line); PYTHONPATH=$PWD python3 benchmarks/loss.py --device cuda 2>&1 | tee $OUT/loss_bench.txt
 # Measured on an H100 (2026-11-23): parts a,b,d 82 s; c 2-3 min; --bench loss 21 s, packing 32 s, engine 49 s,
 # trainer ~3 min (benchmarks/README.md, section GPU).
 # (the second and third calls build the models they need again when the machine is a fresh one; on a warm one

@@ -24,8 +24,16 @@ the logits and small per-token stats instead of saving it. Ops are per-token: ca
                               temperature=1.0, support_mask=None) -> [...]
     vocab_range(vocab_shard_size, rank) -> (start, end)
 
+impl="auto" | "triton" | "torch" on every op (last keyword): auto runs the Triton kernels on CUDA tensors when
+triton is installed and the torch path otherwise (so CPU runs never change); the torch path is the reference.
+Triton path: _kernels.py (layer 1: per-row kernels, a forward that writes per-split partials in one read, a
+backward that writes the gradient in the logits' dtype), _triton.py (layer 2: autograd Functions, one
+all-gather of the partials), the public functions here (layer 3). The gather / support-KL ops have one path
+(they read K logits per token); top-k takes its normalizer from the stats kernel.
+
 Formulas and gradients: the docstrings of logprobs.py, divergence.py, fused.py, support.py; shared machinery and
-the tensor-name legend: _common.py. Tests: pytest tests/ops -x (TP=2/4 spawned tests are marked slow).
+the tensor-name legend: _common.py. Tests: pytest tests/ops -x (TP=2/4 spawned tests are marked slow;
+tests/ops/test_triton.py runs the Triton path through Triton's interpreter on CPU).
 """
 from megaopd.ops._common import vocab_range
 from megaopd.ops.divergence import vocab_parallel_jsd, vocab_parallel_kl

@@ -23,10 +23,12 @@ jsd_kernel: sum p (log p - log m) and sum q (log q - log m) per (split, token), 
 """
 from __future__ import annotations
 
+# (Kernels spell -inf as the literal float("-inf"): compiled Triton reads no module globals but constexprs,
+# and the interpreter, which the CPU tests use, would not notice one.)
+
 import triton
 import triton.language as tl
 
-NEG_INF = float("-inf")
 STATS_ROWS = 6  # rows of stats_kernel's output (module docstring)
 TOKEN_ROWS = 11  # rows of grad_kernel's per-token input: Mp, lSp, Mq, lSq, A, B, C, D, G, Kp, Kq
 
@@ -34,7 +36,7 @@ TOKEN_ROWS = 11  # rows of grad_kernel's per-token input: Mp, lSp, Mq, lSq, A, B
 @triton.jit
 def _rescale(m, m_new, inv_temp):
     """delta = (m - m_new) / temperature, 0 before the first block (m = -inf: every sum is still 0)."""
-    return tl.where(m == NEG_INF, 0.0, (m - m_new) * inv_temp)
+    return tl.where(m == float("-inf"), 0.0, (m - m_new) * inv_temp)
 
 
 @triton.jit
@@ -47,16 +49,16 @@ def stats_kernel(p_ptr, q_ptr, out_ptr, T, V, stride_p, stride_q, split_size, in
     end = tl.minimum(start + split_size, V)
     p_row = p_ptr + row.to(tl.int64) * stride_p
     q_row = q_ptr + row.to(tl.int64) * stride_q
-    mp = NEG_INF
+    mp = float("-inf")
     sp = 0.0
     xe = 0.0
-    mq = NEG_INF
+    mq = float("-inf")
     sq = 0.0
     dd = 0.0
     for off in range(start, end, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
-        rp = tl.load(p_row + cols, mask=mask, other=NEG_INF).to(tl.float32)
+        rp = tl.load(p_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         mp_new = tl.maximum(mp, tl.max(rp, axis=0))
         dp = _rescale(mp, mp_new, inv_temp)
         ap = tl.exp(dp)
@@ -65,7 +67,7 @@ def stats_kernel(p_ptr, q_ptr, out_ptr, T, V, stride_p, stride_q, split_size, in
         if WITH_XEXP:
             xe = ap * (xe + dp * sp) + tl.sum(tl.where(mask, ep * xp, 0.0), axis=0)
         if HAS_Q:
-            rq = tl.load(q_row + cols, mask=mask, other=NEG_INF).to(tl.float32)
+            rq = tl.load(q_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
             mq_new = tl.maximum(mq, tl.max(rq, axis=0))
             dq = _rescale(mq, mq_new, inv_temp)
             xq = (rq - mq_new) * inv_temp

@@ -52,6 +52,11 @@ def launch_config(T: int, V: int, device: torch.device) -> tuple[int, int, int]:
     return block, triton.cdiv(V, split_size), split_size
 
 
+def _warps(block: int) -> int:
+    """Warps per program: ~8 columns per thread per loaded tensor at the largest block (unmeasured: tune on a GPU)."""
+    return max(4, min(16, block // 256))
+
+
 def _prepare(x_TV: torch.Tensor) -> torch.Tensor:
     """The kernels need unit column stride; any row stride is fine (no copy for logits[:, :-1] views)."""
     return x_TV if x_TV.stride(1) == 1 else x_TV.contiguous()
@@ -65,7 +70,8 @@ def _stats(p_TV, q_TV, temperature, with_xexp, with_diff):
     if T:
         q = q_TV if q_TV is not None else p_TV
         K.stats_kernel[(T, splits)](p_TV, q, out, T, V, p_TV.stride(0), q.stride(0), split_size, 1.0 / temperature,
-                                    HAS_Q=q_TV is not None, WITH_XEXP=with_xexp, WITH_DIFF=with_diff, BLOCK=block)
+                                    HAS_Q=q_TV is not None, WITH_XEXP=with_xexp, WITH_DIFF=with_diff, BLOCK=block,
+                                    num_warps=_warps(block))
     return out
 
 
@@ -119,7 +125,8 @@ def _grad(mode, p_TV, q_TV, tok_nT, ids_T, temperature, write_p, write_q, out_p=
         K.grad_kernel[(T, splits)](
             p_TV, q, dummy_p, dummy_q, tok, ids_T if ids_T is not None else tok, T, V, p_TV.stride(0), q.stride(0),
             dummy_p.stride(0), dummy_q.stride(0), split_size, 1.0 / temperature, log_ab[0], log_ab[1],
-            MODE=mode, WRITE_P=write_p, WRITE_Q=write_q, HAS_ONEHOT=ids_T is not None, BLOCK=block)
+            MODE=mode, WRITE_P=write_p, WRITE_Q=write_q, HAS_ONEHOT=ids_T is not None, BLOCK=block,
+            num_warps=_warps(block))
     return gp, gq
 
 
@@ -224,7 +231,7 @@ class JSDOp(torch.autograd.Function):
         out = torch.zeros(2, splits, T, dtype=torch.float32, device=p_TV.device)
         if T:
             K.jsd_kernel[(T, splits)](p_TV, q_TV, tok, out, T, V, p_TV.stride(0), q_TV.stride(0), split_size,
-                                      1.0 / temperature, log_ab[0], log_ab[1], BLOCK=block)
+                                      1.0 / temperature, log_ab[0], log_ab[1], BLOCK=block, num_warps=_warps(block))
         kl_2T = all_reduce_(out.sum(1), dist.ReduceOp.SUM, group)  # KL(p||m), KL(q||m)
         ctx.save_for_backward(p_TV, q_TV, m_p, ls_p, m_q, ls_q, kl_2T)
         ctx.beta, ctx.temperature, ctx.log_ab = beta, temperature, log_ab

@@ -141,3 +141,38 @@ def check_overwrite_q_and_strided_rows() -> list[str]:
     if grad_dense.data_ptr() != q_copy.data_ptr() or grad_dense.dtype != torch.bfloat16:
         errors.append("overwrite_q: the gradient is not in q's memory / dtype")
     return errors
+
+
+def compile_for_gpu(arch: int = 90, dtype: str = "bf16") -> list[str]:
+    """Compile every kernel specialization the ops launch for an NVIDIA GPU of compute capability `arch`
+    (down to the cubin, with the ptxas triton ships), which needs no GPU: the compiled language is stricter
+    than the interpreter (module globals, loop-carried types), so this catches what the CPU runs cannot."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megaopd.ops import _kernels as K
+    errors = []
+    ptr, f32 = f"*{dtype}", dict(inv_temp="fp32")
+    rows = dict(T="i32", V="i32")
+    stats = dict(p_ptr=ptr, q_ptr=ptr, out_ptr="*fp32", **rows, stride_p="i64", stride_q="i64", split_size="i32", **f32)
+    grad = dict(p_ptr=ptr, q_ptr=ptr, gp_ptr=ptr, gq_ptr=ptr, tok_ptr="*fp32", ids_ptr="*i64", **rows, stride_p="i64",
+                stride_q="i64", stride_gp="i64", stride_gq="i64", split_size="i32", **f32, log_a="fp32", log_b="fp32")
+    jsd = dict(p_ptr=ptr, q_ptr=ptr, tok_ptr="*fp32", out_ptr="*fp32", **rows, stride_p="i64", stride_q="i64",
+               split_size="i32", **f32, log_a="fp32", log_b="fp32")
+    specs = [(K.stats_kernel, stats, dict(HAS_Q=q, WITH_XEXP=x, WITH_DIFF=q, BLOCK=4096))
+             for q, x in ((False, False), (False, True), (True, False), (True, True))]
+    specs += [(K.grad_kernel, grad, dict(MODE=m, WRITE_P=True, WRITE_Q=m > 0, HAS_ONEHOT=m < 2, BLOCK=4096))
+              for m in (0, 1, 2)]
+    specs += [(K.jsd_kernel, jsd, dict(BLOCK=4096))]
+    for fn, sig, consts in specs:
+        names = list(inspect.signature(fn.fn).parameters)
+        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
+                        constexprs={(names.index(k),): v for k, v in consts.items()})
+        try:
+            triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 16})
+        except Exception as e:  # noqa: BLE001 - reported as a mismatch message
+            errors.append(f"{fn.fn.__name__} {consts}: {type(e).__name__}: {str(e)[:500]}")
+    return errors

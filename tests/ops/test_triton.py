@@ -81,3 +81,15 @@ def test_impl_choice(monkeypatch):
     with pytest.raises(ValueError, match="triton==3.7.1"):
         ops.vocab_parallel_kl(x, x, impl="triton")
     assert _common.resolve_impl("auto", x) == "torch"
+
+
+def test_kernels_compile_for_an_h100(monkeypatch, tmp_path):
+    """The compiled (not interpreted) kernels, built for sm_90 on this CPU with triton's own ptxas."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from megaopd.ops import _kernels
+    if isinstance(_kernels.stats_kernel, InterpretedFunction):
+        pytest.skip("TRITON_INTERPRET=1 in the test process: the kernels were defined interpreted")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from an earlier cache
+    errors = _triton_checks.compile_for_gpu(90)
+    assert not errors, "\n".join(errors)
