@@ -102,8 +102,8 @@ class Trainer:
         self.router_aux = RouterAuxLoss(self.actor.model)
         self.optimizer, self.scheduler = build_optimizer(
             self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
-        self.train_runner = PipelineRunner(self.ddp, self.actor_pgs, self.actor.hf.vocab_size,
-                                           partner=self.models.partner)
+        self.train_runner = PipelineRunner(self.ddp, self.actor_pgs, self.actor.hf.vocab_size, partner=self.models.partner,
+                                           logits_chunk_tokens=cfg.trainer.logits_chunk_tokens)
         # What the passes score besides log-probs: the loss's top-k, and the overlap metrics' top-k and entropy.
         overlap_k = cfg.metrics.overlap_k if self.models.teachers is not None else 0
         self.actor_request = ScoreRequest(self.temperature, max(self.needs.student_topk, overlap_k), overlap_k > 0)
