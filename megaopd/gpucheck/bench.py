@@ -174,7 +174,10 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
             table.info("bench", f"trainer {name}: peak GPU memory (nvidia-smi)", dt, "GiB", mem.peak_mib / 1024)
         predicted = _planned_peak_gib(YAML, args)
         if predicted is not None:
-            table.info("bench", f"trainer {name}: megaopd plan's peak (no CUDA context)", dt, "GiB", predicted)
+            table.info("bench", f"trainer {name}: megaopd plan's peak (CUDA context, allocator reserve, engine "
+                       f"included; no flat margin)", dt, "GiB", predicted)
+        if predicted is not None and mem.peak_mib is not None:  # issue 27: within 15% on every trainer bench
+            table.info("bench", f"trainer {name}: planned / measured peak", dt, "ratio", predicted / (mem.peak_mib / 1024))
         # Tokens of the training phase: every sequence's prompt + response (the model runs on all of them).
         cfg = hf_config_dict(shape, QWEN_VOCAB)
         n_seq = prompts * samples
@@ -196,7 +199,9 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
 
 
 def _planned_peak_gib(yaml_path: str, overrides: list[str]) -> float | None:
-    """`megaopd plan`'s per-GPU peak for the run the bench starts (None if it cannot be planned)."""
+    """`megaopd plan`'s per-GPU peak for the run the bench starts, in GiB, as nvidia-smi shows memory: every
+    item, the CUDA context and the allocator's reserve, without the flat safety margin (plan.reserved_gb=0)
+    (None if it cannot be planned)."""
     from megaopd.config import load_config
     from megaopd.config.plan import plan_for
     from megaopd.config.schema import MegaOPDConfig
