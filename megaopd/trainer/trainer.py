@@ -52,7 +52,8 @@ from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_train
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.run_log import RunLog
-from megaopd.trainer.step_metrics import reduce_loss_metrics, rollout_metrics, sample_rows
+from megaopd.trainer.step_metrics import (flop_metrics, reduce_loss_metrics, rollout_metrics, sample_rows,
+                                          step_work)
 from megaopd.trainer.timer import Timer
 from megaopd.trainer.validation import validate
 
@@ -202,6 +203,7 @@ class Trainer:
                 metrics.update(step)
                 self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
         metrics.update(timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's times
+        metrics.update(flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), metrics))
         return metrics
 
     def _rollout(self, examples, golden=None) -> RolloutBatch:
