@@ -61,8 +61,23 @@ def _peak_bytes(fn) -> int:
     return peak
 
 
-def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: int = 0) -> dict[str, int]:
-    """Peak bytes of each case (runs in the process whose PYTHONPATH holds the megaopd to measure)."""
+def _median_seconds(fn, reps: int = 3) -> float:
+    """Median wall time of fn() over reps calls (after the warm-up measure() already ran)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: int = 0,
+            time_reps: int = 3) -> dict:
+    """Peak bytes of each case (runs in the process whose PYTHONPATH holds the megaopd to measure), and under
+    "seconds" the median time of each over time_reps calls (0: not timed)."""
     import torch
 
     import megaopd.ops._common as ops_common
@@ -134,7 +149,10 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
                  "train, packed": lambda: train(mb), "train, padded": lambda: train(padded)}
         for fn in cases.values():  # warm-up: lazy buffers (rope cache), first-call allocations
             fn()
-        return {name: _peak_bytes(fn) for name, fn in cases.items()}
+        peaks = {name: _peak_bytes(fn) for name, fn in cases.items()}
+        if not time_reps:
+            return peaks
+        return {**peaks, "seconds": {name: _median_seconds(fn, time_reps) for name, fn in cases.items()}}
     finally:
         destroy_distributed()
 
@@ -188,6 +206,12 @@ def main() -> None:
     for case in CASES:
         line = f"{case:<16}" + "".join(f"{runs[n][case] / 2**20:>20.0f}{runs[n][case] / logits:>6.2f}" for n in names)
         print(line + f"{runs[fused][case] / runs[whole][case]:>13.2f}")
+    # Time too (median of 3 after a warm-up; one thread; the runs follow each other, so load changes between
+    # them show): the fused path makes each chunk's logits again in backward.
+    print(f"\n{'case':<16}" + "".join(f"{n + ' s':>20}" for n in names if "seconds" in runs[n]) + f"{'fused/whole':>13}")
+    for case in CASES:
+        line = f"{case:<16}" + "".join(f"{runs[n]['seconds'][case]:>20.3f}" for n in names if "seconds" in runs[n])
+        print(line + f"{runs[fused]['seconds'][case] / runs[whole]['seconds'][case]:>13.2f}")
 
 
 if __name__ == "__main__":
