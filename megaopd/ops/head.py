@@ -135,9 +135,6 @@ class LogitsHead:
         return self.hidden_BSH.sum() * 0.0 + self.weight_vH.sum() * 0.0
 
 
-Logits = "torch.Tensor | LogitsHead"
-
-
 def tokenwise(fn: Callable, *args):
     """fn(*args) where the logits arguments may be LogitsHeads: then chunked over tokens (module docstring).
 
@@ -273,4 +270,7 @@ class _ChunkedLogits(torch.autograd.Function):
                 result += [gh, None if gw is None else gw.to(h.weight_vH.dtype)]
             elif a is not None:
                 result.append(None)
+        # fn is often a closure over the record that caches this function's outputs (LossInputs), whose
+        # grad_fn holds ctx: drop the spec so that cycle does not keep the hidden states until a gc pass.
+        ctx.spec = None
         return tuple(result)
