@@ -1,7 +1,10 @@
 """Peak memory of the scoring pass and of one training micro-batch (forward + Stable-OPD loss + backward) at a
-large vocabulary, measured on CPU for this checkout and for an earlier revision in one run.
+large vocabulary, measured on CPU: the whole logits (the model's own output layer, trainer.logits_chunk_tokens=0)
+against the fused output layer (logits --chunk-tokens at a time, megaopd.ops.head) in one run, and optionally
+against an earlier revision.
 
-    python benchmarks/memory.py [--before 7dc1ed7] [--vocab 32000] [--tokens 2048] [--seqs 8] [--chunk-mib 4]
+    python benchmarks/memory.py [--chunk-tokens 128] [--before REV] [--vocab 32000] [--tokens 2048] [--seqs 8]
+                                [--chunk-mib 4]
 
 A bf16 random Qwen2 (hidden 64, 2 layers: the model is small on purpose, so the logits [tokens, V] dominate
 as they do for a 1.5B model at 16k tokens x 152k ids) is run through megaopd's PipelineRunner in one gloo
@@ -17,6 +20,8 @@ Memory is what torch allocates on the CPU during the call, from the profiler's a
 sum), so the weights and anything allocated before the call are not counted. L = tokens x V x 2 bytes is one
 bf16 logits tensor of the micro-batch; the table gives each peak in MB and in L.
 
+Columns: "whole" and "fused" are this checkout with logits_chunk_tokens 0 and --chunk-tokens (default 128:
+the share of the micro-batch that 1024, the trainer's default, is of a 16k-token micro-batch).
 `--before REV` extracts megaopd/ of that git revision into a temporary directory (git archive) and measures it
 in a subprocess with that PYTHONPATH; this checkout is measured the same way. Results: benchmarks/README.md.
 """
@@ -56,8 +61,23 @@ def _peak_bytes(fn) -> int:
     return peak
 
 
-def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, int]:
-    """Peak bytes of each case (runs in the process whose PYTHONPATH holds the megaopd to measure)."""
+def _median_seconds(fn, reps: int = 3) -> float:
+    """Median wall time of fn() over reps calls (after the warm-up measure() already ran)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: int = 0,
+            time_reps: int = 3) -> dict:
+    """Peak bytes of each case (runs in the process whose PYTHONPATH holds the megaopd to measure), and under
+    "seconds" the median time of each over time_reps calls (0: not timed)."""
     import torch
 
     import megaopd.ops._common as ops_common
@@ -90,8 +110,10 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
         pgs = initialize_actor_layout(Layout(1, 1), seed=1)
         actor = build_gpt_model(hf, 1, 1, pg_collection=pgs, dtype="bfloat16").train()
         reference = build_gpt_model(hf, 1, 1, pg_collection=pgs, dtype="bfloat16").eval().requires_grad_(False)
-        runner = PipelineRunner(actor, pgs, vocab)
-        train_runner = PipelineRunner(actor, pgs, vocab, partner=reference)
+        # An older revision's runner has no logits_chunk_tokens: only pass it when chunking.
+        chunk = {"logits_chunk_tokens": chunk_tokens} if chunk_tokens else {}
+        runner = PipelineRunner(actor, pgs, vocab, **chunk)
+        train_runner = PipelineRunner(actor, pgs, vocab, partner=reference, **chunk)
         loss_fn = build_loss("stable_opd")
         lengths_B = torch.full((seqs,), L)
 
@@ -127,15 +149,19 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float) -> dict[str, i
                  "train, packed": lambda: train(mb), "train, padded": lambda: train(padded)}
         for fn in cases.values():  # warm-up: lazy buffers (rope cache), first-call allocations
             fn()
-        return {name: _peak_bytes(fn) for name, fn in cases.items()}
+        peaks = {name: _peak_bytes(fn) for name, fn in cases.items()}
+        if not time_reps:
+            return peaks
+        return {**peaks, "seconds": {name: _median_seconds(fn, time_reps) for name, fn in cases.items()}}
     finally:
         destroy_distributed()
 
 
-def _measure_in(path: str, args) -> dict[str, int]:
+def _measure_in(path: str, args, chunk_tokens: int = 0) -> dict[str, int]:
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", f"--vocab={args.vocab}",
-                          f"--tokens={args.tokens}", f"--seqs={args.seqs}", f"--chunk-mib={args.chunk_mib}"], env=env, cwd=path, check=True,
+                          f"--tokens={args.tokens}", f"--seqs={args.seqs}", f"--chunk-mib={args.chunk_mib}",
+                          f"--chunk-tokens={chunk_tokens}"], env=env, cwd=path, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -150,7 +176,8 @@ def _checkout(rev: str, into: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", default="7dc1ed7", help="git revision to compare with ('' to skip)")
+    ap.add_argument("--before", default="", help="a git revision to compare with too (default: none)")
+    ap.add_argument("--chunk-tokens", type=int, default=128, help="tokens per logits chunk of the fused column")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--seqs", type=int, default=8)
@@ -161,24 +188,30 @@ def main() -> None:
     if args.tokens % args.seqs:
         ap.error("--tokens must be a multiple of --seqs")
     if args.worker:
-        print(json.dumps(measure(args.vocab, args.tokens, args.seqs, args.chunk_mib)))
+        print(json.dumps(measure(args.vocab, args.tokens, args.seqs, args.chunk_mib, args.chunk_tokens)))
         return
     logits = args.tokens * args.vocab * 2
     runs = {}
     with tempfile.TemporaryDirectory(prefix="megaopd_mem_") as tmp:
         if args.before:
             runs[f"before ({args.before})"] = _measure_in(_checkout(args.before, tmp), args)
-        runs["after (this checkout)"] = _measure_in(ROOT, args)
+        runs["whole"] = _measure_in(ROOT, args)
+        runs[f"fused ({args.chunk_tokens})"] = _measure_in(ROOT, args, args.chunk_tokens)
     print(f"V={args.vocab}, {args.tokens} tokens ({args.seqs} x {args.tokens // args.seqs}), bf16; "
           f"L = one bf16 logits tensor = {logits / 2**20:.0f} MiB; ops chunk {args.chunk_mib:g} MiB float32")
     names = list(runs)
-    head = f"{'case':<16}" + "".join(f"{n + ' MiB':>28}{'L':>6}" for n in names)
-    print(head + (f"{'after/before':>14}" if len(names) == 2 else ""))
+    head = f"{'case':<16}" + "".join(f"{n + ' MiB':>20}{'L':>6}" for n in names)
+    print(head + f"{'fused/whole':>13}")
+    whole, fused = names[-2], names[-1]
     for case in CASES:
-        line = f"{case:<16}" + "".join(f"{runs[n][case] / 2**20:>28.0f}{runs[n][case] / logits:>6.2f}" for n in names)
-        if len(names) == 2:
-            line += f"{runs[names[1]][case] / runs[names[0]][case]:>14.2f}"
-        print(line)
+        line = f"{case:<16}" + "".join(f"{runs[n][case] / 2**20:>20.0f}{runs[n][case] / logits:>6.2f}" for n in names)
+        print(line + f"{runs[fused][case] / runs[whole][case]:>13.2f}")
+    # Time too (median of 3 after a warm-up; one thread; the runs follow each other, so load changes between
+    # them show): the fused path makes each chunk's logits again in backward.
+    print(f"\n{'case':<16}" + "".join(f"{n + ' s':>20}" for n in names if "seconds" in runs[n]) + f"{'fused/whole':>13}")
+    for case in CASES:
+        line = f"{case:<16}" + "".join(f"{runs[n]['seconds'][case]:>20.3f}" for n in names if "seconds" in runs[n])
+        print(line + f"{runs[fused]['seconds'][case] / runs[whole]['seconds'][case]:>13.2f}")
 
 
 if __name__ == "__main__":

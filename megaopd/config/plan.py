@@ -40,9 +40,21 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
   gradient). Neither the scoring passes nor the loss make a float32 copy of the logits (benchmarks/memory.py
   measures it); padded rows (b > 1, pack_sequences=false) add a shifted contiguous copy of each model's
   logits (the loss reads logits[:, :-1]): 4L with the reference. A scoring pass holds L and the chunks (padded rows: at least 2L for a moment, megatron's [S, b] -> [b, S] copy of its output).
+  With the fused output layer (trainer.logits_chunk_tokens = c > 0, megaopd.ops.head, the default) no L is
+  made: per model a chunk's logits Lc = [c, V/t] in e bytes, in training the student's chunk gradient
+  (in the reference chunk's memory, as above) and the ops' float32 chunks of c tokens, the output weight's
+  gradient accumulated in float32 (4 [V/t, h]) plus one e-byte product, and the hidden states the layer
+  would have read: [b*S, h] per model, a second copy of the student's (megatron's [s, b] -> [b, s]) and, in
+  backward, their gradient;
+- what nvidia-smi also shows (the GPU check compares against it): each process's CUDA context
+  (plan.cuda_context_gb), the caching allocator's freed-but-reserved blocks (plan.allocator_reserve, a
+  fraction of each phase's allocated bytes), and an embedded rollout engine on rank 0's GPU
+  (rollout.engine=embedded): its weights in its dtype (float32) the whole run unless colocated (then
+  offloaded after generating), and its KV cache while it generates (max_batch_size rows of the longest
+  prompt + max_new_tokens).
 
-The numbers are estimates to size a layout, not a measurement: allocator fragmentation, NCCL buffers and
-the CUDA context are one flat `plan.reserved_gb`. Checked against hand-computed sizes of Qwen2.5-7B at
+The numbers are estimates to size a layout, not a measurement: NCCL buffers and anything else not itemized
+are one flat `plan.reserved_gb` margin. Checked against hand-computed sizes of Qwen2.5-7B at
 TP=2 and a psutil measurement on CPU (tests/config/test_plan.py).
 """
 from __future__ import annotations
@@ -61,6 +73,7 @@ GB = 1e9
 OPS_CHUNK_BYTES = 128 * 2**20  # megaopd.ops._common.DEFAULT_CHUNK_BYTES: one float32 chunk of logits
 OPS_CHUNKS_LIVE = 3            # a chunk's logits in float32, its softmax and a gradient (or q's chunk)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+EMBEDDED_ENGINE_DTYPE = "float32"  # megaopd.engine.config.EmbeddedEngineConfig.dtype, as rollout/build.py builds it
 
 
 @dataclass
@@ -76,7 +89,14 @@ class PlanConfig:
     engine_released_gb: float = 3.0
     """What a colocated engine keeps after releasing its weights and KV cache (CUDA context, CUDA graphs)."""
     reserved_gb: float = 5.0
-    """The trainer's CUDA context, NCCL buffers and allocator fragmentation, as one flat amount."""
+    """A margin for what is not itemized (NCCL communicator buffers at many ranks, cuDNN/cuBLAS autotuning
+    workspaces), as one flat amount on top of the items."""
+    cuda_context_gb: float = 0.6
+    """One process's CUDA context with torch's kernels and the cuBLAS workspace (about 0.5-0.6 GB on an H100
+    with CUDA 12-13, not measured here; nvidia-smi counts it, torch's allocator does not)."""
+    allocator_reserve: float = 0.1
+    """torch's caching allocator keeps freed blocks reserved for reuse (nvidia-smi counts them): this fraction
+    of each phase's allocated bytes is added (fragmentation between the phases' differently sized tensors)."""
     attention: str = "flash"
     """flash: fused attention (Transformer Engine / flash-attention on GPU) saves no S x S scores; unfused:
     megatron's local attention (CPU, or no TE) saves scores and probabilities."""
@@ -93,6 +113,9 @@ class PlanConfig:
             raise ValueError(f"plan.attention={self.attention!r}: choose flash or unfused")
         if self.max_tokens < 0:
             raise ValueError(f"plan.max_tokens={self.max_tokens} must be >= 0 (0: from data and rollout)")
+        if self.cuda_context_gb < 0 or not 0 <= self.allocator_reserve < 1:
+            raise ValueError(f"plan.cuda_context_gb={self.cuda_context_gb} must be >= 0 and plan.allocator_reserve="
+                             f"{self.allocator_reserve} in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -111,6 +134,27 @@ class RoleLayout:
     """Frozen models only: weights in CPU memory outside their forward passes."""
     ep: int = 1
     """Expert-parallel size (MoE models)."""
+
+
+@dataclass(frozen=True)
+class EmbeddedEngineFootprint:
+    """An embedded rollout engine on rank 0's GPU (rollout.engine=embedded), as the plan counts it."""
+
+    weights: float
+    """Its model's bytes in its dtype (the whole model: it does not shard)."""
+    kv_cache: float
+    """Its KV cache and decode buffers while generating: max_batch_size rows of the longest row."""
+    colocated: bool
+    """Weights offloaded once generation ends (rollout.colocated); else resident all along."""
+
+
+def embedded_engine_footprint(hf: HFModelConfig, dtype: str, rows: int, seq: int,
+                              colocated: bool) -> EmbeddedEngineFootprint:
+    """Weights, and the KV cache (2 x layers x kv_heads x head_dim per token) plus one float32 [rows, V] of
+    decode logits, of an HF engine generating `rows` rows of up to `seq` tokens."""
+    e = DTYPE_BYTES[dtype]
+    kv = 2 * hf.num_layers * hf.num_key_value_heads * hf.head_dim * e * rows * seq
+    return EmbeddedEngineFootprint(params_per_rank(hf, 1, 1) * e, kv + 4.0 * rows * hf.vocab_size, colocated)
 
 
 @dataclass(frozen=True)
@@ -134,9 +178,15 @@ class Plan:
     gpu_bytes: float
     phases: tuple[str, ...] = ("generate", "score", "train")
     notes: list[str] = field(default_factory=list)
+    allocator_reserve: float = 0.0
+    """Fraction of each phase's itemized bytes the caching allocator keeps reserved (PlanConfig)."""
+
+    def allocated(self, phase: str) -> float:
+        return sum(getattr(i, phase) for i in self.items)
 
     def total(self, phase: str) -> float:
-        return sum(getattr(i, phase) for i in self.items)
+        """The phase's bytes as nvidia-smi would show them: the items plus the allocator's reserve."""
+        return self.allocated(phase) * (1.0 + self.allocator_reserve)
 
     def peak_phase(self) -> str:
         return max(self.phases, key=self.total)
@@ -215,6 +265,18 @@ def logits_bytes(role: RoleLayout, rows: int, seq: int) -> float:
     return DTYPE_BYTES[role.dtype] * rows * seq * vocab_shard
 
 
+def hidden_bytes(role: RoleLayout, tokens: int) -> float:
+    """The output layer's input of `tokens` tokens, [tokens, h] in the model's dtype (whole on every TP rank)."""
+    return DTYPE_BYTES[role.dtype] * tokens * role.hf.hidden_size
+
+
+def fused_weight_grad_bytes(role: RoleLayout) -> float:
+    """The fused output layer's gradient of its weight shard: a float32 [V/t, h] accumulator and one product
+    in the model's dtype (megaopd.ops.head)."""
+    vocab_shard = padded_vocab_size(role.hf.vocab_size, role.tp) // role.tp
+    return (4.0 + DTYPE_BYTES[role.dtype]) * vocab_shard * role.hf.hidden_size
+
+
 def ops_chunk_bytes(role: RoleLayout, rows: int, seq: int) -> float:
     vocab_shard = padded_vocab_size(role.hf.vocab_size, role.tp) // role.tp
     return min(OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES, OPS_CHUNKS_LIVE * 4.0 * rows * seq * vocab_shard)
@@ -237,12 +299,15 @@ def packed_micro_batch_tokens(max_tokens: int, seq_len: int, group_size: int = 1
 def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleLayout | None, *, world_size: int,
                micro_batch_rows: int, seq_len: int, use_distributed_optimizer: bool, colocated: bool,
                gpu_memory_gb: float, engine_memory_fraction: float, engine_released_gb: float,
-               reserved_gb: float, flash_attention: bool, packed_tokens: int = 0) -> Plan:
+               reserved_gb: float, flash_attention: bool, packed_tokens: int = 0, logits_chunk_tokens: int = 0,
+               cuda_context_gb: float = 0.0, allocator_reserve: float = 0.0,
+               embedded_engine: EmbeddedEngineFootprint | None = None) -> Plan:
     """Bytes per GPU of every item in each phase; pure (no file or device is touched).
 
     packed_tokens > 0 (trainer.pack_sequences=true): every micro-batch is one packed row of that many tokens
     (packed_micro_batch_tokens), whose sequences are at most seq_len long; micro_batch_rows is then unused.
-    0: micro_batch_rows padded rows of seq_len tokens."""
+    0: micro_batch_rows padded rows of seq_len tokens. logits_chunk_tokens > 0: the fused output layer
+    (trainer.logits_chunk_tokens): logits of that many tokens at a time instead of the micro-batch's."""
     dp = max(1, world_size // (student.tp * student.pp))
     p_actor = params_per_rank(student.hf, student.tp, student.pp, student.ep)
     e = DTYPE_BYTES[student.dtype]
@@ -271,6 +336,77 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
                       f"{', SP' if student.sequence_parallel else ''})", 0, 0,
                       activation_bytes(student, b, s, flash_attention, attn),
                       act_hint if act_hint == smaller else f"{act_hint}, or {smaller}"))
+    if logits_chunk_tokens:
+        _fused_logits_items(items, student, reference, teacher, b, s, min(logits_chunk_tokens, b * s), smaller,
+                            flash_attention, attn)
+    else:
+        _whole_logits_items(items, student, reference, teacher, b, s, packed, shape, smaller, flash_attention, attn)
+    if reference is not None:
+        w = params_per_rank(reference.hf, reference.tp, reference.pp, reference.ep) * DTYPE_BYTES[reference.dtype]
+        # In lockstep with the actor: on the GPU whenever the actor trains; offload frees it while engines
+        # generate and while the teacher scores.
+        off = 0.0 if reference.offload else w
+        items.append(Item("reference weights" + (" (offloaded)" if reference.offload else ""), off, off, w,
+                          "set reference.offload_between_uses=true"))
+    if teacher is not None:
+        w = params_per_rank(teacher.hf, teacher.tp, teacher.pp, teacher.ep) * DTYPE_BYTES[teacher.dtype]
+        off = 0.0 if teacher.offload else w
+        items.append(Item("teacher weights" + (" (offloaded)" if teacher.offload else ""), off, w, off,
+                          "set teacher.offload_between_uses=true or raise teacher.tp"))
+    if colocated:
+        share = engine_memory_fraction * gpu_memory_gb * GB
+        rest = engine_released_gb * GB
+        items.append(Item(f"colocated engine (mem fraction {engine_memory_fraction:g}; released: "
+                          f"{engine_released_gb:g} GB)", share, rest, rest,
+                          "lower the engines' memory fraction (ENGINE_MEM_FRACTION, plan.engine_memory_fraction) "
+                          "or give engines their own nodes (ENGINE_NODES)"))
+    if embedded_engine is not None:
+        eng = embedded_engine
+        kept = 0.0 if eng.colocated else eng.weights
+        items.append(Item(f"embedded engine on rank 0 (weights{'; offloaded after generating' if eng.colocated else ''}"
+                          f"; KV cache while generating)", eng.weights + eng.kv_cache, kept, kept,
+                          "set rollout.colocated=true (offloads its weights while training), lower "
+                          "rollout.max_batch_size, or serve rollouts (rollout.engine=remote)"))
+    if cuda_context_gb:
+        static("CUDA context (one process)", cuda_context_gb * GB)
+    static("reserved (NCCL, not itemized)", reserved_gb * GB)
+    head = "fused output layer, " + f"{logits_chunk_tokens} tokens a chunk" if logits_chunk_tokens else "whole logits"
+    notes = [f"per GPU at student tp={student.tp} pp={student.pp} dp={dp}, {p_actor / 1e9:.3f}B student params "
+             f"per rank, micro-batch {shape}, {'flash' if flash_attention else 'unfused'} attention, {head}"
+             + (f"; totals include the allocator's reserve (+{allocator_reserve:.0%})" if allocator_reserve else "")]
+    return Plan(items, gpu_memory_gb * GB, notes=notes, allocator_reserve=allocator_reserve)
+
+
+def _fused_logits_items(items, student, reference, teacher, b, s, chunk, smaller, flash_attention, attn) -> None:
+    """The logits items of the fused output layer: chunks of `chunk` tokens, the hidden states, the weight's
+    float32 gradient (module docstring)."""
+    tokens = b * s
+    lc = logits_bytes(student, 1, chunk)
+    grad_in_reference = reference is not None and reference.dtype == student.dtype
+    hid = hidden_bytes(student, tokens)
+    # Its output, megatron's [s, b] -> [b, s] copy of it, and its gradient in backward.
+    train = ((1 if grad_in_reference else 2) * lc + ops_chunk_bytes(student, 1, chunk)
+             + fused_weight_grad_bytes(student) + 3 * hid)
+    items.append(Item(f"student logits (fused: {chunk} tokens a chunk; weight grad fp32; hidden states)", 0, 0,
+                      train, f"lower trainer.logits_chunk_tokens or {smaller}"))
+    if reference is not None:
+        items.append(Item("reference logits (fused: its chunk and hidden states)", 0, 0,
+                          logits_bytes(reference, 1, chunk) + hidden_bytes(reference, tokens),
+                          "lower trainer.logits_chunk_tokens"))
+    scoring = [(lc + ops_chunk_bytes(student, 1, chunk) + 2 * hid
+                + forward_layer_bytes(student, b, s, flash_attention, attn), "student")]
+    if teacher is not None:
+        scoring.append((logits_bytes(teacher, 1, chunk) + ops_chunk_bytes(teacher, 1, chunk)
+                        + 2 * hidden_bytes(teacher, tokens) + forward_layer_bytes(teacher, b, s, flash_attention, attn),
+                        "teacher"))
+    score_bytes, scorer = max(scoring)
+    items.append(Item(f"scoring pass ({scorer}'s, the larger: a logits chunk + one layer)", 0, score_bytes, 0,
+                      f"{smaller} or raise {scorer}.tp"))
+
+
+def _whole_logits_items(items, student, reference, teacher, b, s, packed, shape, smaller, flash_attention,
+                        attn) -> None:
+    """The logits items when the model's output layer makes the micro-batch's whole logits (module docstring)."""
     lg = logits_bytes(student, b, s)
     # Training with the reference in lockstep: the fused backward writes the student's gradient into the
     # reference logits' memory (ops.vocab_parallel_logprobs_kl overwrite_q), so the gradient is no new buffer.
@@ -287,37 +423,16 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
                       f"{'; + shifted copy' if not packed and b > 1 else ''})", 0, 0,
                       student_train + ops_chunk_bytes(student, b, s), f"{smaller} or raise student.tp"))
     if reference is not None:
-        w = params_per_rank(reference.hf, reference.tp, reference.pp, reference.ep) * DTYPE_BYTES[reference.dtype]
-        # In lockstep with the actor: on the GPU whenever the actor trains; offload frees it while engines
-        # generate and while the teacher scores.
-        off = 0.0 if reference.offload else w
-        items.append(Item("reference weights" + (" (offloaded)" if reference.offload else ""), off, off, w,
-                          "set reference.offload_between_uses=true"))
         ref_lg = logits_bytes(reference, b, s) * (2 if not packed and b > 1 else 1)  # padded: + its shifted copy
         items.append(Item("reference logits (lockstep KL" + ("; then the student's grad)" if grad_in_reference else ")"),
                           0, 0, ref_lg, smaller))
     if teacher is not None:
-        w = params_per_rank(teacher.hf, teacher.tp, teacher.pp, teacher.ep) * DTYPE_BYTES[teacher.dtype]
-        off = 0.0 if teacher.offload else w
-        items.append(Item("teacher weights" + (" (offloaded)" if teacher.offload else ""), off, w, off,
-                          "set teacher.offload_between_uses=true or raise teacher.tp"))
         t_lg = logits_bytes(teacher, b, s)
         scoring.append((max(t_lg if packed or b == 1 else 2 * t_lg, t_lg + ops_chunk_bytes(teacher, b, s))
                         + forward_layer_bytes(teacher, b, s, flash_attention, attn), "teacher"))
     score_bytes, scorer = max(scoring)
     items.append(Item(f"scoring pass ({scorer}'s, the larger: logits + one layer)", 0, score_bytes, 0,
                       f"{smaller} or raise {scorer}.tp"))
-    if colocated:
-        share = engine_memory_fraction * gpu_memory_gb * GB
-        rest = engine_released_gb * GB
-        items.append(Item(f"colocated engine (mem fraction {engine_memory_fraction:g}; released: "
-                          f"{engine_released_gb:g} GB)", share, rest, rest,
-                          "lower the engines' memory fraction (ENGINE_MEM_FRACTION, plan.engine_memory_fraction) "
-                          "or give engines their own nodes (ENGINE_NODES)"))
-    static("reserved (CUDA context, NCCL, fragmentation)", reserved_gb * GB)
-    notes = [f"per GPU at student tp={student.tp} pp={student.pp} dp={dp}, {p_actor / 1e9:.3f}B student params "
-             f"per rank, micro-batch {shape}, {'flash' if flash_attention else 'unfused'} attention"]
-    return Plan(items, gpu_memory_gb * GB, notes=notes)
 
 
 def format_plan(plan: Plan) -> str:
@@ -364,10 +479,17 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
     group = cfg.trainer.samples_per_prompt if needs.rewards else 1
     packed = packed_micro_batch_tokens(cfg.trainer.max_tokens_per_micro_batch, seq, group) \
         if cfg.trainer.pack_sequences else 0
+    engine = None
+    if cfg.rollout.engine == "embedded" and (needs.on_policy or cfg.validation.path):
+        # The embedded engine generates on rank 0's GPU with the student's architecture (rollout/build.py).
+        engine = embedded_engine_footprint(student.hf, EMBEDDED_ENGINE_DTYPE, cfg.rollout.max_batch_size,
+                                           cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, cfg.rollout.colocated)
     return build_plan(student, reference, teacher, world_size=cfg.run.world_size,
                       micro_batch_rows=cfg.trainer.micro_batch_size, seq_len=seq, packed_tokens=packed,
                       use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
                       colocated=cfg.rollout.colocated and cfg.rollout.engine == "remote",
                       gpu_memory_gb=cfg.plan.gpu_memory_gb, engine_memory_fraction=cfg.plan.engine_memory_fraction,
                       engine_released_gb=cfg.plan.engine_released_gb, reserved_gb=cfg.plan.reserved_gb,
-                      flash_attention=cfg.plan.attention == "flash")
+                      flash_attention=cfg.plan.attention == "flash", logits_chunk_tokens=cfg.trainer.logits_chunk_tokens,
+                      cuda_context_gb=cfg.plan.cuda_context_gb, allocator_reserve=cfg.plan.allocator_reserve,
+                      embedded_engine=engine)

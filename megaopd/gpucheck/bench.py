@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megaopd.gpucheck.build import QWEN_VOCAB, hf_config_dict, num_params, opd_lengths, write_hf_dir
+from megaopd.gpucheck.build import QWEN_VOCAB, hf_config_dict, opd_lengths, write_hf_dir
 from megaopd.gpucheck.report import Table
+from megaopd.metrics import flops
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM
 
 
 def _sync(device):
@@ -174,9 +174,11 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
             table.info("bench", f"trainer {name}: peak GPU memory (nvidia-smi)", dt, "GiB", mem.peak_mib / 1024)
         predicted = _planned_peak_gib(YAML, args)
         if predicted is not None:
-            table.info("bench", f"trainer {name}: megaopd plan's peak (no CUDA context)", dt, "GiB", predicted)
+            table.info("bench", f"trainer {name}: megaopd plan's peak (CUDA context, allocator reserve, engine "
+                       f"included; no flat margin)", dt, "GiB", predicted)
+        if predicted is not None and mem.peak_mib is not None:  # issue 27: within 15% on every trainer bench
+            table.info("bench", f"trainer {name}: planned / measured peak", dt, "ratio", predicted / (mem.peak_mib / 1024))
         # Tokens of the training phase: every sequence's prompt + response (the model runs on all of them).
-        cfg = hf_config_dict(shape, QWEN_VOCAB)
         n_seq = prompts * samples
         resp = [r.get("rollout/response_length_mean") for r in records]
         prompt_len = _prompt_len_mean(run_dir, model_dir)
@@ -185,18 +187,24 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
             return
         t_train = [r["time/train"] for r in records]
         tokens = [n_seq * (prompt_len + x) for x in resp]
-        tps = sum(tokens) / sum(t_train)
-        L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-        flops = sum(6 * num_params(cfg) * tk + 12 * L * h * n_seq * (tk / n_seq) ** 2 for tk in tokens)
-        table.info("bench", f"trainer {name}: training tokens/s", dt, "tokens/s", tps)
-        peak = peak_tflops or _peak_tflops()
-        if peak:
-            table.info("bench", f"trainer {name}: MFU (bf16 peak {peak:.0f} TFLOP/s)", dt, "MFU",
-                       flops / sum(t_train) / (peak * 1e12))
+        table.info("bench", f"trainer {name}: training tokens/s", dt, "tokens/s", sum(tokens) / sum(t_train))
+        # MFU as the trainer logs it (megaopd.metrics.flops): model FLOPs (6N per trained token + attention) and
+        # hardware FLOPs (+ recomputation, the lockstep reference, the fused output layer's recompute).
+        # peak_tflops (--peak-tflops) rescales the trainer's MFU from its table's peak to the one given.
+        known = flops.peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+        scale = known / peak_tflops if peak_tflops and known else 1.0
+        for key in ("perf/mfu_model_train", "perf/mfu_hardware_train", "perf/mfu_model_step",
+                    "perf/model_train_tflops_per_gpu"):
+            vals = [r[key] for r in records if r.get(key) is not None]
+            if vals:
+                value = sum(vals) / len(vals) * (scale if "mfu" in key else 1.0)
+                table.info("bench", f"trainer {name}: mean {key}", dt, key.split("/")[1], value)
 
 
 def _planned_peak_gib(yaml_path: str, overrides: list[str]) -> float | None:
-    """`megaopd plan`'s per-GPU peak for the run the bench starts (None if it cannot be planned)."""
+    """`megaopd plan`'s per-GPU peak for the run the bench starts, in GiB, as nvidia-smi shows memory: every
+    item, the CUDA context and the allocator's reserve, without the flat safety margin (plan.reserved_gb=0)
+    (None if it cannot be planned)."""
     from megaopd.config import load_config
     from megaopd.config.plan import plan_for
     from megaopd.config.schema import MegaOPDConfig
@@ -225,13 +233,6 @@ def _prompt_len_mean(run_dir: str, model_dir: str) -> float | None:
             for line in f:
                 lens.append(len(tok(json.loads(line)["prompt"], add_special_tokens=False)["input_ids"]))
     return sum(lens) / len(lens) if lens else None
-
-
-def _peak_tflops() -> float | None:
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
 @dataclass

@@ -73,7 +73,7 @@ def _weighted_sum(inputs: LossInputs, bound: list[tuple[str, float, BoundLoss]])
         metrics[f"{label}/loss"] = loss.detach()
         total = weight * loss if total is None else total + weight * loss
     if total is None:  # every weight is 0: a zero that still connects to the logits for backward()
-        total = inputs.logits_BTv.sum() * 0.0
+        total = inputs.zero_loss()
     metrics["loss/total"] = total.detach()
     return total, metrics
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from megaopd import ops
+from megaopd.ops.head import LogitsHead, tokenwise
 from megaopd.losses.aggregation import aggregate, check_aggregation, masked_mean
 from megaopd.losses.inputs import LossInputs
 from megaopd.losses.registry import LossNeeds, Metrics, register_loss
@@ -120,8 +121,9 @@ def sft_loss(inputs: LossInputs, config: SFTConfig) -> tuple[torch.Tensor, Metri
     if logits is inputs.logits_BTv and ids_BT is inputs.token_ids_BT:
         logprobs_BT = inputs.student_logprobs()  # golden rows share the on-policy forward: reuse its log-probs
     else:
-        logprobs_BT = ops.vocab_parallel_logprobs(logits, ids_BT, group=inputs.tp_group,
-                                                  temperature=inputs.temperature)
+        logprobs_BT = tokenwise(lambda z, ids: ops.vocab_parallel_logprobs(z, ids, group=inputs.tp_group,
+                                                                           temperature=inputs.temperature),
+                                logits, ids_BT)
     nll_BT = -logprobs_BT
     if inputs.golden_seq_ids_BT is not None:
         seq_ids_BT = inputs.golden_seq_ids_BT
@@ -156,11 +158,12 @@ def ref_kl_loss(inputs: LossInputs, config: RefKLConfig) -> tuple[torch.Tensor, 
     return loss, {"ref_kl/kl": masked_mean(kl_BT, mask_BT)}
 
 
-def student_topk_support(logits_BTv: torch.Tensor, k: int, group=None, temperature: float = 1.0) -> torch.Tensor:
+def student_topk_support(logits_BTv: torch.Tensor | LogitsHead, k: int, group=None, temperature: float = 1.0) -> torch.Tensor:
     """The student's top-k global ids [B, T, k] (sorted by decreasing probability), for lsm
     support=student_topk: the trainer calls it on the pi_old pass and has the teacher score these ids."""
     with torch.no_grad():
-        _, ids_BTK = ops.vocab_parallel_topk(logits_BTv.detach(), k, group=group, temperature=temperature)
+        _, ids_BTK = tokenwise(lambda z: ops.vocab_parallel_topk(z, k, group=group, temperature=temperature),
+                               logits_BTv.detach())
     return ids_BTK
 
 
@@ -183,8 +186,9 @@ def lsm_loss(inputs: LossInputs, config: LSMConfig) -> tuple[torch.Tensor, Metri
     ids_BTK, ref_BTK = ids_BTK[..., :config.k], ref_BTK[..., :config.k].detach()
     if support_mask_BTK is not None:
         support_mask_BTK = support_mask_BTK[..., :config.k]
-    kl_BT = ops.vocab_parallel_support_kl(inputs.logits_BTv, ids_BTK, ref_BTK, group=inputs.tp_group,
-                                          temperature=inputs.temperature, support_mask=support_mask_BTK)
+    kl_BT = tokenwise(lambda z, ids, ref, mask: ops.vocab_parallel_support_kl(
+        z, ids, ref, group=inputs.tp_group, temperature=inputs.temperature, support_mask=mask),
+        inputs.logits_BTv, ids_BTK, ref_BTK, support_mask_BTK)
     loss = _aggregate_on_policy(kl_BT, inputs, config.aggregation)
     with torch.no_grad():
         # Teacher probability mass on the support: how much of q the renormalized loss sees.
@@ -199,7 +203,8 @@ def lsm_loss(inputs: LossInputs, config: LSMConfig) -> tuple[torch.Tensor, Metri
 def gkd_loss(inputs: LossInputs, config: GKDConfig) -> tuple[torch.Tensor, Metrics]:
     """Generalized JSD(beta). Needs: teacher_logits_BTv (in the student's vocab sharding). Divides like opd."""
     teacher_logits = inputs.need("teacher_logits_BTv", "gkd").detach()
-    jsd_BT = ops.vocab_parallel_jsd(inputs.logits_BTv, teacher_logits, config.beta, group=inputs.tp_group,
-                                    temperature=inputs.temperature)
+    jsd_BT = tokenwise(lambda z, q: ops.vocab_parallel_jsd(z, q, config.beta, group=inputs.tp_group,
+                                                           temperature=inputs.temperature),
+                       inputs.logits_BTv, teacher_logits)
     loss = _aggregate_on_policy(jsd_BT, inputs, config.aggregation)
     return loss, {"gkd/jsd": masked_mean(jsd_BT, inputs.loss_mask_BT)}

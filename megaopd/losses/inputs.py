@@ -28,14 +28,17 @@ import torch
 import torch.distributed as dist
 
 from megaopd import ops
+from megaopd.ops.head import LogitsHead, tokenwise
 
 
 @dataclass
 class LossInputs:
     """Per-micro-batch tensors for the losses; every loss documents which optional fields it needs."""
 
-    logits_BTv: torch.Tensor
-    """Student logits, local vocab shard [B, T, V/TP], float32/bf16, requires grad."""
+    logits_BTv: torch.Tensor | LogitsHead
+    """Student logits, local vocab shard [B, T, V/TP], float32/bf16, requires grad; or, from the fused output
+    layer (PipelineRunner logits_chunk_tokens > 0), a LogitsHead making them chunk by chunk. Every logits
+    field may be either: losses read them only through per-token ops wrapped in ops.head.tokenwise."""
     token_ids_BT: torch.Tensor
     """Sampled (on-policy) token ids [B, T], global vocabulary ids, long."""
     loss_mask_BT: torch.Tensor
@@ -141,8 +144,10 @@ class LossInputs:
             if self._can_fuse_reference():
                 self._fused_reference()
             else:
-                self._cache["logprobs"] = ops.vocab_parallel_logprobs(
-                    self.logits_BTv, self.token_ids_BT, group=self.tp_group, temperature=self.temperature)
+                self._cache["logprobs"] = tokenwise(
+                    lambda z, ids: ops.vocab_parallel_logprobs(z, ids, group=self.tp_group,
+                                                               temperature=self.temperature),
+                    self.logits_BTv, self.token_ids_BT)
         return self._cache["logprobs"]
 
     def student_entropy(self) -> torch.Tensor:
@@ -153,8 +158,9 @@ class LossInputs:
                 self._fused_reference()
             else:
                 with torch.no_grad():
-                    self._cache["entropy"] = ops.vocab_parallel_entropy(
-                        self.logits_BTv.detach(), group=self.tp_group, temperature=self.temperature)
+                    self._cache["entropy"] = tokenwise(
+                        lambda z: ops.vocab_parallel_entropy(z, group=self.tp_group, temperature=self.temperature),
+                        self.logits_BTv.detach())
         return self._cache["entropy"]
 
     def student_ref_kl(self, loss: str) -> torch.Tensor:
@@ -165,8 +171,9 @@ class LossInputs:
             if self._can_fuse_reference():
                 self._fused_reference()
             else:
-                self._cache["ref_kl"] = ops.vocab_parallel_kl(self.logits_BTv, ref_logits.detach(),
-                                                              group=self.tp_group, temperature=self.temperature)
+                self._cache["ref_kl"] = tokenwise(
+                    lambda z, q: ops.vocab_parallel_kl(z, q, group=self.tp_group, temperature=self.temperature),
+                    self.logits_BTv, ref_logits.detach())
         return self._cache["ref_kl"]
 
     def _can_fuse_reference(self) -> bool:
@@ -176,10 +183,13 @@ class LossInputs:
     def _fused_reference(self) -> None:
         """Student log-probs, exact KL to the reference and (if not cached yet) the entropy metric from one
         fused pass; see `fuse_reference`."""
-        logprobs_BT, kl_BT, entropy_BT = ops.vocab_parallel_logprobs_kl(
-            self.logits_BTv, self.token_ids_BT, self.ref_logits_BTv.detach(), group=self.tp_group,
-            temperature=self.temperature, with_entropy="entropy" not in self._cache,
-            overwrite_q=self.ref_logits_disposable)
+        with_entropy = "entropy" not in self._cache
+        logprobs_BT, kl_BT, entropy_BT = tokenwise(
+            lambda z, ids, q: ops.vocab_parallel_logprobs_kl(
+                z, ids, q, group=self.tp_group, temperature=self.temperature, with_entropy=with_entropy,
+                # A LogitsHead's reference chunk is made for this op alone: always disposable.
+                overwrite_q=self.ref_logits_disposable or isinstance(self.ref_logits_BTv, LogitsHead)),
+            self.logits_BTv, self.token_ids_BT, self.ref_logits_BTv.detach())
         self._cache["logprobs"], self._cache["ref_kl"] = logprobs_BT, kl_BT
         if entropy_BT is not None:
             self._cache["entropy"] = entropy_BT
@@ -191,9 +201,17 @@ class LossInputs:
         if "ref_logprobs" not in self._cache:
             ref_logits = self.need("ref_logits_BTv", loss)
             with torch.no_grad():
-                self._cache["ref_logprobs"] = ops.vocab_parallel_logprobs(
-                    ref_logits.detach(), self.token_ids_BT, group=self.tp_group, temperature=self.temperature)
+                self._cache["ref_logprobs"] = tokenwise(
+                    lambda z, ids: ops.vocab_parallel_logprobs(z, ids, group=self.tp_group,
+                                                               temperature=self.temperature),
+                    ref_logits.detach(), self.token_ids_BT)
         return self._cache["ref_logprobs"]
+
+    def zero_loss(self) -> torch.Tensor:
+        """0.0 connected to the student's logits (or, for a LogitsHead, its hidden states and weight): the loss
+        of a step whose terms all weigh 0 still has a graph to backpropagate."""
+        logits = self.logits_BTv
+        return logits.zero() if isinstance(logits, LogitsHead) else logits.sum() * 0.0
 
     def seq_ids(self) -> torch.Tensor:
         """[B, T] sequence index of every position (row index when not packed)."""

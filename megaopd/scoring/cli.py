@@ -68,6 +68,7 @@ def _worker(rank: int, world: int, ckpt: str, kind: str, tp: int, pp: int, seqs,
     from megaopd.models.checkpoint import load_model_checkpoint
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import load_hf_weights
+    from megaopd.ops.head import DEFAULT_CHUNK_TOKENS
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring.passes import score_sequences
     from megaopd.scoring.runner import PipelineRunner
@@ -82,7 +83,9 @@ def _worker(rank: int, world: int, ckpt: str, kind: str, tp: int, pp: int, seqs,
     else:
         load_hf_weights(model, HFWeights(ckpt), cfg, st.tp_rank, tp, st.pp_rank, pp)
     model.eval()
-    result = score_sequences(PipelineRunner(model, pgs, cfg.vocab_size), seqs, micro_batch_size=mbs)
+    # The fused output layer: logits DEFAULT_CHUNK_TOKENS tokens at a time, never the micro-batch's.
+    runner = PipelineRunner(model, pgs, cfg.vocab_size, logits_chunk_tokens=DEFAULT_CHUNK_TOKENS)
+    result = score_sequences(runner, seqs, micro_batch_size=mbs)
     if dist.get_rank() == 0:
         tmp = output + ".tmp"
         with open(tmp, "w") as f:

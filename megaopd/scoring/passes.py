@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megaopd import ops
+from megaopd.ops.head import LogitsHead, tokenwise
 from megaopd.batching.micro_batches import (ScoringBatches, ScoringMicroBatch, packed_scoring_micro_batches,
                                             scoring_micro_batches)
 from megaopd.batching.owners import RowOwners, WorldLayout
@@ -114,7 +115,7 @@ def forward_scores(runner: PipelineRunner, mbs: list[ScoringMicroBatch], request
     return TokenScores(**out)
 
 
-def _scores_of(mb: ScoringMicroBatch, logits_BSv: torch.Tensor, request: ScoreRequest, tp_group,
+def _scores_of(mb: ScoringMicroBatch, logits_BSv: torch.Tensor | LogitsHead, request: ScoreRequest, tp_group,
                T: int) -> TokenScores:
     """One micro-batch's scores, [b, T, ...] (packed: one row per sequence, zero past each length)."""
     # The ops read the model's logits as they are (bf16 on a GPU) and upcast one 128 MiB chunk of tokens
@@ -122,18 +123,26 @@ def _scores_of(mb: ScoringMicroBatch, logits_BSv: torch.Tensor, request: ScoreRe
     # logits). They also read all S positions, not logits[:, :-1]: for b > 1 rows that slice is not
     # contiguous and every op would copy it. The last position predicts nothing: its target is a
     # placeholder id 0 and its outputs are dropped ([:, :-1]).
+    # logits_BSv may be a LogitsHead (the fused output layer): tokenwise then makes the logits a chunk of
+    # tokens at a time and runs every op below on each chunk.
     t = request.temperature
     targets_BS = torch.nn.functional.pad(mb.tokens_BS[:, 1:], (0, 1))
-    out = TokenScores(logprobs_BT=ops.vocab_parallel_logprobs(logits_BSv, targets_BS, tp_group, t))
-    if request.entropy:
-        out.entropy_BT = ops.vocab_parallel_entropy(logits_BSv, tp_group, t)
-    if request.topk:
-        out.topk_logprobs_BTK, ids = ops.vocab_parallel_topk(logits_BSv, request.topk, tp_group, t)
-        out.topk_ids_BTK = ids.int()
+    at_ids = None
     if mb.at_ids_BTK is not None:
-        lse = ops.vocab_parallel_logsumexp(logits_BSv, tp_group, t)
         at_ids = torch.nn.functional.pad(mb.at_ids_BTK.long(), (0, 0, 0, 1))  # gathers index with long
-        out.at_ids_logprobs_BTK = ops.vocab_parallel_gather(logits_BSv, at_ids, tp_group) / t - lse.unsqueeze(-1)
+
+    def per_token(z, targets, at):
+        entropy = ops.vocab_parallel_entropy(z, tp_group, t) if request.entropy else None
+        topk_logprobs, topk_ids = ops.vocab_parallel_topk(z, request.topk, tp_group, t) if request.topk else (None, None)
+        at_logprobs = None
+        if at is not None:
+            lse = ops.vocab_parallel_logsumexp(z, tp_group, t)
+            at_logprobs = ops.vocab_parallel_gather(z, at, tp_group) / t - lse.unsqueeze(-1)
+        return ops.vocab_parallel_logprobs(z, targets, tp_group, t), entropy, topk_logprobs, topk_ids, at_logprobs
+
+    logprobs, entropy, topk_logprobs, topk_ids, at_logprobs = tokenwise(per_token, logits_BSv, targets_BS, at_ids)
+    out = TokenScores(logprobs_BT=logprobs, entropy_BT=entropy, topk_logprobs_BTK=topk_logprobs,
+                      topk_ids_BTK=topk_ids.int() if topk_ids is not None else None, at_ids_logprobs_BTK=at_logprobs)
     out = out.map(lambda x: x[:, :-1])
     if mb.packed is not None:  # back to one row per sequence: [n_seqs, T, ...], zero past each length
         out = out.map(lambda x: _unpack(mb.packed, x, T))

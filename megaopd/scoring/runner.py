@@ -20,9 +20,16 @@ teacher) run in lockstep on the same tokens: its activations travel through the 
 student's, concatenated along the batch dimension (on the last stage the two logits stay apart,
 PairedLogits: no copy), so the exact full-vocabulary KL of a micro-batch needs the partner's logits of that
 micro-batch only, never of the whole batch.
+
+With `logits_chunk_tokens` > 0 the logits are not made at all: the models stop short of their output layer
+(models/output_layer.py) and step_fn receives megaopd.ops.head.LogitsHead records (hidden states + the
+vocabulary shard of the output weight, padding masked per chunk) in place of the logits tensors; every
+per-token op reads them through ops.head.tokenwise, which makes the logits `logits_chunk_tokens` tokens at
+a time in forward and again in backward. 0 keeps the model's output layer (whole [b, s, V/TP] logits).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple, Protocol, Sequence, TypeVar
 
 import torch
@@ -32,7 +39,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model
 
 from megaopd.models import compat
+from megaopd.models.output_layer import defer_output_layer, output_weight
 from megaopd.models.vocab_padding import mask_vocab_padding
+from megaopd.ops.head import LogitsHead
 
 
 class MicroBatchLike(Protocol):
@@ -95,7 +104,11 @@ class _LockstepPair(torch.nn.Module):
 
 class PipelineRunner:
     def __init__(self, model: torch.nn.Module, pg_collection: ProcessGroupCollection, vocab_size: int,
-                 partner: torch.nn.Module | None = None):
+                 partner: torch.nn.Module | None = None, logits_chunk_tokens: int = 0):
+        if logits_chunk_tokens < 0:
+            raise ValueError(f"logits_chunk_tokens={logits_chunk_tokens} must be >= 0 (0: whole logits)")
+        self.logits_chunk_tokens = logits_chunk_tokens
+        """Tokens per chunk of the fused output layer + loss (0: the model makes the whole logits)."""
         self.model = model
         self.pgs = pg_collection
         self.vocab_size = vocab_size
@@ -145,6 +158,10 @@ class PipelineRunner:
 
             def loss_func(output_tensor):
                 student, partner = output_tensor if paired else (output_tensor, None)
+                if self.logits_chunk_tokens:  # hidden states [b, s, H]: the logits are made chunk by chunk
+                    student, partner = self._head(self.model, student), self._head(self.partner, partner)
+                    loss, result = step_fn(mb, student, partner)
+                    return loss, torch.ones((), dtype=torch.int, device=device), {"result": result}
                 # In place: megatron's schedule holds the model's output through the loss, so a masked copy
                 # would be a second logits-sized tensor per model.
                 student = mask_vocab_padding(student, self.vocab_size, self.pgs.tp, inplace=True)
@@ -156,12 +173,20 @@ class PipelineRunner:
 
             return output, loss_func
 
-        results = self._schedule(
-            module, forward_step_func=forward_step, data_iterator=data, num_microbatches=len(micro_batches),
-            seq_length=S, micro_batch_size=2 * b if paired else b, forward_only=forward_only)
+        deferred = defer_output_layer(self.model, self.partner) if self.logits_chunk_tokens else contextlib.nullcontext()
+        with deferred:
+            results = self._schedule(
+                module, forward_step_func=forward_step, data_iterator=data, num_microbatches=len(micro_batches),
+                seq_length=S, micro_batch_size=2 * b if paired else b, forward_only=forward_only)
         if not self.is_last_stage:
             return None
         return [r["result"] for r in results]
+
+
+    def _head(self, model, hidden_BSH) -> LogitsHead | None:
+        if hidden_BSH is None:
+            return None
+        return LogitsHead(hidden_BSH, output_weight(model), self.vocab_size, self.pgs.tp, self.logits_chunk_tokens)
 
 
 def _packed_seq_params(row, device: torch.device) -> PackedSeqParams:

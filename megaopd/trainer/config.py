@@ -61,6 +61,13 @@ class TrainerConfig:
     micro-batch of a pass is padded to the pass's largest (fixed-size pipeline buffers). Bounds the
     activation and logit memory of a forward ([tokens, vocab / TP] logits in the model's dtype; `megaopd plan`
     counts it)."""
+    logits_chunk_tokens: int = 1024
+    """The output layer fused with the loss and the scoring passes' ops: the logits of this many tokens exist
+    at a time (made from the hidden states and this rank's vocabulary shard of the output weight, used,
+    dropped, and made again in backward), never the whole micro-batch's [tokens, vocab / TP] (megaopd.ops.head).
+    Costs one more logits matmul per token in backward; saves ~3 logits-sized buffers of the micro-batch
+    (`megaopd plan` counts the chunk). 0: the model's own output layer makes the whole logits (the older path,
+    kept for comparison)."""
     save_interval: int = 50
     """Checkpoint every N steps (and on SIGTERM/SIGUSR1, and at the end)."""
     eval_interval: int = 25
@@ -72,6 +79,8 @@ class TrainerConfig:
                      "micro_batch_size", "save_interval", "max_tokens_per_micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be at least 1")
+        if self.logits_chunk_tokens < 0:
+            raise ValueError(f"trainer.logits_chunk_tokens={self.logits_chunk_tokens} must be >= 0 (0: whole logits)")
         if self.eval_interval < 0:
             raise ValueError(f"trainer.eval_interval={self.eval_interval} must be >= 0 (0 disables)")
 

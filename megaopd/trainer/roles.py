@@ -121,7 +121,9 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
     vocab_size = actor.hf.vocab_size
     # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
     # masked, so its top-K never proposes a token the student cannot produce.
-    runners = {n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size)) for n, m in in_job.items()}
+    chunk = cfg.trainer.logits_chunk_tokens  # the fused output layer in every pass (0: whole logits)
+    runners = {n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size), logits_chunk_tokens=chunk)
+               for n, m in in_job.items()}
     # Where each global rank sits in every model's layout: fixed for the run, so gathered once here, not by
     # every step's passes (collectives in the same order on every rank: owners, actor, in-job teachers).
     owner_layout = WorldLayout.gather(actor_pgs.dp.rank(), actor_pgs.tp.rank() == 0 and actor_pgs.pp.rank() == 0,
@@ -137,7 +139,7 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
             members.append(RemoteTeacher(t.name, t.urls, rows_per_request=t.rows_per_request,
                                          timeout_s=t.request_timeout_s, retries=t.retries))
     teacher_runner = runners[next(iter(in_job))] if teacher is not None else None
-    return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size),
+    return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size, logits_chunk_tokens=chunk),
                   actor_layout, owner_layout, teacher_runner, TeacherSet(members) if members else None)
 
 

@@ -1,6 +1,6 @@
 """The step's logged metrics beyond the loss's own: training dynamics of the rollouts
-(docs/algorithms.md section 2), the engine/actor log-prob gap, and the reduction of the micro-batches'
-loss metrics over the data-parallel ranks.
+(docs/algorithms.md section 2), the engine/actor log-prob gap, the reduction of the micro-batches'
+loss metrics over the data-parallel ranks, and the step's FLOPs and MFU (perf/*).
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from megaopd.metrics import repetitive_token_mask, response_metrics
 from megaopd.metrics.config import MetricsConfig
+from megaopd.metrics.flops import MatmulDims, StepWork, peak_tflops, step_flops
 from megaopd.metrics.overlap import topk_overlap_counts, topk_overlap_from_counts
 from megaopd.metrics.rollout import (advantage_split_counts, advantage_split_from_counts, rollout_dynamics_counts,
                                      rollout_dynamics_from_counts)
@@ -117,3 +118,39 @@ def sample_rows(batch: RolloutBatch, tokenizer, n: int) -> list[dict]:
     return [{"prompt": tokenizer.decode(batch.tokens_BS[b, :int(batch.prompt_lens_B[b])].tolist()),
              "response": batch.texts[b], "finish_reason": batch.finish_reasons[b], "reward": float(batch.rewards_B[b])}
             for b in range(min(n, batch.size))]
+
+
+def step_work(models, needs, cfg, rollout: RolloutBatch | None, golden) -> StepWork:
+    """What the step ran, for its FLOPs (megaopd.metrics.flops): the trained sequences (rollouts and golden
+    rows), the actor's and an in-job teacher's scoring passes (a served teacher's run elsewhere; the teacher
+    is taken to see the student's lengths), the lockstep partner, the recomputation and the fused output layer."""
+    student = MatmulDims.of(models.actor.hf)
+    scored = (rollout.prompt_lens_B + rollout.response_lens_B).tolist() if rollout is not None else []
+    golden_S = golden.attention_mask_BT.sum(-1).tolist() if golden is not None else []
+    teacher = MatmulDims.of(models.teacher.hf) if models.teacher is not None else None
+    partner = student if needs.reference else teacher if needs.teacher_logits else None
+    return StepWork(student, scored + golden_S, scored, teacher, scored if teacher is not None else [], partner,
+                    cfg.student.recompute, cfg.trainer.logits_chunk_tokens > 0)
+
+
+def flop_metrics(work: StepWork, times: dict[str, float]) -> dict[str, float]:
+    """The step's model and hardware FLOPs (flops/*, all ranks), the TFLOP/s per GPU they make (perf/*) and,
+    on a GPU of known peak, MFU: perf/mfu_model_train (6N per trained token + attention, over the
+    training phase's time), perf/mfu_hardware_train (+ recomputation and the lockstep partner's forward),
+    perf/mfu_model_step (the scoring passes too, over the whole step's time). Times: the timer's (the
+    slowest rank's); every rank's GPU counts."""
+    f = step_flops(work)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    # flops/*: counts, deterministic; perf/*: rates, wall-clock (the golden test skips them like time/*).
+    out = {"flops/model_train": f.model_train, "flops/hardware_train": f.hardware_train, "flops/model_step": f.model,
+           "flops/hardware_step": f.hardware}
+    t_train, t_step = times.get("time/train"), times.get("time/step")
+    if not t_train or not t_step:
+        return out
+    per_gpu = {"model_train": f.model_train / t_train, "hardware_train": f.hardware_train / t_train,
+               "model_step": f.model / t_step}
+    out.update({f"perf/{k}_tflops_per_gpu": v / world_size / 1e12 for k, v in per_gpu.items()})
+    peak = peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    if peak:
+        out.update({f"perf/mfu_{k}": v / world_size / (peak * 1e12) for k, v in per_gpu.items()})
+    return out

@@ -31,15 +31,19 @@ class Timer:
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        """Times the block under `name` (wall clock, perf_counter)."""
+        """Times the block under `name` (wall clock, perf_counter, the GPU's queued work included: a phase's
+        kernels run asynchronously, so the clock reads after a synchronize, or the next phase (and its MFU)
+        would be charged for them)."""
         if name in self._open:
             raise ValueError(f"timer {name!r} is already running: a name cannot nest inside itself")
         self._open.append(name)
+        _sync()
         start = time.perf_counter()
         try:
             yield
         finally:
             self._open.remove(name)
+            _sync()
             self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
@@ -58,3 +62,10 @@ class Timer:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         self._seconds = {}
         return {f"time/{n}": v for n, v in zip(names, values.tolist())}
+
+
+def _sync() -> None:
+    """Waits for the GPU's queued work (a no-op on CPU); once per phase boundary, so it costs nothing
+    measurable, unlike per-kernel synchronization."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

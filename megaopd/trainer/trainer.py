@@ -52,7 +52,8 @@ from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_train
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.run_log import RunLog
-from megaopd.trainer.step_metrics import reduce_loss_metrics, rollout_metrics, sample_rows
+from megaopd.trainer.step_metrics import (flop_metrics, reduce_loss_metrics, rollout_metrics, sample_rows,
+                                          step_work)
 from megaopd.trainer.timer import Timer
 from megaopd.trainer.validation import validate
 
@@ -102,8 +103,8 @@ class Trainer:
         self.router_aux = RouterAuxLoss(self.actor.model)
         self.optimizer, self.scheduler = build_optimizer(
             self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
-        self.train_runner = PipelineRunner(self.ddp, self.actor_pgs, self.actor.hf.vocab_size,
-                                           partner=self.models.partner)
+        self.train_runner = PipelineRunner(self.ddp, self.actor_pgs, self.actor.hf.vocab_size, partner=self.models.partner,
+                                           logits_chunk_tokens=cfg.trainer.logits_chunk_tokens)
         # What the passes score besides log-probs: the loss's top-k, and the overlap metrics' top-k and entropy.
         overlap_k = cfg.metrics.overlap_k if self.models.teachers is not None else 0
         self.actor_request = ScoreRequest(self.temperature, max(self.needs.student_topk, overlap_k), overlap_k > 0)
@@ -202,6 +203,7 @@ class Trainer:
                 metrics.update(step)
                 self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
         metrics.update(timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's times
+        metrics.update(flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), metrics))
         return metrics
 
     def _rollout(self, examples, golden=None) -> RolloutBatch:

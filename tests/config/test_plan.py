@@ -19,7 +19,8 @@ import sys
 import pytest
 
 from megaopd.config.plan import (OPS_CHUNK_BYTES, OPS_CHUNKS_LIVE, RoleLayout, activation_bytes, build_plan,
-                                 explain_overflow, logits_bytes, packed_micro_batch_tokens, params_per_rank)
+                                 embedded_engine_footprint, explain_overflow, hidden_bytes, logits_bytes,
+                                 packed_micro_batch_tokens, params_per_rank)
 from megaopd.models.hf_config import read_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,6 +128,39 @@ def test_packed_micro_batch_is_the_token_budget():
     assert _item(padded, "reference logits").train == 2 * L8
 
 
+def test_fused_output_layer_and_what_nvidia_smi_shows_by_hand():
+    """trainer.logits_chunk_tokens=1024 at the GPU check's 1.5B shape, 16384 tokens packed: per model one
+    1024-token chunk of logits instead of the micro-batch's; the student's chunk gradient in the reference
+    chunk, the ops' float32 chunks, the weight's float32 gradient + one bf16 product, and the hidden states
+    (output, megatron's transposed copy, gradient). Then the CUDA context, the allocator's reserve and the
+    embedded engine (fp32 weights resident unless colocated, KV cache while generating)."""
+    student = _role(Q15B, tp=1)
+    reference = RoleLayout("reference", student.hf, 1, 1, "bfloat16")
+    tokens, V, h = 16384, 151936, 1536
+    engine = embedded_engine_footprint(student.hf, "float32", 64, 384, colocated=False)
+    # 1.5B: 28 layers, 2 KV heads of 128; the whole model in float32, tied embeddings (one vocabulary matrix)
+    assert engine.kv_cache == 2 * 28 * 2 * 128 * 4 * 64 * 384 + 4 * 64 * V
+    assert engine.weights == 4 * params_per_rank(student.hf, 1, 1)
+    kw = dict(world_size=1, micro_batch_rows=1, seq_len=384, use_distributed_optimizer=True, colocated=False,
+              gpu_memory_gb=80, engine_memory_fraction=0.5, engine_released_gb=3, reserved_gb=0,
+              flash_attention=True, packed_tokens=tokens)
+    plan = build_plan(student, reference, None, logits_chunk_tokens=1024, cuda_context_gb=0.6, allocator_reserve=0.1,
+                      embedded_engine=engine, **kw)
+    lc, hid = 1024 * V * 2, tokens * h * 2
+    assert hidden_bytes(student, tokens) == hid
+    assert _item(plan, "student logits (fused").train == lc + OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES + 6 * V * h + 3 * hid
+    assert _item(plan, "reference logits (fused").train == lc + hid
+    assert _item(plan, "embedded engine").generate == engine.weights + engine.kv_cache
+    assert _item(plan, "embedded engine").train == engine.weights  # not colocated: resident while training
+    assert _item(plan, "CUDA context").train == 0.6e9
+    assert plan.total("train") == pytest.approx(1.1 * plan.allocated("train"))
+    whole = build_plan(student, reference, None, cuda_context_gb=0.6, allocator_reserve=0.1, embedded_engine=engine, **kw)
+    assert whole.allocated("train") - plan.allocated("train") > 7e9  # 2L (10 GB) less, 2.6 GB of chunks etc. more
+    colocated = build_plan(student, reference, None, logits_chunk_tokens=1024,
+                           embedded_engine=embedded_engine_footprint(student.hf, "float32", 64, 384, True), **kw)
+    assert _item(colocated, "embedded engine").train == 0.0
+
+
 def test_gpu_check_shape_names_the_budget_and_recompute():
     """The H100 trainer bench (1.5B student/reference/teacher, 16 x 4 x 256 new tokens, packed 16384-token
     micro-batches): recompute=none ran out of memory there; the plan refuses it naming what to lower, and
@@ -144,6 +178,12 @@ def test_gpu_check_shape_names_the_budget_and_recompute():
     assert "4096 tokens packed" in smaller.stdout
     padded = _cli("plan", yaml_path, *common, "student.recompute=none", "trainer.pack_sequences=false")
     assert "8 x 384 tokens" in padded.stdout  # micro_batch_size=8 rows of 128 + 256 tokens
+    # The fused output layer (the default) lets recompute=none fit at the 16384-token budget once the embedded
+    # engine's float32 weights leave the GPU while training (colocated) and without the flat margin; the
+    # whole logits (2 x 5 GB more) do not.
+    fused = ["student.recompute=none", "rollout.colocated=true", "plan.reserved_gb=0"]
+    assert _cli("plan", yaml_path, *common, *fused).returncode == 0
+    assert _cli("plan", yaml_path, *common, *fused, "trainer.logits_chunk_tokens=0").returncode == 1
 
 
 def _write_preset(tmp_path, **sections):
@@ -195,6 +235,7 @@ def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
     from benchmarks.memory import allocations
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
+    from megaopd.models.output_layer import defer_output_layer
     from megaopd.parallel.dist import destroy_distributed, init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
@@ -221,9 +262,18 @@ def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
         logits, events = allocations(lambda: model(ids, pos, None))
         kept = sum(events)
         del logits
+        with defer_output_layer(model):
+            hidden, events = allocations(lambda: model(ids, pos, None))
+        kept_fused = sum(events)
+        del hidden
     finally:
         destroy_distributed()
     expected = activation_bytes(role, rows, seq, flash_attention=False) + logits_bytes(role, rows, seq)
     print(f"activations+logits of {rows} x {seq} tokens: measured {kept / 1e6:.0f} MB, plan {expected / 1e6:.0f} MB")
     assert numel == params_per_rank(cfg, 1, 1)  # megatron's own parameter count, vocab padding included
     assert 0.7 * expected < kept < 1.3 * expected
+    # The fused output layer: the model stops at the hidden states (its output and megatron's [b, s] copy of
+    # it), no logits.
+    expected = activation_bytes(role, rows, seq, flash_attention=False) + 2 * hidden_bytes(role, rows * seq)
+    print(f"activations+hidden (fused output layer): measured {kept_fused / 1e6:.0f} MB, plan {expected / 1e6:.0f} MB")
+    assert 0.7 * expected < kept_fused < 1.3 * expected

@@ -8,7 +8,7 @@ behaviour regenerates them with
 
     MEGAOPD_UPDATE_GOLDEN=1 python3 -m pytest tests/trainer/test_golden.py
 
-and says why in its commit. Wall-clock metrics (time, time/*) are not compared.
+and says why in its commit. Wall-clock metrics (time, time/*, the rates perf/*) are not compared.
 """
 import json
 import math
@@ -57,7 +57,7 @@ def _step_metrics(run_dir: str) -> dict[str, dict[str, float]]:
             if "event" in r:
                 continue
             out[str(r["step"])] = {k: v for k, v in r.items()
-                                   if isinstance(v, (int, float)) and not k.startswith("time") and k != "step"}
+                                   if isinstance(v, (int, float)) and not k.startswith(("time", "perf/")) and k != "step"}
     return out
 
 
