@@ -9,17 +9,21 @@ engine and one on SGLang mean the same thing:
     keep(y)     = rank(y) < top_k                        (top_k = -1: every token)
                   and sum of probs ranked before y <= top_p   (the nucleus; ties broken by sort order)
                   and probs[y] >= min_p * max(probs)
-    y ~ probs * keep / sum(probs * keep)                 inverse CDF, one uniform per row from its
-                                                         own torch.Generator
+    y ~ probs * keep / sum(probs * keep)                 inverse CDF, one uniform per row:
+                                                         u = hash(row seed, token index), on the device
 
 The reported log-prob is of the unfiltered, temperature-scaled distribution (no renormalization after
 top-k / top-p), as SGLang reports it; the trainer's recomputed log-probs use the same temperature.
+
+A row's uniform is a pure function of (its seed, the index of the token in its response) computed with
+tensor ops on the logits' device (row_uniforms): no generator state, no host round trip, the same value
+whichever rows share the batch or the step, and capturable in a CUDA graph. Filtering sorts the
+vocabulary, so it runs only when some row asks for top-k, top-p or min-p (`filters`).
 
 Legend: B = rows (sequences), V = vocabulary.
 """
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 
@@ -74,50 +78,68 @@ def filtered_probs(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B
     return probs_BV / probs_BV.sum(dim=-1, keepdim=True)
 
 
+def needs_filter(top_p: float, top_k: int, min_p: float, vocab: int) -> bool:
+    """Whether a row's settings filter the distribution (else sampling needs no sort)."""
+    return top_p < 1.0 or 0 <= top_k < vocab or min_p > 0.0
+
+
+_MASK63 = (1 << 63) - 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> sign-extends)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def row_uniforms(seed_B: torch.Tensor, index_B: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row, float64: splitmix64 of (seed, index), in int64 tensor arithmetic
+    (multiplication wraps modulo 2^64 on every torch backend), 53 random bits."""
+    x = seed_B.long() * _GOLDEN + (index_B.long() + 1) * _MIX2
+    for _ in range(2):  # two rounds: seeds that differ in one bit give unrelated streams
+        x = x + _GOLDEN
+        x = (x ^ _shr(x, 30)) * _MIX1
+        x = (x ^ _shr(x, 27)) * _MIX2
+        x = x ^ _shr(x, 31)
+    return _shr(x, 11).double() * (1.0 / (1 << 53))
+
+
 def sample_tokens(
     logits_BV: torch.Tensor,
     temperature_B: torch.Tensor,
     top_p_B: torch.Tensor,
     top_k_B: torch.Tensor,
-    generators: Sequence[torch.Generator | None],
+    seed_B: torch.Tensor,
+    index_B: torch.Tensor,
     min_p_B: torch.Tensor | None = None,
+    filters: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draws one token per row; returns (ids_B int64, logprobs_B float32).
+    """Draws one token per row; returns (ids_B int64, logprobs_B float32). No host sync.
 
-    Greedy rows (temperature < 1e-6) take the argmax. Every sampled row draws from its own generator
-    (None: torch's global one), so a row's draws do not depend on which other rows share the batch.
+    Greedy rows (temperature < 1e-6) take the argmax. A sampled row's draw is the inverse CDF at
+    row_uniforms(seed, index): it depends on its own logits, seed and token index only.
+    filters=False (no row filters: see needs_filter) skips the sort of keep_mask.
     logprobs_B are log softmax(logits / T) at the chosen ids, before any filtering.
     """
-    B = logits_BV.shape[0]
-    if len(generators) != B:
-        raise ValueError(f"got {len(generators)} generators for {B} rows")
+    V = logits_BV.shape[-1]
     logprobs_BV = scaled_logprobs(logits_BV, temperature_B)
+    probs_BV = logprobs_BV.exp()
+    if filters:
+        probs_BV = probs_BV * keep_mask(probs_BV, top_p_B, top_k_B, min_p_B)
+    # float64 cumulative mass: float32 loses the tail of a 150k vocabulary.
+    cdf_BV = probs_BV.double().cumsum(dim=-1)
+    u_B = row_uniforms(seed_B, index_B).to(cdf_BV.device)
+    target_B1 = (u_B * cdf_BV[:, -1]).unsqueeze(-1)
+    # The first token whose cumulative mass exceeds u * total; zero-mass tokens never qualify.
+    picked_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1).clamp(max=V - 1)
+    # Rounding can land past the last kept token (u * total == total): take the most likely token then.
+    bad_B = probs_BV.gather(-1, picked_B.unsqueeze(-1)).squeeze(-1) <= 0
     ids_B = logprobs_BV.argmax(dim=-1)
-    sampled_B = temperature_B >= GREEDY_EPS
-    if bool(sampled_B.any()):
-        rows = sampled_B.nonzero().flatten()
-        probs_RV = logprobs_BV[rows].exp()
-        probs_RV = probs_RV * keep_mask(probs_RV, top_p_B[rows], top_k_B[rows],
-                                        None if min_p_B is None else min_p_B[rows])
-        # Inverse-CDF draw: one uniform per row from that row's own generator (torch.multinomial takes a
-        # single generator, so a per-row multinomial loop would cost ~10x more per step), then one
-        # vectorized search of the cumulative mass. Generators live on the CPU (cheap to seed, portable).
-        u_R = torch.cat([torch.rand(1, generator=generators[r], dtype=torch.float64) for r in rows.tolist()])
-        cdf_RV = probs_RV.double().cumsum(dim=-1)
-        target_R1 = (u_R.to(cdf_RV.device) * cdf_RV[:, -1]).unsqueeze(-1)
-        # The first token whose cumulative mass exceeds u * total; zero-mass tokens never qualify.
-        picked_R = torch.searchsorted(cdf_RV, target_R1, right=True).squeeze(-1).clamp(max=probs_RV.shape[-1] - 1)
-        # Rounding can land past the last kept token (u * total == total): take the last kept one then.
-        bad_R = probs_RV.gather(-1, picked_R.unsqueeze(-1)).squeeze(-1) <= 0
-        if bool(bad_R.any()):
-            last_kept_R = (probs_RV > 0).cumsum(-1).argmax(-1)
-            picked_R = torch.where(bad_R, last_kept_R, picked_R)
-        ids_B[rows] = picked_R
+    ids_B = torch.where((temperature_B.to(ids_B.device) >= GREEDY_EPS) & ~bad_B, picked_B, ids_B)
     return ids_B, logprobs_BV.gather(-1, ids_B.unsqueeze(-1)).squeeze(-1).float()
-
-
-def row_generator(seed: int) -> torch.Generator:
-    """A CPU generator for one row; seeds are reduced to 63 bits (torch's accepted range)."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed(int(seed) & 0x7FFF_FFFF_FFFF_FFFF)
-    return g
