@@ -33,7 +33,7 @@ import torch
 from megaopd.engine.cache import PrefillCopy, SlotCache
 from megaopd.engine.forward import Forward
 from megaopd.engine.rows import RowRequest, RowResult
-from megaopd.engine.sampling import needs_filter, sample_tokens
+from megaopd.engine.sampling import GREEDY_EPS, needs_filter, sample_tokens
 
 StepAction = Literal["go", "retract", "abort"]
 
@@ -123,6 +123,7 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
     N = max(r.max_new_tokens for r in rows)
     K = max(1, max(len(r.stop_ids) for r in rows))
     filters = any(needs_filter(r.top_p, r.top_k, r.min_p, vocab) for r in rows)
+    greedy = any(r.temperature < GREEDY_EPS for r in rows)
     st = SlotState.empty(S, N, K, device)
     waiting = collections.deque(sorted(range(len(rows)), key=lambda i: -rows[i].max_new_tokens))
     running: list[int] = []  # row index of slots 0 .. A-1
@@ -139,7 +140,7 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
             logits = new_logits if logits is None else torch.cat([logits, new_logits.to(logits.dtype)])
         A = len(running)
         tok_A, lp_A = sample_tokens(logits, st.temp_S[:A], st.top_p_S[:A], st.top_k_S[:A], st.seed_S[:A],
-                                    st.count_S[:A], st.min_p_S[:A], filters)
+                                    st.count_S[:A], st.min_p_S[:A], filters, greedy)
         ar_A = torch.arange(A, device=device)
         live_A = ~st.done_S[:A]
         st.out_ids_SN[ar_A, st.count_S[:A]] = tok_A

@@ -119,27 +119,47 @@ def sample_tokens(
     index_B: torch.Tensor,
     min_p_B: torch.Tensor | None = None,
     filters: bool = True,
+    greedy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draws one token per row; returns (ids_B int64, logprobs_B float32). No host sync.
 
     Greedy rows (temperature < 1e-6) take the argmax. A sampled row's draw is the inverse CDF at
     row_uniforms(seed, index): it depends on its own logits, seed and token index only.
-    filters=False (no row filters: see needs_filter) skips the sort of keep_mask.
-    logprobs_B are log softmax(logits / T) at the chosen ids, before any filtering.
+    filters=False (no row filters: see needs_filter) skips the sort of keep_mask; greedy=False (no
+    greedy row) skips the argmax. logprobs_B are log softmax(logits / T) at the chosen ids, before any
+    filtering (the log of the float32 softmax: within 1e-6 of log_softmax for any sampled token).
     """
-    V = logits_BV.shape[-1]
-    logprobs_BV = scaled_logprobs(logits_BV, temperature_B)
-    probs_BV = logprobs_BV.exp()
-    if filters:
-        probs_BV = probs_BV * keep_mask(probs_BV, top_p_B, top_k_B, min_p_B)
-    # float64 cumulative mass: float32 loses the tail of a 150k vocabulary.
-    cdf_BV = probs_BV.double().cumsum(dim=-1)
-    u_B = row_uniforms(seed_B, index_B).to(cdf_BV.device)
-    target_B1 = (u_B * cdf_BV[:, -1]).unsqueeze(-1)
-    # The first token whose cumulative mass exceeds u * total; zero-mass tokens never qualify.
-    picked_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1).clamp(max=V - 1)
-    # Rounding can land past the last kept token (u * total == total): take the most likely token then.
-    bad_B = probs_BV.gather(-1, picked_B.unsqueeze(-1)).squeeze(-1) <= 0
-    ids_B = logprobs_BV.argmax(dim=-1)
-    ids_B = torch.where((temperature_B.to(ids_B.device) >= GREEDY_EPS) & ~bad_B, picked_B, ids_B)
-    return ids_B, logprobs_BV.gather(-1, ids_B.unsqueeze(-1)).squeeze(-1).float()
+    logits_BV = logits_BV.float() if logits_BV.dtype != torch.float64 else logits_BV
+    probs_BV = torch.softmax(logits_BV / effective_temperature(temperature_B.to(logits_BV)).unsqueeze(-1), dim=-1)
+    mass_BV = probs_BV * keep_mask(probs_BV, top_p_B, top_k_B, min_p_B) if filters else probs_BV
+    ids_B = inverse_cdf(mass_BV, row_uniforms(seed_B, index_B).to(logits_BV.device))
+    if greedy:
+        ids_B = torch.where(temperature_B.to(ids_B.device) < GREEDY_EPS, probs_BV.argmax(dim=-1), ids_B)
+    return ids_B, probs_BV.gather(-1, ids_B.unsqueeze(-1)).squeeze(-1).log().float()
+
+
+INVERSE_CDF_BLOCK = 256
+"""Tokens per block of inverse_cdf's first level (152064 and 32000 are multiples of it)."""
+
+
+def inverse_cdf(mass_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative mass exceeds u * total mass (mass >= 0, not normalized):
+    the token a uniform u draws. Two levels so that no float64 cumsum runs over the whole vocabulary
+    (3.7 ms a step at 16 x 32000 on one CPU thread): float64 sums of blocks of INVERSE_CDF_BLOCK tokens,
+    their cumsum, the block the target falls in, then the cumsum of that block only. The target is kept
+    below the total and measured from the exact cumulative mass before its block, so the token picked
+    always has positive mass."""
+    B, V = mass_BV.shape
+    W = INVERSE_CDF_BLOCK
+    nb = -(-V // W)
+    padded = torch.nn.functional.pad(mass_BV, (0, nb * W - V)) if nb * W != V else mass_BV
+    blocks_BnW = padded.view(B, nb, W)
+    cum_Bn = blocks_BnW.sum(-1, dtype=torch.float64).cumsum(-1)
+    total_B1 = cum_Bn[:, -1:]
+    target_B1 = torch.minimum(u_B.to(cum_Bn).unsqueeze(-1) * total_B1, torch.nextafter(total_B1, torch.zeros_like(total_B1)))
+    blk_B1 = torch.searchsorted(cum_Bn, target_B1, right=True).clamp(max=nb - 1)
+    before_B1 = torch.where(blk_B1 > 0, cum_Bn.gather(-1, (blk_B1 - 1).clamp(min=0)), torch.zeros_like(target_B1))
+    inblock_BW = blocks_BnW.gather(1, blk_B1.unsqueeze(-1).expand(B, 1, W)).squeeze(1).double().cumsum(-1)
+    rest_B1 = torch.minimum(target_B1 - before_B1, torch.nextafter(inblock_BW[:, -1:], torch.zeros_like(total_B1)))
+    j_B1 = torch.searchsorted(inblock_BW, rest_B1, right=True).clamp(max=W - 1)
+    return (blk_B1 * W + j_B1).squeeze(-1)
