@@ -151,10 +151,10 @@ class ModelRunner:
             if self.device.type == "cuda":
                 capacity = self._cuda_capacity(slots, need)
             self._cache = SlotCache(self.model.config, slots, capacity, self.device, self.dtype)
-            if self.device.type == "cuda" and self.config.cuda_graph_bs != []:
-                from megaopd.engine.graphs import DecodeGraphs
+        if self._graphs is None and self.device.type == "cuda" and self.config.cuda_graph_bs != []:
+            from megaopd.engine.graphs import DecodeGraphs
 
-                self._graphs = DecodeGraphs(self._forward, self._cache, self.config.cuda_graph_bs)
+            self._graphs = DecodeGraphs(self._forward, self._cache, self.config.cuda_graph_bs)
         return Decoder(self._forward, self._cache, self._graphs)
 
     def _cuda_capacity(self, slots: int, need: int) -> int:
@@ -339,8 +339,9 @@ class ModelRunner:
                     self._discarded_shapes = memory.discard(self._weights.params)
                     self._stale = set(self._weights.canonical.values())  # a fused tensor: until each expert is loaded
             self._released.update(tags)
-            if "kv_cache" in tags or "cuda_graph" in tags:
-                self._cache, self._graphs = None, None  # re-allocated (and re-captured) by the next run
+            if "kv_cache" in tags:
+                self._cache = None  # re-allocated by the next run
+            self._graphs = None  # captured again by the next run: weights or cache may move
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -356,6 +357,7 @@ class ModelRunner:
                 elif self.release_weights == "discard":
                     memory.restore(self._weights.params, self._discarded_shapes, self.device)
                     self._discarded_shapes = {}
+            self._graphs = None  # the graphs read the weights' old storage
             self._released.difference_update(tags)
 
     def model_info(self) -> dict:

@@ -118,8 +118,12 @@ class Generators:
 
         gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(case.budgets),
                               eos_token_id=-1, pad_token_id=0)
+        page, prompt = 256, max(len(p) for p in case.prompts)
         manager = self.hf.init_continuous_batching(
-            generation_config=gc, continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=self.slots))
+            generation_config=gc, continuous_batching_config=ContinuousBatchingConfig(
+                max_requests_per_batch=self.slots, page_size=page, max_batch_tokens=max(512, self.slots * prompt),
+                # Sized to the slots (left to itself it takes a share of the device's memory: all of a CPU's).
+                num_blocks=self.slots * (-(-(prompt + max(case.budgets)) // page) + 1)))
         manager.start()
         try:
             ids = [manager.add_request(input_ids=p, max_new_tokens=b) for p, b in zip(case.prompts, case.budgets)]
