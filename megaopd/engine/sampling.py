@@ -98,16 +98,20 @@ def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
     return (x >> n) & ((1 << (64 - n)) - 1)
 
 
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function (a bijection of 64-bit words)."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
 def row_uniforms(seed_B: torch.Tensor, index_B: torch.Tensor) -> torch.Tensor:
-    """One uniform in [0, 1) per row, float64: splitmix64 of (seed, index), in int64 tensor arithmetic
-    (multiplication wraps modulo 2^64 on every torch backend), 53 random bits."""
-    x = seed_B.long() * _GOLDEN + (index_B.long() + 1) * _MIX2
-    for _ in range(2):  # two rounds: seeds that differ in one bit give unrelated streams
-        x = x + _GOLDEN
-        x = (x ^ _shr(x, 30)) * _MIX1
-        x = (x ^ _shr(x, 27)) * _MIX2
-        x = x ^ _shr(x, 31)
-    return _shr(x, 11).double() * (1.0 / (1 << 53))
+    """One uniform in [0, 1) per row, float64 with 53 random bits: output `index` of a SplitMix64 generator
+    whose state starts at mix(seed), i.e. mix(mix(seed) + (index + 1) * golden), in int64 tensor arithmetic
+    (multiplication wraps modulo 2^64 on every torch backend). Mixing the seed first keeps nearby seeds
+    (a prompt's n samples get seed, seed + 1, ...) from sharing shifted streams."""
+    x = _mix64(seed_B.long()) + (index_B.long() + 1) * _GOLDEN
+    return _shr(_mix64(x), 11).double() * (1.0 / (1 << 53))
 
 
 def sample_tokens(
