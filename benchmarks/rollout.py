@@ -64,7 +64,7 @@ def bench_generation(repeats: int, threads: int, device: str = "cpu", dtype: str
             fast, gens.which = gens.which, slow
             eb.measure(gens, case_list, cb_repeats, log=lambda line: print("gen", line, flush=True))
             gens.which = fast + gens.which
-    return (f"torch threads {threads}, {device}, {dtype}, {slots} slots, load average before: "
+    return (f"torch threads {threads}, {device}, {dtype}, {slots} slots, load average (1 min) at the end: "
             f"{os.getloadavg()[0]:.2f}\n\n" + eb.markdown(case_list, gens.errors))
 
 
