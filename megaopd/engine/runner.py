@@ -7,13 +7,13 @@ loads HF-named weights and releases its memory, with SGLang's semantics.
 
 Log-probs are log softmax(logits / T) of each sampled token before top-k/top-p filtering
 (megaopd.engine.sampling); a row that ends on EOS or a stop id finishes "stop" (the stop token is in
-output_ids), one that uses max_new_tokens finishes "length". How a chunk is decoded: megaopd.engine.decode;
-weight names: megaopd.engine.weights; memory release: megaopd.engine.memory. The trainer uses it as an
+output_ids), one that uses max_new_tokens finishes "length". How a run is decoded (static KV cache,
+continuous batching): megaopd.engine.decode; weight names: megaopd.engine.weights; memory release: megaopd.engine.memory. The trainer uses it as an
 Engine through megaopd.rollout.embedded, `megaopd serve` through megaopd.serving.
 
-Concurrency: one chunk decodes at a time, and holds the model; weight loads and memory release wait for
+Concurrency: one run decodes at a time, and holds the model; weight loads and memory release wait for
 it. A run may carry a StepControl (a server's pause / abort / retract: megaopd.serving.scheduling), which
-the runner asks before each chunk and between two decode steps: while it holds the run, the model is free
+the runner asks before the run and between two decode steps: while it holds the run, the model is free
 and weight loads go ahead between those two steps; when it ends a hold "retracting", the running rows are
 re-prefilled (prompt + tokens so far) under the new weights, otherwise they keep their KV cache; when it
 aborts the run, its running and waiting rows finish "abort". The trainer's runs carry none.
@@ -40,7 +40,7 @@ from megaopd.engine.weights import WeightTable
 
 
 class StepControl(Protocol):
-    """What a run asks, before each chunk and between two decode steps, of whoever may pause it."""
+    """What a run asks, before the run and between two decode steps, of whoever may pause it."""
 
     def held(self) -> bool:
         """Wait (the model free for weight loads) before going on."""
@@ -95,10 +95,10 @@ class ModelRunner:
         if self.release_weights == "auto":
             self.release_weights = "offload" if self.device.type == "cuda" else "keep"
         self.weight_version = "default"
-        # One condition guards the model: a decoding chunk holds it (releasing it only while its control
+        # One condition guards the model: a decoding run holds it (releasing it only while its control
         # holds the run), weight loads and memory release take it.
         self._cond = threading.Condition(threading.Lock())
-        self._waiting_updates = 0  # weight loads queued: new chunks wait so loads are not starved
+        self._waiting_updates = 0  # weight loads queued: new runs wait so loads are not starved
         self._released: set[str] = set()  # memory tags released and not resumed since
         self._stale: set[str] = set()  # parameters discarded and not yet reloaded
         self._discarded_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
@@ -186,7 +186,7 @@ class ModelRunner:
 
     def wake(self) -> None:
         """Makes a run waiting at a hold look at its control again (call after changing what it answers).
-        Never blocks: a chunk that is computing holds the model and looks at its next step boundary anyway."""
+        Never blocks: a run that is computing holds the model and looks at its next step boundary anyway."""
         if self._cond.acquire(timeout=0.0):
             try:
                 self._cond.notify_all()
@@ -308,7 +308,7 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _exclusive(self):
-        """The model, for a weight load: after the running chunk (or at its pause), before queued chunks."""
+        """The model, for a weight load: after the decoding run (or at its pause), before queued runs."""
         self._waiting_updates += 1
         try:
             with self._cond:
