@@ -36,7 +36,7 @@ def test_logprobs_match_independent_hf_forward(engine, tiny_dir, temperature, to
     # Left-padded prompts of different lengths, n samples sharing a prefill, rows leaving the batch.
     samples = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=12, temperature=temperature, top_p=top_p,
                                                       top_k=top_k, seed=11, stop_token_ids=[7, 13]))
-    assert max_logprob_gap(tiny_dir, samples, temperature) < 1e-4
+    assert max_logprob_gap(tiny_dir, samples, temperature) < 1e-5  # float32 round-off
 
 
 def test_eos_finishes_stop_and_is_kept(eos_dir):
