@@ -1,11 +1,17 @@
 """Rollout benchmarks: embedded-engine generation throughput, and weight-update bandwidth vs raw broadcast.
 
-    python benchmarks/rollout.py                 # both, prints a markdown table
+    python benchmarks/rollout.py                 # both, prints markdown tables
     python benchmarks/rollout.py --only gen      # or --only sync
 
-Generation: EmbeddedEngine on a random Qwen2 (hidden 256, 4 layers, vocab 8192, built in a temp dir)
-generating 64 new tokens (ignore_eos) for 1, 8 and 64 concurrent sequences of 32-token prompts;
-tokens/s = generated tokens / wall time, median of --repeats runs after a warm-up.
+Generation (megaopd.gpucheck.engine_bench, whose table `python -m megaopd.gpucheck --bench engine` prints
+too): the embedded engine beside transformers' `generate` (dynamic cache; static cache, compiled on CUDA)
+and transformers' continuous batching, on the same random Qwen2 (hidden 256, 4 layers, vocab 32000,
+built in a temp dir) and the same prompts (32 tokens), T=1, no filtering, EOS ignored:
+  fixed  16 rows x 64 new tokens through 16 slots;
+  mixed  48 rows with OPD-like budgets (the packing benchmark's length distribution, mean 64) through 16 slots.
+One torch thread (--threads), runs interleaved, median of --repeats; ratios to `hf dynamic` and the
+engine's mixed / fixed. --device cuda --dtype bfloat16 runs the same on a GPU. transformers' continuous
+batching is ~10x slower than the rest on CPU, so --hf-cb-repeats (default 1) times it fewer times.
 
 Weight update: a helper process runs `megaopd serve`'s RolloutServer (thread) on a random Qwen2
 (hidden 512, 8 layers, vocab 32000: ~180 MB in float32); this process is the trainer (rank 0) and
@@ -42,32 +48,24 @@ def build_model(path: str, hidden: int, layers: int, vocab: int, seed: int = 0) 
     return path
 
 
-def bench_generation(repeats: int, threads: list[int], new_tokens: int = 64, prompt_len: int = 32) -> list[dict]:
-    from megaopd.engine.config import EmbeddedEngineConfig
-    from megaopd.rollout.embedded import EmbeddedEngine
-    from megaopd.rollout.protocol import SamplingParams
+def bench_generation(repeats: int, threads: int, device: str = "cpu", dtype: str = "float32", slots: int = 16,
+                     new_tokens: int = 64, prompt_len: int = 32, which=None, cb_repeats: int = 1) -> str:
+    from megaopd.gpucheck import engine_bench as eb
 
-    rows = []
+    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as d:
-        build_model(d, hidden=256, layers=4, vocab=8192)
-        engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=d, max_batch_size=64, load_tokenizer=False))
-        g = torch.Generator().manual_seed(0)
-        for n_threads, batch in [(n, b) for n in threads for b in (1, 8, 64)]:
-            torch.set_num_threads(n_threads)
-            prompts = torch.randint(3, 8192, (batch, prompt_len), generator=g).tolist()
-            params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_p=0.95, ignore_eos=True, seed=1)
-            engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                out = engine.generate(prompts, params)
-                times.append(time.perf_counter() - t0)
-                assert sum(len(s.output_ids) for s in out) == batch * new_tokens
-            t = statistics.median(times)
-            rows.append({"threads": n_threads, "sequences": batch, "tokens": batch * new_tokens, "seconds": t,
-                         "tokens_per_s": batch * new_tokens / t})
-            print(f"gen  threads={n_threads} B={batch:3d}: {batch * new_tokens / t:9.1f} tok/s ({t:.2f}s)", flush=True)
-    return rows
+        build_model(d, hidden=256, layers=4, vocab=32000)
+        gens = eb.Generators(d, device, dtype, slots, which or eb.GENERATORS)
+        case_list = eb.cases(slots, prompt_len, new_tokens, 32000)
+        slow = [g for g in gens.which if g == "hf cb"]
+        gens.which = [g for g in gens.which if g not in slow]
+        eb.measure(gens, case_list, repeats, log=lambda line: print("gen", line, flush=True))
+        if slow:  # after the others' repeats, interleaved among themselves
+            fast, gens.which = gens.which, slow
+            eb.measure(gens, case_list, cb_repeats, log=lambda line: print("gen", line, flush=True))
+            gens.which = fast + gens.which
+    return (f"torch threads {threads}, {device}, {dtype}, {slots} slots, load average (1 min) at the end: "
+            f"{os.getloadavg()[0]:.2f}\n\n" + eb.markdown(case_list, gens.errors))
 
 
 def _server_process(model_dir: str, to_parent, from_parent):
@@ -157,14 +155,8 @@ def bench_weight_update(repeats: int, bucket_sizes_mb: list[int]) -> list[dict]:
     return rows
 
 
-def markdown(gen: list[dict], sync: list[dict]) -> str:
-    lines = []
-    if gen:
-        lines += ["| torch threads | concurrent sequences | generated tokens | seconds | tokens/s |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {r['threads']} | {r['sequences']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} |"
-                  for r in gen]
-        lines.append("")
+def markdown(gen: str, sync: list[dict]) -> str:
+    lines = [gen, ""] if gen else []
     if sync:
         lines += ["| load_format | bucket | broadcasts | MB sent | update GB/s | raw broadcast GB/s | ratio |",
                   "|---|---|---|---|---|---|---|"]
@@ -178,9 +170,15 @@ def main(argv=None):
     ap.add_argument("--only", choices=["gen", "sync"], default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, nargs="+", default=[32, 512])
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch intra-op threads for generation")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for generation")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--generators", default=None, help="comma-separated subset of engine,hf dynamic,hf static,hf cb")
+    ap.add_argument("--hf-cb-repeats", type=int, default=1)
     args = ap.parse_args(argv)
-    gen = bench_generation(args.repeats, args.threads) if args.only in (None, "gen") else []
+    which = args.generators.split(",") if args.generators else None
+    gen = (bench_generation(args.repeats, args.threads, args.device, args.dtype, which=which,
+                            cb_repeats=args.hf_cb_repeats) if args.only in (None, "gen") else "")
     sync = bench_weight_update(args.repeats, args.bucket_mb) if args.only in (None, "sync") else []
     print(markdown(gen, sync))
 

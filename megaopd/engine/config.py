@@ -23,7 +23,15 @@ class EmbeddedEngineConfig:
     dtype: str = "float32"
     """Compute dtype of the model: float32 | bfloat16 | float16 | float64. Use float32 on CPU."""
     max_batch_size: int = 64
-    """Rows (sequences) decoded together; a larger request runs in consecutive chunks."""
+    """Slots of the KV cache = rows decoded together; more rows wait and take the slots rows free."""
+    sync_every: int = 0
+    """Decode steps between two reads of the finished flags by the host; 0 = 1 on CPU, 8 on CUDA."""
+    cuda_graph_bs: list[int] | None = None
+    """Batch sizes whose decode step is captured as a CUDA graph (SGLang's cuda_graph_bs); None = 1, 2, 4,
+    8, then multiples of 8 up to max_batch_size; [] = eager decode. Ignored on CPU."""
+    mem_fraction_static: float = 0.85
+    """On CUDA, the KV cache is sized so that everything allocated stays under this fraction of the GPU
+    (SGLang's --mem-fraction-static): the slots get as many positions as fit, up to the model's context."""
     release_weights: Literal["auto", "keep", "offload", "discard"] = "auto"
     """What release_memory does to the weights (megaopd.engine.memory); auto = offload on GPU, keep on CPU."""
     attn_implementation: str = "sdpa"
@@ -40,6 +48,12 @@ class EmbeddedEngineConfig:
             raise ValueError(f"dtype={self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size} must be at least 1")
+        if self.sync_every < 0:
+            raise ValueError(f"sync_every={self.sync_every} must be >= 0 (0 = automatic)")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1]")
+        if self.cuda_graph_bs is not None and any(int(b) < 1 for b in self.cuda_graph_bs):
+            raise ValueError(f"cuda_graph_bs={self.cuda_graph_bs}: batch sizes must be >= 1")
         if self.release_weights not in ("auto", "keep", "offload", "discard"):
             raise ValueError(f"release_weights={self.release_weights!r}; choose auto, keep, offload or discard")
 

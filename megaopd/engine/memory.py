@@ -10,9 +10,10 @@ The embedded engine's weights, by EmbeddedEngineConfig.release_weights (colocate
   offload  weights move to the CPU and back on resume (the GPU default);
   discard  weights are freed (discard); resume allocates zeros (restore), and the runner refuses to
            generate until every weight has been loaded again (SGLang without a CPU backup behaves alike).
-The KV cache only lives while a batch decodes, so releasing it waits for the running batch and empties
-the allocator cache; "cuda_graph" is accepted and tracked (there are no graphs here). While released,
-generation raises EngineReleasedError.
+The static KV cache (megaopd.engine.cache) is allocated by the first run and kept; releasing "kv_cache"
+(or "cuda_graph") waits for the running batch, drops the cache and the decode steps captured over it
+(megaopd.engine.graphs, CUDA only) and empties the allocator cache; the next run after resume allocates
+and captures them again. While released, generation raises EngineReleasedError.
 """
 from __future__ import annotations
 

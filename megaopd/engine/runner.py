@@ -7,13 +7,13 @@ loads HF-named weights and releases its memory, with SGLang's semantics.
 
 Log-probs are log softmax(logits / T) of each sampled token before top-k/top-p filtering
 (megaopd.engine.sampling); a row that ends on EOS or a stop id finishes "stop" (the stop token is in
-output_ids), one that uses max_new_tokens finishes "length". How a chunk is decoded: megaopd.engine.decode;
-weight names: megaopd.engine.weights; memory release: megaopd.engine.memory. The trainer uses it as an
+output_ids), one that uses max_new_tokens finishes "length". How a run is decoded (static KV cache,
+continuous batching): megaopd.engine.decode; weight names: megaopd.engine.weights; memory release: megaopd.engine.memory. The trainer uses it as an
 Engine through megaopd.rollout.embedded, `megaopd serve` through megaopd.serving.
 
-Concurrency: one chunk decodes at a time, and holds the model; weight loads and memory release wait for
+Concurrency: one run decodes at a time, and holds the model; weight loads and memory release wait for
 it. A run may carry a StepControl (a server's pause / abort / retract: megaopd.serving.scheduling), which
-the runner asks before each chunk and between two decode steps: while it holds the run, the model is free
+the runner asks before the run and between two decode steps: while it holds the run, the model is free
 and weight loads go ahead between those two steps; when it ends a hold "retracting", the running rows are
 re-prefilled (prompt + tokens so far) under the new weights, otherwise they keep their KV cache; when it
 aborts the run, its running and waiting rows finish "abort". The trainer's runs carry none.
@@ -31,14 +31,16 @@ import torch
 
 from megaopd.engine import memory
 from megaopd.engine.config import DTYPES, EmbeddedEngineConfig, read_eos_ids
-from megaopd.engine.decode import Forward, StepAction, decode_rows
+from megaopd.engine.cache import SlotCache
+from megaopd.engine.decode import Decoder, StepAction, decode_rows
+from megaopd.engine.forward import Forward
 from megaopd.engine.memory import EngineReleasedError
 from megaopd.engine.rows import PromptScores, RowRequest, RowResult
 from megaopd.engine.weights import WeightTable
 
 
 class StepControl(Protocol):
-    """What a run asks, before each chunk and between two decode steps, of whoever may pause it."""
+    """What a run asks, before the run and between two decode steps, of whoever may pause it."""
 
     def held(self) -> bool:
         """Wait (the model free for weight loads) before going on."""
@@ -93,48 +95,83 @@ class ModelRunner:
         if self.release_weights == "auto":
             self.release_weights = "offload" if self.device.type == "cuda" else "keep"
         self.weight_version = "default"
-        # One condition guards the model: a decoding chunk holds it (releasing it only while its control
+        # One condition guards the model: a decoding run holds it (releasing it only while its control
         # holds the run), weight loads and memory release take it.
         self._cond = threading.Condition(threading.Lock())
-        self._waiting_updates = 0  # weight loads queued: new chunks wait so loads are not starved
+        self._waiting_updates = 0  # weight loads queued: new runs wait so loads are not starved
         self._released: set[str] = set()  # memory tags released and not resumed since
         self._stale: set[str] = set()  # parameters discarded and not yet reloaded
         self._discarded_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         # The names update_weights speaks (the HF checkpoint's, as SGLang and megaopd's gather send them).
         self._weights = WeightTable(self.model.state_dict(keep_vars=True))
         self.running = 0  # rows currently decoding, for /get_server_info style reporting
+        # The static KV cache (allocated at the first run, kept until release_memory("kv_cache")) and the
+        # decode steps captured as CUDA graphs over it (megaopd.engine.graphs; none on CPU).
+        self._cache: SlotCache | None = None
+        self._graphs = None
+        self.sync_every = config.sync_every or (8 if self.device.type == "cuda" else 1)
 
     # ----------------------------------------------------------------------------------- generation
     def run(self, rows: list[RowRequest], control: StepControl = UNHELD) -> list[RowResult]:
-        """Generates every row (in chunks of max_batch_size); results in row order.
+        """Generates every row (max_batch_size at a time, a finished row's slot going to a waiting row:
+        megaopd.engine.decode); results in row order.
 
-        control: who may hold or abort the run (see the module docstring); a chunk also waits for queued
+        control: who may hold or abort the run (see the module docstring); a run also waits for queued
         weight loads, so they are not starved.
         """
         for r in rows:
             self.check_row(r)
-        results: list[RowResult] = []
-        for start in range(0, len(rows), self.config.max_batch_size):
-            chunk = rows[start:start + self.config.max_batch_size]
-            with self._cond:
-                while control.held() or self._waiting_updates:
-                    if control.aborted():
-                        break
-                    self._cond.wait(timeout=0.5)
+        with self._cond:
+            while control.held() or self._waiting_updates:
                 if control.aborted():
-                    results.extend(RowResult(finish_reason="abort", weight_version=self.weight_version)
-                                   for _ in chunk)
-                    continue
-                if self._kv_released or self._weights_released or self._stale:
-                    raise EngineReleasedError(self._released_message())
-                self.running += len(chunk)
-                try:
-                    results.extend(decode_rows(self._forward, chunk, self.weight_version,
-                                               lambda: self._boundary(control)))
-                finally:
-                    self.running -= len(chunk)
-                    self._cond.notify_all()
-        return results
+                    break
+                self._cond.wait(timeout=0.5)
+            if control.aborted():
+                return [RowResult(finish_reason="abort", weight_version=self.weight_version) for _ in rows]
+            if self._kv_released or self._weights_released or self._stale:
+                raise EngineReleasedError(self._released_message())
+            if not rows:
+                return []
+            self.running += len(rows)
+            try:
+                return decode_rows(self._decoder(rows), rows, self.weight_version,
+                                   lambda: self._boundary(control), self.sync_every)
+            finally:
+                self.running -= len(rows)
+                self._cond.notify_all()
+
+    def _decoder(self, rows: list[RowRequest]) -> Decoder:
+        """The decode step over the static cache, (re)allocated when a row needs more positions than it has."""
+        need = max(len(r.prompt_ids) + r.max_new_tokens for r in rows) + self.sync_every
+        if self._cache is None or self._cache.capacity < need:
+            self._cache, self._graphs = None, None
+            gc.collect()
+            slots = self.config.max_batch_size
+            capacity = -(-need // 128) * 128
+            if self.device.type == "cuda":
+                capacity = self._cuda_capacity(slots, need)
+            self._cache = SlotCache(self.model.config, slots, capacity, self.device, self.dtype)
+        if self._graphs is None and self.device.type == "cuda" and self.config.cuda_graph_bs != []:
+            from megaopd.engine.graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self._forward, self._cache, self.config.cuda_graph_bs)
+        return Decoder(self._forward, self._cache, self._graphs)
+
+    def _cuda_capacity(self, slots: int, need: int) -> int:
+        """Positions per slot that fit in mem_fraction_static of the GPU (as SGLang sizes its KV pool),
+        at most the model's context; ValueError naming the fix when `need` does not fit."""
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = min(free, self.config.mem_fraction_static * total - (total - free))
+        per_slot = SlotCache.bytes_per_token(self.model.config, self.dtype) * slots
+        fits = int(budget // per_slot) // 128 * 128
+        limit = getattr(self.model.config, "max_position_embeddings", None) or fits
+        capacity = min(fits, -(-(int(limit) + self.sync_every) // 128) * 128)
+        if capacity < need:
+            raise ValueError(f"the KV cache needs {need} positions x {slots} slots but mem_fraction_static="
+                             f"{self.config.mem_fraction_static} leaves room for {fits}; lower max_batch_size "
+                             "or max_new_tokens, or raise mem_fraction_static")
+        return capacity
 
     def _boundary(self, control: StepControl) -> StepAction:
         """Between two decode steps, the model held: the only place a pause, an abort or a weight load
@@ -149,7 +186,7 @@ class ModelRunner:
 
     def wake(self) -> None:
         """Makes a run waiting at a hold look at its control again (call after changing what it answers).
-        Never blocks: a chunk that is computing holds the model and looks at its next step boundary anyway."""
+        Never blocks: a run that is computing holds the model and looks at its next step boundary anyway."""
         if self._cond.acquire(timeout=0.0):
             try:
                 self._cond.notify_all()
@@ -199,7 +236,8 @@ class ModelRunner:
         return out
 
     def flush_cache(self) -> bool:
-        """No cache outlives a batch here (no prefix cache); returns False while rows are decoding, like SGLang."""
+        """No prefix cache here (the KV cache holds running rows only); returns False while rows are
+        decoding, like SGLang."""
         return self.running == 0
 
     def health(self) -> bool:
@@ -270,7 +308,7 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _exclusive(self):
-        """The model, for a weight load: after the running chunk (or at its pause), before queued chunks."""
+        """The model, for a weight load: after the decoding run (or at its pause), before queued runs."""
         self._waiting_updates += 1
         try:
             with self._cond:
@@ -301,6 +339,9 @@ class ModelRunner:
                     self._discarded_shapes = memory.discard(self._weights.params)
                     self._stale = set(self._weights.canonical.values())  # a fused tensor: until each expert is loaded
             self._released.update(tags)
+            if "kv_cache" in tags:
+                self._cache = None  # re-allocated by the next run
+            self._graphs = None  # captured again by the next run: weights or cache may move
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -316,6 +357,7 @@ class ModelRunner:
                 elif self.release_weights == "discard":
                     memory.restore(self._weights.params, self._discarded_shapes, self.device)
                     self._discarded_shapes = {}
+            self._graphs = None  # the graphs read the weights' old storage
             self._released.difference_update(tags)
 
     def model_info(self) -> dict:

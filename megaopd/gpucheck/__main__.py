@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             hf_dir = write_hf_dir(os.path.join(a.workdir, f"bench_{shape}"), shape, vocab, device.type,
                                   torch.float32 if a.quick else torch.bfloat16, 4)
             bench.bench_engine(table, hf_dir, ["float32"] if a.quick else ["bfloat16", "float32"],
-                               seqs=(1, 4) if a.quick else (1, 64), new_tokens=16 if a.quick else 128)
+                               slots=4 if a.quick else 64, new_tokens=16 if a.quick else 128,
+                               repeats=1 if a.quick else 3)
         elif b == "trainer":
             if a.quick:
                 table.skip("bench", "trainer", "GPU only (1.5B shape)")

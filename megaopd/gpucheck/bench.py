@@ -4,7 +4,8 @@
           vs a naive full-vocabulary float32 version (log_softmax materialized), same inputs and loss, bf16
           logits, V=152064, 4096 and 8192 tokens: time (median of 3 after a warm-up) and peak memory above the
           inputs (torch.cuda.max_memory_allocated), and their ratios.
-  engine  megaopd.rollout.embedded generation tokens/s at 1 and 64 sequences (ignore_eos, fixed length).
+  engine  the embedded engine beside transformers' generate (dynamic, static compiled) and continuous batching,
+          64 rows x 128 tokens and 192 OPD-like mixed lengths through 64 slots (megaopd.gpucheck.engine_bench).
   packing one training step padded vs packed (THD, varlen flash kernel) for OPD-like long-tailed lengths
           (mean about 3k, max 8k): time, peak memory, useful-token fraction, ratios.
   trainer the trainer's phases at the 1.5B shape (student and teacher Qwen2.5-1.5B-shaped), tokens/s of the
@@ -115,29 +116,44 @@ def bench_loss(table: Table, device, vocab: int, token_counts, dtype=torch.bfloa
                 torch.cuda.empty_cache()
 
 
-def bench_engine(table: Table, hf_dir: str, dtypes, seqs=(1, 64), new_tokens: int = 128, prompt_len: int = 32) -> None:
-    from megaopd.engine.config import EmbeddedEngineConfig
-    from megaopd.rollout.embedded import EmbeddedEngine
-    from megaopd.rollout.protocol import SamplingParams
+def bench_engine(table: Table, hf_dir: str, dtypes, slots: int = 64, new_tokens: int = 128, prompt_len: int = 32,
+                 repeats: int = 3) -> None:
+    """megaopd.gpucheck.engine_bench (the table of benchmarks/rollout.py): the engine beside transformers'
+    generate (dynamic; static cache, compiled on CUDA) and its continuous batching, fixed and mixed lengths;
+    printed as markdown and kept as INFO rows, with the engine's share of the weight-read bound."""
+    from megaopd.gpucheck import engine_bench as eb
 
+    rates = {}
     for dtype in dtypes:
         with table.guard("bench", "embedded engine", dtype):
-            engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, dtype=dtype, max_batch_size=max(seqs)))
-            params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
-            engine.generate([[5] * prompt_len], SamplingParams(max_new_tokens=8, ignore_eos=True, seed=0))  # warm-up
-            for n in seqs:
-                prompts = [[5 + i % 100] * prompt_len for i in range(n)]
-                _sync(engine.device)
-                t = time.perf_counter()
-                out = engine.generate(prompts, params)
-                _sync(engine.device)
-                dt = time.perf_counter() - t
-                made = sum(len(s.output_ids) for s in out)
-                table.info("bench", f"embedded engine {os.path.basename(hf_dir)}, {n} seqs x {new_tokens} new",
-                           dtype, "generated tokens/s", made / dt)
-            del engine
+            gens = eb.Generators(hf_dir, "cuda" if torch.cuda.is_available() else "cpu", dtype, slots)
+            vocab = int(gens.engine.vocab_size)
+            case_list = eb.cases(slots, prompt_len, new_tokens, vocab)
+            eb.measure(gens, case_list, repeats, log=lambda line: print(f"[gpu_check] engine {dtype}: {line}", flush=True))
+            print(f"[gpu_check] engine bench, {os.path.basename(hf_dir)}, {dtype}:\n" + eb.markdown(case_list, gens.errors),
+                  flush=True)
+            for c in case_list:
+                for name, times in c.seconds.items():
+                    rate = c.tokens / statistics.median(times)
+                    rates[dtype, c.name, name] = rate
+                    table.info("bench", f"{name} {c.name} {len(c.prompts)} rows / {slots} slots x {new_tokens} new",
+                               dtype, "generated tokens/s", rate)
+            if ("fixed", "hf static") in [(k[1], k[2]) for k in rates if k[0] == dtype]:
+                table.info("bench", "engine / hf static (compiled) generate, fixed", dtype, "ratio",
+                           rates[dtype, "fixed", "engine"] / rates[dtype, "fixed", "hf static"])
+            table.info("bench", "engine mixed / fixed lengths", dtype, "ratio",
+                       rates[dtype, "mixed", "engine"] / rates[dtype, "fixed", "engine"])
+            if torch.cuda.is_available():
+                weight_bytes = sum(p.numel() * p.element_size() for p in gens.engine.model.parameters())
+                bound = slots * 3.0e12 / weight_bytes  # every step reads every weight once, ~3 TB/s (H100 HBM3)
+                table.info("bench", f"engine fixed / weight-read bound ({bound:.0f} tokens/s)", dtype, "fraction",
+                           rates[dtype, "fixed", "engine"] / bound)
+            del gens
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    if ("bfloat16", "fixed", "engine") in rates and ("float32", "fixed", "engine") in rates:
+        table.info("bench", "engine bf16 / float32, fixed", "-", "ratio",
+                   rates["bfloat16", "fixed", "engine"] / rates["float32", "fixed", "engine"])
 
 
 def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5-1.5b", steps: int = 4,

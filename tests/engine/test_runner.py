@@ -36,7 +36,7 @@ def test_logprobs_match_independent_hf_forward(engine, tiny_dir, temperature, to
     # Left-padded prompts of different lengths, n samples sharing a prefill, rows leaving the batch.
     samples = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=12, temperature=temperature, top_p=top_p,
                                                       top_k=top_k, seed=11, stop_token_ids=[7, 13]))
-    assert max_logprob_gap(tiny_dir, samples, temperature) < 1e-4
+    assert max_logprob_gap(tiny_dir, samples, temperature) < 1e-5  # float32 round-off
 
 
 def test_eos_finishes_stop_and_is_kept(eos_dir):
@@ -163,3 +163,36 @@ def test_bad_prompts(engine):
     with pytest.raises(ValueError, match="exceeds the model's context"):
         engine.generate([[1] * 10], SamplingParams(max_new_tokens=600))
 
+
+
+def test_continuous_batching_rows_match_alone(eos_dir):
+    """More rows than slots, mixed budgets, some ending on EOS: each row's tokens and log-probs are those
+    it gets alone (a finished row's slot goes to a waiting row; a row's draws are its own)."""
+    from megaopd.engine.rows import RowRequest
+
+    eng = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=eos_dir, max_batch_size=3))
+    rows = [RowRequest(prompt_ids=[3 + i, 5, 7 + 2 * i][: 1 + i % 3], max_new_tokens=4 + 5 * (i % 4),
+                       stop_ids=frozenset({EOS}) if i % 2 else frozenset(), seed=100 + i,
+                       top_p=0.9 if i == 5 else 1.0) for i in range(10)]
+    together = eng.run(rows)
+    assert len(together) == 10 and eng._cache.slots == 3
+    for r, t in zip(rows, together):
+        alone = eng.run([r])[0]
+        assert t.output_ids == alone.output_ids and t.finish_reason == alone.finish_reason
+        assert t.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        assert len(t.output_ids) <= r.max_new_tokens
+        if t.finish_reason == "length":
+            assert len(t.output_ids) == r.max_new_tokens
+    assert any(t.finish_reason == "stop" for t in together)
+
+
+def test_sync_every_keeps_results(tiny_dir):
+    """Reading the finished flags every 5 steps (the CUDA default is 8) gives the same rows as every step."""
+    from megaopd.engine.rows import RowRequest
+
+    rows = [RowRequest(prompt_ids=[4, 9, i + 3], max_new_tokens=3 + 4 * i, stop_ids=frozenset({EOS, 11}),
+                       seed=i) for i in range(7)]
+    a = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4)).run(rows)
+    b = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4, sync_every=5)).run(rows)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert [r.finish_reason for r in a] == [r.finish_reason for r in b]

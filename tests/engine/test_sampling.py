@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megaopd.engine.sampling import (filtered_probs, keep_mask, row_generator, sample_tokens, scaled_logprobs)
+from megaopd.engine.sampling import (filtered_probs, keep_mask, needs_filter, row_uniforms, sample_tokens,
+                                     scaled_logprobs)
 
 # Fixed logits over 8 tokens; softmax at T=1 is about [.43 .21 .16 .08 .06 .03 .02 .01].
 LOGITS = torch.tensor([2.0, 1.3, 1.0, 0.3, 0.0, -0.7, -1.0, -1.7])
@@ -22,9 +23,10 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def draw(logits, n, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0):
     B = n
     logits_BV = logits.expand(B, -1).clone()
-    g = row_generator(seed)
+    # Row b draws its token index b of seed `seed`: n independent draws.
     ids, lps = sample_tokens(logits_BV, torch.full((B,), temperature), torch.full((B,), top_p),
-                             torch.full((B,), top_k, dtype=torch.long), [g] * B, torch.full((B,), min_p))
+                             torch.full((B,), top_k, dtype=torch.long), torch.full((B,), seed), torch.arange(B),
+                             torch.full((B,), min_p), filters=needs_filter(top_p, top_k, min_p, 8))
     return ids, lps
 
 
@@ -87,15 +89,56 @@ def test_greedy_takes_argmax_with_raw_logprob():
     assert torch.allclose(scaled_logprobs(LOGITS[None], torch.tensor([1e-9])), torch.log_softmax(LOGITS, -1)[None])
 
 
-def test_mixed_rows_and_generators_are_independent():
+def test_mixed_rows_are_independent():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     temp = torch.tensor([0.0, 1.0, 0.8])
     top_p = torch.tensor([1.0, 0.9, 1.0])
     top_k = torch.tensor([-1, -1, 10])
-    a, _ = sample_tokens(logits, temp, top_p, top_k, [row_generator(s) for s in (1, 2, 3)])
-    b, _ = sample_tokens(logits, temp, top_p, top_k, [row_generator(s) for s in (9, 2, 3)])
-    assert a[1:].tolist() == b[1:].tolist()  # a row's draw depends only on its own generator
+    idx = torch.tensor([0, 5, 7])
+    a, _ = sample_tokens(logits, temp, top_p, top_k, torch.tensor([1, 2, 3]), idx)
+    b, _ = sample_tokens(logits, temp, top_p, top_k, torch.tensor([9, 2, 3]), idx)
+    assert a[1:].tolist() == b[1:].tolist()  # a row's draw depends only on its own seed and index
     assert a[0] == logits[0].argmax()
-    c, _ = sample_tokens(logits[1:2], temp[1:2], top_p[1:2], top_k[1:2], [row_generator(2)])
+    c, _ = sample_tokens(logits[1:2], temp[1:2], top_p[1:2], top_k[1:2], torch.tensor([2]), idx[1:2])
     assert c.tolist() == a[1:2].tolist()  # ...and not on the other rows of the batch
 
+
+def test_unfiltered_rows_skip_the_sort_and_draw_the_same():
+    """filters=False (no sort) draws what the filtering path draws when nothing is filtered."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    args = (logits, torch.ones(6), torch.ones(6), torch.full((6,), -1), torch.arange(6) * 11, torch.arange(6))
+    assert sample_tokens(*args, filters=False)[0].tolist() == sample_tokens(*args, filters=True)[0].tolist()
+    assert not needs_filter(1.0, -1, 0.0, 300) and not needs_filter(1.0, 300, 0.0, 300)
+    assert needs_filter(0.9, -1, 0.0, 300) and needs_filter(1.0, 5, 0.0, 300) and needs_filter(1.0, -1, 0.1, 300)
+
+
+def test_row_uniforms_are_uniform_and_keyed():
+    seeds, index = torch.arange(20000) % 97, torch.arange(20000) // 97
+    u = row_uniforms(seeds, index)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    counts = torch.histc(u.float(), bins=20, min=0.0, max=1.0)
+    assert chi2_pvalue(counts.long(), torch.full((20,), 0.05)) > 1e-3
+    assert row_uniforms(torch.tensor([5]), torch.tensor([3])).item() == \
+        row_uniforms(torch.tensor([5, 6]), torch.tensor([3, 3]))[0].item()
+    assert len(set(row_uniforms(torch.tensor([1, 2, 1]), torch.tensor([0, 0, 1])).tolist())) == 3
+
+
+def test_inverse_cdf_equals_one_level_search():
+    """The two-level search picks what a float64 cumsum over the whole vocabulary picks, never a zero-mass
+    token (masked tokens, padding of a vocabulary that is not a multiple of the block, u near 1)."""
+    from megaopd.engine.sampling import inverse_cdf
+
+    g = torch.Generator().manual_seed(0)
+    mass = torch.rand(64, 1000, generator=g) ** 4
+    mass[:, 700:] = 0  # a filtered tail, and a row with a single token
+    mass[3] = 0
+    mass[3, 5] = 0.2
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 0.999999])
+    picked = inverse_cdf(mass, u)
+    cdf = mass.double().cumsum(-1)
+    ref = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    ok = (picked == ref) | (ref >= 700)  # ref can fall past the last kept token at u near 1
+    assert bool(ok.all()), (picked[~ok], ref[~ok])
+    assert bool((mass.gather(1, picked[:, None]) > 0).all())
+    assert picked[3] == 5

@@ -1,0 +1,94 @@
+"""How the embedded engine calls the model: prefill new rows into their cache slots, and one decode step of
+the running rows (megaopd.engine.cache). No locks here: the runner holds the model.
+
+Both build the attention mask themselves and hand it to the model as a 4D bool mask (or {layer type: mask}
+for models that mix sliding and full layers), which transformers' models take as prepared (no mask
+construction of theirs, no question asked of the cache):
+    prefill  causal over the left-padded batch, padding keys masked (a padding query sees itself only, so
+             no softmax row is empty);
+    decode   row a sees positions 0 .. pos_a of its slot; sliding-window layers also drop what is further
+             back than the window.
+Positions count real tokens only, so a row gets the RoPE phases of its unpadded sequence.
+
+On CUDA, decode steps may be replayed from CUDA graphs (megaopd.engine.graphs); this module is the eager form.
+
+Legend: U distinct sequences of a prefill, P padded length, A running rows, L attended length, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megaopd.engine.cache import PrefillCopy, SlotCache
+
+
+def layer_windows(model_config) -> dict[str, int | None]:
+    """{layer type: sliding window or None} of the model's attention layers (full attention only, for most)."""
+    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    window = getattr(cfg, "sliding_window", None)
+    return {t: (int(window) if t == "sliding_attention" and window else None) for t in types}
+
+
+@dataclass
+class Forward:
+    """The model and how to call it: its device, the id that pads prompts, and forward's cache keyword."""
+
+    model: Any
+    """An HF causal LM (transformers' AutoModelForCausalLM)."""
+    device: torch.device
+    pad_id: int
+    cache_kw: str
+    """transformers 5.2x renamed forward's `past_key_values` to `cache` (the old name warns on every call
+    and goes in 5.40); older releases know only the old name."""
+    windows: dict[str, int | None] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.windows:
+            self.windows = layer_windows(self.model.config)
+
+    def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, visible: torch.Tensor):
+        """The 4D mask, or {layer type: mask} for models with several (only they read a dict: a 4D tensor
+        is what every model takes as prepared)."""
+        out = {}
+        for kind, window in self.windows.items():
+            m = visible
+            if window is not None:
+                m = m & (k_pos > q_pos - window)
+            out[kind] = m
+        return next(iter(out.values())) if len(out) == 1 else out
+
+    def prefill(self, cache: SlotCache, seqs: list[list[int]], copies: list[PrefillCopy]) -> torch.Tensor:
+        """Runs the distinct sequences (left-padded) and copies their keys into the slots `copies` name;
+        returns the last position's logits [U, V] in float32."""
+        U, P = len(seqs), max(len(s) for s in seqs)
+        ids_UP = torch.full((U, P), self.pad_id, dtype=torch.long)
+        real_UP = torch.zeros((U, P), dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            ids_UP[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+            real_UP[i, P - len(s):] = True
+        ids_UP, real_UP = ids_UP.to(self.device), real_UP.to(self.device)
+        pos_UP = (real_UP.long().cumsum(-1) - 1).clamp(min=0)
+        ar_P = torch.arange(P, device=self.device)
+        causal_PP = ar_P[None, :] <= ar_P[:, None]
+        visible = (causal_PP[None] & real_UP[:, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)[None]
+        masks = self._masks(pos_UP[:, :, None], pos_UP[:, None, :], visible)
+        masks = masks[:, None] if torch.is_tensor(masks) else {k: m[:, None] for k, m in masks.items()}
+        out = self.model(input_ids=ids_UP, attention_mask=masks, position_ids=pos_UP, use_cache=True,
+                         logits_to_keep=1, **{self.cache_kw: cache.for_prefill(copies)})
+        cache.for_prefill(None)
+        return out.logits[:, -1, :].float()
+
+    def step(self, cache: SlotCache, tokens_A: torch.Tensor, pos_A: torch.Tensor, rows_A: torch.Tensor,
+             length: int) -> torch.Tensor:
+        """One token per running row (slots 0 .. A-1), written at pos_A; attention over the first `length`
+        positions of each slot. Returns logits [A, V] (the model's dtype: the sampler upcasts)."""
+        k_pos = torch.arange(length, device=self.device)[None, None, None, :]
+        q_pos = pos_A[:, None, None, None]
+        masks = self._masks(q_pos, k_pos, k_pos <= q_pos)
+        out = self.model(input_ids=tokens_A[:, None], attention_mask=masks, position_ids=pos_A[:, None],
+                         use_cache=True, logits_to_keep=1,
+                         **{self.cache_kw: cache.for_decode(rows_A, pos_A, length)})
+        return out.logits[:, -1, :]

@@ -1,0 +1,98 @@
+"""Decode steps replayed from CUDA graphs (CUDA only; the CPU runs megaopd.engine.forward eagerly).
+
+A decode step of A running rows launches hundreds of small kernels; on a GPU their launch, not their work,
+sets the pace (the issue's profile: 567 ms of CPU to 119 ms of GPU for 16 steps). So, as SGLang does for
+its `cuda_graph_bs`, the step (model forward over the slot cache, megaopd.engine.forward.Forward.step) is
+captured with torch.cuda.CUDAGraph for a set of batch sizes and replayed: a step of A rows replays the
+graph of the smallest captured batch size >= A, the rows past A being padding (slots A.. are free: the
+running rows are packed; a padding row writes position 0 of its free slot, which a later prefill
+overwrites). Attention reads a fixed number of positions per graph, so graphs are also keyed by a length
+bucket (powers of two from 256 up to the cache's capacity): a short batch does not pay for the longest
+possible row. Graphs are captured when first needed, share one memory pool, and read their inputs from
+buffers of their own (the step's tokens and positions are copied in before a replay).
+
+A graph is valid while the tensors it read at capture keep their storage: the runner drops these graphs
+with the KV cache, and when weights move (release_memory / resume_memory of "weights", "cuda_graph").
+A capture that fails (a model whose forward syncs with the host, say) turns graphs off for this engine,
+with a warning, and decoding goes on eagerly.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from megaopd.engine.cache import SlotCache
+from megaopd.engine.forward import Forward
+
+
+def default_batch_sizes(slots: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to slots (and slots itself), as SGLang's default cuda_graph_bs."""
+    sizes = [b for b in (1, 2, 4) if b < slots] + list(range(8, slots, 8)) + [slots]
+    return sorted(set(sizes))
+
+
+def length_buckets(capacity: int) -> list[int]:
+    out, n = [], 256
+    while n < capacity:
+        out.append(n)
+        n *= 2
+    return out + [capacity]
+
+
+class DecodeGraphs:
+    """Captured decode steps over one SlotCache; step() returns None when no graph applies (then eager)."""
+
+    def __init__(self, fwd: Forward, cache: SlotCache, batch_sizes: list[int] | None):
+        self.fwd, self.cache = fwd, cache
+        sizes = default_batch_sizes(cache.slots) if batch_sizes is None else sorted({min(int(b), cache.slots)
+                                                                                     for b in batch_sizes})
+        self.batch_sizes = sizes
+        self.buckets = length_buckets(cache.capacity)
+        dev = fwd.device
+        self.tokens = torch.zeros(cache.slots, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(cache.slots, dtype=torch.long, device=dev)
+        self.rows = torch.arange(cache.slots, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.off: str | None = None
+
+    def step(self, st, A: int, length: int) -> torch.Tensor | None:
+        if self.off is not None:
+            return None
+        bs = next((b for b in self.batch_sizes if b >= A), None)
+        L = next((b for b in self.buckets if b >= length), None)
+        if bs is None or L is None:
+            return None
+        self.tokens[:A].copy_(st.token_S[:A])
+        self.pos[:A].copy_(st.pos_S[:A])
+        if bs > A:
+            self.tokens[A:bs].zero_()
+            self.pos[A:bs].zero_()
+        entry = self.graphs.get((bs, L))
+        if entry is None:
+            try:
+                entry = self.graphs[bs, L] = self._capture(bs, L)
+            except Exception as e:  # noqa: BLE001 - eager decoding still works
+                self.off = f"{type(e).__name__}: {e}"
+                warnings.warn(f"CUDA graph capture failed ({self.off}); the embedded engine decodes eagerly")
+                return None
+        graph, logits = entry
+        graph.replay()
+        return logits[:A]
+
+    def _run(self, bs: int, L: int) -> torch.Tensor:
+        return self.fwd.step(self.cache, self.tokens[:bs], self.pos[:bs], self.rows[:bs], L)
+
+    def _capture(self, bs: int, L: int):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph (allocator, lazy kernels); rewrites what the step writes
+                self._run(bs, L)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._run(bs, L)
+        self.pool = graph.pool()
+        return graph, logits

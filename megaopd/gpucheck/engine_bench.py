@@ -1,0 +1,174 @@
+"""Generation throughput: the embedded engine beside transformers' own generators, same model, same prompts.
+
+benchmarks/rollout.py runs it on CPU (a small Qwen2) and `python -m megaopd.gpucheck --bench engine` on a
+GPU (the Qwen2.5-1.5B shape); both print the table of `markdown`.
+
+Generators (every one samples at T=1 with no filtering, ignores EOS, and makes each row's budget):
+    engine      megaopd's embedded engine (megaopd.engine: slot KV cache, continuous batching, CUDA graphs
+                on GPU), all rows in one run through `slots` slots
+    hf dynamic  transformers' `generate` with its DynamicCache, the rows in batches of `slots` (left-padded;
+                a batch runs to its longest budget, longer rows' surplus tokens are not counted)
+    hf static   the same with cache_implementation="static" (transformers compiles its forward on CUDA)
+    hf cb       transformers' continuous batching (init_continuous_batching: paged cache, per-request budget)
+
+Cases: "fixed" (every row the same budget) and "mixed" (3 x slots rows, budgets from the OPD-like length
+distribution of the packing benchmark, scaled to the same mean budget). Runs are interleaved (each repeat
+times every generator once) so load changes hit all alike; the table gives medians and each generator's
+ratio to `hf dynamic`, and the engine's mixed / fixed ratio.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+GENERATORS = ("engine", "hf dynamic", "hf static", "hf cb")
+
+
+@dataclass
+class Case:
+    name: str
+    prompts: list[list[int]]
+    budgets: list[int]
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.budgets)
+
+
+def cases(slots: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0) -> list[Case]:
+    """fixed: `slots` rows x new_tokens; mixed: 3 x slots rows with OPD-like budgets of mean new_tokens."""
+    from megaopd.gpucheck.build import opd_lengths
+
+    g = torch.Generator().manual_seed(seed)
+    _, resp = opd_lengths(3 * slots, 1.0, seed=seed)
+    mean = statistics.mean(resp)
+    mixed_budgets = [max(1, round(r * new_tokens / mean)) for r in resp]
+    prompts = torch.randint(3, vocab, (3 * slots, prompt_len), generator=g).tolist()
+    return [Case("fixed", prompts[:slots], [new_tokens] * slots), Case("mixed", prompts, mixed_budgets)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Generators:
+    """The four generators over one HF directory; `time(name, case)` runs one and returns seconds."""
+
+    def __init__(self, hf_dir: str, device: str, dtype: str, slots: int, which=GENERATORS):
+        from transformers import AutoModelForCausalLM
+
+        from megaopd.engine.config import DTYPES, EmbeddedEngineConfig
+        from megaopd.engine.runner import ModelRunner
+
+        self.device, self.slots, self.which = torch.device(device), slots, list(which)
+        self.engine = ModelRunner(EmbeddedEngineConfig(hf_dir=hf_dir, device=device, dtype=dtype,
+                                                       max_batch_size=slots, load_tokenizer=False))
+        self.hf = None
+        if any(w.startswith("hf") for w in self.which):
+            self.hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype]).to(self.device).eval()
+        self.errors: dict[str, str] = {}
+
+    @torch.inference_mode()
+    def time(self, name: str, case: Case) -> float:
+        _sync(self.device)
+        t = time.perf_counter()
+        made = getattr(self, "_" + name.replace(" ", "_"))(case)
+        _sync(self.device)
+        dt = time.perf_counter() - t
+        if made != case.tokens:
+            raise AssertionError(f"{name} made {made} tokens on case {case.name}, expected {case.tokens}")
+        return dt
+
+    def _engine(self, case: Case) -> int:
+        from megaopd.engine.rows import RowRequest
+
+        rows = [RowRequest(prompt_ids=p, max_new_tokens=b, temperature=1.0, seed=i)
+                for i, (p, b) in enumerate(zip(case.prompts, case.budgets))]
+        return sum(len(r.output_ids) for r in self.engine.run(rows))
+
+    def _hf_generate(self, case: Case, **kw) -> int:
+        made = 0
+        for s in range(0, len(case.prompts), self.slots):
+            prompts, budgets = case.prompts[s:s + self.slots], case.budgets[s:s + self.slots]
+            L = max(len(p) for p in prompts)
+            ids = torch.zeros((len(prompts), L), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(prompts):
+                ids[i, L - len(p):], mask[i, L - len(p):] = torch.tensor(p), 1
+            out = self.hf.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                   do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(budgets),
+                                   min_new_tokens=max(budgets), pad_token_id=0, **kw)
+            made += sum(min(b, out.shape[1] - L) for b in budgets)
+        return made
+
+    def _hf_dynamic(self, case: Case) -> int:
+        return self._hf_generate(case)
+
+    def _hf_static(self, case: Case) -> int:
+        return self._hf_generate(case, cache_implementation="static")
+
+    def _hf_cb(self, case: Case) -> int:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(case.budgets),
+                              eos_token_id=-1, pad_token_id=0)
+        page, prompt = 256, max(len(p) for p in case.prompts)
+        manager = self.hf.init_continuous_batching(
+            generation_config=gc, continuous_batching_config=ContinuousBatchingConfig(
+                max_requests_per_batch=self.slots, page_size=page, max_batch_tokens=max(512, self.slots * prompt),
+                # Sized to the slots (left to itself it takes a share of the device's memory: all of a CPU's).
+                num_blocks=self.slots * (-(-(prompt + max(case.budgets)) // page) + 1)))
+        manager.start()
+        try:
+            ids = [manager.add_request(input_ids=p, max_new_tokens=b) for p, b in zip(case.prompts, case.budgets)]
+            made = 0
+            for rid in ids:
+                for res in manager.request_id_iter(rid):
+                    if res.is_finished():
+                        made += len(res.generated_tokens)
+        finally:
+            manager.stop(block=True)
+        return made
+
+
+def measure(gens: Generators, case_list: list[Case], repeats: int, log=print) -> None:
+    """Interleaved: every repeat times each generator on each case once (after one warm-up run each)."""
+    for case in case_list:
+        for name in list(gens.which):
+            try:
+                gens.time(name, case)  # warm-up (and compilation / capture)
+            except Exception as e:  # noqa: BLE001 - a generator that fails here is reported, not fatal
+                gens.errors[name] = f"{type(e).__name__}: {str(e)[:120]}"
+                gens.which.remove(name)
+                log(f"{name}: {gens.errors[name]}")
+    for r in range(repeats):
+        for case in case_list:
+            for name in gens.which:
+                dt = gens.time(name, case)
+                case.seconds.setdefault(name, []).append(dt)
+                log(f"repeat {r} {case.name:5s} {name:10s} {case.tokens / dt:9.1f} tok/s")
+
+
+def markdown(case_list: list[Case], errors: dict[str, str] | None = None) -> str:
+    lines = ["| case | rows | tokens | generator | median s | tokens/s | / hf dynamic |", "|---|---|---|---|---|---|---|"]
+    rate: dict[tuple[str, str], float] = {}
+    for c in case_list:
+        for name, times in c.seconds.items():
+            rate[c.name, name] = c.tokens / statistics.median(times)
+        for name, times in c.seconds.items():
+            base = rate.get((c.name, "hf dynamic"))
+            ratio = f"{rate[c.name, name] / base:.2f}" if base else "-"
+            lines.append(f"| {c.name} | {len(c.prompts)} | {c.tokens} | {name} | {statistics.median(times):.3f} | "
+                         f"{rate[c.name, name]:.0f} | {ratio} |")
+    if ("fixed", "engine") in rate and ("mixed", "engine") in rate:
+        lines.append("")
+        lines.append(f"engine mixed / fixed tokens/s: {rate['mixed', 'engine'] / rate['fixed', 'engine']:.2f}")
+    for name, err in (errors or {}).items():
+        lines.append(f"{name}: not measured ({err})")
+    return "\n".join(lines)
