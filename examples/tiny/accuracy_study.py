@@ -150,13 +150,13 @@ def report(out: str, seeds: list[int]) -> str:
                      f"{sum(v['events'] for v in done.values())} |")
     start = next((v["start"] for per in stats.values() for v in per.values() if v), None)
     lines.append("")
-    lines.append(f"Validation accuracy at step 0 (all runs): {start}.")
+    lines.append(f"- Validation accuracy at step 0 (all runs): {start}.")
     for arm in (a for a in ARMS if a != "opd"):
         if arm in finals and "opd" in finals and len(finals[arm]) > 1 and len(finals["opd"]) > 1:
             (m1, se1), (m0, se0) = mean_se(finals[arm]), mean_se(finals["opd"])
             se = math.sqrt(se1 ** 2 + se0 ** 2)
             verdict = "more" if m1 - m0 > 2 * se else "NOT more"
-            lines.append(f"{arm} - opd: {m1 - m0:+.3f}, standard error of the difference {se:.3f} "
+            lines.append(f"- {arm} - opd: {m1 - m0:+.3f}, standard error of the difference {se:.3f} "
                          f"({(m1 - m0) / se:.1f} SE): {verdict} than 2 standard errors.")
     return "\n".join(lines)
 
