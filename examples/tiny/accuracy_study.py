@@ -1,5 +1,7 @@
 """The accuracy study on the tiny CPU setup: plain OPD vs Stable-OPD (fixed weights) vs Stable-OPD with the
-adaptive controller (loss.controller=adaptive), 3 seeds each, every run on one thread; then the table
+adaptive controller (loss.controller=adaptive), plus a second fixed arm with a 5x reference KL
+(stable_opd_fixed_kl1, added after the first fixed arm missed 2 standard errors), 3 seeds each, every run
+on one thread (about 2-4 minutes on a shared 2-core EPYC); then the table
 (final validation accuracy mean +/- standard error over seeds, the step where the rollouts' truncation rate
 first passes 0.2, golden tokens used, the weights over the run) and the figures (`megaopd plot --bands`:
 accuracy, truncation and repetition per step with the seed band).
