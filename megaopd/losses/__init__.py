@@ -21,6 +21,8 @@ from megaopd.losses.registry import LOSSES, BoundLoss, LossNeeds, build_loss, ge
 from megaopd.losses.policy import GRPOConfig, OPDConfig, discounted_returns, grpo_advantages  # registers
 from megaopd.losses.divergence import GKDConfig, LSMConfig, RefKLConfig, SFTConfig, student_topk_support
 from megaopd.losses.composite import StableOPDConfig, TermConfig, WeightedSumConfig
+from megaopd.losses.controller import (AdaptiveConfig, ControllerSignals, ControllerState, WeightController,
+                                       build_controlled_loss, control_step)
 
 
 @dataclass
@@ -35,15 +37,27 @@ class LossConfig:
     mask_first_tokens: list[str] = field(default_factory=list)
     """Special-token masking (LSM paper): tokens whose FIRST occurrence in each response is removed from
     the loss mask, e.g. ["<think>", "<|im_end|>"] (paper code: "<", "think", "<|im_end|>")."""
+    controller: str = "fixed"
+    """fixed | adaptive. adaptive (stable_opd only): sft_weight and ref_kl_weight move within the bounds of
+    `adaptive` in response to the collapse early-warning signals (controller.py, docs/algorithms.md 1.11);
+    they start at the loss config's values, clamped into the bounds."""
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    """The adaptive controller's bounds and rule (read only when controller=adaptive)."""
 
 
 def build_loss_from(section: LossConfig) -> BoundLoss:
-    """build_loss(section.name, section.config)."""
-    return build_loss(section.name, section.config)
+    """build_loss(section.name, section.config); with controller=adaptive its needs are those at the ceilings."""
+    return build_controlled_loss(section.name, section.config, section.controller, section.adaptive)[0]
+
+
+def build_controller(section: LossConfig, loss: BoundLoss) -> WeightController | None:
+    """The adaptive controller of `loss` (build_loss_from's), or None for controller=fixed."""
+    return WeightController(section.adaptive, loss) if section.controller == "adaptive" else None
 
 
 __all__ = [
-    "AGGREGATIONS", "LOSSES", "BoundLoss", "LossNeeds", "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
+    "AGGREGATIONS", "LOSSES", "AdaptiveConfig", "BoundLoss", "ControllerSignals", "ControllerState", "WeightController",
+    "build_controller", "control_step", "LossNeeds", "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
     "OPDConfig", "RefKLConfig", "SFTConfig", "StableOPDConfig", "TermConfig", "WeightedSumConfig",
     "aggregate", "all_reduce_counts", "build_loss", "build_loss_from", "discounted_returns", "get_spec",
     "grpo_advantages", "local_counts", "make_config", "mask_first_occurrences", "register_loss",

@@ -12,7 +12,13 @@ when a resumed run logged a step twice the later line wins.
 
 Output goes to RUN/plots/ of the first RUN, or to --out DIR.
 
+With --bands, runs that share a parent folder (study/opd/seed_1, study/opd/seed_2, ...) are one line,
+named after the parent: the mean over its runs at each step, with a shaded band from their minimum to
+their maximum (the seed band). A third figure, controller.png, shows the adaptive controller's weights
+(loss.controller=adaptive) when a run logged them.
+
     megaopd plot runs/opd runs/stable_opd --out figs/
+    megaopd plot study/*/seed_* --bands --out figs/
 """
 from __future__ import annotations
 
@@ -47,6 +53,11 @@ FIGURES: dict[str, list[Panel]] = {
         Panel("Log-probs of sampled tokens", "mean log-prob", [("rollout/student_logprob_mean", "-", "student"), ("rollout/teacher_logprob_mean", "--", "teacher")]),
         Panel("Advantage", "mean advantage", [("adv/regular_mean", "-", "regular"), ("adv/repetitive_mean", "--", "repetitive")]),
     ],
+    "controller": [
+        Panel("Golden-mix weight (sft_weight)", "weight", [("controller/sft_weight", "-", "")]),
+        Panel("Reference-KL coefficient (ref_kl_weight)", "weight", [("controller/ref_kl_weight", "-", "")]),
+        Panel("Controller pressure", "pressure", [("controller/pressure", "-", "")]),
+    ],
 }
 
 
@@ -75,8 +86,18 @@ def series(rows: dict[int, dict[str, float]], key: str) -> tuple[list[int], list
     return steps, [rows[s][key] for s in steps]
 
 
-def plot_runs(runs: dict[str, dict[int, dict[str, float]]], out_dir: str) -> list[str]:
-    """Draws FIGURES for the named runs into out_dir; returns the paths written."""
+def band(group: list[dict[int, dict[str, float]]], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, mean, min and max of `key` over the runs of a group (each step over the runs that logged it)."""
+    steps = sorted({s for rows in group for s, r in rows.items() if key in r})
+    values = [[rows[s][key] for rows in group if key in rows.get(s, {})] for s in steps]
+    return steps, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+def plot_runs(runs: dict[str, dict[int, dict[str, float]] | list[dict[int, dict[str, float]]]],
+              out_dir: str) -> list[str]:
+    """Draws FIGURES for the named runs into out_dir; returns the paths written. A value that is a list
+    of runs (seeds) is drawn as its mean with a min-max band."""
+    runs = {name: rows if isinstance(rows, list) else [rows] for name, rows in runs.items()}
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster and CI nodes
@@ -86,17 +107,21 @@ def plot_runs(runs: dict[str, dict[int, dict[str, float]]], out_dir: str) -> lis
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     written = []
     for fig_name, panels in FIGURES.items():
-        present = [p for p in panels if any(series(rows, k)[0] for rows in runs.values() for k, _, _ in p.series)]
+        present = [p for p in panels if any(series(rows, k)[0] for group in runs.values() for rows in group
+                                            for k, _, _ in p.series)]
         if not present:
             continue
         fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.8), squeeze=False)
         for ax, panel in zip(axes[0], present):
-            for i, (run_name, rows) in enumerate(runs.items()):
+            for i, (run_name, group) in enumerate(runs.items()):
                 for key, style, suffix in panel.series:
-                    x, y = series(rows, key)
+                    x, y, lo, hi = band(group, key)
                     if not x:
                         continue
                     label = f"{run_name} ({suffix})" if suffix else run_name
+                    if len(group) > 1:
+                        label += f" (mean of {len(group)}, band min-max)"
+                        ax.fill_between(x, lo, hi, color=colors[i % len(colors)], alpha=0.18, linewidth=0)
                     ax.plot(x, y, style, color=colors[i % len(colors)], label=label, linewidth=1.5, markersize=3)
             ax.set_title(panel.title)
             ax.set_xlabel("step")
@@ -117,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megaopd plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", metavar="RUN", help="run folders holding metrics.jsonl")
     ap.add_argument("--out", default=None, help="output folder (default: RUN/plots of the first RUN)")
+    ap.add_argument("--bands", action="store_true",
+                    help="one line per parent folder: the mean of its runs (seeds) with a min-max band")
     args = ap.parse_args(argv)
     runs = {}
     for run in args.runs:
@@ -124,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isfile(path):
             print(f"megaopd plot: {path} not found; pass run folders written by `megaopd train`", file=sys.stderr)
             return 2
+        if args.bands:
+            runs.setdefault(os.path.basename(os.path.dirname(os.path.normpath(run))), []).append(read_metrics(path))
+            continue
         name = os.path.basename(os.path.normpath(run))
         while name in runs:  # two runs with one folder name (a/run, b/run): keep both
             name += "'"

@@ -34,7 +34,7 @@ from megaopd.batching.shares import mini_batch_rows, row_owners
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
 from megaopd.data.vocab import loss_mask_ids
-from megaopd.losses import build_loss_from, mask_first_occurrences
+from megaopd.losses import mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
@@ -48,6 +48,7 @@ from megaopd.scoring.runner import PipelineRunner
 from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
@@ -70,7 +71,7 @@ class Trainer:
         self.cfg, self.rank = cfg, dist.get_rank()
         self.run_log: RunLog | None = None  # created once the run folder's state is known
         torch.manual_seed(cfg.trainer.seed)
-        self.loss_fn = build_loss_from(cfg.loss)
+        self.loss_fn = ControlledLoss(cfg.loss)  # with loss.controller=adaptive, its weights follow the rollouts
         self.needs = self.loss_fn.needs
         self.temperature = cfg.rollout.temperature
         self._load_inputs()
@@ -122,7 +123,8 @@ class Trainer:
         self.detector = CollapseDetector(cfg.metrics.collapse)
         self.preemption = PreemptionFlag()
         # What a checkpoint keeps besides weights, optimizer and RNG: saved and restored under these keys.
-        self.stateful = {"scheduler": self.scheduler, "data": self.loader, "collapse": self.detector}
+        self.stateful = {"scheduler": self.scheduler, "data": self.loader, "collapse": self.detector,
+                         **self.loss_fn.stateful}
         latest = latest_checkpoint(cfg.run.dir)
         if latest is not None:
             self.step = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs, self.stateful)
@@ -197,8 +199,9 @@ class Trainer:
                     interval = self.cfg.rollout.parity_interval
                     if interval and self.step % interval == 0:
                         self.check_parity()
-            if rollout is not None:  # collective: each replica sums over its rows, one small gather
-                step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)
+            if rollout is not None:  # collective: each replica sums over its rows, one small gather; then (every
+                step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)  # rank) the
+                metrics.update(self.loss_fn.observe(self.step, step, self.run_log))  # adaptive controller's weights
             if rollout is not None and self.rank == 0:
                 metrics.update(step)
                 self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))

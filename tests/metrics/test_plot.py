@@ -67,3 +67,18 @@ def test_plot_errors_and_reader(tmp_path):
                                        '{"step": 1, "event": "checkpoint", "message": "x", "value": 5}\n')
     # The trainer's event records (checkpoints, warnings) must not replace the step's metrics.
     assert read_metrics(str(run / "metrics.jsonl")) == {1: {"step": 1.0, "a": 2.0}}
+
+
+def test_plot_seed_bands(tmp_path):
+    """--bands: runs under one parent folder are one line (mean, min-max band); band() is that arithmetic."""
+    from megaopd.metrics.plot import band
+
+    for arm, collapse in (("opd", True), ("stable_opd", False)):
+        for seed in (1, 2):
+            _write_run(tmp_path / arm / f"seed_{seed}", 20, collapse=collapse)
+    out = tmp_path / "figs"
+    runs = [str(tmp_path / a / f"seed_{s}") for a in ("opd", "stable_opd") for s in (1, 2)]
+    assert cli_main(["plot", *runs, "--bands", "--out", str(out)]) == 0
+    _not_blank(out / "collapse.png")
+    group = [{0: {"x": 1.0}, 1: {"x": 2.0}}, {0: {"x": 3.0}}]
+    assert band(group, "x") == ([0, 1], [2.0, 2.0], [1.0, 2.0], [3.0, 2.0])
