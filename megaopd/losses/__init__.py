@@ -17,6 +17,7 @@ from typing import Any
 from megaopd.losses.aggregation import AGGREGATIONS, aggregate
 from megaopd.losses.inputs import LossInputs, all_reduce_counts, local_counts
 from megaopd.losses.masking import mask_first_occurrences
+from megaopd.losses.off_policy import OFF_POLICY_CORRECTIONS, OffPolicyCorrection
 from megaopd.losses.registry import LOSSES, BoundLoss, LossNeeds, build_loss, get_spec, make_config, register_loss
 from megaopd.losses.policy import GRPOConfig, OPDConfig, discounted_returns, grpo_advantages  # registers
 from megaopd.losses.divergence import GKDConfig, LSMConfig, RefKLConfig, SFTConfig, student_topk_support
@@ -35,15 +36,31 @@ class LossConfig:
     mask_first_tokens: list[str] = field(default_factory=list)
     """Special-token masking (LSM paper): tokens whose FIRST occurrence in each response is removed from
     the loss mask, e.g. ["<think>", "<|im_end|>"] (paper code: "<", "think", "<|im_end|>")."""
+    off_policy_correction: str = "none"
+    """none | tis | mis | recompute: how opd / grpo treat samples the engine drew under older weights
+    (rollout.mode one_step_off / async; losses/off_policy.py, docs/algorithms.md "Overlapped rollouts")."""
+    off_policy_clip: float = 2.0
+    """C of the correction: tis truncates pi_old / pi_engine at C, mis drops tokens outside [1/C, C]."""
 
 
 def build_loss_from(section: LossConfig) -> BoundLoss:
-    """build_loss(section.name, section.config)."""
-    return build_loss(section.name, section.config)
+    """build_loss(section.name, section.config), with loss.off_policy_correction bound to its policy terms."""
+    bound = build_loss(section.name, section.config)
+    correction = OffPolicyCorrection(section.off_policy_correction, section.off_policy_clip)
+    if correction.method == "none":
+        return bound
+    wanted = bound.needs.old_logprobs and (correction.method != "recompute" or bound.needs.teacher_logprobs)
+    if not wanted:
+        raise ValueError(f"loss.off_policy_correction={correction.method} corrects "
+                         f"{'the reverse-KL reward of opd' if correction.method == 'recompute' else 'opd or grpo'}, "
+                         f"and loss {section.name!r} has no such term; use loss.off_policy_correction=none")
+    bound.off_policy = correction
+    bound.needs = bound.needs.merge(LossNeeds(engine_logprobs=correction.weighs))
+    return bound
 
 
 __all__ = [
-    "AGGREGATIONS", "LOSSES", "BoundLoss", "LossNeeds", "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
+    "AGGREGATIONS", "LOSSES", "OFF_POLICY_CORRECTIONS", "OffPolicyCorrection", "BoundLoss", "LossNeeds", "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
     "OPDConfig", "RefKLConfig", "SFTConfig", "StableOPDConfig", "TermConfig", "WeightedSumConfig",
     "aggregate", "all_reduce_counts", "build_loss", "build_loss_from", "discounted_returns", "get_spec",
     "grpo_advantages", "local_counts", "make_config", "mask_first_occurrences", "register_loss",
