@@ -58,7 +58,8 @@ def run_mode(mode: str, args, env) -> dict:
                      "trainer.save_interval=100000", "trainer.eval_interval=0", "validation.path=''",
                      f"rollout.max_new_tokens={args.max_new_tokens}", "logging.tensorboard=false",
                      "logging.progress_bar=off", "rollout.engine=remote", f"rollout.urls=[{url}]",
-                     f"rollout.mode={mode}", *MODES[mode]]
+                     f"rollout.mode={mode}", f"loss.off_policy_correction={args.correction}",
+                     f"trainer.seed={args.seed}", *MODES[mode]]
         subprocess.run([sys.executable, "-m", "megaopd.cli", "train", os.path.join(TINY, "stable_opd.yaml"),
                         *overrides], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -72,7 +73,10 @@ def run_mode(mode: str, args, env) -> dict:
         vals = [r[key] for r in steps if key in r]
         return statistics.mean(vals) if vals else 0.0
 
-    return {"step": mean("time/step"), "rollout": mean("time/rollout"), "train": mean("time/train"),
+    last = [r for r in rows if "event" not in r][-5:]  # learning: the last five steps
+    return {"rkl": statistics.mean(r.get("opd/reverse_kl", 0.0) for r in last),
+            "trunc": statistics.mean(r.get("rollout/truncation_rate", 0.0) for r in last),
+            "step": mean("time/step"), "rollout": mean("time/rollout"), "train": mean("time/train"),
             "gen": mean("pipeline/generate_s"), "wait": mean("pipeline/trainer_wait_s"),
             "idle": mean("pipeline/engine_idle_s"), "stale": mean("pipeline/staleness_mean")}
 
@@ -84,6 +88,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--correction", default="none", help="loss.off_policy_correction of every mode")
+    p.add_argument("--seed", type=int, default=1234, help="trainer.seed")
     args = p.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT)
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
@@ -94,13 +100,16 @@ def main() -> None:
             print(f"  {mode}: {results[mode][-1]}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     base = statistics.mean(r["step"] for r in results["sync"]) if "sync" in results else None
-    print("\n| mode | s/step | vs sync | rollout s | train s | generate s | trainer waited s | engine idle s | staleness |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\nloss.off_policy_correction={args.correction}, trainer.seed={args.seed}; reverse KL and truncation: "
+          "means of the last five steps")
+    print("| mode | s/step | vs sync | rollout s | train s | generate s | trainer waited s | engine idle s | staleness "
+          "| reverse KL | truncation |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, rs in results.items():
         m = {k: statistics.mean(r[k] for r in rs) for k in rs[0]}
         ratio = f"{m['step'] / base:.2f}" if base else "-"
         print(f"| {mode} | {m['step']:.2f} | {ratio} | {m['rollout']:.2f} | {m['train']:.2f} | {m['gen']:.2f} | "
-              f"{m['wait']:.2f} | {m['idle']:.2f} | {m['stale']:.2f} |")
+              f"{m['wait']:.2f} | {m['idle']:.2f} | {m['stale']:.2f} | {m['rkl']:.4f} | {m['trunc']:.3f} |")
 
 
 if __name__ == "__main__":
