@@ -23,7 +23,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny")
-MODES = {"sync": [], "one_step_off": [], "async": ["rollout.max_staleness=2"]}
+MODES = {"sync": [], "one_step_off": [], "async": []}
 
 
 def _port() -> int:
@@ -60,6 +60,8 @@ def run_mode(mode: str, args, env) -> dict:
                      "logging.progress_bar=off", "rollout.engine=remote", f"rollout.urls=[{url}]",
                      f"rollout.mode={mode}", f"loss.off_policy_correction={args.correction}",
                      f"trainer.seed={args.seed}", *MODES[mode]]
+        if mode == "async":
+            overrides.append(f"rollout.max_staleness={args.max_staleness}")
         subprocess.run([sys.executable, "-m", "megaopd.cli", "train", os.path.join(TINY, "stable_opd.yaml"),
                         *overrides], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -90,6 +92,7 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--correction", default="none", help="loss.off_policy_correction of every mode")
     p.add_argument("--seed", type=int, default=1234, help="trainer.seed")
+    p.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness of async")
     args = p.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT)
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
