@@ -32,10 +32,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(env) -> tuple[subprocess.Popen, str]:
+def _serve(env, max_batch_size: int) -> tuple[subprocess.Popen, str]:
     port = _port()
     proc = subprocess.Popen([sys.executable, "-m", "megaopd.cli", "serve", "--hf-dir",
-                             os.path.join(TINY, "models", "student"), "--port", str(port), "--num-threads", "1"],
+                             os.path.join(TINY, "models", "student"), "--port", str(port), "--num-threads", "1",
+                             "--max-batch-size", str(max_batch_size)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -49,7 +50,7 @@ def _serve(env) -> tuple[subprocess.Popen, str]:
 
 
 def run_mode(mode: str, args, env) -> dict:
-    server, url = _serve(env)
+    server, url = _serve(env, args.engine_batch)
     run_dir = tempfile.mkdtemp(prefix=f"overlap_{mode}_")
     try:
         overrides = [f"run.dir={run_dir}", "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1",
@@ -92,6 +93,8 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--correction", default="none", help="loss.off_policy_correction of every mode")
     p.add_argument("--seed", type=int, default=1234, help="trainer.seed")
+    p.add_argument("--engine-batch", type=int, default=64,
+                   help="the server's --max-batch-size: smaller decodes in more chunks (longer generation)")
     p.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness of async")
     args = p.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT)
