@@ -49,6 +49,18 @@ def _serve(env, max_batch_size: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("megaopd serve did not come up in 120 s")
 
 
+def predict(mode: str, generate_s: float, rest_s: float, sync_s: float = 0.0) -> float:
+    """Step time of `mode` from per-phase costs measured (or estimated) in sync mode, for engines and trainer
+    on devices of their own: generate_s the generation, rest_s the scoring, training and bookkeeping, sync_s
+    the weight push. sync chains them; one_step_off and async overlap generation with the rest, so the
+    slower side sets the pace (async also hides the push behind in-flight generation)."""
+    if mode == "sync":
+        return generate_s + rest_s + sync_s
+    if mode == "one_step_off":
+        return max(generate_s, rest_s) + sync_s
+    return max(generate_s, rest_s + sync_s)
+
+
 def run_mode(mode: str, args, env) -> dict:
     server, url = _serve(env, args.engine_batch)
     run_dir = tempfile.mkdtemp(prefix=f"overlap_{mode}_")
@@ -77,7 +89,8 @@ def run_mode(mode: str, args, env) -> dict:
         return statistics.mean(vals) if vals else 0.0
 
     last = [r for r in rows if "event" not in r][-5:]  # learning: the last five steps
-    return {"rkl": statistics.mean(r.get("opd/reverse_kl", 0.0) for r in last),
+    return {"gen_alone": mean("time/rollout") if mode == "sync" else 0.0, "sync_s": mean("time/sync"),
+            "rkl": statistics.mean(r.get("opd/reverse_kl", 0.0) for r in last),
             "trunc": statistics.mean(r.get("rollout/truncation_rate", 0.0) for r in last),
             "step": mean("time/step"), "rollout": mean("time/rollout"), "train": mean("time/train"),
             "gen": mean("pipeline/generate_s"), "wait": mean("pipeline/trainer_wait_s"),
@@ -93,10 +106,20 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--correction", default="none", help="loss.off_policy_correction of every mode")
     p.add_argument("--seed", type=int, default=1234, help="trainer.seed")
+    p.add_argument("--predict", metavar="GEN,REST,SYNC", default=None,
+                   help="only print predicted step times from these per-phase seconds (no runs), e.g. the "
+                        "1.5B H100 step of issue 25: 9.7,2.38,0.02")
     p.add_argument("--engine-batch", type=int, default=64,
                    help="the server's --max-batch-size: smaller decodes in more chunks (longer generation)")
     p.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness of async")
     args = p.parse_args()
+    if args.predict:
+        gen, rest, sync = (float(x) for x in args.predict.split(","))
+        print("| mode | predicted s/step | vs sync |\n|---|---:|---:|")
+        for mode in MODES:
+            print(f"| {mode} | {predict(mode, gen, rest, sync):.2f} | "
+                  f"{predict(mode, gen, rest, sync) / predict('sync', gen, rest, sync):.2f} |")
+        return
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT)
     print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
     results: dict[str, list[dict]] = {m: [] for m in args.modes.split(",")}
@@ -108,13 +131,18 @@ def main() -> None:
     base = statistics.mean(r["step"] for r in results["sync"]) if "sync" in results else None
     print(f"\nloss.off_policy_correction={args.correction}, trainer.seed={args.seed}; reverse KL and truncation: "
           "means of the last five steps")
-    print("| mode | s/step | vs sync | rollout s | train s | generate s | trainer waited s | engine idle s | staleness "
-          "| reverse KL | truncation |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| mode | s/step | vs sync | predicted | rollout s | train s | generate s | trainer waited s | engine idle s "
+          "| staleness | reverse KL | truncation |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    phases = None
+    if "sync" in results:  # sync's own phases predict the others (the sync push counted apart)
+        s0 = {k: statistics.mean(r[k] for r in results["sync"]) for k in results["sync"][0]}
+        phases = (s0["gen_alone"], s0["step"] - s0["gen_alone"] - s0["sync_s"], s0["sync_s"])
     for mode, rs in results.items():
         m = {k: statistics.mean(r[k] for r in rs) for k in rs[0]}
         ratio = f"{m['step'] / base:.2f}" if base else "-"
-        print(f"| {mode} | {m['step']:.2f} | {ratio} | {m['rollout']:.2f} | {m['train']:.2f} | {m['gen']:.2f} | "
+        pred = f"{predict(mode, *phases):.2f}" if phases else "-"
+        print(f"| {mode} | {m['step']:.2f} | {ratio} | {pred} | {m['rollout']:.2f} | {m['train']:.2f} | {m['gen']:.2f} | "
               f"{m['wait']:.2f} | {m['idle']:.2f} | {m['stale']:.2f} | {m['rkl']:.4f} | {m['trunc']:.3f} |")
 
 
