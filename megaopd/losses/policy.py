@@ -9,6 +9,8 @@ OPD (Lu & Thinking Machines 2025; Stable-OPD paper 2604.08527 sec. 3.1), per res
 GRPO (DeepSeekMath; Dr. GRPO option): A_i = (R_i - mean_g R) / (std_g R + eps) for response i of prompt
 group g (std_normalize=False: A_i = R_i - mean_g R), broadcast to every token of response i; same l_t.
 Both aggregate l_t with the configured mode (aggregation.py); advantages are constants (detached).
+loss.off_policy_correction (off_policy.py) multiplies l_t by tis / mis weights, or (recompute) takes OPD's
+r_t against the training forward's detached log pi_theta instead of log pi_old.
 
 Departures / choices (ours): rewards of tokens outside the loss mask (prompt, padding, special tokens
 masked by masking.py) are set to 0 before the discounted sum, so a masked "<|im_end|>" cannot leak its

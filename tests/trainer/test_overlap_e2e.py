@@ -64,3 +64,22 @@ def test_one_step_off_against_megaopd_serve_and_resume(tmp_path, one_torch_threa
         assert [steps[s]["pipeline/staleness_max"] for s in (4, 5)] == [0.0, 1.0]
     finally:
         server.shutdown()
+
+
+@pytest.mark.slow
+def test_async_pauses_in_flight_requests_for_syncs_against_megaopd_serve(tmp_path, one_torch_thread):
+    """rollout.mode=async, max_staleness=2: two batches in flight, each weight update pushed into the
+    server while they are paused in place (SGLang's /pause_generation), three steps."""
+    server = _serve()
+    run = str(tmp_path / "run")
+    try:
+        cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), golden_overrides(run) + [
+            "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", "trainer.prompts_per_step=4",
+            "trainer.micro_batch_size=4", "rollout.max_new_tokens=24", "rollout.engine=remote",
+            f"rollout.urls=[{server.url}]", "rollout.mode=async", "rollout.max_staleness=2", "trainer.max_steps=3"])
+        spawn(_workers.run_presets, 1, args=([cfg],), timeout=600)
+    finally:
+        server.shutdown()
+    steps, _ = _metrics(run)
+    assert [steps[s]["pipeline/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 2.0]
+    assert steps[3]["pipeline/tokens_lag_2"] > 0 and steps[3]["pipeline/dropped"] == 0
