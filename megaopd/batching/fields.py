@@ -86,8 +86,13 @@ REWARDS = TokenField("rewards_S", _rollout, lambda b: b.rewards_B, torch.float32
 GROUP_IDS = TokenField("group_ids_S", _rollout, lambda b: b.group_ids_B, torch.long, lambda n: n.rewards,
                        pad=None, per_sequence=True)
 
+# The engine's log-probs of the sampled tokens (replicated with the rollout): loss.off_policy_correction.
+ENGINE_LOGPROBS = TokenField("engine_logprobs_BT", _rollout, lambda b: b.engine_logprobs_BT, torch.float32,
+                             lambda n: n.engine_logprobs)
+
 FIELDS: tuple[TokenField, ...] = (OLD_LOGPROBS, TEACHER_LOGPROBS, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS,
-                                  STUDENT_TOPK_IDS, STUDENT_TOPK_TEACHER_LOGPROBS, REWARDS, GROUP_IDS)
+                                  STUDENT_TOPK_IDS, STUDENT_TOPK_TEACHER_LOGPROBS, REWARDS, GROUP_IDS,
+                                  ENGINE_LOGPROBS)
 
 
 def needed_fields(needs: LossNeeds) -> list[tuple[TokenField, int | None]]:

@@ -17,6 +17,7 @@ from typing import Any
 from megaopd.losses.aggregation import AGGREGATIONS, aggregate
 from megaopd.losses.inputs import LossInputs, all_reduce_counts, local_counts
 from megaopd.losses.masking import mask_first_occurrences
+from megaopd.losses.off_policy import OFF_POLICY_CORRECTIONS, OffPolicyCorrection
 from megaopd.losses.registry import LOSSES, BoundLoss, LossNeeds, build_loss, get_spec, make_config, register_loss
 from megaopd.losses.policy import GRPOConfig, OPDConfig, discounted_returns, grpo_advantages  # registers
 from megaopd.losses.divergence import GKDConfig, LSMConfig, RefKLConfig, SFTConfig, student_topk_support
@@ -43,11 +44,28 @@ class LossConfig:
     they start at the loss config's values, clamped into the bounds."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     """The adaptive controller's bounds and rule (read only when controller=adaptive)."""
+    off_policy_correction: str = "none"
+    """none | tis | mis | recompute: how opd / grpo treat samples the engine drew under older weights
+    (rollout.mode one_step_off / async; losses/off_policy.py, docs/algorithms.md 1.12)."""
+    off_policy_clip: float = 2.0
+    """C of the correction: tis truncates pi_old / pi_engine at C, mis drops tokens outside [1/C, C]."""
 
 
 def build_loss_from(section: LossConfig) -> BoundLoss:
-    """build_loss(section.name, section.config); with controller=adaptive its needs are those at the ceilings."""
-    return build_controlled_loss(section.name, section.config, section.controller, section.adaptive)[0]
+    """build_loss(section.name, section.config), with controller=adaptive's needs those at the ceilings and
+    loss.off_policy_correction bound to its policy terms."""
+    bound = build_controlled_loss(section.name, section.config, section.controller, section.adaptive)[0]
+    correction = OffPolicyCorrection(section.off_policy_correction, section.off_policy_clip)
+    if correction.method == "none":
+        return bound
+    wanted = bound.needs.old_logprobs and (correction.method != "recompute" or bound.needs.teacher_logprobs)
+    if not wanted:
+        raise ValueError(f"loss.off_policy_correction={correction.method} corrects "
+                         f"{'the reverse-KL reward of opd' if correction.method == 'recompute' else 'opd or grpo'}, "
+                         f"and loss {section.name!r} has no such term; use loss.off_policy_correction=none")
+    bound.off_policy = correction
+    bound.needs = bound.needs.merge(LossNeeds(engine_logprobs=correction.weighs))
+    return bound
 
 
 def build_controller(section: LossConfig, loss: BoundLoss) -> WeightController | None:
@@ -56,8 +74,9 @@ def build_controller(section: LossConfig, loss: BoundLoss) -> WeightController |
 
 
 __all__ = [
-    "AGGREGATIONS", "LOSSES", "AdaptiveConfig", "BoundLoss", "ControllerSignals", "ControllerState", "WeightController",
-    "build_controller", "control_step", "LossNeeds", "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
+    "AGGREGATIONS", "LOSSES", "OFF_POLICY_CORRECTIONS", "AdaptiveConfig", "BoundLoss", "ControllerSignals",
+    "ControllerState", "OffPolicyCorrection", "WeightController", "build_controller", "control_step", "LossNeeds",
+    "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
     "OPDConfig", "RefKLConfig", "SFTConfig", "StableOPDConfig", "TermConfig", "WeightedSumConfig",
     "aggregate", "all_reduce_counts", "build_loss", "build_loss_from", "discounted_returns", "get_spec",
     "grpo_advantages", "local_counts", "make_config", "mask_first_occurrences", "register_loss",

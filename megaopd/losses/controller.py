@@ -216,7 +216,7 @@ class WeightController:
     def _bind(self) -> BoundLoss:
         config = dataclasses.replace(self.base.config, sft_weight=self.state.sft_weight,
                                      ref_kl_weight=self.state.ref_kl_weight)
-        return BoundLoss(self.base.name, self.base.fn, config, self.base.needs)
+        return BoundLoss(self.base.name, self.base.fn, config, self.base.needs, off_policy=self.base.off_policy)
 
     def observe(self, step: int, signals: ControllerSignals) -> WeightChange | None:
         """Feeds one step's signals; returns the change when the weights moved (None otherwise)."""

@@ -54,6 +54,11 @@ class LossInputs:
     """log pi_old(y_t|s_t), recomputed by the actor before the update (opd, grpo)."""
     teacher_logprobs_BT: torch.Tensor | None = None
     """log q(y_t|s_t) of the sampled token under the teacher (opd)."""
+    engine_logprobs_BT: torch.Tensor | None = None
+    """log pi_engine(y_t|s_t): the engine's log-prob of the sampled token, under the weights that sampled it
+    (loss.off_policy_correction tis / mis)."""
+    off_policy: Any = None
+    """The OffPolicyCorrection of opd / grpo (off_policy.py); None = none. Set by the BoundLoss."""
     teacher_topk_ids_BTK: torch.Tensor | None = None
     """Teacher's top-K token ids per position, sorted by decreasing log-prob (lsm, support=teacher_topk)."""
     teacher_topk_logprobs_BTK: torch.Tensor | None = None

@@ -9,6 +9,8 @@ OPD (Lu & Thinking Machines 2025; Stable-OPD paper 2604.08527 sec. 3.1), per res
 GRPO (DeepSeekMath; Dr. GRPO option): A_i = (R_i - mean_g R) / (std_g R + eps) for response i of prompt
 group g (std_normalize=False: A_i = R_i - mean_g R), broadcast to every token of response i; same l_t.
 Both aggregate l_t with the configured mode (aggregation.py); advantages are constants (detached).
+loss.off_policy_correction (off_policy.py) multiplies l_t by tis / mis weights, or (recompute) takes OPD's
+r_t against the training forward's detached log pi_theta instead of log pi_old.
 
 Departures / choices (ours): rewards of tokens outside the loss mask (prompt, padding, special tokens
 masked by masking.py) are set to 0 before the discounted sum, so a masked "<|im_end|>" cannot leak its
@@ -25,6 +27,7 @@ import torch
 
 from megaopd.losses.aggregation import aggregate, check_aggregation, masked_max, masked_mean
 from megaopd.losses.inputs import LossInputs
+from megaopd.losses.off_policy import correction_metrics, correction_weights, reward_baseline
 from megaopd.losses.registry import LossNeeds, Metrics, register_loss
 
 POLICY_LOSSES = ("ppo_clip", "importance_sampling")
@@ -137,6 +140,15 @@ def policy_gradient_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tenso
     return -torch.minimum(unclipped_BT, clipped_BT), ratio_BT, clip_active_BT
 
 
+def _off_policy(inputs: LossInputs, loss_BT: torch.Tensor, old_BT: torch.Tensor,
+                mask_BT: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    """loss_BT times the off-policy weights of loss.off_policy_correction (tis, mis), with their metrics."""
+    w_BT, bound_BT = correction_weights(inputs.off_policy, old_BT, inputs.engine_logprobs_BT)
+    if w_BT is None:
+        return loss_BT, {}
+    return loss_BT * w_BT.to(loss_BT.dtype), correction_metrics(w_BT, bound_BT, mask_BT)
+
+
 def _policy_metrics(prefix: str, inputs: LossInputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT,
                     adv_BT, log_entropy: bool) -> Metrics:
     logprobs_BT = logprobs_BT.detach()
@@ -166,14 +178,17 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
     with torch.no_grad():
         # The reward is a constant of the update (the advantage must not carry gradient into pi_theta).
         on_BT = mask_BT.bool()
-        rewards_BT = torch.where(on_BT, teacher_BT - old_BT, torch.zeros_like(teacher_BT)).to(logprobs_BT.dtype)
+        baseline_BT = reward_baseline(inputs.off_policy, old_BT, logprobs_BT)  # log pi_old, or recomputed
+        rewards_BT = torch.where(on_BT, teacher_BT - baseline_BT, torch.zeros_like(teacher_BT)).to(logprobs_BT.dtype)
         advantages_BT = config.advantage_scale * discounted_returns(rewards_BT, inputs.seq_ids(), config.gamma)
     loss_BT, ratio_BT, clip_BT = policy_gradient_loss(logprobs_BT, old_BT, advantages_BT, config.policy_loss,
                                                       config.eps_low, config.eps_high)
+    loss_BT, off_metrics = _off_policy(inputs, loss_BT, old_BT, mask_BT)
     loss = aggregate(loss_BT, mask_BT, inputs.seq_ids(), inputs.num_seqs(), config.aggregation,
                      inputs.global_num_tokens, inputs.global_num_seqs)
     metrics = _policy_metrics("opd", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT,
                               config.log_entropy)
+    metrics.update(off_metrics)
     metrics["opd/reward_mean"] = masked_mean(rewards_BT, mask_BT)
     metrics["opd/teacher_logprob_mean"] = masked_mean(teacher_BT, mask_BT)
     # Sampled-token estimate of the reverse KL(pi_old || q) that OPD minimizes.
@@ -196,9 +211,11 @@ def grpo_loss(inputs: LossInputs, config: GRPOConfig) -> tuple[torch.Tensor, Met
         advantages_BT = adv_S.to(logprobs_BT.dtype)[seq_ids_BT]  # each token gets its response's advantage
     loss_BT, ratio_BT, clip_BT = policy_gradient_loss(logprobs_BT, old_BT, advantages_BT, "ppo_clip",
                                                       config.eps_low, config.eps_high)
+    loss_BT, off_metrics = _off_policy(inputs, loss_BT, old_BT, mask_BT)  # tis / mis (recompute is opd's)
     loss = aggregate(loss_BT, mask_BT, seq_ids_BT, inputs.num_seqs(), config.aggregation,
                      inputs.global_num_tokens, inputs.global_num_seqs)
     metrics = _policy_metrics("grpo", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT,
                               config.log_entropy)
+    metrics.update(off_metrics)
     metrics["grpo/reward_mean"] = rewards_S.float().mean() if rewards_S.numel() else rewards_S.new_zeros(())
     return loss, metrics

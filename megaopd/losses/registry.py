@@ -44,6 +44,8 @@ class LossNeeds:
     """Golden solutions in the micro-batches (sft)."""
     rewards: bool = False
     """Verifiable rewards per response (grpo)."""
+    engine_logprobs: bool = False
+    """The engine's log-probs of the sampled tokens (loss.off_policy_correction tis / mis)."""
 
     @property
     def teacher(self) -> bool:
@@ -140,8 +142,12 @@ class BoundLoss:
     config: Any
     needs: LossNeeds
     """What this loss, at this config, reads from the trainer."""
+    off_policy: Any = None
+    """loss.off_policy_correction (an OffPolicyCorrection) handed to the policy terms; None = none."""
 
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, Metrics]:
+        if self.off_policy is not None:
+            inputs.off_policy = self.off_policy  # the terms of a sum read it from the one inputs record
         return self.fn(inputs, self.config)
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+ROLLOUT_MODES = ("sync", "one_step_off", "async")
+STALE_SAMPLES = ("drop", "regenerate")
+SYNC_PAUSES = ("in_place", "retract")
+
 
 @dataclass
 class RolloutConfig:
@@ -50,6 +54,22 @@ class RolloutConfig:
     parity_min_correlation: float = 0.9
     """bf16/fp16 actor: least correlation of engine and actor log-probs (a correct sync: 0.99+)."""
     request_timeout_s: float = 600.0
+    mode: str = "sync"
+    """sync: generate, then train on it, then sync weights. one_step_off: the engines generate step k+1's
+    batch (under the weights of step k) while the trainer trains on step k's. async: up to max_staleness
+    batches generate ahead, and weight updates pause in-flight requests (rollout.sync_pause) so a response
+    cut by a sync continues under the new weights (a partial rollout). Overlap needs engines on their own
+    devices or servers (rollout.engine=remote, colocated=false); docs/algorithms.md "Overlapped rollouts"."""
+    max_staleness: int = 1
+    """Most weight versions a sample may lag the weights it trains (its oldest token's version); 1 for
+    one_step_off, which never exceeds it. async: a sample older than this is handled by stale_samples."""
+    stale_samples: str = "drop"
+    """async: what happens to a sample older than max_staleness: drop (left out of the loss, counted in
+    pipeline/dropped) or regenerate (generated again under the current weights, before the step)."""
+    sync_pause: str = "in_place"
+    """async: how in-flight requests are held while weights load (SGLang's /pause_generation): in_place keeps
+    their KV cache (tokens after the update attend to a cache computed by the old weights), retract
+    re-prefills them under the new weights."""
 
     def __post_init__(self):
         if self.engine not in ("embedded", "remote"):
@@ -58,3 +78,27 @@ class RolloutConfig:
             raise ValueError("rollout.engine=remote needs rollout.urls=[http://host:port, ...]")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (log-probs are of logits/T)")
+        check_overlap(self)
+
+
+def check_overlap(r: RolloutConfig) -> None:
+    """rollout.mode and its keys, with the reason when this engine layout cannot overlap."""
+    for key, value, choices in (("mode", r.mode, ROLLOUT_MODES), ("stale_samples", r.stale_samples, STALE_SAMPLES),
+                                ("sync_pause", r.sync_pause, SYNC_PAUSES)):
+        if value not in choices:
+            raise ValueError(f"rollout.{key}={value!r}: choose one of {', '.join(choices)}")
+    if r.max_staleness < 1:
+        raise ValueError(f"rollout.max_staleness={r.max_staleness} must be >= 1 (weight versions a sample may lag)")
+    if r.mode == "sync":
+        return
+    if r.engine == "embedded":
+        raise ValueError(f"rollout.mode={r.mode} needs engines beside the trainer, not in it: the embedded engine "
+                         "runs in trainer rank 0's process and would share its cores/GPU with training, so nothing "
+                         "overlaps; use rollout.engine=remote (megaopd serve or SGLang) or rollout.mode=sync")
+    if r.colocated:
+        raise ValueError(f"rollout.mode={r.mode} with rollout.colocated=true: colocated engines release their "
+                         "memory while the actor trains on the same GPUs, so they cannot generate meanwhile; "
+                         "use rollout.mode=sync, or engines on their own GPUs (colocated=false)")
+    if r.mode == "one_step_off" and r.max_staleness != 1:
+        raise ValueError(f"rollout.mode=one_step_off lags exactly one weight version; rollout.max_staleness="
+                         f"{r.max_staleness} applies to async: use mode=async or max_staleness=1")

@@ -133,6 +133,10 @@ class RolloutBatch:
     """Verifiable reward per sequence [B] (float32; grpo, metrics)."""
     teacher_rows: dict[str, list[int]] = field(default_factory=dict)
     """Rows scored by each teacher, by name (increasing row order); filled with `teacher` by the trainer."""
+    weight_versions_B: torch.Tensor | None = None
+    """The engine's weight version (the trainer step whose weights it held) when each row's first token was
+    generated [B] (long); older than the trained weights under rollout.mode one_step_off / async. Filled by
+    the trainer's pipeline (megaopd.trainer.pipeline)."""
 
     @property
     def size(self) -> int:

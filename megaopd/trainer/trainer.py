@@ -40,7 +40,6 @@ from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import init_distributed, rank0_computes
-from megaopd.rollout.protocol import SamplingParams
 from megaopd.rollout.records import RolloutBatch, build_rollout_batch
 from megaopd.scoring import bounds_for, check_engine_parity
 from megaopd.scoring.passes import ScoreRequest, score_sequences, score_tokens
@@ -50,6 +49,7 @@ from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
+from megaopd.trainer.pipeline import RolloutPipeline
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.run_log import RunLog
@@ -143,16 +143,20 @@ class Trainer:
 
         cfg = self.cfg
         self.engine = None
+        self.pipeline = RolloutPipeline(cfg, self.loader, self.timer, self.stop.ids, self.rank, self.sync_weights,
+                                        self.check_parity)  # rollout.mode: which prompts, which samples, when syncs
+        self.stateful["data"] = self.pipeline  # the loader's cursor before any batch drawn ahead
         if not (self.needs.on_policy or cfg.validation.path):
             return
         hf_dir = cfg.student.path
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             self.export_hf(hf_dir)  # collective; the engine is built from it
-        self.engine = build_engine(cfg.rollout, hf_dir) if self.rank == 0 else None
+        self.engine = self.pipeline.engine = build_engine(cfg.rollout, hf_dir) if self.rank == 0 else None
         self.weight_sync = WeightSync(self.engine, cfg.rollout, self.rank)
         self.sync_weights()
         self.check_parity()
+        self.pipeline.engine_version = self.step
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -183,7 +187,7 @@ class Trainer:
     def train_step(self) -> dict:
         timer = self.timer
         with timer("step"):
-            examples = self.loader.next_batch()
+            examples = self.pipeline.examples(self.step)
             golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
             rollout = self._rollout(examples, golden) if self.needs.on_policy else None
             with timer("train"):
@@ -195,15 +199,12 @@ class Trainer:
             with timer("sync"):
                 # SFT-only steps generate nothing: their weights are synced before validation.
                 if rollout is not None and not self.stopping:
-                    self.sync_weights()
-                    interval = self.cfg.rollout.parity_interval
-                    if interval and self.step % interval == 0:
-                        self.check_parity()
+                    self.pipeline.after_step(self.step)  # sync mode: now; overlapped: at the next batch
             if rollout is not None:  # collective: each replica sums over its rows, one small gather; then (every
                 step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)  # rank) the
                 metrics.update(self.loss_fn.observe(self.step, step, self.run_log))  # adaptive controller's weights
             if rollout is not None and self.rank == 0:
-                metrics.update(step)
+                metrics.update(step, **self.pipeline.metrics)
                 self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
         metrics.update(timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's times
         metrics.update(flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), metrics))
@@ -214,8 +215,9 @@ class Trainer:
         land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
         cfg, needs, models, pgs, timer = self.cfg, self.needs, self.models, self.actor_pgs, self.timer
         with timer("rollout"):
-            samples = rank0_computes(self._generate, [ex.prompt_ids for ex in examples])
+            samples = self.pipeline.samples(self.step, examples)  # collective: every rank gets rank 0's
             batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
+            self.pipeline.stamp(batch)
             self.owners = owners = RowOwners(
                 tuple(row_owners(batch, golden, pgs.dp.size(), needs, self.batching)),
                 pgs.dp.rank(), pgs.dp.size(), sends=models.owner_layout.places[self.rank].speaks,
@@ -239,17 +241,6 @@ class Trainer:
         batch.texts, rewards = rank0_computes(self._texts_and_rewards, samples, examples)
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
         return batch
-
-    def _generate(self, prompts: list[list[int]]):
-        """Rank 0: the engine's samples (then, colocated, its memory goes back to the actor)."""
-        r = self.cfg.rollout
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, n=self.cfg.trainer.samples_per_prompt,
-                                stop_token_ids=list(self.stop.ids), seed=self.cfg.trainer.seed * 1_000_003 + self.step)
-        samples = self.engine.generate(prompts, params)
-        if r.colocated:
-            self.engine.release_memory()  # the actor trains on these GPUs next
-        return samples
 
     def _texts_and_rewards(self, samples, examples) -> tuple[list[str], list[float]]:
         """Rank 0: decoded responses and their math-verify rewards."""
@@ -324,6 +315,8 @@ class Trainer:
     def _validate(self) -> dict:
         if self.cfg.validation.path and not self.needs.on_policy:
             self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
+        elif self.cfg.validation.path:
+            self.pipeline.ensure_synced(self.step)  # overlapped modes sync at batch boundaries
         return validate(self.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
 
     def _log(self, metrics: dict) -> None:

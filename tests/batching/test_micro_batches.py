@@ -188,7 +188,8 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
     scores = TokenScores(rollout.actor.logprobs_BT, topk_ids_BTK=torch.zeros(6, 6, 3, dtype=torch.int32),
                          topk_logprobs_BTK=torch.zeros(6, 6, 3), at_ids_logprobs_BTK=torch.zeros(6, 6, K))
     rollout = dataclasses.replace(rollout, actor=scores, teacher=scores)
-    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, teacher_topk=K, student_topk=K, rewards=True)
+    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, teacher_topk=K, student_topk=K, rewards=True,
+                      engine_logprobs=True)
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
     padded, packed = assemble_micro_batches(mini, 0, 1, needs, 4, PAD), assemble_packed_micro_batches(mini, 0, 1,
                                                                                                         needs, 20, PAD)

@@ -1,0 +1,176 @@
+"""Where each step's prompts and samples come from, and when weights reach the engines (rollout.mode).
+
+    sync          step k: draw prompts, generate under weights v_k, train -> v_k+1, sync v_k+1
+    one_step_off  step k: take batch k (generated under v_k-1 while step k-1 trained), sync v_k (the
+                  engine is idle: nothing to pause), submit batch k+1 under v_k, train on batch k
+    async         as one_step_off with max_staleness = N batches in flight: batch k+N is submitted under
+                  v_k; the sync of v_k pauses the in-flight ones (rollout.sync_pause) and they continue
+                  under the new weights (partial rollouts: a response spans versions [first, last])
+
+Every rank draws the same prompts at the same points (the loader is replicated); only rank 0 talks to the
+engines (megaopd.rollout.overlap runs its generations in threads) and every rank receives its samples.
+Validation first brings the engines to the trainer's weights (ensure_synced).
+
+Checkpoints: the data cursor saved is the loader's before the earliest batch drawn ahead and not trained
+(state_dict below), so a resumed run draws that batch again; the batch in flight at the save is lost and
+regenerated on resume under the checkpoint's weights with its own seed (a lag of 0 for that one step).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+from megaopd.parallel.dist import rank0_computes
+from megaopd.rollout.overlap import GenerateAhead, Taken, overlap_metrics, staleness
+from megaopd.rollout.protocol import Sample, SamplingParams
+
+
+@dataclass
+class Received:
+    """What rank 0 hands every rank for one step: the samples, their versions, the step's pipeline metrics."""
+
+    samples: list[Sample]
+    first_versions: list[int]
+    metrics: dict[str, float]
+
+
+class RolloutPipeline:
+    def __init__(self, cfg, loader, timer, stop_ids, rank: int, push: Callable[[], None],
+                 parity: Callable[[], None]):
+        """push: the weight sync (collective); parity: the engine/actor parity check (collective)."""
+        self.cfg, self.loader, self.timer, self.stop_ids, self.rank = cfg, loader, timer, list(stop_ids), rank
+        self.push, self.parity = push, parity
+        self.mode, self.max_staleness = cfg.rollout.mode, cfg.rollout.max_staleness
+        self.depth = 0 if self.mode == "sync" else self.max_staleness  # batches generated ahead
+        self.engine = None
+        self.engine_version = 0
+        """Weight version the engines hold (every rank tracks it: syncs are collective)."""
+        self.drawn: dict[int, list] = {}
+        self._cursors: dict[int, dict] = {}  # the loader's state before each batch drawn ahead
+        self.ahead = GenerateAhead(self._generate) if rank == 0 and self.depth else None
+        self.versions_B: list[int] | None = None
+        self.metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------- data
+    def _draw(self, step: int) -> None:
+        self._cursors[step] = copy.deepcopy(self.loader.state_dict())
+        self.drawn[step] = self.loader.next_batch()
+
+    def examples(self, step: int) -> list:
+        """The prompts step `step` trains on (drawn now, or when its batch was submitted ahead)."""
+        if step not in self.drawn:
+            self._draw(step)
+        self._cursors.pop(step)
+        return self.drawn.pop(step)
+
+    def state_dict(self) -> dict:
+        """The loader's state as a checkpoint keeps it: before the batches drawn ahead (module docstring)."""
+        return self._cursors[min(self._cursors)] if self._cursors else self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+    # ---------------------------------------------------------------------------------------- samples
+    def params(self, step: int) -> SamplingParams:
+        r, t = self.cfg.rollout, self.cfg.trainer
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                              n=t.samples_per_prompt, stop_token_ids=self.stop_ids, seed=t.seed * 1_000_003 + step)
+
+    def _generate(self, step: int, prompts: list[list[int]]) -> list[Sample]:
+        """Rank 0: the engine's samples of step `step` (then, colocated, its memory goes back to the actor)."""
+        samples = self.engine.generate(prompts, self.params(step))
+        if self.cfg.rollout.colocated:
+            self.engine.release_memory()  # the actor trains on these GPUs next
+        return samples
+
+    def samples(self, step: int, examples: list) -> list[Sample]:
+        """Collective: the samples of step `step` on every rank (generated now, or taken from ahead)."""
+        prompts = [ex.prompt_ids for ex in examples]
+        if not self.depth:
+            got = rank0_computes(lambda: Received(self._generate(step, prompts), [], {}))
+            self.versions_B, self.metrics = [self.engine_version] * len(got.samples), {}
+            return got.samples
+        if self.ahead is not None and not self.ahead.has(step):  # the first step, or the first after a resume
+            self.ahead.submit(step, prompts, self.engine_version)
+        got = rank0_computes(self._take, step)
+        self.versions_B, self.metrics = got.first_versions, got.metrics
+        # Batch `step` is done: the weights it trains with go to the engines before the next batches start.
+        self.ensure_synced(step)
+        for s in range(step + 1, min(step + self.depth, self.cfg.trainer.max_steps - 1) + 1):
+            if s not in self.drawn:
+                self._draw(s)
+                if self.ahead is not None:
+                    self.ahead.submit(s, [ex.prompt_ids for ex in self.drawn[s]], self.engine_version)
+        return got.samples
+
+    def _take(self, step: int) -> Received:
+        """Rank 0: batch `step` from ahead, its too-stale samples dropped or regenerated, and its metrics."""
+        taken = self.ahead.take(step)
+        st = staleness(taken, step, self.max_staleness)
+        samples, dropped, regenerated = self._handle_stale(taken, st.stale_B, step)
+        st = staleness(taken, step, self.max_staleness) if regenerated else st  # the regenerated ones are fresh
+        metrics = overlap_metrics(st, [len(s.output_ids) for s in samples], step, self.max_staleness, taken.waited_s,
+                                  self.ahead.read_idle(), dropped, regenerated)
+        metrics["pipeline/generate_s"] = taken.generate_s
+        return Received(samples, st.first_B, metrics)
+
+    def _handle_stale(self, taken: Taken, stale_B: list[bool], step: int) -> tuple[list[Sample], int, int]:
+        """rollout.stale_samples: drop (the row stays, with an empty response: nothing to learn from, as an
+        aborted request) or regenerate under the engine's current weights. With the pipeline's own
+        scheduling no sample exceeds max_staleness; this guards a slower engine or a changed schedule."""
+        idx = [i for i, s in enumerate(stale_B) if s]
+        samples = list(taken.samples)
+        if not idx:
+            return samples, 0, 0
+        if self.cfg.rollout.stale_samples == "drop":
+            for i in idx:
+                samples[i] = Sample(samples[i].prompt_ids, [], [], "abort", samples[i].weight_version)
+            return samples, len(idx), 0
+        params = self.params(step)
+        params.n, params.seed = 1, params.seed + 7_919  # a fresh draw, not the stale sample again
+        fresh = self.engine.generate([samples[i].prompt_ids for i in idx], params)
+        for i, s in zip(idx, fresh):
+            samples[i] = s
+            taken.first_versions[i] = self.engine_version
+        taken.samples = samples
+        return samples, 0, len(idx)
+
+    def stamp(self, batch) -> None:
+        """The batch's weight versions (RolloutBatch.weight_versions_B: each row's first token's)."""
+        import torch
+
+        batch.weight_versions_B = torch.tensor(self.versions_B, dtype=torch.long)
+
+    # ------------------------------------------------------------------------------------------- sync
+    def ensure_synced(self, version: int, timed: bool = True) -> None:
+        """Collective: the engines hold weights `version` (the trainer's step) after it. one_step_off waits
+        for the batch in flight first (its samples keep their version); async pauses the in-flight requests
+        for the transfer and lets them continue under the new weights."""
+        if self.engine_version >= version:
+            return
+        pause = self.mode == "async" and self.ahead is not None and self.ahead.in_flight
+        if self.ahead is not None and self.mode == "one_step_off":
+            for s in self.ahead.in_flight:
+                self.ahead.wait(s)
+        with self.timer("sync") if timed else contextlib.nullcontext():
+            if pause:
+                for target in self.engine.weight_targets():
+                    target.pause(self.cfg.rollout.sync_pause)
+            try:
+                self.push()
+            finally:
+                if pause:
+                    for target in self.engine.weight_targets():
+                        target.continue_generation()
+            self.engine_version = version
+            interval = self.cfg.rollout.parity_interval
+            if interval and version % interval == 0:
+                self.parity()
+
+    def after_step(self, step: int) -> None:
+        """Collective, after the update that made weights `step`: sync mode pushes them now; the overlapped
+        modes at the next batch's boundary (samples) or before validation (ensure_synced)."""
+        if not self.depth:
+            self.ensure_synced(step, timed=False)  # inside the trainer's own "sync" block
