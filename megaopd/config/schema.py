@@ -16,6 +16,7 @@ from typing import ClassVar, List
 
 from megaopd.config.plan import PlanConfig
 from megaopd.data.config import DataConfig
+from megaopd.envs.config import EnvConfig
 from megaopd.losses import LossConfig
 from megaopd.metrics.config import MetricsConfig
 from megaopd.models.config import ModelConfig, check_context, check_role_layout
@@ -48,6 +49,8 @@ class MegaOPDConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The multi-turn environment (megaopd.envs); name "" (the default): single-turn rows."""
     """Read only by `megaopd plan` (the GPU's memory, the engines' share); the trainer ignores it."""
 
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
@@ -72,6 +75,8 @@ class MegaOPDConfig:
     def max_row_tokens(self, needs) -> tuple[int, str]:
         """The longest row the job builds (prompt + the longest response it generates or trains on)."""
         parts = {"rollout.max_new_tokens": self.rollout.max_new_tokens if needs.on_policy else 0,
+                 "rollout.max_trajectory_tokens": self.rollout.max_trajectory_tokens
+                 if needs.on_policy and self.env.enabled else 0,
                  "data.max_golden_len": self.data.max_golden_len if needs.golden else 0,
                  "validation.max_new_tokens": self.validation.max_new_tokens if self.validation.path else 0}
         key = max(parts, key=parts.get)
