@@ -126,6 +126,10 @@ class MegaOPDConfig:
             raise ValueError("gkd runs one teacher in lockstep with the actor: it cannot route between several "
                              "teachers; use one `teacher:` section")
         self._check_routing(teachers)
+        if self.env.enabled and self.data.teacher_prompt == "own":
+            raise ValueError(f"env.name={self.env.name} with data.teacher_prompt=own: a trajectory's tool turns are "
+                             f"rendered by the student's chat template, which the teacher then scores; set "
+                             f"data.teacher_prompt=shared")
         ref_layout = (self.reference.tp, self.reference.pp, self.reference.ep)
         student_layout = (self.student.tp, self.student.pp, self.student.ep)
         if ref_layout != student_layout:

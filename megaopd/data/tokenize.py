@@ -76,18 +76,19 @@ def golden_stop_id(cfg: DataConfig, tokenizer, teacher_tokenizer=None) -> int:
 
 
 def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig, tokenizer,
-                   teacher_tokenizer=None, stop_id: Optional[int] = None,
+                   teacher_tokenizer=None, stop_id: Optional[int] = None, tools: Optional[list] = None,
                    ) -> tuple[list[PromptExample], Counter, dict]:
     """Renders and tokenizes records; returns (examples, skipped reasons, reason -> first uuid).
 
     A prompt over max_prompt_len is skipped; so is a golden over max_golden_len (golden_overflow=skip) or
     it is cut (truncate). Records without a golden give examples without one unless cfg.require_golden.
     stop_id: the golden's last token (default: golden_stop_id, the rollouts' first stop id).
+    tools: a multi-turn environment's tool schemas, rendered into the prompts by the chat template.
     """
     template_tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
     if stop_id is None and any(r.golden for r in records):
         stop_id = golden_stop_id(cfg, tokenizer, teacher_tokenizer)
-    texts = [render_prompt(r.problem, cfg, tokenizer, teacher_tokenizer) for r in records]
+    texts = [render_prompt(r.problem, cfg, tokenizer, teacher_tokenizer, tools) for r in records]
     # One batched call each (fast tokenizers parallelize it); no special tokens, see encode_prompt.
     prompt_ids = template_tok(texts, add_special_tokens=False)["input_ids"] if texts else []
     goldens = [strip_think_overlap(t, r.golden) if r.golden else None for t, r in zip(texts, records)]
