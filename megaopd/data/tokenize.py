@@ -115,7 +115,7 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
         if len(ids) > cfg.max_prompt_len or (teacher_ids and len(teacher_ids[i]) > cfg.max_prompt_len):
             skip(f"prompt over max_prompt_len={cfg.max_prompt_len} tokens", rec)
             continue
-        solution = None
+        solution, mask = None, None
         if i in sol_ids:
             sol = list(sol_ids[i]) + [stop_id]
             mask = sol_masks[i] + [1] if i in sol_masks else None
