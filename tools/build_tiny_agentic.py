@@ -2,7 +2,7 @@
 large for the tiny models' mental arithmetic, tool-use traces, and an agentic teacher that learned to call
 the calculator from them.
 
-    python tools/build_tiny_agentic.py --data           # examples/tiny/data/agentic/{sft,opd,val}.jsonl
+    python tools/build_tiny_agentic.py --data           # examples/tiny/agentic_data/{sft,opd,val}.jsonl
     python tools/build_tiny_agentic.py --data --check   # rebuild in a temp dir, exit 1 unless byte-identical
     python tools/build_tiny_agentic.py --teacher        # examples/tiny/models/agentic_teacher (+ manifest.json)
     python tools/build_tiny_agentic.py --eval DIR       # pass@1 with tools of an HF dir on the val problems
@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-DATA = os.path.join(ROOT, "examples", "tiny", "data", "agentic")
+DATA = os.path.join(ROOT, "examples", "tiny", "agentic_data")
 MODELS = os.path.join(ROOT, "examples", "tiny", "models")
 SIZES = (("sft", 3000), ("opd", 1000), ("val", 100))
 SEED = 29
