@@ -41,7 +41,7 @@ DATA = os.path.join(ROOT, "examples", "tiny", "agentic_data")
 MODELS = os.path.join(ROOT, "examples", "tiny", "models")
 SIZES = (("sft", 3000), ("opd", 1000), ("val", 100))
 SEED = 29
-AGENTIC = {"steps": 400, "prompts_per_step": 32, "lr": 1e-3, "min_lr": 5e-5, "warmup_steps": 20, "decay": "cosine",
+AGENTIC = {"steps": 150, "prompts_per_step": 8, "lr": 3e-3, "min_lr": 1e-4, "warmup_steps": 5, "decay": "cosine",
            "train_seed": 29}
 EVAL = {"temperature": 0.6, "max_new_tokens": 96, "max_turns": 3, "max_trajectory_tokens": 240, "seed": 0}
 NAMES = ("Ann", "Ben", "Cal", "Dee", "Eva", "Max", "Sam", "Zoe")

@@ -42,3 +42,13 @@ def multi_turn_rollout(rank, world_size, cfg):
     return {"tokens": batch.tokens_BS, "mask": batch.loss_mask_BT, "prompt_lens": batch.prompt_lens_B,
             "response_lens": batch.response_lens_B, "engine": batch.engine_logprobs_BT, "actor": actor,
             "teacher": teacher, "metrics": metrics, "turns": [t.turns for t in batch.trajectories]}
+
+
+def run_presets_always_answering(rank, world_size, cfgs):
+    """tests.trainer._workers.run_presets with every environment an AlwaysAnswers: multi-turn trajectories
+    from the tiny student, which never calls a tool on its own."""
+    import megaopd.rollout.trajectories as TR
+    from tests.trainer._workers import run_presets
+
+    TR.build_environment = lambda env_cfg: AlwaysAnswers()
+    return run_presets(rank, world_size, cfgs)

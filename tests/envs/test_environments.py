@@ -63,3 +63,21 @@ def test_config_rejects_unknown_environments():
     with pytest.raises(ValueError, match="env.name='web'.*calculator"):
         EnvConfig(name="web")
     assert not EnvConfig().enabled
+
+
+def test_the_docs_example_environment_runs():
+    """docs/environments.md's example environment, executed as written."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "docs", "environments.md")).read()
+    code = re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1)
+    ns: dict = {}
+    exec(compile(code, "docs/environments.md", "exec"), ns)
+    env = ns["UnitsEnv"]()
+    env.reset(SimpleNamespace(answer="250", problem="p"))
+    r = env.step('<tool_call>{"name": "convert", "arguments": {"value": 2.5, "from": "m", "to": "cm"}}</tool_call>'
+                 '<tool_call>{"name": "convert", "arguments": {"value": 1, "from": "mi", "to": "m"}}</tool_call>')
+    assert r.observations[0] == "250.0" and r.tool_errors == 1 and not r.done
+    assert env.step("\\boxed{250}").reward == 1.0
