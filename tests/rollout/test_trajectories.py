@@ -186,3 +186,19 @@ def test_embedded_engine_logprobs_of_every_generated_token_match_a_float64_hf_fo
     got = torch.tensor(s.output_logprobs, dtype=torch.float64)
     assert (got[on] - lp[on]).abs().max() < 1e-4, (got[on] - lp[on]).abs().max()
     assert got[~on].eq(0).all()
+
+
+def test_validation_with_an_environment_is_pass_at_1_with_tools(tiny_tok, tmp_path):
+    from megaopd.data.config import DataConfig as DC
+    from megaopd.rollout.config import RolloutConfig
+    from megaopd.trainer.validation import _evaluate
+
+    val = tmp_path / "val.jsonl"
+    val.write_text('{"problem": "Compute 12 * 7.", "answer": "84"}\n{"problem": "Compute 2 * 3.", "answer": "6"}\n')
+    end = tiny_tok.convert_tokens_to_ids("<|im_end|>")
+    ids = lambda text: tiny_tok(text, add_special_tokens=False)["input_ids"] + [end]  # noqa: E731
+    engine = ScriptedEngine([(ids(CALC), "stop"), (ids("\\boxed{5}"), "stop"), (ids("\\boxed{84}"), "stop")])
+    cfg = SimpleNamespace(env=EnvConfig(name="calculator"), rollout=RolloutConfig(max_turns=3), data=DC(),
+                          validation=SimpleNamespace(path=str(val), max_problems=0, temperature=0.6, max_new_tokens=64))
+    m = _evaluate(engine, tiny_tok, cfg, 0, [end], None)
+    assert m == {"val/accuracy": 0.5, "val/tool_call_rate": 0.5, "val/turns_mean": 1.5, "val/truncation_rate": 0.0}
