@@ -43,6 +43,10 @@ SIZES = (("sft", 3000), ("opd", 1000), ("val", 100))
 SEED = 29
 AGENTIC = {"steps": 150, "prompts_per_step": 8, "lr": 3e-3, "min_lr": 1e-4, "warmup_steps": 5, "decay": "cosine",
            "train_seed": 29}
+STUDENT = {"steps": 60, "prompts_per_step": 8, "lr": 3e-3, "min_lr": 1e-4, "warmup_steps": 5, "decay": "cosine",
+           "train_seed": 31}
+"""The agentic student's cold start: short, so that it calls the tool but still gets many answers wrong
+(copying the numbers), which is what OPD from the agentic teacher then has to teach."""
 EVAL = {"temperature": 0.6, "max_new_tokens": 96, "max_turns": 3, "max_trajectory_tokens": 240, "seed": 0}
 NAMES = ("Ann", "Ben", "Cal", "Dee", "Eva", "Max", "Sam", "Zoe")
 ITEMS = ("apples", "pens", "cards", "coins", "eggs", "books", "stamps", "shells")
@@ -149,28 +153,32 @@ def evaluate_with_tools(hf_dir: str, problems: int = 100) -> dict:
             "problems": n}
 
 
-def build_teacher(work: str) -> dict:
+def build_role(work: str, role: str) -> dict:
+    """agentic_teacher (from the tiny teacher, AGENTIC) or agentic_student (from the tiny student, STUDENT):
+    megaopd SFT on the tool-use traces; records the run in models/agentic_manifest.json under `role`."""
     from build_tiny_models import dir_hashes, sft
 
     t0 = time.time()
-    src = os.path.join(MODELS, "teacher")
-    run = os.path.join(work, "agentic_sft")
-    log(f"agentic teacher: megaopd SFT of {src} on {AGENTIC['steps']} x {AGENTIC['prompts_per_step']} tool-use traces")
-    curve = sft(AGENTIC, src, run, AGENTIC["steps"],
+    base, spec = ("teacher", AGENTIC) if role == "agentic_teacher" else ("student", STUDENT)
+    src = os.path.join(MODELS, base)
+    run = os.path.join(work, f"{role}_sft")
+    log(f"{role}: megaopd SFT of {src} on {spec['steps']} x {spec['prompts_per_step']} tool-use traces")
+    curve = sft(spec, src, run, spec["steps"],
                 extra=[f"data.sources=[{{path: {os.path.join(DATA, 'sft.jsonl')}}}]", "validation.path=''"])
-    dst = os.path.join(MODELS, "agentic_teacher")
+    dst = os.path.join(MODELS, role)
     if os.path.isdir(dst):
         shutil.rmtree(dst)
     shutil.copytree(os.path.join(run, "hf"), dst)
-    before, after = evaluate_with_tools(src), evaluate_with_tools(dst)
-    student = evaluate_with_tools(os.path.join(MODELS, "student"))
-    manifest = {"from": "examples/tiny/models/teacher", "sft": AGENTIC, "sft_nll": curve, "eval": EVAL,
-                "with_tools": {"teacher_before": before, "agentic_teacher": after, "student": student},
-                "files": dir_hashes(dst), "build_seconds": round(time.time() - t0)}
-    with open(os.path.join(dst, "..", "agentic_manifest.json"), "w") as f:
+    path = os.path.join(MODELS, "agentic_manifest.json")
+    manifest = json.load(open(path)) if os.path.isfile(path) else {}
+    manifest.setdefault("eval", EVAL)
+    manifest[role] = {"from": f"examples/tiny/models/{base}", "sft": spec, "sft_nll": curve,
+                      "with_tools": evaluate_with_tools(dst), f"{base}_before_with_tools": evaluate_with_tools(src),
+                      "files": dir_hashes(dst), "build_seconds": round(time.time() - t0)}
+    with open(path, "w") as f:
         json.dump(manifest, f, indent=1)
         f.write("\n")
-    log(f"done in {time.time() - t0:.0f}s: {manifest['with_tools']}")
+    log(f"{role} done in {time.time() - t0:.0f}s: {manifest[role]['with_tools']}")
     return manifest
 
 
@@ -179,6 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", action="store_true")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--teacher", action="store_true")
+    ap.add_argument("--student", action="store_true")
     ap.add_argument("--eval", default=None, metavar="HF_DIR")
     args = ap.parse_args(argv)
     if args.data:
@@ -186,9 +195,10 @@ def main(argv=None) -> int:
             return check_data()
         write_data(DATA)
         log(f"wrote {DATA}")
-    if args.teacher:
-        with tempfile.TemporaryDirectory(prefix="tiny_agentic_") as work:
-            build_teacher(work)
+    for role, wanted in (("agentic_teacher", args.teacher), ("agentic_student", args.student)):
+        if wanted:
+            with tempfile.TemporaryDirectory(prefix="tiny_agentic_") as work:
+                build_role(work, role)
     if args.eval:
         print(json.dumps(evaluate_with_tools(args.eval)))
     return 0
