@@ -4,7 +4,8 @@ the calculator from them.
 
     python tools/build_tiny_agentic.py --data           # examples/tiny/agentic_data/{sft,opd,val}.jsonl
     python tools/build_tiny_agentic.py --data --check   # rebuild in a temp dir, exit 1 unless byte-identical
-    python tools/build_tiny_agentic.py --teacher        # examples/tiny/models/agentic_teacher (+ manifest.json)
+    python tools/build_tiny_agentic.py --teacher        # examples/tiny/models/agentic_teacher
+    python tools/build_tiny_agentic.py --student        # examples/tiny/models/agentic_student
     python tools/build_tiny_agentic.py --eval DIR       # pass@1 with tools of an HF dir on the val problems
 
 Problems (seeded): "A box holds 37 rows of 24 pens. ...", "Ann has 15 pens and buys 23 bags of 17 pens
@@ -16,10 +17,13 @@ Qwen <tool_call> format and the tiny chat template's tool turn:
     <|im_start|>tool\\n888<|im_end|>\\n<|im_start|>assistant\\nThe answer is \\boxed{888}.
 
 The agentic teacher: the committed tiny teacher (examples/tiny/models/teacher; build_tiny_models.py) after
-megaopd's own SFT on those traces (AGENTIC below: steps, lr); its golden tool turns are masked out of the
-SFT loss as the student's are (megaopd.data: multi-turn goldens). The tiny student is left as it is: it has
-never seen a tool call, which is what the agentic OPD run teaches it. --eval runs the multi-turn loop
-(megaopd.rollout.trajectories) with the embedded engine and the calculator environment.
+megaopd's own SFT on those traces (AGENTIC below); the agentic student: the committed tiny student after a
+short cold start on them (STUDENT below: it calls the tool but gets half the answers wrong, which OPD from
+the agentic teacher then improves). The golden traces' tool turns are masked out of the SFT loss (megaopd.data:
+multi-turn goldens). Each build records its SFT curve, its pass@1 with tools before and after, and its
+files' sha256 in examples/tiny/models/agentic_manifest.json. Measured here: teacher 524 s under a load of
+10-15, student 53 s. --eval runs the multi-turn loop (megaopd.rollout.trajectories) with the embedded
+engine and the calculator environment (EVAL below), as the trainer's validation does.
 """
 from __future__ import annotations
 
