@@ -81,3 +81,15 @@ def test_the_docs_example_environment_runs():
                  '<tool_call>{"name": "convert", "arguments": {"value": 1, "from": "mi", "to": "m"}}</tool_call>')
     assert r.observations[0] == "250.0" and r.tool_errors == 1 and not r.done
     assert env.step("\\boxed{250}").reward == 1.0
+
+
+def test_agentic_data_is_what_the_generator_makes():
+    """examples/tiny/agentic_data/ is byte-identical to a fresh `tools/build_tiny_agentic.py --data` build."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "build_tiny_agentic.py"), "--data", "--check"],
+                       cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stdout + r.stderr
