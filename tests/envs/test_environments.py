@@ -93,3 +93,20 @@ def test_agentic_data_is_what_the_generator_makes():
     r = subprocess.run([sys.executable, os.path.join(root, "tools", "build_tiny_agentic.py"), "--data", "--check"],
                        cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_agentic_preset_loads_and_refuses_a_teacher_prompt_of_its_own():
+    import os
+
+    from megaopd.config import load_config
+    from megaopd.config.load import ConfigError
+    from megaopd.config.schema import MegaOPDConfig
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    preset = os.path.join(root, "examples", "tiny", "agentic.yaml")
+    cfg = load_config(MegaOPDConfig, preset, [])
+    assert cfg.env.name == "calculator" and cfg.rollout.max_turns == 3
+    with pytest.raises(ConfigError, match="teacher_prompt=own"):
+        load_config(MegaOPDConfig, preset, ["data.teacher_prompt=own"])
+    with pytest.raises(ConfigError, match="max_trajectory_tokens"):  # prompt + trajectory over 512 positions
+        load_config(MegaOPDConfig, preset, ["rollout.max_trajectory_tokens=1000"])
