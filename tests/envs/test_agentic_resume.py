@@ -23,7 +23,8 @@ KEYS = ("loss/total", "loss/opd", "loss/sft", "loss/ref_kl", "train/grad_norm", 
 def _cmd(run_dir):
     return [sys.executable, "-m", "megaopd.cli", "train", PRESET, f"run.dir={run_dir}", "trainer.max_steps=2",
             "trainer.save_interval=1", "trainer.prompts_per_step=2", "trainer.samples_per_prompt=2",
-            "trainer.micro_batch_size=4", "trainer.eval_interval=0", "rollout.max_turns=2", "logging.tensorboard=false", "logging.progress_bar=off"]
+            "trainer.micro_batch_size=4", "trainer.eval_interval=0", "rollout.max_turns=2",
+            "logging.tensorboard=false", "logging.progress_bar=off"]
 
 
 def _step(run_dir, step):
