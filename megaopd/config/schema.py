@@ -49,9 +49,9 @@ class MegaOPDConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    """Read only by `megaopd plan` (the GPU's memory, the engines' share); the trainer ignores it."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """The multi-turn environment (megaopd.envs); name "" (the default): single-turn rows."""
-    """Read only by `megaopd plan` (the GPU's memory, the engines' share); the trainer ignores it."""
 
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
         "trainer.log_interval": "it was never read: every step is logged",
