@@ -102,6 +102,11 @@ def test_trained_ids_are_the_engines_own_and_tool_turns_are_the_templates(tiny_t
     on = batch.loss_mask_BT[0].bool()
     assert batch.tokens_BS[0, 1:][on].tolist() == turn1 + turn2  # what is trained: exactly the engine's ids
     assert batch.tokens_BS[0, P:].tolist() == s.output_ids
+    # The sequence is the one the chat template renders for the whole conversation (inference's view).
+    conversation = [{"role": "user", "content": "Compute 12 * 7."},
+                    {"role": "assistant", "content": tok.decode(turn1[:-1])}, {"role": "tool", "content": "84"},
+                    {"role": "assistant", "content": tok.decode(turn2[:-1])}]
+    assert tok.decode(prompt + s.output_ids) + "\n" == tok.apply_chat_template(conversation, tokenize=False)
     texts, rewards = mt.texts_and_rewards([s])
     assert rewards == [1.0]
     assert texts[0] == tok.decode(turn1 + turn2, skip_special_tokens=True)  # the student's turns only
