@@ -110,3 +110,26 @@ def test_agentic_preset_loads_and_refuses_a_teacher_prompt_of_its_own():
         load_config(MegaOPDConfig, preset, ["data.teacher_prompt=own"])
     with pytest.raises(ConfigError, match="max_trajectory_tokens"):  # prompt + trajectory over 512 positions
         load_config(MegaOPDConfig, preset, ["rollout.max_trajectory_tokens=1000"])
+
+
+def test_multi_turn_goldens_mask_their_tool_turns():
+    """A golden trace with a tool turn: tokenized turn by turn (the tool turn as ToolTurns renders it), its
+    tool turn masked out of the SFT loss; the assistant's tokens, turn ends included, kept."""
+    import os
+
+    from megaopd.data import PromptDataset
+    from megaopd.data.config import DataConfig, SourceConfig
+    from megaopd.models.hf_io import load_tokenizer
+    from megaopd.rollout.trajectories import ToolTurns
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tok = load_tokenizer(os.path.join(root, "examples", "tiny", "models", "student"))
+    cfg = DataConfig(sources=[SourceConfig(path=os.path.join(root, "examples", "tiny", "agentic_data", "val.jsonl"),
+                                           max_rows=3)], max_prompt_len=128)
+    for ex in PromptDataset.load(cfg, tok, log=None).examples[0]:
+        ids, mask = ex.golden_ids, ex.golden_loss_mask
+        tool = [i for i, m in zip(ids[len(ex.prompt_ids):], mask[len(ex.prompt_ids):]) if not m]
+        assert tool == ToolTurns(tok).ids([ex.answer])  # the trace's tool turn answers with the result
+        kept = tok.decode([i for i, m in zip(ids, mask) if m])
+        end = f"</tool_call><|im_end|>The answer is \\boxed{{{ex.answer}}}.<|im_end|>"
+        assert kept.startswith("<tool_call>") and kept.endswith(end)
