@@ -20,7 +20,7 @@ ROOT = os.path.dirname(megaopd.__file__)
 FLOORS = (                                   # bottom first
     ("parallel", "ops"),                     # distributed start-up and groups; vocab-parallel primitives
     ("models", "data", "metrics", "losses"),  # the libraries above them
-    ("engine",),                             # the embedded engine (no HTTP)
+    ("engine", "envs"),                      # the embedded engine (no HTTP); multi-turn environments
     ("rollout",),                            # the trainer's view of engines, the RolloutBatch record
     ("batching",),                           # rows -> micro-batches
     ("scoring", "sync", "serving"),          # forward passes, weight sync, `megaopd serve`
@@ -30,7 +30,7 @@ FLOORS = (                                   # bottom first
     ("gpucheck",),
 )
 LIBRARIES = {"parallel", "ops", "models", "data", "metrics", "losses"}
-APPLICATIONS = {"engine", "rollout", "batching", "scoring", "sync", "serving", "eval", "trainer", "config",
+APPLICATIONS = {"engine", "envs", "rollout", "batching", "scoring", "sync", "serving", "eval", "trainer", "config",
                 "gpucheck"}
 FLOOR = {p: i for i, floor in enumerate(FLOORS) for p in floor}
 

@@ -132,9 +132,10 @@ def build_init(spec: dict, out_dir: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def sft(stage: dict, init_dir: str, run_dir: str, steps: int) -> list[float]:
+def sft(stage: dict, init_dir: str, run_dir: str, steps: int, extra: tuple = ()) -> list[float]:
     """megaopd's own SFT (examples/tiny/sft.yaml, one process) of one stage from init_dir, for `steps` steps
-    of the stage's schedule; returns sft/nll per step. The exported model is run_dir/hf."""
+    of the stage's schedule; returns sft/nll per step. The exported model is run_dir/hf. extra: more
+    key=value overrides (tools/build_tiny_agentic.py: its data)."""
     args = [sys.executable, "-m", "megaopd.cli", "train", SFT_PRESET, f"run.dir={run_dir}",
             f"student.path={init_dir}", "student.tp=1", "reference.tp=1", "run.world_size=1",
             f"trainer.max_steps={steps}", f"trainer.prompts_per_step={stage['prompts_per_step']}",
@@ -143,7 +144,7 @@ def sft(stage: dict, init_dir: str, run_dir: str, steps: int) -> list[float]:
             f"optimizer.lr={stage['lr']}", f"optimizer.min_lr={stage['min_lr']}",
             f"optimizer.warmup_steps={stage['warmup_steps']}", f"optimizer.decay_style={stage['decay']}",
             f"validation.max_problems={EVAL_PROBLEMS}", f"validation.max_new_tokens={EVAL['max_new_tokens']}",
-            "logging.progress_bar=off", "logging.tensorboard=false"]
+            "logging.progress_bar=off", "logging.tensorboard=false", *extra]
     env = dict(os.environ, MEGAOPD_WORKER_THREADS=THREADS, PYTHONPATH=ROOT)
     t0 = time.time()
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -16,6 +16,7 @@ from typing import ClassVar, List
 
 from megaopd.config.plan import PlanConfig
 from megaopd.data.config import DataConfig
+from megaopd.envs.config import EnvConfig
 from megaopd.losses import LossConfig
 from megaopd.metrics.config import MetricsConfig
 from megaopd.models.config import ModelConfig, check_context, check_role_layout
@@ -49,6 +50,8 @@ class MegaOPDConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     """Read only by `megaopd plan` (the GPU's memory, the engines' share); the trainer ignores it."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The multi-turn environment (megaopd.envs); name "" (the default): single-turn rows."""
 
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
         "trainer.log_interval": "it was never read: every step is logged",
@@ -72,6 +75,8 @@ class MegaOPDConfig:
     def max_row_tokens(self, needs) -> tuple[int, str]:
         """The longest row the job builds (prompt + the longest response it generates or trains on)."""
         parts = {"rollout.max_new_tokens": self.rollout.max_new_tokens if needs.on_policy else 0,
+                 "rollout.max_trajectory_tokens": self.rollout.max_trajectory_tokens
+                 if needs.on_policy and self.env.enabled else 0,
                  "data.max_golden_len": self.data.max_golden_len if needs.golden else 0,
                  "validation.max_new_tokens": self.validation.max_new_tokens if self.validation.path else 0}
         key = max(parts, key=parts.get)
@@ -121,6 +126,13 @@ class MegaOPDConfig:
             raise ValueError("gkd runs one teacher in lockstep with the actor: it cannot route between several "
                              "teachers; use one `teacher:` section")
         self._check_routing(teachers)
+        if self.env.enabled and self.data.teacher_prompt == "own":
+            raise ValueError(f"env.name={self.env.name} with data.teacher_prompt=own: a trajectory's tool turns are "
+                             f"rendered by the student's chat template, which the teacher then scores; set "
+                             f"data.teacher_prompt=shared")
+        if self.env.enabled and self.rollout.stale_samples == "regenerate":
+            raise ValueError(f"env.name={self.env.name} with rollout.stale_samples=regenerate: a stale trajectory "
+                             f"would be regenerated as a single-turn response; use rollout.stale_samples=drop")
         ref_layout = (self.reference.tp, self.reference.pp, self.reference.ep)
         student_layout = (self.student.tp, self.student.pp, self.student.ep)
         if ref_layout != student_layout:

@@ -39,8 +39,9 @@ class PromptDataset:
 
     @classmethod
     def load(cls, cfg: DataConfig, tokenizer, teacher_tokenizer=None,
-             log: Optional[Callable[[str], None]] = print) -> "PromptDataset":
-        """Loads every source of cfg; raises DataError naming the files when a source has no usable row."""
+             log: Optional[Callable[[str], None]] = print, tools: Optional[list] = None) -> "PromptDataset":
+        """Loads every source of cfg; raises DataError naming the files when a source has no usable row.
+        tools: a multi-turn environment's tool schemas (megaopd.envs), rendered into every prompt."""
         cfg.validate()
         counter = token_counter(tokenizer)
         stop = stop_tokens(cfg, tokenizer, teacher_tokenizer)
@@ -55,7 +56,7 @@ class PromptDataset:
             records = load_records(files, cfg.filter, counter, report, require_golden=cfg.require_golden,
                                    max_rows=src.max_rows)
             exs, skipped, first = build_examples(records, src.name, cfg, tokenizer, teacher_tokenizer,
-                                                 stop_id=stop.golden_id)
+                                                 stop_id=stop.golden_id, tools=tools)
             for reason, n in skipped.items():
                 report.skipped[reason] += n
                 report.first_skipped.setdefault(reason, f"uuid {first[reason]}")

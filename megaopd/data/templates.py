@@ -30,8 +30,10 @@ def _template_tokenizer(cfg: DataConfig, tokenizer, teacher_tokenizer):
     return teacher_tokenizer
 
 
-def render_prompt(problem: str, cfg: DataConfig, tokenizer, teacher_tokenizer=None) -> str:
-    """The prompt text, ending where the response begins (after the assistant header)."""
+def render_prompt(problem: str, cfg: DataConfig, tokenizer, teacher_tokenizer=None, tools=None) -> str:
+    """The prompt text, ending where the response begins (after the assistant header). tools: JSON schemas
+    of a multi-turn environment's tools (megaopd.envs), which the chat template renders (Qwen: in the system
+    turn); None: no tools."""
     content = user_message(problem, cfg)
     if cfg.prompt_template == "plain":
         return (cfg.system_prompt + "\n" if cfg.system_prompt else "") + content
@@ -42,6 +44,8 @@ def render_prompt(problem: str, cfg: DataConfig, tokenizer, teacher_tokenizer=No
                          f"set data.prompt_template=plain, or use a tokenizer that has one")
     messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
     messages.append({"role": "user", "content": content})
+    if tools:
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

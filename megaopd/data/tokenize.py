@@ -49,6 +49,10 @@ class PromptExample:
     array: 13k goldens of up to 8k tokens as Python ints would take gigabytes."""
     teacher: str = ""
     """Name of the teacher that scores its responses (its source's `teacher`); empty: the job's one teacher."""
+    solution_mask: Optional[np.ndarray] = None
+    """int8 [S] beside solution_ids for a multi-turn golden (tool calls with their results): 1 on the
+    assistant's tokens, 0 on the environment's tool turns (never trained, as in on-policy trajectories);
+    None: every solution token is the assistant's."""
 
     @property
     def has_golden(self) -> bool:
@@ -66,7 +70,8 @@ class PromptExample:
         """1 on each solution token (a target of the SFT term), 0 on the prompt; aligned with golden_ids."""
         if self.solution_ids is None:
             raise ValueError(f"prompt {self.uid} of source {self.source!r} has no golden solution")
-        return [0] * len(self.prompt_ids) + [1] * len(self.solution_ids)
+        solution = [1] * len(self.solution_ids) if self.solution_mask is None else self.solution_mask.tolist()
+        return [0] * len(self.prompt_ids) + solution
 
 
 def golden_stop_id(cfg: DataConfig, tokenizer, teacher_tokenizer=None) -> int:
@@ -76,18 +81,19 @@ def golden_stop_id(cfg: DataConfig, tokenizer, teacher_tokenizer=None) -> int:
 
 
 def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig, tokenizer,
-                   teacher_tokenizer=None, stop_id: Optional[int] = None,
+                   teacher_tokenizer=None, stop_id: Optional[int] = None, tools: Optional[list] = None,
                    ) -> tuple[list[PromptExample], Counter, dict]:
     """Renders and tokenizes records; returns (examples, skipped reasons, reason -> first uuid).
 
     A prompt over max_prompt_len is skipped; so is a golden over max_golden_len (golden_overflow=skip) or
     it is cut (truncate). Records without a golden give examples without one unless cfg.require_golden.
     stop_id: the golden's last token (default: golden_stop_id, the rollouts' first stop id).
+    tools: a multi-turn environment's tool schemas, rendered into the prompts by the chat template.
     """
     template_tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
     if stop_id is None and any(r.golden for r in records):
         stop_id = golden_stop_id(cfg, tokenizer, teacher_tokenizer)
-    texts = [render_prompt(r.problem, cfg, tokenizer, teacher_tokenizer) for r in records]
+    texts = [render_prompt(r.problem, cfg, tokenizer, teacher_tokenizer, tools) for r in records]
     # One batched call each (fast tokenizers parallelize it); no special tokens, see encode_prompt.
     prompt_ids = template_tok(texts, add_special_tokens=False)["input_ids"] if texts else []
     goldens = [strip_think_overlap(t, r.golden) if r.golden else None for t, r in zip(texts, records)]
@@ -96,6 +102,7 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
                                               add_special_tokens=False)["input_ids"] if with_golden else []))
 
     teacher_ids = _teacher_prompt_ids(records, cfg, tokenizer, teacher_tokenizer)
+    sol_masks = _multi_turn_goldens(goldens, sol_ids, tokenizer)
 
     examples, skipped, first = [], Counter(), {}
 
@@ -108,14 +115,16 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
         if len(ids) > cfg.max_prompt_len or (teacher_ids and len(teacher_ids[i]) > cfg.max_prompt_len):
             skip(f"prompt over max_prompt_len={cfg.max_prompt_len} tokens", rec)
             continue
-        solution = None
+        solution, mask = None, None
         if i in sol_ids:
             sol = list(sol_ids[i]) + [stop_id]
+            mask = sol_masks[i] + [1] if i in sol_masks else None
             if len(sol) > cfg.max_golden_len:
                 if cfg.golden_overflow == "skip":
                     skip(f"golden over max_golden_len={cfg.max_golden_len} tokens", rec)
                     continue
                 sol = sol[: cfg.max_golden_len]
+                mask = mask[: cfg.max_golden_len] if mask is not None else None
             solution = np.asarray(sol, dtype=np.int32)
         elif cfg.require_golden:
             skip("no golden solution", rec)
@@ -123,8 +132,45 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
         examples.append(PromptExample(uid=rec.uuid, source=source, problem=rec.problem, answer=rec.answer,
                                       prompt_text=texts[i], prompt_ids=ids, golden=goldens[i],
                                       solution_ids=solution,
+                                      solution_mask=None if mask is None or solution is None else
+                                      np.asarray(mask, dtype=np.int8),
                                       teacher_prompt_ids=list(teacher_ids[i]) if teacher_ids else None))
     return examples, skipped, first
+
+
+def _multi_turn_goldens(goldens: list, sol_ids: dict, tokenizer) -> dict[int, list[int]]:
+    """Multi-turn goldens (a turn end inside the text, then a tool turn and the next assistant header):
+    re-tokenized turn by turn, as a trajectory is built (the assistant's ids, then the tool turn's ids on
+    their own), into sol_ids; returns their masks (1 the assistant's tokens, 0 the tool turns')."""
+    if not getattr(tokenizer, "chat_template", None):
+        return {}
+    turn_end = turn_end_token(tokenizer)
+    user = [{"role": "user", "content": "x"}]
+    header = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)[
+        len(tokenizer.apply_chat_template(user, tokenize=False)):]
+    masks = {}
+    for i, g in enumerate(goldens):
+        if g is None or not header or turn_end not in g.rstrip()[:-len(turn_end)]:
+            continue
+        ids, mask, rest = [], [], g
+        while True:
+            at = rest.find(turn_end)
+            nxt = rest.find(header, at + len(turn_end)) if at >= 0 else -1
+            if nxt < 0:
+                pieces = [(rest, 1)]
+            else:
+                cut = at + len(turn_end)
+                pieces = [(rest[:cut], 1), (rest[cut:nxt + len(header)], 0)]
+            for text, m in pieces:
+                part = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+                ids += part
+                mask += [m] * len(part)
+            if nxt < 0:
+                break
+            rest = rest[nxt + len(header):]
+        if 0 in mask:
+            sol_ids[i], masks[i] = ids, mask
+    return masks
 
 
 def _teacher_prompt_ids(records: Sequence[GoldenRecord], cfg: DataConfig, tokenizer, teacher_tokenizer):

@@ -4,6 +4,7 @@ the collapse early warning, and `megaopd plot`.
     rollout.py   truncation / repetition rates, repetitive-token mask, advantage split, rollout dynamics
     overlap.py   student/teacher top-k overlap ratio and mass, entropy gap
     reward.py    math_verify_reward: last \\boxed{} answer vs gold, never raises, time-bounded
+    trajectory.py  multi-turn trajectories: turns, tool calls and errors, environment-token share
     collapse.py  CollapseDetector: jump/level alarms on truncation and repetition rates
     plot.py      `megaopd plot RUN [RUN ...]`: training-dynamics figures from RUN/metrics.jsonl
 """
@@ -21,6 +22,7 @@ _EXPORTS = {
         "repetitive_token_mask", "response_metrics", "rollout_dynamics", "rollout_dynamics_counts",
         "rollout_dynamics_from_counts", "truncation_rate",
     ],
+    "trajectory": ["trajectory_metrics"],
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -70,12 +70,22 @@ class RolloutConfig:
     """async: how in-flight requests are held while weights load (SGLang's /pause_generation): in_place keeps
     their KV cache (tokens after the update attend to a cache computed by the old weights), retract
     re-prefills them under the new weights."""
+    max_turns: int = 8
+    """Multi-turn rollouts (env.name set): assistant turns per trajectory; a trajectory that reaches it
+    without a final answer is truncated (traj/truncated_turns_rate)."""
+    max_trajectory_tokens: int = 2048
+    """Multi-turn rollouts: tokens after the prompt (the student's and the environment's); each turn's budget
+    is min(max_new_tokens, what is left), and a trajectory that runs out is truncated
+    (traj/truncated_tokens_rate)."""
 
     def __post_init__(self):
         if self.engine not in ("embedded", "remote"):
             raise ValueError(f"rollout.engine={self.engine!r}: choose embedded or remote")
         if self.engine == "remote" and not self.urls:
             raise ValueError("rollout.engine=remote needs rollout.urls=[http://host:port, ...]")
+        if self.max_turns < 1 or self.max_trajectory_tokens < 1:
+            raise ValueError(f"rollout.max_turns={self.max_turns} and rollout.max_trajectory_tokens="
+                             f"{self.max_trajectory_tokens} must be at least 1")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (log-probs are of logits/T)")
         check_overlap(self)

@@ -1,8 +1,8 @@
 """Generation ahead of the trainer (rollout.mode one_step_off / async), on trainer rank 0: each batch is
 generated in a thread of its own while the trainer trains on an earlier one; the records of who waited.
 
-    ahead = GenerateAhead(generate)                  # generate(step, prompts) -> list[Sample], thread-safe
-    ahead.submit(step + 1, prompts, version=step)     # returns at once; the engine works meanwhile
+    ahead = GenerateAhead(generate)                  # generate(step, rows) -> list[Sample], thread-safe
+    ahead.submit(step + 1, rows, version=step)       # returns at once; the engine works meanwhile
     taken = ahead.take(step)                          # waits (timed) for the batch of `step`
     taken.samples, taken.first_versions, taken.waited_s
 
@@ -56,8 +56,8 @@ class GenerateAhead:
         self.engine_idle_s = 0.0
         """Seconds the engine had nothing submitted (it waited for the trainer), since the last read."""
 
-    def submit(self, step: int, prompts: list[list[int]], version: int) -> None:
-        """Starts generating the batch of `step` now, under the engine's weights `version`."""
+    def submit(self, step: int, rows: list, version: int) -> None:
+        """Starts generating the batch of `step` (its data rows) now, under the engine's weights `version`."""
         if step in self.pending:
             raise ValueError(f"the batch of step {step} is already generating")
         now = time.perf_counter()
@@ -67,7 +67,7 @@ class GenerateAhead:
 
         def run():
             try:
-                p.future.set_result(self.generate(step, prompts))
+                p.future.set_result(self.generate(step, rows))
             except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread by take()
                 p.future.set_exception(e)
             finally:

@@ -136,6 +136,31 @@ class Sample:
     """log softmax(logits / temperature) of each output id under the engine's weights (len = len(output_ids))."""
     finish_reason: FinishReason
     weight_version: str | None = None
+    output_mask: list[int] | None = None
+    """Trajectories (megaopd.rollout.trajectories): 1 where output_ids[i] is the student's own (the engine
+    generated it), 0 where an environment turn put it (its output_logprobs entry is then 0); None: every
+    output id was generated (a single-turn response)."""
+    trajectory: TrajectoryStats | None = None
+    """What happened in a multi-turn trajectory (turns, tool calls, its reward); None for a single turn."""
+
+
+@dataclass
+class TrajectoryStats:
+    """One multi-turn trajectory's counts, for the metrics and the reward (megaopd.rollout.trajectories)."""
+
+    turns: int
+    """Assistant turns generated."""
+    tool_calls: int
+    """Tool calls the assistant made (well-formed or not)."""
+    tool_errors: int
+    """Calls answered with an error observation: malformed, unknown tool, or a tool that failed."""
+    truncated_by: str = ""
+    """"turns" (rollout.max_turns reached), "tokens" (rollout.max_trajectory_tokens or the last turn's
+    max_new_tokens used up) or "" (the environment ended it: a final answer)."""
+    reward: float = 0.0
+    """The environment's final-answer reward (0 without a final answer)."""
+    final_text: str = ""
+    """The assistant turn the environment ended the episode on ("" when truncated)."""
 
 
 class Engine(Protocol):

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from megaopd.engine.rows import FinishReason
-from megaopd.rollout.protocol import Sample
+from megaopd.rollout.protocol import Sample, TrajectoryStats
 
 
 @dataclass
@@ -118,7 +118,8 @@ class RolloutBatch:
     prompt_lens_B: torch.Tensor
     """Prompt tokens per row [B] (long)."""
     response_lens_B: torch.Tensor
-    """Generated tokens per row, the stop token included [B] (long)."""
+    """Tokens after the prompt per row [B] (long): the generated ones, the stop token included, and in a
+    multi-turn trajectory the environment turns between them too (student_lens_B counts the generated ones)."""
     finish_reasons: list[FinishReason]
     """Why each response ended: "stop" (EOS or a stop token), "length" (budget used up), "abort" [B]."""
     group_ids_B: torch.Tensor
@@ -137,6 +138,9 @@ class RolloutBatch:
     """The engine's weight version (the trainer step whose weights it held) when each row's first token was
     generated [B] (long); older than the trained weights under rollout.mode one_step_off / async. Filled by
     the trainer's pipeline (megaopd.trainer.pipeline)."""
+    trajectories: list[TrajectoryStats] | None = None
+    """Multi-turn rollouts: each row's turns, tool calls and errors [B]; None for single-turn responses.
+    Their environment tokens sit in tokens_BS with loss_mask_BT 0: scored, never trained, never counted."""
 
     @property
     def size(self) -> int:
@@ -146,6 +150,11 @@ class RolloutBatch:
     def targets_BT(self) -> torch.Tensor:
         """The token each position predicts [B, T]."""
         return self.tokens_BS[:, 1:]
+
+    @property
+    def student_lens_B(self) -> torch.Tensor:
+        """Tokens the student generated per row [B] (long): response_lens_B less any environment tokens."""
+        return self.loss_mask_BT.sum(-1).long()
 
     @property
     def truncated_B(self) -> torch.Tensor:
@@ -169,8 +178,9 @@ def build_rollout_batch(samples: list[Sample], pad_id: int, samples_per_prompt: 
             continue
         tokens_BS[b, p:p + r] = torch.tensor(s.output_ids)
         # Position t predicts token t + 1: the response tokens p..p+r-1 are predicted at p-1..p+r-2.
-        loss_mask_BT[b, p - 1:p + r - 1] = 1.0
-        engine_logprobs_BT[b, p - 1:p + r - 1] = torch.tensor(s.output_logprobs, dtype=torch.float32)
+        generated = 1.0 if s.output_mask is None else _student_mask(s, b)  # trajectories: environment turns 0
+        loss_mask_BT[b, p - 1:p + r - 1] = generated
+        engine_logprobs_BT[b, p - 1:p + r - 1] = torch.tensor(s.output_logprobs, dtype=torch.float32) * generated
     return RolloutBatch(
         tokens_BS=tokens_BS,
         loss_mask_BT=loss_mask_BT,
@@ -179,4 +189,14 @@ def build_rollout_batch(samples: list[Sample], pad_id: int, samples_per_prompt: 
         response_lens_B=torch.tensor([len(s.output_ids) for s in samples]),
         finish_reasons=[s.finish_reason for s in samples],
         group_ids_B=torch.arange(B) // samples_per_prompt,
+        trajectories=[s.trajectory or TrajectoryStats(1, 0, 0) for s in samples]
+        if any(s.trajectory is not None for s in samples) else None,
     )
+
+
+def _student_mask(s: Sample, b: int) -> torch.Tensor:
+    """A trajectory's per-output-token student mask (float), checked against its ids and log-probs."""
+    if not len(s.output_mask) == len(s.output_ids) == len(s.output_logprobs):
+        raise ValueError(f"sample {b}: output_mask ({len(s.output_mask)}), output_ids ({len(s.output_ids)}) and "
+                         f"output_logprobs ({len(s.output_logprobs)}) must be one entry per output token")
+    return torch.tensor(s.output_mask, dtype=torch.float32)

@@ -25,6 +25,7 @@ from typing import Callable
 from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.overlap import GenerateAhead, Taken, overlap_metrics, staleness
 from megaopd.rollout.protocol import Sample, SamplingParams
+from megaopd.rollout.trajectories import MultiTurn, generate_rows
 
 
 @dataclass
@@ -38,8 +39,10 @@ class Received:
 
 class RolloutPipeline:
     def __init__(self, cfg, loader, timer, stop_ids, rank: int, push: Callable[[], None],
-                 parity: Callable[[], None]):
-        """push: the weight sync (collective); parity: the engine/actor parity check (collective)."""
+                 parity: Callable[[], None], multi_turn: MultiTurn | None = None):
+        """push: the weight sync (collective); parity: the engine/actor parity check (collective); multi_turn:
+        the environment loop when rollouts are trajectories (env.name set)."""
+        self.multi_turn = multi_turn
         self.cfg, self.loader, self.timer, self.stop_ids, self.rank = cfg, loader, timer, list(stop_ids), rank
         self.push, self.parity = push, parity
         self.mode, self.max_staleness = cfg.rollout.mode, cfg.rollout.max_staleness
@@ -78,22 +81,22 @@ class RolloutPipeline:
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                               n=t.samples_per_prompt, stop_token_ids=self.stop_ids, seed=t.seed * 1_000_003 + step)
 
-    def _generate(self, step: int, prompts: list[list[int]]) -> list[Sample]:
-        """Rank 0: the engine's samples of step `step` (then, colocated, its memory goes back to the actor)."""
-        samples = self.engine.generate(prompts, self.params(step))
+    def _generate(self, step: int, examples: list) -> list[Sample]:
+        """Rank 0: the engine's samples or trajectories of step `step` (then, colocated, its memory goes back to
+        the actor)."""
+        samples = generate_rows(self.engine, examples, self.params(step), self.multi_turn)
         if self.cfg.rollout.colocated:
             self.engine.release_memory()  # the actor trains on these GPUs next
         return samples
 
     def samples(self, step: int, examples: list) -> list[Sample]:
         """Collective: the samples of step `step` on every rank (generated now, or taken from ahead)."""
-        prompts = [ex.prompt_ids for ex in examples]
         if not self.depth:
-            got = rank0_computes(lambda: Received(self._generate(step, prompts), [], {}))
+            got = rank0_computes(lambda: Received(self._generate(step, examples), [], {}))
             self.versions_B, self.metrics = [self.engine_version] * len(got.samples), {}
             return got.samples
         if self.ahead is not None and not self.ahead.has(step):  # the first step, or the first after a resume
-            self.ahead.submit(step, prompts, self.engine_version)
+            self.ahead.submit(step, examples, self.engine_version)
         got = rank0_computes(self._take, step)
         self.versions_B, self.metrics = got.first_versions, got.metrics
         # Batch `step` is done: the weights it trains with go to the engines before the next batches start.
@@ -102,7 +105,7 @@ class RolloutPipeline:
             if s not in self.drawn:
                 self._draw(s)
                 if self.ahead is not None:
-                    self.ahead.submit(s, [ex.prompt_ids for ex in self.drawn[s]], self.engine_version)
+                    self.ahead.submit(s, self.drawn[s], self.engine_version)
         return got.samples
 
     def _take(self, step: int) -> Received:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megaopd.metrics import repetitive_token_mask, response_metrics
+from megaopd.metrics import repetitive_token_mask, response_metrics, trajectory_metrics
 from megaopd.metrics.config import MetricsConfig
 from megaopd.metrics.flops import MatmulDims, StepWork, peak_tflops, step_flops
 from megaopd.metrics.overlap import topk_overlap_counts, topk_overlap_from_counts
@@ -29,7 +29,7 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     actor, teacher = batch.actor, batch.teacher
     rows = actor.rows if actor.rows is not None else list(range(batch.size))
     idx = torch.tensor(rows, dtype=torch.long)
-    mask = batch.loss_mask_BT[idx]  # every generated token (repetitive n-grams need them all)
+    mask = batch.loss_mask_BT[idx]  # every generated token (repetitive n-grams need them all; a trajectory: its turns)
     m = mask.bool()
     a = actor.index(rows)
     t = teacher.index(rows) if teacher is not None else None
@@ -55,7 +55,13 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     c, gap_max = _sum_over_owners(sums, gap_max, contributes)
 
     out = response_metrics(batch.texts, batch.finish_reasons, mcfg.repetition)
-    out.update(rollout_dynamics_from_counts(batch.response_lens_B, _with_prefix(c, "dyn/")))
+    # The student's tokens only: a trajectory's environment turns are not the student's response length.
+    out.update(rollout_dynamics_from_counts(batch.student_lens_B, _with_prefix(c, "dyn/")))
+    if batch.trajectories is not None:
+        tr = batch.trajectories
+        out.update(trajectory_metrics([t.turns for t in tr], [t.tool_calls for t in tr], [t.tool_errors for t in tr],
+                                      [t.truncated_by for t in tr], batch.student_lens_B.tolist(),
+                                      batch.response_lens_B.tolist()))
     n = c["dyn/tokens"]
     if teacher is not None:
         split = advantage_split_from_counts(_with_prefix(c, "split/"))

@@ -41,6 +41,7 @@ from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import init_distributed, rank0_computes
 from megaopd.rollout.records import RolloutBatch, build_rollout_batch
+from megaopd.rollout.trajectories import MultiTurn
 from megaopd.scoring import bounds_for, check_engine_parity
 from megaopd.scoring.passes import ScoreRequest, score_sequences, score_tokens
 from megaopd.scoring.runner import PipelineRunner
@@ -92,7 +93,10 @@ class Trainer:
                                           self._console)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.special_ids = loss_mask_ids(tok, cfg.loss.mask_first_tokens, report)
-        dataset = PromptDataset.load(cfg.data, tok, teacher_tokenizer, log=self._console if self.rank == 0 else None)
+        self.multi_turn = MultiTurn(cfg.env, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, tok) \
+            if cfg.env.enabled else None  # trajectories with an environment's turns; None: single-turn rows
+        dataset = PromptDataset.load(cfg.data, tok, teacher_tokenizer, log=self._console if self.rank == 0 else None,
+                                     tools=self.multi_turn.tools if self.multi_turn else None)
         # Every rank draws the same global batch (rank 0 generates it; every layout takes its own rows).
         self.loader = PromptLoader(dataset, cfg.data, batch_size=cfg.trainer.prompts_per_step)
 
@@ -144,7 +148,7 @@ class Trainer:
         cfg = self.cfg
         self.engine = None
         self.pipeline = RolloutPipeline(cfg, self.loader, self.timer, self.stop.ids, self.rank, self.sync_weights,
-                                        self.check_parity)  # rollout.mode: which prompts, which samples, when syncs
+                                        self.check_parity, self.multi_turn)  # rollout.mode: which prompts, which samples, when syncs
         self.stateful["data"] = self.pipeline  # the loader's cursor before any batch drawn ahead
         if not (self.needs.on_policy or cfg.validation.path):
             return
@@ -238,15 +242,10 @@ class Trainer:
                                                on_device=on_gpu_while_used, owners=owners)
                 if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
                     timer.add("teacher_remote", pending.seconds)
-        batch.texts, rewards = rank0_computes(self._texts_and_rewards, samples, examples)
+        batch.texts, rewards = rank0_computes(texts_and_rewards, self.tokenizer, samples, examples,
+                                              cfg.trainer.samples_per_prompt, self.multi_turn)
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
         return batch
-
-    def _texts_and_rewards(self, samples, examples) -> tuple[list[str], list[float]]:
-        """Rank 0: decoded responses and their math-verify rewards."""
-        n = self.cfg.trainer.samples_per_prompt
-        texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
-        return texts, math_verify_rewards(texts, [examples[i // n].answer for i in range(len(samples))])
 
     # ----------------------------------------------------------------------------------------- train
     def _train(self, rollout: RolloutBatch | None, golden) -> dict:
@@ -353,6 +352,15 @@ class Trainer:
             for _ in tensors:
                 pass
         dist.barrier()
+
+
+def texts_and_rewards(tokenizer, samples, examples, n: int, multi_turn: MultiTurn | None):
+    """Rank 0: decoded responses and their math-verify rewards (trajectories: the student's turns and the
+    environment's final-answer rewards)."""
+    if multi_turn is not None:
+        return multi_turn.texts_and_rewards(samples)
+    texts = [tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
+    return texts, math_verify_rewards(texts, [examples[i // n].answer for i in range(len(samples))])
 
 
 def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> dict | None:

@@ -23,6 +23,8 @@ def validate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[in
 
 
 def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[int], run_log) -> dict[str, float]:
+    if cfg.env.enabled:
+        return _evaluate_with_tools(engine, tokenizer, cfg, stop_ids)
     from megaopd.data.templates import render_and_encode
     from megaopd.eval.benchmarks import load_benchmark_file
     from megaopd.eval.evaluate import EvalConfig, evaluate
@@ -38,3 +40,29 @@ def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[i
     if run_log is not None:
         run_log.evaluation(step, result)
     return {k: v for k, v in result.to_metrics("val").items() if k.count("/") == 1}
+
+
+def _evaluate_with_tools(engine, tokenizer, cfg: MegaOPDConfig, stop_ids: list[int]) -> dict[str, float]:
+    """Multi-turn validation (env.name set): one trajectory per problem with the job's environment and
+    limits (megaopd.rollout.trajectories), at the validation temperature and turn budget: val/accuracy is
+    pass@1 with tools (the environment's final-answer reward), with val/tool_call_rate, val/turns_mean and
+    val/truncation_rate beside it."""
+    from types import SimpleNamespace
+
+    from megaopd.data.templates import encode_prompt, render_prompt
+    from megaopd.eval.benchmarks import load_benchmark_file
+    from megaopd.rollout.protocol import SamplingParams
+    from megaopd.rollout.trajectories import MultiTurn
+
+    vcfg, r = cfg.validation, cfg.rollout
+    multi_turn = MultiTurn(cfg.env, r.max_turns, r.max_trajectory_tokens, tokenizer)
+    problems = load_benchmark_file(vcfg.path, name="val").problems[:vcfg.max_problems or None]
+    examples = [SimpleNamespace(problem=p.problem, answer=p.answer, prompt_ids=encode_prompt(
+        render_prompt(p.problem, cfg.data, tokenizer, tools=multi_turn.tools), cfg.data, tokenizer)) for p in problems]
+    samples = multi_turn.generate(engine, examples, SamplingParams(
+        temperature=vcfg.temperature, max_new_tokens=vcfg.max_new_tokens, stop_token_ids=stop_ids, n=1, seed=0))
+    n = max(len(samples), 1)
+    return {"val/accuracy": sum(s.trajectory.reward for s in samples) / n,
+            "val/tool_call_rate": sum(s.trajectory.tool_calls > 0 for s in samples) / n,
+            "val/turns_mean": sum(s.trajectory.turns for s in samples) / n,
+            "val/truncation_rate": sum(s.finish_reason == "length" for s in samples) / n}

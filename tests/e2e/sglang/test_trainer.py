@@ -101,3 +101,26 @@ def test_stable_opd_with_teacher_on_sglang(sglang_teacher, tmp_path):
     assert "overlap/entropy_gap" in a and "overlap/entropy_gap" not in b
     for key in ("loss/total", "rollout/teacher_logprob_mean", "overlap/ratio", "train/grad_norm"):
         assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-5), (key, a[key], b[key])
+
+
+def test_multi_turn_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path):
+    """Two multi-turn Stable-OPD steps with SGLang generating every assistant turn: each turn's request
+    continues from the trajectory's token ids (SGLang's input_ids), an environment answers every turn (the
+    tiny student never calls a tool by itself), and the engine's log-probs of the student's tokens match
+    the actor's recomputation over the whole trajectory."""
+    from tests.envs import _workers as env_workers
+
+    cfg = _config(tmp_path / "run", "rollout.engine=remote", f"rollout.urls=[{sglang_student.url}]",
+                  "env.name=calculator", "rollout.max_turns=2", "rollout.max_new_tokens=160",
+                  "rollout.max_trajectory_tokens=360", "trainer.prompts_per_step=4")
+    try:
+        spawn(env_workers.run_presets_always_answering, 2, args=([cfg],), timeout=1200)
+    finally:
+        sglang_student.restore_weights()
+    steps = _step_metrics(str(tmp_path / "run"))
+    assert sorted(steps, key=int) == [str(s) for s in range(1, STEPS + 1)]
+    for step, m in steps.items():
+        assert math.isfinite(m["loss/total"]) and m["train/grad_norm"] > 0, (step, m)
+        assert m["traj/turns_mean"] > 1 and 0 < m["traj/env_token_share"] < 1, (step, m)
+        assert m["sync/logprob_gap_max"] < 1e-3, (step, m["sync/logprob_gap_max"])
+    print({s: (m["traj/turns_mean"], m["traj/env_token_share"], m["sync/logprob_gap_max"]) for s, m in steps.items()})
