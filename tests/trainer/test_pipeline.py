@@ -173,7 +173,7 @@ def test_checkpoint_cursor_excludes_the_batch_in_flight_and_resume_regenerates_i
 def test_too_stale_samples_are_dropped_or_regenerated(policy):
     p, engine, trainer = _pipeline("async", max_staleness=1, stale_samples=policy)
     engine.version = p.engine_version = 5
-    p.ahead.submit(5, [[9]], version=2)  # a batch three versions behind the weights of step 5
+    p.ahead.submit(5, [Ex([9])], version=2)  # a batch three versions behind the weights of step 5
     got = p._take(5)
     if policy == "drop":
         assert all(s.output_ids == [] and s.finish_reason == "abort" for s in got.samples)
