@@ -10,6 +10,9 @@ returns the next state and what it decided:
                         slope(repetition over the window) / repetition_slope
                         truncation now / truncation_level,   repetition now / repetition_level
                         (adv gap) / gap            (only when repetitive tokens are >= gap_min_share)
+                        (reward peak - reward now) / reward_drop   (the rollouts' math-verify reward: the
+                                                   best `window`-step mean so far minus the last
+                                                   `min_history` steps' mean; 0 turns it off)
     pressure >= 1               raise: both weights up by raise_fraction of their ranges (to the ceiling)
     pressure < calm_fraction    a calm step; after `cooldown` calm steps in a row, both weights down by
                                 lower_fraction of their ranges per step (to the floor)
@@ -65,6 +68,11 @@ class AdaptiveConfig:
     favouring repeated n-grams, the collapse's mechanism (paper 2604.08527 fig. 4)."""
     gap_min_share: float = 0.05
     """The gap counts only when repetitive tokens are at least this share of the step's tokens."""
+    reward_drop: float = 0.05
+    """Fall of the rollouts' reward (rollout/reward_mean, the share of samples math-verify accepts) that is full
+    pressure: the best mean over `window` steps so far minus the mean of the last `min_history` steps. A
+    student whose updates are too large loses accuracy before (or without) any truncation or repetition
+    (examples/tiny/README.md, "The accuracy study"). 0 turns the signal off (tasks without a reward)."""
     raise_fraction: float = 0.25
     """A raise moves each weight by this fraction of its range (0.25: floor to ceiling in 4 steps)."""
     lower_fraction: float = 0.05
@@ -84,6 +92,8 @@ class AdaptiveConfig:
         for name in ("truncation_slope", "repetition_slope", "truncation_level", "repetition_level", "gap"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"loss.adaptive.{name}={getattr(self, name)} must be > 0")
+        if self.reward_drop < 0:
+            raise ValueError(f"loss.adaptive.reward_drop={self.reward_drop} must be >= 0 (0 turns the signal off)")
         if not (0 < self.raise_fraction <= 1 and 0 < self.lower_fraction <= 1):
             raise ValueError(f"loss.adaptive.raise_fraction={self.raise_fraction} and lower_fraction="
                              f"{self.lower_fraction} must be in (0, 1]")
@@ -103,6 +113,8 @@ class ControllerSignals:
     """adv/repetitive_mean - adv/regular_mean."""
     repetitive_share: float = 0.0
     """adv/repetitive_token_share."""
+    reward: float | None = None
+    """rollout/reward_mean (None: the step has no reward, and the reward signal does not count)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,10 @@ class ControllerState:
     repetition: tuple[float, ...] = ()
     calm_steps: int = 0
     """Calm steps in a row so far."""
+    reward: tuple[float, ...] = ()
+    """The last `window` rewards, oldest first."""
+    reward_peak: float | None = None
+    """The best `window`-step mean reward so far (a shorter window's while the run is younger)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,24 @@ def slope(values: tuple[float, ...]) -> float:
     return num / sum((t - t_mean) ** 2 for t in range(n))
 
 
+def mean(values: tuple[float, ...]) -> float:
+    return sum(values) / len(values)
+
+
+def _with_reward(state: ControllerState, reward: float | None, cfg: AdaptiveConfig) -> ControllerState:
+    """The reward window and its peak after this step's reward (unchanged when the step has none). The peak is
+    of `window`-step means (of the whole history while it is shorter, from min_history values on), so one
+    lucky step does not set it."""
+    if reward is None:
+        return state
+    rewards = (*state.reward, float(reward))[-cfg.window:]
+    if len(rewards) < cfg.min_history:
+        return dataclasses.replace(state, reward=rewards)
+    now = mean(rewards)
+    peak = now if state.reward_peak is None else max(state.reward_peak, now)
+    return dataclasses.replace(state, reward=rewards, reward_peak=peak)
+
+
 def pressure(state: ControllerState, s: ControllerSignals, cfg: AdaptiveConfig) -> tuple[float, str]:
     """The largest of the signals' ratios to their thresholds, with its name; state holds this step's rates."""
     parts = {"truncation_rate": s.truncation_rate / cfg.truncation_level,
@@ -146,9 +180,12 @@ def pressure(state: ControllerState, s: ControllerSignals, cfg: AdaptiveConfig) 
         parts["repetition_slope"] = slope(state.repetition) / cfg.repetition_slope
     if s.repetitive_share >= cfg.gap_min_share:
         parts["adv_gap"] = s.adv_gap / cfg.gap
+    if cfg.reward_drop > 0 and state.reward_peak is not None and len(state.reward) >= cfg.min_history:
+        parts["reward_drop"] = (state.reward_peak - mean(state.reward[-cfg.min_history:])) / cfg.reward_drop
     name = max(parts, key=parts.get)
     scale = {"truncation_rate": cfg.truncation_level, "repetition_rate": cfg.repetition_level,
-             "truncation_slope": cfg.truncation_slope, "repetition_slope": cfg.repetition_slope, "adv_gap": cfg.gap}
+             "truncation_slope": cfg.truncation_slope, "repetition_slope": cfg.repetition_slope, "adv_gap": cfg.gap,
+             "reward_drop": cfg.reward_drop}
     return parts[name], f"{name}={parts[name] * scale[name]:.4g}"
 
 
@@ -166,6 +203,7 @@ def control_step(state: ControllerState, signals: ControllerSignals,
     w = cfg.window
     state = dataclasses.replace(state, truncation=(*state.truncation, float(signals.truncation_rate))[-w:],
                                 repetition=(*state.repetition, float(signals.repetition_rate))[-w:])
+    state = _with_reward(state, signals.reward, cfg)
     p, reason = pressure(state, signals, cfg)
     if p >= 1.0:
         sft, kl = _move(state, cfg, cfg.raise_fraction)
@@ -206,6 +244,8 @@ class WeightController:
     state: ControllerState = field(init=False)
     last_pressure: float = field(init=False, default=0.0)
     """The pressure of the last observed step (a metric; not part of the state)."""
+    last_reason: str = field(init=False, default="")
+    """The signal that set it, e.g. "reward_drop=0.061"."""
 
     def __post_init__(self):
         c, cfg = self.base.config, self.cfg
@@ -222,7 +262,7 @@ class WeightController:
         """Feeds one step's signals; returns the change when the weights moved (None otherwise)."""
         before = (self.state.sft_weight, self.state.ref_kl_weight)
         self.state, decision = control_step(self.state, signals, self.cfg)
-        self.last_pressure = decision.pressure
+        self.last_pressure, self.last_reason = decision.pressure, decision.reason
         after = (self.state.sft_weight, self.state.ref_kl_weight)
         if after == before:
             return None
@@ -232,11 +272,14 @@ class WeightController:
     def state_dict(self) -> dict:
         s = self.state
         return {"sft_weight": s.sft_weight, "ref_kl_weight": s.ref_kl_weight, "truncation": list(s.truncation),
-                "repetition": list(s.repetition), "calm_steps": s.calm_steps}
+                "repetition": list(s.repetition), "calm_steps": s.calm_steps, "reward": list(s.reward),
+                "reward_peak": s.reward_peak}
 
     def load_state_dict(self, state: dict) -> None:
+        # reward / reward_peak: absent from checkpoints written before the reward signal (it starts afresh).
         self.state = ControllerState(float(state["sft_weight"]), float(state["ref_kl_weight"]),
-                                     tuple(state["truncation"]), tuple(state["repetition"]), int(state["calm_steps"]))
+                                     tuple(state["truncation"]), tuple(state["repetition"]), int(state["calm_steps"]),
+                                     tuple(state.get("reward", ())), state.get("reward_peak"))
         self.loss = self._bind()
 
 

@@ -18,11 +18,14 @@ from megaopd.losses.controller import ControllerSignals
 
 def signals_from(metrics: Mapping[str, float]) -> ControllerSignals:
     """The step's early-warning signals from its rollout metrics (trainer/step_metrics.py's names); a run
-    without a teacher has no advantage split, so its gap is 0."""
+    without a teacher has no advantage split, so its gap is 0; a step without rollout/reward_mean gives the
+    reward signal nothing."""
+    reward = metrics.get("rollout/reward_mean")
     return ControllerSignals(truncation_rate=float(metrics.get("rollout/truncation_rate", 0.0)),
                              repetition_rate=float(metrics.get("rollout/repetition_rate", 0.0)),
                              adv_gap=float(metrics.get("adv/repetitive_mean", 0.0) - metrics.get("adv/regular_mean", 0.0)),
-                             repetitive_share=float(metrics.get("adv/repetitive_token_share", 0.0)))
+                             repetitive_share=float(metrics.get("adv/repetitive_token_share", 0.0)),
+                             reward=None if reward is None else float(reward))
 
 
 class ControlledLoss:

@@ -86,6 +86,34 @@ def test_the_advantage_gap_alone_raises_only_with_enough_repetitive_tokens():
     assert weights[0][0] > 0
 
 
+def rewards(trace, cfg=CFG):
+    """Weights after each step of a trace of rewards (no truncation, repetition or gap)."""
+    return run([(0.0, 0.0, 0.0, 0.0, r) for r in trace], cfg=cfg)
+
+
+def test_a_falling_reward_raises_the_weights():
+    """The accuracy study's failure: the rollouts' reward falls (0.30 -> 0.10 over 10 steps) with no truncation
+    or repetition at all. The peak is the early mean; the last 3 steps' mean falls 0.05 below it by step 6."""
+    weights, ctl = rewards([0.30, 0.31, 0.29] + [0.29 - 0.02 * i for i in range(1, 11)] + [0.10] * 5)
+    first = next(i for i, w in enumerate(weights) if w[0] > 0)
+    assert 4 <= first <= 6
+    assert weights[first + 3] == pytest.approx((0.3, 0.05))
+    assert "reward_drop" in ctl.last_reason
+
+
+def test_a_rising_or_noisy_reward_moves_nothing():
+    rng = random.Random(3)
+    rise = [min(1.0, 0.2 + 0.01 * i + rng.uniform(-0.02, 0.02)) for i in range(60)]
+    assert set(rewards(rise)[0]) == {(0.0, 0.0)}
+    noise = [0.3 + rng.uniform(-0.03, 0.03) for _ in range(200)]  # +-0.03 per step around a level
+    assert set(rewards(noise)[0]) == {(0.0, 0.0)}
+    # reward_drop=0 turns the signal off; a step without a reward (None) leaves it untouched.
+    fall = [0.5] * 5 + [0.0] * 10
+    assert set(rewards(fall, cfg=AdaptiveConfig(reward_drop=0.0))[0]) == {(0.0, 0.0)}
+    assert set(run([(0.0, 0.0)] * 20)[0]) == {(0.0, 0.0)}
+    assert rewards(fall)[0][-1][0] > 0
+
+
 def test_bounds_floors_and_start_values():
     cfg = AdaptiveConfig(sft_weight_min=0.05, sft_weight_max=0.2, ref_kl_weight_min=0.01, ref_kl_weight_max=0.01)
     ctl = WeightController(cfg, build_loss("stable_opd", {"sft_weight": 0.5, "ref_kl_weight": 0.0}))
@@ -115,6 +143,8 @@ def test_resume_from_a_checkpoint_continues_the_same_trajectory():
     rng = random.Random(2)
     trace = [(0.0, 0.0)] * 5 + [(min(1.0, 0.03 * i + rng.uniform(0, 0.05)), 0.0) for i in range(20)] + \
             [(rng.uniform(0, 0.02), 0.0) for _ in range(40)]
+    # with rewards: the window and its peak are part of what a resume must carry (a fall after the cut)
+    trace = [(t, r, 0.0, 0.0, 0.4 if i < 20 else 0.2) for i, (t, r) in enumerate(trace)]
     straight, _ = run(trace)
     first, ctl = run(trace[:17])
     saved = json.loads(json.dumps(ctl.state_dict()))  # through JSON, as trainer_state.json keeps it
