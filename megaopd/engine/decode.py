@@ -137,7 +137,9 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
                                   [list(rows[i].prompt_ids) for i in new])
             running += new
             pos_h += [len(rows[i].prompt_ids) for i in new]
-            logits = new_logits if logits is None else torch.cat([logits, new_logits.to(logits.dtype)])
+            # float32 throughout: prefill returns float32 logits and a bf16 decode step its own dtype; a row's first
+            # token must not depend on whether it was admitted beside running rows.
+            logits = new_logits if logits is None else torch.cat([logits.float(), new_logits.float()])
         A = len(running)
         tok_A, lp_A = sample_tokens(logits, st.temp_S[:A], st.top_p_S[:A], st.top_k_S[:A], st.seed_S[:A],
                                     st.count_S[:A], st.min_p_S[:A], filters, greedy)
@@ -162,6 +164,8 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
             break
         if action == "retract":
             running, pos_h = _harvest(st, cache, rows, results, running, pos_h)
+            if not running and not waiting:  # every row had finished since the last harvest (sync_every > 1)
+                break
             A = len(running)
             counts, ids = st.count_S[:A].tolist(), st.out_ids_SN[:A].tolist()
             seqs = [list(rows[i].prompt_ids) + ids[a][:counts[a]] for a, i in enumerate(running)]
@@ -172,7 +176,8 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
             logits = None
             continue
         logits = dec.step(st, len(running), max(pos_h) + 1)
-        st.pos_S[:len(running)] += 1
+        # finished rows not yet harvested (sync_every > 1) stay put: no position past the row's budget
+        st.pos_S[:len(running)] += (~st.done_S[:len(running)]).long()
         pos_h = [p + 1 for p in pos_h]
     return results
 

@@ -85,14 +85,22 @@ class DecodeGraphs:
         return self.fwd.step(self.cache, self.tokens[:bs], self.pos[:bs], self.rows[:bs], L)
 
     def _capture(self, bs: int, L: int):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        dev = self.tokens.device
+        caller = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(caller)
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the graph (allocator, lazy kernels); rewrites what the step writes
                 self._run(bs, L)
-        torch.cuda.current_stream().wait_stream(side)
+        caller.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._run(bs, L)
+        try:
+            # thread_local: CUDA calls of the server's other threads (weight loads, NCCL) neither break the capture
+            # nor fail because of it.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits = self._run(bs, L)
+        except Exception:
+            torch.cuda.set_stream(caller)  # a failed capture_end can leave this thread on the capture stream
+            raise
         self.pool = graph.pool()
         return graph, logits

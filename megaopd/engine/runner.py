@@ -133,9 +133,13 @@ class ModelRunner:
             if not rows:
                 return []
             self.running += len(rows)
+            # On CUDA the engine's device is the current one while it decodes: graph capture, its side stream
+            # and replays use the current device, whatever `device` names (cuda:1 from `megaopd serve`).
+            on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
             try:
-                return decode_rows(self._decoder(rows), rows, self.weight_version,
-                                   lambda: self._boundary(control), self.sync_every)
+                with on_device:
+                    return decode_rows(self._decoder(rows), rows, self.weight_version,
+                                       lambda: self._boundary(control), self.sync_every)
             finally:
                 self.running -= len(rows)
                 self._cond.notify_all()
@@ -156,6 +160,13 @@ class ModelRunner:
 
             self._graphs = DecodeGraphs(self._forward, self._cache, self.config.cuda_graph_bs)
         return Decoder(self._forward, self._cache, self._graphs)
+
+    def _drop_graphs(self) -> None:
+        """Forgets the captured graphs, and turns them off for a decode still running with them (a release and
+        resume inside one pause): it goes on eagerly rather than replaying over moved or freed storage."""
+        if self._graphs is not None:
+            self._graphs.off = "memory moved"
+        self._graphs = None
 
     def _cuda_capacity(self, slots: int, need: int) -> int:
         """Positions per slot that fit in mem_fraction_static of the GPU (as SGLang sizes its KV pool),
@@ -341,7 +352,7 @@ class ModelRunner:
             self._released.update(tags)
             if "kv_cache" in tags:
                 self._cache = None  # re-allocated by the next run
-            self._graphs = None  # captured again by the next run: weights or cache may move
+            self._drop_graphs()  # captured again by the next run: weights or cache may move
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -357,7 +368,7 @@ class ModelRunner:
                 elif self.release_weights == "discard":
                     memory.restore(self._weights.params, self._discarded_shapes, self.device)
                     self._discarded_shapes = {}
-            self._graphs = None  # the graphs read the weights' old storage
+            self._drop_graphs()  # the graphs read the weights' old storage
             self._released.difference_update(tags)
 
     def model_info(self) -> dict:

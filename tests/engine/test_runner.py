@@ -196,3 +196,22 @@ def test_sync_every_keeps_results(tiny_dir):
     b = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4, sync_every=5)).run(rows)
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
     assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
+
+
+def test_retract_after_every_row_finished_between_harvests(tiny_dir):
+    """With the finished flags read every 16 steps (the CUDA path reads every 8), a retract at each step
+    boundary finds rows that finished since the last harvest, and at last none running: each row still
+    ends as it does without retracts (same tokens; log-probs recomputed by the re-prefill within
+    round-off) and the run returns rather than sampling from nothing."""
+    from megaopd.engine.decode import decode_rows
+    from megaopd.engine.rows import RowRequest
+
+    rows = [RowRequest(prompt_ids=[4, 9, i + 3], max_new_tokens=2 + i, stop_ids=frozenset({EOS}), seed=i)
+            for i in range(3)]
+    eng = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4, sync_every=16))
+    plain = eng.run(rows)
+    retracted = decode_rows(eng._decoder(rows), rows, "v", lambda: "retract", sync_every=16)
+    assert [r.output_ids for r in retracted] == [r.output_ids for r in plain]
+    assert [r.finish_reason for r in retracted] == [r.finish_reason for r in plain]
+    for a, b in zip(retracted, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
