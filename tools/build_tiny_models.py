@@ -24,7 +24,8 @@ What it does (every step seeded; SPECS below holds every size and hyper-paramete
      random initializations and of every committed file, each stage's SFT loss curve (sft/nll per step),
      the accuracies, and the build time.
 
-Measured (manifest.json): teacher 0.61, student 0.33 val accuracy (first 64 problems). Run time on this
+Measured (manifest.json): teacher 0.58, student 0.36 val accuracy (first 64 problems; re-evaluated on 2026-11-26
+with the embedded engine's current sampler; 0.61 and 0.33 at the build, with its earlier random draws). Run time on this
 shared 2-core CPU: about 39 minutes (teacher 17 + 10 min under a load of 2-13 from other jobs, student
 12 min on a nearly idle machine; an SFT step takes 0.15-0.25 s on an idle core, 1-5 s under load).
 Committed size: 4.8 MB (fp32 safetensors: teacher 3.4 MB, student 1.4 MB).
@@ -296,7 +297,10 @@ def check(out: str, work: str) -> list[str]:
                 problems.append(f"{role}: {n} parameters / sizes {model_sizes(d)}; manifest: {rec['parameters']} / "
                                 f"{rec['sizes']}")
             acc = evaluate_dir(d)
-            if abs(acc["accuracy"] - rec["val"]["accuracy"]) > 2.0 / EVAL_PROBLEMS:
+            # Counted in problems: both accuracies are rounded to 4 decimals, so comparing the fractions against
+            # 2 / 64 = 0.03125 refused a difference of exactly 2 problems (0.0313).
+            solved, recorded = (round(a * EVAL_PROBLEMS) for a in (acc["accuracy"], rec["val"]["accuracy"]))
+            if abs(solved - recorded) > 2:
                 problems.append(f"{role}: val accuracy {acc['accuracy']} differs from the manifest's "
                                 f"{rec['val']['accuracy']}")
             else:

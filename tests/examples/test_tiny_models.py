@@ -64,8 +64,10 @@ def test_teacher_beats_student_on_val_subset():
         d = os.path.join(MODELS, role)
         engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=d, device="cpu"))
         result = evaluate(engine, load_tokenizer(d), [VAL],
-                          EvalConfig(samples=1, temperature=0.6, max_new_tokens=128, limit=32, seed=0))
+                          EvalConfig(samples=1, temperature=0.6, max_new_tokens=128, limit=64, seed=0))
         acc[role] = result.average
+    # 64 problems, the manifest's subset: at 32 one standard error of the difference is ~0.12, and a change of
+    # the engine's draws alone moved the margin from above 0.1 to 0.094 (0.50 vs 0.41).
     assert acc["teacher"] > acc["student"] + 0.1, acc
     assert acc["student"] > 0, acc  # OPD needs a student that sometimes gets there
 
