@@ -101,6 +101,10 @@ class DistributedWeightUpdater:
         for e in self.engines:
             offsets.append(offset)
             offset += e.config.workers
+        # A run that ended without close() (killed, preempted, crashed) left its group on engines that outlive
+        # it, and SGLang refuses a second group of the same name ("already been created"): drop it first. One
+        # run owns an engine's weights, so a group of this name there can only be a dead run's.
+        self._destroy_on_engines()
         bodies = [{"master_address": self.config.master_address, "master_port": port, "rank_offset": off,
                    "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
                   for off in offsets]

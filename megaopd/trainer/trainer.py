@@ -183,9 +183,13 @@ class Trainer:
             if stop:
                 self._console(f"preemption signal received: checkpoint saved at step {self.step}, exiting")
                 summary["preempted"] = True
+                self.weight_sync.close()
                 return summary
         self.export_hf(os.path.join(self.cfg.run.dir, "hf"))
         summary.update(self._last_metrics, step_time_mean=sum(step_times) / max(len(step_times), 1))
+        # The engines' weight-update group goes with the run: a served engine outlives it, and the next run
+        # against it (or this one resumed) forms its own group of the same name.
+        self.weight_sync.close()
         return summary
 
     def train_step(self) -> dict:
