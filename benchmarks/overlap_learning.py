@@ -46,17 +46,14 @@ def run_dir(out: str, arm: tuple) -> str:
     return os.path.join(out, name(*arm[:3]), f"seed_{arm[3]}")
 
 
-STEPS = 40
-
-
-def start(out: str, arm: tuple, env: dict) -> tuple[subprocess.Popen, subprocess.Popen]:
+def start(out: str, arm: tuple, env: dict, steps: int) -> tuple[subprocess.Popen, subprocess.Popen]:
     mode, correction, staleness, seed = arm
     server, url = _serve(env, 64)
     d = run_dir(out, arm)
     os.makedirs(d, exist_ok=True)
     cmd = [sys.executable, "-m", "megaopd.cli", "train", os.path.join(TINY, "stable_opd.yaml"), f"run.dir={d}",
-           "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", f"trainer.max_steps={STEPS}",
-           f"trainer.eval_interval={STEPS}", f"trainer.save_interval={STEPS}", "logging.tensorboard=false",
+           "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", f"trainer.max_steps={steps}",
+           f"trainer.eval_interval={steps}", f"trainer.save_interval={steps}", "logging.tensorboard=false",
            "logging.progress_bar=off",
            "rollout.engine=remote", f"rollout.urls=[{url}]", f"rollout.mode={mode}",
            f"loss.off_policy_correction={correction}", f"trainer.seed={seed}", f"data.seed={seed}"]
@@ -66,7 +63,7 @@ def start(out: str, arm: tuple, env: dict) -> tuple[subprocess.Popen, subprocess
     return server, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def run_all(out: str, todo: list[tuple], parallel: int) -> None:
+def run_all(out: str, todo: list[tuple], parallel: int, steps: int) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MEGAOPD_WORKER_THREADS="1", PYTHONPATH=ROOT)
     todo = [a for a in todo if not os.path.exists(os.path.join(run_dir(out, a), "summary.json"))]
     running = []
@@ -74,7 +71,7 @@ def run_all(out: str, todo: list[tuple], parallel: int) -> None:
         while todo and len(running) < parallel:
             arm = todo.pop(0)
             print(f"start {name(*arm[:3])} seed {arm[3]}", flush=True)
-            running.append((arm, *start(out, arm, env), time.time()))
+            running.append((arm, *start(out, arm, env, steps), time.time()))
         time.sleep(2)
         for item in list(running):
             arm, server, proc, t0 = item
@@ -136,12 +133,11 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time (each: a trainer and a server)")
     ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--steps", type=int, default=STEPS, help="trainer.max_steps (40: the preset's run)")
+    ap.add_argument("--steps", type=int, default=40, help="trainer.max_steps (40: the preset's run)")
     args = ap.parse_args()
-    globals()["STEPS"] = args.steps
     out = os.path.abspath(args.out)
     if not args.report_only:
-        run_all(out, arms(args.seeds), args.parallel)
+        run_all(out, arms(args.seeds), args.parallel, args.steps)
     table = report(out, args.seeds)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "table.md"), "w") as f:

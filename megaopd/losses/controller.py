@@ -244,8 +244,6 @@ class WeightController:
     state: ControllerState = field(init=False)
     last_pressure: float = field(init=False, default=0.0)
     """The pressure of the last observed step (a metric; not part of the state)."""
-    last_reason: str = field(init=False, default="")
-    """The signal that set it, e.g. "reward_drop=0.061"."""
 
     def __post_init__(self):
         c, cfg = self.base.config, self.cfg
@@ -262,7 +260,7 @@ class WeightController:
         """Feeds one step's signals; returns the change when the weights moved (None otherwise)."""
         before = (self.state.sft_weight, self.state.ref_kl_weight)
         self.state, decision = control_step(self.state, signals, self.cfg)
-        self.last_pressure, self.last_reason = decision.pressure, decision.reason
+        self.last_pressure = decision.pressure
         after = (self.state.sft_weight, self.state.ref_kl_weight)
         if after == before:
             return None

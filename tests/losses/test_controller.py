@@ -94,11 +94,14 @@ def rewards(trace, cfg=CFG):
 def test_a_falling_reward_raises_the_weights():
     """The accuracy study's failure: the rollouts' reward falls (0.30 -> 0.10 over 10 steps) with no truncation
     or repetition at all. The peak is the early mean; the last 3 steps' mean falls 0.05 below it by step 6."""
-    weights, ctl = rewards([0.30, 0.31, 0.29] + [0.29 - 0.02 * i for i in range(1, 11)] + [0.10] * 5)
+    trace = [0.30, 0.31, 0.29] + [0.29 - 0.02 * i for i in range(1, 11)] + [0.10] * 5
+    weights, _ = rewards(trace)
     first = next(i for i, w in enumerate(weights) if w[0] > 0)
     assert 4 <= first <= 6
     assert weights[first + 3] == pytest.approx((0.3, 0.05))
-    assert "reward_drop" in ctl.last_reason
+    ctl = WeightController(CFG, build_loss("stable_opd", {"sft_weight": 0.0, "ref_kl_weight": 0.0}))
+    changes = [ctl.observe(i, ControllerSignals(0.0, 0.0, reward=r)) for i, r in enumerate(trace[:first + 1])]
+    assert changes[first] is not None and changes[first].decision.reason.startswith("reward_drop=")
 
 
 def test_a_rising_or_noisy_reward_moves_nothing():
