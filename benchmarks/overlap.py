@@ -21,6 +21,8 @@ import tempfile
 import time
 import urllib.request
 
+from megaopd.config.step_time import predict  # the same prediction `megaopd plan --step-time` makes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny")
 MODES = {"sync": [], "one_step_off": [], "async": []}
@@ -47,18 +49,6 @@ def _serve(env, max_batch_size: int) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("megaopd serve did not come up in 120 s")
-
-
-def predict(mode: str, generate_s: float, rest_s: float, sync_s: float = 0.0) -> float:
-    """Step time of `mode` from per-phase costs measured (or estimated) in sync mode, for engines and trainer
-    on devices of their own: generate_s the generation, rest_s the scoring, training and bookkeeping, sync_s
-    the weight push. sync chains them; one_step_off and async overlap generation with the rest, so the
-    slower side sets the pace (async also hides the push behind in-flight generation)."""
-    if mode == "sync":
-        return generate_s + rest_s + sync_s
-    if mode == "one_step_off":
-        return max(generate_s, rest_s) + sync_s
-    return max(generate_s, rest_s + sync_s)
 
 
 def run_mode(mode: str, args, env) -> dict:

@@ -3,6 +3,8 @@
     megaopd config examples/paper/stable_opd_7b.yaml student.path=DIR ...   the resolved config as YAML
     megaopd plan   examples/paper/stable_opd_7b.yaml student.path=DIR ...   per-GPU memory table; exit 0
                                                                            when it fits, 1 when not
+    megaopd plan --step-time CONFIG [key=value ...]    also the step time of each rollout.mode on
+                                                       plan.step_time.nodes nodes (estimates; step_time.py)
 
 Both load and validate the config exactly as `megaopd train` does (same presets, same overrides, same
 checks of the model and data paths), so what they print is what the job runs. Neither imports megatron.
@@ -37,11 +39,17 @@ def config_main(argv: list[str] | None = None) -> int:
 def plan_main(argv: list[str] | None = None) -> int:
     from megaopd.config.plan import explain_overflow, format_plan, plan_for
 
-    cfg = _load("plan", list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    step_time = "--step-time" in argv
+    cfg = _load("plan", [a for a in argv if a != "--step-time"])
     if isinstance(cfg, int):
         return cfg
     plan = plan_for(cfg)
     print(format_plan(plan))
+    if step_time:
+        from megaopd.config.step_time import format_step_times
+
+        print("\n" + format_step_times(cfg) + "\n")
     if plan.fits():
         print(f"fits: peak {max(plan.total(p) for p in plan.phases) / 1e9:.1f} GB ({plan.peak_phase()}) of "
               f"{plan.gpu_bytes / 1e9:g} GB per GPU")

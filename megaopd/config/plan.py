@@ -62,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from megaopd.config.step_time import StepTimeConfig
 from megaopd.losses import build_loss_from
 from megaopd.models.config import find_hf_config
 from megaopd.models.hf_config import HFModelConfig, padded_vocab_size, read_hf_config
@@ -103,6 +104,8 @@ class PlanConfig:
     max_tokens: int = 0
     """Tokens per row to plan for; 0: data.max_prompt_len + the longer of rollout.max_new_tokens and (for
     losses that train on golden solutions) data.max_golden_len."""
+    step_time: StepTimeConfig = field(default_factory=StepTimeConfig)
+    """Rates of `megaopd plan --step-time` (megaopd/config/step_time.py)."""
 
     def __post_init__(self):
         if self.gpu_memory_gb <= 0:
