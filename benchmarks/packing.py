@@ -21,7 +21,8 @@ teacher passes in gloo workers); "ragged" would keep only those rows' real posit
 batch, computed at 256 x 8192 x K=32.
 
     python benchmarks/packing.py                        # scale 1/16, 32 sequences per step
-    python benchmarks/packing.py --rollout-bytes-only   # only the rollout-data table
+    python benchmarks/packing.py --rollout-bytes-only   # only the rollout-data tables
+    python benchmarks/packing.py --rollout-modes-only   # only bytes per rank per rollout.mode (issue 25)
 """
 from __future__ import annotations
 
@@ -173,7 +174,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=0, help="packed budget; default micro_batch_size x the longest")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tps", default="1,2")
-    ap.add_argument("--rollout-bytes-only", action="store_true", help="only the rollout-data table")
+    ap.add_argument("--rollout-bytes-only", action="store_true", help="only the rollout-data tables")
+    ap.add_argument("--rollout-modes-only", action="store_true", help="only the per-mode table (no workers)")
     a = ap.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -182,8 +184,11 @@ def main():
     prompt_lens, response_lens = opd_lengths(a.sequences, a.scale)
     lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
     max_tokens = a.max_tokens or a.micro_batch_size * max(lengths)
+    if a.rollout_modes_only:
+        return print_rollout_bytes_per_mode(prompt_lens, response_lens, a.sequences)
     if a.rollout_bytes_only:
-        return print_rollout_bytes(prompt_lens, response_lens, a.sequences)
+        print_rollout_bytes(prompt_lens, response_lens, a.sequences)
+        return print_rollout_bytes_per_mode(prompt_lens, response_lens, a.sequences)
     print(f"{a.sequences} sequences, lengths {min(lengths)}..{max(lengths)} (mean {statistics.mean(lengths):.0f}), "
           f"micro_batch_size {a.micro_batch_size}, max_tokens {max_tokens}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,6 +213,7 @@ def main():
         print(f"TP={tp}: packed/padded step time {q['time'] / p['time']:.2f}, peak RSS {q['peak_mb'] / p['peak_mb']:.2f}, "
               f"useful-token fraction {p['useful']:.0%} -> {q['useful']:.0%}")
     print_rollout_bytes(prompt_lens, response_lens, a.sequences)
+    print_rollout_bytes_per_mode(prompt_lens, response_lens, a.sequences)
 
 
 def print_rollout_bytes(prompt_lens, response_lens, sequences: int) -> None:
@@ -234,6 +240,45 @@ def print_rollout_bytes(prompt_lens, response_lens, sequences: int) -> None:
         c = rollout_bytes(big, 8192 + 300, 32, dp)
         print(f"| 256 x 8492, K=32, computed (OPD lengths) | DP={dp} | {c['before'] / 2**30:.3f} GiB | "
               f"{c['owner'] / 2**30:.3f} GiB | {c['replicated'] / 2**30:.3f} GiB | {c['ragged'] / 2**30:.3f} GiB |")
+
+
+def sample_transport_bytes(prompt_lens, response_lens, vocab: int = 151_936) -> dict[str, float]:
+    """What a step's samples cost on their way from the engines to the ranks, measured on Samples of these
+    lengths (ids drawn below `vocab`, float log-probs): `sent`, the pickle rank 0 broadcasts to every rank
+    (megaopd.parallel.dist.rank0_computes); `in_flight`, the Python objects one batch generated ahead keeps
+    on rank 0 (tracemalloc of building them: a list of ints is ~36 bytes an id, not 4)."""
+    import pickle
+    import random
+    import tracemalloc
+
+    from megaopd.rollout.protocol import Sample
+
+    rng = random.Random(0)
+    tracemalloc.start()
+    samples = [Sample([rng.randrange(vocab) for _ in range(p)], [rng.randrange(vocab) for _ in range(r)],
+                      [-rng.random() for _ in range(r)], "stop", "3") for p, r in zip(prompt_lens, response_lens)]
+    in_flight = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"sent": float(len(pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL))), "in_flight": float(in_flight)}
+
+
+def print_rollout_bytes_per_mode(prompt_lens, response_lens, sequences: int) -> None:
+    """Issue 25 item 5: bytes per rank in each rollout.mode. Every rank receives the step's samples (the
+    pickle) and holds the record + its owned scores, the same in every mode; rank 0 alone also keeps the
+    batches generated ahead (one_step_off: 1, async: max_staleness) as Python objects until they are taken."""
+    big_p, big_r = opd_lengths(256, 1.0, seed=3)
+    cases = [(f"CPU {sequences} x {max(p + r for p, r in zip(prompt_lens, response_lens))}", prompt_lens, response_lens,
+              (1, 2, 4), 2**20, "MiB"), ("256 x 8492 (OPD lengths)", big_p, big_r, (1, 8, 64), 2**30, "GiB")]
+    print("| batch | DP | received per rank per step (pickled samples), every mode | held per rank (record + owned "
+          "scores, K=32), every mode | rank 0 also holds, batches in flight: sync / one_step_off / async 2 / async 4 |")
+    print("|---|---:|---:|---:|---|")
+    for name, pl, rl, dps, unit, label in cases:
+        t = sample_transport_bytes(pl, rl)
+        lengths = [p + r for p, r in zip(pl, rl)]
+        ahead = " / ".join(f"{n * t['in_flight'] / unit:.3f}" for n in (0, 1, 2, 4))
+        for dp in dps:
+            held = rollout_bytes(lengths, max(lengths), 32, dp)["owner"]
+            print(f"| {name} | {dp} | {t['sent'] / unit:.3f} {label} | {held / unit:.3f} {label} | {ahead} {label} |")
 
 
 if __name__ == "__main__":
