@@ -34,10 +34,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(env, max_batch_size: int) -> tuple[subprocess.Popen, str]:
+def _serve(env, max_batch_size: int, model: str = "student") -> tuple[subprocess.Popen, str]:
     port = _port()
     proc = subprocess.Popen([sys.executable, "-m", "megaopd.cli", "serve", "--hf-dir",
-                             os.path.join(TINY, "models", "student"), "--port", str(port), "--num-threads", "1",
+                             os.path.join(TINY, "models", model), "--port", str(port), "--num-threads", "1",
                              "--max-batch-size", str(max_batch_size)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -1,10 +1,11 @@
 """Is learning lost when rollouts lag? The tiny Stable-OPD run (examples/tiny/stable_opd.yaml: 40 steps of
 32 prompts x 4, lr 5e-4, validation on all 200 problems at steps 0 and 40) with its rollouts from one
 `megaopd serve` engine, in rollout.mode sync and one_step_off under each off-policy correction, 3 seeds
-each; then async at max_staleness 2 and 4 under each correction (one seed). Every run is one trainer
-process and one server process, one thread each.
+each; then async at max_staleness 2 and 4 under each correction (--async-seeds, default the first seed).
+Every run is one trainer process and one server process, one thread each.
 
-    python benchmarks/overlap_learning.py [--out runs/overlap_learning] [--seeds 1 2 3] [--parallel 2]
+    python benchmarks/overlap_learning.py [--out runs/overlap_learning] [--seeds 1 2 3] [--async-seeds 1 2 3]
+                                          [--parallel 2]
     python benchmarks/overlap_learning.py --report-only
 
 Prints a markdown table: final validation accuracy (mean +/- standard error over seeds, and per seed),
@@ -31,11 +32,11 @@ from overlap import ROOT, TINY, _serve  # noqa: E402  (the same served engine as
 CORRECTIONS = ("none", "tis", "mis")
 
 
-def arms(seeds: list[int]) -> list[tuple[str, str, int, int]]:
+def arms(seeds: list[int], async_seeds: list[int] | None = None) -> list[tuple[str, str, int, int]]:
     """(mode, correction, max_staleness, seed): sync and one_step_off seed-major (a study cut short has whole
-    seeds), then async."""
+    seeds), then async (for async_seeds, default the first seed)."""
     grid = [g for s in seeds for g in [("sync", "none", 1, s)] + [("one_step_off", c, 1, s) for c in CORRECTIONS]]
-    return grid + [("async", c, n, seeds[0]) for n in (2, 4) for c in CORRECTIONS]
+    return grid + [("async", c, n, s) for s in (async_seeds or seeds[:1]) for n in (2, 4) for c in CORRECTIONS]
 
 
 def name(mode: str, correction: str, staleness: int) -> str:
@@ -104,9 +105,9 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
 
 
-def report(out: str, seeds: list[int]) -> str:
+def report(out: str, seeds: list[int], async_seeds: list[int] | None = None) -> str:
     groups: dict[str, list[dict]] = {}
-    for arm in arms(seeds):
+    for arm in arms(seeds, async_seeds):
         s = stats(run_dir(out, arm))
         if s is not None:
             groups.setdefault(name(*arm[:3]), []).append(s)
@@ -132,13 +133,15 @@ def main() -> int:
     ap.add_argument("--out", default="runs/overlap_learning")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time (each: a trainer and a server)")
+    ap.add_argument("--async-seeds", type=int, nargs="+", default=None,
+                    help="seeds of the async arms (default: the first of --seeds)")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--steps", type=int, default=40, help="trainer.max_steps (40: the preset's run)")
     args = ap.parse_args()
     out = os.path.abspath(args.out)
     if not args.report_only:
-        run_all(out, arms(args.seeds), args.parallel, args.steps)
-    table = report(out, args.seeds)
+        run_all(out, arms(args.seeds, args.async_seeds), args.parallel, args.steps)
+    table = report(out, args.seeds, args.async_seeds)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table + "\n")

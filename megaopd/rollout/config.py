@@ -70,6 +70,12 @@ class RolloutConfig:
     """async: how in-flight requests are held while weights load (SGLang's /pause_generation): in_place keeps
     their KV cache (tokens after the update attend to a cache computed by the old weights), retract
     re-prefills them under the new weights."""
+    stream_parts: int = 1
+    """Served teachers score a batch while it generates: the batch goes to the engines as this many
+    concurrent requests (contiguous groups of prompts, each keeping its prompts' seeds, so the samples are
+    the ones a single request draws) and each group's responses are sent to the teachers as soon as the
+    group returns, instead of after the whole batch. 1: one request, scoring after it. Needs
+    rollout.engine=remote; single-turn rollouts (multi-turn ones score after the batch)."""
     max_turns: int = 8
     """Multi-turn rollouts (env.name set): assistant turns per trajectory; a trajectory that reaches it
     without a final answer is truncated (traj/truncated_turns_rate)."""
@@ -86,6 +92,9 @@ class RolloutConfig:
         if self.max_turns < 1 or self.max_trajectory_tokens < 1:
             raise ValueError(f"rollout.max_turns={self.max_turns} and rollout.max_trajectory_tokens="
                              f"{self.max_trajectory_tokens} must be at least 1")
+        if self.stream_parts < 1 or (self.stream_parts > 1 and self.engine != "remote"):
+            raise ValueError(f"rollout.stream_parts={self.stream_parts}: must be >= 1, and > 1 needs rollout.engine="
+                             "remote (the embedded engine generates a batch in one call, in the trainer's process)")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (log-probs are of logits/T)")
         check_overlap(self)

@@ -25,7 +25,9 @@ and turn (derive_seed), so a resumed run makes the same trajectories.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from megaopd.data.special_tokens import turn_end_token
 from megaopd.envs import EnvConfig, build_environment
@@ -191,8 +193,36 @@ class MultiTurn:
         return texts, [s.trajectory.reward for s in samples]
 
 
-def generate_rows(engine: Engine, examples: list, params: SamplingParams, multi_turn: MultiTurn | None) -> list[Sample]:
-    """The step's rows: n single-turn responses per prompt (the default), or n trajectories per data row."""
-    if multi_turn is None:
-        return engine.generate([ex.prompt_ids for ex in examples], params)
-    return multi_turn.generate(engine, examples, params)
+def generate_rows(engine: Engine, examples: list, params: SamplingParams, multi_turn: MultiTurn | None,
+                  parts: int = 1, on_part: Callable[[int, list, list[Sample]], None] | None = None) -> list[Sample]:
+    """The step's rows: n single-turn responses per prompt (the default), or n trajectories per data row.
+
+    parts > 1 with on_part (single-turn): the prompts go to the engine as `parts` concurrent requests of
+    contiguous prompts, each with its prompts' batch indices (first_prompt_index), so every sample keeps the
+    seed one request gives it; on_part(first_row, examples, samples) runs in a part's thread as it returns."""
+    if multi_turn is not None:
+        return multi_turn.generate(engine, examples, params)
+    prompts = [ex.prompt_ids for ex in examples]
+    if parts <= 1 or on_part is None or len(prompts) < 2:
+        return engine.generate(prompts, params)
+    size = -(-len(prompts) // parts)
+    starts = list(range(0, len(prompts), size))
+    out: list[list[Sample] | BaseException | None] = [None] * len(starts)
+
+    def run(k: int, a: int) -> None:
+        try:
+            out[k] = engine.generate(prompts[a:a + size], params, first_prompt_index=a)
+            on_part(a * params.n, examples[a:a + size], out[k])
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            out[k] = e
+
+    threads = [threading.Thread(target=run, args=(k, a), daemon=True, name=f"megaopd-part-{a}")
+               for k, a in enumerate(starts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [o for o in out if isinstance(o, BaseException)]
+    if errors:
+        raise errors[0]
+    return [s for part in out for s in part]

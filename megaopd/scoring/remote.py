@@ -58,13 +58,19 @@ class RemoteTeacher:
 
     # ------------------------------------------------------------------------------------------ public
     def score(self, tokens_BS: torch.Tensor, prompt_lens_B: torch.Tensor, response_lens_B: torch.Tensor,
-              topk: int = 0, rows: Sequence[int] | None = None) -> TokenScores:
+              topk: int = 0, rows: Sequence[int] | None = None,
+              scored: dict[int, tuple[list[int], PrefillScores]] | None = None) -> TokenScores:
         """TokenScores [B, T(, K)] of the response tokens of `rows` (default: every row); other positions and
-        rows are 0. Log-probs at temperature 1 (the config refuses other rollout temperatures)."""
+        rows are 0. Log-probs at temperature 1 (the config refuses other rollout temperatures). scored: rows
+        score_sequences already scored while the batch generated (row -> (its sequence, scores)); a row is
+        asked again when its sequence is not the batch's (a sample regenerated since)."""
         B, S = tokens_BS.shape
         T = S - 1
         rows = [b for b in (range(B) if rows is None else rows) if int(response_lens_B[b]) > 0]
-        per_row = self._score_rows(tokens_BS, prompt_lens_B, response_lens_B, rows, topk)
+        seqs = {b: tokens_BS[b, :int(prompt_lens_B[b]) + int(response_lens_B[b])].tolist() for b in rows}
+        per_row = {b: sc for b, (seq, sc) in (scored or {}).items() if b in seqs and seq == seqs[b]}
+        todo = [b for b in rows if b not in per_row]
+        per_row.update(self._score_rows(todo, [seqs[b] for b in todo], [int(prompt_lens_B[b]) for b in todo], topk))
         logprobs_BT = torch.zeros(B, T)
         ids_BTK = torch.zeros(B, T, topk, dtype=torch.int32) if topk else None
         top_BTK = torch.zeros(B, T, topk) if topk else None
@@ -76,15 +82,23 @@ class RemoteTeacher:
                 top_BTK[b, p - 1:p - 1 + r] = torch.tensor(row.top_logprobs, dtype=torch.float32)
         return TokenScores(logprobs_BT=logprobs_BT, topk_ids_BTK=ids_BTK, topk_logprobs_BTK=top_BTK)
 
+    def score_sequences(self, rows: list[int], seqs: list[list[int]], firsts: list[int],
+                        topk: int = 0) -> dict[int, tuple[list[int], PrefillScores]]:
+        """Row -> (sequence, scores of its tokens from index first on): what score() takes as `scored`."""
+        keep = [i for i, (seq, first) in enumerate(zip(seqs, firsts)) if len(seq) > first]
+        out = self._score_rows([rows[i] for i in keep], [seqs[i] for i in keep], [firsts[i] for i in keep], topk)
+        return {rows[i]: (seqs[i], out[rows[i]]) for i in keep}
+
     # ----------------------------------------------------------------------------------------- private
-    def _score_rows(self, tokens_BS, prompt_lens_B, response_lens_B, rows: list[int], topk: int) -> dict[int, PrefillScores]:
+    def _score_rows(self, rows: list[int], seqs: list[list[int]], firsts: list[int], topk: int) -> dict[int, PrefillScores]:
+        """Row rows[i]'s scores of seqs[i]'s tokens from firsts[i] on, spread over the servers."""
         if not rows:
             return {}
-        requests = [rows[i:i + self.rows_per_request] for i in range(0, len(rows), self.rows_per_request)]
+        step = self.rows_per_request
+        requests = [(rows[i:i + step], seqs[i:i + step], firsts[i:i + step]) for i in range(0, len(rows), step)]
         try:
             outs = spread_jobs(self.servers, requests,
-                               lambda server, req: self._request(server, tokens_BS, prompt_lens_B, response_lens_B,
-                                                                 req, topk),
+                               lambda server, req: RemoteTeacher._request(server, *req, topk),
                                timeout_s=self.timeout_s * (len(requests) + 1),
                                refuse=(EngineRequestError,),  # the server refused what we sent: another one would too
                                label=lambda server: server.url, name=f"megaopd-teacher-{self.name}")
@@ -100,9 +114,7 @@ class RemoteTeacher:
         return {b: row for out in outs for b, row in out.items()}
 
     @staticmethod
-    def _request(server: HttpEngine, tokens_BS, prompt_lens_B, response_lens_B, rows: list[int],
+    def _request(server: HttpEngine, rows: list[int], seqs: list[list[int]], firsts: list[int],
                  topk: int) -> dict[int, PrefillScores]:
-        """One request: row b's scores of its response tokens (entry j about response token j)."""
-        seqs = [tokens_BS[b, :int(prompt_lens_B[b]) + int(response_lens_B[b])].tolist() for b in rows]
-        firsts = [int(prompt_lens_B[b]) for b in rows]
+        """One request: row rows[i]'s scores of seqs[i]'s tokens from firsts[i] on (entry j: token firsts[i] + j)."""
         return dict(zip(rows, server.score_prefill(seqs, firsts, topk)))

@@ -65,6 +65,26 @@ class PendingRemote:
     """Wall time of the remote scoring (rank 0)."""
     topk: int = 0
     """The top-K the served teachers give (every rank: the width of what their scores' routing carries)."""
+    rows: int = 0
+    """Rank 0: rows the served teachers score this step."""
+    streamed_rows: int = 0
+    """Rank 0: of them, rows scored while the batch generated (rollout.stream_parts)."""
+
+
+@dataclass
+class StreamedScores:
+    """Rank 0: served teachers' scoring of one batch's parts, each started as the part finished generating
+    (rollout.stream_parts), while the rest of the batch still generated."""
+
+    threads: list[threading.Thread] = field(default_factory=list)
+    results: dict[str, dict] = field(default_factory=dict)
+    """Teacher name -> {batch row: (its sequence, PrefillScores)} (RemoteTeacher.score_sequences)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def join(self) -> dict[str, dict]:
+        for t in self.threads:
+            t.join()
+        return self.results
 
 
 class TeacherSet:
@@ -76,6 +96,44 @@ class TeacherSet:
         self.teachers = {t.name: t for t in teachers}
         if len(self.teachers) != len(teachers):
             raise ValueError(f"teacher names must be distinct: {[t.name for t in teachers]}")
+        self._streamed: dict[int, StreamedScores] = {}
+        self._streamed_lock = threading.Lock()
+
+    def stream_part(self, step: int, first_row: int, examples: Sequence, samples: Sequence,
+                    samples_per_prompt: int, topk: int) -> None:
+        """Rank 0, from the thread that generated the part: the served teachers start scoring rows first_row..
+        of step `step`'s batch (samples: prompt-major, n per prompt, of the part's data rows `examples`). A
+        part that fails is not an error here: start_remote scores its rows again, and raises if the servers
+        still fail."""
+        rows_of = self.route([ex.teacher for ex in examples], samples_per_prompt)
+        with self._streamed_lock:
+            streamed = self._streamed.setdefault(step, StreamedScores())
+        for name, rows in rows_of.items():
+            t = self.teachers[name]
+            if not isinstance(t, RemoteTeacher) or not rows:
+                continue
+            seqs = [list(samples[i].prompt_ids) + list(samples[i].output_ids) for i in rows]
+            firsts = [len(samples[i].prompt_ids) for i in rows]
+            batch_rows = [first_row + i for i in rows]
+
+            def run(t=t, batch_rows=batch_rows, seqs=seqs, firsts=firsts):
+                try:
+                    out = t.score_sequences(batch_rows, seqs, firsts, topk)
+                except Exception:  # noqa: BLE001 - scored again, with the error reported, by start_remote
+                    return
+                with streamed.lock:
+                    streamed.results.setdefault(t.name, {}).update(out)
+
+            thread = threading.Thread(target=run, daemon=True, name=f"megaopd-stream-{name}-{step}-{first_row}")
+            thread.start()
+            streamed.threads.append(thread)
+
+    def take_streamed(self, step: int) -> StreamedScores | None:
+        """Rank 0: what stream_part started for step `step` (None when nothing was streamed)."""
+        with self._streamed_lock:
+            for old in [s for s in self._streamed if s < step]:  # batches never trained (a resume): dropped
+                del self._streamed[old]
+            return self._streamed.pop(step, None)
 
     @property
     def names(self) -> list[str]:
@@ -101,9 +159,11 @@ class TeacherSet:
         return rows
 
     # ------------------------------------------------------------------------------------------ scoring
-    def start_remote(self, batch: RolloutBatch, rows_of: dict[str, list[int]], topk: int, rank: int) -> PendingRemote:
+    def start_remote(self, batch: RolloutBatch, rows_of: dict[str, list[int]], topk: int, rank: int,
+                     streamed: StreamedScores | None = None) -> PendingRemote:
         """Rank 0: starts the served teachers' scoring in a background thread (they wait on HTTP, so the
-        actor's pass runs meanwhile); every other rank gets an empty PendingRemote."""
+        actor's pass runs meanwhile); every other rank gets an empty PendingRemote. streamed: the rows
+        already scored while the batch generated (take_streamed); only the others are asked for."""
         pending = PendingRemote(topk=topk)
         remote = [t for t in self.teachers.values() if isinstance(t, RemoteTeacher) and rows_of.get(t.name)]
         if rank != 0 or not remote:
@@ -112,9 +172,12 @@ class TeacherSet:
         def run():
             t0 = time.perf_counter()
             try:
+                done = streamed.join() if streamed is not None else {}
+                pending.rows = sum(len(rows_of[t.name]) for t in remote)
+                pending.streamed_rows = sum(len(v) for v in done.values())
                 for t in remote:
                     pending.results[t.name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B,
-                                                      topk=topk, rows=rows_of[t.name])
+                                                      topk=topk, rows=rows_of[t.name], scored=done.get(t.name))
             except BaseException as e:  # noqa: BLE001 - re-raised on every rank by score()
                 pending.error = e
             pending.seconds = time.perf_counter() - t0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,10 +40,13 @@ class Received:
 
 class RolloutPipeline:
     def __init__(self, cfg, loader, timer, stop_ids, rank: int, push: Callable[[], None],
-                 parity: Callable[[], None], multi_turn: MultiTurn | None = None):
+                 parity: Callable[[], None], multi_turn: MultiTurn | None = None,
+                 on_part: Callable[[int, int, list, list[Sample]], None] | None = None):
         """push: the weight sync (collective); parity: the engine/actor parity check (collective); multi_turn:
-        the environment loop when rollouts are trajectories (env.name set)."""
-        self.multi_turn = multi_turn
+        the environment loop when rollouts are trajectories (env.name set); on_part(step, first_row, examples,
+        samples): rank 0, as each of rollout.stream_parts parts of a batch finishes generating (served
+        teachers start scoring it)."""
+        self.multi_turn, self.on_part = multi_turn, on_part
         self.cfg, self.loader, self.timer, self.stop_ids, self.rank = cfg, loader, timer, list(stop_ids), rank
         self.push, self.parity = push, parity
         self.mode, self.max_staleness = cfg.rollout.mode, cfg.rollout.max_staleness
@@ -84,7 +88,9 @@ class RolloutPipeline:
     def _generate(self, step: int, examples: list) -> list[Sample]:
         """Rank 0: the engine's samples or trajectories of step `step` (then, colocated, its memory goes back to
         the actor)."""
-        samples = generate_rows(self.engine, examples, self.params(step), self.multi_turn)
+        on_part = functools.partial(self.on_part, step) if self.on_part is not None else None
+        samples = generate_rows(self.engine, examples, self.params(step), self.multi_turn,
+                                self.cfg.rollout.stream_parts, on_part)
         if self.cfg.rollout.colocated:
             self.engine.release_memory()  # the actor trains on these GPUs next
         return samples
@@ -139,6 +145,11 @@ class RolloutPipeline:
             taken.first_versions[i] = self.engine_version
         taken.samples = samples
         return samples, 0, len(idx)
+
+    def teacher_streamed(self, pending) -> None:
+        """Rank 0, served teachers: the share of their rows scored while the batch generated (stream_parts)."""
+        if self.on_part is not None:
+            self.metrics["pipeline/teacher_streamed_fraction"] = pending.streamed_rows / max(pending.rows, 1)
 
     def stamp(self, batch) -> None:
         """The batch's weight versions (RolloutBatch.weight_versions_B: each row's first token's)."""

@@ -147,8 +147,12 @@ class Trainer:
 
         cfg = self.cfg
         self.engine = None
+        teachers = self.models.teachers  # rollout.stream_parts: rank 0 hands finished parts to served teachers
+        stream = self.rank == 0 and teachers is not None and teachers.has_remote and cfg.rollout.stream_parts > 1
         self.pipeline = RolloutPipeline(cfg, self.loader, self.timer, self.stop.ids, self.rank, self.sync_weights,
-                                        self.check_parity, self.multi_turn)  # rollout.mode: which prompts, which samples, when syncs
+                                        self.check_parity, self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
+                                        functools.partial(teachers.stream_part, samples_per_prompt=cfg.trainer.samples_per_prompt,
+                                                          topk=self.teacher_request.topk) if stream else None)
         self.stateful["data"] = self.pipeline  # the loader's cursor before any batch drawn ahead
         if not (self.needs.on_policy or cfg.validation.path):
             return
@@ -236,7 +240,8 @@ class Trainer:
                                      batch.prompt_lens_B + batch.response_lens_B)
             if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
                 batch.teacher_rows = teachers.route([ex.teacher for ex in examples], t.samples_per_prompt)
-                pending = teachers.start_remote(batch, batch.teacher_rows, self.teacher_request.topk, self.rank)
+                pending = teachers.start_remote(batch, batch.teacher_rows, self.teacher_request.topk, self.rank,
+                                                streamed=teachers.take_streamed(self.step) if self.rank == 0 else None)
             batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, batches, self.actor_request,
                                        owners=owners, layout=models.actor_layout)
         with timer("teacher"):
@@ -246,6 +251,7 @@ class Trainer:
                                                on_device=on_gpu_while_used, owners=owners)
                 if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
                     timer.add("teacher_remote", pending.seconds)
+                    self.pipeline.teacher_streamed(pending)
         batch.texts, rewards = rank0_computes(texts_and_rewards, self.tokenizer, samples, examples,
                                               cfg.trainer.samples_per_prompt, self.multi_turn)
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)

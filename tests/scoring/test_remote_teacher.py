@@ -225,3 +225,56 @@ def test_served_scores_reach_only_their_owners(server):
             assert getattr(s, f).shape[0] == len(mine), (rank, f)  # only the owned rows are held
             assert torch.equal(getattr(s, f), x[mine].to(getattr(s, f).dtype)), (rank, f)
         assert "RemoteTeacherError" in res["error"] and "every server failed" in res["error"], (rank, res["error"])
+
+
+def test_rows_scored_while_generating_are_not_asked_again_unless_changed(server, monkeypatch):
+    """rollout.stream_parts: score_sequences' rows (scored as their part finished generating) are reused by
+    score(); a row whose tokens changed since (a regenerated sample) is asked again; the result equals one
+    score() of the whole batch."""
+    tokens, p, r, _ = _batch()
+    teacher = RemoteTeacher("t", [server.url], rows_per_request=2)
+    whole = teacher.score(tokens, p, r, topk=K)
+    seqs = [tokens[b, :int(p[b] + r[b])].tolist() for b in range(len(p))]
+    streamed = teacher.score_sequences([0, 1, 2, 3], seqs[:4], [int(x) for x in p[:4]], K)
+    assert sorted(streamed) == [0, 2, 3]  # row 1 has no response: nothing to score
+    streamed[3] = (streamed[3][0][:-1] + [streamed[3][0][-1] + 1], streamed[3][1])  # row 3 changed since
+    asked = []
+    score_rows = teacher._score_rows
+    monkeypatch.setattr(teacher, "_score_rows", lambda rows, *a: asked.extend(rows) or score_rows(rows, *a))
+    again = teacher.score(tokens, p, r, topk=K, scored=streamed)
+    assert asked == [3, 4, 5]
+    for f in ("logprobs_BT", "topk_ids_BTK", "topk_logprobs_BTK"):
+        assert torch.equal(getattr(again, f), getattr(whole, f)), f
+
+
+def test_parts_streamed_to_the_teacher_set_are_its_remote_scores(server):
+    """TeacherSet.stream_part (rank 0, as each part of a batch returns from the engines) and start_remote:
+    the step's served scores equal scoring the whole batch after generation, and every row counts as
+    streamed; a part of another step is not used."""
+    from megaopd.rollout.protocol import Sample
+    from megaopd.rollout.records import build_rollout_batch
+    from megaopd.scoring.teachers import TeacherSet
+
+    class Ex:
+        teacher = ""
+
+    tokens, p, r, _ = _batch()
+    r[1] = 3  # every row has a response here
+    samples = [Sample(tokens[b, :int(p[b])].tolist(), tokens[b, int(p[b]):int(p[b] + r[b])].tolist(),
+                      [-0.5] * int(r[b]), "stop") for b in range(6)]
+    batch = build_rollout_batch(samples, 0, 2)
+    ts = TeacherSet([RemoteTeacher("t", [server.url], rows_per_request=2)])
+    rows_of = ts.route(["", "", ""], 2)
+    for first in (0, 2, 4):  # three parts of one prompt (n = 2) each
+        ts.stream_part(7, first, [Ex()], samples[first:first + 2], samples_per_prompt=2, topk=K)
+    ts.stream_part(6, 0, [Ex()], samples[:2], samples_per_prompt=2, topk=K)  # a batch never trained
+    streamed = ts.take_streamed(7)
+    assert ts.take_streamed(6) is None and ts.take_streamed(8) is None
+    pending = ts.start_remote(batch, rows_of, K, rank=0, streamed=streamed)
+    pending.thread.join()
+    assert pending.error is None and (pending.rows, pending.streamed_rows) == (6, 6)
+    after = ts.start_remote(batch, rows_of, K, rank=0)
+    after.thread.join()
+    assert after.streamed_rows == 0
+    for f in ("logprobs_BT", "topk_ids_BTK", "topk_logprobs_BTK"):
+        assert torch.equal(getattr(pending.results["t"], f), getattr(after.results["t"], f)), f
