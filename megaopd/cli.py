@@ -7,6 +7,7 @@
     megaopd plot RUN [RUN ...]             training-dynamics figures (megaopd.metrics)
     megaopd config CONFIG [key=value ...]  the fully resolved config as YAML: what the job runs (megaopd.config)
     megaopd plan CONFIG [key=value ...]    per-GPU memory of the configured layout; exit 1 when it does not fit
+    megaopd plan --step-time CONFIG ...    + the step time of each rollout.mode on 1-8 nodes (estimates)
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ Phases (docs/algorithms.md 1.12, "Choosing a mode"):
     train     the step's model FLOPs (6N per trained token, attention included; megaopd.metrics.flops) /
               (GPUs x peak x train_mfu): train_mfu is model-FLOPs MFU, the trainer's perf/ metric, so
               recomputation and the lockstep reference are inside it
-    sync      the student's bf16 weights / the link: local_gb_s colocated, network_gb_s to engine nodes
+    sync      the student's bf16 weights / the link: local_gb_s colocated or within a node, network_gb_s to
+              engines on other nodes
 
 Modes (predict): sync chains the phases; one_step_off and async overlap generation with scoring and
 training, which needs engines on GPUs of their own (colocated engines stay sync): of N x gpus_per_node
@@ -126,7 +127,8 @@ def score_and_train_s(w: StepShape, r: StepTimeConfig, gpus: int) -> tuple[float
     rollout_S = [w.prompt_tokens + w.response_tokens] * w.rows
     f = step_flops(StepWork(w.student, rollout_S + [w.prompt_tokens + w.response_tokens] * w.golden_rows,
                             actor_scored_S=rollout_S, teacher=w.teacher,
-                            teacher_scored_S=rollout_S if w.teacher else (), partner=w.reference))
+                            teacher_scored_S=rollout_S if w.teacher else (),
+                            partner=w.reference))  # the lockstep reference: hardware FLOPs, inside train_mfu
     rate = gpus * r.peak_tflops * 1e12
     return (f.model - f.model_train) / (rate * r.score_mfu), f.model_train / (rate * r.train_mfu)
 
@@ -157,7 +159,8 @@ def step_times(w: StepShape, r: StepTimeConfig, nodes: int) -> dict[str, Choice]
     g = nodes * r.gpus_per_node
     score, train = score_and_train_s(w, r, g)
     out = {"sync colocated": Choice(generate_s(w, r, g) + score + train + w.weight_bytes / (r.local_gb_s * 1e9), g)}
-    push = w.weight_bytes / (r.network_gb_s * 1e9)
+    # Engines on other GPUs of the same node take the push over the node's own links.
+    push = w.weight_bytes / ((r.local_gb_s if nodes == 1 else r.network_gb_s) * 1e9)
     for mode in MODES:
         best = None
         for e in range(r.engine_tp, g, r.engine_tp):
@@ -188,10 +191,18 @@ def shape_for(cfg: MegaOPDConfig) -> StepShape:
                      prompt_tokens=r.prompt_tokens, response_tokens=response, longest=cfg.rollout.max_new_tokens,
                      golden_rows=cfg.trainer.prompts_per_step if needs.golden else 0, student=student,
                      teacher=teacher, reference=student if needs.reference else None,
-                     # the matmul weights and the embedding table (norms are noise)
-                     weight_bytes=2.0 * (student.params + (0 if hf.tie_word_embeddings else hf.vocab_size * hf.hidden_size)),
+                     weight_bytes=2.0 * stored_params(hf, student),
                      kv_bytes_per_token=2.0 * 2 * hf.num_layers * hf.num_key_value_heads * hf.head_dim,
                      trainer_gpus_min=cfg.student.tp * cfg.student.pp)
+
+
+def stored_params(hf, dims: MatmulDims) -> float:
+    """Parameters the engines hold (read per decode step, pushed per sync): the matmul weights with every
+    expert of a MoE layer (MatmulDims counts the top-k a token runs) and the embedding table; norms are noise."""
+    params = dims.params
+    if hf.num_experts:
+        params += hf.num_layers * (hf.num_experts - hf.moe_topk) * 3 * hf.hidden_size * hf.moe_intermediate_size
+    return float(params + (0 if hf.tie_word_embeddings else hf.vocab_size * hf.hidden_size))
 
 
 def format_step_times(cfg: MegaOPDConfig) -> str:
@@ -213,6 +224,7 @@ def format_step_times(cfg: MegaOPDConfig) -> str:
             c = t.get(key)
             cells.append("-" if c is None else f"{c.seconds:.1f} s ({c.seconds / base:.2f}x; E={c.engine_gpus})")
         lines.append(f"| {n} | {n * g1} | " + " | ".join(cells) + " |")
-    lines += ["", "E: GPUs that generate, the rest train (the best split for that mode); x: vs sync colocated. "
-                  "A served teacher's scoring runs on its own nodes and is not counted."]
+    lines += ["", "E: GPUs that generate, the rest train (the best split for that mode; its memory is not "
+                  "checked: plan the trainer at that size with run.world_size); x: vs sync colocated. A served "
+                  "teacher's scoring runs on its own nodes and is not counted."]
     return "\n".join(lines)

@@ -155,6 +155,9 @@ class EnginePool:
         self.engines = list(engines)
         self.config = config or PoolConfig()
         self.failed: set[int] = set()  # indices of engines that failed and were not healthy since
+        # generate() runs in several threads at once (batches generated ahead, rollout.stream_parts): one
+        # health recheck at a time, and the failed set changed under it.
+        self._lock = threading.Lock()
 
     @property
     def weight_transports(self) -> tuple[str, ...]:
@@ -168,11 +171,16 @@ class EnginePool:
         return [t for e in self.engines for t in e.weight_targets()]
 
     def healthy_engines(self) -> list[int]:
-        if self.config.recheck_failed:
-            for i in sorted(self.failed):
-                if self.engines[i].health():
-                    self.failed.discard(i)
-        return [i for i in range(len(self.engines)) if i not in self.failed]
+        with self._lock:
+            if self.config.recheck_failed:
+                for i in sorted(self.failed):
+                    if self.engines[i].health():
+                        self.failed.discard(i)
+            return [i for i in range(len(self.engines)) if i not in self.failed]
+
+    def _mark_failed(self, i: int) -> None:
+        with self._lock:
+            self.failed.add(i)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt_index: int = 0) -> list[Sample]:
         if not prompts:
@@ -192,7 +200,7 @@ class EnginePool:
         try:
             outs = spread_jobs([self.engines[i] for i in live], jobs, run, timeout_s=self.config.timeout_s,
                                max_attempts=self.config.max_attempts, name="megaopd-pool",
-                               on_worker_failed=lambda k: self.failed.add(live[k]))
+                               on_worker_failed=lambda k: self._mark_failed(live[k]))
         except SpreadError as e:
             if e.timed_out:
                 raise PoolError(f"generate did not finish in {self.config.timeout_s:.0f}s "

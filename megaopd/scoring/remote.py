@@ -52,6 +52,8 @@ class RemoteTeacher:
         self.servers = [HttpEngine(HttpEngineConfig(url=u, generate_timeout_s=timeout_s, retries=retries,
                                                     backoff_s=backoff_s)) for u in urls]
         self.timeout_s = timeout_s
+        self.last_reused = 0
+        """Rows the last score() took from `scored` instead of asking (rank 0's scoring thread reads it)."""
 
     def __repr__(self) -> str:
         return f"RemoteTeacher({self.name!r}, {[s.url for s in self.servers]})"
@@ -69,6 +71,7 @@ class RemoteTeacher:
         rows = [b for b in (range(B) if rows is None else rows) if int(response_lens_B[b]) > 0]
         seqs = {b: tokens_BS[b, :int(prompt_lens_B[b]) + int(response_lens_B[b])].tolist() for b in rows}
         per_row = {b: sc for b, (seq, sc) in (scored or {}).items() if b in seqs and seq == seqs[b]}
+        self.last_reused = len(per_row)
         todo = [b for b in rows if b not in per_row]
         per_row.update(self._score_rows(todo, [seqs[b] for b in todo], [int(prompt_lens_B[b]) for b in todo], topk))
         logprobs_BT = torch.zeros(B, T)

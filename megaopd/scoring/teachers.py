@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -119,7 +120,9 @@ class TeacherSet:
             def run(t=t, batch_rows=batch_rows, seqs=seqs, firsts=firsts):
                 try:
                     out = t.score_sequences(batch_rows, seqs, firsts, topk)
-                except Exception:  # noqa: BLE001 - scored again, with the error reported, by start_remote
+                except Exception as e:  # noqa: BLE001 - scored again (and a lasting error raised) by start_remote
+                    print(f"[teacher {t.name}] scoring rows {batch_rows[0]}..{batch_rows[-1]} while generating failed "
+                          f"({e}); they are scored after generation", file=sys.stderr, flush=True)
                     return
                 with streamed.lock:
                     streamed.results.setdefault(t.name, {}).update(out)
@@ -173,11 +176,12 @@ class TeacherSet:
             t0 = time.perf_counter()
             try:
                 done = streamed.join() if streamed is not None else {}
-                pending.rows = sum(len(rows_of[t.name]) for t in remote)
-                pending.streamed_rows = sum(len(v) for v in done.values())
                 for t in remote:
                     pending.results[t.name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B,
                                                       topk=topk, rows=rows_of[t.name], scored=done.get(t.name))
+                    # rows with a response (the ones scored), and of them the ones scored while generating
+                    pending.rows += sum(1 for b in rows_of[t.name] if int(batch.response_lens_B[b]) > 0)
+                    pending.streamed_rows += t.last_reused
             except BaseException as e:  # noqa: BLE001 - re-raised on every rank by score()
                 pending.error = e
             pending.seconds = time.perf_counter() - t0

@@ -64,13 +64,27 @@ def test_split_layouts_pick_the_best_engine_share():
     for key, mode in (("sync split", "sync"), ("one_step_off split", "one_step_off"), ("async split", "async")):
         c = t[key]
         assert (g - c.engine_gpus) % w.trainer_gpus_min == 0 and 0 < c.engine_gpus < g
-        push = w.weight_bytes / 25e9
+        push = w.weight_bytes / 25e9  # engines on the other node
         for e in range(1, g):  # no other split is faster
             if (g - e) % 2 == 0:
                 assert c.seconds <= predict(mode, generate_s(w, r, e), sum(score_and_train_s(w, r, g - e)), push) + 1e-9
     assert t["async split"].seconds <= t["one_step_off split"].seconds <= t["sync split"].seconds
     assert math.isclose(t["sync colocated"].seconds, generate_s(w, r, g) + sum(score_and_train_s(w, r, g))
                         + w.weight_bytes / 100e9)
+
+
+def test_engine_weights_count_every_expert_of_a_moe_model():
+    from types import SimpleNamespace
+
+    from megaopd.config.step_time import stored_params
+
+    hf = SimpleNamespace(hidden_size=8, head_dim=2, num_attention_heads=4, num_key_value_heads=2, num_layers=3,
+                         vocab_size=100, num_experts=16, moe_topk=2, moe_intermediate_size=4, intermediate_size=0,
+                         tie_word_embeddings=False)
+    dims = MatmulDims.of(hf)  # the top-2 experts a token runs
+    attn, router = 8 * (8 + 2 * 4) + 8 * 8, 16 * 8
+    assert dims.params == 3 * (attn + 2 * 3 * 8 * 4 + router) + 100 * 8
+    assert stored_params(hf, dims) == 3 * (attn + 16 * 3 * 8 * 4 + router) + 100 * 8 + 100 * 8  # + embedding
 
 
 def test_rates_are_checked():

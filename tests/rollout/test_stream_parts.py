@@ -39,7 +39,11 @@ def test_parts_give_the_samples_of_one_request(one_torch_thread):
         parts = generate_rows(engine, examples, params, None, parts=3, on_part=on_part)
     finally:
         server.shutdown()
-    assert [(s.output_ids, s.output_logprobs) for s in parts] == [(s.output_ids, s.output_logprobs) for s in whole]
+    assert [s.output_ids for s in parts] == [s.output_ids for s in whole]
+    # The engine's log-probs of the same tokens may round differently when the parts share its batch
+    # with other rows (~1e-6): the tokens are the contract.
+    for a, b in zip(parts, whole):
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
     got.sort(key=lambda g: g[0])
     assert [g[0] for g in got] == [0, 6, 12]  # parts of 3, 3 and 1 prompts, n = 2 rows each
     for first_row, prompts, samples in got:

@@ -107,7 +107,8 @@ def test_with_frozen_weights_every_mode_trains_on_sync_batches(tmp_path, one_tor
             server.shutdown()
         steps, _ = _metrics(run)
         logged[mode] = {s: {k: v for k, v in r.items() if isinstance(v, (int, float))
-                            and not k.startswith(("time", "perf/", "pipeline/", "flops/", "train/lr"))}
+                            and not k.startswith(("time", "perf/", "pipeline/", "flops/", "train/lr",
+                                                  "sync/logprob_gap"))}  # engine rounding in other batches
                         for s, r in steps.items()}
     assert sorted(logged["sync"]) == [1, 2, 3]
     for mode in ("one_step_off", "async"):
