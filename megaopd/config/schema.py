@@ -17,7 +17,7 @@ from typing import ClassVar, List
 from megaopd.config.plan import PlanConfig
 from megaopd.data.config import DataConfig
 from megaopd.envs.config import EnvConfig
-from megaopd.losses import LossConfig
+from megaopd.losses import LossConfig, resolve_correction
 from megaopd.metrics.config import MetricsConfig
 from megaopd.models.config import ModelConfig, check_context, check_role_layout
 from megaopd.rollout.config import RolloutConfig
@@ -71,6 +71,8 @@ class MegaOPDConfig:
         names = [t.name for t in self.teachers]
         if any(not n for n in names) or len(set(names)) != len(names):
             raise ValueError(f"teachers[].name must be set and distinct, got {names}")
+        # loss.off_policy_correction=auto becomes what the job runs (none, or tis where rollouts lag).
+        self.loss.off_policy_correction = resolve_correction(self.loss, self.rollout.mode != "sync")
 
     def max_row_tokens(self, needs) -> tuple[int, str]:
         """The longest row the job builds (prompt + the longest response it generates or trains on)."""

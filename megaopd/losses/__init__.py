@@ -44,18 +44,33 @@ class LossConfig:
     they start at the loss config's values, clamped into the bounds."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     """The adaptive controller's bounds and rule (read only when controller=adaptive)."""
-    off_policy_correction: str = "none"
-    """none | tis | mis | recompute: how opd / grpo treat samples the engine drew under older weights
-    (rollout.mode one_step_off / async; losses/off_policy.py, docs/algorithms.md 1.12)."""
+    off_policy_correction: str = "auto"
+    """auto | none | tis | mis | recompute: how opd / grpo treat samples the engine drew under older weights
+    (rollout.mode one_step_off / async; losses/off_policy.py, docs/algorithms.md 1.12). auto, resolved when
+    the config loads: tis where rollouts lag (one_step_off, async) and the loss has a policy term, else none
+    (measured: async at lag 2 kept sync's accuracy with tis, lost 8 points without)."""
     off_policy_clip: float = 2.0
     """C of the correction: tis truncates pi_old / pi_engine at C, mis drops tokens outside [1/C, C]."""
 
 
+def resolve_correction(section: LossConfig, lagged: bool) -> str:
+    """loss.off_policy_correction with auto resolved: tis when rollouts lag the trained weights (`lagged`:
+    rollout.mode one_step_off / async) and the loss has a policy term to weight (opd, stable_opd, grpo),
+    else none. Other values are kept."""
+    if section.off_policy_correction != "auto":
+        return section.off_policy_correction
+    if not lagged:
+        return "none"
+    bound = build_controlled_loss(section.name, section.config, section.controller, section.adaptive)[0]
+    return "tis" if bound.needs.old_logprobs else "none"
+
+
 def build_loss_from(section: LossConfig) -> BoundLoss:
     """build_loss(section.name, section.config), with controller=adaptive's needs those at the ceilings and
-    loss.off_policy_correction bound to its policy terms."""
+    loss.off_policy_correction bound to its policy terms (auto, unresolved outside a job config: none)."""
     bound = build_controlled_loss(section.name, section.config, section.controller, section.adaptive)[0]
-    correction = OffPolicyCorrection(section.off_policy_correction, section.off_policy_clip)
+    method = "none" if section.off_policy_correction == "auto" else section.off_policy_correction
+    correction = OffPolicyCorrection(method, section.off_policy_clip)
     if correction.method == "none":
         return bound
     wanted = bound.needs.old_logprobs and (correction.method != "recompute" or bound.needs.teacher_logprobs)

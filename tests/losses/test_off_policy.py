@@ -117,3 +117,19 @@ def test_bad_corrections_fail_at_build_time():
     with pytest.raises(ValueError, match="reverse-KL reward of opd"):
         build_loss_from(LossConfig(name="grpo", off_policy_correction="recompute"))
     assert isinstance(LossInputs, type)
+
+
+def test_auto_correction_is_tis_where_rollouts_lag_and_a_policy_term_exists():
+    """loss.off_policy_correction=auto (the default), as the job config resolves it when it loads."""
+    from megaopd.config.schema import MegaOPDConfig
+    from megaopd.losses import resolve_correction
+    from megaopd.rollout.config import RolloutConfig
+
+    assert resolve_correction(LossConfig(), lagged=False) == "none"
+    assert resolve_correction(LossConfig(), lagged=True) == "tis"  # stable_opd: opd's policy term
+    assert resolve_correction(LossConfig(name="grpo"), lagged=True) == "tis"
+    assert resolve_correction(LossConfig(name="sft"), lagged=True) == "none"  # nothing to weight
+    assert resolve_correction(LossConfig(off_policy_correction="mis"), lagged=False) == "mis"  # given: kept
+    remote = RolloutConfig(engine="remote", urls=["http://h:1"], mode="async", max_staleness=2)
+    assert MegaOPDConfig(rollout=remote).loss.off_policy_correction == "tis"
+    assert MegaOPDConfig().loss.off_policy_correction == "none"
