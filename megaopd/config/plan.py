@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 from megaopd.config.step_time import StepTimeConfig
 from megaopd.losses import build_loss_from
 from megaopd.models.config import find_hf_config
-from megaopd.models.hf_config import HFModelConfig, padded_vocab_size, read_hf_config
+from megaopd.models.hf_config import HFModelConfig, padded_vocab_size, params_per_rank, read_hf_config
 
 if TYPE_CHECKING:  # the schema composes PlanConfig from here
     from megaopd.config.schema import MegaOPDConfig
@@ -199,29 +199,6 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------ pure sizes
-def params_per_rank(hf: HFModelConfig, tp: int, pp: int, ep: int = 1) -> int:
-    """Parameters held by one rank of the largest pipeline stage (megatron's sharding and vocab padding).
-    MoE layers: each rank holds num_experts / ep experts, each split over TP like a dense MLP, plus the
-    whole router."""
-    h, hd = hf.hidden_size, hf.head_dim
-    q_dim, kv_dim = hf.num_attention_heads * hd, hf.num_key_value_heads * hd
-    qkv_out = q_dim + 2 * kv_dim
-    if hf.num_experts:
-        mlp = hf.num_experts // ep * 3 * h * hf.moe_intermediate_size
-        router = hf.num_experts * h
-    else:
-        mlp, router = 3 * h * hf.intermediate_size, 0
-    sharded = h * qkv_out + (qkv_out if hf.qkv_bias else 0) + q_dim * h + mlp
-    per_layer = sharded // tp + 2 * h + router  # the two RMSNorm weights are whole on every TP rank
-    layers = (hf.num_layers // pp) * per_layer
-    vocab_shard = padded_vocab_size(hf.vocab_size, tp) // tp * h
-    if pp == 1:
-        return layers + vocab_shard * (1 if hf.tie_word_embeddings else 2) + h
-    first = layers + vocab_shard
-    last = layers + vocab_shard + h  # tied: megatron keeps a copy of the embedding on the last stage
-    return max(first, last)
-
-
 def adam_bytes_per_param(dtype: str) -> int:
     """fp32 m and v, plus an fp32 master copy when the model's params are half precision."""
     return 8 + (4 if DTYPE_BYTES[dtype] < 4 else 0)

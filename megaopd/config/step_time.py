@@ -161,17 +161,14 @@ def step_times(w: StepShape, r: StepTimeConfig, nodes: int) -> dict[str, Choice]
     out = {"sync colocated": Choice(generate_s(w, r, g) + score + train + w.weight_bytes / (r.local_gb_s * 1e9), g)}
     # Engines on other GPUs of the same node take the push over the node's own links.
     push = w.weight_bytes / ((r.local_gb_s if nodes == 1 else r.network_gb_s) * 1e9)
-    for mode in MODES:
-        best = None
-        for e in range(r.engine_tp, g, r.engine_tp):
-            if (g - e) % w.trainer_gpus_min:
-                continue
-            score, train = score_and_train_s(w, r, g - e)
-            t = predict(mode, generate_s(w, r, e), score + train, push)
-            if best is None or t < best.seconds:
-                best = Choice(t, e)
-        if best is not None:
-            out[f"{mode} split"] = best
+    for e in range(r.engine_tp, g, r.engine_tp):
+        if (g - e) % w.trainer_gpus_min:
+            continue
+        generate, rest = generate_s(w, r, e), sum(score_and_train_s(w, r, g - e))
+        for mode in MODES:
+            t, key = predict(mode, generate, rest, push), f"{mode} split"
+            if key not in out or t < out[key].seconds:
+                out[key] = Choice(t, e)
     return out
 
 
@@ -179,7 +176,7 @@ def shape_for(cfg: MegaOPDConfig) -> StepShape:
     """The StepShape of a loaded config (reads the models' config.json files)."""
     from megaopd.losses import build_loss_from
     from megaopd.models.config import find_hf_config
-    from megaopd.models.hf_config import read_hf_config
+    from megaopd.models.hf_config import params_per_rank, read_hf_config
 
     r, needs = cfg.plan.step_time, build_loss_from(cfg.loss).needs
     hf = read_hf_config(find_hf_config(cfg.student.path))
@@ -191,18 +188,10 @@ def shape_for(cfg: MegaOPDConfig) -> StepShape:
                      prompt_tokens=r.prompt_tokens, response_tokens=response, longest=cfg.rollout.max_new_tokens,
                      golden_rows=cfg.trainer.prompts_per_step if needs.golden else 0, student=student,
                      teacher=teacher, reference=student if needs.reference else None,
-                     weight_bytes=2.0 * stored_params(hf, student),
+                     # the whole model in bf16, every expert of a MoE layer (as the plan counts an engine's copy)
+                     weight_bytes=2.0 * params_per_rank(hf, 1, 1),
                      kv_bytes_per_token=2.0 * 2 * hf.num_layers * hf.num_key_value_heads * hf.head_dim,
                      trainer_gpus_min=cfg.student.tp * cfg.student.pp)
-
-
-def stored_params(hf, dims: MatmulDims) -> float:
-    """Parameters the engines hold (read per decode step, pushed per sync): the matmul weights with every
-    expert of a MoE layer (MatmulDims counts the top-k a token runs) and the embedding table; norms are noise."""
-    params = dims.params
-    if hf.num_experts:
-        params += hf.num_layers * (hf.num_experts - hf.moe_topk) * 3 * hf.hidden_size * hf.moe_intermediate_size
-    return float(params + (0 if hf.tie_word_embeddings else hf.vocab_size * hf.hidden_size))
 
 
 def format_step_times(cfg: MegaOPDConfig) -> str:

@@ -241,7 +241,7 @@ class Trainer:
             if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
                 batch.teacher_rows = teachers.route([ex.teacher for ex in examples], t.samples_per_prompt)
                 pending = teachers.start_remote(batch, batch.teacher_rows, self.teacher_request.topk, self.rank,
-                                                streamed=teachers.take_streamed(self.step) if self.rank == 0 else None)
+                                                streamed=teachers.take_streamed(self.step))  # rank 0's parts
             batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, batches, self.actor_request,
                                        owners=owners, layout=models.actor_layout)
         with timer("teacher"):

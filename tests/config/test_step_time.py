@@ -76,15 +76,17 @@ def test_split_layouts_pick_the_best_engine_share():
 def test_engine_weights_count_every_expert_of_a_moe_model():
     from types import SimpleNamespace
 
-    from megaopd.config.step_time import stored_params
+    from megaopd.models.hf_config import padded_vocab_size, params_per_rank
 
     hf = SimpleNamespace(hidden_size=8, head_dim=2, num_attention_heads=4, num_key_value_heads=2, num_layers=3,
                          vocab_size=100, num_experts=16, moe_topk=2, moe_intermediate_size=4, intermediate_size=0,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, qkv_bias=False)
     dims = MatmulDims.of(hf)  # the top-2 experts a token runs
     attn, router = 8 * (8 + 2 * 4) + 8 * 8, 16 * 8
     assert dims.params == 3 * (attn + 2 * 3 * 8 * 4 + router) + 100 * 8
-    assert stored_params(hf, dims) == 3 * (attn + 16 * 3 * 8 * 4 + router) + 100 * 8 + 100 * 8  # + embedding
+    # What shape_for pushes and reads per decode step: every expert, both norms, the padded vocabulary twice
+    # (embedding and output layer) and the final norm.
+    assert params_per_rank(hf, 1, 1) == 3 * (attn + 16 * 3 * 8 * 4 + router + 2 * 8) + 2 * padded_vocab_size(100, 1) * 8 + 8
 
 
 def test_rates_are_checked():
