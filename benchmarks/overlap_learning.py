@@ -5,7 +5,7 @@ each; then async at max_staleness 2 and 4 under each correction (--async-seeds, 
 Every run is one trainer process and one server process, one thread each.
 
     python benchmarks/overlap_learning.py [--out runs/overlap_learning] [--seeds 1 2 3] [--async-seeds 1 2 3]
-                                          [--parallel 2]
+                                          [--parallel 2] [--arms sync one_step_off_tis]
     python benchmarks/overlap_learning.py --report-only
 
 Prints a markdown table: final validation accuracy (mean +/- standard error over seeds, and per seed),
@@ -135,12 +135,15 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time (each: a trainer and a server)")
     ap.add_argument("--async-seeds", type=int, nargs="+", default=None,
                     help="seeds of the async arms (default: the first of --seeds)")
+    ap.add_argument("--arms", nargs="+", default=None,
+                    help="run only these arms (names as in the table: sync, one_step_off_tis, async_tis_s2, ...)")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--steps", type=int, default=40, help="trainer.max_steps (40: the preset's run)")
     args = ap.parse_args()
     out = os.path.abspath(args.out)
     if not args.report_only:
-        run_all(out, arms(args.seeds, args.async_seeds), args.parallel, args.steps)
+        todo = [a for a in arms(args.seeds, args.async_seeds) if args.arms is None or name(*a[:3]) in args.arms]
+        run_all(out, todo, args.parallel, args.steps)
     table = report(out, args.seeds, args.async_seeds)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "table.md"), "w") as f:

@@ -66,6 +66,9 @@ class MiniBatch:
     """This mini-batch's on-policy rows of `rollout` (long)."""
     golden_rows: torch.Tensor | None
     """This mini-batch's rows of `golden` (long)."""
+    loss_tokens_B: torch.Tensor | None = None
+    """loss_mask_BT's row sums over the whole batch [B], for the denominators: a rank holds only the rows it
+    trains (batching.delivery), the counts are of every row. None: summed here (a rank holding every row)."""
 
 
 @dataclass
@@ -119,12 +122,14 @@ class MicroBatch:
 
 
 def step_counts(loss_mask_BT: torch.Tensor | None, rows: torch.Tensor, golden: GoldenBatch | None,
-                golden_rows: torch.Tensor | None) -> StepCounts:
-    """The denominators of the mini-batch made of `rows` (on-policy) and `golden_rows`."""
+                golden_rows: torch.Tensor | None, loss_tokens_B: torch.Tensor | None = None) -> StepCounts:
+    """The denominators of the mini-batch made of `rows` (on-policy) and `golden_rows` (loss_tokens_B: the
+    on-policy rows' loss tokens, MiniBatch.loss_tokens_B)."""
     values = {}
     if loss_mask_BT is not None:
-        values["global_num_tokens"] = float(loss_mask_BT[rows].sum())
-        values["global_num_seqs"] = float((loss_mask_BT[rows].sum(-1) > 0).sum())
+        per_row = (loss_tokens_B if loss_tokens_B is not None else loss_mask_BT.sum(-1))[rows]
+        values["global_num_tokens"] = float(per_row.sum())
+        values["global_num_seqs"] = float((per_row > 0).sum())
     if golden is not None:
         g_mask_BT = golden.loss_mask_BT[:, 1:]  # position t predicts token t + 1
         values["global_num_golden_tokens"] = float(g_mask_BT[golden_rows].sum())
@@ -138,11 +143,12 @@ def assemble_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: L
     rollout (SFT alone) the micro-batches are micro_batch_size golden rows each."""
     rollout, loss_mask_BT, golden, rows, golden_rows = (mini.rollout, mini.loss_mask_BT, mini.golden, mini.rows,
                                                        mini.golden_rows)
-    counts = step_counts(loss_mask_BT, rows, golden, golden_rows)
+    counts = step_counts(loss_mask_BT, rows, golden, golden_rows, mini.loss_tokens_B)
     local, S = torch.arange(0), 0
     if rollout is not None:
         units, shares = dp_shares(rollout, None, rows, None, dp_size, needs, packed=False)
         local = torch.tensor([units[i][0].row for i in shares[dp_rank]], dtype=torch.long)
+        rollout.check_held(local, "the training micro-batches")
         S = rollout.tokens_BS.shape[1]
     g_local = None
     if golden is not None:
@@ -206,9 +212,11 @@ def assemble_packed_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, n
     every micro-batch to the largest t (PP > 1: fixed-size pipeline buffers). Always at least one
     micro-batch (an empty one holds a padding segment) so every rank takes part in the gradient reduction."""
     rollout, loss_mask_BT, golden = mini.rollout, mini.loss_mask_BT, mini.golden
-    counts = step_counts(loss_mask_BT, mini.rows, golden, mini.golden_rows)
+    counts = step_counts(loss_mask_BT, mini.rows, golden, mini.golden_rows, mini.loss_tokens_B)
     units, shares = dp_shares(rollout, golden, mini.rows, mini.golden_rows, dp_size, needs, packed=True)
     mine = [units[i] for i in shares[dp_rank]]
+    if rollout is not None:
+        rollout.check_held([s.row for u in mine for s in u if s.source == ON_POLICY], "the training micro-batches")
     bins = pack_by_budget([sum(s.length for s in u) for u in mine], max_tokens) or [[]]
     layouts = [[s for i in b for s in mine[i]] for b in bins]
     largest = max(max(sum(s.length for s in segs) for segs in layouts), 2)

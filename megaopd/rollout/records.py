@@ -125,7 +125,8 @@ class RolloutBatch:
     group_ids_B: torch.Tensor
     """Index of the prompt each sequence answers (its GRPO group) [B] (long)."""
     texts: list[str] = field(default_factory=list)
-    """The decoded responses [B] (repetition metrics, rewards, samples); filled by the trainer."""
+    """The decoded responses [B] (repetition metrics, rewards, samples); filled by the trainer on rank 0 (empty
+    on the other ranks, which get the metrics made of them)."""
     actor: TokenScores | None = None
     """The actor's forward-only scores before the update: log pi_old (+ its top-k and entropy)."""
     teacher: TokenScores | None = None
@@ -141,20 +142,37 @@ class RolloutBatch:
     trajectories: list[TrajectoryStats] | None = None
     """Multi-turn rollouts: each row's turns, tool calls and errors [B]; None for single-turn responses.
     Their environment tokens sit in tokens_BS with loss_mask_BT 0: scored, never trained, never counted."""
+    student_lens_B: torch.Tensor | None = None
+    """Tokens the student generated per row [B] (long): response_lens_B less any environment tokens (the
+    loss mask's row sums, taken when the record is built: every rank has them, held rows or not)."""
+    held_B: torch.Tensor | None = None
+    """Rows whose per-token fields (tokens_BS, loss_mask_BT, engine_logprobs_BT) this rank holds [B] (bool);
+    the others are padding (batching.delivery: a rank receives only the rows it trains or scores). None:
+    every row (rank 0, a one-process job)."""
+
+    def __post_init__(self):
+        if self.student_lens_B is None:
+            self.student_lens_B = self.loss_mask_BT.sum(-1).long()
 
     @property
     def size(self) -> int:
         return self.tokens_BS.shape[0]
 
+    def check_held(self, rows, what: str) -> None:
+        """Raises, naming `what`, when a per-token read would touch rows this rank was not sent."""
+        if self.held_B is None:
+            return
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        missing = rows[~self.held_B[rows]]
+        if missing.numel():
+            raise KeyError(f"{what}: rows {missing[:8].tolist()} of the rollout were not delivered to this rank (it "
+                           f"holds {int(self.held_B.sum())} of {self.size}); batching.delivery.row_users must list "
+                           f"every rank that reads a row")
+
     @property
     def targets_BT(self) -> torch.Tensor:
         """The token each position predicts [B, T]."""
         return self.tokens_BS[:, 1:]
-
-    @property
-    def student_lens_B(self) -> torch.Tensor:
-        """Tokens the student generated per row [B] (long): response_lens_B less any environment tokens."""
-        return self.loss_mask_BT.sum(-1).long()
 
     @property
     def truncated_B(self) -> torch.Tensor:

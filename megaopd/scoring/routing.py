@@ -9,7 +9,7 @@
 When the scoring model's data-parallel replicas are the owners' (the actor, the reference, a teacher in the
 actor's layout: `aligned`) each replica scores exactly its owned rows and nothing moves but the last pipeline
 stage's broadcast. Otherwise (a teacher in another layout) each replica scores its share (padded: contiguous
-rows; packed: balanced by tokens and attention cost) and one all_to_all (scoring/exchange.py) sends each
+rows; packed: balanced by tokens and attention cost) and one all_to_all (parallel/exchange.py) sends each
 row's real positions from the share's speaker (TP rank 0 of the last PP stage) to every rank of the owning
 replica; ids to score at travel the other way first. Collective over the world.
 
@@ -27,8 +27,8 @@ from megaopd.batching.micro_batches import ScoringBatches
 from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.packing import row_lengths
 from megaopd.batching.shares import balanced_partition, dp_rows
+from megaopd.parallel.exchange import pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.rollout.records import ScoreField, TokenScores
-from megaopd.scoring.exchange import pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
 
 
@@ -86,18 +86,28 @@ def plan_scoring(tokens_BS: torch.Tensor, batches: ScoringBatches, runner: Pipel
     """The pass's plan: aligned layouts score the owned rows; otherwise packed shares are balanced by
     tokens and attention cost, padded ones contiguous."""
     pgs = runner.pgs
-    B, S = tokens_BS.shape
+    S = tokens_BS.shape[1]
     packed = batches.max_tokens is not None and runner.packs
     lengths = row_lengths(tokens_BS, batches.lengths_B)
-    aligned = pgs.dp.size() == owners.dp_size and all(
-        s.dp_rank == o.dp_rank for s, o in zip(scorers.places, owner_layout.places))
-    if aligned:
-        shares = [owners.rows(d) for d in range(owners.dp_size)]
-    elif packed:
-        shares = balanced_partition([[n] for n in lengths], pgs.dp.size())
-    else:
-        shares = [list(dp_rows(B, d, pgs.dp.size())) for d in range(pgs.dp.size())]
+    aligned = is_aligned(pgs.dp.size(), owners, scorers, owner_layout)
+    shares = scoring_shares(lengths, pgs.dp.size(), packed, owners if aligned else None)
     return ScoringPlan(shares, pgs.dp.rank(), aligned, packed, lengths, [min(n, S) - 1 for n in lengths], S - 1)
+
+
+def is_aligned(dp_size: int, owners: RowOwners, scorers: WorldLayout, owner_layout: WorldLayout) -> bool:
+    """The scoring model's data-parallel replicas are the owners' (same ranks, same replica numbers)."""
+    return dp_size == owners.dp_size and all(s.dp_rank == o.dp_rank for s, o in zip(scorers.places, owner_layout.places))
+
+
+def scoring_shares(lengths: list[int], dp_size: int, packed: bool, aligned_owners: RowOwners | None) -> list[list[int]]:
+    """Per replica of the scoring model, the rows it scores: the owned rows when the layouts align
+    (aligned_owners given), else balanced by tokens and attention cost (packed) or contiguous. Pure: every
+    rank computes every replica's share (batching.delivery sends each its rows' tokens from these)."""
+    if aligned_owners is not None:
+        return [aligned_owners.rows(d) for d in range(aligned_owners.dp_size)]
+    if packed:
+        return balanced_partition([[n] for n in lengths], dp_size)
+    return [list(dp_rows(len(lengths), d, dp_size)) for d in range(dp_size)]
 
 
 def route_at_ids(at_ids_BTK: torch.Tensor, plan: ScoringPlan, owners: RowOwners, scorers: WorldLayout,

@@ -10,7 +10,7 @@ Each sample is scored by the teacher of its prompt's data source (data.sources[]
 all of them): an in-job teacher runs score_tokens (megaopd.scoring.passes, collective over the world) on its
 rows only, a served teacher (megaopd.scoring.remote) scores its rows over HTTP from rank 0, started before the
 actor's own pass so the two overlap; afterwards rank 0 sends each of its rows' response positions to the
-row's owners only (one all_to_all, scoring/exchange.py), as an in-job teacher's pass does. The per-teacher
+row's owners only (one all_to_all, parallel/exchange.py), as an in-job teacher's pass does. The per-teacher
 results are written into one TokenScores of this rank's owned rows (RowOwners: the rows its actor replica
 trains), row by row: the losses see one record, whoever scored it. A field is kept only when every teacher
 produced it (entropy: in-job teachers only).
@@ -29,12 +29,14 @@ import torch
 
 from megaopd.batching.micro_batches import ScoringBatches
 from megaopd.batching.owners import RowOwners, WorldLayout
+from megaopd.batching.packing import row_lengths
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, rank0_computes
+from megaopd.parallel.exchange import pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.rollout.records import (LOGPROBS, SCORE_FIELDS, TOPK_IDS, TOPK_LOGPROBS, RolloutBatch,
                                      TokenScores)
-from megaopd.scoring.exchange import pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.scoring.passes import ScoreRequest, score_tokens
+from megaopd.scoring.routing import is_aligned, scorer_layout, scoring_shares
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.runner import PipelineRunner
 
@@ -189,6 +191,28 @@ class TeacherSet:
         pending.thread = threading.Thread(target=run, daemon=True, name="megaopd-remote-teachers")
         pending.thread.start()
         return pending
+
+    def scorer_shares(self, batch: RolloutBatch, rows_of: dict[str, list[int]], batches: ScoringBatches,
+                      owners: RowOwners) -> list[tuple[list[list[int]], WorldLayout]]:
+        """Per in-job teacher in a layout other than the owners', the batch rows each of its DP replicas scores
+        in `score` and its layout: who besides the owners reads each row's tokens (batching.delivery). Pure
+        given the layouts (a teacher without a gathered layout gathers it: collective)."""
+        device = group_device()
+        out = []
+        for name, t in self.teachers.items():
+            rows = rows_of.get(name, [])
+            if not isinstance(t, InJobTeacher) or not rows:
+                continue
+            sub = owners.subset(rows)
+            layout = t.layout if t.layout is not None else scorer_layout(t.runner.pgs, device)
+            if is_aligned(t.runner.pgs.dp.size(), sub, layout, sub.world_layout(device)):
+                continue  # it scores the owned rows, which the owners hold
+            idx = torch.tensor(rows, dtype=torch.long)
+            lengths = row_lengths(batch.tokens_BS[idx], batches.subset(idx).lengths_B)
+            packed = batches.max_tokens is not None and t.runner.packs
+            shares = scoring_shares(lengths, t.runner.pgs.dp.size(), packed, None)
+            out.append(([[rows[i] for i in share] for share in shares], layout))
+        return out
 
     def score(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
               batches: ScoringBatches, request: ScoreRequest, at_ids: TokenScores | None = None,

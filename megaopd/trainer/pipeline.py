@@ -8,7 +8,8 @@
                   under the new weights (partial rollouts: a response spans versions [first, last])
 
 Every rank draws the same prompts at the same points (the loader is replicated); only rank 0 talks to the
-engines (megaopd.rollout.overlap runs its generations in threads) and every rank receives its samples.
+engines (megaopd.rollout.overlap runs its generations in threads) and keeps the samples; every rank gets their
+weight versions and the step's pipeline metrics (the trainer then sends each rank its rows: batching.delivery).
 Validation first brings the engines to the trainer's weights (ensure_synced).
 
 Checkpoints: the data cursor saved is the loader's before the earliest batch drawn ahead and not trained
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -31,11 +33,17 @@ from megaopd.rollout.trajectories import MultiTurn, generate_rows
 
 @dataclass
 class Received:
-    """What rank 0 hands every rank for one step: the samples, their versions, the step's pipeline metrics."""
+    """One step's samples (rank 0's; None on the others), their versions, the step's pipeline metrics."""
 
-    samples: list[Sample]
+    samples: list[Sample] | None
     first_versions: list[int]
     metrics: dict[str, float]
+    rows: int = 0
+    """len(samples), on every rank."""
+
+    def __post_init__(self):
+        if self.samples is not None:
+            self.rows = len(self.samples)
 
 
 class RolloutPipeline:
@@ -95,15 +103,16 @@ class RolloutPipeline:
             self.engine.release_memory()  # the actor trains on these GPUs next
         return samples
 
-    def samples(self, step: int, examples: list) -> list[Sample]:
-        """Collective: the samples of step `step` on every rank (generated now, or taken from ahead)."""
+    def samples(self, step: int, examples: list) -> list[Sample] | None:
+        """Collective: the samples of step `step` (generated now, or taken from ahead) on rank 0, None on the
+        other ranks (batching.delivery sends each its rows), and the versions and metrics on every rank."""
         if not self.depth:
-            got = rank0_computes(lambda: Received(self._generate(step, examples), [], {}))
-            self.versions_B, self.metrics = [self.engine_version] * len(got.samples), {}
+            got = self._received(lambda: Received(self._generate(step, examples), [], {}))
+            self.versions_B, self.metrics = [self.engine_version] * got.rows, {}
             return got.samples
         if self.ahead is not None and not self.ahead.has(step):  # the first step, or the first after a resume
             self.ahead.submit(step, examples, self.engine_version)
-        got = rank0_computes(self._take, step)
+        got = self._received(functools.partial(self._take, step))
         self.versions_B, self.metrics = got.first_versions, got.metrics
         # Batch `step` is done: the weights it trains with go to the engines before the next batches start.
         self.ensure_synced(step)
@@ -113,6 +122,16 @@ class RolloutPipeline:
                 if self.ahead is not None:
                     self.ahead.submit(s, self.drawn[s], self.engine_version)
         return got.samples
+
+    def _received(self, make: Callable[[], Received]) -> Received:
+        """make() on rank 0, everything but its samples on every rank (rank 0 keeps them)."""
+        kept = {}
+
+        def on_rank0():
+            got = kept["got"] = make()
+            return dataclasses.replace(got, samples=None, rows=len(got.samples))
+        got = rank0_computes(on_rank0)
+        return kept.get("got", got)
 
     def _take(self, step: int) -> Received:
         """Rank 0: batch `step` from ahead, its too-stale samples dropped or regenerated, and its metrics."""

@@ -14,6 +14,7 @@ from megaopd.metrics.overlap import topk_overlap_counts, topk_overlap_from_count
 from megaopd.metrics.rollout import (advantage_split_counts, advantage_split_from_counts, rollout_dynamics_counts,
                                      rollout_dynamics_from_counts)
 from megaopd.parallel.dist import device as group_device
+from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.records import RolloutBatch
 from megaopd.scoring.teachers import teacher_metric_sums, teacher_metrics_from_sums
 
@@ -25,10 +26,12 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     Each rank holds its owned rows' scores (batch.actor.rows): it sums over them, and one all_gather of a
     small float64 vector of sums, counts and maxima (collective over the world; `contributes`: this rank
     speaks for its actor replica, RowOwners.sends, the others send zeros) gives the whole batch's token-means,
-    the same definitions as over the whole batch at once. The rest (texts, lengths, rewards) is replicated."""
+    the same definitions as over the whole batch at once. Lengths and rewards are on every rank; the
+    truncation and repetition rates come from rank 0, which holds the texts."""
     actor, teacher = batch.actor, batch.teacher
     rows = actor.rows if actor.rows is not None else list(range(batch.size))
     idx = torch.tensor(rows, dtype=torch.long)
+    batch.check_held(idx, "the rollout metrics")
     mask = batch.loss_mask_BT[idx]  # every generated token (repetitive n-grams need them all; a trajectory: its turns)
     m = mask.bool()
     a = actor.index(rows)
@@ -54,7 +57,7 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     gap_max = float(gap.max()) if gap.numel() else float("-inf")
     c, gap_max = _sum_over_owners(sums, gap_max, contributes)
 
-    out = response_metrics(batch.texts, batch.finish_reasons, mcfg.repetition)
+    out = _text_rates(batch, mcfg)
     # The student's tokens only: a trajectory's environment turns are not the student's response length.
     out.update(rollout_dynamics_from_counts(batch.student_lens_B, _with_prefix(c, "dyn/")))
     if batch.trajectories is not None:
@@ -81,6 +84,13 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
 def _with_prefix(c: dict[str, float], prefix: str) -> dict[str, float]:
     """The entries of c whose key starts with prefix, the prefix taken off."""
     return {k[len(prefix):]: v for k, v in c.items() if k.startswith(prefix)}
+
+
+def _text_rates(batch: RolloutBatch, mcfg: MetricsConfig) -> dict[str, float]:
+    """Truncation and repetition rates on every rank (the adaptive controller reads them on each), made on
+    rank 0: it decoded the texts. Collective in a distributed job."""
+    args = (batch.texts, batch.finish_reasons, mcfg.repetition)
+    return rank0_computes(response_metrics, *args) if dist.is_initialized() else response_metrics(*args)
 
 
 def _sum_over_owners(sums: dict[str, float], maximum: float, contributes: bool) -> tuple[dict[str, float], float]:

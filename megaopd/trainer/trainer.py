@@ -9,10 +9,10 @@
               the reference (or, for GKD, the teacher) in lockstep -> loss -> backward -> Adam step
     -> sync: actor shards -> HF tensors -> engines     then metrics, validation every N, checkpoint every M
 
-Every rank holds the rollout's token ids, masks, lengths and rewards ([B, S] integers: global token counts
-and the DP partition are then local arithmetic), but the per-token scores only of the rows its actor DP
-replica trains (batching.owners.RowOwners, from batching.shares.row_owners): whole-batch metrics reduce
-scalars.
+Every rank holds the rollout's per-row lengths, finish reasons and rewards (global token counts and the DP
+partition are then local arithmetic), but the token ids, masks and per-token scores only of the rows it
+trains or scores (batching.delivery; batching.owners.RowOwners, from batching.shares.row_owners): whole-batch
+metrics reduce scalars.
 
     python -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=runs/tiny
 """
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megaopd.batching.delivery import broadcast_header, deliver_rows, row_users
 from megaopd.batching.micro_batches import MicroBatch, MiniBatch, ScoringBatches, step_micro_batches
 from megaopd.batching.owners import RowOwners
 from megaopd.batching.plan import BatchingPlan
@@ -225,21 +226,16 @@ class Trainer:
     def _rollout(self, examples, golden=None) -> RolloutBatch:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
         land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
-        cfg, needs, models, pgs, timer = self.cfg, self.needs, self.models, self.actor_pgs, self.timer
+        cfg, needs, models, timer = self.cfg, self.needs, self.models, self.timer
         with timer("rollout"):
-            samples = self.pipeline.samples(self.step, examples)  # collective: every rank gets rank 0's
-            batch = build_rollout_batch(samples, self.pad_id, cfg.trainer.samples_per_prompt)
-            self.pipeline.stamp(batch)
-            self.owners = owners = RowOwners(
-                tuple(row_owners(batch, golden, pgs.dp.size(), needs, self.batching)),
-                pgs.dp.rank(), pgs.dp.size(), sends=models.owner_layout.places[self.rank].speaks,
-                layout=models.owner_layout)
+            samples = self.pipeline.samples(self.step, examples)  # collective: rank 0's (None on the others)
+            batch, owners, batches = deliver_rollout(samples, examples, golden, cfg, models, needs, self.batching,
+                                                     self.pad_id, self.pipeline.stamp)  # each rank its rows
+            self.owners = owners
         with timer("actor_logprobs"):
-            t, teachers = cfg.trainer, models.teachers
-            batches = ScoringBatches(t.micro_batch_size, t.max_tokens_per_micro_batch if t.pack_sequences else None,
-                                     batch.prompt_lens_B + batch.response_lens_B)
+            teachers = models.teachers
+            batch.check_held(owners.rows(), "the actor's scoring pass")
             if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
-                batch.teacher_rows = teachers.route([ex.teacher for ex in examples], t.samples_per_prompt)
                 pending = teachers.start_remote(batch, batch.teacher_rows, self.teacher_request.topk, self.rank,
                                                 streamed=teachers.take_streamed(self.step))  # rank 0's parts
             batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, batches, self.actor_request,
@@ -252,8 +248,8 @@ class Trainer:
                 if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
                     timer.add("teacher_remote", pending.seconds)
                     self.pipeline.teacher_streamed(pending)
-        batch.texts, rewards = rank0_computes(texts_and_rewards, self.tokenizer, samples, examples,
-                                              cfg.trainer.samples_per_prompt, self.multi_turn)
+        batch.texts, rewards = texts_and_rewards(self.tokenizer, samples, examples, cfg.trainer.samples_per_prompt,
+                                                 self.multi_turn)
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
         return batch
 
@@ -261,17 +257,18 @@ class Trainer:
     def _train(self, rollout: RolloutBatch | None, golden) -> dict:
         """One optimizer step per mini-batch of the step's rows."""
         needs, pgs = self.needs, self.actor_pgs
-        mask_BT = None
+        mask_BT = loss_tokens_B = None
         if rollout is not None:
             mask_BT = rollout.loss_mask_BT
             if self.special_ids:
                 mask_BT = mask_first_occurrences(rollout.targets_BT, mask_BT, self.special_ids)
+            loss_tokens_B = rank0_computes(mask_BT.sum, -1)  # the denominators: rank 0 holds every row
         B = rollout.size if rollout is not None else 0
         P, M = self.batching.prompts_per_step, self.batching.mini_batches
         results, grad_norms = [], []
         for j in range(M):
             rows, golden_rows = mini_batch_rows(B, P, M, j, golden is not None)  # row_owners' rows too
-            micro = step_micro_batches(MiniBatch(rollout, mask_BT, golden, rows, golden_rows), pgs.dp.rank(),
+            micro = step_micro_batches(MiniBatch(rollout, mask_BT, golden, rows, golden_rows, loss_tokens_B), pgs.dp.rank(),
                                        pgs.dp.size(), needs, self.batching)
             self.router_aux.scale_for(micro, pgs.dp)
             self.ddp.zero_grad_buffer()
@@ -364,13 +361,44 @@ class Trainer:
         dist.barrier()
 
 
+def deliver_rollout(samples, examples, golden, cfg: MegaOPDConfig, models, needs, plan: BatchingPlan, pad_id: int,
+                    stamp) -> tuple[RolloutBatch, RowOwners, ScoringBatches]:
+    """Collective: rank 0's samples as every rank's record, holding the rows the rank trains or scores
+    (batching.delivery: the per-row header to every rank, then each row's tokens to its users), the rows'
+    owners (row_owners: the DP partition the micro-batches take) and the scoring passes' cut. stamp: the
+    pipeline's, which writes each row's weight version."""
+    n, t, device = cfg.trainer.samples_per_prompt, cfg.trainer, dist_device()
+    batch = broadcast_header(build_rollout_batch(samples, pad_id, n) if samples is not None else None, pad_id, n,
+                             device)
+    stamp(batch)
+    pgs = models.actor.pgs
+    owners = RowOwners(tuple(row_owners(batch, golden, pgs.dp.size(), needs, plan)), pgs.dp.rank(), pgs.dp.size(),
+                       sends=models.owner_layout.places[dist.get_rank()].speaks, layout=models.owner_layout)
+    batches = ScoringBatches(t.micro_batch_size, t.max_tokens_per_micro_batch if t.pack_sequences else None,
+                             batch.prompt_lens_B + batch.response_lens_B)
+    scorers = []
+    if models.teachers is not None:
+        batch.teacher_rows = models.teachers.route([ex.teacher for ex in examples], n)
+        scorers = models.teachers.scorer_shares(batch, batch.teacher_rows, batches, owners)
+    deliver_rows(batch, row_users(owners, models.owner_layout, scorers), device)
+    return batch, owners, batches
+
+
 def texts_and_rewards(tokenizer, samples, examples, n: int, multi_turn: MultiTurn | None):
-    """Rank 0: decoded responses and their math-verify rewards (trajectories: the student's turns and the
-    environment's final-answer rewards)."""
-    if multi_turn is not None:
-        return multi_turn.texts_and_rewards(samples)
-    texts = [tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
-    return texts, math_verify_rewards(texts, [examples[i // n].answer for i in range(len(samples))])
+    """Collective: the decoded responses on rank 0 (empty on the others: rank 0 logs them and sends the
+    metrics made of them) and their math-verify rewards on every rank (trajectories: the student's turns and
+    the environment's final-answer rewards)."""
+    kept = {}
+
+    def on_rank0():
+        if multi_turn is not None:
+            kept["texts"], rewards = multi_turn.texts_and_rewards(samples)
+            return rewards
+        kept["texts"] = [tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
+        return math_verify_rewards(kept["texts"], [examples[i // n].answer for i in range(len(samples))])
+
+    rewards = rank0_computes(on_rank0)
+    return kept.get("texts", []), rewards
 
 
 def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> dict | None:
