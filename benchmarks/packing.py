@@ -262,23 +262,64 @@ def sample_transport_bytes(prompt_lens, response_lens, vocab: int = 151_936) -> 
     return {"sent": float(len(pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL))), "in_flight": float(in_flight)}
 
 
+def delivered_bytes(lengths: list[int], dp: int) -> dict[str, float]:
+    """Computed: what a rank other than 0 receives per step with batching.delivery at actor DP=dp (teacher in
+    the actor's layout): the [B, 9] int64 header, and its replica's rows' real tokens at 12 bytes each (id,
+    loss mask, engine log-prob), the rows balanced over DP by tokens (the packed row_owners)."""
+    from megaopd.batching.shares import balanced_partition
+
+    shares = balanced_partition([[n] for n in lengths], dp)
+    return {"header": 16.0 + 9 * 8 * len(lengths), "rows": 12.0 * max(sum(lengths[i] for i in s) for s in shares)}
+
+
+def _delivery_worker(rank, world, prompt_lens, response_lens):
+    """Measured: the real delivery of the synthetic rollout at actor DP=world (TP=1), owners from row_owners'
+    packed partition. Returns the bytes this rank received (header tensors + rows)."""
+    from megaopd.batching.delivery import broadcast_header, deliver_rows, row_users
+    from megaopd.batching.owners import RankPlace, RowOwners, WorldLayout
+    from megaopd.batching.plan import BatchingPlan
+    from megaopd.batching.shares import row_owners
+    from megaopd.losses import LossNeeds
+    from megaopd.parallel.dist import device
+
+    full = synthetic_rollout(prompt_lens, response_lens, 151_936) if rank == 0 else None
+    batch = broadcast_header(full, 0, 1, device())
+    plan = BatchingPlan(prompts_per_step=batch.size, mini_batches=1, micro_batch_size=4, pad_id=0, max_tokens=4096)
+    layout = WorldLayout(tuple(RankPlace(r, True) for r in range(world)))
+    owners = RowOwners(tuple(row_owners(batch, None, world, LossNeeds(), plan)), rank, world, True, layout)
+    rows = deliver_rows(batch, row_users(owners, layout), device())
+    return {"header": 16 + batch.size * 9 * 8 if rank else 0, "rows": rows}
+
+
 def print_rollout_bytes_per_mode(prompt_lens, response_lens, sequences: int) -> None:
-    """Issue 25 item 5: bytes per rank in each rollout.mode. Every rank receives the step's samples (the
-    pickle) and holds the record + its owned scores, the same in every mode; rank 0 alone also keeps the
-    batches generated ahead (one_step_off: 1, async: max_staleness) as Python objects until they are taken."""
+    """Issue 25 item 5: bytes per rank in each rollout.mode. Before batching.delivery every rank received the
+    step's samples (rank 0's pickle of them); now a rank receives the header and its replica's rows as
+    tensors, the same in every mode (measured at the CPU batch in gloo workers, computed at the paper's).
+    Rank 0 alone keeps the batches generated ahead (one_step_off: 1, async: max_staleness) as Python objects
+    until they are taken."""
+    from megaopd.parallel.launch import spawn
+
     big_p, big_r = opd_lengths(256, 1.0, seed=3)
     cases = [(f"CPU {sequences} x {max(p + r for p, r in zip(prompt_lens, response_lens))}", prompt_lens, response_lens,
-              (1, 2, 4), 2**20, "MiB"), ("256 x 8492 (OPD lengths)", big_p, big_r, (1, 8, 64), 2**30, "GiB")]
-    print("| batch | DP | received per rank per step (pickled samples), every mode | held per rank (record + owned "
-          "scores, K=32), every mode | rank 0 also holds, batches in flight: sync / one_step_off / async 2 / async 4 |")
-    print("|---|---:|---:|---:|---|")
-    for name, pl, rl, dps, unit, label in cases:
+              (1, 2, 4), 2**20, "MiB", True), ("256 x 8492 (OPD lengths)", big_p, big_r, (1, 8, 64), 2**30, "GiB", False)]
+    print("| batch | DP | received per rank per step before (pickled samples), every mode | now (header + its rows "
+          "as tensors), every mode | held per rank (record + owned scores, K=32), every mode | rank 0 also holds, "
+          "batches in flight: sync / one_step_off / async 2 / async 4 |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, pl, rl, dps, unit, label, measure in cases:
         t = sample_transport_bytes(pl, rl)
         lengths = [p + r for p, r in zip(pl, rl)]
         ahead = " / ".join(f"{n * t['in_flight'] / unit:.3f}" for n in (0, 1, 2, 4))
         for dp in dps:
             held = rollout_bytes(lengths, max(lengths), 32, dp)["owner"]
-            print(f"| {name} | {dp} | {t['sent'] / unit:.3f} {label} | {held / unit:.3f} {label} | {ahead} {label} |")
+            if measure and dp > 1:
+                res = spawn(_delivery_worker, dp, args=(pl, rl), timeout=600)
+                now = f"{max(r['header'] + r['rows'] for r in res[1:]) / unit:.3f} {label} measured"
+            else:
+                d = delivered_bytes(lengths, dp)
+                now = f"{(d['header'] + d['rows']) / unit:.4f} {label} computed"
+            print(f"| {name} | {dp} | {t['sent'] / unit:.3f} {label} | {now} | {held / unit:.3f} {label} | {ahead} "
+                  f"{label} |")
 
 
 if __name__ == "__main__":

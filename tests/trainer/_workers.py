@@ -37,11 +37,14 @@ def two_teachers_rollout(rank, world_size, cfg):
 
     trainer = Trainer(cfg)
     examples = trainer.loader.next_batch()
+    from megaopd.parallel.dist import rank0_computes
+
     batch = trainer._rollout(examples)
+    tokens_BS = rank0_computes(lambda: batch.tokens_BS)  # every row on every rank (the trainer sends each its own)
     alone = {}
     for name, t in trainer.models.teachers.teachers.items():
         if isinstance(t, InJobTeacher):
-            alone[name] = score_tokens(t.runner, batch.tokens_BS, ScoringBatches(cfg.trainer.micro_batch_size),
+            alone[name] = score_tokens(t.runner, tokens_BS, ScoringBatches(cfg.trainer.micro_batch_size),
                                        ScoreRequest(1.0)).logprobs_BT
         elif rank == 0:
             alone[name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B).logprobs_BT
