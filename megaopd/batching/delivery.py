@@ -89,7 +89,13 @@ def row_users(owners: RowOwners, owner_layout: WorldLayout,
     (the actor's and the reference's passes, the loss), and of each scoring pass in another layout
     (`scorers`: per pass, the batch rows each of its DP replicas scores and that model's WorldLayout), the
     ranks of the replica that scores it. Pure: every rank computes the same sets."""
-    users = [set(owner_layout.replica(o)) for o in owners.owner_B]
+    return [frozenset(owner_layout.replica(o)) | s for o, s in zip(owners.owner_B, scorer_users(len(owners.owner_B),
+                                                                                                 scorers))]
+
+
+def scorer_users(num_rows: int, scorers: Sequence[tuple[Sequence[Sequence[int]], WorldLayout]]) -> list[frozenset[int]]:
+    """Per row, the global ranks of the scoring passes' replicas that score it (row_users' `scorers`)."""
+    users: list[set[int]] = [set() for _ in range(num_rows)]
     for shares, layout in scorers:
         for d, rows in enumerate(shares):
             ranks = layout.replica(d)

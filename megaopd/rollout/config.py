@@ -71,11 +71,13 @@ class RolloutConfig:
     their KV cache (tokens after the update attend to a cache computed by the old weights), retract
     re-prefills them under the new weights."""
     stream_parts: int = 1
-    """Served teachers score a batch while it generates: the batch goes to the engines as this many
-    concurrent requests (contiguous groups of prompts, each keeping its prompts' seeds, so the samples are
-    the ones a single request draws) and each group's responses are sent to the teachers as soon as the
-    group returns, instead of after the whole batch. 1: one request, scoring after it. Needs
-    rollout.engine=remote; single-turn rollouts (multi-turn ones score after the batch)."""
+    """Score a batch while it generates: the batch goes to the engines as this many concurrent requests
+    (contiguous groups of prompts, each keeping its prompts' seeds, so the samples are the ones a single
+    request draws) and each group's responses are scored as soon as the group returns, instead of after the
+    whole batch: by served teachers (from rank 0's thread, every mode) and, in rollout.mode sync, by the
+    actor's pass and the in-job teachers' too (megaopd.trainer.streaming; a teacher scoring at the student's
+    top-k waits for the actor's whole pass). 1: one request, scoring after it. Needs rollout.engine=remote;
+    single-turn rollouts (multi-turn ones score after the batch)."""
     max_turns: int = 8
     """Multi-turn rollouts (env.name set): assistant turns per trajectory; a trajectory that reaches it
     without a final answer is truncated (traj/truncated_turns_rate)."""

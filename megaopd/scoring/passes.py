@@ -75,7 +75,7 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, batches: Scori
     at_ids = at_ids_BTK
     if at_ids_BTK is not None and not plan.aligned:
         at_ids = route_at_ids(at_ids_BTK, plan, owners, scorers, owner_layout, device)
-    mbs = _micro_batches(tokens_BS, at_ids, plan, batches, runner)
+    mbs = plan_micro_batches(tokens_BS, at_ids, plan, batches, runner)
     outputs = request.outputs(at_ids_BTK)
     local = forward_scores(runner, mbs, request, outputs, len(plan.rows), plan.T)
     pgs = runner.pgs
@@ -85,7 +85,7 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, batches: Scori
     return send_to_owners(local, plan, outputs, owners, scorers, owner_layout, speaks, device)
 
 
-def _micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, plan: ScoringPlan,
+def plan_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, plan: ScoringPlan,
                    batches: ScoringBatches, runner: PipelineRunner) -> list[ScoringMicroBatch]:
     """This rank's rows of the pass (plan.rows) in micro-batches: packed by the token budget (uniform under
     PP, lengths a multiple of the runner's), or batches.micro_batch_size padded rows."""

@@ -217,19 +217,21 @@ class TeacherSet:
     def score(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
               batches: ScoringBatches, request: ScoreRequest, at_ids: TokenScores | None = None,
               on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None,
-              owners: RowOwners | None = None) -> TokenScores:
+              owners: RowOwners | None = None, streamed: dict[str, TokenScores] | None = None) -> TokenScores:
         """The teacher scores of this rank's owned rows (owners.rows(); None: every row), each row from its
         routed teacher. Collective over the world (in-job teachers' passes, each routing its rows to their
         owners, then rank 0's served teachers' results routed to their owners the same way). batches: the
         cut of the whole batch (each teacher takes its rows' subset); request: what the in-job teachers
         compute (served ones give what start_remote asked). at_ids: the ids to score at (the student's top-k)
-        as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows)."""
+        as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows). streamed: in-job teachers'
+        scores already made while the batch generated (megaopd.trainer.streaming), by name: their passes are
+        not run again."""
         on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
         owners = owners if owners is not None else RowOwners.replicated(batch.size, global_rank())
-        parts: dict[str, TokenScores] = {}
+        parts: dict[str, TokenScores] = dict(streamed or {})
         for name, t in self.teachers.items():
             rows = rows_of.get(name, [])
-            if not isinstance(t, InJobTeacher) or not rows:
+            if not isinstance(t, InJobTeacher) or not rows or name in parts:
                 continue
             idx = torch.tensor(rows, dtype=torch.long)
             sub = owners.subset(rows)

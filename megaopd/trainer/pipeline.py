@@ -22,8 +22,10 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from queue import Queue
+from typing import Callable, Iterator
 
 from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.overlap import GenerateAhead, Taken, overlap_metrics, staleness
@@ -67,6 +69,8 @@ class RolloutPipeline:
         self.ahead = GenerateAhead(self._generate) if rank == 0 and self.depth else None
         self.versions_B: list[int] | None = None
         self.metrics: dict[str, float] = {}
+        self.streamed_samples: list[Sample] | None = None
+        """Rank 0, after stream(): the whole batch's samples."""
 
     # ------------------------------------------------------------------------------------------- data
     def _draw(self, step: int) -> None:
@@ -93,10 +97,11 @@ class RolloutPipeline:
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                               n=t.samples_per_prompt, stop_token_ids=self.stop_ids, seed=t.seed * 1_000_003 + step)
 
-    def _generate(self, step: int, examples: list) -> list[Sample]:
+    def _generate(self, step: int, examples: list, on_part: Callable | None = None) -> list[Sample]:
         """Rank 0: the engine's samples or trajectories of step `step` (then, colocated, its memory goes back to
-        the actor)."""
-        on_part = functools.partial(self.on_part, step) if self.on_part is not None else None
+        the actor). on_part(first_row, examples, samples): instead of the served teachers' own."""
+        if on_part is None and self.on_part is not None:
+            on_part = functools.partial(self.on_part, step)
         samples = generate_rows(self.engine, examples, self.params(step), self.multi_turn,
                                 self.cfg.rollout.stream_parts, on_part)
         if self.cfg.rollout.colocated:
@@ -122,6 +127,54 @@ class RolloutPipeline:
                 if self.ahead is not None:
                     self.ahead.submit(s, self.drawn[s], self.engine_version)
         return got.samples
+
+    @property
+    def streams(self) -> bool:
+        """The in-job scoring passes run on each part of the batch as it generates (rollout.stream_parts > 1
+        in sync mode: the engines are remote, so the trainer's devices are free meanwhile; the overlapped
+        modes already score one batch while the next generates)."""
+        return not self.depth and self.cfg.rollout.stream_parts > 1 and self.multi_turn is None
+
+    def stream(self, step: int, examples: list) -> Iterator[tuple[list[int], list[Sample] | None]]:
+        """Collective (sync mode, `streams`): generates step `step`'s batch in parts (generate_rows, in a thread
+        of rank 0) and yields each part as it finishes, in the order rank 0 sees them: its batch rows (every
+        rank) and its samples (rank 0; None elsewhere). Then `samples` is the whole batch's, as samples() gives."""
+        parts: Queue = Queue()
+        n = self.cfg.trainer.samples_per_prompt
+        if self.rank == 0:
+            def on_part(first_row, part_examples, samples):
+                if self.on_part is not None:  # the served teachers' streaming too
+                    self.on_part(step, first_row, part_examples, samples)
+                parts.put((first_row, samples))
+
+            def run():
+                try:
+                    parts.put(("done", self._generate(step, examples, on_part)))
+                except BaseException as e:  # noqa: BLE001 - raised on every rank below
+                    parts.put(("error", e))
+            threading.Thread(target=run, daemon=True, name=f"megaopd-stream-{step}").start()
+        kept: dict = {}
+
+        def next_part():
+            kind, value = parts.get()
+            if kind == "error":
+                return value
+            if kind == "done":  # a batch too small to split comes back whole, as one part
+                kept["all"], kind = value, 0
+            kept["part"] = value
+            return list(range(kind, kind + len(value)))
+
+        seen, B = 0, len(examples) * n
+        while seen < B:
+            rows = rank0_computes(next_part)
+            if isinstance(rows, BaseException):
+                raise rows
+            seen += len(rows)
+            yield rows, kept.pop("part", None)
+        if self.rank == 0 and "all" not in kept:
+            kept["all"] = parts.get()[1]  # "done": after every part (a failed part ended the loop above)
+        self.versions_B, self.metrics = [self.engine_version] * B, {}
+        self.streamed_samples = kept.get("all")
 
     def _received(self, make: Callable[[], Received]) -> Received:
         """make() on rank 0, everything but its samples on every rank (rank 0 keeps them)."""

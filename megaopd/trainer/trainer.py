@@ -57,6 +57,7 @@ from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu
 from megaopd.trainer.run_log import RunLog
 from megaopd.trainer.step_metrics import (flop_metrics, reduce_loss_metrics, rollout_metrics, sample_rows,
                                           step_work)
+from megaopd.trainer.streaming import stream_and_score
 from megaopd.trainer.timer import Timer
 from megaopd.trainer.validation import validate
 
@@ -226,25 +227,28 @@ class Trainer:
     def _rollout(self, examples, golden=None) -> RolloutBatch:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
         land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
-        cfg, needs, models, timer = self.cfg, self.needs, self.models, self.timer
-        with timer("rollout"):
-            samples = self.pipeline.samples(self.step, examples)  # collective: rank 0's (None on the others)
-            batch, owners, batches = deliver_rollout(samples, examples, golden, cfg, models, needs, self.batching,
-                                                     self.pad_id, self.pipeline.stamp)  # each rank its rows
-            self.owners = owners
+        cfg, needs, models, timer, teachers = self.cfg, self.needs, self.models, self.timer, self.models.teachers
+        with timer("rollout"):  # rollout.stream_parts in sync mode: the in-job passes score each part meanwhile
+            streamed = stream_and_score(self.pipeline, self.step, examples, cfg, models, needs, self.actor_request,
+                                        self.teacher_request, self.pad_id, on_gpu_while_used) \
+                if self.pipeline.streams else None
+            samples = streamed.samples if streamed else self.pipeline.samples(self.step, examples)  # rank 0's
+            batch, self.owners, batches = deliver_rollout(samples, examples, golden, cfg, models, needs, self.batching,
+                                                          self.pad_id, self.pipeline.stamp)  # each rank its rows
         with timer("actor_logprobs"):
-            teachers = models.teachers
+            owners = self.owners
             batch.check_held(owners.rows(), "the actor's scoring pass")
             if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
                 pending = teachers.start_remote(batch, batch.teacher_rows, self.teacher_request.topk, self.rank,
                                                 streamed=teachers.take_streamed(self.step))  # rank 0's parts
-            batch.actor = score_tokens(models.actor_runner, batch.tokens_BS, batches, self.actor_request,
-                                       owners=owners, layout=models.actor_layout)
+            batch.actor = streamed.actor_scores(batch, owners, models.owner_layout) if streamed else score_tokens(
+                models.actor_runner, batch.tokens_BS, batches, self.actor_request, owners=owners, layout=models.actor_layout)
         with timer("teacher"):
             if teachers is not None:
                 batch.teacher = teachers.score(batch, batch.teacher_rows, pending, batches, self.teacher_request,
                                                at_ids=batch.actor.topk_support(needs.student_topk),
-                                               on_device=on_gpu_while_used, owners=owners)
+                                               on_device=on_gpu_while_used, owners=owners, streamed=streamed and
+                                               streamed.teacher_scores(batch, owners, models.owner_layout))
                 if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
                     timer.add("teacher_remote", pending.seconds)
                     self.pipeline.teacher_streamed(pending)

@@ -107,3 +107,31 @@ def test_teacher_scores_streamed_while_generating_equal_scores_after(tmp_path, o
             # (sync/logprob_gap_*, ~1e-6): the one thing the parts change besides timing.
             if isinstance(value, float) and not key.startswith(("time", "perf/", "sync/logprob_gap")):
                 assert math.isclose(streamed[key], value, rel_tol=1e-5, abs_tol=1e-7), (step, key, streamed[key], value)
+
+
+@pytest.mark.slow
+def test_in_job_passes_streamed_while_generating_equal_scores_after(tmp_path, one_torch_thread):
+    """rollout.stream_parts=3 in sync mode at world 2 (actor DP=2, the in-job teacher at TP=2: another layout)
+    against a served engine: the actor's and the teacher's passes score each third of the batch as it returns
+    and route the scores to their owners once the batch is in; the steps log what scoring after logs."""
+    engine = _serve(os.path.join(TINY, "models", "student"))
+    runs = {}
+    try:
+        for parts in (1, 3):
+            run = str(tmp_path / f"parts_{parts}")
+            cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), golden_overrides(run) + [
+                "run.world_size=2", "student.tp=1", "reference.tp=1", "teacher.tp=2", "trainer.max_steps=2",
+                "rollout.engine=remote", f"rollout.urls=[{engine.url}]", f"rollout.stream_parts={parts}"])
+            spawn(_workers.run_presets, 2, args=([cfg],), timeout=900)
+            with open(os.path.join(run, "metrics.jsonl")) as f:
+                runs[parts] = {r["step"]: r for r in map(json.loads, f) if "event" not in r}
+    finally:
+        engine.shutdown()
+    for step in (1, 2):
+        one, streamed = runs[1][step], runs[3][step]
+        assert streamed["time/actor_logprobs"] < one["time/actor_logprobs"]  # the pass ran during the rollout
+        for key, value in one.items():
+            # The engine's own log-probs of the same tokens round differently in another batch composition
+            # (sync/logprob_gap_*, ~1e-6): the one thing the parts change besides timing.
+            if isinstance(value, float) and not key.startswith(("time", "perf/", "sync/logprob_gap")):
+                assert math.isclose(streamed[key], value, rel_tol=1e-5, abs_tol=1e-7), (step, key, streamed[key], value)
