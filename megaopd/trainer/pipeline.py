@@ -137,8 +137,9 @@ class RolloutPipeline:
 
     def stream(self, step: int, examples: list) -> Iterator[tuple[list[int], list[Sample] | None]]:
         """Collective (sync mode, `streams`): generates step `step`'s batch in parts (generate_rows, in a thread
-        of rank 0) and yields each part as it finishes, in the order rank 0 sees them: its batch rows (every
-        rank) and its samples (rank 0; None elsewhere). Then `samples` is the whole batch's, as samples() gives."""
+        of rank 0) and yields the parts as they finish, in the order rank 0 sees them (the parts that came back
+        since the last yield, together): their batch rows, whole prompts' (every rank), and their samples
+        (rank 0; None elsewhere). Then `streamed_samples` is the whole batch's (rank 0), as samples() gives."""
         parts: Queue = Queue()
         n = self.cfg.trainer.samples_per_prompt
         if self.rank == 0:
@@ -156,13 +157,23 @@ class RolloutPipeline:
         kept: dict = {}
 
         def next_part():
-            kind, value = parts.get()
-            if kind == "error":
-                return value
-            if kind == "done":  # a batch too small to split comes back whole, as one part
-                kept["all"], kind = value, 0
-            kept["part"] = value
-            return list(range(kind, kind + len(value)))
+            # Every part that has come back since the last call, as one: when scoring is slower than the
+            # parts arrive (many small parts), the passes take them in larger batches.
+            items = [parts.get()]
+            while not parts.empty():
+                items.append(parts.get_nowait())
+            rows, samples = [], []
+            for kind, value in items:
+                if kind == "error":
+                    return value
+                if kind == "done":
+                    kept["all"] = value
+                    if not kept.get("started"):  # a batch too small to split comes back whole, as one part
+                        rows, samples = list(range(len(value))), list(value)
+                else:
+                    rows, samples = rows + list(range(kind, kind + len(value))), samples + list(value)
+            kept["started"], kept["part"] = True, samples
+            return rows
 
         seen, B = 0, len(examples) * n
         while seen < B:

@@ -83,7 +83,7 @@ def stream_and_score(pipeline, step: int, examples: list, cfg, models, needs, ac
         part = broadcast_header(build_rollout_batch(samples, pad_id, n) if samples is not None else None, pad_id,
                                 n, device)
         batches = ScoringBatches(t.micro_batch_size, max_tokens, part.prompt_lens_B + part.response_lens_B)
-        routed = teachers.route([ex.teacher for ex in examples[rows[0] // n:rows[-1] // n + 1]], n) if passes else {}
+        routed = teachers.route([examples[r // n].teacher for r in rows[::n]], n) if passes else {}  # whole prompts
         work = [(actor, None, list(range(len(rows))))] + [(passes[m], in_job[m], routed.get(m, [])) for m in passes]
         work = [(stream, tch, idx, torch.tensor(idx, dtype=torch.long)) for stream, tch, idx in work if idx]
         scorers = [([[idx[i] for i in share] for share in stream.part_shares(

@@ -28,7 +28,7 @@ class Ex:
         self.prompt_ids, self.teacher = [100 + i, 7], ""
 
 
-def stream(rank, world_size, prompts, fail_at):
+def stream(rank, world_size, prompts, fail_at, consumer_sleep=0.0):
     from megaopd.config import load_config
     from megaopd.config.schema import MegaOPDConfig
     from megaopd.trainer.pipeline import RolloutPipeline
@@ -44,6 +44,7 @@ def stream(rank, world_size, prompts, fail_at):
     try:
         for rows, samples in pipeline.stream(0, examples):
             parts.append((rows, [s.output_ids for s in samples]))
+            time.sleep(consumer_sleep)  # a slow scoring pass: the parts that arrive meanwhile come together
     except RuntimeError as e:
         return {"error": str(e), "parts": parts}
     return {"parts": parts, "all": [s.output_ids for s in pipeline.streamed_samples], "streams": pipeline.streams,

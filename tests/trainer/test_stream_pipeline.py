@@ -1,5 +1,6 @@
 """RolloutPipeline.stream (rollout.stream_parts in sync mode, megaopd.trainer.streaming): each part of the
-batch is handed on once, with its batch rows, in the order the engine returns them; the whole batch is kept
+batch is handed on once, with its batch rows, in the order the engine returns them (the parts that came back
+while the last was scored, together); the whole batch is kept
 for the record; a batch too small to split comes back as one part; a part whose generation fails raises its
 error (on every rank: it is broadcast) instead of leaving the loop waiting. A fake engine in one gloo process."""
 import pytest
@@ -20,6 +21,15 @@ def test_parts_arrive_once_each_with_their_rows_and_the_whole_batch_after():
     for rows, samples in out["parts"]:
         assert samples == [_expected(7)[r] for r in rows]
     assert out["all"] == _expected(7) and out["versions"] == [0] * 14
+
+
+@pytest.mark.slow
+def test_parts_that_arrive_while_the_last_is_scored_come_as_one():
+    out = spawn(w.stream, 1, args=(7, None, 1.5), timeout=120)[0]
+    assert [rows for rows, _ in out["parts"]] == [[12, 13], [6, 7, 8, 9, 10, 11, 0, 1, 2, 3, 4, 5]]
+    for rows, samples in out["parts"]:
+        assert samples == [_expected(7)[r] for r in rows]
+    assert out["all"] == _expected(7)
 
 
 @pytest.mark.slow
