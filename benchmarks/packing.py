@@ -282,8 +282,7 @@ def _delivery_worker(rank, world, prompt_lens, response_lens):
     from megaopd.losses import LossNeeds
     from megaopd.parallel.dist import device
 
-    full = synthetic_rollout(prompt_lens, response_lens, 151_936) if rank == 0 else None
-    batch = broadcast_header(full, 0, 1, device())
+    batch = broadcast_header(lambda: synthetic_rollout(prompt_lens, response_lens, 151_936), 0, 1, device())
     plan = BatchingPlan(prompts_per_step=batch.size, mini_batches=1, micro_batch_size=4, pad_id=0, max_tokens=4096)
     layout = WorldLayout(tuple(RankPlace(r, True) for r in range(world)))
     owners = RowOwners(tuple(row_owners(batch, None, world, LossNeeds(), plan)), rank, world, True, layout)

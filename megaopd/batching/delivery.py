@@ -1,7 +1,7 @@
 """A step's rollout from rank 0, which drives the engines, to the ranks that use its rows: as tensors, each
 row only where it is trained or scored.
 
-    batch = broadcast_header(batch if rank == 0 else None, pad_id, n, device)   # every rank: per-row facts
+    batch = broadcast_header(lambda: build_rollout_batch(samples, pad_id, n), pad_id, n, device)  # rank 0 builds
     owners = RowOwners(row_owners(batch, ...), ...)                             # from the lengths alone
     users_B = row_users(owners, owner_layout, [(shares, teacher_layout), ...])  # who reads each row's tokens
     received = deliver_rows(batch, users_B, device)                             # one all_to_all from rank 0
@@ -20,7 +20,7 @@ it holds, and `RolloutBatch.check_held` refuses a read of any other. Rank 0 hold
 """
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,20 +37,32 @@ TRUNCATED_BY = ("", "turns", "tokens")
 _PROMPT, _RESPONSE, _STUDENT, _FINISH, _TRAJECTORY, _TURNS, _CALLS, _ERRORS, _TRUNCATED = range(9)
 
 
-def broadcast_header(batch: RolloutBatch | None, pad_id: int, samples_per_prompt: int,
+def broadcast_header(make: Callable[[], RolloutBatch], pad_id: int, samples_per_prompt: int,
                      device: torch.device) -> RolloutBatch:
-    """Collective over the world: rank 0's batch stays as it is (holding every row); every other rank gets a
-    record with the same per-row facts and its per-token fields empty (padding; held_B all False) until
-    deliver_rows fills the rows it uses. `device`: the default group's."""
+    """Collective over the world: rank 0 builds its record with make() (it holds every row); every other rank
+    gets a record with the same per-row facts and its per-token fields empty (padding; held_B all False)
+    until deliver_rows fills the rows it uses. A failure on rank 0 (bad samples) is raised there and, as
+    an error naming it, on every other rank, instead of leaving them waiting. `device`: the default group's."""
     if world_size() == 1:
-        return batch
+        return make()
+    batch, error = None, None
     if global_rank() == 0:
-        header = _header(batch).to(device)
-        size = torch.tensor([header.shape[0], batch.tokens_BS.shape[1]], dtype=torch.long, device=device)
+        try:
+            batch = make()
+            header = _header(batch).to(device)
+        except Exception as e:  # noqa: BLE001 - raised below, after the others know
+            error = e
+        B, S = (-1, 0) if error is not None else (header.shape[0], batch.tokens_BS.shape[1])
+        size = torch.tensor([B, S], dtype=torch.long, device=device)
     else:
         size = torch.zeros(2, dtype=torch.long, device=device)
     dist.broadcast(size, src=0)
     B, S = (int(x) for x in size.tolist())
+    if error is not None:
+        raise error
+    if B < 0:
+        raise RuntimeError("rank 0 could not build the step's rollout record from the engines' samples: its "
+                           "error is in rank 0's log")
     if global_rank() != 0:
         header = torch.zeros(B, 9, dtype=torch.long, device=device)
     dist.broadcast(header, src=0)

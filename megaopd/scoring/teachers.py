@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Sequence
+from typing import Callable, Collection, ContextManager, Sequence
 
 import torch
 
@@ -193,15 +193,16 @@ class TeacherSet:
         return pending
 
     def scorer_shares(self, batch: RolloutBatch, rows_of: dict[str, list[int]], batches: ScoringBatches,
-                      owners: RowOwners) -> list[tuple[list[list[int]], WorldLayout]]:
+                      owners: RowOwners, skip: Collection[str] = ()) -> list[tuple[list[list[int]], WorldLayout]]:
         """Per in-job teacher in a layout other than the owners', the batch rows each of its DP replicas scores
         in `score` and its layout: who besides the owners reads each row's tokens (batching.delivery). Pure
-        given the layouts (a teacher without a gathered layout gathers it: collective)."""
+        given the layouts (a teacher without a gathered layout gathers it: collective). skip: teachers that
+        scored already (streamed: `score` does not run their passes)."""
         device = group_device()
         out = []
         for name, t in self.teachers.items():
             rows = rows_of.get(name, [])
-            if not isinstance(t, InJobTeacher) or not rows:
+            if not isinstance(t, InJobTeacher) or not rows or name in skip:
                 continue
             sub = owners.subset(rows)
             layout = t.layout if t.layout is not None else scorer_layout(t.runner.pgs, device)

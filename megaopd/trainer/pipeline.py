@@ -131,61 +131,43 @@ class RolloutPipeline:
     @property
     def streams(self) -> bool:
         """The in-job scoring passes run on each part of the batch as it generates (rollout.stream_parts > 1
-        in sync mode: the engines are remote, so the trainer's devices are free meanwhile; the overlapped
-        modes already score one batch while the next generates)."""
-        return not self.depth and self.cfg.rollout.stream_parts > 1 and self.multi_turn is None
+        in sync mode, engines on devices of their own: the trainer's are free meanwhile; colocated engines
+        hold part of their memory while they generate, and the overlapped modes already score one batch
+        while the next generates)."""
+        r = self.cfg.rollout
+        return not self.depth and r.stream_parts > 1 and self.multi_turn is None and not r.colocated
 
     def stream(self, step: int, examples: list) -> Iterator[tuple[list[int], list[Sample] | None]]:
         """Collective (sync mode, `streams`): generates step `step`'s batch in parts (generate_rows, in a thread
         of rank 0) and yields the parts as they finish, in the order rank 0 sees them (the parts that came back
         since the last yield, together): their batch rows, whole prompts' (every rank), and their samples
         (rank 0; None elsewhere). Then `streamed_samples` is the whole batch's (rank 0), as samples() gives."""
-        parts: Queue = Queue()
-        n = self.cfg.trainer.samples_per_prompt
+        B = len(examples) * self.cfg.trainer.samples_per_prompt
+        parts = _Parts(step, B)
         if self.rank == 0:
             def on_part(first_row, part_examples, samples):
                 if self.on_part is not None:  # the served teachers' streaming too
                     self.on_part(step, first_row, part_examples, samples)
-                parts.put((first_row, samples))
+                parts.queue.put((first_row, samples))
 
             def run():
                 try:
-                    parts.put(("done", self._generate(step, examples, on_part)))
+                    parts.queue.put(("done", self._generate(step, examples, on_part)))
                 except BaseException as e:  # noqa: BLE001 - raised on every rank below
-                    parts.put(("error", e))
+                    parts.queue.put(("error", e))
             threading.Thread(target=run, daemon=True, name=f"megaopd-stream-{step}").start()
-        kept: dict = {}
-
-        def next_part():
-            # Every part that has come back since the last call, as one: when scoring is slower than the
-            # parts arrive (many small parts), the passes take them in larger batches.
-            items = [parts.get()]
-            while not parts.empty():
-                items.append(parts.get_nowait())
-            rows, samples = [], []
-            for kind, value in items:
-                if kind == "error":
-                    return value
-                if kind == "done":
-                    kept["all"] = value
-                    if not kept.get("started"):  # a batch too small to split comes back whole, as one part
-                        rows, samples = list(range(len(value))), list(value)
-                else:
-                    rows, samples = rows + list(range(kind, kind + len(value))), samples + list(value)
-            kept["started"], kept["part"] = True, samples
-            return rows
-
-        seen, B = 0, len(examples) * n
+        seen = 0
         while seen < B:
-            rows = rank0_computes(next_part)
+            rows = rank0_computes(parts.next)
             if isinstance(rows, BaseException):
                 raise rows
             seen += len(rows)
-            yield rows, kept.pop("part", None)
-        if self.rank == 0 and "all" not in kept:
-            kept["all"] = parts.get()[1]  # "done": after every part (a failed part ended the loop above)
+            yield rows, parts.take_part()
+        error = rank0_computes(parts.finish)
+        if error is not None:
+            raise error
         self.versions_B, self.metrics = [self.engine_version] * B, {}
-        self.streamed_samples = kept.get("all")
+        self.streamed_samples = parts.all
 
     def _received(self, make: Callable[[], Received]) -> Received:
         """make() on rank 0, everything but its samples on every rank (rank 0 keeps them)."""
@@ -271,3 +253,50 @@ class RolloutPipeline:
         modes at the next batch's boundary (samples) or before validation (ensure_synced)."""
         if not self.depth:
             self.ensure_synced(step, timed=False)  # inside the trainer's own "sync" block
+
+
+class _Parts:
+    """Rank 0, RolloutPipeline.stream: the parts of one batch as the generating threads put them in `queue`
+    ((first_row, samples), then ("done", every sample) or ("error", exception)), and the whole batch."""
+
+    def __init__(self, step: int, rows: int):
+        self.queue: Queue = Queue()
+        self.step, self.rows, self.seen = step, rows, 0
+        self.all: list[Sample] | None = None
+        self._part: list[Sample] | None = None
+
+    def next(self) -> list[int] | BaseException:
+        """Every part that came back since the last call, as one (when scoring is slower than the parts
+        arrive, the passes take them in larger batches): its batch rows; or the error to raise everywhere."""
+        items = [self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        rows, samples = [], []
+        for kind, value in items:
+            if kind == "error":
+                return value
+            if kind == "done":
+                self.all = value
+                if not self.seen and not rows:  # a batch too small to split comes back whole, as one part
+                    rows, samples = list(range(len(value))), list(value)
+            else:
+                rows, samples = rows + list(range(kind, kind + len(value))), samples + list(value)
+        self.seen, self._part = self.seen + len(rows), samples
+        if not rows or (self.all is not None and self.seen != self.rows):
+            return RuntimeError(f"step {self.step}: the engines returned {self.seen} of the batch's {self.rows} rows")
+        return rows
+
+    def take_part(self) -> list[Sample] | None:
+        """The samples of the rows next() gave (rank 0; None elsewhere)."""
+        part, self._part = self._part, None
+        return part
+
+    def finish(self) -> BaseException | None:
+        """After the last part: the whole batch in `all`, or the error to raise everywhere."""
+        if self.all is None:
+            kind, value = self.queue.get()
+            if kind == "error":
+                return value
+            self.all = value
+        return None if len(self.all) == self.rows else RuntimeError(
+            f"step {self.step}: the engines returned {len(self.all)} of the batch's {self.rows} rows")

@@ -12,7 +12,8 @@ Each part: rank 0 builds its record, every rank gets its header (batching.delive
 replicas score their share of it (balanced by the part's own lengths: the owners are not known until the
 whole batch is) after one all_to_all brings them its rows' tokens. Served teachers stream as before
 (TeacherSet.stream_part, from the generating thread). A teacher that scores at the student's top-k (LSM's
-student support) needs the actor's whole pass first: it scores after the batch, unstreamed.
+student support) needs the actor's whole pass first, and one parked in CPU memory between uses would move
+once a part: they score after the batch, unstreamed.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from megaopd.parallel.dist import device as dist_device
 from megaopd.rollout.protocol import Sample
 from megaopd.rollout.records import RolloutBatch, TokenScores, build_rollout_batch
 from megaopd.scoring.passes import ScoreRequest
+from megaopd.scoring.routing import scorer_layout
 from megaopd.scoring.streaming import StreamedPass
 from megaopd.scoring.teachers import InJobTeacher
 
@@ -73,15 +75,17 @@ def stream_and_score(pipeline, step: int, examples: list, cfg, models, needs, ac
     max_tokens = t.max_tokens_per_micro_batch if t.pack_sequences else None
     actor = StreamedPass(models.actor_runner, actor_request, models.actor_layout)
     teachers = models.teachers
+    # Not streamed: a teacher scoring at the student's top-k (it needs the actor's whole pass) and one parked
+    # in CPU memory between uses (it would move in and out once a part).
     in_job = {name: tch for name, tch in (teachers.teachers.items() if teachers is not None else [])
-              if isinstance(tch, InJobTeacher) and not needs.student_topk}
-    passes = {name: StreamedPass(tch.runner, teacher_request, tch.layout) for name, tch in in_job.items()}
+              if isinstance(tch, InJobTeacher) and not needs.student_topk and not tch.offload}
+    passes = {name: StreamedPass(tch.runner, teacher_request, tch.layout or scorer_layout(tch.runner.pgs, device))
+              for name, tch in in_job.items()}
     rows_of: dict[str, list[int]] = {name: [] for name in passes}
     count = 0
     for rows, samples in pipeline.stream(step, examples):
         count += 1
-        part = broadcast_header(build_rollout_batch(samples, pad_id, n) if samples is not None else None, pad_id,
-                                n, device)
+        part = broadcast_header(lambda: build_rollout_batch(samples, pad_id, n), pad_id, n, device)
         batches = ScoringBatches(t.micro_batch_size, max_tokens, part.prompt_lens_B + part.response_lens_B)
         routed = teachers.route([examples[r // n].teacher for r in rows[::n]], n) if passes else {}  # whole prompts
         work = [(actor, None, list(range(len(rows))))] + [(passes[m], in_job[m], routed.get(m, [])) for m in passes]

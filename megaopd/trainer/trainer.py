@@ -234,7 +234,7 @@ class Trainer:
                 if self.pipeline.streams else None
             samples = streamed.samples if streamed else self.pipeline.samples(self.step, examples)  # rank 0's
             batch, self.owners, batches = deliver_rollout(samples, examples, golden, cfg, models, needs, self.batching,
-                                                          self.pad_id, self.pipeline.stamp)  # each rank its rows
+                                                          self.pad_id, self.pipeline.stamp, streamed)  # its rows
         with timer("actor_logprobs"):
             owners = self.owners
             batch.check_held(owners.rows(), "the actor's scoring pass")
@@ -366,14 +366,14 @@ class Trainer:
 
 
 def deliver_rollout(samples, examples, golden, cfg: MegaOPDConfig, models, needs, plan: BatchingPlan, pad_id: int,
-                    stamp) -> tuple[RolloutBatch, RowOwners, ScoringBatches]:
+                    stamp, streamed=None) -> tuple[RolloutBatch, RowOwners, ScoringBatches]:
     """Collective: rank 0's samples as every rank's record, holding the rows the rank trains or scores
     (batching.delivery: the per-row header to every rank, then each row's tokens to its users), the rows'
     owners (row_owners: the DP partition the micro-batches take) and the scoring passes' cut. stamp: the
-    pipeline's, which writes each row's weight version."""
+    pipeline's, which writes each row's weight version; streamed: the passes already run on the parts
+    (trainer.streaming.Streamed; their teachers need no rows now)."""
     n, t, device = cfg.trainer.samples_per_prompt, cfg.trainer, dist_device()
-    batch = broadcast_header(build_rollout_batch(samples, pad_id, n) if samples is not None else None, pad_id, n,
-                             device)
+    batch = broadcast_header(lambda: build_rollout_batch(samples, pad_id, n), pad_id, n, device)  # built on rank 0
     stamp(batch)
     pgs = models.actor.pgs
     owners = RowOwners(tuple(row_owners(batch, golden, pgs.dp.size(), needs, plan)), pgs.dp.rank(), pgs.dp.size(),
@@ -383,7 +383,8 @@ def deliver_rollout(samples, examples, golden, cfg: MegaOPDConfig, models, needs
     scorers = []
     if models.teachers is not None:
         batch.teacher_rows = models.teachers.route([ex.teacher for ex in examples], n)
-        scorers = models.teachers.scorer_shares(batch, batch.teacher_rows, batches, owners)
+        scorers = models.teachers.scorer_shares(batch, batch.teacher_rows, batches, owners,
+                                                skip=streamed.teachers if streamed is not None else ())
     deliver_rows(batch, row_users(owners, models.owner_layout, scorers), device)
     return batch, owners, batches
 

@@ -38,7 +38,7 @@ def deliver(rank, world_size):
     from megaopd.parallel.dist import device
 
     full = full_batch()
-    batch = broadcast_header(full if rank == 0 else None, PAD, N, device())
+    batch = broadcast_header(lambda: full, PAD, N, device())
     owner_layout = WorldLayout(tuple(RankPlace(r // 2, r % 2 == 0) for r in range(world_size)))
     owners = RowOwners(OWNER, rank // 2, 2, rank % 2 == 0, owner_layout)
     teacher_layout = WorldLayout(tuple(RankPlace(r, True) for r in range(world_size)))
@@ -51,7 +51,15 @@ def deliver(rank, world_size):
         refused = None
     except KeyError as e:
         refused = str(e)
+    def bad():
+        raise ValueError("sample 3: output_mask does not match")
+    try:
+        broadcast_header(bad, PAD, N, device())
+        failed = None
+    except (ValueError, RuntimeError) as e:  # rank 0 its own error, the others one naming rank 0
+        failed = f"{type(e).__name__}: {e}"
     return {
+        "failed": failed,
         "held": held, "received_bytes": received, "refused": refused,
         "tokens": torch.equal(batch.tokens_BS[idx], full.tokens_BS[idx]),
         "mask": torch.equal(batch.loss_mask_BT[idx], full.loss_mask_BT[idx]),

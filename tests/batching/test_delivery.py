@@ -3,7 +3,8 @@ issue 25 item 5): a 4-process gloo job with the actor at DP=2 TP=2 and a teacher
 in its own layout. Every rank gets every row's header (lengths, finish reasons, trajectory counts); each
 rank's held rows are exactly its replica's owned rows plus the rows its teacher replica scores, bit for bit
 rank 0's (ids above 2^16, float log-probs, a trajectory's environment tokens masked); the other rows stay
-padding, a read of them is refused, and the bytes received are the held rows' real tokens, 12 bytes each."""
+padding, a read of them is refused, and the bytes received are the held rows' real tokens, 12 bytes each;
+a record rank 0 fails to build raises on every rank."""
 import pytest
 
 from megaopd.parallel.launch import spawn
@@ -15,6 +16,10 @@ def test_each_rank_receives_the_rows_it_trains_or_scores_and_only_those():
     results = spawn(w.deliver, 4, timeout=300)
     for rank, r in enumerate(results):
         assert r["header"], rank
+        # A record rank 0 cannot build fails every rank at once, instead of leaving the others waiting.
+        assert r["failed"] == ("ValueError: sample 3: output_mask does not match" if rank == 0 else
+                               "RuntimeError: rank 0 could not build the step's rollout record from the engines' "
+                               "samples: its error is in rank 0's log")
         if rank == 0:
             assert r["held"] == list(range(8)) and r["received_bytes"] == 0 and r["refused"] is None
             continue
