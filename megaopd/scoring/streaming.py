@@ -43,11 +43,12 @@ class StreamedPass:
     """The speaker's scores of its replica's rows, one record per part that gave it rows ([rows, T_part])."""
     packed: bool = False
 
-    def part_shares(self, lengths: list[int], batches: ScoringBatches) -> list[list[int]]:
-        """Per DP replica, the part rows (0-based in the part) it scores: a pure function of the lengths, so
-        the part's tokens can be sent to exactly these ranks first (batching.delivery)."""
+    def part_shares(self, tokens_BS: torch.Tensor, batches: ScoringBatches) -> list[list[int]]:
+        """Per DP replica, the part rows (0-based in the part) it scores: a pure function of the lengths
+        (batches.lengths_B; tokens_BS only for its shape), so the part's tokens can be sent to exactly these
+        ranks first (batching.delivery)."""
         packed = batches.max_tokens is not None and self.runner.packs
-        return scoring_shares(lengths, self.runner.pgs.dp.size(), packed, None)
+        return scoring_shares(row_lengths(tokens_BS, batches.lengths_B), self.runner.pgs.dp.size(), packed, None)
 
     def score(self, tokens_BS: torch.Tensor, batch_rows: list[int], batches: ScoringBatches) -> None:
         """Scores a part: tokens_BS its rows [n, S_part] (this replica's share held), batch_rows the batch row
@@ -55,7 +56,7 @@ class StreamedPass:
         pgs = self.runner.pgs
         self.packed = batches.max_tokens is not None and self.runner.packs
         lengths = row_lengths(tokens_BS, batches.lengths_B)
-        shares = self.part_shares(lengths, batches)
+        shares = self.part_shares(tokens_BS, batches)
         S = tokens_BS.shape[1]
         plan = ScoringPlan(shares, pgs.dp.rank(), False, self.packed, lengths, [min(n, S) - 1 for n in lengths], S - 1)
         mbs = plan_micro_batches(tokens_BS, None, plan, batches, self.runner)

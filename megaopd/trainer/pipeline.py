@@ -40,12 +40,6 @@ class Received:
     samples: list[Sample] | None
     first_versions: list[int]
     metrics: dict[str, float]
-    rows: int = 0
-    """len(samples), on every rank."""
-
-    def __post_init__(self):
-        if self.samples is not None:
-            self.rows = len(self.samples)
 
 
 class RolloutPipeline:
@@ -112,8 +106,11 @@ class RolloutPipeline:
         """Collective: the samples of step `step` (generated now, or taken from ahead) on rank 0, None on the
         other ranks (batching.delivery sends each its rows), and the versions and metrics on every rank."""
         if not self.depth:
-            got = self._received(lambda: Received(self._generate(step, examples), [], {}))
-            self.versions_B, self.metrics = [self.engine_version] * got.rows, {}
+            def generate() -> Received:
+                samples = self._generate(step, examples)
+                return Received(samples, [self.engine_version] * len(samples), {})
+            got = self._received(generate)
+            self.versions_B, self.metrics = got.first_versions, got.metrics
             return got.samples
         if self.ahead is not None and not self.ahead.has(step):  # the first step, or the first after a resume
             self.ahead.submit(step, examples, self.engine_version)
@@ -175,7 +172,7 @@ class RolloutPipeline:
 
         def on_rank0():
             got = kept["got"] = make()
-            return dataclasses.replace(got, samples=None, rows=len(got.samples))
+            return dataclasses.replace(got, samples=None)
         got = rank0_computes(on_rank0)
         return kept.get("got", got)
 

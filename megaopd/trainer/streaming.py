@@ -90,9 +90,8 @@ def stream_and_score(pipeline, step: int, examples: list, cfg, models, needs, ac
         routed = teachers.route([examples[r // n].teacher for r in rows[::n]], n) if passes else {}  # whole prompts
         work = [(actor, None, list(range(len(rows))))] + [(passes[m], in_job[m], routed.get(m, [])) for m in passes]
         work = [(stream, tch, idx, torch.tensor(idx, dtype=torch.long)) for stream, tch, idx in work if idx]
-        scorers = [([[idx[i] for i in share] for share in stream.part_shares(
-            [max(1, int(x)) for x in batches.lengths_B[it].tolist()], batches.subset(it))], stream.layout)
-            for stream, _, idx, it in work]
+        scorers = [([[idx[i] for i in share] for share in stream.part_shares(part.tokens_BS[it], batches.subset(it))],
+                    stream.layout) for stream, _, idx, it in work]
         deliver_rows(part, scorer_users(len(rows), scorers), device)  # each replica its share's tokens
         for stream, tch, idx, it in work:
             with on_device(tch.model, tch.offload) if tch is not None else contextlib.nullcontext():

@@ -80,33 +80,44 @@ def test_two_teachers_each_sample_scored_by_its_teacher(tmp_path):
     assert min(a, b) - 1e-9 <= overall <= max(a, b) + 1e-9
 
 
+def _runs_by_parts(tmp_path, world: int, overrides: list[str], timeout: float) -> dict[int, dict[int, dict]]:
+    """The tiny Stable-OPD preset for two steps at rollout.stream_parts 1 and 3 (with `overrides`): each run's
+    logged metrics by step."""
+    runs = {}
+    for parts in (1, 3):
+        run = str(tmp_path / f"parts_{parts}")
+        cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), golden_overrides(run) + [
+            f"run.world_size={world}", "trainer.max_steps=2", f"rollout.stream_parts={parts}"] + overrides)
+        spawn(_workers.run_presets, world, args=([cfg],), timeout=timeout)
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            runs[parts] = {r["step"]: r for r in map(json.loads, f) if "event" not in r}
+    return runs
+
+
+def _assert_same_metrics(one: dict, streamed: dict, step: int) -> None:
+    for key, value in one.items():
+        # The engine's own log-probs of the same tokens round differently in another batch composition
+        # (sync/logprob_gap_*, ~1e-6): the one thing the parts change besides timing.
+        if isinstance(value, float) and not key.startswith(("time", "perf/", "sync/logprob_gap")):
+            assert math.isclose(streamed[key], value, rel_tol=1e-5, abs_tol=1e-7), (step, key, streamed[key], value)
+
+
 @pytest.mark.slow
 def test_teacher_scores_streamed_while_generating_equal_scores_after(tmp_path, one_torch_thread):
     """rollout.stream_parts=3 against a served engine and a served teacher: each third of the batch goes to
     the teacher as it returns from the engine; the steps log what one request and scoring after it log."""
     engine, teacher = _serve(os.path.join(TINY, "models", "student")), _serve(os.path.join(TINY, "models", "teacher"))
-    runs = {}
     try:
-        for parts in (1, 3):
-            run = str(tmp_path / f"parts_{parts}")
-            cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), golden_overrides(run) + [
-                "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", "trainer.max_steps=2",
-                "rollout.engine=remote", f"rollout.urls=[{engine.url}]", "teacher.engine=remote",
-                f"teacher.urls=[{teacher.url}]", f"rollout.stream_parts={parts}"])
-            spawn(_workers.run_presets, 1, args=([cfg],), timeout=600)
-            with open(os.path.join(run, "metrics.jsonl")) as f:
-                runs[parts] = {r["step"]: r for r in map(json.loads, f) if "event" not in r}
+        runs = _runs_by_parts(tmp_path, 1, ["student.tp=1", "reference.tp=1", "teacher.tp=1", "rollout.engine=remote",
+                                            f"rollout.urls=[{engine.url}]", "teacher.engine=remote",
+                                            f"teacher.urls=[{teacher.url}]"], timeout=600)
     finally:
         engine.shutdown()
         teacher.shutdown()
     for step in (1, 2):
         one, streamed = runs[1][step], runs[3][step]
         assert streamed["pipeline/teacher_streamed_fraction"] == 1.0  # every row was scored while generating
-        for key, value in one.items():
-            # The engine's own log-probs of the same tokens round differently in another batch composition
-            # (sync/logprob_gap_*, ~1e-6): the one thing the parts change besides timing.
-            if isinstance(value, float) and not key.startswith(("time", "perf/", "sync/logprob_gap")):
-                assert math.isclose(streamed[key], value, rel_tol=1e-5, abs_tol=1e-7), (step, key, streamed[key], value)
+        _assert_same_metrics(one, streamed, step)
 
 
 @pytest.mark.slow
@@ -115,23 +126,12 @@ def test_in_job_passes_streamed_while_generating_equal_scores_after(tmp_path, on
     against a served engine: the actor's and the teacher's passes score each third of the batch as it returns
     and route the scores to their owners once the batch is in; the steps log what scoring after logs."""
     engine = _serve(os.path.join(TINY, "models", "student"))
-    runs = {}
     try:
-        for parts in (1, 3):
-            run = str(tmp_path / f"parts_{parts}")
-            cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), golden_overrides(run) + [
-                "run.world_size=2", "student.tp=1", "reference.tp=1", "teacher.tp=2", "trainer.max_steps=2",
-                "rollout.engine=remote", f"rollout.urls=[{engine.url}]", f"rollout.stream_parts={parts}"])
-            spawn(_workers.run_presets, 2, args=([cfg],), timeout=900)
-            with open(os.path.join(run, "metrics.jsonl")) as f:
-                runs[parts] = {r["step"]: r for r in map(json.loads, f) if "event" not in r}
+        runs = _runs_by_parts(tmp_path, 2, ["student.tp=1", "reference.tp=1", "teacher.tp=2", "rollout.engine=remote",
+                                            f"rollout.urls=[{engine.url}]"], timeout=900)
     finally:
         engine.shutdown()
     for step in (1, 2):
         one, streamed = runs[1][step], runs[3][step]
         assert streamed["time/actor_logprobs"] < one["time/actor_logprobs"]  # the pass ran during the rollout
-        for key, value in one.items():
-            # The engine's own log-probs of the same tokens round differently in another batch composition
-            # (sync/logprob_gap_*, ~1e-6): the one thing the parts change besides timing.
-            if isinstance(value, float) and not key.startswith(("time", "perf/", "sync/logprob_gap")):
-                assert math.isclose(streamed[key], value, rel_tol=1e-5, abs_tol=1e-7), (step, key, streamed[key], value)
+        _assert_same_metrics(one, streamed, step)
