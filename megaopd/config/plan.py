@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megaopd.config.step_time import StepTimeConfig
+from megaopd.engine.config import CUDA_SYNC_EVERY, cache_positions
 from megaopd.losses import build_loss_from
 from megaopd.models.config import find_hf_config
 from megaopd.models.hf_config import HFModelConfig, padded_vocab_size, params_per_rank, read_hf_config
@@ -461,9 +462,11 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
         if cfg.trainer.pack_sequences else 0
     engine = None
     if cfg.rollout.engine == "embedded" and (needs.on_policy or cfg.validation.path):
-        # The embedded engine generates on rank 0's GPU with the student's architecture (rollout/build.py).
+        # The embedded engine generates on rank 0's GPU with the student's architecture (rollout/build.py),
+        # its KV cache sized to the longest generated row as the engine rounds it on CUDA (megaopd.engine).
+        positions = cache_positions(cfg.generated_row_tokens(), CUDA_SYNC_EVERY)
         engine = embedded_engine_footprint(student.hf, EMBEDDED_ENGINE_DTYPE, cfg.rollout.max_batch_size,
-                                           cfg.data.max_prompt_len + cfg.rollout.max_new_tokens, cfg.rollout.colocated)
+                                           positions, cfg.rollout.colocated)
     return build_plan(student, reference, teacher, world_size=cfg.run.world_size,
                       micro_batch_rows=cfg.trainer.micro_batch_size, seq_len=seq, packed_tokens=packed,
                       use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,

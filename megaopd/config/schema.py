@@ -85,6 +85,13 @@ class MegaOPDConfig:
         return (self.data.max_prompt_len + parts[key],
                 f"data.max_prompt_len={self.data.max_prompt_len} + {key}={parts[key]}")
 
+    def generated_row_tokens(self) -> int:
+        """The longest row the engines generate (prompt + response, or a whole trajectory): what the embedded
+        engine's KV cache is sized for (rollout/build.py) and what `megaopd plan` counts for it."""
+        new = max(self.rollout.max_new_tokens, self.rollout.max_trajectory_tokens if self.env.enabled else 0,
+                  self.validation.max_new_tokens if self.validation.path else 0)
+        return self.data.max_prompt_len + new
+
     def validate(self) -> None:
         """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
         from megaopd.losses import build_loss_from

@@ -12,6 +12,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float64": torch.float64}
 
 
+CUDA_SYNC_EVERY = 8
+"""sync_every=0 on CUDA: the host reads the finished flags every 8 decode steps (every step on CPU)."""
+CACHE_ROUND = 128
+"""The KV cache's positions per slot are a multiple of this (the decode graphs' length buckets)."""
+
+
+def cache_positions(positions: int, sync_every: int) -> int:
+    """Positions per slot of a cache for rows of up to `positions` tokens: decode runs up to sync_every steps
+    past a row's end before the host sees it finish, and the count rounds up to CACHE_ROUND."""
+    return -(-(positions + sync_every) // CACHE_ROUND) * CACHE_ROUND
+
+
 @dataclass
 class EmbeddedEngineConfig:
     """How to build and run the embedded engine."""
@@ -31,7 +43,13 @@ class EmbeddedEngineConfig:
     8, then multiples of 8 up to max_batch_size; [] = eager decode. Ignored on CPU."""
     mem_fraction_static: float = 0.85
     """On CUDA, the KV cache is sized so that everything allocated stays under this fraction of the GPU
-    (SGLang's --mem-fraction-static): the slots get as many positions as fit, up to the model's context."""
+    (SGLang's --mem-fraction-static): the slots get as many positions as fit, up to the model's context
+    (unless context_length says how many are needed)."""
+    context_length: int = 0
+    """Positions a row can reach (prompt + everything generated after it). 0: as many as fit in
+    mem_fraction_static, as a server sizes its pool for requests it cannot foresee. The trainer sets the
+    longest row its rollouts make, so an engine beside the trainer's models holds only that much cache
+    (0.85 of the GPU would take the memory the trainer needs); a longer row reallocates the cache."""
     release_weights: Literal["auto", "keep", "offload", "discard"] = "auto"
     """What release_memory does to the weights (megaopd.engine.memory); auto = offload on GPU, keep on CPU."""
     attn_implementation: str = "sdpa"
@@ -48,6 +66,8 @@ class EmbeddedEngineConfig:
             raise ValueError(f"dtype={self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size} must be at least 1")
+        if self.context_length < 0:
+            raise ValueError(f"context_length={self.context_length} must be >= 0 (0 = what fits)")
         if self.sync_every < 0:
             raise ValueError(f"sync_every={self.sync_every} must be >= 0 (0 = automatic)")
         if not 0.0 < self.mem_fraction_static <= 1.0:

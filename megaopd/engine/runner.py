@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from megaopd.engine import memory
-from megaopd.engine.config import DTYPES, EmbeddedEngineConfig, read_eos_ids
+from megaopd.engine.config import CACHE_ROUND, CUDA_SYNC_EVERY, DTYPES, EmbeddedEngineConfig, cache_positions, read_eos_ids
 from megaopd.engine.cache import SlotCache
 from megaopd.engine.decode import Decoder, StepAction, decode_rows
 from megaopd.engine.forward import Forward
@@ -109,7 +109,7 @@ class ModelRunner:
         # decode steps captured as CUDA graphs over it (megaopd.engine.graphs; none on CPU).
         self._cache: SlotCache | None = None
         self._graphs = None
-        self.sync_every = config.sync_every or (8 if self.device.type == "cuda" else 1)
+        self.sync_every = config.sync_every or (CUDA_SYNC_EVERY if self.device.type == "cuda" else 1)
 
     # ----------------------------------------------------------------------------------- generation
     def run(self, rows: list[RowRequest], control: StepControl = UNHELD) -> list[RowResult]:
@@ -146,14 +146,14 @@ class ModelRunner:
 
     def _decoder(self, rows: list[RowRequest]) -> Decoder:
         """The decode step over the static cache, (re)allocated when a row needs more positions than it has."""
-        need = max(len(r.prompt_ids) + r.max_new_tokens for r in rows) + self.sync_every
-        if self._cache is None or self._cache.capacity < need:
+        longest = max(len(r.prompt_ids) + r.max_new_tokens for r in rows)
+        if self._cache is None or self._cache.capacity < longest + self.sync_every:
             self._cache, self._graphs = None, None
             gc.collect()
             slots = self.config.max_batch_size
-            capacity = -(-need // 128) * 128
+            capacity = cache_positions(max(longest, self.config.context_length), self.sync_every)
             if self.device.type == "cuda":
-                capacity = self._cuda_capacity(slots, need)
+                capacity = self._cuda_capacity(slots, capacity)
             self._cache = SlotCache(self.model.config, slots, capacity, self.device, self.dtype)
         if self._graphs is None and self.device.type == "cuda" and self.config.cuda_graph_bs != []:
             from megaopd.engine.graphs import DecodeGraphs
@@ -169,20 +169,22 @@ class ModelRunner:
         self._graphs = None
 
     def _cuda_capacity(self, slots: int, need: int) -> int:
-        """Positions per slot that fit in mem_fraction_static of the GPU (as SGLang sizes its KV pool),
-        at most the model's context; ValueError naming the fix when `need` does not fit."""
+        """Positions per slot on CUDA: `need` when context_length is set (the trainer's engines), else as many
+        as fit in mem_fraction_static of the GPU (as SGLang sizes its KV pool), at most the model's context;
+        ValueError naming the fix when `need` does not fit in mem_fraction_static."""
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = min(free, self.config.mem_fraction_static * total - (total - free))
         per_slot = SlotCache.bytes_per_token(self.model.config, self.dtype) * slots
-        fits = int(budget // per_slot) // 128 * 128
-        limit = getattr(self.model.config, "max_position_embeddings", None) or fits
-        capacity = min(fits, -(-(int(limit) + self.sync_every) // 128) * 128)
-        if capacity < need:
+        fits = int(budget // per_slot) // CACHE_ROUND * CACHE_ROUND
+        if fits < need:
             raise ValueError(f"the KV cache needs {need} positions x {slots} slots but mem_fraction_static="
                              f"{self.config.mem_fraction_static} leaves room for {fits}; lower max_batch_size "
                              "or max_new_tokens, or raise mem_fraction_static")
-        return capacity
+        if self.config.context_length:
+            return need
+        limit = getattr(self.model.config, "max_position_embeddings", None) or fits
+        return max(need, min(fits, cache_positions(int(limit), self.sync_every)))
 
     def _boundary(self, control: StepControl) -> StepAction:
         """Between two decode steps, the model held: the only place a pause, an abort or a weight load

@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=os.environ.get("MEGAOPD_GPU_CHECK_DIR", "/tmp/megaopd_gpu_check"),
                     help="models and run folders (reused by a second call on the same machine)")
     ap.add_argument("--layers", type=int, default=None, help="part b: fewer layers than the 1.5B shape's 28")
+    ap.add_argument("--generators", default="engine,hf dynamic,hf static,hf cb",
+                    help="bench engine: comma-separated generators to time (engine, hf dynamic, hf static, hf cb)")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="bench engine: the engine's dtypes (GPU)")
+    ap.add_argument("--recompute", default="none,full",
+                    help="bench trainer: comma-separated student/reference recompute settings to run")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bench: the GPU's dense bf16 peak")
     a = ap.parse_args(argv)
 
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(0)
     os.makedirs(a.workdir, exist_ok=True)
     table = Table()
-    dtypes = ["float32"] if a.quick else ["bfloat16", "float32"]
+    dtypes = ["float32"] if a.quick else a.dtypes.split(",")
     vocab_ops = 1000 if a.quick else 152064
     t0 = time.time()
     benches = [b for b in a.bench.split(",") if b]
@@ -107,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             shape, vocab = ("tiny-student", 512) if a.quick else ("qwen2.5-1.5b", QWEN_VOCAB)
             hf_dir = write_hf_dir(os.path.join(a.workdir, f"bench_{shape}"), shape, vocab, device.type,
                                   torch.float32 if a.quick else torch.bfloat16, 4)
-            bench.bench_engine(table, hf_dir, ["float32"] if a.quick else ["bfloat16", "float32"],
+            bench.bench_engine(table, hf_dir, ["float32"] if a.quick else a.dtypes.split(","),
                                slots=4 if a.quick else 64, new_tokens=16 if a.quick else 128,
-                               repeats=1 if a.quick else 3)
+                               repeats=1 if a.quick else 3, generators=a.generators.split(","))
         elif b == "trainer":
             if a.quick:
                 table.skip("bench", "trainer", "GPU only (1.5B shape)")
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 # The same run with and without activation recomputation (the fused output layer, the default,
                 # makes recompute=none fit at the 16k budget per `megaopd plan` once the embedded engine's
                 # float32 weights leave the GPU while the actor trains: colocated, in both runs alike).
-                for recompute in ("none", "full"):
+                for recompute in a.recompute.split(","):
                     bench.bench_trainer(table, a.workdir, device.type, peak_tflops=a.peak_tflops,
                                         overrides=[f"student.recompute={recompute}", f"reference.recompute={recompute}",
                                                    "rollout.colocated=true"],

@@ -117,7 +117,7 @@ def bench_loss(table: Table, device, vocab: int, token_counts, dtype=torch.bfloa
 
 
 def bench_engine(table: Table, hf_dir: str, dtypes, slots: int = 64, new_tokens: int = 128, prompt_len: int = 32,
-                 repeats: int = 3) -> None:
+                 repeats: int = 3, generators=None) -> None:
     """megaopd.gpucheck.engine_bench (the table of benchmarks/rollout.py): the engine beside transformers'
     generate (dynamic; static cache, compiled on CUDA) and its continuous batching, fixed and mixed lengths;
     printed as markdown and kept as INFO rows, with the engine's share of the weight-read bound."""
@@ -126,7 +126,8 @@ def bench_engine(table: Table, hf_dir: str, dtypes, slots: int = 64, new_tokens:
     rates = {}
     for dtype in dtypes:
         with table.guard("bench", "embedded engine", dtype):
-            gens = eb.Generators(hf_dir, "cuda" if torch.cuda.is_available() else "cpu", dtype, slots)
+            gens = eb.Generators(hf_dir, "cuda" if torch.cuda.is_available() else "cpu", dtype, slots,
+                                 generators or eb.GENERATORS)
             vocab = int(gens.engine.vocab_size)
             case_list = eb.cases(slots, prompt_len, new_tokens, vocab)
             eb.measure(gens, case_list, repeats, log=lambda line: print(f"[gpu_check] engine {dtype}: {line}", flush=True))
@@ -177,8 +178,13 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
                 "rollout.parity_interval=0", *(overrides or [])]
         cmd = train_command(YAML, args)
         with GpuMemoryPoll() as mem:
-            rc, _ = run_trainer(cmd, os.path.join(workdir, f"train_bench_{label or 'plain'}.log".replace("=", "_")), timeout_s)
+            log_path = os.path.join(workdir, f"train_bench_{label or 'plain'}.log".replace("=", "_"))
+            rc, _ = run_trainer(cmd, log_path, timeout_s)
         table.eq("bench", f"trainer {name} {steps} steps", dt, "exit code", rc, 0)
+        if rc != 0:  # the log stays on the device machine: its end is what says why
+            with open(log_path) as f:
+                print(f"[gpu_check] trainer {name} failed; the end of {log_path}:\n" + "".join(f.readlines()[-40:]),
+                      flush=True)
         records = read_metrics(run_dir)[1:]  # the first step pays for warm-up
         if not records:
             return
@@ -226,7 +232,9 @@ def _planned_peak_gib(yaml_path: str, overrides: list[str]) -> float | None:
     from megaopd.config.schema import MegaOPDConfig
 
     try:
-        plan = plan_for(load_config(MegaOPDConfig, yaml_path, overrides + ["plan.reserved_gb=0"]))
+        gpu = ([f"plan.gpu_memory_gb={torch.cuda.get_device_properties(0).total_memory / 1e9:.1f}"]
+               if torch.cuda.is_available() else [])
+        plan = plan_for(load_config(MegaOPDConfig, yaml_path, overrides + ["plan.reserved_gb=0"] + gpu))
     except Exception as e:  # the measurement still stands without the prediction
         print(f"[gpu_check] plan failed: {type(e).__name__}: {e}", flush=True)
         return None

@@ -18,6 +18,8 @@ loss by the number of micro-batches nor average gradients over DP): the counts a
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -32,9 +34,13 @@ def _count(value, local: float) -> torch.Tensor | float:
     return local if value is None else value
 
 
-def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, seq_ids_BT: torch.Tensor, num_seqs: int,
-              mode: str, global_num_tokens=None, global_num_seqs=None) -> torch.Tensor:
+def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, seq_ids_BT: torch.Tensor,
+              num_seqs: int | Callable[[], int], mode: str, global_num_tokens=None,
+              global_num_seqs=None) -> torch.Tensor:
     """The micro-batch's share of the step loss (see module docstring); a 0-dim tensor.
+
+    num_seqs may be a callable (LossInputs.num_seqs): only the sequence modes call it, since counting the
+    sequences of a packed micro-batch reads a device value on the host.
 
     Global counts left as None default to this micro-batch's own counts. A count of 0 (no loss token
     anywhere) is treated as 1 so that an empty batch gives loss 0 and zero gradients, not NaN.
@@ -43,16 +49,18 @@ def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, seq_ids_BT: torch.Te
     # where() rather than a product: a masked position's loss may be inf/NaN (e.g. padding), and
     # NaN * 0 = NaN would leak into the sum and its gradient.
     masked_BT = torch.where(mask_BT.bool(), loss_BT, torch.zeros_like(loss_BT))
+    # Local counts stay tensors: a .item() here would stall the GPU in every loss term of every micro-batch.
     if mode == "token-mean":
-        n = _count(global_num_tokens, float(mask.sum().item()))
+        n = _count(global_num_tokens, mask.sum())
         return masked_BT.sum() / _at_least_one(n)
     if mode not in AGGREGATIONS:
         check_aggregation(mode)
+    num_seqs = num_seqs() if callable(num_seqs) else num_seqs
     seq_flat = seq_ids_BT.reshape(-1)
     sums_S = loss_BT.new_zeros(num_seqs).index_add(0, seq_flat, masked_BT.reshape(-1))
     if global_num_seqs is None:
         counts_S = mask.new_zeros(num_seqs).index_add(0, seq_flat, mask.reshape(-1).detach())
-        global_num_seqs = float((counts_S > 0).sum().item())
+        global_num_seqs = (counts_S > 0).sum().to(mask.dtype)
     if mode == "seq-mean-token-sum":
         return sums_S.sum() / _at_least_one(global_num_seqs)
     counts_S = mask.new_zeros(num_seqs).index_add(0, seq_flat, mask.reshape(-1).detach())

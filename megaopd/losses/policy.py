@@ -184,7 +184,7 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
     loss_BT, ratio_BT, clip_BT = policy_gradient_loss(logprobs_BT, old_BT, advantages_BT, config.policy_loss,
                                                       config.eps_low, config.eps_high)
     loss_BT, off_metrics = _off_policy(inputs, loss_BT, old_BT, mask_BT)
-    loss = aggregate(loss_BT, mask_BT, inputs.seq_ids(), inputs.num_seqs(), config.aggregation,
+    loss = aggregate(loss_BT, mask_BT, inputs.seq_ids(), inputs.num_seqs, config.aggregation,
                      inputs.global_num_tokens, inputs.global_num_seqs)
     metrics = _policy_metrics("opd", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT,
                               config.log_entropy)
@@ -212,7 +212,7 @@ def grpo_loss(inputs: LossInputs, config: GRPOConfig) -> tuple[torch.Tensor, Met
     loss_BT, ratio_BT, clip_BT = policy_gradient_loss(logprobs_BT, old_BT, advantages_BT, "ppo_clip",
                                                       config.eps_low, config.eps_high)
     loss_BT, off_metrics = _off_policy(inputs, loss_BT, old_BT, mask_BT)  # tis / mis (recompute is opd's)
-    loss = aggregate(loss_BT, mask_BT, seq_ids_BT, inputs.num_seqs(), config.aggregation,
+    loss = aggregate(loss_BT, mask_BT, seq_ids_BT, inputs.num_seqs, config.aggregation,
                      inputs.global_num_tokens, inputs.global_num_seqs)
     metrics = _policy_metrics("grpo", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT,
                               config.log_entropy)

@@ -16,11 +16,14 @@ from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool, PoolConfig
 
 
-def build_engine(rollout: RolloutConfig, hf_dir: str):
-    """An Engine (see megaopd.rollout.protocol) for `rollout`; pass it to megaopd.sync.WeightSync."""
+def build_engine(rollout: RolloutConfig, hf_dir: str, context_length: int = 0):
+    """An Engine (see megaopd.rollout.protocol) for `rollout`; pass it to megaopd.sync.WeightSync.
+    context_length: the longest row the job generates (MegaOPDConfig.generated_row_tokens), which sizes the
+    embedded engine's KV cache; 0 = what fits (a server's sizing)."""
     if rollout.engine == "remote":
         engines = [HttpEngine(HttpEngineConfig(url=url, workers=rollout.engine_tp)) for url in rollout.urls]
         return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
     if rollout.engine == "embedded":
-        return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=rollout.max_batch_size))
+        return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=rollout.max_batch_size,
+                                                  context_length=context_length))
     raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or remote")

@@ -215,3 +215,21 @@ def test_retract_after_every_row_finished_between_harvests(tiny_dir):
     assert [r.finish_reason for r in retracted] == [r.finish_reason for r in plain]
     for a, b in zip(retracted, plain):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_context_length_sizes_the_cache_and_a_longer_row_grows_it(tiny_dir):
+    """context_length (set by the trainer to its longest generated row) sizes the static KV cache as `megaopd
+    plan` counts it (cache_positions), instead of what mem_fraction_static would leave on a GPU; a row past
+    it reallocates the cache and still decodes the same tokens."""
+    from megaopd.engine.config import cache_positions
+    from megaopd.engine.rows import RowRequest
+
+    rows = [RowRequest(prompt_ids=[4, 9, 3], max_new_tokens=6, seed=1)]
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=2, context_length=200))
+    first = engine.run(rows)
+    assert engine._cache.capacity == cache_positions(200, engine.sync_every) == 256
+    long = [RowRequest(prompt_ids=[4, 9, 3], max_new_tokens=300, seed=1)]
+    assert engine.run(long)[0].output_ids[:6] == first[0].output_ids
+    assert engine._cache.capacity == cache_positions(303, engine.sync_every) == 384
+    with pytest.raises(ValueError, match="context_length"):
+        EmbeddedEngineConfig(hf_dir=tiny_dir, context_length=-1)
