@@ -205,6 +205,24 @@ def adam_bytes_per_param(dtype: str) -> int:
     return 8 + (4 if DTYPE_BYTES[dtype] < 4 else 0)
 
 
+def layer_saved_elements(hf: HFModelConfig, tp: int, sequence_parallel: bool) -> dict[str, float]:
+    """Elements one transformer layer keeps for its backward, per token, by part, as megatron's local layers
+    (no Transformer Engine) keep them with a fused RMSNorm and flash attention; measured on CPU with
+    saved-tensor hooks for the parts that run the same code there (tests/config/test_plan.py). TP-split
+    parts are divided by tp; under sequence parallelism every part is (the linears keep their input shard)."""
+    h, f, d = hf.hidden_size, hf.intermediate_size, hf.head_dim
+    q, k = hf.num_attention_heads * d, hf.num_key_value_heads * d
+    whole_or_sp = tp if sequence_parallel else 1
+    return {
+        "norms (each keeps its input)": 2 * h / whole_or_sp,
+        "attention linears' inputs (qkv: the norm's output; proj: the attention's output)": h / whole_or_sp + q / tp,
+        "q, k, v after RoPE (flash attention keeps them) and RoPE's cos/sin": (q + 2 * k) / tp + 4 * d,
+        # fc1's input, its [t, 2f] output, then three [t, f]: the activation's output, the gated product (fc2's
+        # input) and the gate half megatron's glu() makes contiguous.
+        "MLP": h / whole_or_sp + 5 * f / tp,
+    }
+
+
 def layer_activation_bytes(hf: HFModelConfig, rows: int, seq: int, tp: int, dtype: str, recompute: str,
                            sequence_parallel: bool, flash_attention: bool,
                            attn_seq: int | None = None) -> tuple[float, float]:
@@ -213,15 +231,12 @@ def layer_activation_bytes(hf: HFModelConfig, rows: int, seq: int, tp: int, dtyp
     sequence, attention stays within each)."""
     e = DTYPE_BYTES[dtype]
     tokens = rows * seq
-    h, f = hf.hidden_size, hf.intermediate_size
-    k = hf.num_key_value_heads * hf.head_dim
-    split = 2 * h + 2 * k + 3 * f
-    whole = e * tokens * ((4 * h + split) / tp if sequence_parallel else 4 * h + split / tp)
+    whole = e * tokens * sum(layer_saved_elements(hf, tp, sequence_parallel).values())
     keys = seq if attn_seq is None else min(attn_seq, seq)
     scores = 0.0 if flash_attention else 2 * e * rows * (hf.num_attention_heads / tp) * seq * keys
     full_layer = whole + scores
     if recompute == "full":
-        return e * tokens * h / (tp if sequence_parallel else 1), full_layer
+        return e * tokens * hf.hidden_size / (tp if sequence_parallel else 1), full_layer
     if recompute == "selective":
         return whole, full_layer
     return full_layer, full_layer
