@@ -119,14 +119,16 @@ def main(argv: list[str] | None = None) -> int:
             if a.quick:
                 table.skip("bench", "trainer", "GPU only (1.5B shape)")
             else:
-                # The same run with and without activation recomputation (the fused output layer, the default,
-                # makes recompute=none fit at the 16k budget per `megaopd plan` once the embedded engine's
-                # float32 weights leave the GPU while the actor trains: colocated, in both runs alike).
+                # The same run with and without activation recomputation, the engine colocated in both (its
+                # float32 weights leave the GPU while the actor trains). Without full recomputation the
+                # 16384-token budget does not fit 80 GB (the H100 ran out of memory there on 2026-11-27, and
+                # `megaopd plan` says so); half of it does.
                 for recompute in a.recompute.split(","):
+                    budget = [] if recompute == "full" else ["trainer.max_tokens_per_micro_batch=8192"]
                     bench.bench_trainer(table, a.workdir, device.type, peak_tflops=a.peak_tflops,
                                         overrides=[f"student.recompute={recompute}", f"reference.recompute={recompute}",
-                                                   "rollout.colocated=true"],
-                                        label=f"recompute={recompute}")
+                                                   "rollout.colocated=true", *budget],
+                                        label=f"recompute={recompute}" + (" 8k tokens" if budget else ""))
         print(f"[gpu_check] bench {b}: {time.time() - t:.0f} s", flush=True)
     title = ("megaopd GPU check" if parts else "megaopd GPU measurements") + (" (--quick, CPU)" if a.quick else "")
     text = f"# {title}\n\n{_environment(device)}; {time.time() - t0:.0f} s\n\n" + table.markdown()
