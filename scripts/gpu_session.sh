@@ -11,7 +11,7 @@ set -u
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gpu_session}
+OUT=${OUT:-/tmp/gpu_session}; mkdir -p "$OUT"
 END=$((SECONDS + ${BUDGET:-570}))
 left() { local l=$((END - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }
 G="python3 -m megaopd.gpucheck"
