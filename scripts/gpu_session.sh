@@ -20,7 +20,7 @@ for step in ${STEPS:-loss engine engine32 trainer a}; do
   mkdir -p "$OUT/$step"; t=$SECONDS
   case $step in
     loss) timeout "$(left 90)" python3 benchmarks/loss.py --device cuda --repeats 20 ;;
-    engine) OUT=$OUT/$step timeout "$(left 150)" $G --bench engine --generators "engine,hf static" --dtypes bfloat16 ;;
+    engine) OUT=$OUT/$step timeout "$(left 150)" $G --bench engine --generators "engine,hf static" --dtypes bfloat16 --profile ;;
     engine32) OUT=$OUT/$step timeout "$(left 90)" $G --bench engine --generators engine --dtypes float32 ;;
     trainer) OUT=$OUT/$step timeout -k 5 "$(left 300)" $G --bench trainer --recompute none,full ;;
     a) OUT=$OUT/$step timeout "$(left 120)" $G --parts a ;;

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from typing import Callable, Literal
 
 import torch
+from torch.profiler import record_function  # named phases of a decode for the profiler (gpucheck --profile)
 
 from megaopd.engine.cache import PrefillCopy, SlotCache
 from megaopd.engine.forward import Forward
@@ -133,16 +134,18 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
     while True:
         if waiting and len(running) < S:
             new = [waiting.popleft() for _ in range(min(S - len(running), len(waiting)))]
-            new_logits = _prefill(fwd, cache, st, rows, new, seeds, len(running), K,
-                                  [list(rows[i].prompt_ids) for i in new])
+            with record_function("engine.prefill"):
+                new_logits = _prefill(fwd, cache, st, rows, new, seeds, len(running), K,
+                                      [list(rows[i].prompt_ids) for i in new])
             running += new
             pos_h += [len(rows[i].prompt_ids) for i in new]
             # float32 throughout: prefill returns float32 logits and a bf16 decode step its own dtype; a row's first
             # token must not depend on whether it was admitted beside running rows.
             logits = new_logits if logits is None else torch.cat([logits.float(), new_logits.float()])
         A = len(running)
-        tok_A, lp_A = sample_tokens(logits, st.temp_S[:A], st.top_p_S[:A], st.top_k_S[:A], st.seed_S[:A],
-                                    st.count_S[:A], st.min_p_S[:A], filters, greedy)
+        with record_function("engine.sample"):
+            tok_A, lp_A = sample_tokens(logits, st.temp_S[:A], st.top_p_S[:A], st.top_k_S[:A], st.seed_S[:A],
+                                        st.count_S[:A], st.min_p_S[:A], filters, greedy)
         ar_A = torch.arange(A, device=device)
         live_A = ~st.done_S[:A]
         st.out_ids_SN[ar_A, st.count_S[:A]] = tok_A
@@ -153,7 +156,8 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
         st.done_S[:A] |= ended & live_A
         steps += 1
         if steps % sync_every == 0:
-            running, pos_h = _harvest(st, cache, rows, results, running, pos_h)
+            with record_function("engine.harvest"):
+                running, pos_h = _harvest(st, cache, rows, results, running, pos_h)
         if not running and not waiting:
             break
         action = boundary()
@@ -175,7 +179,8 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
         if not running:
             logits = None
             continue
-        logits = dec.step(st, len(running), max(pos_h) + 1)
+        with record_function("engine.decode_step"):
+            logits = dec.step(st, len(running), max(pos_h) + 1)
         # finished rows not yet harvested (sync_every > 1) stay put: no position past the row's budget
         st.pos_S[:len(running)] += (~st.done_S[:len(running)]).long()
         pos_h = [p + 1 for p in pos_h]

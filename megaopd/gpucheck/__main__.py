@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="part b: fewer layers than the 1.5B shape's 28")
     ap.add_argument("--generators", default="engine,hf dynamic,hf static,hf cb",
                     help="bench engine: comma-separated generators to time (engine, hf dynamic, hf static, hf cb)")
+    ap.add_argument("--profile", action="store_true",
+                    help="bench engine: also profile one engine run of each case (phases and top ops)")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="bench engine: the engine's dtypes (GPU)")
     ap.add_argument("--recompute", default="none,full",
                     help="bench trainer: comma-separated student/reference recompute settings to run")
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                   torch.float32 if a.quick else torch.bfloat16, 4)
             bench.bench_engine(table, hf_dir, ["float32"] if a.quick else a.dtypes.split(","),
                                slots=4 if a.quick else 64, new_tokens=16 if a.quick else 128,
-                               repeats=1 if a.quick else 3, generators=a.generators.split(","))
+                               repeats=1 if a.quick else 3, generators=a.generators.split(","), profile=a.profile)
         elif b == "trainer":
             if a.quick:
                 table.skip("bench", "trainer", "GPU only (1.5B shape)")

@@ -117,7 +117,7 @@ def bench_loss(table: Table, device, vocab: int, token_counts, dtype=torch.bfloa
 
 
 def bench_engine(table: Table, hf_dir: str, dtypes, slots: int = 64, new_tokens: int = 128, prompt_len: int = 32,
-                 repeats: int = 3, generators=None) -> None:
+                 repeats: int = 3, generators=None, profile: bool = False) -> None:
     """megaopd.gpucheck.engine_bench (the table of benchmarks/rollout.py): the engine beside transformers'
     generate (dynamic; static cache, compiled on CUDA) and its continuous batching, fixed and mixed lengths;
     printed as markdown and kept as INFO rows, with the engine's share of the weight-read bound."""
@@ -133,6 +133,9 @@ def bench_engine(table: Table, hf_dir: str, dtypes, slots: int = 64, new_tokens:
             eb.measure(gens, case_list, repeats, log=lambda line: print(f"[gpu_check] engine {dtype}: {line}", flush=True))
             print(f"[gpu_check] engine bench, {os.path.basename(hf_dir)}, {dtype}:\n" + eb.markdown(case_list, gens.errors),
                   flush=True)
+            if profile:
+                for c in case_list:
+                    eb.profile(gens, c, log=lambda line: print(f"[gpu_check] engine {dtype}: {line}", flush=True))
             for c in case_list:
                 for name, times in c.seconds.items():
                     rate = c.tokens / statistics.median(times)

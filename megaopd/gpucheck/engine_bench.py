@@ -189,3 +189,27 @@ def markdown(case_list: list[Case], errors: dict[str, str] | None = None) -> str
     for name, err in (errors or {}).items():
         lines.append(f"{name}: not measured ({err})")
     return "\n".join(lines)
+
+
+def profile(gens: Generators, case: Case, log=print, rows: int = 25) -> None:
+    """One engine run of `case` under torch.profiler (CPU and, on a GPU, CUDA activity): the decode's named
+    phases (engine.prefill / sample / decode_step / harvest) and the top ops by self CPU and self device time,
+    so that a device call shows where the engine's time goes, not only how much there is."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gens.device.type == "cuda" else [])
+    gens.time("engine", case)  # warm: captures and allocations happen outside the profile
+    t = time.perf_counter()
+    with torch_profile(activities=acts) as prof:
+        gens.time("engine", case)
+    log(f"profile {case.name}: {time.perf_counter() - t:.2f} s wall under the profiler, {case.tokens} tokens")
+    averages = prof.key_averages()
+    phases = [e for e in averages if e.key.startswith("engine.")]
+    for e in sorted(phases, key=lambda e: e.key):
+        log(f"  {e.key:20s} calls {e.count:6d}  CPU total {e.cpu_time_total / 1e3:9.1f} ms  "
+            f"device total {getattr(e, 'device_time_total', 0.0) / 1e3:9.1f} ms")
+    keys = ["self_cpu_time_total"] + (["self_device_time_total"] if gens.device.type == "cuda" else [])
+    for key in keys:
+        log(f"top ops by {key}:\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+
