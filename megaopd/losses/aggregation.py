@@ -30,10 +30,6 @@ def check_aggregation(value: str) -> None:
         raise ValueError(f"aggregation={value!r} is not one of {AGGREGATIONS}; pick one of them")
 
 
-def _count(value, local: float) -> torch.Tensor | float:
-    return local if value is None else value
-
-
 def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, seq_ids_BT: torch.Tensor,
               num_seqs: int | Callable[[], int], mode: str, global_num_tokens=None,
               global_num_seqs=None) -> torch.Tensor:
@@ -45,14 +41,15 @@ def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, seq_ids_BT: torch.Te
     Global counts left as None default to this micro-batch's own counts. A count of 0 (no loss token
     anywhere) is treated as 1 so that an empty batch gives loss 0 and zero gradients, not NaN.
     """
-    mask = mask_BT.to(loss_BT.dtype)
     # where() rather than a product: a masked position's loss may be inf/NaN (e.g. padding), and
     # NaN * 0 = NaN would leak into the sum and its gradient.
-    masked_BT = torch.where(mask_BT.bool(), loss_BT, torch.zeros_like(loss_BT))
-    # Local counts stay tensors: a .item() here would stall the GPU in every loss term of every micro-batch.
+    masked_BT = torch.where(mask_BT.bool(), loss_BT, 0.0)
+    # Local counts stay tensors (a .item() here would stall the GPU in every loss term of every micro-batch),
+    # and are made only when the global ones are missing.
     if mode == "token-mean":
-        n = _count(global_num_tokens, mask.sum())
+        n = global_num_tokens if global_num_tokens is not None else mask_BT.to(loss_BT.dtype).sum()
         return masked_BT.sum() / _at_least_one(n)
+    mask = mask_BT.to(loss_BT.dtype)
     if mode not in AGGREGATIONS:
         check_aggregation(mode)
     num_seqs = num_seqs() if callable(num_seqs) else num_seqs
@@ -80,6 +77,19 @@ def masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     m = mask_BT.bool()
     n = m.sum()
     return torch.where(m, x, torch.zeros_like(x)).sum() / n.clamp(min=1)
+
+
+def masked_means(named: dict[str, torch.Tensor], mask_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """masked_mean of several [B, T] tensors over one mask, in one pass: a loss's metrics are computed for
+    every micro-batch, and five small kernels each (at small micro-batches the host issuing kernels, not
+    the GPU, sets a loss's time) became one stack, one where and one sum for all of them."""
+    dtype = named[next(iter(named))].dtype
+    for x in named.values():
+        dtype = torch.promote_types(dtype, x.dtype)
+    m = mask_BT.bool()
+    x_KBT = torch.stack([x.detach().to(dtype) for x in named.values()])
+    means_K = torch.where(m, x_KBT, 0.0).flatten(1).sum(-1) / m.sum().clamp(min=1)
+    return dict(zip(named, means_K.unbind()))
 
 
 def masked_max(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

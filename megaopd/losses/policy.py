@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaopd.losses.aggregation import aggregate, check_aggregation, masked_max, masked_mean
+from megaopd.losses.aggregation import aggregate, check_aggregation, masked_max, masked_means
 from megaopd.losses.inputs import LossInputs
 from megaopd.losses.off_policy import correction_metrics, correction_weights, reward_baseline
 from megaopd.losses.registry import LossNeeds, Metrics, register_loss
@@ -150,21 +150,21 @@ def _off_policy(inputs: LossInputs, loss_BT: torch.Tensor, old_BT: torch.Tensor,
 
 
 def _policy_metrics(prefix: str, inputs: LossInputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT,
-                    adv_BT, log_entropy: bool) -> Metrics:
+                    adv_BT, log_entropy: bool, extra_means: dict[str, torch.Tensor] | None = None) -> Metrics:
     logprobs_BT = logprobs_BT.detach()
-    metrics = {
-        f"{prefix}/advantage_mean": masked_mean(adv_BT, mask_BT),
-        f"{prefix}/ratio_mean": masked_mean(ratio_BT, mask_BT),
-        f"{prefix}/ratio_max": masked_max(ratio_BT, mask_BT),
-        f"{prefix}/clip_frac": masked_mean(clip_BT.to(logprobs_BT.dtype), mask_BT),
+    means = {
+        f"{prefix}/advantage_mean": adv_BT,
+        f"{prefix}/ratio_mean": ratio_BT,
+        f"{prefix}/clip_frac": clip_BT.to(logprobs_BT.dtype),
         # k3 estimate of KL(pi_old || pi_theta) on the sampled tokens: how far the update has moved.
-        f"{prefix}/approx_kl_old": masked_mean(torch.expm1(logprobs_BT - old_BT) - (logprobs_BT - old_BT), mask_BT),
-        f"{prefix}/student_logprob_mean": masked_mean(logprobs_BT, mask_BT),
-        f"{prefix}/num_tokens": mask_BT.detach().sum().to(logprobs_BT.dtype),
+        f"{prefix}/approx_kl_old": torch.expm1(logprobs_BT - old_BT) - (logprobs_BT - old_BT),
+        f"{prefix}/student_logprob_mean": logprobs_BT,
+        **({f"{prefix}/entropy": inputs.student_entropy()} if log_entropy else {}),
+        **(extra_means or {}),
     }
-    if log_entropy:
-        metrics[f"{prefix}/entropy"] = masked_mean(inputs.student_entropy(), mask_BT)
-    return metrics
+    return {**masked_means(means, mask_BT),
+            f"{prefix}/ratio_max": masked_max(ratio_BT, mask_BT),
+            f"{prefix}/num_tokens": mask_BT.detach().sum().to(logprobs_BT.dtype)}
 
 
 @register_loss("opd", OPDConfig, needs=LossNeeds(old_logprobs=True, teacher_logprobs=True))
@@ -187,10 +187,8 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
     loss = aggregate(loss_BT, mask_BT, inputs.seq_ids(), inputs.num_seqs, config.aggregation,
                      inputs.global_num_tokens, inputs.global_num_seqs)
     metrics = _policy_metrics("opd", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT,
-                              config.log_entropy)
+                              config.log_entropy, {"opd/reward_mean": rewards_BT, "opd/teacher_logprob_mean": teacher_BT})
     metrics.update(off_metrics)
-    metrics["opd/reward_mean"] = masked_mean(rewards_BT, mask_BT)
-    metrics["opd/teacher_logprob_mean"] = masked_mean(teacher_BT, mask_BT)
     # Sampled-token estimate of the reverse KL(pi_old || q) that OPD minimizes.
     metrics["opd/reverse_kl"] = -metrics["opd/reward_mean"]
     return loss, metrics
