@@ -25,6 +25,7 @@ headline number because the machine is shared; the median is printed beside it.
 On a GPU (`--device cuda`; one process, TP=1, bf16 by default, tokens 4096 and 8192 unless --tokens says):
 
     python benchmarks/loss.py --device cuda [--tokens 4096,8192] [--dtype bfloat16] [--repeats 20]
+    python benchmarks/loss.py --device cuda --sweep   # the Triton fused op under each launch configuration
 
 times the Stable-OPD loss (forward + backward to the logits) as: the naive formula (eager, every [T, V]
 intermediate in float32), the same formula under torch.compile, the megaopd loss (build_loss("stable_opd")
@@ -276,6 +277,36 @@ def gpu_main(args):
             torch.cuda.empty_cache()
 
 
+def sweep_main(args):
+    """The fused op (impl=triton) under each launch configuration (block, warps, splits per row): the table to
+    choose launch_config / _warps from on a GPU (issue 27: the kernels at 0.47-0.61 of the bound, untuned)."""
+    from megaopd.ops import _triton
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    size = torch.finfo(dtype).bits // 8
+    print(f"\n{torch.cuda.get_device_name(device)}, vocab {args.vocab}, {args.dtype}; fused op impl=triton, "
+          f"median of {args.repeats}; the default launch first\n")
+    print("| T | block | warps | splits | ms | of bound | loss |")
+    print("|---|---|---|---|---|---|---|")
+    for T in [int(x) for x in (args.tokens or "4096,8192").split(",")]:
+        d = _gpu_inputs(T, args.vocab, dtype, device)
+        bound_ms = 5 * T * args.vocab * size / args.peak_gbs / 1e6
+        configs = [None] + [(b, w, s) for b in (1024, 2048, 4096) for w in (4, 8, 16) for s in (1, 2, 4)]
+        for cfg in configs:
+            _triton.FORCE_LAUNCH, _triton.FORCE_WARPS = (None, None) if cfg is None else ((cfg[0], cfg[2]), cfg[1])
+            try:
+                value = float(ops_stable_opd(d, "triton")[0].detach())
+                ms, _ = _time_steps(lambda x: ops_stable_opd(x, "triton"), d, args.repeats, device)
+            except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a row, not the end
+                print(f"| {T} | {cfg} | failed: {type(e).__name__}: {str(e)[:80]} ||||")
+                continue
+            b, w, s = ("default",) * 3 if cfg is None else cfg
+            print(f"| {T} | {b} | {w} | {s} | {ms:.2f} | {bound_ms / ms:.2f} | {value:.6f} |", flush=True)
+        _triton.FORCE_LAUNCH, _triton.FORCE_WARPS = None, None
+        del d
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu",
@@ -297,10 +328,12 @@ def main(argv=None):
                    help="also time stable_opd on the separate (unfused) ops, LossInputs(fuse_reference=False)")
     p.add_argument("--no-entropy", action="store_true",
                    help="stable_opd without the entropy metric (opd.log_entropy=false), in both implementations")
+    p.add_argument("--sweep", action="store_true",
+                   help="with --device cuda: time the Triton fused op under each launch configuration instead")
     args = p.parse_args(argv)
     if args.device != "cpu":
         args.repeats = args.repeats or 20
-        return gpu_main(args)
+        return sweep_main(args) if args.sweep else gpu_main(args)
     args.repeats = args.repeats or 3
     args.tokens = int(args.tokens or 4096)
 

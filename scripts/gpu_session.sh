@@ -5,7 +5,8 @@
 #   run: command "bash scripts/gpu_session.sh", carry [".whl"], timeout_s 600
 #   STEPS="loss engine" BUDGET=300 bash scripts/gpu_session.sh   # a subset, a shorter deadline
 # Steps (seconds each on an H100, 2026-11-27): loss 25-50 (benchmarks/loss.py --device cuda); engine 85 (bf16:
-# the engine and transformers' compiled static-cache generate); engine32 ~40 (float32, the engine alone);
+# the engine and transformers' compiled static-cache generate, then a profile of each case); sweep (unmeasured,
+# ~28 configurations x 2 sizes: the Triton launch configurations); engine32 ~40 (float32, the engine alone);
 # trainer ~120 a run (recompute=none at 8k tokens, then full); a 55 (ops and losses vs float64).
 set -u
 cd "$(dirname "$0")/.."
@@ -16,15 +17,16 @@ END=$((SECONDS + ${BUDGET:-570}))
 left() { local l=$((END - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }
 G="python3 -m megaopd.gpucheck"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv | tee "$OUT/env.txt"
-for step in ${STEPS:-loss engine engine32 trainer a}; do
+for step in ${STEPS:-loss engine sweep trainer engine32 a}; do
   mkdir -p "$OUT/$step"; t=$SECONDS
   case $step in
     loss) timeout "$(left 90)" python3 benchmarks/loss.py --device cuda --repeats 20 ;;
+    sweep) timeout "$(left 120)" python3 benchmarks/loss.py --device cuda --sweep --repeats 10 ;;
     engine) OUT=$OUT/$step timeout "$(left 150)" $G --bench engine --generators "engine,hf static" --dtypes bfloat16 --profile ;;
     engine32) OUT=$OUT/$step timeout "$(left 90)" $G --bench engine --generators engine --dtypes float32 ;;
     trainer) OUT=$OUT/$step timeout -k 5 "$(left 300)" $G --bench trainer --recompute none,full ;;
     a) OUT=$OUT/$step timeout "$(left 120)" $G --parts a ;;
-    *) echo "unknown step $step (loss engine engine32 trainer a)"; continue ;;
+    *) echo "unknown step $step (loss sweep engine engine32 trainer a)"; continue ;;
   esac > "$OUT/$step/log.txt" 2>&1
   echo "[gpu_session] $step rc=$? $((SECONDS - t)) s" | tee -a "$OUT/env.txt"
 done

@@ -29,8 +29,10 @@ from torch.autograd.function import once_differentiable
 from megaopd.ops import _kernels as K
 from megaopd.ops._common import all_gather, all_reduce_, owned_local_ids
 
-# Tests set this to (block, splits) to exercise block tails and several splits at small V.
+# Tests set this to (block, splits) to exercise block tails and several splits at small V; the launch sweep of
+# benchmarks/loss.py (--sweep, on a GPU) sets it and FORCE_WARPS to time each configuration.
 FORCE_LAUNCH: tuple[int, int] | None = None
+FORCE_WARPS: int | None = None
 MAX_BLOCK = 4096
 
 
@@ -54,7 +56,7 @@ def launch_config(T: int, V: int, device: torch.device) -> tuple[int, int, int]:
 
 def _warps(block: int) -> int:
     """Warps per program: ~8 columns per thread per loaded tensor at the largest block (unmeasured: tune on a GPU)."""
-    return max(4, min(16, block // 256))
+    return FORCE_WARPS or max(4, min(16, block // 256))
 
 
 def _prepare(x_TV: torch.Tensor) -> torch.Tensor:
