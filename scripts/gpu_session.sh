@@ -10,6 +10,7 @@
 # trainer ~120 a run (recompute=none at 8k tokens, then full); a 55 (ops and losses vs float64).
 set -u
 cd "$(dirname "$0")/.."
+ls .whl/*.whl > /dev/null 2>&1 || { echo "gpu_session: no wheels in .whl/: run bash scripts/gpu_wheels.sh here, then carry .whl"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_session}; mkdir -p "$OUT"
