@@ -130,12 +130,15 @@ def bench_engine(table: Table, hf_dir: str, dtypes, slots: int = 64, new_tokens:
                                  generators or eb.GENERATORS)
             vocab = int(gens.engine.vocab_size)
             case_list = eb.cases(slots, prompt_len, new_tokens, vocab)
-            eb.measure(gens, case_list, repeats, log=lambda line: print(f"[gpu_check] engine {dtype}: {line}", flush=True))
+            def log(line, dtype=dtype):
+                print(f"[gpu_check] engine {dtype}: {line}", flush=True)
+
+            eb.measure(gens, case_list, repeats, log=log)
             print(f"[gpu_check] engine bench, {os.path.basename(hf_dir)}, {dtype}:\n" + eb.markdown(case_list, gens.errors),
                   flush=True)
             if profile:
                 for c in case_list:
-                    eb.profile(gens, c, log=lambda line: print(f"[gpu_check] engine {dtype}: {line}", flush=True))
+                    eb.profile(gens, c, log=log)
             for c in case_list:
                 for name, times in c.seconds.items():
                     rate = c.tokens / statistics.median(times)

@@ -212,4 +212,3 @@ def profile(gens: Generators, case: Case, log=print, rows: int = 25) -> None:
     keys = ["self_cpu_time_total"] + (["self_device_time_total"] if gens.device.type == "cuda" else [])
     for key in keys:
         log(f"top ops by {key}:\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))
-
