@@ -212,14 +212,14 @@ def layer_saved_elements(hf: HFModelConfig, tp: int, sequence_parallel: bool) ->
     parts are divided by tp; under sequence parallelism every part is (the linears keep their input shard)."""
     h, f, d = hf.hidden_size, hf.intermediate_size, hf.head_dim
     q, k = hf.num_attention_heads * d, hf.num_key_value_heads * d
-    whole_or_sp = tp if sequence_parallel else 1
+    seq_split = tp if sequence_parallel else 1  # the tensors kept whole over TP, split under SP
     return {
-        "norms (each keeps its input)": 2 * h / whole_or_sp,
-        "attention linears' inputs (qkv: the norm's output; proj: the attention's output)": h / whole_or_sp + q / tp,
+        "norms (each keeps its input)": 2 * h / seq_split,
+        "attention linears' inputs (qkv: the norm's output; proj: the attention's output)": h / seq_split + q / tp,
         "q, k, v after RoPE (flash attention keeps them) and RoPE's cos/sin": (q + 2 * k) / tp + 4 * d,
         # fc1's input, its [t, 2f] output, then three [t, f]: the activation's output, the gated product (fc2's
         # input) and the gate half megatron's glu() makes contiguous.
-        "MLP": h / whole_or_sp + 5 * f / tp,
+        "MLP": h / seq_split + 5 * f / tp,
     }
 
 
