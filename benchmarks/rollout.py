@@ -55,7 +55,7 @@ def bench_generation(repeats: int, threads: int, device: str = "cpu", dtype: str
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as d:
         build_model(d, hidden=256, layers=4, vocab=32000)
-        gens = eb.Generators(d, device, dtype, slots, which or eb.GENERATORS)
+        gens = eb.Generators(d, device, dtype, slots, which or eb.DEFAULT_GENERATORS)
         case_list = eb.cases(slots, prompt_len, new_tokens, 32000)
         slow = [g for g in gens.which if g == "hf cb"]
         gens.which = [g for g in gens.which if g not in slow]
@@ -173,7 +173,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for generation")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--generators", default=None, help="comma-separated subset of engine,hf dynamic,hf static,hf cb")
+    ap.add_argument("--generators", default=None, help="comma-separated subset of engine,engine compiled,hf dynamic,hf static,hf cb "
+                    "(default: all but engine compiled)")
     ap.add_argument("--hf-cb-repeats", type=int, default=1)
     args = ap.parse_args(argv)
     which = args.generators.split(",") if args.generators else None

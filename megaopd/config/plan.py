@@ -49,7 +49,7 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
 - what nvidia-smi also shows (the GPU check compares against it): each process's CUDA context
   (plan.cuda_context_gb), the caching allocator's freed-but-reserved blocks (plan.allocator_reserve, a
   fraction of each phase's allocated bytes), and an embedded rollout engine on rank 0's GPU
-  (rollout.engine=embedded): its weights in its dtype (float32) the whole run unless colocated (then
+  (rollout.engine=embedded): its weights in its dtype (rollout.engine_dtype) the whole run unless colocated (then
   offloaded after generating), and its KV cache while it generates (max_batch_size rows of the longest
   prompt + max_new_tokens).
 
@@ -75,7 +75,6 @@ GB = 1e9
 OPS_CHUNK_BYTES = 128 * 2**20  # megaopd.ops._common.DEFAULT_CHUNK_BYTES: one float32 chunk of logits
 OPS_CHUNKS_LIVE = 3            # a chunk's logits in float32, its softmax and a gradient (or q's chunk)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-EMBEDDED_ENGINE_DTYPE = "float32"  # megaopd.engine.config.EmbeddedEngineConfig.dtype, as rollout/build.py builds it
 
 
 @dataclass
@@ -480,7 +479,7 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
         # The embedded engine generates on rank 0's GPU with the student's architecture (rollout/build.py),
         # its KV cache sized to the longest generated row as the engine rounds it on CUDA (megaopd.engine).
         positions = cache_positions(cfg.generated_row_tokens(), CUDA_SYNC_EVERY)
-        engine = embedded_engine_footprint(student.hf, EMBEDDED_ENGINE_DTYPE, cfg.rollout.max_batch_size,
+        engine = embedded_engine_footprint(student.hf, cfg.embedded_engine_dtype(), cfg.rollout.max_batch_size,
                                            positions, cfg.rollout.colocated)
     return build_plan(student, reference, teacher, world_size=cfg.run.world_size,
                       micro_batch_rows=cfg.trainer.micro_batch_size, seq_len=seq, packed_tokens=packed,

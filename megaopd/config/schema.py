@@ -92,6 +92,10 @@ class MegaOPDConfig:
                   self.validation.max_new_tokens if self.validation.path else 0)
         return self.data.max_prompt_len + new
 
+    def embedded_engine_dtype(self) -> str:
+        """The embedded engine's dtype: rollout.engine_dtype, auto = the student's."""
+        return self.student.dtype if self.rollout.engine_dtype == "auto" else self.rollout.engine_dtype
+
     def validate(self) -> None:
         """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
         from megaopd.losses import build_loss_from

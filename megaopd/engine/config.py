@@ -41,6 +41,11 @@ class EmbeddedEngineConfig:
     cuda_graph_bs: list[int] | None = None
     """Batch sizes whose decode step is captured as a CUDA graph (SGLang's cuda_graph_bs); None = 1, 2, 4,
     8, then multiples of 8 up to max_batch_size; [] = eager decode. Ignored on CPU."""
+    compile_decode: bool = False
+    """torch.compile the decode step (dynamic shapes; on CUDA the graphs capture its kernels). An HF model's
+    decode step is dozens of small kernels a layer (norms, rotary, residuals) that inductor fuses. The first
+    run pays the compilation, and a batch of one row a second one: ~40 s each for a 4-layer model on a
+    2-core CPU, where it made 1.1x the tokens/s (benchmarks/README.md, Rollout); unmeasured on a GPU."""
     mem_fraction_static: float = 0.85
     """On CUDA, the KV cache is sized so that everything allocated stays under this fraction of the GPU
     (SGLang's --mem-fraction-static): the slots get as many positions as fit, up to the model's context
@@ -53,7 +58,8 @@ class EmbeddedEngineConfig:
     release_weights: Literal["auto", "keep", "offload", "discard"] = "auto"
     """What release_memory does to the weights (megaopd.engine.memory); auto = offload on GPU, keep on CPU."""
     attn_implementation: str = "sdpa"
-    """transformers attention backend ("sdpa" or "eager")."""
+    """transformers attention backend: "sdpa" (transformers' SDPA, a decode step's queries packed onto the
+    key/value heads: megaopd.engine.attention) or any other name transformers knows ("eager", ...), as is."""
     load_tokenizer: bool = True
     """Load the HF dir's tokenizer when it has one (only used to fill the "text" field of responses)."""
     eos_token_ids: list[int] | None = None

@@ -44,10 +44,15 @@ class Forward:
     """transformers 5.2x renamed forward's `past_key_values` to `cache` (the old name warns on every call
     and goes in 5.40); older releases know only the old name."""
     windows: dict[str, int | None] = field(default_factory=dict)
+    compile: bool = False
+    """Decode steps through torch.compile (EmbeddedEngineConfig.compile_decode)."""
 
     def __post_init__(self):
         if not self.windows:
             self.windows = layer_windows(self.model.config)
+        # dynamic=True: one compilation serves every batch size and attended length (the graphs' keys); the CUDA
+        # graphs then capture the compiled kernels (inductor's own cudagraphs stay off: mode=None).
+        self._step = torch.compile(self._eager_step, dynamic=True) if self.compile else self._eager_step
 
     def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, visible: torch.Tensor):
         """The 4D mask, or {layer type: mask} for models with several (only they read a dict: a 4D tensor
@@ -85,6 +90,10 @@ class Forward:
              length: int) -> torch.Tensor:
         """One token per running row (slots 0 .. A-1), written at pos_A; attention over the first `length`
         positions of each slot. Returns logits [A, V] (the model's dtype: the sampler upcasts)."""
+        return self._step(cache, tokens_A, pos_A, rows_A, length)
+
+    def _eager_step(self, cache: SlotCache, tokens_A: torch.Tensor, pos_A: torch.Tensor, rows_A: torch.Tensor,
+                    length: int) -> torch.Tensor:
         k_pos = torch.arange(length, device=self.device)[None, None, None, :]
         q_pos = pos_A[:, None, None, None]
         masks = self._masks(q_pos, k_pos, k_pos <= q_pos)

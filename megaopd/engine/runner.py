@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
-from megaopd.engine import memory
+from megaopd.engine import attention, memory
 from megaopd.engine.config import CACHE_ROUND, CUDA_SYNC_EVERY, DTYPES, EmbeddedEngineConfig, cache_positions, read_eos_ids
 from megaopd.engine.cache import SlotCache
 from megaopd.engine.decode import Decoder, StepAction, decode_rows
@@ -80,8 +80,9 @@ class ModelRunner:
         else:
             self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(
-            config.hf_dir, dtype=self.dtype, attn_implementation=config.attn_implementation)
+        # "sdpa" is transformers' SDPA with decode steps' queries packed onto the KV heads (megaopd.engine.attention)
+        attn = attention.register() if config.attn_implementation == "sdpa" else config.attn_implementation
+        self.model = AutoModelForCausalLM.from_pretrained(config.hf_dir, dtype=self.dtype, attn_implementation=attn)
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.eos_ids = list(config.eos_token_ids) if config.eos_token_ids is not None else read_eos_ids(config.hf_dir)
@@ -89,7 +90,7 @@ class ModelRunner:
         self.vocab_size = int(mc.vocab_size)
         self.pad_id = int(mc.pad_token_id) if getattr(mc, "pad_token_id", None) is not None else (self.eos_ids or [0])[0]
         cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self._forward = Forward(self.model, self.device, self.pad_id, cache_kw)
+        self._forward = Forward(self.model, self.device, self.pad_id, cache_kw, compile=config.compile_decode)
         self.tokenizer = _try_load_tokenizer(config.hf_dir) if config.load_tokenizer else None
         self.release_weights = config.release_weights
         if self.release_weights == "auto":

@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="models and run folders (reused by a second call on the same machine)")
     ap.add_argument("--layers", type=int, default=None, help="part b: fewer layers than the 1.5B shape's 28")
     ap.add_argument("--generators", default="engine,hf dynamic,hf static,hf cb",
-                    help="bench engine: comma-separated generators to time (engine, hf dynamic, hf static, hf cb)")
+                    help="bench engine: comma-separated generators to time (engine, engine compiled, hf dynamic, hf "
+                         "static, hf cb)")
     ap.add_argument("--profile", action="store_true",
                     help="bench engine: also profile one engine run of each case (phases and top ops)")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="bench engine: the engine's dtypes (GPU)")

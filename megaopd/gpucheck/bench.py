@@ -127,7 +127,7 @@ def bench_engine(table: Table, hf_dir: str, dtypes, slots: int = 64, new_tokens:
     for dtype in dtypes:
         with table.guard("bench", "embedded engine", dtype):
             gens = eb.Generators(hf_dir, "cuda" if torch.cuda.is_available() else "cpu", dtype, slots,
-                                 generators or eb.GENERATORS)
+                                 generators or eb.DEFAULT_GENERATORS)
             vocab = int(gens.engine.vocab_size)
             case_list = eb.cases(slots, prompt_len, new_tokens, vocab)
             def log(line, dtype=dtype):
@@ -150,6 +150,10 @@ def bench_engine(table: Table, hf_dir: str, dtypes, slots: int = 64, new_tokens:
                            rates[dtype, "fixed", "engine"] / rates[dtype, "fixed", "hf static"])
             table.info("bench", "engine mixed / fixed lengths", dtype, "ratio",
                        rates[dtype, "mixed", "engine"] / rates[dtype, "fixed", "engine"])
+            for case in ("fixed", "mixed"):
+                if (dtype, case, "engine compiled") in rates:
+                    table.info("bench", f"engine compiled / engine, {case}", dtype, "ratio",
+                               rates[dtype, case, "engine compiled"] / rates[dtype, case, "engine"])
             if torch.cuda.is_available():
                 weight_bytes = sum(p.numel() * p.element_size() for p in gens.engine.model.parameters())
                 bound = slots * 3.0e12 / weight_bytes  # every step reads every weight once, ~3 TB/s (H100 HBM3)

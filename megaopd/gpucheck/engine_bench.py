@@ -6,6 +6,7 @@ GPU (the Qwen2.5-1.5B shape); both print the table of `markdown`.
 Generators (every one samples at T=1 with no filtering, ignores EOS, and makes each row's budget):
     engine      megaopd's embedded engine (megaopd.engine: slot KV cache, continuous batching, CUDA graphs
                 on GPU), all rows in one run through `slots` slots
+    engine compiled  the same with compile_decode (the decode step through torch.compile, then captured)
     hf dynamic  transformers' `generate` with its DynamicCache, the rows in batches of `slots` (left-padded;
                 a batch runs to its longest budget, longer rows' surplus tokens are not counted)
     hf static   the same with cache_implementation="static" (transformers compiles its forward on CUDA)
@@ -25,7 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-GENERATORS = ("engine", "hf dynamic", "hf static", "hf cb")
+GENERATORS = ("engine", "engine compiled", "hf dynamic", "hf static", "hf cb")
+DEFAULT_GENERATORS = ("engine", "hf dynamic", "hf static", "hf cb")
+"""What runs when none are named: compiling costs a minute or more of CPU for a tiny model."""
+CONTEXT_LENGTH = 1024
+"""The engines' KV cache positions per slot (EmbeddedEngineConfig.context_length, as the trainer sets it):
+room for every case's rows, and two engines (compiled or not) side by side on one GPU."""
 
 
 @dataclass
@@ -60,7 +66,7 @@ def _sync(device: torch.device) -> None:
 class Generators:
     """The four generators over one HF directory; `time(name, case)` runs one and returns seconds."""
 
-    def __init__(self, hf_dir: str, device: str, dtype: str, slots: int, which=GENERATORS):
+    def __init__(self, hf_dir: str, device: str, dtype: str, slots: int, which=DEFAULT_GENERATORS):
         from transformers import AutoModelForCausalLM
 
         from megaopd.engine.config import DTYPES, EmbeddedEngineConfig
@@ -70,8 +76,12 @@ class Generators:
         if unknown:
             raise ValueError(f"unknown generators {sorted(unknown)}; choose among {list(GENERATORS)}")
         self.device, self.slots, self.which = torch.device(device), slots, list(which)
-        self.engine = ModelRunner(EmbeddedEngineConfig(hf_dir=hf_dir, device=device, dtype=dtype,
-                                                       max_batch_size=slots, load_tokenizer=False))
+        def runner(**kw):
+            return ModelRunner(EmbeddedEngineConfig(hf_dir=hf_dir, device=device, dtype=dtype, max_batch_size=slots,
+                                                    context_length=CONTEXT_LENGTH, load_tokenizer=False, **kw))
+
+        self.engine = runner()
+        self.engine_compiled = runner(compile_decode=True) if "engine compiled" in self.which else None
         self.hf = None
         if any(w.startswith("hf") for w in self.which):
             self.hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=DTYPES[dtype]).to(self.device).eval()
@@ -88,12 +98,15 @@ class Generators:
             raise AssertionError(f"{name} made {made} tokens on case {case.name}, expected {case.tokens}")
         return dt
 
-    def _engine(self, case: Case) -> int:
+    def _engine(self, case: Case, engine=None) -> int:
         from megaopd.engine.rows import RowRequest
 
         rows = [RowRequest(prompt_ids=p, max_new_tokens=b, temperature=1.0, seed=i)
                 for i, (p, b) in enumerate(zip(case.prompts, case.budgets))]
-        return sum(len(r.output_ids) for r in self.engine.run(rows))
+        return sum(len(r.output_ids) for r in (engine or self.engine).run(rows))
+
+    def _engine_compiled(self, case: Case) -> int:
+        return self._engine(case, self.engine_compiled)
 
     def _hf_generate(self, case: Case, **kw) -> int:
         made = 0

@@ -16,14 +16,15 @@ from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool, PoolConfig
 
 
-def build_engine(rollout: RolloutConfig, hf_dir: str, context_length: int = 0):
+def build_engine(rollout: RolloutConfig, hf_dir: str, context_length: int = 0, dtype: str = "float32"):
     """An Engine (see megaopd.rollout.protocol) for `rollout`; pass it to megaopd.sync.WeightSync.
     context_length: the longest row the job generates (MegaOPDConfig.generated_row_tokens), which sizes the
-    embedded engine's KV cache; 0 = what fits (a server's sizing)."""
+    embedded engine's KV cache; 0 = what fits (a server's sizing). dtype: the embedded engine's
+    (MegaOPDConfig.embedded_engine_dtype)."""
     if rollout.engine == "remote":
         engines = [HttpEngine(HttpEngineConfig(url=url, workers=rollout.engine_tp)) for url in rollout.urls]
         return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
     if rollout.engine == "embedded":
         return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=rollout.max_batch_size,
-                                                  context_length=context_length))
+                                                  context_length=context_length, dtype=dtype))
     raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or remote")

@@ -37,6 +37,10 @@ class RolloutConfig:
     the weight sync and the next generation (SGLang --enable-memory-saver)."""
     max_batch_size: int = 64
     """Sequences the embedded engine decodes together."""
+    engine_dtype: str = "auto"
+    """The embedded engine's compute dtype: auto (the student's, student.dtype: the engine samples from the
+    distribution the actor scores, and a bf16 engine reads half the bytes of a float32 one per token), float32,
+    bfloat16 or float16. Remote engines choose their own (SGLang --dtype)."""
     deterministic: bool = False
     """SGLang engines reproduce seeded samples: launched with --enable-deterministic-inference
     (megaopd.serving.sglang_launcher.launch_config; slurm/common.sh with ROLLOUT_DETERMINISTIC=1). Without it
@@ -97,6 +101,8 @@ class RolloutConfig:
         if self.stream_parts < 1 or (self.stream_parts > 1 and self.engine != "remote"):
             raise ValueError(f"rollout.stream_parts={self.stream_parts}: must be >= 1, and > 1 needs rollout.engine="
                              "remote (the embedded engine generates a batch in one call, in the trainer's process)")
+        if self.engine_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"rollout.engine_dtype={self.engine_dtype!r}: choose auto, float32, bfloat16 or float16")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (log-probs are of logits/T)")
         check_overlap(self)

@@ -162,7 +162,7 @@ class Trainer:
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             self.export_hf(hf_dir)  # collective; the engine is built from it
-        self.engine = self.pipeline.engine = build_engine(cfg.rollout, hf_dir, cfg.generated_row_tokens()) if self.rank == 0 else None
+        self.engine = self.pipeline.engine = build_engine(cfg.rollout, hf_dir, cfg.generated_row_tokens(), cfg.embedded_engine_dtype()) if self.rank == 0 else None
         self.weight_sync = WeightSync(self.engine, cfg.rollout, self.rank)
         self.sync_weights()
         self.check_parity()

@@ -46,6 +46,13 @@ def test_removed_key_is_one_clear_error(models, tmp_path):
         _load(models, preset=str(preset))
 
 
+def test_embedded_engine_dtype_follows_the_student(models):
+    """auto: the student's dtype (what `megaopd plan` counts and build_engine is given); a named one as is."""
+    assert _load(models).embedded_engine_dtype() == "float32"
+    assert _load(models, "student.dtype=bfloat16").embedded_engine_dtype() == "bfloat16"
+    assert _load(models, "student.dtype=bfloat16", "rollout.engine_dtype=float32").embedded_engine_dtype() == "float32"
+
+
 def test_preset_then_override(models, tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("trainer:\n  max_steps: 7\n  eval_interval: 2\noptimizer:\n  lr: 2.0e-6\n")
@@ -63,6 +70,7 @@ def test_preset_then_override(models, tmp_path):
     (["trainer.max_steps=three"], "bad value for 'trainer.max_steps'"),
     (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
     (["trainer.max_steps"], "is not of the form key=value"),
+    (["rollout.engine_dtype=fp8"], "rollout.engine_dtype='fp8': choose auto, float32, bfloat16 or float16"),
 ])
 def test_validation_errors(models, overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -10,7 +10,8 @@ def test_batch_sizes_and_buckets():
     assert default_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert default_batch_sizes(3) == [1, 2, 3]
     assert default_batch_sizes(1) == [1]
-    assert length_buckets(1000) == [256, 512, 1000]
+    assert length_buckets(1000) == [256, 384, 512, 768, 1000]
+    assert length_buckets(1024) == [256, 384, 512, 768, 1024]
     assert length_buckets(256) == [256]
 
 
