@@ -303,8 +303,35 @@ def sweep_main(args):
             b, w, s = ("default",) * 3 if cfg is None else cfg
             print(f"| {T} | {b} | {w} | {s} | {ms:.2f} | {bound_ms / ms:.2f} | {value:.6f} |", flush=True)
         _triton.FORCE_LAUNCH, _triton.FORCE_WARPS = None, None
+        _phases(d, T, args, bound_ms, device)
         del d
         torch.cuda.empty_cache()
+
+
+def _phases(d, T, args, bound_ms, device):
+    """The default launch's forward (stats kernel: reads both logits, 2/5 of the bound's bytes) and backward
+    (grad kernel: reads both, writes the gradient, 3/5) apart: which kernel is off the bound."""
+    from megaopd import ops
+
+    def fwd():
+        with torch.no_grad():
+            return ops.vocab_parallel_logprobs_kl(d["logits"], d["ids"], d["ref_logits"], with_entropy=True,
+                                                  impl="triton")
+
+    times = []
+    for i in range(3 + args.repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fwd()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    f_ms = statistics.median(times)
+    total, _ = _time_steps(lambda x: ops_stable_opd(x, "triton"), d, args.repeats, device)
+    print(f"\nT={T}, default launch: forward {f_ms:.2f} ms ({0.4 * bound_ms / f_ms:.2f} of its bound), backward and "
+          f"the loss's arithmetic {total - f_ms:.2f} ms ({0.6 * bound_ms / (total - f_ms):.2f} of its bound)\n", flush=True)
 
 
 def main(argv=None):
