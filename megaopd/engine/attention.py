@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 
 ATTENTION = "megaopd_sdpa"
-"""The name the engine's models are loaded with (EmbeddedEngineConfig.attn_implementation="sdpa")."""
+"""The name the engine's models are loaded with (EmbeddedEngineConfig.attn_implementation="sdpa"). It must contain
+"sdpa": transformers then checks at load that the model can run SDPA at all (it refuses models that need
+attention sinks or logit soft-capping, which this function would silently drop)."""
 
 
 def engine_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -33,8 +35,8 @@ def engine_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     ([A, Q, H, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
     A, H, Q, D = query.shape
+    groups = H // key.shape[1]
     shared_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
     if Q != 1 or groups == 1 or not shared_mask or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -44,12 +46,16 @@ def engine_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(A, H // groups, groups, D), key, value, attn_mask=attention_mask, dropout_p=dropout,
         scale=scaling)
-    return out.reshape(A, H, 1, D).transpose(1, 2).contiguous(), None
+    return out.reshape(A, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def register() -> str:
-    """Makes ATTENTION a transformers attention implementation (idempotent); returns its name."""
+    """Makes ATTENTION a transformers attention implementation (idempotent); returns its name. Its mask function
+    is SDPA's: a call without a prepared mask (prompt scoring) gets the model's own causal and sliding-window
+    masks, where an unknown name would get none (and lose its sliding windows)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(ATTENTION, engine_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
     return ATTENTION

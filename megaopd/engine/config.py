@@ -59,7 +59,7 @@ class EmbeddedEngineConfig:
     """What release_memory does to the weights (megaopd.engine.memory); auto = offload on GPU, keep on CPU."""
     attn_implementation: str = "sdpa"
     """transformers attention backend: "sdpa" (transformers' SDPA, a decode step's queries packed onto the
-    key/value heads: megaopd.engine.attention) or any other name transformers knows ("eager", ...), as is."""
+    key/value heads: megaopd.engine.attention) or "eager" (transformers' own, given additive masks)."""
     load_tokenizer: bool = True
     """Load the HF dir's tokenizer when it has one (only used to fill the "text" field of responses)."""
     eos_token_ids: list[int] | None = None

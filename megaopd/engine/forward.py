@@ -16,6 +16,7 @@ Legend: U distinct sequences of a prefill, P padded length, A running rows, L at
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +26,15 @@ from megaopd.engine.cache import PrefillCopy, SlotCache
 
 
 def layer_windows(model_config) -> dict[str, int | None]:
-    """{layer type: sliding window or None} of the model's attention layers (full attention only, for most)."""
+    """{layer type: sliding window or None} of the model's attention layers (full attention only, for most).
+    A config without layer_types but with a sliding_window (Mistral, Phi-3) slides in every layer, as its
+    model masks it, unless it says use_sliding_window=False."""
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     window = getattr(cfg, "sliding_window", None)
-    return {t: (int(window) if t == "sliding_attention" and window else None) for t in types}
+    layer_types = getattr(cfg, "layer_types", None)
+    if not layer_types:
+        layer_types = ["sliding_attention" if window and getattr(cfg, "use_sliding_window", True) else "full_attention"]
+    return {t: (int(window) if t == "sliding_attention" and window else None) for t in set(layer_types)}
 
 
 @dataclass
@@ -50,9 +55,13 @@ class Forward:
     def __post_init__(self):
         if not self.windows:
             self.windows = layer_windows(self.model.config)
-        # dynamic=True: one compilation serves every batch size and attended length (the graphs' keys); the CUDA
-        # graphs then capture the compiled kernels (inductor's own cudagraphs stay off: mode=None).
+        # dynamic=True: one compilation serves the batch sizes and attended lengths (the graphs' keys; a batch of
+        # one row compiles again); the CUDA graphs then capture the compiled kernels (mode=None: inductor's own
+        # cudagraphs stay off).
         self._step = torch.compile(self._eager_step, dynamic=True) if self.compile else self._eager_step
+        # SDPA (and the engine's own, megaopd.engine.attention) takes bool masks; eager attention adds the mask
+        # to the scores, so it needs 0 / -inf (a bool True would add 1).
+        self._additive = "sdpa" not in str(getattr(self.model.config, "_attn_implementation", "sdpa"))
 
     def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, visible: torch.Tensor):
         """The 4D mask, or {layer type: mask} for models with several (only they read a dict: a 4D tensor
@@ -62,6 +71,9 @@ class Forward:
             m = visible
             if window is not None:
                 m = m & (k_pos > q_pos - window)
+            if self._additive:
+                m = torch.zeros(m.shape, dtype=self.model.dtype, device=m.device).masked_fill(
+                    ~m, torch.finfo(self.model.dtype).min)
             out[kind] = m
         return next(iter(out.values())) if len(out) == 1 else out
 
@@ -90,7 +102,15 @@ class Forward:
              length: int) -> torch.Tensor:
         """One token per running row (slots 0 .. A-1), written at pos_A; attention over the first `length`
         positions of each slot. Returns logits [A, V] (the model's dtype: the sampler upcasts)."""
-        return self._step(cache, tokens_A, pos_A, rows_A, length)
+        try:
+            return self._step(cache, tokens_A, pos_A, rows_A, length)
+        except Exception as e:  # noqa: BLE001 - a compilation that fails leaves eager decoding, which works
+            if self._step == self._eager_step:
+                raise
+            warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
+                          "the embedded engine decodes without it")
+            self._step = self._eager_step
+            return self._step(cache, tokens_A, pos_A, rows_A, length)
 
     def _eager_step(self, cache: SlotCache, tokens_A: torch.Tensor, pos_A: torch.Tensor, rows_A: torch.Tensor,
                     length: int) -> torch.Tensor:

@@ -8,10 +8,13 @@ graph of the smallest captured batch size >= A, the rows past A being padding (s
 running rows are packed; a padding row writes position 0 of its free slot, which a later prefill
 overwrites). Attention reads a fixed number of positions per graph, so graphs are also keyed by a length
 bucket (256, 384, 512, 768, ...: powers of two from 256 and the midpoints 1.5 x 2^k, up to the cache's
-capacity): a short batch does not pay for the longest possible row, and a step reads at most a third more
-positions than its longest row has (at OPD lengths the keys and values outweigh the weights: at 64 rows of
-8k positions the 1.5B model reads 15 GB of cache a step to its 3.1 GB of weights). Graphs are captured when first needed, share one memory pool, and read their inputs from
-buffers of their own (the step's tokens and positions are copied in before a replay).
+capacity): a short batch does not pay for the longest possible row, and past 256 positions at most a third
+of the positions a step reads lie beyond its longest row (at OPD lengths the keys and values outweigh the
+weights: at 64 rows of 8k positions the 1.5B model reads 15 GB of cache a step to its 3.1 GB of weights).
+Graphs are captured when first needed and share one memory pool; they read their inputs from buffers of
+their own (the step's tokens and positions are copied in before a replay) and write their logits into one
+[slots, V] buffer (so that a graph's output does not hold memory of its own: ~20 MB per graph of 64 rows of
+the 1.5B model, times every batch size and bucket).
 
 A graph is valid while the tensors it read at capture keep their storage: the runner drops these graphs
 with the KV cache, and when weights move (release_memory / resume_memory of "weights", "cuda_graph").
@@ -58,7 +61,8 @@ class DecodeGraphs:
         self.tokens = torch.zeros(cache.slots, dtype=torch.long, device=dev)
         self.pos = torch.zeros(cache.slots, dtype=torch.long, device=dev)
         self.rows = torch.arange(cache.slots, device=dev)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None  # [slots, V], every graph's output
         self.pool = None
         self.off: str | None = None
 
@@ -74,17 +78,16 @@ class DecodeGraphs:
         if bs > A:
             self.tokens[A:bs].zero_()
             self.pos[A:bs].zero_()
-        entry = self.graphs.get((bs, L))
-        if entry is None:
+        graph = self.graphs.get((bs, L))
+        if graph is None:
             try:
-                entry = self.graphs[bs, L] = self._capture(bs, L)
+                graph = self.graphs[bs, L] = self._capture(bs, L)
             except Exception as e:  # noqa: BLE001 - eager decoding still works
                 self.off = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph capture failed ({self.off}); the embedded engine decodes eagerly")
                 return None
-        graph, logits = entry
         graph.replay()
-        return logits[:A]
+        return self.logits[:A]
 
     def _run(self, bs: int, L: int) -> torch.Tensor:
         return self.fwd.step(self.cache, self.tokens[:bs], self.pos[:bs], self.rows[:bs], L)
@@ -96,16 +99,18 @@ class DecodeGraphs:
         side.wait_stream(caller)
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the graph (allocator, lazy kernels); rewrites what the step writes
-                self._run(bs, L)
+                out = self._run(bs, L)
         caller.wait_stream(side)
+        if self.logits is None:
+            self.logits = torch.empty((self.cache.slots, out.shape[-1]), dtype=out.dtype, device=dev)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: CUDA calls of the server's other threads (weight loads, NCCL) neither break the capture
             # nor fail because of it.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self._run(bs, L)
+                self.logits[:bs].copy_(self._run(bs, L))
         except Exception:
             torch.cuda.set_stream(caller)  # a failed capture_end can leave this thread on the capture stream
             raise
         self.pool = graph.pool()
-        return graph, logits
+        return graph

@@ -185,7 +185,8 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
                 f"trainer.max_steps={steps}", f"trainer.save_interval={steps + 100}",
                 f"trainer.prompts_per_step={prompts}", f"trainer.samples_per_prompt={samples}",
                 f"rollout.max_new_tokens={new}", f"logging.samples_per_step={prompts * samples}",
-                "rollout.parity_interval=0", *(overrides or [])]
+                # auto: the engine in the student's bf16, as a job gets it (part c's YAML pins float32 for its bounds)
+                "rollout.parity_interval=0", "rollout.engine_dtype=auto", *(overrides or [])]
         cmd = train_command(YAML, args)
         with GpuMemoryPoll() as mem:
             log_path = os.path.join(workdir, f"train_bench_{label or 'plain'}.log".replace("=", "_"))

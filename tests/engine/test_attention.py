@@ -50,3 +50,43 @@ def test_other_calls_go_to_transformers_sdpa(monkeypatch):
 
 def test_runner_loads_the_model_with_it(engine):
     assert engine.model.config._attn_implementation == ATTENTION
+
+
+def _sliding_models(tmp_path):
+    """A Qwen2 with sliding and full layers (layer_types) and a Mistral sliding in every layer (no layer_types),
+    windows of 8 tokens: shorter than the rows below, so a lost window shows."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=512, sliding_window=8)
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, max_window_layers=1, **kw))
+    mistral = MistralForCausalLM(MistralConfig(**kw))
+    assert len(set(qwen.config.layer_types)) == 2 and not getattr(mistral.config, "layer_types", None)
+    dirs = []
+    for name, model in (("qwen2_sliding", qwen), ("mistral", mistral)):
+        model.save_pretrained(str(tmp_path / name))
+        dirs.append(str(tmp_path / name))
+    return dirs
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_sliding_windows_and_eager_masks_match_hf(tmp_path, attn):
+    """Decode (packed rows, continuous batching) and prompt scoring (a call without the engine's masks) keep
+    every layer's window, with the engine's attention and with transformers' eager one (additive masks)."""
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.engine.rows import RowRequest
+    from megaopd.engine.runner import ModelRunner
+    from tests.engine._models import hf_logprobs
+
+    rows = [RowRequest(prompt_ids=[3, 4, 5 + i] * (i + 2), max_new_tokens=12 + 3 * i, seed=i) for i in range(4)]
+    prompt = list(range(1, 40))
+    for d in _sliding_models(tmp_path):
+        engine = ModelRunner(EmbeddedEngineConfig(hf_dir=d, max_batch_size=3, load_tokenizer=False,
+                                                  attn_implementation=attn))
+        for r, out in zip(rows, engine.run(rows)):
+            ref = hf_logprobs(d, list(r.prompt_ids), out.output_ids, 1.0)
+            assert (ref - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() < 1e-5, d
+        ref = hf_logprobs(d, prompt[:1], prompt[1:], 1.0)
+        got = torch.tensor(engine.prompt_logprobs(prompt)[1:], dtype=torch.float64)
+        assert (ref - got).abs().max() < 1e-5, d
