@@ -2,6 +2,7 @@
 
     python benchmarks/rollout.py                 # both, prints markdown tables
     python benchmarks/rollout.py --only gen      # or --only sync
+    python benchmarks/rollout.py --only schedule # the engine's decode steps and prefills per admit_min
 
 Generation (megaopd.gpucheck.engine_bench, whose table `python -m megaopd.gpucheck --bench engine` prints
 too): the embedded engine beside transformers' `generate` (dynamic cache; static cache, compiled on CUDA)
@@ -66,6 +67,43 @@ def bench_generation(repeats: int, threads: int, device: str = "cpu", dtype: str
             gens.which = fast + gens.which
     return (f"torch threads {threads}, {device}, {dtype}, {slots} slots, load average (1 min) at the end: "
             f"{os.getloadavg()[0]:.2f}\n\n" + eb.markdown(case_list, gens.errors))
+
+
+def bench_schedule(admits=(1, 2, 4, 8, 16), slots: int = 64, sync_every: int = 8) -> str:
+    """The engine's schedule for the GPU check's cases (64 slots, 32-token prompts, 128 new tokens; mixed: 192
+    OPD-like budgets), with the host reading finished rows every 8 steps as on CUDA: decode steps and
+    prefills (counted by the profiler's engine.* ranges) per EmbeddedEngineConfig.admit_min. Counts, not
+    times: the tiny model stands in for any. Cost = steps + c x prefills in decode-step units, for a
+    prefill costing c steps (on the H100, 2026-11-24: an eager forward ~36 ms, a graph-replayed step ~10 ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.engine.rows import RowRequest
+    from megaopd.engine.runner import ModelRunner
+    from megaopd.gpucheck import engine_bench as eb
+
+    torch.set_num_threads(1)
+    lines = ["| case | admit_min | decode steps | prefills | tokens / step | rate vs fixed, c=1 | c=4 |",
+             "|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as d:
+        build_model(d, hidden=64, layers=1, vocab=512)
+        fixed_rate = {}
+        for case in eb.cases(slots, 32, 128, 512):
+            rows = [RowRequest(prompt_ids=p, max_new_tokens=b, seed=i)
+                    for i, (p, b) in enumerate(zip(case.prompts, case.budgets))]
+            for admit in admits if case.name == "mixed" else (1,):
+                engine = ModelRunner(EmbeddedEngineConfig(hf_dir=d, device="cpu", max_batch_size=slots, load_tokenizer=False,
+                                                          sync_every=sync_every, admit_min=admit))
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    engine.run(rows)
+                calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith("engine.")}
+                steps, prefills = calls.get("engine.sample", 0), calls.get("engine.prefill", 0)
+                rate = {c: case.tokens / (steps + c * prefills) for c in (1, 4)}
+                if case.name == "fixed":
+                    fixed_rate = rate
+                lines.append(f"| {case.name} | {admit} | {steps} | {prefills} | {case.tokens / steps:.1f} | "
+                             f"{rate[1] / fixed_rate[1]:.2f} | {rate[4] / fixed_rate[4]:.2f} |")
+    return "\n".join(lines)
 
 
 def _server_process(model_dir: str, to_parent, from_parent):
@@ -167,7 +205,7 @@ def markdown(gen: str, sync: list[dict]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=["gen", "sync"], default=None)
+    ap.add_argument("--only", choices=["gen", "sync", "schedule"], default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, nargs="+", default=[32, 512])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for generation")
@@ -178,6 +216,9 @@ def main(argv=None):
     ap.add_argument("--hf-cb-repeats", type=int, default=1)
     args = ap.parse_args(argv)
     which = args.generators.split(",") if args.generators else None
+    if args.only == "schedule":
+        print(bench_schedule())
+        return
     gen = (bench_generation(args.repeats, args.threads, args.device, args.dtype, which=which,
                             cb_repeats=args.hf_cb_repeats) if args.only in (None, "gen") else "")
     sync = bench_weight_update(args.repeats, args.bucket_mb) if args.only in (None, "sync") else []

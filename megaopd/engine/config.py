@@ -38,6 +38,11 @@ class EmbeddedEngineConfig:
     """Slots of the KV cache = rows decoded together; more rows wait and take the slots rows free."""
     sync_every: int = 0
     """Decode steps between two reads of the finished flags by the host; 0 = 1 on CPU, 8 on CUDA."""
+    admit_min: int = 0
+    """While rows run, waiting rows enter free slots once at least this many are free (or all of them fit):
+    each admission is a prefill, an eager forward that on a GPU costs several decode steps. 0 = 1 on CPU,
+    max_batch_size // 8 on CUDA (`python benchmarks/rollout.py --only schedule` counts prefills and decode steps
+    of the GPU check's mixed case for several values)."""
     cuda_graph_bs: list[int] | None = None
     """Batch sizes whose decode step is captured as a CUDA graph (SGLang's cuda_graph_bs); None = 1, 2, 4,
     8, then multiples of 8 up to max_batch_size; [] = eager decode. Ignored on CPU."""
@@ -74,6 +79,8 @@ class EmbeddedEngineConfig:
             raise ValueError(f"max_batch_size={self.max_batch_size} must be at least 1")
         if self.context_length < 0:
             raise ValueError(f"context_length={self.context_length} must be >= 0 (0 = what fits)")
+        if self.admit_min < 0:
+            raise ValueError(f"admit_min={self.admit_min} must be >= 0 (0 = automatic)")
         if self.sync_every < 0:
             raise ValueError(f"sync_every={self.sync_every} must be >= 0 (0 = automatic)")
         if not 0.0 < self.mem_fraction_static <= 1.0:

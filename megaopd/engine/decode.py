@@ -4,7 +4,10 @@
 
 The cache has S slots (EmbeddedEngineConfig.max_batch_size). While rows wait and slots are free, the
 waiting rows (longest budget first: the long tail starts early) are prefilled into them: each distinct
-prompt once, its keys copied into the slots of its samples. Every step then samples a token for each
+prompt once, its keys copied into the slots of its samples. While rows run, admission waits until
+`admit_min` slots are free (or every waiting row fits): a prefill is an eager forward, which on a GPU costs
+several decode steps whatever its rows, so admitting rows one by one as they finish costs more than a few
+idle slots (EmbeddedEngineConfig.admit_min). Every step then samples a token for each
 running row and feeds it back (megaopd.engine.forward). A row that finishes frees its slot, and the last
 running row moves into it, so the running rows stay packed in slots 0 .. A-1.
 
@@ -115,7 +118,7 @@ class Decoder:
 
 @torch.inference_mode()
 def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
-                boundary: Callable[[], StepAction], sync_every: int = 1) -> list[RowResult]:
+                boundary: Callable[[], StepAction], sync_every: int = 1, admit_min: int = 1) -> list[RowResult]:
     """Generates every row through the cache's slots; results in row order, each tagged with weight_version."""
     fwd, cache = dec.fwd, dec.cache
     S, device, vocab = cache.slots, fwd.device, int(fwd.model.config.get_text_config().vocab_size)
@@ -132,7 +135,8 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
     logits = None  # [A, V] of the running rows, to sample from
     steps = 0
     while True:
-        if waiting and len(running) < S:
+        free = S - len(running)
+        if waiting and free and (not running or free >= min(admit_min, len(waiting))):
             new = [waiting.popleft() for _ in range(min(S - len(running), len(waiting)))]
             with record_function("engine.prefill"):
                 new_logits = _prefill(fwd, cache, st, rows, new, seeds, len(running), K,

@@ -111,6 +111,7 @@ class ModelRunner:
         self._cache: SlotCache | None = None
         self._graphs = None
         self.sync_every = config.sync_every or (CUDA_SYNC_EVERY if self.device.type == "cuda" else 1)
+        self.admit_min = config.admit_min or (max(1, config.max_batch_size // 8) if self.device.type == "cuda" else 1)
 
     # ----------------------------------------------------------------------------------- generation
     def run(self, rows: list[RowRequest], control: StepControl = UNHELD) -> list[RowResult]:
@@ -140,7 +141,7 @@ class ModelRunner:
             try:
                 with on_device:
                     return decode_rows(self._decoder(rows), rows, self.weight_version,
-                                       lambda: self._boundary(control), self.sync_every)
+                                       lambda: self._boundary(control), self.sync_every, self.admit_min)
             finally:
                 self.running -= len(rows)
                 self._cond.notify_all()

@@ -249,3 +249,27 @@ def test_compiled_decode_keeps_rows(tiny_dir):
     assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
     for x, y in zip(a, b):
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+def test_admit_min_batches_admissions_and_keeps_rows(tiny_dir, monkeypatch):
+    """admit_min=3: waiting rows enter only when 3 slots are free (or all of them fit): fewer prefills, the
+    same rows (a row's tokens are its own whenever it starts)."""
+    from megaopd.engine import decode
+    from megaopd.engine.rows import RowRequest
+
+    prefills = []
+    real = decode._prefill
+    monkeypatch.setattr(decode, "_prefill", lambda *a: prefills.append(len(a[4])) or real(*a))
+    rows = [RowRequest(prompt_ids=[4, 9, i + 3], max_new_tokens=2 + 3 * (i % 5), seed=i) for i in range(12)]
+    results = {}
+    for admit in (1, 3):
+        prefills.clear()
+        results[admit] = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4, admit_min=admit)).run(rows)
+        counts = list(prefills)
+        assert sum(counts) == len(rows)
+        if admit == 3:  # every admission but the last (the rows left) fills >= 3 slots, and there are fewer
+            assert all(n >= 3 for n in counts[:-1]) and len(counts) < len(by_one), (counts, by_one)
+        by_one = counts
+    assert [r.output_ids for r in results[1]] == [r.output_ids for r in results[3]]
+    for a, b in zip(results[1], results[3]):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
