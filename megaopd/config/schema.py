@@ -96,6 +96,13 @@ class MegaOPDConfig:
         """The embedded engine's dtype: rollout.engine_dtype, auto = the student's."""
         return self.student.dtype if self.rollout.engine_dtype == "auto" else self.rollout.engine_dtype
 
+    def parity_dtype(self) -> str:
+        """What the parity probe's bounds follow (scoring/parity.py bounds_for): the student's dtype, except that
+        the tight float32 bound also needs the embedded engine in float32."""
+        if self.rollout.engine == "embedded" and self.student.dtype == "float32":
+            return self.embedded_engine_dtype()
+        return self.student.dtype
+
     def validate(self) -> None:
         """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
         from megaopd.losses import build_loss_from

@@ -317,11 +317,7 @@ class Trainer:
         r, mbs = self.cfg.rollout, self.cfg.trainer.micro_batch_size
         score = functools.partial(score_sequences, self.models.actor_runner, micro_batch_size=mbs, pad_id=self.pad_id,
                                   layout=self.models.actor_layout)
-        # The tight float32 bound needs both sides in float32: the actor, and the embedded engine (rollout.engine_dtype)
-        dtype = self.cfg.student.dtype
-        if r.engine == "embedded" and dtype == "float32":
-            dtype = self.cfg.embedded_engine_dtype()
-        bounds = bounds_for(dtype, r.parity_tolerance, r.parity_mean_tolerance, r.parity_p99_tolerance,
+        bounds = bounds_for(self.cfg.parity_dtype(), r.parity_tolerance, r.parity_mean_tolerance, r.parity_p99_tolerance,
                             r.parity_min_correlation)
         check_engine_parity(self.engine, score, probe, bounds, self.step, self._console)
 

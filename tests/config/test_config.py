@@ -51,6 +51,10 @@ def test_embedded_engine_dtype_follows_the_student(models):
     assert _load(models).embedded_engine_dtype() == "float32"
     assert _load(models, "student.dtype=bfloat16").embedded_engine_dtype() == "bfloat16"
     assert _load(models, "student.dtype=bfloat16", "rollout.engine_dtype=float32").embedded_engine_dtype() == "float32"
+    # the parity probe's tight float32 bound needs both in float32
+    assert _load(models).parity_dtype() == "float32"
+    assert _load(models, "rollout.engine_dtype=bfloat16").parity_dtype() == "bfloat16"
+    assert _load(models, "student.dtype=bfloat16", "rollout.engine_dtype=float32").parity_dtype() == "bfloat16"
 
 
 def test_preset_then_override(models, tmp_path):
