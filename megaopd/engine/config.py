@@ -41,7 +41,7 @@ class EmbeddedEngineConfig:
     admit_min: int = 0
     """While rows run, waiting rows enter free slots once at least this many are free (or all of them fit):
     each admission is a prefill, an eager forward that on a GPU costs several decode steps. 0 = 1 on CPU,
-    max_batch_size // 8 on CUDA (`python benchmarks/rollout.py --only schedule` counts prefills and decode steps
+    max(1, max_batch_size // 8) on CUDA; at most max_batch_size (`python benchmarks/rollout.py --only schedule` counts prefills and decode steps
     of the GPU check's mixed case for several values)."""
     cuda_graph_bs: list[int] | None = None
     """Batch sizes whose decode step is captured as a CUDA graph (SGLang's cuda_graph_bs); None = 1, 2, 4,
@@ -79,8 +79,12 @@ class EmbeddedEngineConfig:
             raise ValueError(f"max_batch_size={self.max_batch_size} must be at least 1")
         if self.context_length < 0:
             raise ValueError(f"context_length={self.context_length} must be >= 0 (0 = what fits)")
-        if self.admit_min < 0:
-            raise ValueError(f"admit_min={self.admit_min} must be >= 0 (0 = automatic)")
+        if not 0 <= self.admit_min <= self.max_batch_size:
+            raise ValueError(f"admit_min={self.admit_min} must be in [0, max_batch_size={self.max_batch_size}] "
+                             "(0 = automatic)")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"attn_implementation={self.attn_implementation!r}: choose sdpa or eager (the engine "
+                             "hands the model prepared 4D masks, which other backends cannot take)")
         if self.sync_every < 0:
             raise ValueError(f"sync_every={self.sync_every} must be >= 0 (0 = automatic)")
         if not 0.0 < self.mem_fraction_static <= 1.0:

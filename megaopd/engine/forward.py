@@ -1,9 +1,10 @@
 """How the embedded engine calls the model: prefill new rows into their cache slots, and one decode step of
 the running rows (megaopd.engine.cache). No locks here: the runner holds the model.
 
-Both build the attention mask themselves and hand it to the model as a 4D bool mask (or {layer type: mask}
-for models that mix sliding and full layers), which transformers' models take as prepared (no mask
-construction of theirs, no question asked of the cache):
+Both build the attention mask themselves and hand it to the model as a 4D mask (or {layer type: mask} for
+models that mix sliding and full layers), which transformers' models take as prepared (no mask construction
+of theirs, no question asked of the cache); bool for SDPA, additive (0 where seen, the dtype's minimum
+elsewhere, as transformers' own eager masks) for eager attention:
     prefill  causal over the left-padded batch, padding keys masked (a padding query sees itself only, so
              no softmax row is empty);
     decode   row a sees positions 0 .. pos_a of its slot; sliding-window layers also drop what is further
@@ -16,6 +17,7 @@ Legend: U distinct sequences of a prefill, P padded length, A running rows, L at
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,15 +27,20 @@ import torch
 from megaopd.engine.cache import PrefillCopy, SlotCache
 
 
-def layer_windows(model_config) -> dict[str, int | None]:
+def layer_windows(model) -> dict[str, int | None]:
     """{layer type: sliding window or None} of the model's attention layers (full attention only, for most).
-    A config without layer_types but with a sliding_window (Mistral, Phi-3) slides in every layer, as its
-    model masks it, unless it says use_sliding_window=False."""
-    cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    Without layer_types, a model slides in every layer when its own code does: its modeling module builds
+    sliding-window masks (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE: when config.sliding_window is set
+    and use_sliding_window is not False). A stray sliding_window in another model's config.json (Llama) is
+    ignored, as that model ignores it."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
     if not layer_types:
-        layer_types = ["sliding_attention" if window and getattr(cfg, "use_sliding_window", True) else "full_attention"]
+        module = sys.modules.get(type(model).__module__)
+        slides = module is not None and "create_sliding_window_causal_mask" in vars(module)
+        layer_types = ["sliding_attention" if window and slides and getattr(cfg, "use_sliding_window", True)
+                       else "full_attention"]
     return {t: (int(window) if t == "sliding_attention" and window else None) for t in set(layer_types)}
 
 
@@ -54,14 +61,15 @@ class Forward:
 
     def __post_init__(self):
         if not self.windows:
-            self.windows = layer_windows(self.model.config)
+            self.windows = layer_windows(self.model)
         # dynamic=True: one compilation serves the batch sizes and attended lengths (the graphs' keys; a batch of
         # one row compiles again); the CUDA graphs then capture the compiled kernels (mode=None: inductor's own
         # cudagraphs stay off).
         self._step = torch.compile(self._eager_step, dynamic=True) if self.compile else self._eager_step
         # SDPA (and the engine's own, megaopd.engine.attention) takes bool masks; eager attention adds the mask
         # to the scores, so it needs 0 / -inf (a bool True would add 1).
-        self._additive = "sdpa" not in str(getattr(self.model.config, "_attn_implementation", "sdpa"))
+        self._additive = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
+        self._dtype = self.model.dtype
 
     def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, visible: torch.Tensor):
         """The 4D mask, or {layer type: mask} for models with several (only they read a dict: a 4D tensor
@@ -72,8 +80,7 @@ class Forward:
             if window is not None:
                 m = m & (k_pos > q_pos - window)
             if self._additive:
-                m = torch.zeros(m.shape, dtype=self.model.dtype, device=m.device).masked_fill(
-                    ~m, torch.finfo(self.model.dtype).min)
+                m = torch.zeros(m.shape, dtype=self._dtype, device=m.device).masked_fill(~m, torch.finfo(self._dtype).min)
             out[kind] = m
         return next(iter(out.values())) if len(out) == 1 else out
 
@@ -104,9 +111,9 @@ class Forward:
         positions of each slot. Returns logits [A, V] (the model's dtype: the sampler upcasts)."""
         try:
             return self._step(cache, tokens_A, pos_A, rows_A, length)
-        except Exception as e:  # noqa: BLE001 - a compilation that fails leaves eager decoding, which works
-            if self._step == self._eager_step:
-                raise
+        except torch._dynamo.exc.TorchDynamoException as e:  # a compilation that fails leaves eager decoding
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise  # the graph capture fails (megaopd.engine.graphs turns graphs off); the next call retries
             warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
                           "the embedded engine decodes without it")
             self._step = self._eager_step

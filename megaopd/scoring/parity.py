@@ -1,7 +1,8 @@
 """Weight-sync parity: what the engines generate with must be what the actor trained.
 
     report = parity_report(engine_logprobs, actor_logprobs)      # per-token lists of the probe
-    report.check(bounds_for(actor_dtype, rollout_cfg))           # RuntimeError naming the statistic
+    report.check(bounds_for(cfg.parity_dtype(), r.parity_tolerance, r.parity_mean_tolerance,
+                            r.parity_p99_tolerance, r.parity_min_correlation))   # RuntimeError naming the statistic
 
 The probe scores fixed sequences (the first prompts' golden solutions) with the engine (its prompt
 log-probs, temperature 1) and with the actor (megaopd.scoring.passes) right after a sync, and compares

@@ -226,7 +226,8 @@ def test_gpu_check_shape_names_the_budget_and_recompute():
     passes recompute=full or a smaller token budget."""
     yaml_path = os.path.join(ROOT, "scripts", "gpu_check", "stable_opd_gpu.yaml")
     common = [f"student.path={Q15B}", f"teacher.path={Q15B}", "trainer.prompts_per_step=16",
-              "trainer.samples_per_prompt=4", "rollout.max_new_tokens=256", "plan.gpu_memory_gb=80"]
+              "trainer.samples_per_prompt=4", "rollout.max_new_tokens=256", "plan.gpu_memory_gb=80",
+              "rollout.engine_dtype=auto"]  # as the GPU check's trainer bench runs it (the YAML pins float32)
     bad = _cli("plan", yaml_path, *common, "student.recompute=none")
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "16384 tokens packed" in bad.stdout

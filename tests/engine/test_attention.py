@@ -90,3 +90,30 @@ def test_sliding_windows_and_eager_masks_match_hf(tmp_path, attn):
         ref = hf_logprobs(d, prompt[:1], prompt[1:], 1.0)
         got = torch.tensor(engine.prompt_logprobs(prompt)[1:], dtype=torch.float64)
         assert (ref - got).abs().max() < 1e-5, d
+
+
+def test_layer_windows_follow_the_models_own_masks():
+    """Without layer_types a model slides where its own code does: Mistral with a window, not Llama with a
+    stray sliding_window in its config, nor Qwen2 with use_sliding_window=False."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from megaopd.engine.forward import layer_windows
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1)
+    llama_cfg = LlamaConfig(**kw)
+    llama_cfg.sliding_window = 8
+    assert layer_windows(LlamaForCausalLM(llama_cfg)) == {"full_attention": None}
+    assert layer_windows(MistralForCausalLM(MistralConfig(sliding_window=8, **kw))) == {"sliding_attention": 8}
+    assert layer_windows(MistralForCausalLM(MistralConfig(sliding_window=None, **kw))) == {"full_attention": None}
+    assert layer_windows(Qwen2ForCausalLM(Qwen2Config(sliding_window=8, use_sliding_window=False, **kw))) == \
+        {"full_attention": None}
+
+
+def test_only_sdpa_or_eager(tiny_dir):
+    from megaopd.engine.config import EmbeddedEngineConfig
+
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2': choose sdpa or eager"):
+        EmbeddedEngineConfig(hf_dir=tiny_dir, attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match=r"admit_min=9 must be in \[0, max_batch_size=8\]"):
+        EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=8, admit_min=9)
