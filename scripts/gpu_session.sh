@@ -7,10 +7,11 @@
 # Every step does not fit in one call: with 15 device minutes (the machine's start included), make two,
 #   call 1: STEPS="tests engine loss sweep" BUDGET=420      call 2: STEPS="trainer engine32 a" BUDGET=420
 # Steps (seconds each on an H100, 2026-11-27): tests (unmeasured: tests/engine with the engine on the GPU, as
-# "auto" picks it there: graphs, the shared logits buffer, compile_decode, against transformers); loss 25-50 (benchmarks/loss.py --device cuda); engine 85 before
-# the compiled arm (bf16: the engine, the engine with compile_decode (its compilations unmeasured) and
-# transformers' compiled static-cache generate, then a profile of each case); sweep (unmeasured, ~28
-# configurations x 2 sizes: the Triton launch configurations); engine32 ~40 (float32, the engine alone);
+# "auto" picks it there: graphs, the shared logits buffer, compile_decode, against transformers); loss 25-50
+# (benchmarks/loss.py --device cuda); engine 85 before the compiled arm (bf16: the engine, the engine with
+# compile_decode (its compilations unmeasured) and transformers' compiled static-cache generate, then a profile
+# of each case); sweep (unmeasured, ~28 configurations x 2 sizes: the Triton launch configurations, then the
+# default's forward and backward apart); engine32 ~40 (float32, the engine alone);
 # trainer ~120 a run (recompute=none at 8k tokens, then full); a 55 (ops and losses vs float64).
 set -u
 cd "$(dirname "$0")/.."

@@ -36,7 +36,8 @@ def engine_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     A, H, Q, D = query.shape
-    groups = H // key.shape[1]
+    kv_heads = key.shape[1]
+    groups = H // kv_heads
     shared_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
     if Q != 1 or groups == 1 or not shared_mask or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -44,7 +45,7 @@ def engine_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, :key.shape[-2]]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(A, H // groups, groups, D), key, value, attn_mask=attention_mask, dropout_p=dropout,
+        query.reshape(A, kv_heads, groups, D), key, value, attn_mask=attention_mask, dropout_p=dropout,
         scale=scaling)
     return out.reshape(A, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 

@@ -41,8 +41,8 @@ class EmbeddedEngineConfig:
     admit_min: int = 0
     """While rows run, waiting rows enter free slots once at least this many are free (or all of them fit):
     each admission is a prefill, an eager forward that on a GPU costs several decode steps. 0 = 1 on CPU,
-    max(1, max_batch_size // 8) on CUDA; at most max_batch_size (`python benchmarks/rollout.py --only schedule` counts prefills and decode steps
-    of the GPU check's mixed case for several values)."""
+    max(1, max_batch_size // 8) on CUDA; at most max_batch_size (`python benchmarks/rollout.py --only schedule`
+    counts prefills and decode steps of the GPU check's mixed case for several values)."""
     cuda_graph_bs: list[int] | None = None
     """Batch sizes whose decode step is captured as a CUDA graph (SGLang's cuda_graph_bs); None = 1, 2, 4,
     8, then multiples of 8 up to max_batch_size; [] = eager decode. Ignored on CPU."""

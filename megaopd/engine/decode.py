@@ -137,7 +137,7 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
     while True:
         free = S - len(running)
         if waiting and free and (not running or free >= min(admit_min, len(waiting))):
-            new = [waiting.popleft() for _ in range(min(S - len(running), len(waiting)))]
+            new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
             with record_function("engine.prefill"):
                 new_logits = _prefill(fwd, cache, st, rows, new, seeds, len(running), K,
                                       [list(rows[i].prompt_ids) for i in new])

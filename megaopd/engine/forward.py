@@ -67,7 +67,7 @@ class Forward:
         # cudagraphs stay off).
         self._step = torch.compile(self._eager_step, dynamic=True) if self.compile else self._eager_step
         # SDPA (and the engine's own, megaopd.engine.attention) takes bool masks; eager attention adds the mask
-        # to the scores, so it needs 0 / -inf (a bool True would add 1).
+        # to the scores, so it needs 0 / the dtype's minimum (a bool True would add 1).
         self._additive = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
         self._dtype = self.model.dtype
 
