@@ -280,48 +280,50 @@ def gpu_main(args):
 
 
 def sweep_main(args):
-    """The fused op (impl=triton) under each launch configuration (block, warps, splits per row): the table to
-    choose launch_config / _warps from on a GPU (issue 27: the kernels at 0.47-0.61 of the bound, untuned)."""
+    """The fused op (impl=triton) under each launch configuration (block, warps, stages of prefetched loads; one
+    split per row, as the default launches at these T): forward (stats kernel: reads both logits, 2/5 of the
+    bound's bytes, with the loss's few per-token ops) and backward (grad kernel: reads both, writes the
+    gradient, 3/5) timed apart, each against its share of the bound: the table to choose
+    megaopd/ops/_triton.py's launch_config from on a GPU (issue 27: the kernels at 0.47-0.61 of the bound)."""
     from megaopd.ops import _triton
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     size = torch.finfo(dtype).bits // 8
-    print(f"\n{torch.cuda.get_device_name(device)}, vocab {args.vocab}, {args.dtype}; fused op impl=triton, "
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton's interpreter (a smoke run)"
+    print(f"\n{name}, vocab {args.vocab}, {args.dtype}; fused op impl=triton, "
           f"median of {args.repeats}; the default launch first\n")
-    print("| T | block | warps | splits | ms | of bound | loss |")
-    print("|---|---|---|---|---|---|---|")
-    for T in [int(x) for x in (args.tokens or "4096,8192").split(",")]:
-        d = _gpu_inputs(T, args.vocab, dtype, device)
-        bound_ms = 5 * T * args.vocab * size / args.peak_gbs / 1e6
-        configs = [None] + [(b, w, s) for b in (1024, 2048, 4096) for w in (4, 8, 16) for s in (1, 2, 4)]
-        for cfg in configs:
-            _triton.FORCE_LAUNCH, _triton.FORCE_WARPS = (None, None) if cfg is None else ((cfg[0], cfg[2]), cfg[1])
-            try:
-                value = float(ops_stable_opd(d, "triton")[0].detach())
-                ms, _ = _time_steps(lambda x: ops_stable_opd(x, "triton"), d, args.repeats, device)
-            except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a row, not the end
-                print(f"| {T} | {cfg} | failed: {type(e).__name__}: {str(e)[:80]} ||||")
-                continue
-            b, w, s = ("default",) * 3 if cfg is None else cfg
-            print(f"| {T} | {b} | {w} | {s} | {ms:.2f} | {bound_ms / ms:.2f} | {value:.6f} |", flush=True)
-        _triton.FORCE_LAUNCH, _triton.FORCE_WARPS = None, None
-        _phases(d, T, args, bound_ms, device)
-        del d
-        torch.cuda.empty_cache()
+    print("| T | block | warps | stages | forward ms | of its bound | backward ms | of its bound | total ms "
+          "| of bound | loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
-
-def _phases(d, T, args, bound_ms, device):
-    """The default launch's forward (stats kernel: reads both logits, 2/5 of the bound's bytes; with the loss's
-    few per-token ops) and backward (grad kernel: reads both, writes the gradient, 3/5) apart: which kernel is
-    off the bound."""
     def forward(x):
         with torch.no_grad():
             return ops_stable_opd(x, "triton")
 
-    f_ms, _ = _time_steps(forward, d, args.repeats, device, backward=False)
-    total, _ = _time_steps(lambda x: ops_stable_opd(x, "triton"), d, args.repeats, device)
-    print(f"\nT={T}, default launch: forward {f_ms:.2f} ms ({0.4 * bound_ms / f_ms:.2f} of its bound), backward "
-          f"{total - f_ms:.2f} ms ({0.6 * bound_ms / (total - f_ms):.2f} of its bound)\n", flush=True)
+    def both(x):
+        return ops_stable_opd(x, "triton")
+
+    for T in [int(x) for x in (args.tokens or "4096,8192").split(",")]:
+        d = _gpu_inputs(T, args.vocab, dtype, device)
+        bound_ms = 5 * T * args.vocab * size / args.peak_gbs / 1e6
+        default = _triton.launch_config(T, args.vocab, device)
+        configs = [None] + [(b, w, st) for b in (1024, 2048, 4096) for w in (4, 8, 16) for st in (1, 2, 3)]
+        for cfg in configs:
+            _triton.FORCE_LAUNCH = None if cfg is None else (cfg[0], 1, cfg[1], cfg[2])
+            try:
+                value = float(both(d)[0].detach())
+                f_ms, _ = _time_steps(forward, d, args.repeats, device, backward=False)
+                ms, _ = _time_steps(both, d, args.repeats, device)
+            except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a row, not the end
+                print(f"| {T} | {cfg} | failed: {type(e).__name__}: {str(e)[:80]} |||||||||")
+                continue
+            b, w, st = (f"default {default.block}", default.warps, default.stages) if cfg is None else cfg
+            print(f"| {T} | {b} | {w} | {st} | {f_ms:.2f} | {0.4 * bound_ms / f_ms:.2f} | {ms - f_ms:.2f} "
+                  f"| {0.6 * bound_ms / (ms - f_ms):.2f} | {ms:.2f} | {bound_ms / ms:.2f} | {value:.6f} |", flush=True)
+        _triton.FORCE_LAUNCH = None
+        del d
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main(argv=None):
@@ -346,9 +348,10 @@ def main(argv=None):
     p.add_argument("--no-entropy", action="store_true",
                    help="stable_opd without the entropy metric (opd.log_entropy=false), in both implementations")
     p.add_argument("--sweep", action="store_true",
-                   help="with --device cuda: time the Triton fused op under each launch configuration instead")
+                   help="time the Triton fused op under each launch configuration instead (on CPU: a smoke run, "
+                        "TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
-    if args.device != "cpu":
+    if args.device != "cpu" or args.sweep:  # on CPU, --sweep is a smoke run under TRITON_INTERPRET=1
         args.repeats = args.repeats or 20
         return sweep_main(args) if args.sweep else gpu_main(args)
     args.repeats = args.repeats or 3

@@ -5,13 +5,13 @@
 #   run: command "bash scripts/gpu_session.sh", carry [".whl"], timeout_s 600
 #   STEPS="loss engine" BUDGET=300 bash scripts/gpu_session.sh   # a subset, a shorter deadline
 # Every step does not fit in one call: with 15 device minutes (the machine's start included), make two,
-#   call 1: STEPS="tests engine loss sweep" BUDGET=420      call 2: STEPS="trainer engine32 a" BUDGET=420
+#   call 1: STEPS="tests engine sweep loss" BUDGET=420      call 2: STEPS="trainer engine32 a" BUDGET=420
 # Steps (seconds each on an H100, 2026-11-27): tests (unmeasured: tests/engine with the engine on the GPU, as
 # "auto" picks it there: graphs, the shared logits buffer, compile_decode, against transformers); loss 25-50
 # (benchmarks/loss.py --device cuda); engine 85 before the compiled arm (bf16: the engine, the engine with
 # compile_decode (its compilations unmeasured) and transformers' compiled static-cache generate, then a profile
-# of each case); sweep (unmeasured, ~28 configurations x 2 sizes: the Triton launch configurations, then the
-# default's forward and backward apart); engine32 ~40 (float32, the engine alone);
+# of each case); sweep (unmeasured: the default and 27 Triton launch configurations (block x warps x stages of
+# prefetch) at T=4096, forward and backward timed apart); engine32 ~40 (float32, the engine alone);
 # trainer ~120 a run (recompute=none at 8k tokens, then full); a 55 (ops and losses vs float64).
 set -u
 cd "$(dirname "$0")/.."
@@ -23,12 +23,12 @@ END=$((SECONDS + ${BUDGET:-570}))
 left() { local l=$((END - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }
 G="python3 -m megaopd.gpucheck"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv | tee "$OUT/env.txt"
-for step in ${STEPS:-tests engine loss sweep trainer engine32 a}; do
+for step in ${STEPS:-tests engine sweep loss trainer engine32 a}; do
   mkdir -p "$OUT/$step"; t=$SECONDS
   case $step in
     tests) timeout "$(left 150)" python3 -m pytest -q -m "" -rs tests/engine ;;
     loss) timeout "$(left 90)" python3 benchmarks/loss.py --device cuda --repeats 20 ;;
-    sweep) timeout "$(left 120)" python3 benchmarks/loss.py --device cuda --sweep --repeats 10 ;;
+    sweep) timeout "$(left 120)" python3 benchmarks/loss.py --device cuda --sweep --repeats 10 --tokens 4096 ;;
     engine) OUT=$OUT/$step timeout "$(left 240)" $G --bench engine --generators "engine,engine compiled,hf static" --dtypes bfloat16 --profile ;;
     engine32) OUT=$OUT/$step timeout "$(left 90)" $G --bench engine --generators engine --dtypes float32 ;;
     trainer) OUT=$OUT/$step timeout -k 5 "$(left 300)" $G --bench trainer --recompute none,full ;;

@@ -5,6 +5,10 @@ Grid: (T, S): program (t, s) owns token t and the s-th of S contiguous column ra
 shard; S > 1 gives short sequences enough programs to fill a GPU. Rows may be strided (logits[:, :-1]
 views): the column stride must be 1. Row offsets are int64 (T x V > 2^31 elements).
 
+Loops run over `tl.range(start, end, BLOCK, num_stages=STAGES)`: STAGES > 1 has Triton prefetch the next
+blocks into shared memory (cp.async) while the current one is reduced, so loads stay in flight through the
+reductions; a plain `range` (STAGES = 1) issues a block's loads only when the previous block is done.
+
 stats_kernel (forward): one read of the shard; per (split, token) it writes the partials, each relative to
 the split's own running max m (raw units) and x = (raw - m) / temperature, updated online block by block:
     row 0 m_p    1 s_p = sum e^xp    2 sum e^xp xp    3 m_q    4 s_q = sum e^xq    5 sum e^xp (xp - xq)
@@ -41,7 +45,8 @@ def _rescale(m, m_new, inv_temp):
 
 @triton.jit
 def stats_kernel(p_ptr, q_ptr, out_ptr, T, V, stride_p, stride_q, split_size, inv_temp,
-                 HAS_Q: tl.constexpr, WITH_XEXP: tl.constexpr, WITH_DIFF: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_Q: tl.constexpr, WITH_XEXP: tl.constexpr, WITH_DIFF: tl.constexpr, BLOCK: tl.constexpr,
+                 STAGES: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -55,7 +60,7 @@ def stats_kernel(p_ptr, q_ptr, out_ptr, T, V, stride_p, stride_q, split_size, in
     mq = float("-inf")
     sq = 0.0
     dd = 0.0
-    for off in range(start, end, BLOCK):
+    for off in tl.range(start, end, BLOCK, num_stages=STAGES):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
         rp = tl.load(p_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
@@ -102,7 +107,7 @@ def _logaddexp(a, b):
 def grad_kernel(p_ptr, q_ptr, gp_ptr, gq_ptr, tok_ptr, ids_ptr, T, V, stride_p, stride_q, stride_gp, stride_gq,
                 split_size, inv_temp, log_a, log_b,
                 MODE: tl.constexpr, WRITE_P: tl.constexpr, WRITE_Q: tl.constexpr, HAS_ONEHOT: tl.constexpr,
-                BLOCK: tl.constexpr):
+                BLOCK: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     start = split * split_size
@@ -127,7 +132,7 @@ def grad_kernel(p_ptr, q_ptr, gp_ptr, gq_ptr, tok_ptr, ids_ptr, T, V, stride_p, 
     target = -1
     if HAS_ONEHOT:
         target = tl.load(ids_ptr + row)  # local id, -1 where another rank owns the token
-    for off in range(start, end, BLOCK):
+    for off in tl.range(start, end, BLOCK, num_stages=STAGES):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
         logp = _log_softmax(tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float32), m_p, ls_p, inv_temp)
@@ -153,7 +158,7 @@ def grad_kernel(p_ptr, q_ptr, gp_ptr, gq_ptr, tok_ptr, ids_ptr, T, V, stride_p, 
 
 @triton.jit
 def jsd_kernel(p_ptr, q_ptr, tok_ptr, out_ptr, T, V, stride_p, stride_q, split_size, inv_temp, log_a, log_b,
-               BLOCK: tl.constexpr):
+               BLOCK: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -168,7 +173,7 @@ def jsd_kernel(p_ptr, q_ptr, tok_ptr, out_ptr, T, V, stride_p, stride_q, split_s
     ls_q = tl.load(tok_ptr + 3 * T + row)
     kl_p = 0.0
     kl_q = 0.0
-    for off in range(start, end, BLOCK):
+    for off in tl.range(start, end, BLOCK, num_stages=STAGES):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
         logp = _log_softmax(tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float32), m_p, ls_p, inv_temp)

@@ -20,6 +20,7 @@ Tensor-name legend: megaopd/ops/_common.py.   Tests: pytest tests/ops -k triton.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,34 +30,43 @@ from torch.autograd.function import once_differentiable
 from megaopd.ops import _kernels as K
 from megaopd.ops._common import all_gather, all_reduce_, owned_local_ids
 
-# Tests set this to (block, splits) to exercise block tails and several splits at small V; the launch sweep of
-# benchmarks/loss.py (--sweep, on a GPU) sets it and FORCE_WARPS to time each configuration.
-FORCE_LAUNCH: tuple[int, int] | None = None
-FORCE_WARPS: int | None = None
+# (block, splits, warps, stages): tests set it to exercise block tails and several splits at small V; the launch
+# sweep of benchmarks/loss.py (--sweep, on a GPU) sets it to time each configuration.
+FORCE_LAUNCH: tuple[int, int, int, int] | None = None
 MAX_BLOCK = 4096
 
 
-def launch_config(T: int, V: int, device: torch.device) -> tuple[int, int, int]:
-    """(block, splits, split_size): columns per loop step, splits per row, columns per split.
+@dataclass(frozen=True)
+class Launch:
+    """How a kernel runs over [T, V]: grid (T, splits), `block` columns per loop step, `split_size` columns per
+    split (whole blocks), `warps` per program, and `stages` of its loop's loads in flight (1: no prefetch)."""
+
+    block: int
+    splits: int
+    split_size: int
+    warps: int
+    stages: int
+
+
+def launch_config(T: int, V: int, device: torch.device) -> Launch:
+    """The launch of every kernel of one op over [T, V].
 
     GPU: enough programs to fill the machine (about 8 per SM) even for short sequences, but splits of at
-    least 4 blocks so each program streams a while. Interpreter (CPU): one split, blocks of <= 1024.
+    least 4 blocks so each program streams a while; ~8 columns per thread per loaded tensor at the largest
+    block; no prefetch (unmeasured: benchmarks/loss.py --sweep times the alternatives on a GPU).
+    Interpreter (CPU): one split, blocks of <= 1024.
     """
     if FORCE_LAUNCH is not None:
-        block, splits = FORCE_LAUNCH
+        block, splits, warps, stages = FORCE_LAUNCH
     elif device.type == "cuda":
         block = min(MAX_BLOCK, triton.next_power_of_2(V))
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         splits = max(1, min(triton.cdiv(8 * sms, max(T, 1)), triton.cdiv(V, 4 * block)))
+        warps, stages = max(4, min(16, block // 256)), 1
     else:
-        block, splits = min(1024, triton.next_power_of_2(V)), 1
+        block, splits, warps, stages = min(1024, triton.next_power_of_2(V)), 1, 4, 1
     split_size = triton.cdiv(triton.cdiv(V, splits), block) * block  # whole blocks per split
-    return block, triton.cdiv(V, split_size), split_size
-
-
-def _warps(block: int) -> int:
-    """Warps per program: ~8 columns per thread per loaded tensor at the largest block (unmeasured: tune on a GPU)."""
-    return FORCE_WARPS or max(4, min(16, block // 256))
+    return Launch(block, triton.cdiv(V, split_size), split_size, warps, stages)
 
 
 def _prepare(x_TV: torch.Tensor) -> torch.Tensor:
@@ -67,13 +77,13 @@ def _prepare(x_TV: torch.Tensor) -> torch.Tensor:
 def _stats(p_TV, q_TV, temperature, with_xexp, with_diff):
     """Partials [6, S, T] of the local shard (see _kernels.stats_kernel) and the launch config."""
     T, V = p_TV.shape
-    block, splits, split_size = launch_config(T, V, p_TV.device)
-    out = torch.zeros(K.STATS_ROWS, splits, T, dtype=torch.float32, device=p_TV.device)
+    L = launch_config(T, V, p_TV.device)
+    out = torch.zeros(K.STATS_ROWS, L.splits, T, dtype=torch.float32, device=p_TV.device)
     if T:
         q = q_TV if q_TV is not None else p_TV
-        K.stats_kernel[(T, splits)](p_TV, q, out, T, V, p_TV.stride(0), q.stride(0), split_size, 1.0 / temperature,
-                                    HAS_Q=q_TV is not None, WITH_XEXP=with_xexp, WITH_DIFF=with_diff, BLOCK=block,
-                                    num_warps=_warps(block))
+        K.stats_kernel[(T, L.splits)](p_TV, q, out, T, V, p_TV.stride(0), q.stride(0), L.split_size,
+                                      1.0 / temperature, HAS_Q=q_TV is not None, WITH_XEXP=with_xexp,
+                                      WITH_DIFF=with_diff, BLOCK=L.block, STAGES=L.stages, num_warps=L.warps)
     return out
 
 
@@ -115,7 +125,7 @@ def _owned_target(logits_TV, ids_T, group):
 def _grad(mode, p_TV, q_TV, tok_nT, ids_T, temperature, write_p, write_q, out_p=None, log_ab=(0.0, 0.0)):
     """Launch grad_kernel; returns (grad_p or None, grad_q or None) in the logits' dtypes."""
     T, V = p_TV.shape
-    block, splits, split_size = launch_config(T, V, p_TV.device)
+    L = launch_config(T, V, p_TV.device)
     gp = (out_p if out_p is not None else torch.empty(p_TV.shape, dtype=p_TV.dtype, device=p_TV.device)) \
         if write_p else None
     gq = torch.empty(q_TV.shape, dtype=q_TV.dtype, device=q_TV.device) if write_q else None
@@ -124,11 +134,11 @@ def _grad(mode, p_TV, q_TV, tok_nT, ids_T, temperature, write_p, write_q, out_p=
     tok[: tok_nT.shape[0]] = tok_nT
     if T:
         dummy_p, dummy_q = gp if gp is not None else p_TV, gq if gq is not None else q
-        K.grad_kernel[(T, splits)](
+        K.grad_kernel[(T, L.splits)](
             p_TV, q, dummy_p, dummy_q, tok, ids_T if ids_T is not None else tok, T, V, p_TV.stride(0), q.stride(0),
-            dummy_p.stride(0), dummy_q.stride(0), split_size, 1.0 / temperature, log_ab[0], log_ab[1],
-            MODE=mode, WRITE_P=write_p, WRITE_Q=write_q, HAS_ONEHOT=ids_T is not None, BLOCK=block,
-            num_warps=_warps(block))
+            dummy_p.stride(0), dummy_q.stride(0), L.split_size, 1.0 / temperature, log_ab[0], log_ab[1],
+            MODE=mode, WRITE_P=write_p, WRITE_Q=write_q, HAS_ONEHOT=ids_T is not None, BLOCK=L.block,
+            STAGES=L.stages, num_warps=L.warps)
     return gp, gq
 
 
@@ -227,13 +237,14 @@ class JSDOp(torch.autograd.Function):
         stats, _ = _gathered_stats(_stats(p_TV, q_TV, temperature, False, False), None, group)
         m_p, ls_p, m_q, ls_q, _, _ = combine(stats, temperature)
         T, V = p_TV.shape
-        block, splits, split_size = launch_config(T, V, p_TV.device)
+        L = launch_config(T, V, p_TV.device)
         log_ab = (math.log1p(-beta), math.log(beta))
         tok = torch.stack([m_p, ls_p, m_q, ls_q])
-        out = torch.zeros(2, splits, T, dtype=torch.float32, device=p_TV.device)
+        out = torch.zeros(2, L.splits, T, dtype=torch.float32, device=p_TV.device)
         if T:
-            K.jsd_kernel[(T, splits)](p_TV, q_TV, tok, out, T, V, p_TV.stride(0), q_TV.stride(0), split_size,
-                                      1.0 / temperature, log_ab[0], log_ab[1], BLOCK=block, num_warps=_warps(block))
+            K.jsd_kernel[(T, L.splits)](p_TV, q_TV, tok, out, T, V, p_TV.stride(0), q_TV.stride(0), L.split_size,
+                                        1.0 / temperature, log_ab[0], log_ab[1], BLOCK=L.block, STAGES=L.stages,
+                                        num_warps=L.warps)
         kl_2T = all_reduce_(out.sum(1), dist.ReduceOp.SUM, group)  # KL(p||m), KL(q||m)
         ctx.save_for_backward(p_TV, q_TV, m_p, ls_p, m_q, ls_q, kl_2T)
         ctx.beta, ctx.temperature, ctx.log_ab = beta, temperature, log_ab

@@ -84,7 +84,7 @@ def _triton_results(p, q, ids, w, tau, beta):
 
 def check_launch_config(block, splits, dtype, scale, tau) -> list[str]:
     from megaopd.ops import _triton
-    _triton.FORCE_LAUNCH = (block, splits)
+    _triton.FORCE_LAUNCH = (block, splits, 4, 1)  # warps and stages: the interpreter ignores both
     try:
         T, V, pad, beta = 3, 3000, 800 if dtype == "bfloat16" else 0, 0.4
         g = torch.Generator().manual_seed(block)
@@ -146,7 +146,10 @@ def check_overwrite_q_and_strided_rows() -> list[str]:
 def compile_for_gpu(arch: int = 90, dtype: str = "bf16") -> list[str]:
     """Compile every kernel specialization the ops launch for an NVIDIA GPU of compute capability `arch`
     (down to the cubin, with the ptxas triton ships), which needs no GPU: the compiled language is stricter
-    than the interpreter (module globals, loop-carried types), so this catches what the CPU runs cannot."""
+    than the interpreter (module globals, loop-carried types), so this catches what the CPU runs cannot.
+    Pointers, sizes and strides carry the divisibility by 16 that Triton's launcher sees at V=152064 (the
+    specialization that runs: 16-byte vector loads), and the loops compile with and without prefetching
+    (STAGES 1 and 3: the latter through cp.async, which the interpreter never runs)."""
     import inspect
 
     import triton
@@ -168,11 +171,22 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16") -> list[str]:
               for m in (0, 1, 2)]
     specs += [(K.jsd_kernel, jsd, dict(BLOCK=4096))]
     for fn, sig, consts in specs:
-        names = list(inspect.signature(fn.fn).parameters)
-        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
-                        constexprs={(names.index(k),): v for k, v in consts.items()})
-        try:
-            triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 16})
-        except Exception as e:  # noqa: BLE001 - reported as a mismatch message
-            errors.append(f"{fn.fn.__name__} {consts}: {type(e).__name__}: {str(e)[:500]}")
+        for stages in (1, 3):
+            c = dict(consts, STAGES=stages)
+            names = list(inspect.signature(fn.fn).parameters)
+            div16 = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
+                     if t.startswith("*") or t in ("i32", "i64") and k != "T"}
+            src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in c}},
+                            constexprs={(names.index(k),): v for k, v in c.items()}, attrs=div16)
+            try:
+                kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+            except Exception as e:  # noqa: BLE001 - reported as a mismatch message
+                errors.append(f"{fn.fn.__name__} {c}: {type(e).__name__}: {str(e)[:500]}")
+                continue
+            ptx = kernel.asm["ptx"]
+            if "ld.global.v4" not in ptx and "cp.async" not in ptx:
+                errors.append(f"{fn.fn.__name__} {c}: no 16-byte loads in the PTX")
+            if (stages > 1) != ("cp.async" in ptx):
+                state = "absent" if stages > 1 else "used"
+                errors.append(f"{fn.fn.__name__} {c}: STAGES={stages} but cp.async {state}")
     return errors

@@ -1,0 +1,119 @@
+"""What the loss's Triton kernels ask of an H100, read from their compiled code on this CPU (no GPU needed).
+
+    python benchmarks/kernels.py [--arch 90] [--blocks 1024,2048,4096] [--warps 4,8,16] [--stages 1,2,3]
+
+Compiles megaopd/ops/_kernels.py's stats kernel (the Stable-OPD forward: HAS_Q, WITH_XEXP, WITH_DIFF) and grad
+kernel (MODE 1: reads p and q, writes dp) for sm_90 with the specialization Triton's launcher gives them at
+V=152064 (pointers, sizes and strides divisible by 16), runs the ptxas triton ships with -v on the PTX, and
+prints per (kernel, block, warps, stages): registers per thread, spilled bytes, shared memory, whether loads
+are 16-byte vectors or cp.async prefetches, how many programs fit on one SM (the binding limit: registers,
+threads, shared memory or the 32-block cap), and the bytes of logits one SM has requested per loop step:
+programs x loaded bytes per block x max(1, stages - 1).
+
+Why: a memory-bound kernel reaches the bandwidth only with enough bytes in flight per SM (Little's law:
+~3.35 TB/s x ~0.7 us of latency / 132 SMs, about 18 KB, more under load); without prefetch (stages = 1) a
+program's loads are in flight only between its reductions. Timings need the GPU
+(`benchmarks/loss.py --device cuda --sweep`); this table says which configurations are worth timing and
+why the measured ones land where they do. It is not a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# sm_90 per-SM limits (CUDA occupancy calculator): registers, threads, resident blocks, shared memory
+SM_REGS, SM_THREADS, SM_BLOCKS, SM_SMEM = 65536, 2048, 32, 228 * 1024
+
+
+def _signatures(ptr: str):
+    rows = dict(T="i32", V="i32")
+    stats = dict(p_ptr=ptr, q_ptr=ptr, out_ptr="*fp32", **rows, stride_p="i64", stride_q="i64", split_size="i32",
+                 inv_temp="fp32")
+    grad = dict(p_ptr=ptr, q_ptr=ptr, gp_ptr=ptr, gq_ptr=ptr, tok_ptr="*fp32", ids_ptr="*i64", **rows,
+                stride_p="i64", stride_q="i64", stride_gp="i64", stride_gq="i64", split_size="i32", inv_temp="fp32",
+                log_a="fp32", log_b="fp32")
+    return stats, grad
+
+
+def compile_one(fn, sig: dict, consts: dict, warps: int, arch: int):
+    """(PTX, shared bytes) of one specialization, with the launcher's divisibility by 16 where V=152064 has it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(fn.fn).parameters)
+    div16 = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
+             if t.startswith("*") or t in ("i32", "i64") and k != "T"}
+    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
+                    constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=div16)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    return kernel.asm["ptx"], int(kernel.metadata.shared)
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) from `ptxas -v`."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([ptxas, "-v", f"-arch=sm_{arch}a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    return int(regs.group(1)), int(spills.group(1)) if spills else 0
+
+
+def programs_per_sm(regs: int, warps: int, smem: int) -> tuple[int, str]:
+    """Resident programs per SM and the limit that binds (registers are allocated per warp in units of 256)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    limits = {"registers": SM_REGS // (per_warp * warps), "threads": SM_THREADS // (32 * warps),
+              "blocks": SM_BLOCKS, "shared memory": SM_SMEM // smem if smem else SM_BLOCKS}
+    name = min(limits, key=limits.get)
+    return limits[name], name
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--blocks", default="1024,2048,4096")
+    p.add_argument("--warps", default="4,8,16")
+    p.add_argument("--stages", default="1,2,3")
+    args = p.parse_args(argv)
+    from megaopd.ops import _kernels as K
+
+    stats, grad = _signatures("*bf16")
+    kernels = {"stats (forward)": (K.stats_kernel, stats, dict(HAS_Q=True, WITH_XEXP=True, WITH_DIFF=True), 2),
+               "grad (backward)": (K.grad_kernel, grad, dict(MODE=1, WRITE_P=True, WRITE_Q=False, HAS_ONEHOT=True), 2)}
+    print(f"\nsm_{args.arch}, bf16 logits; loaded bytes per block = tensors read x block x 2\n")
+    print("| kernel | block | warps | stages | registers | spills | shared KiB | loads | programs / SM (limit) "
+          "| KiB requested / SM / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (fn, sig, consts, tensors) in kernels.items():
+        for block in (int(x) for x in args.blocks.split(",")):
+            for warps in (int(x) for x in args.warps.split(",")):
+                for stages in (int(x) for x in args.stages.split(",")):
+                    ptx, smem = compile_one(fn, sig, dict(consts, BLOCK=block, STAGES=stages), warps, args.arch)
+                    regs, spills = ptxas_usage(ptx, args.arch)
+                    n, limit = programs_per_sm(regs, warps, smem)
+                    loads = "cp.async" if "cp.async" in ptx else ("16 B" if "ld.global.v4" in ptx else "< 16 B")
+                    kib = n * tensors * block * 2 * max(1, stages - 1) / 1024
+                    print(f"| {name} | {block} | {warps} | {stages} | {regs} | {spills} | {smem / 1024:.1f} | {loads} "
+                          f"| {n} ({limit}) | {kib:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
