@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a model (student, reference, teacher) or the embedded engine (rollout.engine_dtype) may have."""
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
@@ -46,8 +48,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.tp < 1 or self.pp < 1 or self.ep < 1:
             raise ValueError(f"tp={self.tp}, pp={self.pp}, ep={self.ep}: parallel sizes must be at least 1")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r}: choose float32, bfloat16 or float16")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose {', '.join(MODEL_DTYPES)}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE_CHOICES)}")
         if self.recompute_num_layers < 1:

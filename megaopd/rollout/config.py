@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+from megaopd.models.config import MODEL_DTYPES
+
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
 STALE_SAMPLES = ("drop", "regenerate")
 SYNC_PAUSES = ("in_place", "retract")
@@ -101,8 +103,8 @@ class RolloutConfig:
         if self.stream_parts < 1 or (self.stream_parts > 1 and self.engine != "remote"):
             raise ValueError(f"rollout.stream_parts={self.stream_parts}: must be >= 1, and > 1 needs rollout.engine="
                              "remote (the embedded engine generates a batch in one call, in the trainer's process)")
-        if self.engine_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"rollout.engine_dtype={self.engine_dtype!r}: choose auto, float32, bfloat16 or float16")
+        if self.engine_dtype not in ("auto", *MODEL_DTYPES):
+            raise ValueError(f"rollout.engine_dtype={self.engine_dtype!r}: choose auto, {', '.join(MODEL_DTYPES)}")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (log-probs are of logits/T)")
         check_overlap(self)

@@ -74,7 +74,7 @@ def test_preset_then_override(models, tmp_path):
     (["trainer.max_steps=three"], "bad value for 'trainer.max_steps'"),
     (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
     (["trainer.max_steps"], "is not of the form key=value"),
-    (["rollout.engine_dtype=fp8"], "rollout.engine_dtype='fp8': choose auto, float32, bfloat16 or float16"),
+    (["rollout.engine_dtype=fp8"], "rollout.engine_dtype='fp8': choose auto, float32, bfloat16, float16"),
 ])
 def test_validation_errors(models, overrides, message):
     with pytest.raises(ConfigError) as e:
