@@ -4,8 +4,9 @@
 # each step under its own time limit and one overall deadline, each step's log and table under $OUT/<step>/.
 #   run: command "bash scripts/gpu_session.sh", carry [".whl"], timeout_s 600
 #   STEPS="loss engine" BUDGET=300 bash scripts/gpu_session.sh   # a subset, a shorter deadline
-# Every step does not fit in one call: with 15 device minutes (the machine's start included), make two,
-#   call 1: STEPS="tests engine sweep loss" BUDGET=420      call 2: STEPS="trainer engine32 a" BUDGET=420
+# Every step does not fit in one call: with 15 device minutes (the machine's start included, ~1-2 of them),
+# make two, the targets' measurements first:
+#   call 1: STEPS="engine sweep" BUDGET=400      call 2: STEPS="trainer tests loss" BUDGET=380
 # Steps (seconds each on an H100, 2026-11-27): tests (unmeasured: tests/engine with the engine on the GPU, as
 # "auto" picks it there: graphs, the shared logits buffer, compile_decode, against transformers); loss 25-50
 # (benchmarks/loss.py --device cuda); engine 85 before the compiled arm (bf16: the engine, the engine with
@@ -23,12 +24,12 @@ END=$((SECONDS + ${BUDGET:-570}))
 left() { local l=$((END - SECONDS)); [ "$l" -gt "$1" ] && l=$1; [ "$l" -lt 5 ] && l=5; echo $l; }
 G="python3 -m megaopd.gpucheck"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv | tee "$OUT/env.txt"
-for step in ${STEPS:-tests engine sweep loss trainer engine32 a}; do
+for step in ${STEPS:-engine sweep trainer tests loss engine32 a}; do
   mkdir -p "$OUT/$step"; t=$SECONDS
   case $step in
     tests) timeout "$(left 150)" python3 -m pytest -q -m "" -rs tests/engine ;;
     loss) timeout "$(left 90)" python3 benchmarks/loss.py --device cuda --repeats 20 ;;
-    sweep) timeout "$(left 120)" python3 benchmarks/loss.py --device cuda --sweep --repeats 10 --tokens 4096 ;;
+    sweep) timeout "$(left 150)" python3 benchmarks/loss.py --device cuda --sweep --repeats 10 --tokens 4096 ;;
     engine) OUT=$OUT/$step timeout "$(left 240)" $G --bench engine --generators "engine,engine compiled,hf static" --dtypes bfloat16 --profile ;;
     engine32) OUT=$OUT/$step timeout "$(left 90)" $G --bench engine --generators engine --dtypes float32 ;;
     trainer) OUT=$OUT/$step timeout -k 5 "$(left 300)" $G --bench trainer --recompute none,full ;;
