@@ -42,7 +42,7 @@ def _context(env: dict[str, str]):
     import torch
 
     fresh = (os.environ.get("MEGAOPD_START_METHOD") == "spawn" or torch.cuda.is_available()
-             or any(k.startswith(IMPORT_TIME_ENV) for k in env))
+             or any(k.startswith(IMPORT_TIME_ENV) for k in env) or "forkserver" not in mp.get_all_start_methods())
     if fresh:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

@@ -145,3 +145,19 @@ def teacher_moe_ep2_beside_dense_actor(rank, world_size, hf_dir):
         with torch.no_grad():
             out.append(model(ids, pos, attention_mask=None))
     return float((out[0] - out[1]).abs().max())
+
+
+def start_facts(rank, world_size):
+    """How this worker started and what it sees: (start method, a variable of the caller's, sum of ranks)."""
+    import multiprocessing as mp
+    import os
+
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return mp.get_start_method(allow_none=True), os.environ.get("MEGAOPD_TEST_VAR"), float(t)
+
+
+def raise_in_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one fails on purpose")
+    return rank

@@ -1,0 +1,36 @@
+"""megaopd.parallel.launch.spawn: how local workers start (forked from a forkserver that imported the heavy
+modules once, on a machine without CUDA; spawned fresh where the caller's `env` must be seen at import time),
+that each sees the caller's environment as of the call, and that a worker's exception reaches the caller."""
+import time
+
+import pytest
+import torch
+
+from megaopd.parallel import launch
+from megaopd.parallel.launch import WorkerError, spawn
+from tests.parallel import _workers
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="workers are spawned fresh where CUDA is present")
+
+
+def test_workers_fork_from_the_server_and_see_the_callers_environment(monkeypatch):
+    monkeypatch.delenv("MEGAOPD_START_METHOD", raising=False)
+    monkeypatch.delenv("MEGAOPD_TEST_VAR", raising=False)
+    assert spawn(_workers.start_facts, 2) == [("forkserver", None, 1.0)] * 2
+    monkeypatch.setenv("MEGAOPD_TEST_VAR", "set after the server started")
+    t0 = time.monotonic()
+    assert spawn(_workers.start_facts, 2) == [("forkserver", "set after the server started", 1.0)] * 2
+    assert time.monotonic() - t0 < 5, "a second start re-imported the heavy modules"
+    assert spawn(_workers.start_facts, 1, env={"MEGAOPD_TEST_VAR": "from env"}) == [("forkserver", "from env", 0.0)]
+
+
+def test_import_time_variables_and_the_override_start_fresh(monkeypatch):
+    monkeypatch.delenv("MEGAOPD_START_METHOD", raising=False)
+    assert spawn(_workers.start_facts, 1, env={"TRITON_INTERPRET": "1"})[0][0] == "spawn"
+    monkeypatch.setenv("MEGAOPD_START_METHOD", "spawn")
+    assert launch._context({}).get_start_method() == "spawn"
+
+
+def test_a_workers_exception_names_its_rank():
+    with pytest.raises(WorkerError, match="rank 1:(.|\n)*rank one fails on purpose"):
+        spawn(_workers.raise_in_rank_one, 2)
