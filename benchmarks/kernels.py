@@ -1,6 +1,6 @@
 """What the loss's Triton kernels ask of an H100, read from their compiled code on this CPU (no GPU needed).
 
-    python benchmarks/kernels.py [--arch 90] [--blocks 1024,2048,4096] [--warps 4,8,16] [--stages 1,2,3]
+    python benchmarks/kernels.py [--blocks 1024,2048,4096] [--warps 4,8,16] [--stages 1,2,3]
 
 Compiles megaopd/ops/_kernels.py's stats kernel (the Stable-OPD forward: HAS_Q, WITH_XEXP, WITH_DIFF) and grad
 kernel (MODE 1: reads p and q, writes dp) for sm_90 with the specialization Triton's launcher gives them at
@@ -30,29 +30,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# sm_90 per-SM limits (CUDA occupancy calculator): registers, threads, resident blocks, shared memory
-SM_REGS, SM_THREADS, SM_BLOCKS, SM_SMEM = 65536, 2048, 32, 228 * 1024
+ARCH = 90
+"""The H100's compute capability: the PTX target, and the per-SM limits below (CUDA occupancy calculator):
+registers, threads, resident blocks, shared memory, shared memory the driver reserves per block."""
+SM_REGS, SM_THREADS, SM_BLOCKS, SM_SMEM, SMEM_PER_BLOCK = 65536, 2048, 32, 228 * 1024, 1024
 
 
 def _signatures(ptr: str):
+    # as Triton's launcher types them at T=4096, V=152064: i32, multiples of 16
     rows = dict(T="i32", V="i32")
-    stats = dict(p_ptr=ptr, q_ptr=ptr, out_ptr="*fp32", **rows, stride_p="i64", stride_q="i64", split_size="i32",
+    stats = dict(p_ptr=ptr, q_ptr=ptr, out_ptr="*fp32", **rows, stride_p="i32", stride_q="i32", split_size="i32",
                  inv_temp="fp32")
     grad = dict(p_ptr=ptr, q_ptr=ptr, gp_ptr=ptr, gq_ptr=ptr, tok_ptr="*fp32", ids_ptr="*i64", **rows,
-                stride_p="i64", stride_q="i64", stride_gp="i64", stride_gq="i64", split_size="i32", inv_temp="fp32",
+                stride_p="i32", stride_q="i32", stride_gp="i32", stride_gq="i32", split_size="i32", inv_temp="fp32",
                 log_a="fp32", log_b="fp32")
     return stats, grad
 
 
 def compile_one(fn, sig: dict, consts: dict, warps: int, arch: int):
-    """(PTX, shared bytes) of one specialization, with the launcher's divisibility by 16 where V=152064 has it."""
+    """(PTX, shared bytes) of one specialization, with the launcher's divisibility by 16 (T=4096, V=152064)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(fn.fn).parameters)
     div16 = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-             if t.startswith("*") or t in ("i32", "i64") and k != "T"}
+             if t.startswith("*") or t in ("i32", "i64")}
     src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
                     constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=div16)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
@@ -81,14 +84,13 @@ def programs_per_sm(regs: int, warps: int, smem: int) -> tuple[int, str]:
     """Resident programs per SM and the limit that binds (registers are allocated per warp in units of 256)."""
     per_warp = -(-regs * 32 // 256) * 256
     limits = {"registers": SM_REGS // (per_warp * warps), "threads": SM_THREADS // (32 * warps),
-              "blocks": SM_BLOCKS, "shared memory": SM_SMEM // smem if smem else SM_BLOCKS}
+              "blocks": SM_BLOCKS, "shared memory": SM_SMEM // (smem + SMEM_PER_BLOCK)}
     name = min(limits, key=limits.get)
     return limits[name], name
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arch", type=int, default=90)
     p.add_argument("--blocks", default="1024,2048,4096")
     p.add_argument("--warps", default="4,8,16")
     p.add_argument("--stages", default="1,2,3")
@@ -98,7 +100,7 @@ def main(argv=None) -> None:
     stats, grad = _signatures("*bf16")
     kernels = {"stats (forward)": (K.stats_kernel, stats, dict(HAS_Q=True, WITH_XEXP=True, WITH_DIFF=True), 2),
                "grad (backward)": (K.grad_kernel, grad, dict(MODE=1, WRITE_P=True, WRITE_Q=False, HAS_ONEHOT=True), 2)}
-    print(f"\nsm_{args.arch}, bf16 logits; loaded bytes per block = tensors read x block x 2\n")
+    print(f"\nsm_{ARCH}, bf16 logits; loaded bytes per block = tensors read x block x 2\n")
     print("| kernel | block | warps | stages | registers | spills | shared KiB | loads | programs / SM (limit) "
           "| KiB requested / SM / step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -106,8 +108,8 @@ def main(argv=None) -> None:
         for block in (int(x) for x in args.blocks.split(",")):
             for warps in (int(x) for x in args.warps.split(",")):
                 for stages in (int(x) for x in args.stages.split(",")):
-                    ptx, smem = compile_one(fn, sig, dict(consts, BLOCK=block, STAGES=stages), warps, args.arch)
-                    regs, spills = ptxas_usage(ptx, args.arch)
+                    ptx, smem = compile_one(fn, sig, dict(consts, BLOCK=block, STAGES=stages), warps, ARCH)
+                    regs, spills = ptxas_usage(ptx, ARCH)
                     n, limit = programs_per_sm(regs, warps, smem)
                     loads = "cp.async" if "cp.async" in ptx else ("16 B" if "ld.global.v4" in ptx else "< 16 B")
                     kib = n * tensors * block * 2 * max(1, stages - 1) / 1024

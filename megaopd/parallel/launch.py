@@ -9,12 +9,18 @@ any worker is re-raised here with that worker's traceback, and no worker outlive
 
 How local workers start: every worker imports torch, megatron-core and transformers, ~10 s of a small CPU's
 time (megatron-core alone ~8). On a machine without CUDA they are forked from a server process that imported
-them once (multiprocessing's forkserver, started at this process's first spawn): a test session or a tool
-that starts workers many times pays the imports once, and each start takes ~0.1 s instead of ~10. Where CUDA
-is present, workers start fresh (the spawn method), as before: a process forked after CUDA is initialized
-cannot use it. So do workers whose `env` sets what is read while modules import (TRITON_INTERPRET and the
-other TRITON_* variables, glibc's MALLOC_*), and every worker when MEGAOPD_START_METHOD=spawn. A forked
-worker's environment is this process's at the call (plus `env`), as a spawned one's.
+them once (multiprocessing's forkserver, started at this process's first spawn; megaopd.parallel._preload):
+a test session or a tool that starts workers many times pays the imports once, and each start takes ~0.1 s
+instead of ~10. A forked worker's environment is this process's at the call (plus `env`), as a spawned one's;
+its stdout and stderr are this process's when the server started. Workers start fresh (the spawn method), as
+before, where:
+- CUDA is present: a process forked after CUDA is initialized cannot use it;
+- a variable read while modules import or a process starts (IMPORT_TIME_ENV: TRITON_*, MALLOC_*, OMP_*, HF_*,
+  ...) differs from the server's: what the server imported would not see it;
+- signals are forwarded (`megaopd train`: SIGTERM / SIGUSR1 from Slurm or `timeout`). Such a signal often
+  reaches the whole process group, the server included, and workers whose server died look dead to
+  multiprocessing while they are still saving their checkpoint;
+- MEGAOPD_START_METHOD=spawn.
 """
 from __future__ import annotations
 
@@ -32,21 +38,34 @@ class WorkerError(RuntimeError):
     """A spawned worker raised; the message holds its rank and traceback."""
 
 
-PRELOAD = ("megaopd.parallel.dist", "megatron.core", "transformers")
-"""What the forkserver imports once for every worker it forks."""
-IMPORT_TIME_ENV = ("TRITON_", "MALLOC_")
-"""Prefixes of variables read while modules import (or at process start): workers that set them start fresh."""
+IMPORT_TIME_ENV = ("TRITON_", "MALLOC_", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_",
+                   "PYTHON")
+"""Prefixes of variables read while modules import or at process start (glibc's MALLOC_*, OpenMP's, Hugging Face's
+offline and cache settings, ...): a worker that needs other values than the forkserver started with starts fresh."""
+_server_env: dict[str, str] | None = None
+"""Those variables as the forkserver started with them (it is started once per process, at the first fork)."""
 
 
-def _context(env: dict[str, str]):
+def _import_time(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+
+
+def _context(full_env: dict[str, str], forward_signals: Sequence[int]):
+    """The forkserver, or spawn where the module docstring says."""
+    global _server_env
     import torch
 
-    fresh = (os.environ.get("MEGAOPD_START_METHOD") == "spawn" or torch.cuda.is_available()
-             or any(k.startswith(IMPORT_TIME_ENV) for k in env) or "forkserver" not in mp.get_all_start_methods())
+    fresh = (os.environ.get("MEGAOPD_START_METHOD") == "spawn" or torch.cuda.is_available() or bool(forward_signals)
+             or "forkserver" not in mp.get_all_start_methods()
+             or _server_env is not None and _import_time(full_env) != _server_env)
     if fresh:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs (it has them already)
+    if _server_env is None:  # this call starts the server, with this process's environment
+        if _import_time(full_env) != _import_time(dict(os.environ)):
+            return mp.get_context("spawn")
+        _server_env = _import_time(dict(os.environ))
+        ctx.set_forkserver_preload(["megaopd.parallel._preload"])
     return ctx
 
 
@@ -85,10 +104,10 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
     Results must be picklable (tensors are copied back); keep them small. Signals in forward_signals
     (e.g. SIGTERM from Slurm) are passed on to every worker instead of stopping this process.
     """
-    ctx = _context(env or {})
+    full_env = {**os.environ, **(env or {})}
+    ctx = _context(full_env, forward_signals)
     queue = ctx.SimpleQueue()
     port = find_free_port()
-    full_env = {**os.environ, **(env or {})}
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), full_env, queue), daemon=False)
         for r in range(world_size)
