@@ -3,6 +3,7 @@
     python benchmarks/rollout.py                 # both, prints markdown tables
     python benchmarks/rollout.py --only gen      # or --only sync
     python benchmarks/rollout.py --only schedule # the engine's decode steps and prefills per admit_min
+    python benchmarks/rollout.py --only ops      # the operations one decode step runs, eager vs compile_decode
 
 Generation (megaopd.gpucheck.engine_bench, whose table `python -m megaopd.gpucheck --bench engine` prints
 too): the embedded engine beside transformers' `generate` (dynamic cache; static cache, compiled on CUDA)
@@ -106,6 +107,69 @@ def bench_schedule(admits=(1, 2, 4, 8, 16), slots: int = 64, sync_every: int = 8
     return "\n".join(lines)
 
 
+def bench_step_ops(rows: int = 64, length: int = 256) -> str:
+    """The operations one decode step of the engine runs (megaopd.engine.forward.Forward.step), eager and under
+    compile_decode, at Qwen2.5-1.5B's depth and head layout (28 layers, 12 query heads on 2 KV heads) made
+    narrow (hidden 192, vocabulary 1024): 64 rows attending 256 positions. A CUDA graph replays the same
+    sequence of kernels, and a small kernel costs a few microseconds whatever its size, so at 64 rows the
+    count, not the bytes, sets much of a graph-replayed step's time on a GPU. Counted with the profiler: leaf
+    operations that compute (views and allocations left out), inductor's fused kernels named
+    (config.cpp.enable_kernel_profile). CPU kernels stand in for CUDA ones, except the bias copies that CPU
+    addmm makes (CUDA's adds the bias in the GEMM): they are counted apart."""
+    import collections
+
+    import torch._inductor.config as inductor_config
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megaopd.engine import attention
+    from megaopd.engine.cache import PrefillCopy, SlotCache
+    from megaopd.engine.forward import Forward
+
+    inductor_config.cpp.enable_kernel_profile = True
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    name = attention.register()
+    cfg = Qwen2Config(vocab_size=1024, hidden_size=192, intermediate_size=512, num_hidden_layers=28,
+                      num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg._attn_implementation = name
+    model = Qwen2ForCausalLM(cfg).eval()
+    shape_only = {"view", "reshape", "as_strided", "transpose", "unsqueeze", "slice", "select", "expand", "t",
+                  "_unsafe_view", "alias", "empty", "empty_strided", "detach", "squeeze", "permute", "lift_fresh",
+                  "_reshape_alias", "resolve_conj", "resolve_neg", "result_type", "empty_like"}
+
+    def computes(e):
+        return (e.name.startswith("aten::") and e.name[6:] not in shape_only) or "cpp_fused" in e.name
+
+    lines = ["| decode step | operations | fused kernels | GEMMs | bias copies (CPU only) | other "
+             "| time to first step s |", "|---|---|---|---|---|---|---|"]
+    for compiled in (False, True):
+        fwd = Forward(model, torch.device("cpu"), 0, "past_key_values", compile=compiled)
+        cache = SlotCache(model.config, rows, 2 * length, torch.device("cpu"), torch.float32)
+        tok, rows_A = torch.ones(rows, dtype=torch.long), torch.arange(rows)
+        with torch.inference_mode():
+            fwd.prefill(cache, [[5 + i] * 32 for i in range(rows)],
+                        [PrefillCopy(u=i, slot=i, pad=0, length=32) for i in range(rows)])
+            t0 = time.perf_counter()
+            fwd.step(cache, tok, torch.full((rows,), 32), rows_A, length)
+            first = time.perf_counter() - t0
+            fwd.step(cache, tok, torch.full((rows,), 33), rows_A, length)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fwd.step(cache, tok, torch.full((rows,), 34), rows_A, length)
+        children = collections.defaultdict(list)
+        for e in prof.events():
+            if e.cpu_parent is not None:
+                children[e.cpu_parent.id].append(e)
+        leaves = [e for e in prof.events() if computes(e) and not any(computes(c) for c in children[e.id])]
+        fused = sum("cpp_fused" in e.name for e in leaves)
+        gemms = sum(e.name in ("aten::mm", "aten::bmm", "aten::addmm") for e in leaves)
+        bias = sum(e.name == "aten::copy_" and e.cpu_parent is not None and e.cpu_parent.name == "aten::addmm"
+                   for e in leaves)
+        lines.append(f"| {'compile_decode' if compiled else 'eager'} | {len(leaves)} | {fused} | {gemms} | {bias} "
+                     f"| {len(leaves) - fused - gemms - bias} | {first:.1f} |")
+    return "\n".join(lines)
+
+
 def _server_process(model_dir: str, to_parent, from_parent):
     """Helper: a RolloutServer in a thread; on request, raw receives on its weight-update group."""
     torch.set_num_threads(1)
@@ -205,7 +269,7 @@ def markdown(gen: str, sync: list[dict]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=["gen", "sync", "schedule"], default=None)
+    ap.add_argument("--only", choices=["gen", "sync", "schedule", "ops"], default=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, nargs="+", default=[32, 512])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for generation")
@@ -218,6 +282,9 @@ def main(argv=None):
     which = args.generators.split(",") if args.generators else None
     if args.only == "schedule":
         print(bench_schedule())
+        return
+    if args.only == "ops":
+        print(bench_step_ops())
         return
     gen = (bench_generation(args.repeats, args.threads, args.device, args.dtype, which=which,
                             cb_repeats=args.hf_cb_repeats) if args.only in (None, "gen") else "")
