@@ -25,8 +25,9 @@
 # The loss kernels' speed (issue 27: naive, compiled naive, megaopd loss, fused op impl=torch / impl=triton; CUDA
 # events, GB/s against the bandwidth bound), after the install line of the calls above:
 #   command: (same install line); PYTHONPATH=$PWD python3 benchmarks/loss.py --device cuda 2>&1 | tee $OUT/loss_bench.txt
-# All of issue 26's and 27's measurements in one call (how the 2026-11-27 session spent its 15 minutes):
-#   command: bash scripts/gpu_session.sh   (carry [".whl"], timeout_s 600; see its header)
+# All of issue 26's and 27's measurements in two calls (15 device minutes):
+#   command: STEPS="engine sweep" BUDGET=400 bash scripts/gpu_session.sh   (carry [".whl"], timeout_s 600), then
+#   command: STEPS="trainer tests loss" BUDGET=380 bash scripts/gpu_session.sh   (see its header)
 # Measured on an H100 (2026-11-23): parts a,b,d 82 s; c 2-3 min; --bench loss 21 s, packing 32 s, engine 49 s,
 # trainer ~3 min (benchmarks/README.md, section GPU).
 # (the second and third calls build the models they need again when the machine is a fresh one; on a warm one
