@@ -97,7 +97,7 @@ def _worker(rank, world_size, port, fn, args, env, queue):
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600,
           env: dict[str, str] | None = None, forward_signals: Sequence[int] = ()) -> list[Any]:
-    """Runs fn(rank, world_size, *args) in `world_size` fresh processes; returns results by rank.
+    """Runs fn(rank, world_size, *args) in `world_size` new processes; returns results by rank.
 
     fn must be importable (module level): workers are forked from the forkserver or spawned (module docstring),
     and either way find it by name.
