@@ -16,7 +16,7 @@ its stdout and stderr are this process's when the server started. Workers start 
 before, where:
 - CUDA is present: a process forked after CUDA is initialized cannot use it;
 - a variable read while modules import or a process starts (IMPORT_TIME_ENV: TRITON_*, MALLOC_*, OMP_*, HF_*,
-  ...) differs from the server's: what the server imported would not see it;
+  TORCH_*, ...) differs from the server's: what the server imported would not see it;
 - signals are forwarded (`megaopd train`: SIGTERM / SIGUSR1 from Slurm or `timeout`). Such a signal often
   reaches the whole process group, the server included, and workers whose server died look dead to
   multiprocessing while they are still saving their checkpoint;
@@ -38,10 +38,12 @@ class WorkerError(RuntimeError):
     """A spawned worker raised; the message holds its rank and traceback."""
 
 
-IMPORT_TIME_ENV = ("TRITON_", "MALLOC_", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_",
-                   "PYTHON")
+IMPORT_TIME_ENV = ("TRITON_", "MALLOC_", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TORCH_", "PYTORCH_",
+                   "PYTHONHASHSEED")
 """Prefixes of variables read while modules import or at process start (glibc's MALLOC_*, OpenMP's, Hugging Face's
-offline and cache settings, ...): a worker that needs other values than the forkserver started with starts fresh."""
+offline and cache settings, TORCH_LOGS, ...): a worker that needs other values than the forkserver started with
+starts fresh. Not CUDA_* (no forkserver where CUDA is present; `megaopd`'s CLI sets CUDA_DEVICE_MAX_CONNECTIONS in
+the process) nor TORCHINDUCTOR_* (read when inductor compiles, which sets its cache folder in the process)."""
 _server_env: dict[str, str] | None = None
 """Those variables as the forkserver started with them (it is started once per process, at the first fork)."""
 

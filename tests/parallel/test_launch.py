@@ -34,6 +34,9 @@ def test_import_time_variables_forwarded_signals_and_the_override_start_fresh(mo
     assert launch._context(env, ()).get_start_method() == "forkserver"
     assert spawn(_workers.start_facts, 1, env={"TRITON_INTERPRET": "1"})[0][0] == "spawn"
     assert launch._context({**env, "OMP_NUM_THREADS": "7"}, ()).get_start_method() == "spawn"
+    # what megaopd's CLI and inductor set in the process mid-session is not read at import
+    later = {**env, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x"}
+    assert launch._context(later, ()).get_start_method() == "forkserver"
     assert launch._context(env, (signal.SIGTERM,)).get_start_method() == "spawn"
     monkeypatch.setenv("MEGAOPD_START_METHOD", "spawn")
     assert launch._context(env, ()).get_start_method() == "spawn"
