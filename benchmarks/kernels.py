@@ -19,7 +19,6 @@ why the measured ones land where they do. It is not a timing.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import re
 import subprocess
@@ -34,32 +33,6 @@ ARCH = 90
 """The H100's compute capability: the PTX target, and the per-SM limits below (CUDA occupancy calculator):
 registers, threads, resident blocks, shared memory, shared memory the driver reserves per block."""
 SM_REGS, SM_THREADS, SM_BLOCKS, SM_SMEM, SMEM_PER_BLOCK = 65536, 2048, 32, 228 * 1024, 1024
-
-
-def _signatures(ptr: str):
-    # as Triton's launcher types them at T=4096, V=152064: i32, multiples of 16
-    rows = dict(T="i32", V="i32")
-    stats = dict(p_ptr=ptr, q_ptr=ptr, out_ptr="*fp32", **rows, stride_p="i32", stride_q="i32", split_size="i32",
-                 inv_temp="fp32")
-    grad = dict(p_ptr=ptr, q_ptr=ptr, gp_ptr=ptr, gq_ptr=ptr, tok_ptr="*fp32", ids_ptr="*i64", **rows,
-                stride_p="i32", stride_q="i32", stride_gp="i32", stride_gq="i32", split_size="i32", inv_temp="fp32",
-                log_a="fp32", log_b="fp32")
-    return stats, grad
-
-
-def compile_one(fn, sig: dict, consts: dict, warps: int, arch: int):
-    """(PTX, shared bytes) of one specialization, with the launcher's divisibility by 16 (T=4096, V=152064)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(inspect.signature(fn.fn).parameters)
-    div16 = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-             if t.startswith("*") or t in ("i32", "i64")}
-    src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
-                    constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=div16)
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-    return kernel.asm["ptx"], int(kernel.metadata.shared)
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -97,18 +70,20 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     from megaopd.ops import _kernels as K
 
-    stats, grad = _signatures("*bf16")
-    kernels = {"stats (forward)": (K.stats_kernel, stats, dict(HAS_Q=True, WITH_XEXP=True, WITH_DIFF=True), 2),
-               "grad (backward)": (K.grad_kernel, grad, dict(MODE=1, WRITE_P=True, WRITE_Q=False, HAS_ONEHOT=True), 2)}
+    from megaopd.ops._gpu_build import build
+
+    kernels = {"stats (forward)": (K.stats_kernel, dict(HAS_Q=True, WITH_XEXP=True, WITH_DIFF=True), 2),
+               "grad (backward)": (K.grad_kernel, dict(MODE=1, WRITE_P=True, WRITE_Q=False, HAS_ONEHOT=True), 2)}
     print(f"\nsm_{ARCH}, bf16 logits; loaded bytes per block = tensors read x block x 2\n")
     print("| kernel | block | warps | stages | registers | spills | shared KiB | loads | programs / SM (limit) "
           "| KiB requested / SM / step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, (fn, sig, consts, tensors) in kernels.items():
+    for name, (fn, consts, tensors) in kernels.items():
         for block in (int(x) for x in args.blocks.split(",")):
             for warps in (int(x) for x in args.warps.split(",")):
                 for stages in (int(x) for x in args.stages.split(",")):
-                    ptx, smem = compile_one(fn, sig, dict(consts, BLOCK=block, STAGES=stages), warps, ARCH)
+                    kernel = build(fn, dict(consts, BLOCK=block, STAGES=stages), warps, ARCH)
+                    ptx, smem = kernel.asm["ptx"], int(kernel.metadata.shared)
                     regs, spills = ptxas_usage(ptx, ARCH)
                     n, limit = programs_per_sm(regs, warps, smem)
                     loads = "cp.async" if "cp.async" in ptx else ("16 B" if "ld.global.v4" in ptx else "< 16 B")

@@ -57,16 +57,15 @@ def _context(full_env: dict[str, str], forward_signals: Sequence[int]):
     global _server_env
     import torch
 
+    # the server's variables: those it started with, or this process's when this call starts it
+    server_env = _server_env if _server_env is not None else _import_time(dict(os.environ))
     fresh = (os.environ.get("MEGAOPD_START_METHOD") == "spawn" or torch.cuda.is_available() or bool(forward_signals)
-             or "forkserver" not in mp.get_all_start_methods()
-             or _server_env is not None and _import_time(full_env) != _server_env)
+             or "forkserver" not in mp.get_all_start_methods() or _import_time(full_env) != server_env)
     if fresh:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    if _server_env is None:  # this call starts the server, with this process's environment
-        if _import_time(full_env) != _import_time(dict(os.environ)):
-            return mp.get_context("spawn")
-        _server_env = _import_time(dict(os.environ))
+    if _server_env is None:
+        _server_env = server_env
         ctx.set_forkserver_preload(["megaopd.parallel._preload"])
     return ctx
 

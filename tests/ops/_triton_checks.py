@@ -147,40 +147,22 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16") -> list[str]:
     """Compile every kernel specialization the ops launch for an NVIDIA GPU of compute capability `arch`
     (down to the cubin, with the ptxas triton ships), which needs no GPU: the compiled language is stricter
     than the interpreter (module globals, loop-carried types), so this catches what the CPU runs cannot.
-    The specialization is the default launch's at T=4096, V=152064 (block 4096, 16 warps; int arguments i32 and
-    divisible by 16, as Triton's launcher types them: 16-byte vector loads), and the loops compile with and
-    without prefetching (STAGES 1 and 3: the latter through cp.async, which the interpreter never runs)."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    The specialization is the default launch's at T=4096, V=152064 (block 4096, 16 warps; megaopd.ops._gpu_build:
+    16-byte vector loads), and the loops compile with and without prefetching (STAGES 1 and 3: the latter through
+    cp.async, which the interpreter never runs)."""
     from megaopd.ops import _kernels as K
+    from megaopd.ops._gpu_build import build
     errors = []
-    # Triton types every int argument i32 when it fits (strides of 152064 do) and marks multiples of 16 ("D")
-    ptr, f32, i32 = f"*{dtype}", dict(inv_temp="fp32"), "i32"
-    rows = dict(T=i32, V=i32)
-    stats = dict(p_ptr=ptr, q_ptr=ptr, out_ptr="*fp32", **rows, stride_p=i32, stride_q=i32, split_size=i32, **f32)
-    grad = dict(p_ptr=ptr, q_ptr=ptr, gp_ptr=ptr, gq_ptr=ptr, tok_ptr="*fp32", ids_ptr="*i64", **rows, stride_p=i32,
-                stride_q=i32, stride_gp=i32, stride_gq=i32, split_size=i32, **f32, log_a="fp32", log_b="fp32")
-    jsd = dict(p_ptr=ptr, q_ptr=ptr, tok_ptr="*fp32", out_ptr="*fp32", **rows, stride_p=i32, stride_q=i32,
-               split_size=i32, **f32, log_a="fp32", log_b="fp32")
-    specs = [(K.stats_kernel, stats, dict(HAS_Q=q, WITH_XEXP=x, WITH_DIFF=q, BLOCK=4096))
+    specs = [(K.stats_kernel, dict(HAS_Q=q, WITH_XEXP=x, WITH_DIFF=q, BLOCK=4096))
              for q, x in ((False, False), (False, True), (True, False), (True, True))]
-    specs += [(K.grad_kernel, grad, dict(MODE=m, WRITE_P=True, WRITE_Q=q, HAS_ONEHOT=m < 2, BLOCK=4096))
+    specs += [(K.grad_kernel, dict(MODE=m, WRITE_P=True, WRITE_Q=q, HAS_ONEHOT=m < 2, BLOCK=4096))
               for m, q in ((0, False), (1, False), (1, True), (2, True))]
-    specs += [(K.jsd_kernel, jsd, dict(BLOCK=4096))]
-    for fn, sig, consts in specs:
+    specs += [(K.jsd_kernel, dict(BLOCK=4096))]
+    for fn, consts in specs:
         for stages in (1, 3):
             c = dict(consts, STAGES=stages)
-            names = list(inspect.signature(fn.fn).parameters)
-            div16 = {(names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items()
-                     if t.startswith("*") or t in ("i32", "i64")}  # T = 4096, V = 152064 and their strides
-            src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in c}},
-                            constexprs={(names.index(k),): v for k, v in c.items()}, attrs=div16)
             try:
-                kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 16})
+                kernel = build(fn, c, warps=16, arch=arch, dtype=dtype)
             except Exception as e:  # noqa: BLE001 - reported as a mismatch message
                 errors.append(f"{fn.fn.__name__} {c}: {type(e).__name__}: {str(e)[:500]}")
                 continue
