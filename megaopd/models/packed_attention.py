@@ -15,9 +15,9 @@ megaopd (chosen by `compat.decoder_block_spec`, not by branches in model code):
   positions restart at 0 in every sequence). Every sequence attends causally to itself only: the
   block-diagonal causal mask of cu_seqlens. On CUDA in fp16/bf16 that is torch's varlen flash kernel
   (`torch.nn.attention.varlen.varlen_attn`, window (-1, 0) = causal); elsewhere (CPU, float32) it is
-  `scaled_dot_product_attention(is_causal=True)` per sequence: exactly the diagonal blocks of the
-  block-diagonal causal mask, without materializing (or computing) the [t, t] scores off them, so
-  attention costs sum(len^2) like the packed kernels, not t^2.
+  `scaled_dot_product_attention(is_causal=True)` over the sequences batched by length (`causal_by_length`):
+  exactly the diagonal blocks of the block-diagonal causal mask, without the [t, t] scores off them, so
+  attention costs about sum(len^2) like the packed kernels, not t^2.
 
 Attention dropout is not applied on the packed path (megaopd's configs set it to 0; a nonzero value is
 refused).
@@ -89,16 +89,9 @@ class PackedDotProductAttention(DotProductAttention):
             out = fn(query, key, value, cu32, cu32, m, m, **kwargs)
             return out.reshape(t, self.hidden_size_per_partition)
         bounds = cu.tolist()
-        outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end == start:
-                continue
-            q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [heads, len, head_dim]
-            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                       enable_gqa=gqa).transpose(0, 1))
         if bounds[-1] != t:
             raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed row has {t} tokens")
-        return torch.cat(outs).reshape(t, self.hidden_size_per_partition)
+        return causal_by_length(query, key, value, bounds, scale, gqa).reshape(t, self.hidden_size_per_partition)
 
     def _scale(self) -> float:
         # megatron divides softmax_scale by the layer number under query-key layer scaling and multiplies
@@ -125,3 +118,57 @@ class PackedDotProductAttention(DotProductAttention):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._scale())
         s, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+
+# A sequence joins a batch of longer ones if the batch's longest is at most this much longer (padding costs at
+# most ratio^2 of its attention, and nothing of the rest of the layer); a batch's score tensor stays under
+# MAX_BATCH_SCORES elements (what the math kernel may materialize).
+LENGTH_RATIO = 1.25
+MAX_BATCH_SCORES = 1 << 24
+
+
+def length_batches(lengths: list[int], ratio: float = LENGTH_RATIO, max_scores: int = MAX_BATCH_SCORES,
+                   heads: int = 1) -> list[list[int]]:
+    """Indices of the non-empty sequences, longest first, cut into batches whose longest is at most `ratio`
+    times their shortest and whose [n, heads, longest, longest] scores hold at most `max_scores` elements
+    (a sequence longer than that is a batch of its own)."""
+    batches: list[list[int]] = []
+    for i in sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i]):
+        if batches:
+            top = lengths[batches[-1][0]]
+            if lengths[i] * ratio >= top and (len(batches[-1]) + 1) * heads * top * top <= max_scores:
+                batches[-1].append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+def causal_by_length(query, key, value, bounds: list[int], scale: float, gqa: bool) -> torch.Tensor:
+    """Causal self-attention within each sequence of a packed row: q [t, hq, d], k/v [t, hk, d], sequence i
+    at [bounds[i], bounds[i+1]) -> [t, hq, d].
+
+    One `scaled_dot_product_attention(is_causal=True)` call per batch of similar lengths (length_batches),
+    each sequence right-padded to its batch's longest: a real query at position j sees keys 0..j, all of its
+    own sequence, so the padding is never attended and gets no gradient; padded queries' outputs are dropped.
+    On CPU this replaced one call per sequence, whose per-call overhead set the packed step's time
+    (benchmarks/README.md, "Packed attention on CPU")."""
+    t, device = query.shape[0], query.device
+    if t == 0:
+        return query.clone()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    outs, positions = [], []
+    for batch in length_batches(lengths, heads=query.shape[1]):
+        longest = lengths[batch[0]]
+        steps = torch.arange(longest, device=device)
+        starts = torch.tensor([bounds[i] for i in batch], device=device)
+        lens = torch.tensor([lengths[i] for i in batch], device=device)
+        index = (starts[:, None] + steps).clamp_(max=t - 1).reshape(-1)  # padding reads some other token
+        q, k, v = (x.index_select(0, index).view(len(batch), longest, *x.shape[1:]).transpose(1, 2)
+                   for x in (query, key, value))  # [n, heads, longest, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        real = (steps < lens[:, None]).reshape(-1).nonzero().squeeze(1)
+        outs.append(out.transpose(1, 2).reshape(-1, *query.shape[1:]).index_select(0, real))
+        positions.append(index.index_select(0, real))
+    order = torch.empty(t, dtype=torch.long, device=device)
+    order[torch.cat(positions)] = torch.arange(t, device=device)  # row of the batched output for each token
+    return torch.cat(outs).index_select(0, order)

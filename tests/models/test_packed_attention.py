@@ -82,3 +82,39 @@ def test_padded_fused_attention_equals_megatrons(one_torch_thread):
     got = attn._causal_sdpa(q, k, v)
     assert got.shape == want.shape == (s, b, 32)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_causal_by_length_equals_each_sequence_alone(one_torch_thread, gqa):
+    """The CPU packed path (sequences batched by length, right-padded) equals one causal SDPA per sequence,
+    values and the gradients of q, k and v, including empty and one-token sequences and a batch split by
+    the score cap."""
+    import torch
+    import torch.nn.functional as F
+
+    from megaopd.models.packed_attention import causal_by_length, length_batches
+
+    lengths = [23, 1, 0, 2, 17, 5, 9, 30, 29, 24, 3, 0, 11]
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    g = torch.Generator().manual_seed(0)
+    hq, hk, d = 4, 2 if gqa else 4, 8
+    q, k, v = (torch.randn(bounds[-1], h, d, generator=g, dtype=torch.float64).requires_grad_()
+               for h in (hq, hk, hk))
+    want = torch.cat([F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+                                                     scale=0.3, enable_gqa=gqa).transpose(0, 1)
+                      for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
+    upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, (q, k, v), upstream)
+    got = causal_by_length(q, k, v, bounds, 0.3, gqa)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for got_grad, want_grad in zip(torch.autograd.grad(got, (q, k, v), upstream), want_grads):
+        torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12)
+
+    batches = length_batches(lengths, ratio=1.25, max_scores=2 * 30 * 30)
+    assert sorted(i for b in batches for i in b) == [i for i, n in enumerate(lengths) if n]
+    for b in batches:
+        assert lengths[b[0]] == max(lengths[i] for i in b) and lengths[b[0]] <= 1.25 * min(lengths[i] for i in b)
+        assert len(b) * lengths[b[0]] ** 2 <= 2 * 30 * 30 or len(b) == 1
+    assert [30, 29] == [lengths[i] for i in batches[0]]  # the cap cut 30, 29, 24 after two
