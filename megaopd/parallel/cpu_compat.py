@@ -30,6 +30,8 @@ _FACTORIES = {
     torch.randn_like, torch.rand_like, torch.as_tensor, torch.linspace, torch.eye, torch.empty_strided,
 }
 
+_REWRITTEN = frozenset(_FACTORIES | {torch.Tensor.cuda, torch.Tensor.to})
+
 
 def _to_cpu_device(device):
     if device is None:
@@ -47,6 +49,9 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites `device=cuda` in tensor factories and `.cuda()` / `.to("cuda")` calls to the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Every torch call of the process passes through here: return at once for all but the few rewritten.
+        if func not in _REWRITTEN:
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         if func in _FACTORIES and "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
