@@ -22,8 +22,23 @@ def _prepare_run_dir(cfg: MegaOPDConfig) -> None:
         f.write(to_yaml(cfg))
 
 
+def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> dict | None:
+    """One rank of `megaopd train` (a spawned worker, or the torchrun / srun process itself).
+
+    The trainer (megatron-core, transformers: ~11 s of imports on a 2-core CPU) is imported here, in the rank,
+    not at the top: the process that only launches the ranks would otherwise import it too, before they start.
+    """
+    from megaopd.trainer.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    summary = trainer.train()
+    if trainer.run_log is not None:
+        trainer.run_log.close()
+    return summary if rank == 0 else None
+
+
 def _print_summary(cfg: MegaOPDConfig, summary: dict) -> None:
-    from megaopd.trainer.trainer import write_summary
+    from megaopd.trainer.run_log import write_summary
 
     before = (summary.get("val_before") or {}).get("val/accuracy")
     after = summary.get("val/accuracy")
@@ -50,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megaopd train: {e}", file=sys.stderr)
         return 2
     from megaopd.parallel.launch import run_on_ranks, under_launcher
-    from megaopd.trainer.trainer import run_worker
 
     if under_launcher() and int(os.environ["WORLD_SIZE"]) != cfg.run.world_size:
         print(f"megaopd train: the launcher started {os.environ['WORLD_SIZE']} ranks but run.world_size="

@@ -185,3 +185,11 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def write_summary(run_dir: str, summary: dict) -> str:
+    """RUN/summary.json: the run's final metrics (the CLI prints them)."""
+    path = os.path.join(run_dir, "summary.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1, default=float)
+    return path

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from typing import TYPE_CHECKING
 
@@ -404,19 +403,3 @@ def texts_and_rewards(tokenizer, samples, examples, n: int, multi_turn: MultiTur
 
     rewards = rank0_computes(on_rank0)
     return kept.get("texts", []), rewards
-
-
-def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> dict | None:
-    """One rank of `megaopd train` (spawned on CPU, or the torchrun process itself)."""
-    trainer = Trainer(cfg)
-    summary = trainer.train()
-    if trainer.run_log is not None:
-        trainer.run_log.close()
-    return summary if rank == 0 else None
-
-
-def write_summary(run_dir: str, summary: dict) -> str:
-    path = os.path.join(run_dir, "summary.json")
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=1, default=float)
-    return path
