@@ -329,6 +329,41 @@ def sweep_main(args):
             torch.cuda.empty_cache()
 
 
+def count_ops_main(args):
+    """Operators each variant dispatches (a TorchDispatchMode count: every aten call, views included) in one
+    forward and one backward. Where the GPU finishes before the host has issued them, as for the loss at
+    T=4096 on an H100 (section "GPU"), their number, not the logits' bytes, sets the time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megaopd.losses import build_loss
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    device = torch.device(args.device)
+    T = int(args.tokens or 16)
+    d = _gpu_inputs(T, args.vocab, torch.float32 if device.type == "cpu" else getattr(torch, args.dtype), device)
+    stable_opd = build_loss("stable_opd", {"opd": {"log_entropy": True}})
+    variants = {"fused op + the formula's per-token ops (impl default)": lambda x: ops_stable_opd(x, "auto"),
+                "megaopd stable_opd loss (LossInputs)": lambda x: parallel_step(stable_opd, x, None)}
+    print(f"\n{device}, T={T}, vocab {args.vocab}: aten operators dispatched\n")
+    print("| variant | forward | backward | total |")
+    print("|---|---|---|---|")
+    for name, step in variants.items():
+        step(d)[0].backward()  # warm-up: lazy initializations are not the step's
+        d["logits"].grad = None
+        with Count() as fwd:
+            loss = step(d)[0]
+        with Count() as bwd:
+            loss.backward()
+        d["logits"].grad = None
+        print(f"| {name} | {fwd.n} | {bwd.n} | {fwd.n + bwd.n} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu",
@@ -353,7 +388,13 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true",
                    help="time the Triton fused op under each launch configuration instead (on CPU: a smoke run, "
                         "TRITON_INTERPRET=1)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="count the operators the loss and the fused op dispatch, forward and backward (default "
+                        "T=16, vocab 512 on CPU: the count does not depend on the sizes)")
     args = p.parse_args(argv)
+    if args.count_ops:
+        args.vocab = 512 if args.vocab == QWEN_VOCAB and args.device == "cpu" else args.vocab
+        return count_ops_main(args)
     if args.device == "cpu" and args.sweep:  # a smoke run of the sweep's code through Triton's interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined (first import below)
         args.tokens, args.repeats = args.tokens or "2", args.repeats or 1

@@ -30,13 +30,15 @@ def check_aggregation(value: str) -> None:
         raise ValueError(f"aggregation={value!r} is not one of {AGGREGATIONS}; pick one of them")
 
 
-def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, seq_ids_BT: torch.Tensor,
+def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, seq_ids_BT: torch.Tensor | Callable[[], torch.Tensor],
               num_seqs: int | Callable[[], int], mode: str, global_num_tokens=None,
               global_num_seqs=None) -> torch.Tensor:
     """The micro-batch's share of the step loss (see module docstring); a 0-dim tensor.
 
-    num_seqs may be a callable (LossInputs.num_seqs): only the sequence modes call it, since counting the
-    sequences of a packed micro-batch reads a device value on the host.
+    seq_ids_BT and num_seqs may be callables (LossInputs.seq_ids, LossInputs.num_seqs): only the sequence
+    modes call them, since counting the sequences of a packed micro-batch reads a device value on the host,
+    and token-mean, the default, needs neither (a loss's kernels are issued one by one by the host: at small
+    micro-batches that, not the GPU, sets its time).
 
     Global counts left as None default to this micro-batch's own counts. A count of 0 (no loss token
     anywhere) is treated as 1 so that an empty batch gives loss 0 and zero gradients, not NaN.
@@ -53,7 +55,7 @@ def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, seq_ids_BT: torch.Te
     if mode not in AGGREGATIONS:
         check_aggregation(mode)
     num_seqs = num_seqs() if callable(num_seqs) else num_seqs
-    seq_flat = seq_ids_BT.reshape(-1)
+    seq_flat = (seq_ids_BT() if callable(seq_ids_BT) else seq_ids_BT).reshape(-1)
     sums_S = loss_BT.new_zeros(num_seqs).index_add(0, seq_flat, masked_BT.reshape(-1))
     if global_num_seqs is None:
         counts_S = mask.new_zeros(num_seqs).index_add(0, seq_flat, mask.reshape(-1).detach())

@@ -107,7 +107,7 @@ class GKDConfig:
 
 
 def _aggregate_on_policy(loss_BT, inputs: LossInputs, aggregation: str) -> torch.Tensor:
-    return aggregate(loss_BT, inputs.loss_mask_BT, inputs.seq_ids(), inputs.num_seqs, aggregation,
+    return aggregate(loss_BT, inputs.loss_mask_BT, inputs.seq_ids, inputs.num_seqs, aggregation,
                      inputs.global_num_tokens, inputs.global_num_seqs)
 
 
@@ -129,7 +129,7 @@ def sft_loss(inputs: LossInputs, config: SFTConfig) -> tuple[torch.Tensor, Metri
         seq_ids_BT = inputs.golden_seq_ids_BT
         num_seqs = lambda: int(seq_ids_BT.max().item()) + 1 if seq_ids_BT.numel() else 0  # noqa: E731
     else:
-        seq_ids_BT = torch.arange(ids_BT.shape[0], device=ids_BT.device)[:, None].expand_as(ids_BT)
+        seq_ids_BT = lambda: torch.arange(ids_BT.shape[0], device=ids_BT.device)[:, None].expand_as(ids_BT)  # noqa: E731
         num_seqs = ids_BT.shape[0]
     loss = aggregate(nll_BT, mask_BT, seq_ids_BT, num_seqs, config.aggregation,
                      inputs.global_num_golden_tokens, inputs.global_num_golden_seqs)

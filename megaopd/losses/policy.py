@@ -180,11 +180,12 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
         on_BT = mask_BT.bool()
         baseline_BT = reward_baseline(inputs.off_policy, old_BT, logprobs_BT)  # log pi_old, or recomputed
         rewards_BT = torch.where(on_BT, teacher_BT - baseline_BT, torch.zeros_like(teacher_BT)).to(logprobs_BT.dtype)
-        advantages_BT = config.advantage_scale * discounted_returns(rewards_BT, inputs.seq_ids(), config.gamma)
+        returns_BT = discounted_returns(rewards_BT, inputs.seq_ids(), config.gamma) if config.gamma else rewards_BT
+        advantages_BT = config.advantage_scale * returns_BT
     loss_BT, ratio_BT, clip_BT = policy_gradient_loss(logprobs_BT, old_BT, advantages_BT, config.policy_loss,
                                                       config.eps_low, config.eps_high)
     loss_BT, off_metrics = _off_policy(inputs, loss_BT, old_BT, mask_BT)
-    loss = aggregate(loss_BT, mask_BT, inputs.seq_ids(), inputs.num_seqs, config.aggregation,
+    loss = aggregate(loss_BT, mask_BT, inputs.seq_ids, inputs.num_seqs, config.aggregation,
                      inputs.global_num_tokens, inputs.global_num_seqs)
     metrics = _policy_metrics("opd", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT,
                               config.log_entropy, {"opd/reward_mean": rewards_BT, "opd/teacher_logprob_mean": teacher_BT})
