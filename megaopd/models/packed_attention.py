@@ -143,32 +143,38 @@ def length_batches(lengths: list[int], ratio: float = LENGTH_RATIO, max_scores: 
     return batches
 
 
-def causal_by_length(query, key, value, bounds: list[int], scale: float, gqa: bool) -> torch.Tensor:
+def causal_by_length(query, key, value, bounds: list[int], scale: float, gqa: bool,
+                     max_scores: int | None = None) -> torch.Tensor:
     """Causal self-attention within each sequence of a packed row: q [t, hq, d], k/v [t, hk, d], sequence i
-    at [bounds[i], bounds[i+1]) -> [t, hq, d].
+    at [bounds[i], bounds[i+1]) with bounds[0] = 0 and bounds[-1] = t -> [t, hq, d].
 
-    One `scaled_dot_product_attention(is_causal=True)` call per batch of similar lengths (length_batches),
-    each sequence right-padded to its batch's longest: a real query at position j sees keys 0..j, all of its
-    own sequence, so the padding is never attended and gets no gradient; padded queries' outputs are dropped.
-    On CPU this replaced one call per sequence, whose per-call overhead set the packed step's time
-    (benchmarks/README.md, "Packed attention on CPU")."""
+    One `scaled_dot_product_attention(is_causal=True)` call per batch of similar lengths (length_batches,
+    max_scores as there; None: MAX_BATCH_SCORES), each sequence right-padded to its batch's longest with
+    zeros: a real query at position j sees keys 0..j, all of its own sequence, so padding is never attended,
+    gets no gradient, and cannot carry another sequence's inf or NaN in (0 x NaN would); padded queries'
+    outputs are dropped. The gather and scatter indices are built on the host from `bounds` and copied once
+    per batch: no device sync. On CPU this replaced one call per sequence, whose per-call overhead set the
+    packed step's time (benchmarks/README.md, "Packed attention on CPU")."""
     t, device = query.shape[0], query.device
+    if bounds[0] != 0 or bounds[-1] != t:
+        raise ValueError(f"packed sequence bounds {bounds[:3]}...{bounds[-1:]} must run from 0 to the row's {t} tokens")
     if t == 0:
         return query.clone()
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    cap = MAX_BATCH_SCORES if max_scores is None else max_scores
     outs, positions = [], []
-    for batch in length_batches(lengths, heads=query.shape[1]):
-        longest = lengths[batch[0]]
-        steps = torch.arange(longest, device=device)
-        starts = torch.tensor([bounds[i] for i in batch], device=device)
-        lens = torch.tensor([lengths[i] for i in batch], device=device)
-        index = (starts[:, None] + steps).clamp_(max=t - 1).reshape(-1)  # padding reads some other token
-        q, k, v = (x.index_select(0, index).view(len(batch), longest, *x.shape[1:]).transpose(1, 2)
-                   for x in (query, key, value))  # [n, heads, longest, d]
+    for batch in length_batches(lengths, max_scores=cap, heads=query.shape[1]):
+        n, longest = len(batch), lengths[batch[0]]
+        steps = torch.arange(longest)
+        index = (torch.tensor([bounds[i] for i in batch])[:, None] + steps).clamp_(max=t - 1)  # [n, longest]
+        valid = steps < torch.tensor([lengths[i] for i in batch])[:, None]
+        real = valid.reshape(-1).nonzero().squeeze(1)
+        positions.append(index.reshape(-1)[real])
+        index, valid, real = (x.to(device, non_blocking=True) for x in (index.reshape(-1), valid, real))
+        q, k, v = (torch.where(valid[:, :, None, None], x.index_select(0, index).view(n, longest, *x.shape[1:]), 0.0)
+                   .transpose(1, 2) for x in (query, key, value))  # [n, heads, longest, d], padding zero
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        real = (steps < lens[:, None]).reshape(-1).nonzero().squeeze(1)
         outs.append(out.transpose(1, 2).reshape(-1, *query.shape[1:]).index_select(0, real))
-        positions.append(index.index_select(0, real))
-    order = torch.empty(t, dtype=torch.long, device=device)
-    order[torch.cat(positions)] = torch.arange(t, device=device)  # row of the batched output for each token
-    return torch.cat(outs).index_select(0, order)
+    order = torch.empty(t, dtype=torch.long)
+    order[torch.cat(positions)] = torch.arange(t)  # row of the batched output for each token
+    return torch.cat(outs).index_select(0, order.to(device, non_blocking=True))

@@ -94,7 +94,7 @@ def test_causal_by_length_equals_each_sequence_alone(one_torch_thread, gqa):
 
     from megaopd.models.packed_attention import causal_by_length, length_batches
 
-    lengths = [23, 1, 0, 2, 17, 5, 9, 30, 29, 24, 3, 0, 11]
+    lengths = [23, 1, 0, 2, 17, 5, 9, 30, 29, 24, 3, 0, 11, 10]
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
@@ -107,8 +107,11 @@ def test_causal_by_length_equals_each_sequence_alone(one_torch_thread, gqa):
                       for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
     upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
     want_grads = torch.autograd.grad(want, (q, k, v), upstream)
-    got = causal_by_length(q, k, v, bounds, 0.3, gqa)
+    # a cap of two 30-token sequences cuts 30, 29 | 24, 23; the last sequence (10, batched with
+    # 11 and 9) is padded past the row's end (the index clamped)
+    got = causal_by_length(q, k, v, bounds, 0.3, gqa, max_scores=2 * hq * 30 * 30)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert [len(b) for b in length_batches(lengths, max_scores=2 * hq * 30 * 30, heads=hq)][:2] == [2, 2]
     for got_grad, want_grad in zip(torch.autograd.grad(got, (q, k, v), upstream), want_grads):
         torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12)
 
@@ -118,3 +121,20 @@ def test_causal_by_length_equals_each_sequence_alone(one_torch_thread, gqa):
         assert lengths[b[0]] == max(lengths[i] for i in b) and lengths[b[0]] <= 1.25 * min(lengths[i] for i in b)
         assert len(b) * lengths[b[0]] ** 2 <= 2 * 30 * 30 or len(b) == 1
     assert [30, 29] == [lengths[i] for i in batches[0]]  # the cap cut 30, 29, 24 after two
+
+
+def test_causal_by_length_keeps_a_non_finite_sequence_to_itself(one_torch_thread):
+    """Padding is zeros, not the neighbouring tokens: a NaN in one sequence leaves the others finite (values
+    and gradients), as one attention call per sequence would."""
+    import torch
+
+    from megaopd.models.packed_attention import causal_by_length
+
+    bounds = [0, 4, 9]
+    q, k, v = (torch.randn(9, 2, 4).requires_grad_() for _ in range(3))
+    with torch.no_grad():
+        v[4] = float("nan")
+    out = causal_by_length(q, k, v, bounds, 0.5, False)
+    assert torch.isfinite(out[:4]).all() and torch.isnan(out[4:]).any()
+    out[:4].sum().backward()
+    assert all(torch.isfinite(x.grad[:4]).all() for x in (q, k, v))  # the NaN sequence's own are NaN, as alone
