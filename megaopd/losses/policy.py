@@ -22,6 +22,7 @@ unbiased one (torch.std, as in verl/TRL); a group of one sample gets advantage 0
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -91,11 +92,14 @@ class GRPOConfig:
             raise ValueError(f"eps={self.eps} must be > 0 (it keeps a zero-variance group finite)")
 
 
-def discounted_returns(rewards_BT: torch.Tensor, seq_ids_BT: torch.Tensor, gamma: float) -> torch.Tensor:
+def discounted_returns(rewards_BT: torch.Tensor, seq_ids_BT: torch.Tensor | Callable[[], torch.Tensor],
+                       gamma: float) -> torch.Tensor:
     """G_t = sum_{t' >= t, same sequence} gamma^(t'-t) r_t' along each row; sequences are contiguous
-    segments of a row (seq_ids_BT). gamma = 0 returns the rewards themselves."""
+    segments of a row (seq_ids_BT, or a callable making them, as aggregate takes them). gamma = 0 returns the
+    rewards themselves and reads no sequence ids."""
     if gamma == 0.0:
         return rewards_BT.clone()
+    seq_ids_BT = seq_ids_BT() if callable(seq_ids_BT) else seq_ids_BT
     T = rewards_BT.shape[1]
     returns_BT = torch.empty_like(rewards_BT)
     running_B = torch.zeros_like(rewards_BT[:, 0])
@@ -180,8 +184,7 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
         on_BT = mask_BT.bool()
         baseline_BT = reward_baseline(inputs.off_policy, old_BT, logprobs_BT)  # log pi_old, or recomputed
         rewards_BT = torch.where(on_BT, teacher_BT - baseline_BT, torch.zeros_like(teacher_BT)).to(logprobs_BT.dtype)
-        returns_BT = discounted_returns(rewards_BT, inputs.seq_ids(), config.gamma) if config.gamma else rewards_BT
-        advantages_BT = config.advantage_scale * returns_BT
+        advantages_BT = config.advantage_scale * discounted_returns(rewards_BT, inputs.seq_ids, config.gamma)
     loss_BT, ratio_BT, clip_BT = policy_gradient_loss(logprobs_BT, old_BT, advantages_BT, config.policy_loss,
                                                       config.eps_low, config.eps_high)
     loss_BT, off_metrics = _off_policy(inputs, loss_BT, old_BT, mask_BT)

@@ -88,10 +88,7 @@ class PackedDotProductAttention(DotProductAttention):
                 key, value = key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1)
             out = fn(query, key, value, cu32, cu32, m, m, **kwargs)
             return out.reshape(t, self.hidden_size_per_partition)
-        bounds = cu.tolist()
-        if bounds[-1] != t:
-            raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed row has {t} tokens")
-        return causal_by_length(query, key, value, bounds, scale, gqa).reshape(t, self.hidden_size_per_partition)
+        return causal_by_length(query, key, value, cu.tolist(), scale, gqa).reshape(t, self.hidden_size_per_partition)
 
     def _scale(self) -> float:
         # megatron divides softmax_scale by the layer number under query-key layer scaling and multiplies
@@ -144,12 +141,12 @@ def length_batches(lengths: list[int], ratio: float = LENGTH_RATIO, max_scores: 
 
 
 def causal_by_length(query, key, value, bounds: list[int], scale: float, gqa: bool,
-                     max_scores: int | None = None) -> torch.Tensor:
+                     max_scores: int = MAX_BATCH_SCORES) -> torch.Tensor:
     """Causal self-attention within each sequence of a packed row: q [t, hq, d], k/v [t, hk, d], sequence i
     at [bounds[i], bounds[i+1]) with bounds[0] = 0 and bounds[-1] = t -> [t, hq, d].
 
     One `scaled_dot_product_attention(is_causal=True)` call per batch of similar lengths (length_batches,
-    max_scores as there; None: MAX_BATCH_SCORES), each sequence right-padded to its batch's longest with
+    max_scores as there), each sequence right-padded to its batch's longest with
     zeros: a real query at position j sees keys 0..j, all of its own sequence, so padding is never attended,
     gets no gradient, and cannot carry another sequence's inf or NaN in (0 x NaN would); padded queries'
     outputs are dropped. The gather and scatter indices are built on the host from `bounds` and copied once
@@ -157,13 +154,12 @@ def causal_by_length(query, key, value, bounds: list[int], scale: float, gqa: bo
     packed step's time (benchmarks/README.md, "Packed attention on CPU")."""
     t, device = query.shape[0], query.device
     if bounds[0] != 0 or bounds[-1] != t:
-        raise ValueError(f"packed sequence bounds {bounds[:3]}...{bounds[-1:]} must run from 0 to the row's {t} tokens")
+        raise ValueError(f"cu_seqlens {bounds[:3]}...{bounds[-1:]} must run from 0 to the packed row's {t} tokens")
     if t == 0:
         return query.clone()
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
-    cap = MAX_BATCH_SCORES if max_scores is None else max_scores
     outs, positions = [], []
-    for batch in length_batches(lengths, max_scores=cap, heads=query.shape[1]):
+    for batch in length_batches(lengths, max_scores=max_scores, heads=query.shape[1]):
         n, longest = len(batch), lengths[batch[0]]
         steps = torch.arange(longest)
         index = (torch.tensor([bounds[i] for i in batch])[:, None] + steps).clamp_(max=t - 1)  # [n, longest]
