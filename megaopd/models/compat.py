@@ -81,6 +81,24 @@ def patch_moe_router_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def fork_checkpoint_results_queue() -> None:
+    """megatron-core 0.16's torch_dist writer hands each save's write results back through a multiprocessing
+    Manager queue that it starts at a process's first save with the spawn method: a fresh interpreter, which
+    imports torch to unpickle the first result, ~4 s of a 2-core CPU per saving process (every rank of a run,
+    every test worker, every converter). On a machine without CUDA, start that Manager by fork instead, as
+    megatron starts its writer processes: the child has torch imported already. Where CUDA is present
+    megatron's own spawn stays (once per process, and no fork of a CUDA process that we can avoid).
+    Idempotent; leaves megatron's choice alone where the name is gone (another megatron version)."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        import multiprocessing
+
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def cpu_config_overrides() -> dict:
     """TransformerConfig fields for the CPU path: host-side init, no CUDA-only fusions."""
     return dict(

@@ -70,7 +70,7 @@ def _context(full_env: dict[str, str], forward_signals: Sequence[int]):
     return ctx
 
 
-def _worker(rank, world_size, port, fn, args, env, queue):
+def _worker(rank, world_size, port, fn, args, env, queue, spawned):
     os.environ.clear()  # the caller's environment at the call, not the forkserver's at its start
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -94,6 +94,27 @@ def _worker(rank, world_size, port, fn, args, env, queue):
         destroy_distributed()
     except Exception:  # noqa: BLE001 - teardown after a successful run must not mask the result
         pass
+    if spawned:
+        _leave_without_teardown()
+
+
+def _leave_without_teardown() -> None:
+    """Ends a spawned worker that finished its work: its threads joined and its exit handlers run (the
+    engines' and helpers' shutdowns, multiprocessing's children, temporary folders), then os._exit. The
+    interpreter's own teardown, which frees every object of torch, megatron-core and transformers one by one,
+    is skipped: ~2.5 s of a 2-core CPU per worker while the caller waits to join it. A forked worker leaves
+    the same way (multiprocessing ends it with os._exit), without even the exit handlers."""
+    import atexit
+    import sys
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # what sys.exit would run before the teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600,
@@ -110,7 +131,8 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
     queue = ctx.SimpleQueue()
     port = find_free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), full_env, queue), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), full_env, queue,
+                                          ctx.get_start_method() == "spawn"), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
