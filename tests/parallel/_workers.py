@@ -161,3 +161,20 @@ def raise_in_rank_one(rank, world_size):
     if rank == 1:
         raise ValueError("rank one fails on purpose")
     return rank
+
+
+def leaves_work_for_exit(rank, world_size, folder):
+    """Registers an exit handler and starts a non-daemon thread, each writing a file once the worker is done:
+    a spawned worker that skips the interpreter's teardown must still join the one and run the other."""
+    import atexit
+    import os
+    import threading
+    import time
+
+    def write(name):
+        with open(os.path.join(folder, f"{name}_{rank}"), "w") as f:
+            f.write("done")
+
+    atexit.register(write, "atexit")
+    threading.Thread(target=lambda: (time.sleep(0.5), write("thread")), daemon=False).start()
+    return rank

@@ -45,3 +45,9 @@ def test_import_time_variables_forwarded_signals_and_the_override_start_fresh(mo
 def test_a_workers_exception_names_its_rank():
     with pytest.raises(WorkerError, match="rank 1:(.|\n)*rank one fails on purpose"):
         spawn(_workers.raise_in_rank_one, 2)
+
+
+def test_a_spawned_worker_leaves_without_teardown_but_runs_its_exit_handlers(monkeypatch, tmp_path):
+    monkeypatch.setenv("MEGAOPD_START_METHOD", "spawn")
+    assert spawn(_workers.leaves_work_for_exit, 2, args=(str(tmp_path),)) == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == ["atexit_0", "atexit_1", "thread_0", "thread_1"]
