@@ -72,7 +72,7 @@ def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collectio
     if dist.get_rank() == 0:
         os.makedirs(model_dir, exist_ok=True)
     dist.barrier()
-    compat.fork_checkpoint_results_queue()
+    compat.start_checkpoint_results_queue()
     dist_checkpointing.save(compat.sharded_state_dict(model, pgs), model_dir)
     if dist.get_rank() == 0:
         if hf_side_dir is not None:

@@ -81,22 +81,39 @@ def patch_moe_router_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def fork_checkpoint_results_queue() -> None:
-    """megatron-core 0.16's torch_dist writer hands each save's write results back through a multiprocessing
-    Manager queue that it starts at a process's first save with the spawn method: a fresh interpreter, which
-    imports torch to unpickle the first result, ~4 s of a 2-core CPU per saving process (every rank of a run,
-    every test worker, every converter). On a machine without CUDA, start that Manager by fork instead, as
-    megatron starts its writer processes: the child has torch imported already. Where CUDA is present
-    megatron's own spawn stays (once per process, and no fork of a CUDA process that we can avoid).
-    Idempotent; leaves megatron's choice alone where the name is gone (another megatron version)."""
-    if torch.cuda.is_available():
-        return
+def start_checkpoint_results_queue(method: str | None = None) -> None:
+    """Starts, before a process's first save, the multiprocessing Manager through which megatron-core 0.16's
+    torch_dist writer hands back each save's write results (megatron starts it itself at the first save, with
+    the spawn method). Two things differ from megatron's own start:
+
+    - Preemption signals (SIGTERM, SIGUSR1) are blocked while it starts, so the Manager runs with them
+      blocked. srun delivers the time-limit warning to every process of the step, the Manager included; a
+      Manager killed by it broke the checkpoint the ranks then saved (BrokenPipeError). Blocked, a signal that
+      reaches the rank meanwhile waits and is delivered when the start is over.
+    - method: "fork" by default on a machine without CUDA, as megatron starts its writer processes: a spawned
+      Manager is a fresh interpreter that imports torch to unpickle the first result, ~4 s of a 2-core CPU
+      per saving process (every rank of a run, every test worker, every converter). Where CUDA is present,
+      megatron's spawn stays (a CUDA process is not forked where it can be avoided; the cost there is once per
+      run).
+
+    Idempotent; leaves megatron alone where its names are gone (another megatron version)."""
+    import multiprocessing
+    import signal
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", False) is None:
-        import multiprocessing
-
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    if getattr(filesystem_async, "_results_queue", False) is not None or \
+            not hasattr(filesystem_async, "_get_write_results_queue"):
+        return
+    method = method or ("spawn" if torch.cuda.is_available() else "fork")
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    try:
+        if method == "spawn":
+            filesystem_async._get_write_results_queue()
+        else:
+            filesystem_async._results_queue = multiprocessing.get_context(method).Manager().Queue()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def cpu_config_overrides() -> dict:

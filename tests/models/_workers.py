@@ -181,3 +181,24 @@ def packed_vs_alone(rank, world_size, models, lengths):
 
 
 PACKED_LAYOUTS = ((1, 1), (2, 1), (1, 2))
+
+
+def results_queue_survives_preemption_signals(rank, world_size, method):
+    """Starts megatron's checkpoint-result Manager as save_model_checkpoint does (with `method`), sends it the
+    signals srun delivers to every process of a step, and returns whether it still carries a result."""
+    import os
+    import signal
+    import time
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megaopd.models import compat
+
+    compat.start_checkpoint_results_queue(method)
+    queue = filesystem_async._results_queue
+    manager_pid = queue._manager._process.pid  # the proxy's manager (multiprocessing keeps it there)
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        os.kill(manager_pid, sig)
+    time.sleep(0.5)
+    queue.put({"rank": rank})
+    return queue.get(timeout=10)
