@@ -106,6 +106,12 @@ def start_checkpoint_results_queue(method: str | None = None) -> None:
             not hasattr(filesystem_async, "_get_write_results_queue"):
         return
     method = method or ("spawn" if torch.cuda.is_available() else "fork")
+    # A spawn starts multiprocessing's resource tracker first if it is not running, and that start unblocks
+    # SIGTERM on its way out: start it before the block (a running tracker is left alone).
+    if method != "fork":
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
     try:
         if method == "spawn":
