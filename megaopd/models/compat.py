@@ -102,8 +102,7 @@ def start_checkpoint_results_queue(method: str | None = None) -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", False) is not None or \
-            not hasattr(filesystem_async, "_get_write_results_queue"):
+    if getattr(filesystem_async, "_results_queue", False) is not None:
         return
     method = method or ("spawn" if torch.cuda.is_available() else "fork")
     # A spawn starts multiprocessing's resource tracker first if it is not running, and that start unblocks
@@ -113,11 +112,8 @@ def start_checkpoint_results_queue(method: str | None = None) -> None:
 
         resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
-    try:
-        if method == "spawn":
-            filesystem_async._get_write_results_queue()
-        else:
-            filesystem_async._results_queue = multiprocessing.get_context(method).Manager().Queue()
+    try:  # what megatron's _get_write_results_queue does, with `method` for its "spawn"
+        filesystem_async._results_queue = multiprocessing.get_context(method).Manager().Queue()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 

@@ -72,7 +72,7 @@ def _context(full_env: dict[str, str], forward_signals: Sequence[int]):
     return ctx
 
 
-def _worker(rank, world_size, port, fn, args, env, queue, spawned):
+def _worker(rank, world_size, port, fn, args, env, queue):
     os.environ.clear()  # the caller's environment at the call, not the forkserver's at its start
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -96,7 +96,7 @@ def _worker(rank, world_size, port, fn, args, env, queue, spawned):
         destroy_distributed()
     except Exception:  # noqa: BLE001 - teardown after a successful run must not mask the result
         pass
-    if spawned:
+    if mp.get_start_method(allow_none=True) == "spawn":  # a forked worker ends with os._exit already
         _leave_without_teardown()
 
 
@@ -134,8 +134,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
     queue = ctx.SimpleQueue()
     port = find_free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), full_env, queue,
-                                          ctx.get_start_method() == "spawn"), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), full_env, queue), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

@@ -156,8 +156,8 @@ def test_preemption_signal_to_every_process_saves_exits_zero_and_resumes(tiny_mo
     overrides = tiny_overrides(tmp_path, student, teacher, "preempted") + [
         "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", "trainer.save_interval=1"]
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen(_train_cmd(_preset("stable_opd"), overrides + ["trainer.max_steps=50"]), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(_train_cmd(_preset("stable_opd"), overrides + ["trainer.max_steps=50"]), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     assert _wait_for(lambda: _checkpointed(run, 1), 600, proc)
     os.killpg(proc.pid, signal.SIGUSR1)
     out, _ = proc.communicate(timeout=300)
@@ -165,7 +165,7 @@ def test_preemption_signal_to_every_process_saves_exits_zero_and_resumes(tiny_mo
     saved = [r["step"] for r in _records(run) if r.get("event") == "checkpoint"]
     assert "preemption signal received" in out and saved[-1] < 50, out[-2000:]
     resumed = subprocess.run(_train_cmd(_preset("stable_opd"), overrides + [f"trainer.max_steps={saved[-1] + 1}"]),
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert max(_steps(run)) == saved[-1] + 1
