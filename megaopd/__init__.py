@@ -26,3 +26,7 @@ __version__ = "0.1.0"
 # nothing to a user and drown the step lines; megaopd's own start-up says which layers it builds.
 _warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed",
                          category=UserWarning, module=r"megatron\.")
+
+from megaopd import _megatron_import  # noqa: E402 - must run before anything imports megatron
+
+_megatron_import.install()
