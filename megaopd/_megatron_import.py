@@ -20,15 +20,15 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
-import inspect
 import sys
+import types
 
 
 def _lazy_compile(real):
     def compile(model=None, **kwargs):
         if model is None:  # used as @torch.compile(...)
             return lambda fn: compile(fn, **kwargs)
-        if not inspect.isfunction(model):  # modules and other callables: torch's own wrapper, now
+        if not isinstance(model, types.FunctionType):  # modules, other callables: torch's own wrapper, now
             return real(model, **kwargs)
         compiled = None
 
