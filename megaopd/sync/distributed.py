@@ -16,7 +16,9 @@ they are broadcast. An engine that received a bucket but refused to load it (nam
 them) leaves the group in step: the other buckets still go and one error lists every refusal at the
 end. An engine that refused before receiving, closed the group or stopped answering raises at once
 instead of leaving the trainer blocked in a broadcast; the group is then abandoned and connect() forms
-a new one (under a fresh group name).
+a new one (under a fresh group name). Likewise an engine that answers it cannot join (a backend it
+lacks, a name its process already holds) ends connect()'s rendezvous at once; a taken name is tried
+again under the next free one when the port is chosen automatically.
 
 SGLang 0.5.2x refuses updates outside a weight-update session: each update() opens one on every engine
 that needs it (HttpEngine.begin_weight_update decides from the server's version) and closes it at the
@@ -88,15 +90,28 @@ class DistributedWeightUpdater:
         """Forms the group: every engine joins from a background POST while this process hosts rank 0."""
         if self.pg is not None:
             return
-        port = self.config.master_port or find_free_port()
         # torch registers groups by name per process; after an abandoned group (or beside another
         # updater) take a fresh name. Engines use whatever name the request carries.
         from torch.distributed.distributed_c10d import _world
 
-        taken, k = set(_world.pg_names.values()), 1
-        self.group_name = self.config.group_name
-        while self.group_name in taken:
-            self.group_name, k = f"{self.config.group_name}_{k}", k + 1
+        refused: set[str] = set()
+        for attempt in range(_NAME_TRIES):
+            taken, k = set(_world.pg_names.values()) | refused, 1
+            self.group_name = self.config.group_name
+            while self.group_name in taken:
+                self.group_name, k = f"{self.config.group_name}_{k}", k + 1
+            try:
+                self.pg = self._form(self.config.master_port or find_free_port())
+                return
+            except _NameTaken as e:
+                # An engine's process already holds a group of this name that /destroy_weights_update_group
+                # did not drop (another client's, in a process it shares). A fixed port is still held by the
+                # abandoned rendezvous, so only an automatic one can try again under another name.
+                if self.config.master_port is not None or attempt == _NAME_TRIES - 1:
+                    raise EngineError(str(e)) from None
+                refused.add(self.group_name)
+
+    def _form(self, port: int):
         offsets, offset = [], 1
         for e in self.engines:
             offsets.append(offset)
@@ -109,20 +124,43 @@ class DistributedWeightUpdater:
                    "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
                   for off in offsets]
         calls = self._post_all("/init_weights_update_group", bodies)
-        try:
-            pg = dist_group.init_custom_process_group(self.backend, self.config.master_address, port, 0,
-                                                      self.world_size, self.group_name,
-                                                      timeout_s=self.config.timeout_s)
-        except Exception as e:
-            errors = _finished_errors(calls)
-            raise EngineError(f"weight-update group {self.group_name!r} did not form on "
-                              f"{self.config.master_address}:{port} (world size {self.world_size}): {e}"
-                              + (f"; engines said: {errors}" if errors else "")) from e
+        pg = self._host_group(port, calls)
         errors = _join(calls, self.config.timeout_s)
         if errors:
             dist_group.destroy_custom_process_group(pg)
             raise EngineError(f"engines failed to join the weight-update group: {errors}")
-        self.pg = pg
+        return pg
+
+    def _host_group(self, port: int, calls: list["_Call"]):
+        """Hosts rank 0 while the engines join. An engine that answers it could not join (a refused name, a
+        backend it lacks) ends the wait at once: the group cannot form, and the blocking rendezvous would
+        otherwise hold this rank for its whole timeout (600 s by default) with nothing said. The rendezvous
+        thread is left to time out by itself (a daemon thread); the next try takes a fresh name and port."""
+        out: dict[str, Any] = {}
+
+        def host():
+            try:
+                out["pg"] = dist_group.init_custom_process_group(self.backend, self.config.master_address, port, 0,
+                                                                 self.world_size, self.group_name,
+                                                                 timeout_s=self.config.timeout_s)
+            except Exception as e:  # noqa: BLE001 - raised below, with what the engines said
+                out["error"] = e
+
+        where = (f"weight-update group {self.group_name!r} on {self.config.master_address}:{port} "
+                 f"(world size {self.world_size})")
+        hosting = threading.Thread(target=host, daemon=True, name="megaopd-weight-group")
+        hosting.start()
+        while hosting.is_alive():
+            hosting.join(0.2)
+            errors = _finished_errors(calls)
+            if errors and hosting.is_alive():
+                error = _NameTaken if any(m in e for e in errors for m in _NAME_IN_USE) else EngineError
+                raise error(f"{where} cannot form: engines refused to join: {errors}")
+        if "error" in out:
+            errors = _finished_errors(calls)
+            raise EngineError(f"{where} did not form: {out['error']}"
+                              + (f"; engines said: {errors}" if errors else "")) from out["error"]
+        return out["pg"]
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
         """Broadcasts full HF-named tensors to every engine, bucket by bucket, in the given order, inside
@@ -271,6 +309,14 @@ class weight_update_sessions:
 # Engine messages for a bucket that was received and then not loaded (megaopd serve; SGLang's load
 # failure): the group is still in step. Any other refusal abandons the group.
 _AFTER_RECEIPT = ("Failed to update weights", "Failed to update parameter online")
+
+
+_NAME_TRIES = 3
+_NAME_IN_USE = ("already been created", "already exists")  # torch's words (SGLang passes them on); ours
+
+
+class _NameTaken(EngineError):
+    """An engine refused the group's name: a process-wide name there is taken (torch's "already been created")."""
 
 
 class _Call(threading.Thread):

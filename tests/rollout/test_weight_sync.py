@@ -172,6 +172,66 @@ def test_distributed_weight_update_from_trainer(served, tiny_dir):
 
 
 @pytest.mark.slow
+def test_an_engine_that_refuses_the_group_ends_the_wait_at_once(served, monkeypatch):
+    """The engine answers that it cannot join (here: asked for nccl on a CPU server) while this rank hosts the
+    rendezvous: connect raises with the engine's words in seconds, not after the whole timeout."""
+    from megaopd.sync import distributed
+
+    real = distributed.dist_group.init_custom_process_group
+    monkeypatch.setattr(distributed.dist_group, "init_custom_process_group",
+                        lambda backend, *args, **kw: real("gloo", *args, **kw))  # this rank hosts with gloo
+    updater = DistributedWeightUpdater([HttpEngine(served.url)], DistributedUpdateConfig(timeout_s=60))
+    updater.backend = "nccl"  # what the engines are asked for
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="refused to join.*backend 'nccl' needs a GPU"):
+        updater.connect()
+    assert time.monotonic() - t0 < 20 and updater.pg is None
+
+
+_TRAINER = """
+import sys
+from megaopd.rollout.client import HttpEngine
+from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
+updater = DistributedWeightUpdater([HttpEngine(sys.argv[1])], DistributedUpdateConfig(timeout_s=60))
+updater.connect()
+print(updater.group_name)
+updater.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_name_taken_in_the_engines_process_is_tried_again_under_another(tiny_dir):
+    """A server sharing its process with something that holds a group of the default name (as an in-process
+    server beside a trainer-side updater's abandoned group) refuses that name; a trainer in another process
+    takes the next one at once instead of waiting out its timeout."""
+    import subprocess
+    import sys
+
+    from megaopd.parallel import custom_group
+    from megaopd.serving.server import RolloutServer, ServeConfig
+
+    from torch.distributed.distributed_c10d import _world
+
+    held = None  # an earlier test's abandoned group may hold the name here already
+    if "weight_update_group" not in _world.pg_names.values():
+        held = custom_group.init_custom_process_group("gloo", "127.0.0.1", find_free_port(), 0, 1,
+                                                      "weight_update_group")
+    config = ServeConfig(hf_dir=tiny_dir, port=0)
+    server = RolloutServer(config, engine=EmbeddedEngine(config.engine_config())).start()
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", _TRAINER, server.url], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.split()[-1].startswith("weight_update_group_")
+        assert time.monotonic() - t0 < 40
+    finally:
+        server.shutdown()
+        if held is not None:
+            custom_group.destroy_custom_process_group(held)
+
+
+@pytest.mark.slow
 def test_pool_over_servers_with_a_dead_one(served, tiny_dir):
     dead = HttpEngine(HttpEngineConfig(url=f"http://127.0.0.1:{find_free_port()}", retries=1, backoff_s=0.01))
     pool = EnginePool([dead, HttpEngine(served.url)], PoolConfig(recheck_failed=False))
