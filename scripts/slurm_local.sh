@@ -68,7 +68,7 @@ write_conf() {
   # Writes slurm.conf for this host; returns 0 when the file changed (the daemons must then restart).
   local host cpus mem_mb tmp
   host="$(hostname -s)"
-  cpus="$(nproc)"
+  cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # GNU nproc reports OMP_NUM_THREADS when it is set
   # Leave ~15% of the memory to the OS: slurmd drains a node that reports less memory than configured.
   mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 85 / 100 ))
   tmp="$(mktemp)"

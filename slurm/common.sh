@@ -88,7 +88,7 @@ if [[ -z ${GPUS_PER_NODE:-} ]]; then
 fi
 # CPUs of the one task per node; passed to every srun explicitly, since srun (Slurm 22.05+) does not inherit
 # the job's --cpus-per-task and a step would otherwise get one CPU per task where task binding is on.
-CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-$(nproc)}"
+CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"  # nproc alone reports OMP_NUM_THREADS
 JOB_NAME="${JOB_NAME:-${SLURM_JOB_NAME:-megaopd}}"
 
 # ---------------------------------------------------------------------------------------------------------
