@@ -33,7 +33,7 @@ setup(
         # Weights & Biases logging (logging.wandb): a 20 MB wheel that pulls no torch. 0.31 is the
         # version tested (the tests read runs back with its `wandb leet inspect`).
         "wandb": ["wandb>=0.31"],
-        "dev": ["pytest>=8", "pytest-timeout", "wandb>=0.31"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "wandb>=0.31"],
     },
     entry_points={"console_scripts": ["megaopd=megaopd.cli:main"]},
 )

@@ -7,8 +7,36 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("PYTHONPATH", ROOT)
 
+# Under pytest-xdist (make test-e2e runs two workers) each worker gets its share of the cores for torch's
+# intra-op threads, here and in every process it starts (trainer ranks, servers). Two workers each running two
+# OpenMP threads on two cores spin in each other's barriers: the tier then took as long as one worker.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 import pytest  # noqa: E402
+
+# Tests that share something beyond their file run in one worker, one after another: the SGLang venv install
+# and its servers (session fixtures), the local Slurm cluster.
+_SHARED = {"tests/e2e/sglang/": "sglang", "tests/slurm/": "slurm"}
+# The groups that take longest (minutes each on a 2-core CPU) start first, so no worker is left with one at
+# the end (with --no-loadscope-reorder, workers take groups in the order of the items).
+_LONGEST_FIRST = ["slurm", "sglang", "tests/trainer/test_end_to_end.py", "tests/models/test_tools.py"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the test ids
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (--dist loadgroup) a file's tests run in one worker, so its module fixtures (a
+    served engine, a trained run) are made once."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        group = next((g for prefix, g in _SHARED.items() if path.startswith(prefix)), path)
+        item.add_marker(pytest.mark.xdist_group(group))
+    rank = {g: i for i, g in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.get_closest_marker("xdist_group").args[0], len(rank)))
 
 
 @pytest.fixture
