@@ -9,17 +9,19 @@ install:
 	@PYTHON=$(PYTHON) bash scripts/install.sh
 
 # The quick tier (README's test command): unit and single-process integration tests.
+# Both tiers run on WORKERS pytest-xdist workers (a file's tests stay in one worker; tests/conftest.py): on 2 cores
+# much of their time is one-thread work, process start-ups, server start-ups and Slurm's timers. WORKERS=0: one process.
+WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: install
-	$(PYTHON) -m pytest -q -m "not slow" $(ARGS)
+	$(PYTHON) -m pytest -q -m "not slow" $(XDIST) $(ARGS)
 
 # The end-to-end tier: multi-process trainer runs, real servers, a real Slurm cluster. The Slurm tests skip
 # unless MEGAOPD_SLURM_TESTS=1, which lets them install slurm-wlm + munge with apt and leave munged,
 # slurmctld and slurmd running (scripts/slurm_local.sh; CI sets it).
-# E2E_WORKERS pytest-xdist workers share the tier (a file's tests stay in one worker; tests/conftest.py):
-# on 2 cores most of its time is one-thread work, server start-ups and Slurm's timers. E2E_WORKERS=0: one process.
-E2E_WORKERS ?= 2
 test-e2e: install
-	$(PYTHON) -m pytest -q -m slow -n $(E2E_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
+	$(PYTHON) -m pytest -q -m slow $(XDIST) $(ARGS)
 
 test-all: test test-e2e
 
