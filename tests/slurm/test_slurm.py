@@ -89,8 +89,9 @@ def inputs(tmp_path):
 
 
 # A job must not inherit the launch variables of whatever process runs the tests (a distributed test in
-# the same pytest process, or a torchrun around it): they would pin its rendezvous port.
-LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"}
+# the same pytest process, or a torchrun around it): they would pin its rendezvous port. Nor the thread count a
+# pytest-xdist worker sets (tests/conftest.py): the scripts compute their own, and a test checks it.
+LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "OMP_THREAD_LIMIT"}
 
 
 def run_script(script, env_extra, *args, nodes="node1 node2", dry=True):
