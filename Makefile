@@ -8,12 +8,12 @@ PYTHON ?= .venv/bin/python
 install:
 	@PYTHON=$(PYTHON) bash scripts/install.sh
 
-# The quick tier (README's test command): unit and single-process integration tests.
 # Both tiers run on WORKERS pytest-xdist workers (a file's tests stay in one worker; tests/conftest.py): on 2 cores
 # much of their time is one-thread work, process start-ups, server start-ups and Slurm's timers. WORKERS=0: one process.
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
 
+# The quick tier (README's test command): unit and single-process integration tests.
 test: install
 	$(PYTHON) -m pytest -q -m "not slow" $(XDIST) $(ARGS)
 

@@ -7,7 +7,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("PYTHONPATH", ROOT)
 
-# Under pytest-xdist (make test-e2e runs two workers) each worker gets its share of the cores for torch's
+# Under pytest-xdist (make test and make test-e2e run two workers) each worker gets its share of the cores for torch's
 # intra-op threads, here and in every process it starts (trainer ranks, servers). Two workers each running two
 # OpenMP threads on two cores spin in each other's barriers: the tier then took as long as one worker.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
