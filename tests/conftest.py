@@ -12,7 +12,9 @@ os.environ.setdefault("PYTHONPATH", ROOT)
 # OpenMP threads on two cores spin in each other's barriers: the tier then took as long as one worker.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    # The cores this process may run on (a container's or taskset's share), not the machine's.
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _CORES // _WORKERS))
 
 
 import pytest  # noqa: E402

@@ -18,7 +18,8 @@ end. An engine that refused before receiving, closed the group or stopped answer
 instead of leaving the trainer blocked in a broadcast; the group is then abandoned and connect() forms
 a new one (under a fresh group name). Likewise an engine that answers it cannot join (a backend it
 lacks, a name its process already holds) ends connect()'s rendezvous at once; a taken name is tried
-again under the next free one when the port is chosen automatically.
+again under the next free one when the port is chosen automatically and no engine is left waiting in the
+abandoned rendezvous.
 
 SGLang 0.5.2x refuses updates outside a weight-update session: each update() opens one on every engine
 that needs it (HttpEngine.begin_weight_update decides from the server's version) and closes it at the
@@ -106,8 +107,10 @@ class DistributedWeightUpdater:
             except _NameTaken as e:
                 # An engine's process already holds a group of this name that /destroy_weights_update_group
                 # did not drop (another client's, in a process it shares). A fixed port is still held by the
-                # abandoned rendezvous, so only an automatic one can try again under another name.
-                if self.config.master_port is not None or attempt == _NAME_TRIES - 1:
+                # abandoned rendezvous, so only an automatic one can try again under another name; and only
+                # when every engine has answered: one that joined is blocked in the abandoned rendezvous
+                # until it times out, and would take the next request only then.
+                if self.config.master_port is not None or attempt == _NAME_TRIES - 1 or not e.settled:
                     raise EngineError(str(e)) from None
                 refused.add(self.group_name)
 
@@ -135,16 +138,24 @@ class DistributedWeightUpdater:
         """Hosts rank 0 while the engines join. An engine that answers it could not join (a refused name, a
         backend it lacks) ends the wait at once: the group cannot form, and the blocking rendezvous would
         otherwise hold this rank for its whole timeout (600 s by default) with nothing said. The rendezvous
-        thread is left to time out by itself (a daemon thread); the next try takes a fresh name and port."""
+        thread is left to time out by itself (a daemon thread; should the group form after all, it destroys
+        it); the next try takes a fresh name and port."""
         out: dict[str, Any] = {}
+        given_up = threading.Event()
 
         def host():
             try:
-                out["pg"] = dist_group.init_custom_process_group(self.backend, self.config.master_address, port, 0,
-                                                                 self.world_size, self.group_name,
-                                                                 timeout_s=self.config.timeout_s)
+                if self.device.type == "cuda":  # a new thread starts on device 0; nccl binds the current one
+                    torch.cuda.set_device(self.device)
+                pg = dist_group.init_custom_process_group(self.backend, self.config.master_address, port, 0,
+                                                          self.world_size, self.group_name,
+                                                          timeout_s=self.config.timeout_s)
             except Exception as e:  # noqa: BLE001 - raised below, with what the engines said
                 out["error"] = e
+                return
+            out["pg"] = pg
+            if given_up.is_set():  # connect() has raised: nobody will use or close this group
+                dist_group.destroy_custom_process_group(pg)
 
         where = (f"weight-update group {self.group_name!r} on {self.config.master_address}:{port} "
                  f"(world size {self.world_size})")
@@ -154,8 +165,15 @@ class DistributedWeightUpdater:
             hosting.join(0.2)
             errors = _finished_errors(calls)
             if errors and hosting.is_alive():
-                error = _NameTaken if any(m in e for e in errors for m in _NAME_IN_USE) else EngineError
-                raise error(f"{where} cannot form: engines refused to join: {errors}")
+                given_up.set()
+                # The other engines' answers follow within moments when they refused too (the usual case: all
+                # share the cause); one still blocked has joined, and is stuck in this rendezvous.
+                _join(calls, _SETTLE_S)
+                errors = _finished_errors(calls)
+                if any(m in e for e in errors for m in _NAME_IN_USE):
+                    raise _NameTaken(f"{where} cannot form: engines refused to join: {errors}",
+                                     settled=not any(c.is_alive() for c in calls))
+                raise EngineError(f"{where} cannot form: engines refused to join: {errors}")
         if "error" in out:
             errors = _finished_errors(calls)
             raise EngineError(f"{where} did not form: {out['error']}"
@@ -315,8 +333,16 @@ _NAME_TRIES = 3
 _NAME_IN_USE = ("already been created", "already exists")  # torch's words (SGLang passes them on); ours
 
 
+_SETTLE_S = 2.0  # after one refusal, how long the other engines' answers are awaited
+
+
 class _NameTaken(EngineError):
     """An engine refused the group's name: a process-wide name there is taken (torch's "already been created")."""
+
+    def __init__(self, message: str, settled: bool):
+        super().__init__(message)
+        self.settled = settled
+        """Every engine has answered (none is left blocked in the rendezvous): a retry reaches them all."""
 
 
 class _Call(threading.Thread):
