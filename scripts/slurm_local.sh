@@ -21,6 +21,8 @@ MUNGE_PID=/run/munge/munged.pid
 # How long to wait for `sinfo` to show the node idle (slurmd registers within seconds; the margin is for
 # loaded CI machines).
 READY_TIMEOUT_S="${SLURM_LOCAL_TIMEOUT_S:-120}"
+# The first line of the config this script writes; a slurm.conf without it is someone else's and is not touched.
+MARK="# Written by scripts/slurm_local.sh"
 
 log() { echo "slurm_local: $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -73,7 +75,7 @@ write_conf() {
   mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 85 / 100 ))
   tmp="$(mktemp)"
   cat >"$tmp" <<EOF
-# Written by scripts/slurm_local.sh: a one-node cluster for megaopd's tests. Rewritten on each run.
+$MARK: a one-node cluster for megaopd's tests. Rewritten on each run.
 ClusterName=megaopd-local
 SlurmctldHost=$host
 AuthType=auth/munge
@@ -107,6 +109,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
   mkdir -p "$CONF_DIR"
   if [[ -f $CONF ]] && cmp -s "$tmp" "$CONF"; then rm -f "$tmp"; return 1; fi
+  if [[ -f $CONF ]] && ! grep -q "^$MARK" "$CONF" && [[ ${SLURM_LOCAL_FORCE:-0} != 1 ]]; then
+    rm -f "$tmp"
+    die "$CONF was not written by this script (a cluster of its own?): left as it is. Use that cluster, or move the file aside (or set SLURM_LOCAL_FORCE=1) to let this script write its one-node config"
+  fi
   mv "$tmp" "$CONF" && chmod 0644 "$CONF"
   return 0
 }
