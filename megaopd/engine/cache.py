@@ -52,6 +52,7 @@ class SlotCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._copies: list[PrefillCopy] | None = None
+        self._src_u = self._src_pos = self._dst_slot = self._dst_pos = None  # set by for_prefill
         self._rows_A: torch.Tensor | None = None
         self._pos_A: torch.Tensor | None = None
         self._length = 0
@@ -68,8 +69,20 @@ class SlotCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def for_prefill(self, copies: list[PrefillCopy]) -> "SlotCache":
+    def for_prefill(self, copies: list[PrefillCopy] | None) -> "SlotCache":
+        """Where the next forward's keys go (None: done). Every layer then copies them with one gather and one
+        scatter: positions 0 .. P-1 of each slot take its sequence's keys from its pad on, so a slot's positions
+        past its length take copies of its last key (finite, masked until its own decode step writes there).
+        A copy per sequence and layer would be 2 x N x layers kernels, issued one by one (3,584 at 64 rows x 28
+        layers, more than the forward's own ~1,300), each issued by the host on a GPU."""
         self._copies = copies
+        if copies:
+            device, P = self.k[0].device, max(c.pad + c.length for c in copies)
+            ar_P = torch.arange(P, device=device)
+            self._src_u = torch.tensor([c.u for c in copies], device=device)[:, None]
+            self._src_pos = (torch.tensor([c.pad for c in copies], device=device)[:, None] + ar_P).clamp(max=P - 1)
+            self._dst_slot = torch.tensor([c.slot for c in copies], device=device)[:, None]
+            self._dst_pos = ar_P[None, :]
         return self
 
     def for_decode(self, rows_A: torch.Tensor, pos_A: torch.Tensor, length: int) -> "SlotCache":
@@ -81,9 +94,9 @@ class SlotCache:
         """transformers' Cache.update: key/value [A or U, H, q length, D]; returns what attention reads."""
         K, V = self.k[layer_idx], self.v[layer_idx]
         if self._copies is not None:
-            for c in self._copies:
-                K[c.slot, :, :c.length] = key_states[c.u, :, c.pad:]
-                V[c.slot, :, :c.length] = value_states[c.u, :, c.pad:]
+            # [N, P] indices around the slice: the result is [N, P, H, D] on both sides
+            K[self._dst_slot, :, self._dst_pos] = key_states[self._src_u, :, self._src_pos]
+            V[self._dst_slot, :, self._dst_pos] = value_states[self._src_u, :, self._src_pos]
             return key_states, value_states
         A = key_states.shape[0]
         K[self._rows_A, :, self._pos_A] = key_states[:, :, 0]
