@@ -1,7 +1,7 @@
-"""The embedded engine's static KV cache: a buffer of keys and one of values for all layers, a slot per row.
+"""The embedded engine's static KV cache: one buffer per layer, a slot per running row.
 
-    K, V of layer l: [slots, kv heads, capacity, head dim], views of the [layers, ...] buffers, allocated once
-    (megaopd.engine.runner keeps it between runs; release_memory("kv_cache") drops it). Slot s holds one row's tokens at positions
+    K, V of layer l: [slots, kv heads, capacity, head dim], allocated once (megaopd.engine.runner keeps it
+    between runs; release_memory("kv_cache") drops it). Slot s holds one row's tokens at positions
     0 .. len-1, so every row has its own length and position: a finished row frees its slot for a waiting
     row without touching the others (continuous batching, megaopd.engine.decode).
 
@@ -48,11 +48,9 @@ class SlotCache:
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         layers = int(cfg.num_hidden_layers)
         self.slots, self.capacity = slots, capacity
-        # One buffer for all layers' keys (and one for values), a view per layer: moving a slot is then one copy
-        # for every layer at once.
-        self._K = torch.zeros((layers, slots, kv_heads, capacity, head_dim), dtype=dtype, device=device)
-        self._V = torch.zeros_like(self._K)
-        self.k, self.v = list(self._K.unbind(0)), list(self._V.unbind(0))
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self._copies: list[PrefillCopy] | None = None
         self._src_u = self._src_pos = self._dst_slot = self._dst_pos = None  # set by for_prefill
         self._rows_A: torch.Tensor | None = None
@@ -69,7 +67,7 @@ class SlotCache:
         return 2 * int(cfg.num_hidden_layers) * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def nbytes(self) -> int:
-        return 2 * self._K.numel() * self._K.element_size()
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def for_prefill(self, copies: list[PrefillCopy] | None) -> "SlotCache":
         """Where the next forward's keys go (None: done). Every layer then copies them with one gather and one
@@ -111,5 +109,5 @@ class SlotCache:
             return
         s = torch.tensor(src, device=self.k[0].device)
         d = torch.tensor(dst, device=self.k[0].device)
-        for t in (self._K, self._V):
-            t[:, d, :, :length] = t[:, s, :, :length]
+        for t in self.k + self.v:
+            t[d, :, :length] = t[s, :, :length]
