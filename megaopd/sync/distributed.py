@@ -85,12 +85,14 @@ class DistributedWeightUpdater:
         self.pg = None
         self.group_name = self.config.group_name
         self._abandoned: list = []  # groups left with a pending broadcast; kept alive, never reused
+        self._late: list = []  # groups that formed after connect() gave up on them; destroyed from this thread
         self.world_size = 1 + sum(e.config.workers for e in self.engines)
 
     def connect(self) -> None:
         """Forms the group: every engine joins from a background POST while this process hosts rank 0."""
         if self.pg is not None:
             return
+        self._destroy_late()
         # torch registers groups by name per process; after an abandoned group (or beside another
         # updater) take a fresh name. Engines use whatever name the request carries.
         from torch.distributed.distributed_c10d import _world
@@ -130,18 +132,24 @@ class DistributedWeightUpdater:
         pg = self._host_group(port, calls)
         errors = _join(calls, self.config.timeout_s)
         if errors:
+            # Under nccl rank 0's group forms once every rank has reached the store, before an engine that then
+            # refuses the name has answered: the refusal arrives here.
             dist_group.destroy_custom_process_group(pg)
-            raise EngineError(f"engines failed to join the weight-update group: {errors}")
+            self._destroy_on_engines()  # the engines that did join hold the group under this name
+            error = f"engines failed to join the weight-update group: {errors}"
+            if any(m in e for e in errors for m in _NAME_IN_USE):
+                raise _NameTaken(error, settled=not any(c.is_alive() for c in calls))
+            raise EngineError(error)
         return pg
 
     def _host_group(self, port: int, calls: list["_Call"]):
         """Hosts rank 0 while the engines join. An engine that answers it could not join (a refused name, a
         backend it lacks) ends the wait at once: the group cannot form, and the blocking rendezvous would
         otherwise hold this rank for its whole timeout (600 s by default) with nothing said. The rendezvous
-        thread is left to time out by itself (a daemon thread; should the group form after all, it destroys
-        it); the next try takes a fresh name and port."""
+        thread is left to time out by itself (a daemon thread; should the group form after all, the next
+        connect() or close() destroys it, from the caller's thread); the next try takes a fresh name and port."""
         out: dict[str, Any] = {}
-        given_up = threading.Event()
+        lock = threading.Lock()  # hands the group over: to connect(), or to self._late once connect() gave up
 
         def host():
             try:
@@ -153,8 +161,14 @@ class DistributedWeightUpdater:
             except Exception as e:  # noqa: BLE001 - raised below, with what the engines said
                 out["error"] = e
                 return
-            out["pg"] = pg
-            if given_up.is_set():  # connect() has raised: nobody will use or close this group
+            with lock:
+                (self._late if out.get("given_up") else out.setdefault("pgs", [])).append(pg)
+
+        def give_up():
+            with lock:
+                out["given_up"] = True
+                formed = out.pop("pgs", [])
+            for pg in formed:
                 dist_group.destroy_custom_process_group(pg)
 
         where = (f"weight-update group {self.group_name!r} on {self.config.master_address}:{port} "
@@ -165,7 +179,7 @@ class DistributedWeightUpdater:
             hosting.join(0.2)
             errors = _finished_errors(calls)
             if errors and hosting.is_alive():
-                given_up.set()
+                give_up()
                 # The other engines' answers follow within moments when they refused too (the usual case: all
                 # share the cause); one still blocked has joined, and is stuck in this rendezvous.
                 _join(calls, _SETTLE_S)
@@ -178,7 +192,7 @@ class DistributedWeightUpdater:
             errors = _finished_errors(calls)
             raise EngineError(f"{where} did not form: {out['error']}"
                               + (f"; engines said: {errors}" if errors else "")) from out["error"]
-        return out["pg"]
+        return out["pgs"][0]
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
         """Broadcasts full HF-named tensors to every engine, bucket by bucket, in the given order, inside
@@ -276,8 +290,13 @@ class DistributedWeightUpdater:
             except EngineError:
                 pass
 
+    def _destroy_late(self) -> None:
+        while self._late:
+            dist_group.destroy_custom_process_group(self._late.pop())
+
     def close(self) -> None:
         """Destroys the group on the engines and here (best effort: engines may be gone)."""
+        self._destroy_late()
         if self.pg is None:
             return
         self._destroy_on_engines()

@@ -17,12 +17,13 @@ TAKEN = "Process group name weight_update_group has already been created"
 
 
 class _Answer:
-    """An engine's answer to the join request: an error after `after_s`, or none before the test ends."""
+    """An engine's answer to the join request: `error` (None: joined) after `after_s`; never, with held=True (an
+    engine blocked in the rendezvous)."""
 
-    def __init__(self, url: str, error: str | None, after_s: float = 0.0):
+    def __init__(self, url: str, error: str | None, after_s: float = 0.0, held: bool = False):
         self.engine = HttpEngineConfig(url=url)
         self.error, self._done = error, threading.Event()
-        if error is not None:
+        if not held:
             threading.Timer(after_s, self._done.set).start()
 
     def is_alive(self) -> bool:
@@ -61,12 +62,32 @@ def test_a_taken_name_is_tried_again_when_every_engine_answered(monkeypatch):
 def test_no_retry_while_an_engine_is_held_in_the_abandoned_rendezvous(monkeypatch):
     """Engine b joined (its call still blocks in the rendezvous this rank gave up): a second join request would
     queue behind it until that rendezvous times out, so connect raises at once instead of trying again."""
-    updater, tried = _updater(monkeypatch, [[_Answer("http://a", TAKEN), _Answer("http://b", None)]])
+    updater, tried = _updater(monkeypatch, [[_Answer("http://a", TAKEN), _Answer("http://b", None, held=True)]])
     t0 = time.monotonic()
     with pytest.raises(EngineError, match="http://a.*already been created"):
         updater.connect()
     assert tried == ["weight_update_group"]
     assert time.monotonic() - t0 < distributed._SETTLE_S + 5
+
+
+def test_a_refusal_that_arrives_after_the_group_formed_is_tried_again(monkeypatch):
+    """Under nccl rank 0's group forms once every rank reached the store, before an engine that then refuses the
+    name has answered (stood in for here by a group of one): that group is destroyed, and the next name tried."""
+    from torch.distributed.distributed_c10d import _world
+
+    real = distributed.dist_group.init_custom_process_group
+    monkeypatch.setattr(distributed.dist_group, "init_custom_process_group",
+                        lambda backend, addr, port, rank, world, name, timeout_s: real("gloo", addr, port, 0, 1, name,
+                                                                                       timeout_s=timeout_s))
+    updater, tried = _updater(monkeypatch, [[_Answer("http://a", TAKEN, after_s=0.5)], [_Answer("http://a", None)]])
+    updater.connect()
+    try:
+        assert tried == ["weight_update_group", "weight_update_group_1"]
+        assert updater.group_name == "weight_update_group_1"
+        assert sorted(n for n in _world.pg_names.values() if n.startswith("weight_update_group")) == \
+            ["weight_update_group_1"]
+    finally:
+        updater.close()
 
 
 _RANK_1 = """
@@ -80,8 +101,8 @@ print("joined", flush=True)
 
 @pytest.mark.slow
 def test_a_group_that_forms_after_connect_gave_up_is_destroyed(monkeypatch):
-    """One engine refused (connect raised) and another rank joins afterwards: the hosting thread destroys the
-    group it then forms, which nobody would otherwise close."""
+    """One engine refused (connect raised) and another rank joins afterwards: the group the hosting thread then
+    forms, which nobody uses, is destroyed by the updater's next connect() or close()."""
     from torch.distributed.distributed_c10d import _world
 
     port = find_free_port()
@@ -95,5 +116,6 @@ def test_a_group_that_forms_after_connect_gave_up_is_destroyed(monkeypatch):
     joined = subprocess.run([sys.executable, "-c", _RANK_1, str(port)], capture_output=True, text=True, timeout=90)
     assert joined.returncode == 0 and "joined" in joined.stdout, joined.stderr[-2000:]
     hosting[0].join(30)
-    assert not hosting[0].is_alive()
+    assert not hosting[0].is_alive() and len(updater._late) == 1
+    updater.close()
     assert "weight_update_group" not in _world.pg_names.values()
