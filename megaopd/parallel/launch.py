@@ -141,9 +141,16 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
         p.start()
     import signal
 
-    previous = {}
+    previous, forwarded = {}, set()
+
+    def forward(signum, frame):
+        forwarded.add(signum)
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
     for sig in forward_signals:
-        previous[sig] = signal.signal(sig, lambda signum, frame: [os.kill(p.pid, signum) for p in procs if p.is_alive()])
+        previous[sig] = signal.signal(sig, forward)
     results: dict[int, Any] = {}
     errors: list[str] = []
     import time
@@ -169,7 +176,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
         else:
             time.sleep(0.02)
     for sig, handler in previous.items():
-        signal.signal(sig, handler)
+        # After a forwarded signal the run is ending because of it: a copy arriving later (Slurm signals every
+        # process of the step) must not kill this process with the default action while it exits.
+        signal.signal(sig, signal.SIG_IGN if forwarded else handler)
     for p in procs:
         p.join(timeout=30 if not errors else 1)
         if p.is_alive():

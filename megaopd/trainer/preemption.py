@@ -26,11 +26,19 @@ T = TypeVar("T")
 class PreemptionFlag:
     def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
         self.received: int | None = None
-        for sig in signals:
+        self.signals = tuple(signals)
+        for sig in self.signals:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.received = signum
+        # Later ones are ignored. A rank gets the same signal more than once (srun forwards it to every process
+        # of the step, torchrun_node.sh and the launcher pass it on too), and one that lands after the
+        # interpreter has begun to exit finds its Python handler reset to the default action: the rank that
+        # saved its checkpoint would die of it (exit -10 for USR1), and the job would not requeue. An
+        # ignored signal stays ignored to the end.
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
 
     def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
         """Collective over `group` (default: the default group): True on every rank when any rank received

@@ -42,3 +42,37 @@ def test_engine_failure_after_signal_is_not_fatal():
         assert "weight sync failed after signal SIGUSR1" in lines[0] and "checkpointing" in lines[0]
     finally:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+_RANK = """
+import sys, time
+from megaopd.trainer.preemption import PreemptionFlag
+flag = PreemptionFlag()
+open(sys.argv[1], "w").close()
+while flag.received is None:
+    time.sleep(0.01)
+"""
+
+
+def test_copies_of_the_signal_while_the_rank_exits_do_not_kill_it(tmp_path):
+    """A rank gets USR1 more than once (srun, torchrun_node.sh, the launcher). One that arrives while the
+    interpreter exits used to find the default action (Python resets its handlers there) and kill the rank that
+    had saved its checkpoint: exit -10, and the job did not requeue (seen in CI). Copies are sent here until the
+    process is gone: without the fix every run of this died."""
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", _RANK, str(ready)])
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    while proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            break
+        time.sleep(0.0005)
+    assert proc.wait(30) == 0
