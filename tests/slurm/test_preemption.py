@@ -65,14 +65,19 @@ def test_copies_of_the_signal_while_the_rank_exits_do_not_kill_it(tmp_path):
 
     ready = tmp_path / "ready"
     proc = subprocess.Popen([sys.executable, "-c", _RANK, str(ready)])
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
-    while proc.poll() is None:
-        try:
-            os.kill(proc.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            break
-        time.sleep(0.0005)
-    assert proc.wait(30) == 0
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        deadline = time.monotonic() + 60  # the process exits within a second of the first signal
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                break
+            time.sleep(0.0005)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
