@@ -27,10 +27,16 @@ def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> dict | None:
 
     The trainer (megatron-core, transformers: ~11 s of imports on a 2-core CPU) is imported here, in the rank,
     not at the top: the process that only launches the ranks would otherwise import it too, before they start.
+    The preemption flag comes first: a SIGTERM or USR1 during those imports and the models' builds (minutes at
+    7B) is then kept for the first step's check, where before the flag a rank under torchrun ignored it (it
+    inherits torchrun's ignored USR1) and one spawned here died of it.
     """
+    from megaopd.trainer.preemption import PreemptionFlag
+
+    preemption = PreemptionFlag()
     from megaopd.trainer.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, preemption=preemption)
     summary = trainer.train()
     if trainer.run_log is not None:
         trainer.run_log.close()

@@ -68,7 +68,8 @@ class Trainer:
     """One rank of an OPD job. Start-up order: inputs (tokenizers, data), models, resume, engine; bad input
     fails before anything expensive runs."""
 
-    def __init__(self, cfg: MegaOPDConfig):
+    def __init__(self, cfg: MegaOPDConfig, preemption: PreemptionFlag | None = None):
+        self.preemption = preemption  # installed by the rank's entry before the imports and builds (cli.run_worker)
         init_distributed()
         self.cfg, self.rank = cfg, dist.get_rank()
         self.run_log: RunLog | None = None  # created once the run folder's state is known
@@ -126,7 +127,7 @@ class Trainer:
         cfg = self.cfg
         self.step, self._last_metrics, self.stopping, self.timer = 0, {}, False, Timer()
         self.detector = CollapseDetector(cfg.metrics.collapse)
-        self.preemption = PreemptionFlag()
+        self.preemption = self.preemption or PreemptionFlag()
         # What a checkpoint keeps besides weights, optimizer and RNG: saved and restored under these keys.
         self.stateful = {"scheduler": self.scheduler, "data": self.loader, "collapse": self.detector,
                          **self.loss_fn.stateful}

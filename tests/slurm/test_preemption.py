@@ -81,3 +81,32 @@ def test_copies_of_the_signal_while_the_rank_exits_do_not_kill_it(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_rank_installs_its_flag_before_it_imports_and_builds_the_trainer(monkeypatch):
+    """A signal during the rank's imports and model builds (minutes at 7B) is kept for the first step's check."""
+    import sys
+    import types
+
+    from megaopd.trainer import cli
+
+    seen = {}
+
+    class Trainer:  # stands in for megaopd.trainer.trainer.Trainer, which the rank imports after the flag
+        def __init__(self, cfg, preemption=None):
+            seen["handler"] = signal.getsignal(signal.SIGUSR1)
+            seen["flag"] = preemption
+            self.run_log = None
+
+        def train(self):
+            return {"preempted": False}
+
+    monkeypatch.setitem(sys.modules, "megaopd.trainer.trainer", types.SimpleNamespace(Trainer=Trainer))
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        assert cli.run_worker(0, 1, cfg=None) == {"preempted": False}
+        assert isinstance(seen["flag"], preemption.PreemptionFlag)
+        assert seen["handler"] == seen["flag"]._handle
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
