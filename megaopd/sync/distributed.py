@@ -136,10 +136,7 @@ class DistributedWeightUpdater:
             # refuses the name has answered: the refusal arrives here.
             dist_group.destroy_custom_process_group(pg)
             self._destroy_on_engines()  # the engines that did join hold the group under this name
-            error = f"engines failed to join the weight-update group: {errors}"
-            if any(m in e for e in errors for m in _NAME_IN_USE):
-                raise _NameTaken(error, settled=not any(c.is_alive() for c in calls))
-            raise EngineError(error)
+            raise _refusal(f"engines failed to join the weight-update group: {errors}", errors, calls)
         return pg
 
     def _host_group(self, port: int, calls: list["_Call"]):
@@ -162,14 +159,17 @@ class DistributedWeightUpdater:
                 out["error"] = e
                 return
             with lock:
-                (self._late if out.get("given_up") else out.setdefault("pgs", [])).append(pg)
+                if out.get("given_up"):
+                    self._late.append(pg)
+                else:
+                    out["pg"] = pg
 
         def give_up():
             with lock:
                 out["given_up"] = True
-                formed = out.pop("pgs", [])
-            for pg in formed:
-                dist_group.destroy_custom_process_group(pg)
+                formed = out.pop("pg", None)
+            if formed is not None:
+                dist_group.destroy_custom_process_group(formed)
 
         where = (f"weight-update group {self.group_name!r} on {self.config.master_address}:{port} "
                  f"(world size {self.world_size})")
@@ -184,15 +184,12 @@ class DistributedWeightUpdater:
                 # share the cause); one still blocked has joined, and is stuck in this rendezvous.
                 _join(calls, _SETTLE_S)
                 errors = _finished_errors(calls)
-                if any(m in e for e in errors for m in _NAME_IN_USE):
-                    raise _NameTaken(f"{where} cannot form: engines refused to join: {errors}",
-                                     settled=not any(c.is_alive() for c in calls))
-                raise EngineError(f"{where} cannot form: engines refused to join: {errors}")
+                raise _refusal(f"{where} cannot form: engines refused to join: {errors}", errors, calls)
         if "error" in out:
             errors = _finished_errors(calls)
             raise EngineError(f"{where} did not form: {out['error']}"
                               + (f"; engines said: {errors}" if errors else "")) from out["error"]
-        return out["pgs"][0]
+        return out["pg"]
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
         """Broadcasts full HF-named tensors to every engine, bucket by bucket, in the given order, inside
@@ -381,6 +378,13 @@ class _Call(threading.Thread):
                 self.error = str(self.result.get("message"))
         except EngineError as e:
             self.error = str(e)
+
+
+def _refusal(message: str, errors: list[str], calls: list[_Call]) -> EngineError:
+    """The error for engines that refused to join: _NameTaken when one refused the group's name."""
+    if any(m in e for e in errors for m in _NAME_IN_USE):
+        return _NameTaken(message, settled=not any(c.is_alive() for c in calls))
+    return EngineError(message)
 
 
 def _finished_errors(calls: list[_Call]) -> list[str]:

@@ -16,16 +16,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from megaopd.trainer.preemption import PreemptionFlag
+
 
 def main() -> int:
     out, mode = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "allreduce")
-    got = []
-
-    def on_usr1(signum, frame):  # as megaopd.trainer.preemption: the first counts, later copies are ignored
-        got.append(signum)
-        signal.signal(signum, signal.SIG_IGN)
-
-    signal.signal(signal.SIGUSR1, on_usr1)  # installed before anything can signal us
+    flag = PreemptionFlag(signals=(signal.SIGUSR1,))  # the trainer's; installed before anything can signal us
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     total = torch.tensor([float(rank + 1)])
@@ -45,11 +41,11 @@ def main() -> int:
         else:
             open(os.path.join(out, f"ready{rank}"), "w").close()
             deadline = time.time() + 240
-            while not got and time.time() < deadline:
+            while flag.received is None and time.time() < deadline:
                 time.sleep(0.1)
-            report["usr1"] = bool(got)
+            report["usr1"] = flag.received is not None
             dist.barrier()
-            if rank == 0 and got:
+            if rank == 0 and flag.received is not None:
                 open(marker, "w").close()
     with open(os.path.join(out, f"rank{rank}-run{run}.json"), "w") as f:
         json.dump(report, f)
