@@ -2,6 +2,7 @@
 
     megaopd eval --ckpt HF_OR_MEGATRON_DIR --benchmarks math500,minerva,olympiadbench,amc,aime24,aime25 \\
         [--engines URL[,URL...]] [--samples K] [--temperature 0.6] [--max-new-tokens N] [--limit N] [--out DIR]
+        [--extract boxed|latex|number|answer_is|any]
 
 --engines: generate on running SGLang servers (or `megaopd serve`) serving the checkpoint, through the
 trainer's EnginePool (megaopd.eval.engines); only the tokenizer is read from --ckpt, no model is loaded
@@ -14,6 +15,11 @@ HF with megaopd.models.convert (the library behind tools/convert_megatron_to_hf.
 folder under OUT, removed afterwards. Benchmarks are read from --data-dir/<name>.jsonl (tools/prepare_benchmarks.py writes them)
 or given as paths to .jsonl files. Prints the results table; OUT gets results.md, results.json and
 generations.jsonl (default OUT: CKPT/eval).
+
+--extract: where the answer is read from a response (megaopd.metrics.reward): boxed (the last \\boxed{},
+the paper's rule, default), latex, number (for models that do not box), answer_is, any. The table says how
+many responses had an answer ("answers found: 12 of 50"), with a one-line warning when almost none did.
+Run again with the same --out and another --extract, the stored responses are re-scored, not generated.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import tempfile
 
 from megaopd.eval.benchmarks import BENCHMARKS, DEFAULT_DATA_DIR, resolve_benchmarks
 from megaopd.eval.evaluate import EvalConfig, evaluate
+from megaopd.metrics.reward import EXTRACTIONS, RewardConfig
 from megaopd.metrics.rollout import RepetitionConfig
 
 
@@ -92,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", help="embedded engine dtype (bfloat16 on GPU)")
     ap.add_argument("--repetition-window", type=int, default=RepetitionConfig().window_chars,
                     help="L of the repetition rate, in characters (paper: 10000)")
+    ap.add_argument("--extract", choices=list(EXTRACTIONS), default=d.reward.extract,
+                    help="where the answer is read from a response: boxed = the last \\boxed{} (the paper's rule); "
+                         "latex = the last LaTeX expression; number = the last number (models that do not box); "
+                         "answer_is = 'the answer is ...'; any = math-verify's default order")
     ap.add_argument("--no-chat-template", action="store_true", help="plain prompt even if the tokenizer has a template")
     ap.add_argument("--label", default=None, help="row name in the table (default: the checkpoint folder's name)")
     ap.add_argument("--out", default=None, help="output folder (default: CKPT/eval)")
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EvalConfig(
         samples=every, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, limit=args.limit, seed=args.seed, use_chat_template=not args.no_chat_template,
-        repetition=RepetitionConfig(window_chars=args.repetition_window),
+        repetition=RepetitionConfig(window_chars=args.repetition_window), reward=RewardConfig(extract=args.extract),
     )
     # Check the benchmark files before exporting or loading a model: a typo should cost a second.
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
@@ -178,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"megaopd eval: {e}", file=sys.stderr)
             return 2
     print(result.markdown())
+    print(result.answers_line())
+    warning = result.answers_warning("--extract ")
+    if warning:
+        print(f"megaopd eval: warning: {warning}", file=sys.stderr)
     print(f"written: {out_dir}/results.md, results.json, generations.jsonl")
     return 0
 

@@ -1,11 +1,14 @@
 """Benchmark evaluation with any rollout engine: generate, score with math-verify, tabulate.
 
 For benchmark b with problems i = 1..N_b and k_b samples each, correctness c_ij in {0, 1}
-(math_verify_reward: the last \\boxed{} of sample j verifies against the gold answer):
+(megaopd.metrics.reward: the answer EvalConfig.reward.extract reads from sample j, by default its last
+\\boxed{}, verifies against the gold answer):
     acc_b   = 1/N_b sum_i (1/k_b sum_j c_ij)        reported as pass@1 (k_b = 1) or avg@k_b
     pass@k_b = 1/N_b sum_i max_j c_ij               (also in results.json, for k_b > 1)
     Avg     = unweighted mean of acc_b over the benchmarks evaluated (the paper's "Avg." column)
     truncation / repetition rates over all generations of b (megaopd.metrics.rollout)
+    answers found: the samples of b with an extractable answer (right or wrong); when fewer than 10% have
+    one, the accuracy measures the extraction, not the model, and answers_warning() says how to switch
 
 The same function serves `megaopd eval` (full suites, results table) and the trainer's validation
 (a fixed subset every eval_interval steps: `limit`, then `EvalResult.to_metrics("val")`).
@@ -16,10 +19,12 @@ The same function serves `megaopd eval` (full suites, results table) and the tra
 
 Files written to out_dir: generations.jsonl (every sample with its verdict, appended as samples complete;
 a killed evaluation started again into the same out_dir generates only the missing samples and gives the
-same table: megaopd.eval.generations), generation_config.json, results.json, results.md.
+same table: megaopd.eval.generations; one started again with another extraction re-scores the stored
+responses without generating them), generation_config.json, results.json, results.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +35,7 @@ from typing import Any, Callable, Iterable
 from megaopd.eval.benchmarks import Benchmark, resolve_benchmarks
 from megaopd.eval.generations import GenerationRecord, GenerationStore
 from megaopd.eval.prompt import prompt_ids
-from megaopd.metrics.reward import RewardConfig, last_boxed, math_verify_reward
+from megaopd.metrics.reward import RewardConfig, extract_and_verify, few_answers_warning
 from megaopd.metrics.rollout import RepetitionConfig, is_repetitive
 from megaopd.rollout.protocol import Engine, SamplingParams
 
@@ -64,6 +69,8 @@ class EvalConfig:
     """Ids that end a response (the trainer passes its rollouts' turn end + EOS); empty = the stop ids of the
     prompt template this evaluation renders (megaopd.data.special_tokens), which always include the EOS."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """How answers are extracted and verified (`extract`: boxed, latex, number, answer_is, any; the trainer's
+    validation passes its metrics.reward, `megaopd eval` its --extract)."""
 
     def __post_init__(self):
         if self.samples is not None and self.samples < 1:
@@ -90,6 +97,8 @@ class BenchmarkResult:
     repetition_rate: float
     response_tokens_mean: float
     seconds: float
+    answers_found: int
+    """Samples (of n_problems x samples) with an extractable answer under the evaluation's extraction."""
 
 
 @dataclass
@@ -97,10 +106,29 @@ class EvalResult:
     benchmarks: list[BenchmarkResult]
     label: str = "model"
     config: dict[str, Any] = field(default_factory=dict)
+    extract: str = "boxed"
+    """The extraction the verdicts were made with (RewardConfig.extract)."""
 
     @property
     def average(self) -> float:
         return sum(b.accuracy for b in self.benchmarks) / len(self.benchmarks) if self.benchmarks else 0.0
+
+    @property
+    def responses(self) -> int:
+        return sum(b.n_problems * b.samples for b in self.benchmarks)
+
+    @property
+    def answers_found(self) -> int:
+        return sum(b.answers_found for b in self.benchmarks)
+
+    def answers_line(self) -> str:
+        """"answers found: 12 of 50 (extract=boxed)"."""
+        return f"answers found: {self.answers_found} of {self.responses} (extract={self.extract})"
+
+    def answers_warning(self, set_hint: str) -> str | None:
+        """One line when almost no response had an answer (megaopd.metrics.reward.FEW_ANSWERS), naming how to
+        switch the extraction (set_hint: "--extract " or "metrics.reward.extract="); None otherwise."""
+        return few_answers_warning(self.answers_found, self.responses, self.extract, set_hint)
 
     def _pooled(self, attr: str) -> float:
         n = sum(b.n_problems * b.samples for b in self.benchmarks)
@@ -108,9 +136,12 @@ class EvalResult:
 
     def to_metrics(self, prefix: str = "val") -> dict[str, float]:
         """Flat metrics for the trainer's log: {prefix}/accuracy (the average), pooled truncation and
-        repetition rates over all generations, and {prefix}/<benchmark>/accuracy."""
+        repetition rates over all generations, the share and count of responses with an extractable answer
+        ({prefix}/answers_found, {prefix}/answers_found_count), and {prefix}/<benchmark>/accuracy."""
         out = {
             f"{prefix}/accuracy": self.average,
+            f"{prefix}/answers_found": self.answers_found / self.responses if self.responses else 0.0,
+            f"{prefix}/answers_found_count": float(self.answers_found),
             f"{prefix}/truncation_rate": self._pooled("truncation_rate"),
             f"{prefix}/repetition_rate": self._pooled("repetition_rate"),
             f"{prefix}/response_length_mean": self._pooled("response_tokens_mean"),
@@ -126,6 +157,9 @@ class EvalResult:
             "average": self.average,
             "truncation_rate": self._pooled("truncation_rate"),
             "repetition_rate": self._pooled("repetition_rate"),
+            "extract": self.extract,
+            "answers_found": self.answers_found,
+            "responses": self.responses,
             "benchmarks": [asdict(b) for b in self.benchmarks],
             "config": self.config,
         }
@@ -149,6 +183,9 @@ class EvalResult:
             + f" | {pct(self._pooled('repetition_rate'))} |",
             "| mean response tokens | " + " | ".join(f"{b.response_tokens_mean:.0f}" for b in self.benchmarks)
             + f" | {self._pooled('response_tokens_mean'):.0f} |",
+            f"| answers found (extract={self.extract}) | "
+            + " | ".join(f"{b.answers_found} of {b.n_problems * b.samples}" for b in self.benchmarks)
+            + f" | {self.answers_found} of {self.responses} |",
         ]
         return "\n".join(lines) + "\n"
 
@@ -212,11 +249,12 @@ def evaluate(
         for bench in suites:
             results.append(_evaluate_one(engine, tokenizer, bench, cfg, store, prompt_fn))
             r = results[-1]
-            log.info("%s: %s %.1f%% (%d x %d, %.0fs)", r.display, r.metric, 100 * r.accuracy, r.n_problems, r.samples, r.seconds)
+            log.info("%s: %s %.1f%% (%d x %d, answers found %d, %.0fs)", r.display, r.metric, 100 * r.accuracy,
+                     r.n_problems, r.samples, r.answers_found, r.seconds)
     finally:
         if store:
             store.close()
-    result = EvalResult(results, label, config=_config_dict(cfg))
+    result = EvalResult(results, label, config=_config_dict(cfg), extract=cfg.reward.extract)
     if out_dir:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(result.to_json(), f, indent=2)
@@ -262,6 +300,7 @@ def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, 
                 f"{store.path}: the record of {bench.name} problem {i} sample {j} (id {rec.id!r}, {rec.samples} "
                 f"samples per problem) does not match this evaluation (id {problems[i].id!r}, {k} samples): "
                 "evaluate into another --out folder, or delete the file to start over")
+    _rescore(done, len(problems), cfg, store)
     pending = [u for u in range(len(problems) * k) if (u // k, u % k) not in done]
     if done and pending:
         log.info("%s: %d of %d samples already in %s, generating %d", bench.display,
@@ -291,13 +330,29 @@ def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, 
         repetition_rate=sum(r.repetitive for r in ordered) / n_gen if n_gen else 0.0,
         response_tokens_mean=sum(r.response_tokens for r in ordered) / n_gen if n_gen else 0.0,
         seconds=time.perf_counter() - started,
+        answers_found=sum(bool(r.extracted and r.extracted.strip()) for r in ordered),
     )
+
+
+def _rescore(done: dict, n_problems: int, cfg: EvalConfig, store: GenerationStore | None) -> None:
+    """Stored samples scored under another extraction get this one's verdicts (appended to the store, where
+    the later record wins), so a rerun with another --extract re-scores instead of generating again."""
+    stale = [rec for (i, _), rec in done.items() if i < n_problems and rec.extract != cfg.reward.extract]
+    for rec in stale:
+        verdict = extract_and_verify(rec.response, rec.answer, cfg.reward)
+        done[(rec.index, rec.sample)] = dataclasses.replace(rec, extracted=verdict.extracted, correct=verdict.correct,
+                                                            extract=cfg.reward.extract)
+    if stale:
+        log.info("re-scored %d stored samples with extract=%s", len(stale), cfg.reward.extract)
+        if store:
+            store.append(done[(rec.index, rec.sample)] for rec in stale)
 
 
 def _score(bench: Benchmark, problems, i: int, j: int, k: int, s, tokenizer, cfg: EvalConfig) -> GenerationRecord:
     prob = problems[i]
     text = tokenizer.decode(s.output_ids, skip_special_tokens=True)
+    verdict = extract_and_verify(text, prob.answer, cfg.reward)
     return GenerationRecord(
         benchmark=bench.name, index=i, id=prob.id, sample=j, samples=k, problem=prob.problem, answer=prob.answer,
-        response=text, extracted=last_boxed(text), correct=bool(math_verify_reward(text, prob.answer, cfg.reward)),
-        finish_reason=s.finish_reason, response_tokens=len(s.output_ids), repetitive=is_repetitive(text, cfg.repetition))
+        response=text, extracted=verdict.extracted, correct=verdict.correct, finish_reason=s.finish_reason,
+        response_tokens=len(s.output_ids), repetitive=is_repetitive(text, cfg.repetition), extract=cfg.reward.extract)

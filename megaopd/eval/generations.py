@@ -2,7 +2,8 @@
 killed evaluation started again generates only what is missing.
 
 One line per sample (GenerationRecord): which benchmark, problem (index and id) and sample it is, the
-response, the verdict and the health flags the tables are computed from. Beside it,
+response, the verdict (and the extraction it was made with) and the health flags the tables are computed
+from. A record appended later for the same sample replaces the earlier one (a re-scored verdict). Beside it,
 OUT/generation_config.json holds the settings that decide what a sample is (temperature, top_p, token
 budget, seed, chat template); a restart with other settings is refused with one clear error instead of
 mixing two evaluations in one table.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Iterable
 
 GENERATIONS_FILE = "generations.jsonl"
@@ -40,6 +41,9 @@ class GenerationRecord:
     finish_reason: str
     response_tokens: int
     repetitive: bool
+    extract: str = "boxed"
+    """The extraction `extracted` and `correct` were made with (RewardConfig.extract); records written before
+    this field were boxed. A rerun with another extraction re-scores the record instead of generating it."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -47,10 +51,10 @@ class GenerationRecord:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GenerationRecord":
         names = {f.name for f in fields(cls)}
-        missing = names - set(d)
+        missing = {f.name for f in fields(cls) if f.default is MISSING} - set(d)
         if missing:
             raise ValueError(f"record lacks {sorted(missing)}")
-        return cls(**{k: d[k] for k in names})
+        return cls(**{k: d[k] for k in names if k in d})
 
 
 class GenerationStore:

@@ -3,7 +3,7 @@ the collapse early warning, and `megaopd plot`.
 
     rollout.py   truncation / repetition rates, repetitive-token mask, advantage split, rollout dynamics
     overlap.py   student/teacher top-k overlap ratio and mass, entropy gap
-    reward.py    math_verify_reward: last \\boxed{} answer vs gold, never raises, time-bounded
+    reward.py    math_verify_reward: the extracted answer (RewardConfig.extract) vs gold, never raises, time-bounded
     trajectory.py  multi-turn trajectories: turns, tool calls and errors, environment-token share
     collapse.py  CollapseDetector: jump/level alarms on truncation and repetition rates
     plot.py      `megaopd plot RUN [RUN ...]`: training-dynamics figures from RUN/metrics.jsonl
@@ -15,7 +15,8 @@ import importlib
 _EXPORTS = {
     "collapse": ["CollapseConfig", "CollapseDetector", "CollapseWarning"],
     "overlap": ["topk_overlap", "topk_overlap_counts", "topk_overlap_from_counts"],
-    "reward": ["RewardConfig", "last_boxed", "math_verify_reward", "math_verify_rewards"],
+    "reward": ["EXTRACTIONS", "RewardConfig", "Verdict", "extract_and_verify", "few_answers_warning", "last_boxed",
+               "math_verify_reward", "math_verify_rewards"],
     "rollout": [
         "RepetitionConfig", "advantage_split", "advantage_split_counts", "advantage_split_from_counts",
         "compression_ratio", "is_repetitive", "repetition_rate", "repetitive_token_flags",

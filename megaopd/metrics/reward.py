@@ -1,13 +1,25 @@
-"""Verifiable math reward with math-verify: 1.0 when the response's last \\boxed{} answer equals the gold
+"""Verifiable math reward with math-verify: 1.0 when the answer extracted from the response equals the gold
 answer, else 0.0. Never raises; bounded in time.
 
-    R(y, gold) = 1.0  if verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + last_boxed(y) + "}"))
-                 0.0  otherwise (no \\boxed{}, unparsable, wrong, timed out, any error)
+    R(y, gold) = 1.0  if verify(parse("\\boxed{" + gold + "}"), extract(y))
+                 0.0  otherwise (no answer found, unparsable, wrong, timed out, any error)
 
-Departures from calling math_verify.parse on the whole response:
-- We extract the last \\boxed{...} ourselves (linear brace matching) and hand math-verify only that,
-  so a 30k-character response costs one small parse, and "the final answer" means the last box, as in
-  the paper's evaluation. A response without a box is wrong, even when its text ends with a number.
+How the answer is extracted is one setting, RewardConfig.extract, read by the rewards, validation and
+`megaopd eval` alike (EXTRACTIONS):
+    boxed      the content of the last \\boxed{...} (the paper's rule, every preset's): we extract it
+               ourselves (linear brace matching) and hand math-verify only that, so a 30k-character
+               response costs one small parse. A response without a box is wrong, even when it ends with
+               the right number.
+    latex      math-verify's LaTeX target: an anchored answer ("final answer is $x$", "answer: $x$"),
+               else a \\boxed{}, else the last LaTeX expression ($...$, \\[...\\], \\(...\\), \\frac{a}{b}).
+    number     math-verify's expression target: a number after "answer" ("The answer is 42."), else the
+               last plain number or arithmetic expression ("... so 3 + 4 = 7 apples." -> 7). For models that
+               do not box (SmolLM2-135M-Instruct never does).
+    answer_is  only anchored answers: "the (final) answer is ...", "answer: ..." (LaTeX or a number).
+    any        math-verify's own default: the LaTeX and expression targets together, by its priorities.
+Every mode but boxed hands math-verify the whole response (its regexes find the answer), so it costs more
+per response; the bounds below apply the same.
+
 - Time and memory bounds. math-verify guards parse/verify with signal.alarm (whole seconds, main thread
   only; elsewhere it raises "signal only works in main thread"), its alarm(0) cancels any alarm the
   caller set (pytest-timeout, a watchdog), and no signal interrupts one long C-level call: sympy's evalf
@@ -22,8 +34,9 @@ Departures from calling math_verify.parse on the whole response:
       restored. Cheaper, but a long C call overruns it. Off the main thread it uses the helper process.
     * "none": no bound besides max_answer_chars.
 
-    from megaopd.metrics.reward import math_verify_reward
+    from megaopd.metrics.reward import RewardConfig, extract_and_verify, math_verify_reward
     math_verify_reward("... so the answer is \\boxed{\\frac{1}{2}}.", "0.5")   # -> 1.0
+    extract_and_verify("The answer is 42.", "42", RewardConfig(extract="number"))  # -> Verdict(True, "42")
 """
 from __future__ import annotations
 
@@ -36,21 +49,39 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Sequence
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+EXTRACTIONS = {
+    "boxed": "a \\boxed{} answer",
+    "latex": "a LaTeX answer",
+    "number": "a number",
+    "answer_is": 'an "answer is ..." statement',
+    "any": "an answer math-verify could extract",
+}
+"""RewardConfig.extract's modes (module docstring), each with what it looks for, as the found-count
+warning names it."""
+
+FEW_ANSWERS = 0.1
+"""Below this share of responses with an extractable answer, validation and `megaopd eval` warn: the
+accuracy then measures the extraction, not the model (a model that never boxes reads 0.0 under boxed)."""
 
 
 @dataclass
 class RewardConfig:
-    """How answers are extracted and verified."""
+    """How answers are extracted and verified (job config: metrics.reward; `megaopd eval --extract`)."""
 
+    extract: str = "boxed"
+    """Where the answer is read from a response (module docstring): boxed (the last \\boxed{}, the paper's
+    rule and every preset's), latex, number, answer_is or any. One setting for the rollouts' rewards,
+    validation and `megaopd eval`."""
     timeout_s: float = 5.0
     """Wall-clock budget for parsing and verifying one answer; past it the answer scores 0.0."""
     max_answer_chars: int = 1000
-    """A boxed answer longer than this is scored 0.0 without parsing (degenerate output; sympy could
-    spend seconds on it)."""
-    isolation: Literal["process", "signal", "none"] = "process"
+    """An extracted answer longer than this is scored 0.0 without verifying it (degenerate output; sympy
+    could spend seconds on it)."""
+    isolation: str = "process"
     """How the timeout is enforced (module docstring): "process" = helper process, hard time and memory
     bounds; "signal" = in-process timer on the main thread (a long C-level call can overrun it);
     "none" = unbounded."""
@@ -59,6 +90,9 @@ class RewardConfig:
     that needs more fails with MemoryError and scores 0.0."""
 
     def __post_init__(self):
+        if self.extract not in EXTRACTIONS:
+            raise ValueError(f"metrics.reward.extract={self.extract!r}: choose one of {', '.join(EXTRACTIONS)} (boxed: the last "
+                             f"\\boxed{{}}; number: for models that do not box their answers)")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds per answer)")
         if self.max_answer_chars < 1:
@@ -67,6 +101,31 @@ class RewardConfig:
             raise ValueError(f"isolation={self.isolation!r}: choose process, signal or none")
         if self.worker_memory_mb < 256:
             raise ValueError(f"worker_memory_mb={self.worker_memory_mb} is too small for sympy (>= 256)")
+
+
+@dataclass
+class Verdict:
+    """One response scored: was it right, and what was read as its answer."""
+
+    correct: bool
+    extracted: str | None
+    """The answer as extracted (a box's content, or the text math-verify matched); None when the response
+    has none (or its extraction timed out)."""
+
+    @property
+    def found(self) -> bool:
+        """The response had an extractable answer (right or wrong)."""
+        return bool(self.extracted and self.extracted.strip())
+
+
+def few_answers_warning(found: int, total: int, extract: str, set_hint: str) -> str | None:
+    """One line when fewer than FEW_ANSWERS of `total` responses had an answer under `extract`, naming how
+    to switch (set_hint: "metrics.reward.extract=" or "--extract "); None otherwise."""
+    if total <= 0 or found >= FEW_ANSWERS * total:
+        return None
+    return (f"{found} of {total} responses had {EXTRACTIONS[extract]} (extract={extract}), so accuracy measures "
+            f"the extraction, not the model: set {set_hint}number (or latex, answer_is, any) for a model that "
+            f"does not {'box its answers' if extract == 'boxed' else 'answer that way'}")
 
 
 def last_boxed(text: str) -> str | None:
@@ -162,28 +221,63 @@ def _parse_gold(gold_content: str):
     return _math_verify().parse("\\boxed{" + gold_content + "}", parsing_timeout=None)
 
 
-def _verify_unguarded(answer: str, gold_content: str) -> bool:
+@functools.lru_cache(maxsize=None)
+def _targets(extract: str) -> tuple:
+    """math-verify's extraction targets of a RewardConfig.extract mode other than boxed."""
     mv = _math_verify()
+    latex, expr = mv.LatexExtractionConfig, mv.ExprExtractionConfig
+    return {
+        "latex": (latex(),),
+        "number": (expr(),),
+        # Without their anchor-free patterns both targets match only after "answer"; no bare boxes either.
+        "answer_is": (latex(try_extract_without_anchor=False, boxed_match_priority=-1),
+                      expr(try_extract_without_anchor=False)),
+        "any": (latex(), expr()),
+    }[extract]
+
+
+def _extract(mv, text: str, extract: str, max_chars: int) -> tuple[list, str | None]:
+    """(math-verify's parse of the answer, the answer's text). boxed: `text` is the box's content already."""
+    if extract == "boxed":
+        return mv.parse("\\boxed{" + text + "}", parsing_timeout=None), text
+    pred = mv.parse(text, extraction_config=_targets(extract), parsing_timeout=None)
+    # parse() returns [sympy value, matched text], or [matched text] when the match did not parse.
+    extracted = next((p for p in pred if isinstance(p, str)), str(pred[0]) if pred else None)
+    if extracted is not None and len(extracted) > max_chars:
+        return [], extracted
+    return pred, extracted
+
+
+def _verify_unguarded(text: str, gold_content: str, extract: str = "boxed", max_chars: int = 1000) -> Verdict:
+    mv = _math_verify()
+    pred, extracted = _extract(mv, text, extract, max_chars)
     gold = _parse_gold(gold_content)
-    pred = mv.parse("\\boxed{" + answer + "}", parsing_timeout=None)
     if not gold or not pred:
-        return False
-    return bool(mv.verify(gold, pred, timeout_seconds=None))
+        return Verdict(False, extracted)
+    return Verdict(bool(mv.verify(gold, pred, timeout_seconds=None)), extracted)
 
 
-def _verify_in_main_thread(answer: str, gold_content: str, timeout_s: float) -> float:
+def _known_answer(text: str, extract: str) -> str | None:
+    """What is known to be the answer before math-verify runs (boxed: the box; the other modes: nothing), the
+    extracted text of a verdict that timed out or failed."""
+    return text if extract == "boxed" else None
+
+
+def _verify_in_main_thread(text: str, gold_content: str, timeout_s: float, extract: str = "boxed",
+                           max_chars: int = 1000) -> Verdict:
     try:
         with _time_limit(timeout_s):
-            return 1.0 if _verify_unguarded(answer, gold_content) else 0.0
+            return _verify_unguarded(text, gold_content, extract, max_chars)
     except _Timeout:
-        logging.getLogger(__name__).warning("math-verify timed out after %.1fs on answer %.80r", timeout_s, answer)
-        return 0.0
+        logging.getLogger(__name__).warning("math-verify timed out after %.1fs on %.80r", timeout_s, text)
     except Exception:  # noqa: BLE001 - a reward never raises: malformed input scores 0
-        return 0.0
+        pass
+    return Verdict(False, _known_answer(text, extract))
 
 
 def serve_worker(memory_mb: int = 4096) -> None:
-    """Helper process body: one JSON request per stdin line [answer, gold, timeout_s], "1"/"0" per line out.
+    """Helper process body: one JSON request per stdin line [text, gold, timeout_s, extract, max_chars], one
+    JSON line [correct 0/1, extracted text or null] out.
 
     Runs each verification on its own main thread under the signal timer; the parent enforces the hard
     bound by killing it. The address-space cap leaves room for what is already mapped."""
@@ -199,11 +293,12 @@ def serve_worker(memory_mb: int = 4096) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
     for line in sys.stdin:
         try:
-            answer, gold, timeout_s = json.loads(line)
-            score = _verify_in_main_thread(answer, gold, float(timeout_s))
+            text, gold, timeout_s, extract, max_chars = json.loads(line)
+            verdict = _verify_in_main_thread(text, gold, float(timeout_s), extract, int(max_chars))
+            out = json.dumps([int(verdict.correct), verdict.extracted])
         except BaseException:  # noqa: BLE001 - MemoryError included: one bad answer must not end the helper
-            score = 0.0
-        sys.stdout.write("1\n" if score else "0\n")
+            out = "[0, null]"
+        sys.stdout.write(out + "\n")
         sys.stdout.flush()
 
 
@@ -241,17 +336,18 @@ class _VerifyWorker:
             self._proc.wait(timeout=10)
             self._proc = None
 
-    def __call__(self, answer: str, gold_content: str, timeout_s: float, memory_mb: int = 4096) -> float:
+    def __call__(self, text: str, gold_content: str, cfg: RewardConfig) -> Verdict:
         import json
         import select
 
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
-                self._start(memory_mb)
+                self._start(cfg.worker_memory_mb)
             try:
-                self._proc.stdin.write(json.dumps([answer, gold_content, timeout_s]) + "\n")
+                request = [text, gold_content, cfg.timeout_s, cfg.extract, cfg.max_answer_chars]
+                self._proc.stdin.write(json.dumps(request) + "\n")
                 self._proc.stdin.flush()
-                wait = timeout_s + self.GRACE_S + (0.0 if self._warm else self.STARTUP_S)
+                wait = cfg.timeout_s + self.GRACE_S + (0.0 if self._warm else self.STARTUP_S)
                 # One request in flight, one line back: nothing is left in the reader's buffer between calls,
                 # so select on the pipe tells whether the answer has come.
                 ready, _, _ = select.select([self._proc.stdout], [], [], wait)
@@ -259,40 +355,53 @@ class _VerifyWorker:
                     line = self._proc.stdout.readline()
                     if line:
                         self._warm = True
-                        return 1.0 if line.strip() == "1" else 0.0
+                        correct, extracted = json.loads(line)
+                        return Verdict(bool(correct), extracted)
             except (OSError, ValueError):
                 pass
-            logging.getLogger(__name__).warning("math-verify helper exceeded %.1fs on answer %.80r; restarting it",
-                                                timeout_s, answer)
+            logging.getLogger(__name__).warning("math-verify helper exceeded %.1fs on %.80r; restarting it",
+                                                cfg.timeout_s, text)
             self.close()
             self.restarts += 1
-            return 0.0
+            return Verdict(False, _known_answer(text, cfg.extract))
 
 
 _worker = _VerifyWorker()
 atexit.register(_worker.close)
 
 
-def math_verify_reward(response: str, gold: str, cfg: RewardConfig | None = None) -> float:
-    """1.0 when the last \\boxed{} of `response` verifies against `gold` (a bare answer, $answer$, or a
-    solution with a box), else 0.0. Never raises."""
+def extract_and_verify(response: str, gold: str, cfg: RewardConfig | None = None) -> Verdict:
+    """The answer cfg.extract reads from `response` and whether it verifies against `gold` (a bare answer,
+    $answer$, or a solution with a box). Never raises."""
     cfg = cfg or RewardConfig()
+    known = None
     try:
-        answer = last_boxed(response)
-        if answer is None or not answer.strip() or len(answer) > cfg.max_answer_chars:
-            return 0.0
+        if cfg.extract == "boxed":
+            text = known = last_boxed(response)
+            if text is None or not text.strip() or len(text) > cfg.max_answer_chars:
+                return Verdict(False, known)
+        else:
+            text = response
+            if not text.strip():
+                return Verdict(False, None)
         gold_content = _normalize_gold(gold)
         if not gold_content:
-            return 0.0
+            return Verdict(False, known)
         if cfg.isolation == "none":
-            return 1.0 if _verify_unguarded(answer, gold_content) else 0.0
+            return _verify_unguarded(text, gold_content, cfg.extract, cfg.max_answer_chars)
         if cfg.isolation == "signal" and threading.current_thread() is threading.main_thread():
-            return _verify_in_main_thread(answer, gold_content, cfg.timeout_s)
-        return _worker(answer, gold_content, cfg.timeout_s, cfg.worker_memory_mb)
+            return _verify_in_main_thread(text, gold_content, cfg.timeout_s, cfg.extract, cfg.max_answer_chars)
+        return _worker(text, gold_content, cfg)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        return 0.0
+        return Verdict(False, known)
+
+
+def math_verify_reward(response: str, gold: str, cfg: RewardConfig | None = None) -> float:
+    """1.0 when the answer cfg.extract reads from `response` (default: its last \\boxed{}) verifies against
+    `gold`, else 0.0. Never raises."""
+    return 1.0 if extract_and_verify(response, gold, cfg).correct else 0.0
 
 
 def math_verify_rewards(responses: Sequence[str], golds: Sequence[str], cfg: RewardConfig | None = None) -> list[float]:

@@ -253,7 +253,7 @@ class Trainer:
                     timer.add("teacher_remote", pending.seconds)
                     self.pipeline.teacher_streamed(pending)
         batch.texts, rewards = texts_and_rewards(self.tokenizer, samples, examples, cfg.trainer.samples_per_prompt,
-                                                 self.multi_turn)
+                                                 self.multi_turn, cfg.metrics.reward)
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
         return batch
 
@@ -389,7 +389,7 @@ def deliver_rollout(samples, examples, golden, cfg: MegaOPDConfig, models, needs
     return batch, owners, batches
 
 
-def texts_and_rewards(tokenizer, samples, examples, n: int, multi_turn: MultiTurn | None):
+def texts_and_rewards(tokenizer, samples, examples, n: int, multi_turn: MultiTurn | None, reward_cfg=None):
     """Collective: the decoded responses on rank 0 (empty on the others: rank 0 logs them and sends the
     metrics made of them) and their math-verify rewards on every rank (trajectories: the student's turns and
     the environment's final-answer rewards)."""
@@ -400,7 +400,7 @@ def texts_and_rewards(tokenizer, samples, examples, n: int, multi_turn: MultiTur
             kept["texts"], rewards = multi_turn.texts_and_rewards(samples)
             return rewards
         kept["texts"] = [tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
-        return math_verify_rewards(kept["texts"], [examples[i // n].answer for i in range(len(samples))])
+        return math_verify_rewards(kept["texts"], [examples[i // n].answer for i in range(len(samples))], reward_cfg)
 
     rewards = rank0_computes(on_rank0)
     return kept.get("texts", []), rewards

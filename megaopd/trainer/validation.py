@@ -1,9 +1,12 @@
 """Validation during training: the benchmark evaluation (megaopd.eval) on the rollout engine, which holds
 the actor's current weights, so validation needs no second copy of the model. Rank 0 drives the engine;
-every rank receives the metrics (the loop logs and decides on them in lockstep).
+every rank receives the metrics (the loop logs and decides on them in lockstep). Answers are extracted as
+the rewards extract them (metrics.reward.extract); val/answers_found says how many responses had one, and
+a validation where almost none did logs a one-line `few_answers` warning.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -34,12 +37,27 @@ def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[i
     result = evaluate(
         engine, tokenizer, [bench],
         EvalConfig(samples=vcfg.samples, temperature=vcfg.temperature, max_new_tokens=vcfg.max_new_tokens,
-                   limit=vcfg.max_problems or None, repetition=cfg.metrics.repetition, stop_token_ids=stop_ids),
+                   limit=vcfg.max_problems or None, repetition=cfg.metrics.repetition, stop_token_ids=stop_ids,
+                   reward=cfg.metrics.reward),
         out_dir=os.path.join(cfg.run.dir, "eval", f"step_{step:06d}"),
         prompt_fn=lambda problem: render_and_encode(problem, cfg.data, tokenizer)[1])
     if run_log is not None:
         run_log.evaluation(step, result)
+    _warn_if_few_answers(result, step, run_log)
     return {k: v for k, v in result.to_metrics("val").items() if k.count("/") == 1}
+
+
+def _warn_if_few_answers(result, step: int, run_log) -> None:
+    """One line when almost no validation response had an answer to grade: val/accuracy then reads 0.0
+    whatever the model knows (a model that never boxes, under metrics.reward.extract=boxed)."""
+    warning = result.answers_warning("metrics.reward.extract=")
+    if warning is None:
+        return
+    if run_log is not None:
+        run_log.event(step, "few_answers", warning, loud=True, answers_found=result.answers_found,
+                      responses=result.responses)
+    else:
+        logging.getLogger(__name__).warning("step %d: %s", step, warning)
 
 
 def _evaluate_with_tools(engine, tokenizer, cfg: MegaOPDConfig, stop_ids: list[int]) -> dict[str, float]:

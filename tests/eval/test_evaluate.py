@@ -163,3 +163,70 @@ def test_cli_megatron_checkpoint(tiny_hf_dir, tiny_bench, tmp_path, capsys):
     assert cli_main(["eval", "--ckpt", tiny_hf_dir, "--out", str(tmp_path / "h"), *args]) == 0
     assert os.listdir(tmp_path / "m") and not [d for d in os.listdir(tmp_path / "m") if d.startswith("hf_export_")]
     assert (tmp_path / "m" / "generations.jsonl").read_text() == (tmp_path / "h" / "generations.jsonl").read_text()
+
+
+def test_answers_found_warning_and_rescore_with_another_extraction(tok, tmp_path):
+    """A model that never boxes reads 0.0 under boxed, and the table says why; the same folder evaluated
+    again with extract=number re-scores the stored responses without generating any."""
+    from megaopd.metrics import RewardConfig
+
+    bench = Benchmark("arith", [Problem("a", "p", "7"), Problem("b", "q", "42")], samples=2)
+    texts = ["3 + 4 = 7 apples.", "I do not know.", "The answer is 42.", "The answer is 41."]
+    eng = ScriptedEngine(tok, texts)
+    res = evaluate(eng, tok, [bench], EvalConfig(max_new_tokens=16), out_dir=str(tmp_path), label="smol")
+    assert (res.benchmarks[0].answers_found, res.responses, res.average) == (0, 4, 0.0)
+    assert res.answers_line() == "answers found: 0 of 4 (extract=boxed)"
+    assert res.answers_warning("--extract ").startswith("0 of 4 responses had a \\boxed{} answer")
+    assert "| answers found (extract=boxed) | 0 of 4 | 0 of 4 |" in res.markdown().splitlines()
+    metrics = res.to_metrics("val")
+    assert (metrics["val/answers_found"], metrics["val/answers_found_count"]) == (0.0, 0.0)
+
+    idle = ScriptedEngine(tok, [])  # nothing to generate: a call would pop from an empty script
+    num = evaluate(idle, tok, [bench], EvalConfig(max_new_tokens=16, reward=RewardConfig(extract="number")),
+                   out_dir=str(tmp_path), label="smol")
+    assert idle.calls == []
+    b = num.benchmarks[0]
+    assert (b.answers_found, b.accuracy, b.pass_at_k) == (3, 0.5, 1.0)
+    assert num.answers_line() == "answers found: 3 of 4 (extract=number)" and num.answers_warning("--extract ") is None
+    assert num.to_metrics("val")["val/answers_found"] == 0.75
+    saved = json.load(open(tmp_path / "results.json"))
+    assert (saved["extract"], saved["answers_found"], saved["responses"]) == ("number", 3, 4)
+    # The store keeps both verdicts; the later one wins when read back (a third run re-scores nothing).
+    gens = [json.loads(l) for l in open(tmp_path / "generations.jsonl")]
+    assert [g["extract"] for g in gens] == ["boxed"] * 4 + ["number"] * 4
+    assert [g["extracted"] for g in gens[4:]] == ["7", None, "42", "41"]
+    again = evaluate(ScriptedEngine(tok, []), tok, [bench], EvalConfig(reward=RewardConfig(extract="number"), max_new_tokens=16),
+                     out_dir=str(tmp_path))
+    assert again.benchmarks[0].accuracy == b.accuracy and len(open(tmp_path / "generations.jsonl").readlines()) == 8
+
+
+def test_records_written_before_the_extraction_field_read_as_boxed():
+    from megaopd.eval.generations import GenerationRecord
+
+    old = {"benchmark": "b", "index": 0, "id": "x", "sample": 0, "samples": 1, "problem": "p", "answer": "1",
+           "response": "\\boxed{1}", "extracted": "1", "correct": True, "finish_reason": "stop",
+           "response_tokens": 3, "repetitive": False}
+    assert GenerationRecord.from_dict(old).extract == "boxed"
+    with pytest.raises(ValueError, match="record lacks \\['correct'\\]"):
+        GenerationRecord.from_dict({k: v for k, v in old.items() if k != "correct"})
+
+
+def test_cli_extract_flag_reports_answers_found(tiny_hf_dir, tiny_bench, tmp_path, capsys):
+    from megaopd.cli import main as cli_main
+
+    out = tmp_path / "out"
+    args = ["eval", "--ckpt", tiny_hf_dir, "--benchmarks", tiny_bench, "--max-new-tokens", "8", "--samples", "1",
+            "--out", str(out)]
+    assert cli_main(args) == 0
+    got = capsys.readouterr()
+    # The random tiny model never closes a \boxed{}: 0 found, and one warning line naming the fix.
+    assert "answers found: 0 of 3 (extract=boxed)" in got.out
+    warning = [line for line in got.err.splitlines() if "megaopd eval: warning:" in line]
+    assert len(warning) == 1 and "0 of 3 responses had a \\boxed{} answer" in warning[0]
+    assert "--extract number" in warning[0]
+    assert cli_main(args + ["--extract", "any"]) == 0
+    assert "(extract=any)" in capsys.readouterr().out
+    assert json.load(open(out / "results.json"))["extract"] == "any"
+    with pytest.raises(SystemExit):
+        cli_main(args + ["--extract", "last"])
+    assert "invalid choice: 'last'" in capsys.readouterr().err

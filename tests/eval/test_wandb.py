@@ -53,7 +53,7 @@ def test_run_log_writes_an_offline_wandb_run(tmp_path):
     log.log_step(1, {"loss/total": 0.5, "rollout/truncation_rate": 0.1, "flag": True})
     log.samples(1, [{"prompt": "p", "response": "r", "finish_reason": "stop", "reward": 1.0}])
     log.event(2, "collapse_warning", "truncation rate 0.6 > 0.5", loud=True, metric="rollout/truncation_rate")
-    bench = BenchmarkResult("aime24", "AIME24", "avg@2", 3, 2, 0.5, 1.0, 0.0, 0.0, 10.0, 1.0)
+    bench = BenchmarkResult("aime24", "AIME24", "avg@2", 3, 2, 0.5, 1.0, 0.0, 0.0, 10.0, 1.0, answers_found=6)
     log.evaluation(2, EvalResult([bench], label="student"))
     log.log_step(2, {"loss/total": 0.25, "val/accuracy": 0.5})
     log.close()
