@@ -9,6 +9,13 @@ An alarm is raised once per episode: the metric must return below both threshold
 again, so a collapsed run logs one warning, not one per step. The window holds values before the
 current step only, so a jump is measured against the pre-jump baseline.
 
+Collapse is a change, and a change needs a baseline: before min_history earlier values exist, a value over
+its level raises no collapse warning but one quiet note (reason "no_baseline", event
+`collapse_no_baseline`) that says the run starts there. Seen on SmolLM2-135M: a 96-token budget truncates
+most responses from step 1, which read as a collapse warning at step 1. The note opens the episode like an
+alarm, so a run that starts high and stays high is not warned about once the baseline fills either; it is
+warned about when the rate falls below both thresholds and rises again, or jumps.
+
 Pure Python with state_dict / load_state_dict, so a resumed run keeps its baseline.
 
     det = CollapseDetector(CollapseConfig())
@@ -28,12 +35,13 @@ class CollapseConfig:
     window: int = 10
     """Steps in the moving baseline."""
     min_history: int = 3
-    """Earlier values needed before a jump is judged (the first steps have no baseline)."""
+    """Earlier values that make a baseline. Before them no collapse warning is raised: a jump cannot be
+    judged, and a value over its level gets a quiet no-baseline note instead (the module docstring)."""
     jump: dict[str, float] = field(default_factory=lambda: {"truncation_rate": 0.2, "repetition_rate": 0.1})
     """Alarm when value - mean(window) exceeds this (absolute rate difference). Ours: healthy runs move
     by a few points per step; collapse moves by tens within a few steps."""
     level: dict[str, float] = field(default_factory=lambda: {"truncation_rate": 0.5, "repetition_rate": 0.2})
-    """Alarm when the value itself exceeds this, whatever the baseline."""
+    """Alarm when the value itself exceeds this, whatever the baseline's value (once a baseline exists)."""
 
     def __post_init__(self):
         if self.window < 1:
@@ -54,15 +62,42 @@ class CollapseWarning:
     baseline: float | None
     """Mean of the window before this step (None when the window was too short)."""
     reason: str
-    """"jump" or "level"."""
+    """"jump" or "level" (collapse warnings), or "no_baseline" (over its level before a baseline exists)."""
+    history: int = 0
+    """Earlier values the baseline was made of."""
+    threshold: float | None = None
+    """The level or jump threshold the value crossed."""
+
+    @property
+    def is_collapse(self) -> bool:
+        """A change against a baseline (jump or level), not a high start."""
+        return self.reason != "no_baseline"
+
+    @property
+    def event(self) -> str:
+        """The run log's event name: collapse_warning, or collapse_no_baseline for a high start."""
+        return "collapse_warning" if self.is_collapse else "collapse_no_baseline"
 
     @property
     def message(self) -> str:
+        if not self.is_collapse:
+            hint = _START_HINTS.get(self.metric, "")
+            return (f"{self.metric} = {self.value:.3f} at step {self.step} is above its level {self.threshold:g} with "
+                    f"no baseline yet ({self.history} earlier steps): too early to tell a collapse from where the run "
+                    f"starts{'; ' + hint if hint else ''}. A collapse warning follows if it falls below its "
+                    f"thresholds and rises again")
         base = "n/a" if self.baseline is None else f"{self.baseline:.3f}"
         return (
             f"collapse warning at step {self.step}: {self.metric} = {self.value:.3f} ({self.reason}; "
-            f"baseline over the last steps {base})"
+            f"baseline over the last {self.history} steps {base})"
         )
+
+
+_START_HINTS = {
+    "truncation_rate": "responses cut off from the first steps usually mean a token budget "
+                       "(rollout.max_new_tokens) shorter than the model's answers",
+}
+"""What a high start of a watched rate usually means, for the no-baseline note."""
 
 
 class CollapseDetector:
@@ -74,7 +109,8 @@ class CollapseDetector:
         """Every warning raised so far (kept in state_dict, so a resumed run remembers them)."""
 
     def update(self, step: int, values: dict[str, float | None]) -> list[CollapseWarning]:
-        """Feeds one step's rates; returns the warnings raised at this step. None values are skipped."""
+        """Feeds one step's rates; returns the warnings raised at this step (collapse warnings, and
+        no-baseline notes: CollapseWarning.is_collapse tells them apart). None values are skipped."""
         raised = []
         for name, value in values.items():
             if value is None or (name not in self.cfg.jump and name not in self.cfg.level):
@@ -82,23 +118,24 @@ class CollapseDetector:
             value = float(value)
             hist = self._history.setdefault(name, deque(maxlen=self.cfg.window))
             baseline = sum(hist) / len(hist) if hist else None
-            reason = None
-            if name in self.cfg.jump and len(hist) >= self.cfg.min_history and value - baseline > self.cfg.jump[name]:
-                reason = "jump"
+            has_baseline = len(hist) >= self.cfg.min_history
+            reason, threshold = None, None
+            if name in self.cfg.jump and has_baseline and value - baseline > self.cfg.jump[name]:
+                reason, threshold = "jump", self.cfg.jump[name]
             elif name in self.cfg.level and value > self.cfg.level[name]:
-                reason = "level"
+                reason, threshold = ("level" if has_baseline else "no_baseline"), self.cfg.level[name]
             if reason is None:
                 self._alarmed[name] = False
             elif not self._alarmed.get(name, False):
                 self._alarmed[name] = True
-                raised.append(CollapseWarning(step, name, value, baseline, reason))
+                raised.append(CollapseWarning(step, name, value, baseline, reason, len(hist), threshold))
             hist.append(value)
         self.warnings.extend(raised)
         return raised
 
     @property
     def alarmed(self) -> bool:
-        """True while any watched metric is above its thresholds."""
+        """True while any watched metric is above its thresholds (a high start included)."""
         return any(self._alarmed.values())
 
     def state_dict(self) -> dict:

@@ -91,8 +91,8 @@ class RewardConfig:
 
     def __post_init__(self):
         if self.extract not in EXTRACTIONS:
-            raise ValueError(f"metrics.reward.extract={self.extract!r}: choose one of {', '.join(EXTRACTIONS)} (boxed: the last "
-                             f"\\boxed{{}}; number: for models that do not box their answers)")
+            raise ValueError(f"metrics.reward.extract={self.extract!r}: choose one of {', '.join(EXTRACTIONS)} "
+                             f"(boxed: the last \\boxed{{}}; number: for models that do not box their answers)")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds per answer)")
         if self.max_answer_chars < 1:

@@ -337,8 +337,8 @@ class Trainer:
         rates = {"truncation_rate": metrics.get("rollout/truncation_rate"),
                  "repetition_rate": metrics.get("rollout/repetition_rate")}
         for warning in self.detector.update(self.step, rates):
-            self.run_log.event(self.step, "collapse_warning", warning.message, loud=True, metric=warning.metric,
-                               value=warning.value)
+            self.run_log.event(self.step, warning.event, warning.message, loud=warning.is_collapse,
+                               metric=warning.metric, value=warning.value)
 
     def _console(self, line: str) -> None:
         if self.rank == 0 and self.run_log is not None:

@@ -66,3 +66,39 @@ def test_collapse_detector_state_dict_roundtrip():
 def test_collapse_config_validation():
     with pytest.raises(ValueError, match="min_history"):
         CollapseConfig(window=2, min_history=3)
+
+
+def test_no_collapse_warning_before_a_baseline():
+    """A short token budget truncates most responses from step 1 (SmolLM2-135M at 96 tokens): that is where
+    the run starts, not a collapse. One quiet note says so; a real rise later is still warned about."""
+    det = CollapseDetector(CollapseConfig())  # min_history 3, level truncation 0.5
+    (note,) = det.update(1, {"truncation_rate": 0.9, "repetition_rate": 0.0})
+    assert (note.reason, note.is_collapse, note.event, note.baseline, note.history) == (
+        "no_baseline", False, "collapse_no_baseline", None, 0)
+    assert "no baseline yet (0 earlier steps)" in note.message and "rollout.max_new_tokens" in note.message
+    assert not note.message.startswith("collapse warning")
+    for step in range(2, 7):  # high from the start and staying there: nothing more, baseline or not
+        assert det.update(step, {"truncation_rate": 0.9, "repetition_rate": 0.0}) == []
+    for step in range(7, 12):
+        assert det.update(step, {"truncation_rate": 0.1, "repetition_rate": 0.0}) == []
+    (w,) = det.update(12, {"truncation_rate": 0.8, "repetition_rate": 0.0})  # falls back, then rises: collapse
+    assert (w.is_collapse, w.event, w.history) == (True, "collapse_warning", 10)
+    assert w.message.startswith("collapse warning at step 12: truncation_rate = 0.800")
+    assert "baseline over the last 10 steps" in w.message
+
+
+def test_no_baseline_note_of_a_metric_without_a_hint():
+    det = CollapseDetector(CollapseConfig(min_history=2, level={"repetition_rate": 0.2}, jump={}))
+    assert det.update(1, {"repetition_rate": 0.1}) == []
+    (note,) = det.update(2, {"repetition_rate": 0.5})
+    assert note.reason == "no_baseline" and "(1 earlier steps)" in note.message and "max_new_tokens" not in note.message
+    det.update(3, {"repetition_rate": 0.1})
+    assert [w.reason for w in det.update(4, {"repetition_rate": 0.6})] == ["level"]  # a baseline now
+
+
+def test_warnings_saved_before_the_no_baseline_fields_load():
+    det = CollapseDetector()
+    det.load_state_dict({"history": {"truncation_rate": [0.1, 0.2]}, "alarmed": {"truncation_rate": True},
+                         "warnings": [{"step": 4, "metric": "truncation_rate", "value": 0.7, "baseline": 0.1,
+                                       "reason": "level"}]})
+    assert det.warnings[0].is_collapse and det.warnings[0].history == 0 and det.alarmed
