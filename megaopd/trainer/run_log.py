@@ -23,13 +23,30 @@ import sys
 import time
 import uuid
 
-# The keys of the console line, in order, with their short labels.
+# The keys of the console line, in order, with their short labels (docs/architecture.md, "The step line").
 _CONSOLE_KEYS = [
     ("loss/total", "loss"), ("rollout/truncation_rate", "trunc"), ("rollout/repetition_rate", "rep"),
     ("rollout/response_length_mean", "len"), ("rollout/advantage_mean", "adv"),
-    ("sync/logprob_gap_max", "gap"), ("train/grad_norm", "gnorm"), ("val/accuracy", "val_acc"),
-    ("time/step", "s/step"),
+    ("pipeline/staleness_max", "lag"), ("sync/logprob_gap_max", "gap"), ("train/grad_norm", "gnorm"),
+    ("val/accuracy", "val_acc"), ("val/answers_found", "val_found"), ("time/step", "s/step"),
 ]
+_LOGPROB_GAP = "sync/logprob_gap_max"
+
+
+def step_line(step: int, record: dict) -> str:
+    """The console line of a step: "step 3 loss=0.12 ... lag=1 drift=0.98 ..." (keys the record lacks are left out).
+
+    The engine/actor log-prob gap is named for what it measures. With the engine on the trained weights (sync
+    mode; a lag-0 step of an overlapped one) it is `gap`: round-off, and a large one means a broken weight
+    sync. Where the rollouts lag (`lag`, versions: pipeline/staleness_max, 1 in one_step_off by design) the
+    engine sampled with older weights, so the same number is mostly the policy's change since: `drift`."""
+    lagged = (record.get("pipeline/staleness_max") or 0) > 0
+    parts = []
+    for key, label in _CONSOLE_KEYS:
+        if record.get(key) is None:
+            continue
+        parts.append(f"{'drift' if key == _LOGPROB_GAP and lagged else label}={_fmt(record[key])}")
+    return f"step {step} " + " ".join(parts)
 
 
 def _scalar(v):
@@ -131,8 +148,7 @@ class RunLog:
         self._write(record)
         if self._wandb is not None:
             self._wandb.log(step, scalars)
-        line = " ".join(f"{label}={_fmt(record[k])}" for k, label in _CONSOLE_KEYS if record.get(k) is not None)
-        self.console(f"step {step} {line}")
+        self.console(step_line(step, record))
         if self._bar is not None:
             self._bar.update(1)
 

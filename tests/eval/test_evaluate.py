@@ -195,8 +195,8 @@ def test_answers_found_warning_and_rescore_with_another_extraction(tok, tmp_path
     gens = [json.loads(l) for l in open(tmp_path / "generations.jsonl")]
     assert [g["extract"] for g in gens] == ["boxed"] * 4 + ["number"] * 4
     assert [g["extracted"] for g in gens[4:]] == ["7", None, "42", "41"]
-    again = evaluate(ScriptedEngine(tok, []), tok, [bench], EvalConfig(reward=RewardConfig(extract="number"), max_new_tokens=16),
-                     out_dir=str(tmp_path))
+    number = EvalConfig(reward=RewardConfig(extract="number"), max_new_tokens=16)
+    again = evaluate(ScriptedEngine(tok, []), tok, [bench], number, out_dir=str(tmp_path))
     assert again.benchmarks[0].accuracy == b.accuracy and len(open(tmp_path / "generations.jsonl").readlines()) == 8
 
 

@@ -67,7 +67,7 @@ def test_long_extracted_answer_and_empty_inputs_score_zero():
     cfg = RewardConfig(extract="number", isolation="none", max_answer_chars=5)
     assert extract_and_verify("The answer is 1234567.", "1234567", cfg).correct is False
     assert extract_and_verify("", "1", RewardConfig(extract="any", isolation="none")).extracted is None
-    assert extract_and_verify("The answer is 42.", "", RewardConfig(extract="number", isolation="none")).correct is False
+    assert not extract_and_verify("The answer is 42.", "", RewardConfig(extract="number", isolation="none")).correct
 
 
 def test_bad_mode_is_one_clear_error():
