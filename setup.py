@@ -33,7 +33,10 @@ setup(
         # Weights & Biases logging (logging.wandb): a 20 MB wheel that pulls no torch. 0.31 is the
         # version tested (the tests read runs back with its `wandb leet inspect`).
         "wandb": ["wandb>=0.31"],
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "wandb>=0.31"],
+        # The real-model tier's model (tools/fetch_smollm2.py, scripts/install_smollm2.sh): transformers'
+        # GGUF loader needs both to dequantize SmolLM2-135M-Instruct's GGUF. Pure Python, no torch pulled.
+        "real": ["gguf>=0.10", "accelerate>=1.0"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "wandb>=0.31", "gguf>=0.10", "accelerate>=1.0"],
     },
     entry_points={"console_scripts": ["megaopd=megaopd.cli:main"]},
 )
