@@ -22,7 +22,8 @@ def build_engine(rollout: RolloutConfig, hf_dir: str, context_length: int = 0, d
     embedded engine's KV cache; 0 = what fits (a server's sizing). dtype: the embedded engine's
     (MegaOPDConfig.embedded_engine_dtype)."""
     if rollout.engine == "remote":
-        engines = [HttpEngine(HttpEngineConfig(url=url, workers=rollout.engine_tp)) for url in rollout.urls]
+        engines = [HttpEngine(HttpEngineConfig(url=url, workers=rollout.engine_tp, api_key_env=rollout.api_key_env))
+                   for url in rollout.urls]
         return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
     if rollout.engine == "embedded":
         return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=rollout.max_batch_size,

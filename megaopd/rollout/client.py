@@ -21,14 +21,18 @@ end_weight_update; older servers have neither endpoint and need none).
 
 Memory: the client remembers which tags it released and refuses to resume any other (SGLang 0.5.23
 kills the server when asked to resume a tag that was never released).
+
+Key: every request carries `Authorization: Bearer <key>` when the config's variable (api_key_env, by
+default MEGAOPD_API_KEY) holds one, as SGLang's --api-key and `megaopd serve` expect. Never printed.
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megaopd.engine.memory import check_resume, memory_tags
@@ -74,6 +78,10 @@ class HttpEngineConfig:
     base_gpu_id: int = 0
     """First GPU (local index on its node) of this engine: with colocated engines, the trainer rank on
     GPU base_gpu_id + r hands engine TP rank r its tensors by CUDA IPC."""
+    api_key_env: str = "MEGAOPD_API_KEY"
+    """Environment variable holding the server's API key, read once here ("" or unset: no key)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The key itself; None: read it from api_key_env. Kept out of repr (never logged)."""
 
     def __post_init__(self):
         self.url = self.url.rstrip("/")
@@ -83,6 +91,8 @@ class HttpEngineConfig:
             raise ValueError("retries and backoff_s must be >= 0")
         if self.workers < 1:
             raise ValueError(f"workers={self.workers} must be >= 1 (the server's tp size)")
+        if self.api_key is None and self.api_key_env:
+            self.api_key = os.environ.get(self.api_key_env) or None
 
 
 class HttpEngine:
@@ -115,8 +125,7 @@ class HttpEngine:
         delay = self.config.backoff_s
         last = ""
         for attempt in range(retries + 1):
-            req = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"} if data else {})
+            req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers(data))
             try:
                 with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                     raw = resp.read()
@@ -125,8 +134,8 @@ class HttpEngine:
                 raw = e.read()
                 payload = _decode(raw)
                 if 400 <= e.code < 500:
-                    raise EngineRequestError(f"{method} {self.url}{path} -> HTTP {e.code}: {_message(payload)}",
-                                             e.code, payload) from None
+                    raise EngineRequestError(f"{method} {self.url}{path} -> HTTP {e.code}: {_message(payload)}"
+                                             + _auth_hint(e.code, self.config), e.code, payload) from None
                 last = f"HTTP {e.code}: {_message(payload)}"
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
@@ -134,6 +143,13 @@ class HttpEngine:
                 time.sleep(delay)
                 delay = min(delay * 2, self.config.max_backoff_s)
         raise EngineUnavailableError(f"{method} {self.url}{path} failed after {retries + 1} attempt(s): {last}")
+
+    def _headers(self, data: bytes | None) -> dict[str, str]:
+        """Every request's headers: the JSON body's type, and the key (SGLang's --api-key scheme)."""
+        headers = {"Content-Type": "application/json"} if data else {}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        return headers
 
     # ------------------------------------------------------------------------------- Engine protocol
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt_index: int = 0) -> list[Sample]:
@@ -284,6 +300,17 @@ def _decode(raw: bytes) -> Any:
         return json.loads(text) if text.strip() else None
     except json.JSONDecodeError:
         return text
+
+
+def _auth_hint(status: int, config: HttpEngineConfig) -> str:
+    """What to do about a 401: where the key comes from, and whether one was sent."""
+    if status != 401:
+        return ""
+    var = f"${config.api_key_env}" if config.api_key_env else "HttpEngineConfig.api_key"
+    if config.api_key:
+        return f" (the key in {var} is not the server's --api-key)"
+    return (f" (the server wants an API key: set {var} to its --api-key; rollout.api_key_env / "
+            "teacher.api_key_env name the variable)")
 
 
 def _message(payload: Any) -> str:

@@ -2,6 +2,7 @@
 probe), read by build_engine, the weight sync (weight_sync_*, colocated) and the trainer's parity check."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import List
 
@@ -22,6 +23,10 @@ class RolloutConfig:
     """http://host:port of each remote engine (rollout.engine=remote)."""
     engine_tp: int = 1
     """Tensor-parallel size of each remote engine (its workers all join the weight-update group)."""
+    api_key_env: str = "MEGAOPD_API_KEY"
+    """rollout.engine=remote: the environment variable holding the engines' API key (SGLang / `megaopd serve`
+    --api-key), sent as `Authorization: Bearer <key>` on every request; unset or empty variable, or "": no
+    key. The key itself never goes in a config (config.yaml is copied into the run folder)."""
     weight_sync_address: str = "127.0.0.1"
     """Address of trainer rank 0 that remote engines connect to for weight updates; set it to this node's
     cluster address when the engines run on other nodes (slurm/ scripts do)."""
@@ -97,6 +102,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.engine={self.engine!r}: choose embedded or remote")
         if self.engine == "remote" and not self.urls:
             raise ValueError("rollout.engine=remote needs rollout.urls=[http://host:port, ...]")
+        check_env_name("rollout.api_key_env", self.api_key_env)
         if self.max_turns < 1 or self.max_trajectory_tokens < 1:
             raise ValueError(f"rollout.max_turns={self.max_turns} and rollout.max_trajectory_tokens="
                              f"{self.max_trajectory_tokens} must be at least 1")
@@ -108,6 +114,14 @@ class RolloutConfig:
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (log-probs are of logits/T)")
         check_overlap(self)
+
+
+def check_env_name(key: str, name: str) -> None:
+    """ValueError unless `name` is "" or an environment variable's name (a key pasted here instead of a
+    name would end up in config.yaml)."""
+    if name and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"{key}={name!r} must name an environment variable (e.g. MEGAOPD_API_KEY) that holds the "
+                         "key, not the key itself; or be empty for no key")
 
 
 def check_overlap(r: RolloutConfig) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import List
 
 from megaopd.models.config import ModelConfig
+from megaopd.rollout.config import check_env_name
 
 
 TEACHER_ENGINES = ("megatron", "remote")
@@ -33,6 +34,10 @@ class TeacherConfig(ModelConfig):
     retries: int = 1
     """engine remote: extra attempts on the same server after a connection error or 5xx before the
     request moves to another server."""
+    api_key_env: str = "MEGAOPD_API_KEY"
+    """engine remote: the environment variable holding the servers' API key (SGLang / `megaopd serve`
+    --api-key), sent as `Authorization: Bearer <key>`; unset or empty variable, or "": no key. The key
+    itself never goes in a config (config.yaml is copied into the run folder)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -46,6 +51,7 @@ class TeacherConfig(ModelConfig):
         elif self.urls:
             raise ValueError(f"teacher urls={list(self.urls)} are set but engine={self.engine!r}: set "
                              f"engine=remote to score with those servers, or drop the urls")
+        check_env_name("teacher api_key_env", self.api_key_env)
         if self.rows_per_request < 1 or self.request_timeout_s <= 0 or self.retries < 0:
             raise ValueError("teacher rows_per_request must be >= 1, request_timeout_s > 0, retries >= 0")
 

@@ -44,13 +44,14 @@ class RemoteTeacher:
     """Scores responses on SGLang-compatible servers; safe to run in a background thread."""
 
     def __init__(self, name: str, urls: Sequence[str], rows_per_request: int = 8, timeout_s: float = 600.0,
-                 retries: int = 1, backoff_s: float = 0.5):
+                 retries: int = 1, backoff_s: float = 0.5, api_key_env: str = "MEGAOPD_API_KEY"):
         if not urls:
             raise ValueError(f"teacher {name!r}: engine remote needs at least one url")
         self.name = name
         self.rows_per_request = rows_per_request
+        # api_key_env: the variable holding the servers' key (teacher.api_key_env); HttpEngine sends it.
         self.servers = [HttpEngine(HttpEngineConfig(url=u, generate_timeout_s=timeout_s, retries=retries,
-                                                    backoff_s=backoff_s)) for u in urls]
+                                                    backoff_s=backoff_s, api_key_env=api_key_env)) for u in urls]
         self.timeout_s = timeout_s
         self.last_reused = 0
         """Rows the last score() took from `scored` instead of asking (rank 0's scoring thread reads it)."""

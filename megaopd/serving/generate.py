@@ -9,9 +9,15 @@ derive_seed(seed, i, j), n == 1 keeps the client's seed); the rows with max_new_
 -> the JSON (one object for a bare prompt, else a list). Prefill scoring (max_new_tokens 0,
 return_logprob, logprob_start_len >= 0) runs no row: its log-probs come from ModelRunner.prompt_scores.
 docs/engines.md describes the API and where `megaopd serve` departs from SGLang on purpose.
+
+Beyond SGLang's checks (rollout.schema.parse_params), refused with HTTP 400 naming the field: a NaN or
+infinite temperature / top_p / min_p (JSON parsers read NaN, Infinity and 1e999), a sampling_seed outside
+64 bits, more than MAX_ENTRIES samples in one request, and a prompt longer than the model's context (a
+generated row is bounded by prompt + max_new_tokens in ModelRunner.check_row; a prefill-scored one here).
 """
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +29,10 @@ from megaopd.engine.runner import ModelRunner
 from megaopd.rollout.embedded import row_request
 from megaopd.rollout.protocol import expand_samples
 from megaopd.rollout.schema import BadRequest, ParsedParams, finish_reason_json, parse_params
+
+MAX_ENTRIES = 16384
+"""Most samples (prompts x n) one /generate request may ask for: 16x what megaopd's client sends at most
+(HttpEngineConfig.max_entries_per_request), and far below what would exhaust the server's memory."""
 
 
 @dataclass
@@ -87,6 +97,15 @@ def parse_generate(engine: ModelRunner, req: Any) -> GenerateRequest:
         params = [parse_params(p) for p in sp]
     else:
         params = [parse_params(sp)] * n
+    for p in params:
+        check_values(p)
+    if sum(p.n for p in params) > MAX_ENTRIES:
+        raise BadRequest(f"the request asks for {sum(p.n for p in params)} samples (prompts x n); megaopd serve "
+                         f"takes at most {MAX_ENTRIES} per request: split it")
+    context = _context(engine)
+    long = [len(p) for p in prompts if context is not None and len(p) > context]
+    if long:
+        raise BadRequest(f"the input ({long[0]} tokens) is longer than the model's context length ({context} tokens)")
     return_logprob = req.get("return_logprob", False)
     return_logprob = return_logprob if isinstance(return_logprob, list) else [bool(return_logprob)] * n
     start_len = req.get("logprob_start_len", -1)
@@ -104,6 +123,21 @@ def parse_generate(engine: ModelRunner, req: Any) -> GenerateRequest:
             raise BadRequest(f"logprob_start_len={start_len[i]} is higher than the number of input tokens "
                              f"({len(prompts[i])}). Please use a smaller logprob_start_len.")
     return GenerateRequest(prompts, single, params, return_logprob, start_len, rids, top_num, at_ids)
+
+
+def check_values(p: ParsedParams) -> None:
+    """BadRequest naming the field for what SGLang's checks let through: NaN / inf (a NaN temperature
+    sampled id 255 of a 128-id vocabulary, an infinite one sampled uniformly) and seeds over 64 bits."""
+    for name in ("temperature", "top_p", "min_p"):
+        if not math.isfinite(getattr(p, name)):
+            raise BadRequest(f"sampling_params.{name}={getattr(p, name)} must be a finite number")
+    if p.seed is not None and not -(1 << 63) <= p.seed < (1 << 64):
+        raise BadRequest(f"sampling_params.sampling_seed={p.seed} must fit in 64 bits")
+
+
+def _context(engine: ModelRunner) -> int | None:
+    """The model's context length in tokens (None: its config names none)."""
+    return getattr(engine.model.config, "max_position_embeddings", None)
 
 
 def expand(engine: ModelRunner, gen: GenerateRequest) -> list[Entry]:

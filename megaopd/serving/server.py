@@ -38,14 +38,18 @@ Requests that arrive while a batch decodes are queued and decoded together in th
 scheduler thread: serving.scheduling); each HTTP request is served by its own thread
 (ThreadingHTTPServer, stdlib only: serving.http). /generate is serving.generate, the weight updates
 serving.weights; this module holds the configuration, the endpoints table and the small endpoints.
-Bind to 127.0.0.1 unless the trainer is on another machine: the API has no authentication.
+
+Access (serving.access, serving.http): with an API key (ServeConfig.api_key: --api-key or MEGAOPD_API_KEY)
+every endpoint but /health* needs `Authorization: Bearer <key>` (401 without); without one the server
+binds loopback only. Bodies over max_body_bytes answer 413, sockets time out, weights load only from
+allowed folders and groups form only with allowed hosts (403), NaN / inf weights and sampling values
+are refused (400). docs/engines.md "Running megaopd serve safely".
 """
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
+from dataclasses import dataclass, field
 from typing import Any
 
 from megaopd.engine.config import EmbeddedEngineConfig
@@ -53,8 +57,9 @@ from megaopd.engine.memory import MemoryStateError, memory_tags
 from megaopd.engine.rows import RowRequest
 from megaopd.engine.runner import ModelRunner
 from megaopd.rollout.schema import WEIGHT_UPDATE_SESSION_SINCE, BadRequest, parse_version
+from megaopd.serving.access import SyncHosts, WeightRoots, check_bind, check_key
 from megaopd.serving.generate import generate
-from megaopd.serving.http import HttpError, Route, make_handler
+from megaopd.serving.http import HttpError, HttpLimits, HttpServer, Route, make_handler
 from megaopd.serving.scheduling import PAUSE_MODES, PauseControl, Scheduler
 from megaopd.serving.weights import WeightUpdates
 
@@ -69,7 +74,22 @@ class ServeConfig:
     """HF model directory to serve."""
     port: int = 30000
     host: str = "127.0.0.1"
-    """Interface to bind; 127.0.0.1 keeps the unauthenticated API off the network."""
+    """Interface to bind. Anything but loopback needs api_key (refused at start-up otherwise)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The key every request but /health* must carry as `Authorization: Bearer <key>` (SGLang's --api-key);
+    None: no key, loopback only. The CLI reads MEGAOPD_API_KEY when --api-key is not given. Never printed."""
+    max_body_bytes: int = 64 << 20
+    """Largest request body (HTTP 413 above it, before it is read). 64 MiB holds about 8M token ids as JSON:
+    e.g. 1024 prompts of 8k tokens, or 256 prefills of a 32k context."""
+    socket_timeout_s: float = 60.0
+    """Longest wait on one socket read or write: a client that stops sending mid-request frees its thread."""
+    listen_backlog: int = 1024
+    """Connections the kernel queues before they are accepted (the stdlib's 5 reset a burst of the trainer's)."""
+    allowed_weight_roots: list[str] = field(default_factory=list)
+    """Folders /update_weights_from_disk may read besides the served model's (hf_dir)."""
+    allowed_sync_hosts: list[str] = field(default_factory=list)
+    """Hosts /init_weights_update_group may connect to besides loopback: the trainer's rank 0
+    (rollout.weight_sync_address) when it runs on another machine."""
     max_batch_size: int = 64
     """Rows decoded together."""
     device: str = "auto"
@@ -87,6 +107,11 @@ class ServeConfig:
             raise ValueError(f"port={self.port} must be in [0, 65535] (0 picks a free one)")
         if parse_version(self.sglang_version) is None:
             raise ValueError(f"sglang_version={self.sglang_version!r}: give x.y.z, e.g. 0.5.23 or 0.5.2")
+        if self.max_body_bytes < 1 or self.socket_timeout_s <= 0 or self.listen_backlog < 1:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes}, socket_timeout_s={self.socket_timeout_s} and "
+                             f"listen_backlog={self.listen_backlog} must all be positive")
+        check_key(self.api_key)
+        check_bind(self.host, self.api_key)
 
     @property
     def weight_update_sessions(self) -> bool:
@@ -106,9 +131,13 @@ class RolloutServer:
         self.engine: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
         self.load_error: str | None = None
-        self.weights = WeightUpdates(self._engine, config.group_timeout_s, config.weight_update_sessions)
-        self.httpd = ThreadingHTTPServer((config.host, config.port), make_handler(self._routes()))
-        self.httpd.daemon_threads = True
+        self.weights = WeightUpdates(self._engine, config.group_timeout_s, config.weight_update_sessions,
+                                     WeightRoots([config.hf_dir, *config.allowed_weight_roots]),
+                                     SyncHosts(["127.0.0.1", *config.allowed_sync_hosts]))
+        limits = HttpLimits(api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                            socket_timeout_s=config.socket_timeout_s)
+        self.httpd = HttpServer((config.host, config.port), make_handler(self._routes(), limits),
+                                backlog=config.listen_backlog)
         self.port = self.httpd.server_address[1]
         self._thread: threading.Thread | None = None
         if engine is not None:
@@ -191,7 +220,11 @@ class RolloutServer:
         return routes
 
     def _generate(self, req):
-        return 200, generate(self._engine(), self.scheduler.run, req)
+        engine = self._engine()
+        refusal = self.weights.generation_refusal()
+        if refusal:
+            raise BadRequest(refusal)
+        return 200, generate(engine, self.scheduler.run, req)
 
     def _flush(self, _req):
         if self._engine().flush_cache():

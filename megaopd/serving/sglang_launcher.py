@@ -67,6 +67,11 @@ class SGLangLaunchConfig:
     max_total_tokens: int | None = None
     """KV-cache size in tokens (--max-total-tokens); None = SGLang's default, which on a CPU takes most of
     the machine's memory."""
+    api_key: str | None = field(default=None, repr=False)
+    """--api-key: requests but /health* then need `Authorization: Bearer <key>` (megaopd's clients send the
+    key from MEGAOPD_API_KEY, or rollout.api_key_env / teacher.api_key_env). Needed to bind anything but
+    loopback safely. SGLang takes it on its command line only, so other users of the node can read it in
+    the process list; never printed by megaopd."""
     python: str = sys.executable
     extra_args: list[str] = field(default_factory=list)
     """Further flags, passed through verbatim (e.g. ["--enable-deterministic-inference"])."""
@@ -110,6 +115,8 @@ def sglang_command(cfg: SGLangLaunchConfig) -> list[str]:
         cmd.append("--enable-deterministic-inference")
     if cfg.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    if cfg.api_key is not None:
+        cmd += ["--api-key", cfg.api_key]
     if cfg.device == "cpu":
         # --sleep-on-idle: the scheduler otherwise polls its sockets in a busy loop, a whole CPU core per server.
         cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
@@ -125,8 +132,11 @@ def sglang_env(cfg: SGLangLaunchConfig) -> dict[str, str]:
 
 
 def launch_config(rollout, model_path: str, **kwargs) -> SGLangLaunchConfig:
-    """The launch settings of a rollout engine for a RolloutConfig: its deterministic flag, tp size and
-    memory saver (colocated engines) from the config, the rest from kwargs."""
+    """The launch settings of a rollout engine for a RolloutConfig: its deterministic flag, tp size, memory
+    saver (colocated engines) and API key (from the variable rollout.api_key_env names) from the config,
+    the rest from kwargs."""
+    if "api_key" not in kwargs:
+        kwargs["api_key"] = os.environ.get(rollout.api_key_env) or None if rollout.api_key_env else None
     return SGLangLaunchConfig(model_path=model_path, tp_size=rollout.engine_tp, deterministic=rollout.deterministic,
                               enable_memory_saver=rollout.colocated, **kwargs)
 
@@ -232,6 +242,7 @@ def _term_when_parent_dies() -> None:
 
 def megaopd_serve_command(hf_dir: str, port: int, host: str = "127.0.0.1", extra_args: list[str] | None = None,
                           python: str = sys.executable) -> list[str]:
-    """The same kind of command for the embedded server (CPU stand-in for SGLang)."""
+    """The same kind of command for the embedded server (CPU stand-in for SGLang). Its key travels in the
+    environment, not the command line: ServerProcess.start(..., env={"MEGAOPD_API_KEY": key})."""
     return [python, "-m", "megaopd.cli", "serve", "--hf-dir", hf_dir, "--port", str(port), "--host", host,
             *(extra_args or [])]

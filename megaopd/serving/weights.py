@@ -6,6 +6,13 @@ SGLang >= 0.5.20 (ServeConfig.weight_update_sessions), updates from distributed 
 outside POST /begin_weight_update ... /end_weight_update, as 0.5.2x does. Broadcast tensors are received
 first and validated after (all or nothing): the trainer is broadcasting, and would otherwise block until
 the group times out. The wire format of a "flattened_bucket" is megaopd.rollout.weight_wire's.
+
+What an update may do (serving.access; refused with HTTP 403 naming the flag that allows it):
+/update_weights_from_disk reads only under the allowed folders (the served model's and each
+--allowed-weight-root, symlinks and `..` resolved), /init_weights_update_group connects only to allowed
+hosts (loopback and each --allowed-sync-host). Weights holding NaN or inf are not loaded (HTTP 400); those
+that arrive by the zero-copy path are already in the model when they are checked, so the update fails and
+/generate is refused (HTTP 400 naming the tensors) until they are loaded again with finite values.
 """
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ from megaopd.engine.weights import WeightMismatchError
 from megaopd.parallel import custom_group as dist_group
 from megaopd.rollout import weight_wire as wire
 from megaopd.rollout.schema import BadRequest
-from megaopd.serving.http import require
+from megaopd.serving.access import AccessDenied, SyncHosts, WeightRoots
+from megaopd.serving.http import HttpError, require
 
 _LOADED = {"success": True, "message": "Succeeded to update parameter online."}
 _FAILED = "Failed to update weights: "  # the client reads this prefix as "received, not loaded"
@@ -31,9 +39,14 @@ _FAILED = "Failed to update weights: "  # the client reads this prefix as "recei
 class WeightUpdates:
     """The weight-update endpoints over one runner: the groups this server joined, and the open session."""
 
-    def __init__(self, engine: Callable[[], ModelRunner], group_timeout_s: float, sessions: bool):
+    def __init__(self, engine: Callable[[], ModelRunner], group_timeout_s: float, sessions: bool,
+                 roots: WeightRoots, hosts: SyncHosts):
         self._engine = engine
         """The runner, or HttpError 503 while it loads."""
+        self.roots, self.hosts = roots, hosts
+        """Where /update_weights_from_disk may read, whom /init_weights_update_group may join."""
+        self.nonfinite: set[str] = set()
+        """Weights the zero-copy path loaded with NaN / inf in them (see the module docstring)."""
         self.group_timeout_s = group_timeout_s
         self.sessions = sessions
         """Whether updates need a session (acting as SGLang >= 0.5.20)."""
@@ -57,10 +70,14 @@ class WeightUpdates:
             raise BadRequest("backend 'nccl' needs a GPU; this server runs on the CPU, use backend 'gloo'")
         if name in self.groups:
             raise BadRequest(f"weight update group {name!r} already exists; destroy it first")
+        port, offset, world = int(req["master_port"]), int(req["rank_offset"]), int(req["world_size"])
+        if not (0 < port < 65536 and 0 < offset < world):
+            raise BadRequest(f"master_port={port} must be in 1..65535 and rank_offset={offset} in 1..world_size-1 "
+                             f"(world_size={world}: the trainer is rank 0)")
+        address = _allowed(self.hosts.check, str(req["master_address"]))
         try:
-            pg = dist_group.init_custom_process_group(
-                backend, str(req["master_address"]), int(req["master_port"]), int(req["rank_offset"]),
-                int(req["world_size"]), name, timeout_s=self.group_timeout_s)
+            pg = dist_group.init_custom_process_group(backend, address, port, offset, world, name,
+                                                      timeout_s=self.group_timeout_s)
         except Exception as e:  # noqa: BLE001 - returned to the caller as SGLang does
             return {"success": False, "message": f"Failed to init group: {type(e).__name__}: {e}"}
         self.groups[name] = pg
@@ -97,18 +114,27 @@ class WeightUpdates:
                 # All receives posted at once, then awaited: no per-tensor round trip.
                 for work in [dist_group.broadcast(t, pg, async_op=True) for t in targets]:
                     work.wait()
+                bad.extend(n for n, t in zip(names, targets) if not finite(t))
+            bad: list[str] = []
             try:
                 if engine.receive_weights_in_place(list(zip(names, shapes, torch_dtypes)), fill, version):
-                    return dict(_LOADED)
+                    self.nonfinite.difference_update(names)
+                    self.nonfinite.update(bad)
+                    return {"success": False, "message": _FAILED + _nonfinite_message(bad, loaded=True)} if bad \
+                        else dict(_LOADED)
             except EngineReleasedError as e:
                 self._receive_scratch(pg, None, names, torch_dtypes, shapes, device)  # keep the group in step
                 return {"success": False, "message": _FAILED + str(e)}
         # Receive everything first, even when names or shapes are wrong (see the module docstring).
         tensors = self._receive_scratch(pg, fmt, names, torch_dtypes, shapes, device, buffer_key=name)
+        bad = [n for n, t in tensors if not finite(t)]
+        if bad:
+            return {"success": False, "message": _FAILED + _nonfinite_message(bad, loaded=False)}
         try:
             engine.update_weights(tensors, weight_version=version)
         except (WeightMismatchError, EngineReleasedError) as e:
             return {"success": False, "message": _FAILED + str(e)}
+        self.nonfinite.difference_update(names)
         return dict(_LOADED)
 
     def _receive_scratch(self, pg, fmt, names, dtypes, shapes, device, buffer_key=None):
@@ -159,18 +185,30 @@ class WeightUpdates:
         engine = self._engine()
         require(req, ("model_path",))
         path = req["model_path"]
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+        if not isinstance(path, str):
+            raise BadRequest(f"model_path must be a string, got {type(path).__name__}", kind="schema")
+        real = _allowed(self.roots.check, path)
+        files = sorted(f for f in os.listdir(real) if f.endswith(".safetensors")) if os.path.isdir(real) else []
         if not files:
             return {"success": False, "message": f"Failed to get weights iterator: Cannot find any model weights "
                                                  f"with `{path}`.", "num_paused_requests": 0}
         tensors = {}
-        for f in files:
-            tensors.update(load_file(os.path.join(path, f)))
+        for f in files:  # each file checked too: a symlink inside an allowed folder may point out of it
+            tensors.update(load_file(_allowed(self.roots.check, os.path.join(real, f))))
+        bad = [n for n, t in tensors.items() if not finite(t)]
+        if bad:
+            return {"success": False, "message": _FAILED + _nonfinite_message(bad, loaded=False),
+                    "num_paused_requests": 0}
         try:
             engine.update_weights(tensors.items(), weight_version=req.get("weight_version"))
         except WeightMismatchError as e:
             return {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
+        self.nonfinite.difference_update(tensors)
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def generation_refusal(self) -> str | None:
+        """Why /generate is refused now (weights with NaN / inf loaded), or None."""
+        return _nonfinite_message(sorted(self.nonfinite), loaded=True) if self.nonfinite else None
 
     # ------------------------------------------------------------------- weight-update sessions
     def _session_refusal(self, what: str) -> dict | None:
@@ -198,6 +236,28 @@ class WeightUpdates:
                                                      "begin_weight_update() first"}
             self.session = None
         return {"success": True, "message": "Success"}
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN / inf: one float64 sum (a NaN or inf anywhere makes it non-finite, and
+    float64 cannot overflow on float32 / bf16 weights) instead of a tensor-sized mask."""
+    return not t.is_floating_point() or bool(torch.isfinite(t.sum(dtype=torch.float64)))
+
+
+def _nonfinite_message(names: list[str], loaded: bool) -> str:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    if loaded:
+        return (f"non-finite values (NaN/inf) in {shown}: loaded by the zero-copy path, so /generate is refused "
+                "until they are loaded again with finite values")
+    return f"non-finite values (NaN/inf) in {shown}: nothing was loaded"
+
+
+def _allowed(check: Callable[[str], str], value: str) -> str:
+    """check(value), its AccessDenied answered as HTTP 403 in SGLang's {success, message} form."""
+    try:
+        return check(value)
+    except AccessDenied as e:
+        raise HttpError(403, {"success": False, "message": str(e)}) from None
 
 
 def _is_base64(text: str) -> bool:

@@ -137,7 +137,7 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
                                         layout=scorer_layout(m.pgs, device())))
         else:
             members.append(RemoteTeacher(t.name, t.urls, rows_per_request=t.rows_per_request,
-                                         timeout_s=t.request_timeout_s, retries=t.retries))
+                                         timeout_s=t.request_timeout_s, retries=t.retries, api_key_env=t.api_key_env))
     teacher_runner = runners[next(iter(in_job))] if teacher is not None else None
     return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size, logits_chunk_tokens=chunk),
                   actor_layout, owner_layout, teacher_runner, TeacherSet(members) if members else None)

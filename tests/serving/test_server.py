@@ -72,9 +72,11 @@ def get(url, path):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir):
+def server(tiny_dir, tmp_path_factory):
     engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=32))
-    srv = RolloutServer(ServeConfig(hf_dir=tiny_dir, port=0), engine=engine).start()
+    # The refusal cases load from fresh pytest folders (SGLang's answer to a folder without weights).
+    roots = [str(tmp_path_factory.getbasetemp())]
+    srv = RolloutServer(ServeConfig(hf_dir=tiny_dir, port=0, allowed_weight_roots=roots), engine=engine).start()
     yield srv
     srv.shutdown()
 

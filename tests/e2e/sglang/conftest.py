@@ -106,7 +106,9 @@ def megaopd_student(tmp_path_factory):
     port = find_free_port()
     url = f"http://127.0.0.1:{port}"
     log = str(tmp_path_factory.mktemp("megaopd_logs") / f"megaopd-serve-{port}.log")
-    process = ServerProcess.start(megaopd_serve_command(STUDENT, port, extra_args=["--num-threads", "1"]), url=url,
+    # --allowed-weight-root: the refusal cases load from fresh pytest folders (tests/serving/sglang_cases.py).
+    extra = ["--num-threads", "1", "--allowed-weight-root", str(tmp_path_factory.getbasetemp())]
+    process = ServerProcess.start(megaopd_serve_command(STUDENT, port, extra_args=extra), url=url,
                                   startup_timeout_s=300, log_path=log, env={"PYTHONPATH": ROOT}, die_with_parent=True)
     yield Served("megaopd", url, STUDENT, process)
     process.stop()
