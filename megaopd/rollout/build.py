@@ -9,6 +9,8 @@ rollout.engine_tp workers); hf_dir is not read: the servers loaded their own cop
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from megaopd.engine.config import EmbeddedEngineConfig
 from megaopd.rollout.client import HttpEngine, HttpEngineConfig
 from megaopd.rollout.config import RolloutConfig
@@ -16,14 +18,18 @@ from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool, PoolConfig
 
 
-def build_engine(rollout: RolloutConfig, hf_dir: str, context_length: int = 0, dtype: str = "float32"):
+def build_engine(rollout: RolloutConfig, hf_dir: str, context_length: int = 0, dtype: str = "float32",
+                 stop: Callable[[], bool] | None = None):
     """An Engine (see megaopd.rollout.protocol) for `rollout`; pass it to megaopd.sync.WeightSync.
     context_length: the longest row the job generates (MegaOPDConfig.generated_row_tokens), which sizes the
     embedded engine's KV cache; 0 = what fits (a server's sizing). dtype: the embedded engine's
-    (MegaOPDConfig.embedded_engine_dtype)."""
+    (MegaOPDConfig.embedded_engine_dtype). stop: remote engines give up any wait once it is true (the
+    trainer's PreemptionFlag.signalled; megaopd.rollout.waits)."""
     if rollout.engine == "remote":
-        engines = [HttpEngine(HttpEngineConfig(url=url, workers=rollout.engine_tp, api_key_env=rollout.api_key_env))
-                   for url in rollout.urls]
+        engines = [HttpEngine(HttpEngineConfig(url=url, workers=rollout.engine_tp, name=f"rollout.urls[{i}]",
+                                               stall_timeout_s=rollout.stall_timeout_s,
+                                               api_key_env=rollout.api_key_env), stop=stop)
+                   for i, url in enumerate(rollout.urls)]
         return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
     if rollout.engine == "embedded":
         return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=rollout.max_batch_size,

@@ -5,7 +5,10 @@
 
 Every request has a timeout; connection failures, timeouts and 5xx answers are retried with
 exponential backoff, 4xx answers are not (they are the caller's bug) and raise EngineRequestError
-with the server's message. Every sampling parameter is sent explicitly (servers fill omitted ones from
+with the server's message. No request waits blind (megaopd.rollout.waits): an engine that answers neither
+the request nor GET /health for `stall_timeout_s` raises EngineStalledError at once, without retries, and
+the `stop` callback (the trainer's preemption flag) gives any wait up within a fraction of a second
+(WaitAbandoned). Every sampling parameter is sent explicitly (servers fill omitted ones from
 generation_config.json). A prompt's n samples are sent as n batch entries with n=1 and their own
 sampling_seed (protocol.expand_samples), so results are prompt-major and independent of how the server
 orders an n > 1 request.
@@ -33,9 +36,10 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from megaopd.engine.memory import check_resume, memory_tags
+from megaopd.rollout import waits
 from megaopd.rollout.protocol import Sample, SamplingParams, expand_samples
 from megaopd.rollout.schema import (WEIGHT_UPDATE_SESSION_SINCE, PrefillScores, params_to_json, parse_version,
                                     prefill_request, prefill_scores_from_json, sample_from_json)
@@ -54,6 +58,16 @@ class EngineRequestError(EngineError):
 
 class EngineUnavailableError(EngineError):
     """No answer (connection refused/reset, timeout, 5xx) after all retries: the engine is down or stuck."""
+
+
+class EngineStalledError(EngineUnavailableError):
+    """The engine answered nothing, neither the request nor GET /health, for stall_timeout_s (stopped, hung or
+    unreachable); raised at once, not retried."""
+
+
+_RECHECK_S = 2.0
+"""After a stall, how long the engine has to answer GET /health before another request is sent to it (else
+that request fails at once: the cleanups that follow a stall must not each wait out another stall)."""
 
 
 @dataclass
@@ -82,6 +96,13 @@ class HttpEngineConfig:
     """Environment variable holding the server's API key, read once here ("" or unset: no key)."""
     api_key: str | None = field(default=None, repr=False)
     """The key itself; None: read it from api_key_env. Kept out of repr (never logged)."""
+    stall_timeout_s: float = 30.0
+    """Longest silence of the engine while a request waits: no answer to the request nor to GET /health (any
+    status counts as an answer), which the client asks every stall_timeout_s / 3 (at most every 5 s) while the
+    request is outstanding. Then EngineStalledError, not retried. 0: no stall clock (only the timeouts above).
+    The trainer sets it from rollout.stall_timeout_s."""
+    name: str = ""
+    """How errors name the engine besides its URL: its config key, e.g. rollout.urls[1]."""
 
     def __post_init__(self):
         self.url = self.url.rstrip("/")
@@ -89,6 +110,8 @@ class HttpEngineConfig:
             raise ValueError(f"url={self.url!r} must start with http:// or https://")
         if self.retries < 0 or self.backoff_s < 0:
             raise ValueError("retries and backoff_s must be >= 0")
+        if self.stall_timeout_s < 0:
+            raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be >= 0 (0: no stall clock)")
         if self.workers < 1:
             raise ValueError(f"workers={self.workers} must be >= 1 (the server's tp size)")
         if self.api_key is None and self.api_key_env:
@@ -101,8 +124,12 @@ class HttpEngine:
     weight_transports = ("dist_group", "cuda_ipc")
     """A weight-update group (engines on their own GPUs), or CUDA IPC handles (colocated engines)."""
 
-    def __init__(self, config: HttpEngineConfig | str):
+    def __init__(self, config: HttpEngineConfig | str, stop: Callable[[], bool] | None = None):
+        """stop: true once every wait on this engine should be given up (the trainer's PreemptionFlag.signalled):
+        requests then raise WaitAbandoned instead of waiting or being sent."""
         self.config = HttpEngineConfig(url=config) if isinstance(config, str) else config
+        self.stop = stop
+        self._stalled = False  # the last request stalled, and nothing was heard from the engine since
         self._released: set[str] = set()
         self._version: tuple[int, int, int] | None | str = "unknown"  # cached server version
         self._session_endpoints = True  # False once the server answered 404 to /begin_weight_update
@@ -118,31 +145,80 @@ class HttpEngine:
     def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None,
                 retries: int | None = None, parse: bool = True) -> Any:
         """One call with retries; returns the parsed JSON (or text). Raises EngineRequestError on 4xx,
-        EngineUnavailableError when every attempt failed to get an answer."""
+        EngineUnavailableError when every attempt failed to get an answer, EngineStalledError (no retry) when
+        the engine fell silent for stall_timeout_s, WaitAbandoned once stop() is true."""
         timeout_s = self.config.control_timeout_s if timeout_s is None else timeout_s
         retries = self.config.retries if retries is None else retries
         data = None if body is None else json.dumps(body).encode()
         delay = self.config.backoff_s
+        what = f"{method} {self.url}{path}"
         last = ""
         for attempt in range(retries + 1):
-            req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers(data))
             try:
-                with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                    raw = resp.read()
-                return _decode(raw) if parse else raw.decode(errors="replace")
-            except urllib.error.HTTPError as e:
-                raw = e.read()
-                payload = _decode(raw)
-                if 400 <= e.code < 500:
-                    raise EngineRequestError(f"{method} {self.url}{path} -> HTTP {e.code}: {_message(payload)}"
-                                             + _auth_hint(e.code, self.config), e.code, payload) from None
-                last = f"HTTP {e.code}: {_message(payload)}"
+                status, raw = self._answer(method, path, data, timeout_s)
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            else:
+                if status < 400:
+                    return _decode(raw) if parse else raw.decode(errors="replace")
+                payload = _decode(raw)
+                if status < 500:
+                    raise EngineRequestError(f"{what} -> HTTP {status}: {_message(payload)}" + _auth_hint(status, self.config),
+                                             status, payload)
+                last = f"HTTP {status}: {_message(payload)}"
             if attempt < retries:
-                time.sleep(delay)
+                waits.sleep(delay, self.stop, what)
                 delay = min(delay * 2, self.config.max_backoff_s)
-        raise EngineUnavailableError(f"{method} {self.url}{path} failed after {retries + 1} attempt(s): {last}")
+        raise EngineUnavailableError(f"{what} failed after {retries + 1} attempt(s): {last}")
+
+    def _answer(self, method: str, path: str, data: bytes | None, timeout_s: float) -> tuple[int, bytes]:
+        """One attempt: the HTTP status and body (4xx/5xx included), waited for in slices (megaopd.rollout.waits)."""
+        what = f"{method} {self.url}{path}"
+
+        def attempt() -> tuple[int, bytes]:
+            req = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers=self._headers(data))
+            try:
+                with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                    return resp.status, resp.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read()
+
+        if self._stalled:  # a cleanup after a stall: ask once, briefly, whether the engine is back
+            waits.check_stop(self.stop, what)
+            try:
+                self._probe(min(_RECHECK_S, self.config.stall_timeout_s or _RECHECK_S))
+            except Exception:  # noqa: BLE001 - still silent
+                raise EngineStalledError(f"{what}: {self.label} has not answered since it stalled "
+                                         f"(GET /health: no answer in {_RECHECK_S:.0f} s)") from None
+            self._stalled = False
+        try:
+            out = waits.wait(attempt, what, self.stop, self.config.stall_timeout_s, self._probe)
+        except waits.Silence as s:
+            self._stalled = True
+            raise EngineStalledError(self._stall_message(method, path, s.seconds)) from None
+        return out
+
+    def _probe(self, timeout_s: float | None = None) -> None:
+        """GET /health: returns on any answer (a 503 too: the process is alive), raises on none."""
+        timeout_s = timeout_s or self.config.stall_timeout_s or self.config.control_timeout_s
+        try:
+            with urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=self._headers(None)),
+                                        timeout=timeout_s) as resp:
+                resp.read()
+        except urllib.error.HTTPError:
+            pass
+
+    @property
+    def label(self) -> str:
+        """The engine as errors name it: its config key (when known) and URL."""
+        return f"engine {self.config.name} ({self.url})" if self.config.name else f"engine {self.url}"
+
+    def _stall_message(self, method: str, path: str, seconds: float) -> str:
+        return (f"{self.label} made no progress for {seconds:.0f} s (stall_timeout_s={self.config.stall_timeout_s:g}): "
+                f"no answer to {method} {path} nor to GET /health. It is stopped (SIGSTOP), hung or unreachable: "
+                "check that server's process and log, and the network to it; raise rollout.stall_timeout_s only "
+                "if it is alive but answers /health that slowly")
 
     def _headers(self, data: bytes | None) -> dict[str, str]:
         """Every request's headers: the JSON body's type, and the key (SGLang's --api-key scheme)."""
@@ -230,6 +306,8 @@ class HttpEngine:
         self.request("POST", "/end_weight_update", {}, retries=0)
 
     def health(self) -> bool:
+        """GET /health answered 200 (after a stall too: this is how a stalled engine comes back)."""
+        self._stalled = False
         try:
             self.request("GET", "/health", retries=0, parse=False)
             return True

@@ -65,6 +65,18 @@ class RolloutConfig:
     parity_min_correlation: float = 0.9
     """bf16/fp16 actor: least correlation of engine and actor log-probs (a correct sync: 0.99+)."""
     request_timeout_s: float = 600.0
+    """Longest one generate call of the remote pool may take, and the weight sync's wait for one bucket (an
+    engine that answers nothing is caught sooner: stall_timeout_s)."""
+    stall_timeout_s: float = 30.0
+    """Longest silence of an engine (rollout.urls, served teachers' urls, the weight sync's requests) while the
+    trainer waits on it: no answer to the pending request nor to GET /health, which the trainer asks every
+    stall_timeout_s / 3 (at most every 5 s) while a request is outstanding. Any answer counts, a 503 too (SGLang
+    answers it while paused for a weight sync or loading weights): the clock is for an engine that answers
+    nothing (SIGSTOP, a frozen or lost node, a cut network). Then the wait ends with one error naming the
+    engine (rollout.urls[i] and its URL), not retried; a pool moves the engine's prompts to the others. A slow
+    engine that answers is never stalled: request_timeout_s bounds that. 0: no stall clock. Independent of
+    this, a preemption signal (SIGTERM/SIGUSR1) ends every wait on the engines within a fraction of a second
+    (docs/engines.md "Stalled engines and preemption")."""
     mode: str = "sync"
     """sync: generate, then train on it, then sync weights. one_step_off: the engines generate step k+1's
     batch (under the weights of step k) while the trainer trains on step k's. async: up to max_staleness
@@ -111,6 +123,9 @@ class RolloutConfig:
                              "remote (the embedded engine generates a batch in one call, in the trainer's process)")
         if self.engine_dtype not in ("auto", *MODEL_DTYPES):
             raise ValueError(f"rollout.engine_dtype={self.engine_dtype!r}: choose auto, {', '.join(MODEL_DTYPES)}")
+        if self.stall_timeout_s < 0:
+            raise ValueError(f"rollout.stall_timeout_s={self.stall_timeout_s} must be >= 0 (seconds an engine may "
+                             "answer nothing before the wait fails; 0 turns the stall clock off)")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (log-probs are of logits/T)")
         check_overlap(self)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 from megaopd.rollout.protocol import Engine, Sample, SamplingParams
+from megaopd.rollout.waits import WaitAbandoned
 
 W, J, R = TypeVar("W"), TypeVar("J"), TypeVar("R")
 
@@ -92,7 +93,8 @@ def spread_jobs(workers: Sequence[W], jobs: Sequence[J], call: Callable[[W, J], 
     the job goes back on the queue for another worker; it fails for good after `max_attempts` failed
     workers (None: as many as there are) or when no worker is left. An exception of a `refuse` type means
     the job itself is bad (another worker would refuse it too): the call fails at once. Raises SpreadError
-    (timed_out when `timeout_s` passes first; nothing waits forever)."""
+    (timed_out when `timeout_s` passes first; nothing waits forever), or WaitAbandoned as soon as a worker's
+    wait was given up (a preemption signal: no other worker is tried)."""
     if not jobs:
         return []
     todo: "queue.Queue[int]" = queue.Queue()
@@ -103,6 +105,7 @@ def spread_jobs(workers: Sequence[W], jobs: Sequence[J], call: Callable[[W, J], 
     failures: list[JobFailure] = []
     lock, done = threading.Lock(), threading.Event()
     alive = [True] * len(workers)
+    abandoned: list[WaitAbandoned] = []
 
     def work(i: int):
         worker = workers[i]
@@ -113,6 +116,10 @@ def spread_jobs(workers: Sequence[W], jobs: Sequence[J], call: Callable[[W, J], 
                 continue
             try:
                 out = call(worker, jobs[j])
+            except WaitAbandoned as e:  # not the worker's failure: the whole call is given up
+                abandoned.append(e)
+                done.set()
+                return
             except refuse as e:
                 with lock:
                     failures.append(JobFailure(j, attempts[j] + 1, errors[j] + (f"{label(worker)}: {e}",), True,
@@ -143,6 +150,8 @@ def spread_jobs(workers: Sequence[W], jobs: Sequence[J], call: Callable[[W, J], 
     if not done.wait(timeout=timeout_s):
         done.set()
         raise SpreadError(True, len(results), len(jobs), [])
+    if abandoned:
+        raise abandoned[0]
     if failures:
         raise SpreadError(False, len(results), len(jobs), list(failures))
     return [results[j] for j in range(len(jobs))]
@@ -219,6 +228,8 @@ class EnginePool:
                 continue
             try:
                 return fn(prompt_ids)
+            except WaitAbandoned:
+                raise
             except Exception as e:  # noqa: BLE001 - try the next engine
                 errors.append(f"{self.engines[i]!r}: {e}")
         raise PoolError("no engine could score the prompt" + (f": {errors}" if errors else ""))

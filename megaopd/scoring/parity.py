@@ -84,9 +84,9 @@ def check_engine_parity(engine, score_actor, probe: list[list[int]], bounds: Par
     """The probe after a sync (collective): rank 0's engine scores `probe` (its prompt log-probs), every rank
     runs score_actor(probe) (the actor's log-probs of the same tokens), and a RuntimeError names the
     statistics out of `bounds`. Engines without prompt log-probs skip it, saying so on the console."""
-    from megaopd.parallel.dist import rank0_computes
+    from megaopd.rollout.waits import rank0_waits  # a preemption signal gives rank 0's wait up on every rank
 
-    engine_lp = rank0_computes(lambda: [engine.prompt_logprobs(p)[1:] for p in probe]
+    engine_lp = rank0_waits(lambda: [engine.prompt_logprobs(p)[1:] for p in probe]
                                if hasattr(engine, "prompt_logprobs") else None)
     if engine_lp is None:
         console("parity check skipped: these engines expose no prompt log-probs; every step's "

@@ -22,11 +22,13 @@ Servers: one thread per server takes requests from a shared queue, so a fast ser
 pool's loop, megaopd.rollout.pool.spread_jobs). A request whose server fails (no answer after its retries, a
 5xx, a malformed answer) goes back on the queue for another server, and that server takes no more requests in
 this call; when no server is left the call raises RemoteTeacherError naming the teacher, the servers and their errors. A 4xx answer is our bug (a bad
-request) and fails at once.
+request) and fails at once. A server that answers nothing (not even GET /health) for stall_timeout_s fails its
+request at once (EngineStalledError: megaopd.rollout.waits), and a stop request (the trainer's preemption
+flag) gives the whole call up with WaitAbandoned.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -44,14 +46,19 @@ class RemoteTeacher:
     """Scores responses on SGLang-compatible servers; safe to run in a background thread."""
 
     def __init__(self, name: str, urls: Sequence[str], rows_per_request: int = 8, timeout_s: float = 600.0,
-                 retries: int = 1, backoff_s: float = 0.5, api_key_env: str = "MEGAOPD_API_KEY"):
+                 retries: int = 1, backoff_s: float = 0.5, stall_timeout_s: float = 30.0,
+                 stop: Callable[[], bool] | None = None, api_key_env: str = "MEGAOPD_API_KEY"):
+        """stall_timeout_s: a server's longest silence (HttpEngineConfig.stall_timeout_s; the trainer passes
+        rollout.stall_timeout_s); stop: every wait is given up once it is true (PreemptionFlag.signalled)."""
         if not urls:
             raise ValueError(f"teacher {name!r}: engine remote needs at least one url")
         self.name = name
         self.rows_per_request = rows_per_request
         # api_key_env: the variable holding the servers' key (teacher.api_key_env); HttpEngine sends it.
         self.servers = [HttpEngine(HttpEngineConfig(url=u, generate_timeout_s=timeout_s, retries=retries,
-                                                    backoff_s=backoff_s, api_key_env=api_key_env)) for u in urls]
+                                                    backoff_s=backoff_s, stall_timeout_s=stall_timeout_s, api_key_env=api_key_env,
+                                                    name=f"teacher {name!r} urls[{i}]"), stop=stop)
+                        for i, u in enumerate(urls)]
         self.timeout_s = timeout_s
         self.last_reused = 0
         """Rows the last score() took from `scored` instead of asking (rank 0's scoring thread reads it)."""

@@ -41,6 +41,7 @@ import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
 from torch.multiprocessing import reductions
 
 from megaopd.rollout.client import EngineError, HttpEngine
+from megaopd.rollout.waits import WaitAbandoned
 from megaopd.rollout import weight_wire as wire
 from megaopd.sync.distributed import weight_update_sessions
 
@@ -176,8 +177,12 @@ class CudaIpcTransport:
                              "engines need the trainer on GPUs; set rollout.colocated=false (a weight-update group)")
         world = dist.get_world_size(self.group)
         sessions = weight_update_sessions(self.engines) if self.rank == 0 else None
+        abandoned = None  # rank 0: a wait given up (preemption signal); every rank learns it at the next bucket
         if sessions is not None:
-            sessions.__enter__()
+            try:
+                sessions.__enter__()
+            except WaitAbandoned as e:
+                abandoned, sessions = e, None
         failed = None
         try:
             bucket_iter = wire.buckets(named_tensors, self.bucket_bytes)
@@ -190,7 +195,7 @@ class CudaIpcTransport:
                 gathered = [None] * world if self.rank == 0 else None
                 dist.gather_object(mine, gathered, group=self.group, group_dst=0)
                 errors: list[str] = []
-                if self.rank == 0:
+                if self.rank == 0 and abandoned is None:
                     for engine, body in zip(self.engines, self.requests(gathered, following is None, weight_version)):
                         try:
                             out = engine.request("POST", "/update_weights_from_tensor", body, retries=0,
@@ -199,11 +204,17 @@ class CudaIpcTransport:
                                 errors.append(f"{engine.url}: {out.get('message')}")
                         except EngineError as e:
                             errors.append(str(e))
-                box = [errors]
+                        except WaitAbandoned as e:
+                            abandoned = e
+                            break
+                box = [(errors, abandoned is not None)]
                 # Also the point after which every rank may free this bucket: the engines are done with it.
                 dist.broadcast_object_list(box, group=self.group, group_src=0)
-                if box[0]:
-                    raise EngineError(f"/update_weights_from_tensor refused bucket {k}: " + "; ".join(box[0]))
+                errors, gone = box[0]
+                if gone:  # every rank, here: the caller (WeightSync) drains the gather and goes on together
+                    raise abandoned or WaitAbandoned(f"weight sync (cuda_ipc, bucket {k}): abandoned on rank 0")
+                if errors:
+                    raise EngineError(f"/update_weights_from_tensor refused bucket {k}: " + "; ".join(errors))
                 del mine, bucket
                 bucket = following
         except BaseException as e:

@@ -25,6 +25,12 @@ SGLang 0.5.2x refuses updates outside a weight-update session: each update() ope
 that needs it (HttpEngine.begin_weight_update decides from the server's version) and closes it at the
 end, also when the update failed. Engines on their own GPUs or nodes use this transport; colocated
 engines cannot (NCCL refuses two ranks of one group on one GPU) and use megaopd.sync.cuda_ipc.
+
+Waits: every POST waits as HttpEngine.request does (megaopd.rollout.waits), so an engine that answers
+nothing for its stall_timeout_s ends the join or the update at once with its EngineStalledError (the
+rendezvous and the broadcast, which cannot tell, are abandoned with it), and a stop request (the trainer's
+preemption flag) ends them with WaitAbandoned; the cleanups that follow (destroying the group, closing the
+sessions) are best effort and skip an engine that is gone.
 """
 from __future__ import annotations
 
@@ -36,7 +42,8 @@ from typing import Any, Iterable
 import torch
 
 from megaopd.parallel.dist import find_free_port
-from megaopd.rollout.client import EngineError, HttpEngine
+from megaopd.rollout.client import EngineError, EngineStalledError, HttpEngine
+from megaopd.rollout.waits import WaitAbandoned
 from megaopd.rollout import weight_wire as wire
 from megaopd.parallel import custom_group as dist_group
 
@@ -136,6 +143,7 @@ class DistributedWeightUpdater:
             # refuses the name has answered: the refusal arrives here.
             dist_group.destroy_custom_process_group(pg)
             self._destroy_on_engines()  # the engines that did join hold the group under this name
+            _raise_gone(calls)
             raise _refusal(f"engines failed to join the weight-update group: {errors}", errors, calls)
         return pg
 
@@ -180,6 +188,7 @@ class DistributedWeightUpdater:
             errors = _finished_errors(calls)
             if errors and hosting.is_alive():
                 give_up()
+                _raise_gone(calls)  # stalled or abandoned: nothing more to wait for
                 # The other engines' answers follow within moments when they refused too (the usual case: all
                 # share the cause); one still blocked has joined, and is stuck in this rendezvous.
                 _join(calls, _SETTLE_S)
@@ -233,6 +242,9 @@ class DistributedWeightUpdater:
             nxt = None if last else prepared(following)
             self._wait_broadcast(works, calls)
             errors = _join(calls, self.config.timeout_s)
+            if any(getattr(c, "exc", None) is not None for c in calls):
+                self._abandon()
+                _raise_gone(calls)
             if errors and not all(any(m in e for m in _AFTER_RECEIPT) for e in errors):
                 # Refused before receiving (unknown group, bad request): a small broadcast may have
                 # completed into socket buffers, but the group is out of step now.
@@ -256,6 +268,7 @@ class DistributedWeightUpdater:
             errors = _finished_errors(calls)
             if errors:
                 self._abandon()
+                _raise_gone(calls)
                 raise EngineError(f"weight update refused before the broadcast completed: {errors}; "
                                   "the weight-update group is abandoned, connect() again")
             if time.monotonic() > deadline:
@@ -284,7 +297,7 @@ class DistributedWeightUpdater:
             try:
                 e.request("POST", "/destroy_weights_update_group", {"group_name": self.group_name}, retries=0,
                           timeout_s=10.0)
-            except EngineError:
+            except (EngineError, WaitAbandoned):  # best effort: the engine may be gone, or we are leaving
                 pass
 
     def _destroy_late(self) -> None:
@@ -329,13 +342,17 @@ class weight_update_sessions:
         return False
 
     def _close(self, raise_errors: bool) -> None:
-        errors = []
+        errors, abandoned = [], None
         for e in self.opened:
             try:
                 e.end_weight_update()
             except EngineError as err:
                 errors.append(str(err))
+            except WaitAbandoned as err:  # the trainer is leaving (preemption): the others are skipped too
+                abandoned = err
         self.opened = []
+        if abandoned is not None and raise_errors:
+            raise abandoned
         if errors and raise_errors:
             raise EngineError("could not close the weight-update session: " + "; ".join(errors))
 
@@ -369,6 +386,8 @@ class _Call(threading.Thread):
         self.engine, self.path, self.body, self.timeout_s = engine, path, body, timeout_s
         self.result: Any = None
         self.error: str | None = None
+        self.exc: EngineStalledError | WaitAbandoned | None = None
+        """The engine fell silent, or the wait was given up: the group cannot go on, whatever the others say."""
 
     def run(self):
         try:
@@ -376,6 +395,8 @@ class _Call(threading.Thread):
             self.result = self.engine.request("POST", self.path, self.body, timeout_s=self.timeout_s, retries=0)
             if isinstance(self.result, dict) and self.result.get("success") is False:
                 self.error = str(self.result.get("message"))
+        except (EngineStalledError, WaitAbandoned) as e:
+            self.exc, self.error = e, str(e)
         except EngineError as e:
             self.error = str(e)
 
@@ -385,6 +406,14 @@ def _refusal(message: str, errors: list[str], calls: list[_Call]) -> EngineError
     if any(m in e for e in errors for m in _NAME_IN_USE):
         return _NameTaken(message, settled=not any(c.is_alive() for c in calls))
     return EngineError(message)
+
+
+def _raise_gone(calls: list[_Call]) -> None:
+    """Raises a call's WaitAbandoned (first: the trainer is leaving) or EngineStalledError as it is."""
+    gone = [c.exc for c in calls if getattr(c, "exc", None) is not None]
+    gone.sort(key=lambda e: not isinstance(e, WaitAbandoned))
+    if gone:
+        raise gone[0]
 
 
 def _finished_errors(calls: list[_Call]) -> list[str]:

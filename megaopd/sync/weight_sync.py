@@ -13,9 +13,13 @@ push() is collective over `group` (default: torch's default group) and the actor
     3. gather (megaopd.models.gather: over TP, over EP for a MoE actor's experts, then PP) and send (the transports); ranks that send nothing drain the gather;
     4. colocated engines: rank 0 resumes "kv_cache" and "cuda_graph" where released (SGLang's order
        after training: weights first, then the KV cache, so the two never compete for memory);
-    5. a barrier: no rank runs ahead while the engines still load.
+    5. a barrier (an all-reduce of "abandoned"): no rank runs ahead while the engines still load.
 Only tags an engine released are resumed (SGLang 0.5.23 dies on a resume without a release), so the
 first push at start-up, before any release, resumes nothing.
+
+A preemption signal during a push: rank 0's waits on the engines end with WaitAbandoned (the engines'
+stop callback, megaopd.rollout.waits); rank 0 still drains the gather (the other ranks are in it), and
+the barrier tells every rank, which all raise WaitAbandoned together: the trainer then checkpoints.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from megaopd.models.gather import gather_hf_weights, model_state
+from megaopd.parallel.dist import device
+from megaopd.rollout.waits import WaitAbandoned
 from megaopd.rollout.config import RolloutConfig
 from megaopd.sync.cuda_ipc import CudaIpcTransport, IpcLayout, feeder_ranks
 from megaopd.sync.distributed import DistGroupTransport, DistributedUpdateConfig
@@ -126,16 +132,34 @@ class WeightSync:
     # ----------------------------------------------------------------------------------------- push
     def push(self, model: torch.nn.Module, hf_cfg, pgs, weight_version: str | None) -> SyncStats | None:
         """Collective: every rank of `group` and of pgs.tp / pgs.pp (and pgs.ep of a MoE actor at EP > 1)
-        calls it. Returns stats on rank 0."""
+        calls it. Returns stats on rank 0. WaitAbandoned on every rank when rank 0's waits on the engines were
+        given up (a preemption signal; the module docstring)."""
         t0 = time.perf_counter()
         if self.plan is None:
             self._make_plan()
-        colocated = self.rollout.colocated
+        colocated, abandoned = self.rollout.colocated, False
         if colocated:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # every rank: hand the cached blocks back before engines re-allocate
-            self._resume(("weights",))
+            abandoned = _abandoned(self._resume, ("weights",))
         counted = _Counter(gather_hf_weights(model_state(model), hf_cfg, pgs.tp, pgs.pp, ep_group=expert_group(pgs)))
+        # Rank 0 sends even after an abandoned resume: a transport of every rank (cuda_ipc) has collectives, and
+        # its requests then end at once, together (an abandoned one is shared there).
+        abandoned = _abandoned(self._send, counted, weight_version) or abandoned
+        for _ in counted:  # ranks that send nothing still take part in every gather and PP broadcast
+            pass
+        if colocated and not abandoned:
+            abandoned = _abandoned(self._resume, ("kv_cache", "cuda_graph"))
+        flag = torch.tensor([float(abandoned)], device=device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # the barrier, and rank 0's news
+        if flag.item() > 0:
+            raise WaitAbandoned(f"weight sync of version {weight_version}: abandoned, a stop was requested "
+                                "(preemption signal)")
+        if self.rank != 0:
+            return None
+        return SyncStats(time.perf_counter() - t0, counted.tensors, counted.bytes, list(self.plan.transports))
+
+    def _send(self, counted: "_Counter", weight_version: str | None) -> None:
         senders = [t for t in self.transports if t.all_ranks or self.rank == 0]
         if len(senders) > 1:
             named = list(counted)  # each transport needs the whole stream
@@ -143,14 +167,6 @@ class WeightSync:
                 t.push(named, weight_version)
         elif senders:
             senders[0].push(counted, weight_version)
-        for _ in counted:  # ranks that send nothing still take part in every gather and PP broadcast
-            pass
-        if colocated:
-            self._resume(("kv_cache", "cuda_graph"))
-        dist.barrier(group=self.group)
-        if self.rank != 0:
-            return None
-        return SyncStats(time.perf_counter() - t0, counted.tensors, counted.bytes, list(self.plan.transports))
 
     def _resume(self, tags: tuple[str, ...]) -> None:
         """Rank 0: resumes those of `tags` each engine released (none at start-up, before any release)."""
@@ -165,6 +181,15 @@ class WeightSync:
         for t in self.transports:
             t.close()
         self.transports, self.plan = [], None
+
+
+def _abandoned(fn, *args) -> bool:
+    """fn(*args); True when it gave up a wait on the engines (WaitAbandoned), False when it finished."""
+    try:
+        fn(*args)
+        return False
+    except WaitAbandoned:
+        return True
 
 
 def expert_group(pgs):

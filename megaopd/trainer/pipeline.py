@@ -15,6 +15,11 @@ Validation first brings the engines to the trainer's weights (ensure_synced).
 Checkpoints: the data cursor saved is the loader's before the earliest batch drawn ahead and not trained
 (state_dict below), so a resumed run draws that batch again; the batch in flight at the save is lost and
 regenerated on resume under the checkpoint's weights with its own seed (a lag of 0 for that one step).
+
+Preemption: a signal gives rank 0's waits on the engines up (megaopd.rollout.waits: the engines' stop callback);
+every collective that carries rank 0's engine work here (rank0_waits, the weight sync's barrier) then raises
+WaitAbandoned on every rank at the same point, and abandon() puts the step's batch back, so the checkpoint the
+trainer writes next keeps the cursor before it (the step in flight is not trained, and is drawn again on resume).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.overlap import GenerateAhead, Taken, overlap_metrics, staleness
 from megaopd.rollout.protocol import Sample, SamplingParams
 from megaopd.rollout.trajectories import MultiTurn, generate_rows
+from megaopd.rollout.waits import WaitAbandoned, rank0_waits
 
 
 @dataclass
@@ -60,6 +66,7 @@ class RolloutPipeline:
         """Weight version the engines hold (every rank tracks it: syncs are collective)."""
         self.drawn: dict[int, list] = {}
         self._cursors: dict[int, dict] = {}  # the loader's state before each batch drawn ahead
+        self._handed: tuple[int, dict, list] | None = None  # the last step examples() gave: abandon() takes it back
         self.ahead = GenerateAhead(self._generate) if rank == 0 and self.depth else None
         self.versions_B: list[int] | None = None
         self.metrics: dict[str, float] = {}
@@ -75,8 +82,14 @@ class RolloutPipeline:
         """The prompts step `step` trains on (drawn now, or when its batch was submitted ahead)."""
         if step not in self.drawn:
             self._draw(step)
-        self._cursors.pop(step)
-        return self.drawn.pop(step)
+        self._handed = (step, self._cursors.pop(step), self.drawn.pop(step))
+        return self._handed[2]
+
+    def abandon(self, step: int) -> None:
+        """Step `step` will not be trained (a preemption signal ended it): its batch counts as not drawn, so
+        state_dict (the checkpoint's data cursor) is from before it."""
+        if self._handed is not None and self._handed[0] == step:
+            self._cursors[step], self.drawn[step] = self._handed[1], self._handed[2]
 
     def state_dict(self) -> dict:
         """The loader's state as a checkpoint keeps it: before the batches drawn ahead (module docstring)."""
@@ -167,13 +180,14 @@ class RolloutPipeline:
         self.streamed_samples = parts.all
 
     def _received(self, make: Callable[[], Received]) -> Received:
-        """make() on rank 0, everything but its samples on every rank (rank 0 keeps them)."""
+        """make() on rank 0, everything but its samples on every rank (rank 0 keeps them); WaitAbandoned on every
+        rank when make() gave a wait on the engines up (rank0_waits)."""
         kept = {}
 
         def on_rank0():
             got = kept["got"] = make()
             return dataclasses.replace(got, samples=None)
-        got = rank0_computes(on_rank0)
+        got = rank0_waits(on_rank0)
         return kept.get("got", got)
 
     def _take(self, step: int) -> Received:
@@ -231,25 +245,43 @@ class RolloutPipeline:
             for s in self.ahead.in_flight:
                 self.ahead.wait(s)
         with self.timer("sync") if timed else contextlib.nullcontext():
-            if pause:
-                for target in self.engine.weight_targets():
-                    target.pause(self.cfg.rollout.sync_pause)
+            # Rank 0 only (the others are in push): a pause given up still goes on to push(), whose requests then
+            # end at once and whose barrier tells every rank (WaitAbandoned everywhere, together).
+            paused = pause and _given_up(lambda: [t.pause(self.cfg.rollout.sync_pause)
+                                                  for t in self.engine.weight_targets()]) is None
             try:
                 self.push()
             finally:
-                if pause:
-                    for target in self.engine.weight_targets():
-                        target.continue_generation()
+                if paused:
+                    _given_up(lambda: [t.continue_generation() for t in self.engine.weight_targets()])
             self.engine_version = version
             interval = self.cfg.rollout.parity_interval
             if interval and version % interval == 0:
                 self.parity()
 
-    def after_step(self, step: int) -> None:
+    def first_sync(self, version: int) -> bool:
+        """Collective, at start-up: the engines get weights `version` and the parity probe checks them. True on
+        every rank when a preemption signal ended its waits (nothing new to checkpoint: the run just leaves)."""
+        given_up = _given_up(self.push) or _given_up(self.parity)
+        self.engine_version = version
+        return given_up is not None
+
+    def after_step(self, step: int) -> bool:
         """Collective, after the update that made weights `step`: sync mode pushes them now; the overlapped
-        modes at the next batch's boundary (samples) or before validation (ensure_synced)."""
+        modes at the next batch's boundary (samples) or before validation (ensure_synced). True on every rank
+        when a preemption signal ended the push (the step itself is complete: checkpoint it and leave)."""
         if not self.depth:
-            self.ensure_synced(step, timed=False)  # inside the trainer's own "sync" block
+            return _given_up(self.ensure_synced, step, False) is not None  # inside the trainer's "sync" block
+        return False
+
+
+def _given_up(fn, *args) -> WaitAbandoned | None:
+    """fn(*args); the WaitAbandoned it raised (a wait on the engines given up), None when it finished."""
+    try:
+        fn(*args)
+    except WaitAbandoned as e:
+        return e
+    return None
 
 
 class _Parts:

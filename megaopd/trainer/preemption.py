@@ -2,7 +2,11 @@
 checkpoint, exit 0 so the job can be requeued and resume.
 
 The handler only sets a flag; the step loop checks it between steps, and the flag is all-reduced so
-every rank stops after the same step even when the signal reached only some of them. The flag tensor lives
+every rank stops after the same step even when the signal reached only some of them. A step that waits on
+the engines does not wait for them to finish: `signalled` is the engines' stop callback (HttpEngine's,
+megaopd.rollout.waits), so rank 0's waits (rollout, served scoring, weight sync) end within a fraction of a
+second with WaitAbandoned, every rank learns it at the collective that carries rank 0's engine work, and the
+trainer checkpoints the last complete step (the step in flight is dropped and drawn again on resume). The flag tensor lives
 on the default group's device (`megaopd.parallel.dist.device()`: the rank's GPU under NCCL, which refuses
 CPU tensors; the CPU under gloo).
 
@@ -39,6 +43,11 @@ class PreemptionFlag:
         # ignored signal stays ignored to the end.
         for sig in self.signals:
             signal.signal(sig, signal.SIG_IGN)
+
+    def signalled(self) -> bool:
+        """A signal reached this process (a plain read: safe from any thread, no collective; the engines' stop
+        callback). should_stop is the collective decision."""
+        return self.received is not None
 
     def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
         """Collective over `group` (default: the default group): True on every rank when any rank received

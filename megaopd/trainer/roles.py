@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -89,9 +89,10 @@ class Models:
     the routing of samples to them; None when the loss reads no teacher."""
 
 
-def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
+def build_models(cfg: MegaOPDConfig, needs: LossNeeds, stop: Callable[[], bool] | None = None) -> Models:
     """Actor in the student layout (which also initializes megatron's global state), teacher in its own
-    layout (the actor's groups when equal), and the lockstep partner."""
+    layout (the actor's groups when equal), and the lockstep partner. stop: served teachers give up their
+    waits once it is true (the preemption flag)."""
     student_layout = Layout(cfg.student.tp, cfg.student.pp, cfg.student.ep)
     layouts = [Layout(t.tp, t.pp, t.ep) for t in cfg.teachers]
     if needs.teacher_logits and (layouts != [student_layout] or needs.reference):
@@ -137,7 +138,8 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds) -> Models:
                                         layout=scorer_layout(m.pgs, device())))
         else:
             members.append(RemoteTeacher(t.name, t.urls, rows_per_request=t.rows_per_request,
-                                         timeout_s=t.request_timeout_s, retries=t.retries, api_key_env=t.api_key_env))
+                                         timeout_s=t.request_timeout_s, retries=t.retries,
+                                         stall_timeout_s=cfg.rollout.stall_timeout_s, stop=stop, api_key_env=t.api_key_env))
     teacher_runner = runners[next(iter(in_job))] if teacher is not None else None
     return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size, logits_chunk_tokens=chunk),
                   actor_layout, owner_layout, teacher_runner, TeacherSet(members) if members else None)

@@ -42,6 +42,7 @@ from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import init_distributed, rank0_computes
 from megaopd.rollout.records import RolloutBatch, build_rollout_batch
 from megaopd.rollout.trajectories import MultiTurn
+from megaopd.rollout.waits import WaitAbandoned
 from megaopd.scoring import bounds_for, check_engine_parity
 from megaopd.scoring.passes import ScoreRequest, score_sequences, score_tokens
 from megaopd.scoring.runner import PipelineRunner
@@ -69,7 +70,7 @@ class Trainer:
     fails before anything expensive runs."""
 
     def __init__(self, cfg: MegaOPDConfig, preemption: PreemptionFlag | None = None):
-        self.preemption = preemption  # installed by the rank's entry before the imports and builds (cli.run_worker)
+        self.preemption = preemption or PreemptionFlag()  # the rank's entry installs it first (cli.run_worker)
         init_distributed()
         self.cfg, self.rank = cfg, dist.get_rank()
         self.run_log: RunLog | None = None  # created once the run folder's state is known
@@ -104,7 +105,7 @@ class Trainer:
 
     def _load_models(self) -> None:
         cfg = self.cfg
-        self.models = build_models(cfg, self.needs)
+        self.models = build_models(cfg, self.needs, self.preemption.signalled)  # served teachers' stop
         self.actor, self.actor_pgs = self.models.actor, self.models.actor.pgs
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
         self.router_aux = RouterAuxLoss(self.actor.model)
@@ -127,13 +128,13 @@ class Trainer:
         cfg = self.cfg
         self.step, self._last_metrics, self.stopping, self.timer = 0, {}, False, Timer()
         self.detector = CollapseDetector(cfg.metrics.collapse)
-        self.preemption = self.preemption or PreemptionFlag()
         # What a checkpoint keeps besides weights, optimizer and RNG: saved and restored under these keys.
         self.stateful = {"scheduler": self.scheduler, "data": self.loader, "collapse": self.detector,
                          **self.loss_fn.stateful}
         latest = latest_checkpoint(cfg.run.dir)
         if latest is not None:
             self.step = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs, self.stateful)
+        self._saved = self.step  # the step a checkpoint holds (step 0: the start itself, nothing to save)
         if self.rank == 0:
             self.run_log = RunLog(cfg.run.dir, cfg.trainer.max_steps, cfg.logging.tensorboard,
                                   cfg.logging.progress_bar, start_step=self.step, wandb=cfg.logging.wandb,
@@ -164,37 +165,41 @@ class Trainer:
         hf_dir = cfg.student.path
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
-            self.export_hf(hf_dir)  # collective; the engine is built from it
-        self.engine = self.pipeline.engine = build_engine(cfg.rollout, hf_dir, cfg.generated_row_tokens(), cfg.embedded_engine_dtype()) if self.rank == 0 else None
+            export_hf(self.actor, hf_dir)  # collective; the engine is built from it
+        self.engine = self.pipeline.engine = build_engine(cfg.rollout, hf_dir, cfg.generated_row_tokens(), cfg.embedded_engine_dtype(),
+                                                          stop=self.preemption.signalled) if self.rank == 0 else None
         self.weight_sync = WeightSync(self.engine, cfg.rollout, self.rank)
-        self.sync_weights()
-        self.check_parity()
-        self.pipeline.engine_version = self.step
+        self.stopping = self.pipeline.first_sync(self.step)  # True: a signal ended its waits, train() just leaves
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> dict:
         cfg = self.cfg.trainer
         summary = {"start_step": self.step}
-        if self.step == 0 and cfg.eval_interval:
+        if self.step == 0 and cfg.eval_interval and not self.stopping:
             summary["val_before"] = self._validate()
             if self.rank == 0 and summary["val_before"]:
                 self.run_log.log_step(0, summary["val_before"])  # the "before" point of the figures
         step_times = []
-        while self.step < cfg.max_steps:
-            metrics = self.train_step()
+        while self.step < cfg.max_steps and not self.stopping:
+            try:
+                metrics = self.train_step()
+            except WaitAbandoned:  # collective (megaopd.rollout.waits): a signal ended rank 0's wait on the engines
+                self.pipeline.abandon(self.step)  # the step in flight is not trained: its batch is drawn again
+                self.stopping = True
+                break
             step_times.append(metrics["time/step"])
-            stop = self.stopping
-            if not stop and cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
+            if not self.stopping and cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
                 metrics.update(self._validate())
             self._log(metrics)
-            if stop or self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
+            if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
                 self.save()
-            if stop:
-                self._console(f"preemption signal received: checkpoint saved at step {self.step}, exiting")
-                summary["preempted"] = True
-                self._close_weight_sync()
-                return summary
-        self.export_hf(os.path.join(self.cfg.run.dir, "hf"))
+        if self.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
+            if self._saved != self.step:
+                self.save()
+            self._console(f"preemption signal received: checkpoint of step {self.step} saved, exiting")
+            self._close_weight_sync()
+            return {**summary, "preempted": True}
+        export_hf(self.actor, os.path.join(self.cfg.run.dir, "hf"))
         summary.update(self._last_metrics, step_time_mean=sum(step_times) / max(len(step_times), 1))
         self._close_weight_sync()
         return summary
@@ -219,8 +224,8 @@ class Trainer:
             self.stopping = self.preemption.should_stop()
             with timer("sync"):
                 # SFT-only steps generate nothing: their weights are synced before validation.
-                if rollout is not None and not self.stopping:
-                    self.pipeline.after_step(self.step)  # sync mode: now; overlapped: at the next batch
+                if rollout is not None and not self.stopping:  # sync mode: now; overlapped: at the next batch
+                    self.stopping = self.pipeline.after_step(self.step)  # True: a signal ended the push
             if rollout is not None:  # collective: each replica sums over its rows, one small gather; then (every
                 step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)  # rank) the
                 metrics.update(self.loss_fn.observe(self.step, step, self.run_log))  # adaptive controller's weights
@@ -307,11 +312,6 @@ class Trainer:
         return loss, metrics
 
     # ------------------------------------------------------------------------------- sync and parity
-    def _hf_tensors(self):
-        """Full HF-named tensors of the actor, gathered over TP (and EP) and collected over PP (collective)."""
-        return gather_hf_weights(model_state(self.actor.model), self.actor.hf, self.actor_pgs.tp, self.actor_pgs.pp,
-                                 ep_group=expert_group(self.actor_pgs))
-
     def sync_weights(self) -> None:
         """Actor shards -> HF tensors -> rollout engines (collective; megaopd.sync, which also resumes
         colocated engines' memory in SGLang's order)."""
@@ -330,11 +330,15 @@ class Trainer:
 
     # --------------------------------------------------------------------------- logging and saving
     def _validate(self) -> dict:
-        if self.cfg.validation.path and not self.needs.on_policy:
-            self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
-        elif self.cfg.validation.path:
-            self.pipeline.ensure_synced(self.step)  # overlapped modes sync at batch boundaries
-        return validate(self.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
+        try:  # collective; a signal ending its waits on the engines stops the run after this (complete) step
+            if self.cfg.validation.path and not self.needs.on_policy:
+                self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
+            elif self.cfg.validation.path:
+                self.pipeline.ensure_synced(self.step)  # overlapped modes sync at batch boundaries
+            return validate(self.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
+        except WaitAbandoned:
+            self.stopping = True
+            return {}
 
     def _log(self, metrics: dict) -> None:
         self._last_metrics = metrics
@@ -358,18 +362,22 @@ class Trainer:
                 "teachers": {t.name: t.path or t.urls for t in self.cfg.teachers}}
         path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs,
                                self.stateful, meta, self.actor.hf, hf_side_dir=tokenizer_dir(self.actor.path))
+        self._saved = self.step
         if self.rank == 0:
             self.run_log.event(self.step, "checkpoint", path)
 
-    def export_hf(self, out_dir: str) -> None:
-        """The student's current weights as an HF directory (safetensors + config + tokenizer); collective."""
-        tensors = self._hf_tensors()  # a stream: every rank takes part in each gather, one tensor at a time
-        if self.rank == 0:
-            save_hf_dir(out_dir, tensors, side_files_from=self.actor.path)
-        else:
-            for _ in tensors:
-                pass
-        dist.barrier()
+
+def export_hf(actor, out_dir: str) -> None:
+    """The student's current weights (`actor`: its RoleModel) as an HF directory (safetensors + config +
+    tokenizer); collective: every rank takes part in each gather over TP (and EP) and PP."""
+    tensors = gather_hf_weights(model_state(actor.model), actor.hf, actor.pgs.tp, actor.pgs.pp,
+                                ep_group=expert_group(actor.pgs))  # a stream: one tensor at a time
+    if dist.get_rank() == 0:
+        save_hf_dir(out_dir, tensors, side_files_from=actor.path)
+    else:
+        for _ in tensors:
+            pass
+    dist.barrier()
 
 
 def deliver_rollout(samples, examples, golden, cfg: MegaOPDConfig, models, needs, plan: BatchingPlan, pad_id: int,

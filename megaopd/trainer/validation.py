@@ -10,7 +10,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from megaopd.parallel.dist import rank0_computes
+from megaopd.rollout.waits import rank0_waits
 
 if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
     from megaopd.config.schema import MegaOPDConfig
@@ -22,7 +22,7 @@ def validate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[in
     evaluation table) are used on rank 0 only."""
     if not cfg.validation.path:
         return {}
-    return rank0_computes(_evaluate, engine, tokenizer, cfg, step, stop_ids, run_log)
+    return rank0_waits(_evaluate, engine, tokenizer, cfg, step, stop_ids, run_log)  # abandoned: on every rank
 
 
 def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[int], run_log) -> dict[str, float]:

@@ -1,0 +1,126 @@
+"""The client's waits against real sockets: a server that accepts and never answers is a stall, named in one
+error within stall_timeout_s (not retried); one that is slow but answers GET /health is not; a stop request
+(the trainer's preemption flag) gives any wait up at once."""
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megaopd.rollout.client import EngineStalledError, HttpEngine, HttpEngineConfig
+from megaopd.rollout.pool import EnginePool, PoolError
+from megaopd.rollout.protocol import SamplingParams
+from megaopd.rollout.waits import WaitAbandoned
+
+
+class SilentServer:
+    """Accepts connections and reads nothing, answers nothing: what a SIGSTOPped server looks like from outside
+    (the kernel completes the handshake; no byte ever comes back)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.held, self.closed = [], False
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self):
+        self.closed = True
+        for c in self.held:
+            c.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def silent():
+    server = SilentServer()
+    yield server
+    server.close()
+
+
+def test_a_silent_engine_is_one_stall_error_within_the_timeout(silent):
+    engine = HttpEngine(HttpEngineConfig(url=silent.url, stall_timeout_s=1.0, retries=3, name="rollout.urls[0]"))
+    t0 = time.monotonic()
+    with pytest.raises(EngineStalledError) as e:
+        engine.request("POST", "/generate", {"input_ids": [[1, 2]]}, timeout_s=600)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 1.6, took  # not the 600 s socket timeout, and not retried 3 times
+    message = str(e.value)
+    assert "rollout.urls[0]" in message and silent.url in message and "stall_timeout_s" in message
+    # The cleanup that follows a stall does not wait out a second one: one short /health recheck.
+    t0 = time.monotonic()
+    with pytest.raises(EngineStalledError, match="has not answered since it stalled"):
+        engine.request("POST", "/end_weight_update", {})
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_the_pool_names_the_stalled_engine(silent):
+    pool = EnginePool([HttpEngine(HttpEngineConfig(url=silent.url, stall_timeout_s=0.5, name="rollout.urls[0]"))])
+    t0 = time.monotonic()
+    with pytest.raises(PoolError, match=r"engine rollout.urls\[0\] \(http://127.0.0.1:\d+\) made no progress"):
+        pool.generate([[1, 2, 3]], SamplingParams(n=1, max_new_tokens=4, seed=0))
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_stop_request_abandons_the_wait_at_once(silent):
+    stop = threading.Event()
+    engine = HttpEngine(HttpEngineConfig(url=silent.url, stall_timeout_s=0), stop=stop.is_set)  # no stall clock
+    threading.Timer(0.3, stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(WaitAbandoned):
+        engine.request("POST", "/generate", {"input_ids": [[1]]}, timeout_s=600)
+    assert time.monotonic() - t0 < 0.6
+    before = len(silent.held)
+    with pytest.raises(WaitAbandoned):  # after the stop nothing is sent
+        engine.request("GET", "/model_info")
+    time.sleep(0.1)
+    assert len(silent.held) == before
+
+
+class _SlowHandler(BaseHTTPRequestHandler):
+    """/generate answers after `delay` s; /health at once (with `health_status`)."""
+
+    delay, health_status = 1.8, 200
+
+    def do_GET(self):
+        self.send_response(self.health_status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(self.delay)
+        body = json.dumps({"ok": True}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("health_status", [200, 503])
+def test_a_slow_engine_that_answers_health_is_not_a_stall(health_status):
+    """A long /generate says nothing until it is done; the engine's answers to GET /health (a 503 too: SGLang
+    answers it while paused for a weight sync) keep the clock from running out."""
+    handler = type("Handler", (_SlowHandler,), {"health_status": health_status})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        engine = HttpEngine(HttpEngineConfig(url=f"http://127.0.0.1:{httpd.server_address[1]}", stall_timeout_s=0.6))
+        assert engine.request("POST", "/generate", {"input_ids": [[1]]}) == {"ok": True}
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
