@@ -2,15 +2,25 @@
 
     cfg = load_config(MegaOPDConfig, "examples/tiny/stable_opd.yaml", ["trainer.max_steps=3"])
 
+Overrides replace or clear what a YAML set, in their order on the command line:
+    key=value        merged as omegaconf merges (a non-empty mapping merges into the section)
+    key=  key=null   clears: "" for a string, {} / [] for a mapping or list (a dataclass section: its
+    key={}  key=[]   defaults), None where the key is optional; a number or a flag cannot be empty
+    ~key             back to the schema's default
+A schema's RESET_ON_CHANGE ({key: dependent key}) resets the dependent key to its default when an override
+changes the key's value, before any override applies: `loss.name=opd` over a YAML with stable_opd's
+`loss.config` starts from opd's defaults (loss.config.* overrides then apply on top).
+
 Every error comes out as one ConfigError line naming the key and the fix: an unknown key (with the
 keys that section accepts), a value of the wrong type, a failed __post_init__ check.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import is_dataclass
 from typing import Sequence, Type, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, StringNode
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 T = TypeVar("T")
@@ -58,6 +68,62 @@ def _refuse_removed(removed: dict[str, str], keys: Sequence[str], source: str) -
             raise ConfigError(f"{key} was removed ({removed[key]}): delete it from {source}")
 
 
+def _node(cfg, key: str):
+    """The node of a dotted key (None when a part is unknown)."""
+    parent_key, _, last = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if not OmegaConf.is_dict(parent) or last not in parent:
+        return None
+    return parent._get_node(last)
+
+
+def _set(cfg, key: str, value) -> None:
+    try:
+        OmegaConf.update(cfg, key, value, merge=False)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad value for {key!r} in command-line overrides: {str(e).splitlines()[0]}") from None
+
+
+def _cleared(defaults, node, key: str):
+    """What `key=` (or null, {}, []) sets: see the module docstring."""
+    if node._metadata.optional:
+        return None
+    if isinstance(node, StringNode):
+        return ""
+    if OmegaConf.is_dict(node) or OmegaConf.is_list(node):
+        structured = OmegaConf.is_dict(node) and is_dataclass(OmegaConf.get_type(node))
+        return OmegaConf.select(defaults, key) if structured else ({} if OmegaConf.is_dict(node) else [])
+    raise ConfigError(f"{key} cannot be empty: give it a value (e.g. {key}={node._value()}), or ~{key} for its "
+                      f"default")
+
+
+def _apply_override(cfg, defaults, override: str):
+    if override.startswith("~"):
+        key = override[1:].split("=", 1)[0]
+        if _node(cfg, key) is None:
+            return _merge(cfg, OmegaConf.from_dotlist([f"{key}=null"]), "command-line overrides")  # unknown-key error
+        _set(cfg, key, OmegaConf.select(defaults, key))
+        return cfg
+    key = override.split("=", 1)[0]
+    parsed = OmegaConf.from_dotlist([override])
+    value = OmegaConf.select(parsed, key)
+    node = _node(cfg, key)
+    if node is not None and (value is None or ((OmegaConf.is_dict(value) or OmegaConf.is_list(value))
+                                               and len(value) == 0)):
+        _set(cfg, key, _cleared(defaults, node, key))
+        return cfg
+    return _merge(cfg, parsed, "command-line overrides")
+
+
+def _reset_on_change(cfg, defaults, reset: dict[str, str], overrides: Sequence[str]) -> None:
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if key in reset and "=" in override:
+            new = OmegaConf.select(OmegaConf.from_dotlist([override]), key)
+            if new != OmegaConf.select(cfg, key):
+                _set(cfg, reset[key], OmegaConf.select(defaults, reset[key]))
+
+
 def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None,
                 overrides: Sequence[str] = ()) -> T:
     """Returns a validated `schema_cls` instance (its __post_init__ checks have run). Keys the schema lists
@@ -76,11 +142,14 @@ def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None,
                               f"({' '.join(str(e).split()[-4:])})") from None
         _refuse_removed(removed, _dotted_keys(loaded), path)
         cfg = _merge(cfg, loaded, path)
-    bad = [o for o in overrides if "=" not in o]
+    bad = [o for o in overrides if "=" not in o and not o.startswith("~")]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. trainer.max_steps=10)")
-    _refuse_removed(removed, [o.split("=", 1)[0] for o in overrides], "the command-line overrides")
-    cfg = _merge(cfg, OmegaConf.from_dotlist(list(overrides)), "command-line overrides")
+    _refuse_removed(removed, [o.split("=", 1)[0].lstrip("~") for o in overrides], "the command-line overrides")
+    defaults = OmegaConf.structured(schema_cls)
+    _reset_on_change(cfg, defaults, getattr(schema_cls, "RESET_ON_CHANGE", {}), overrides)
+    for override in overrides:
+        cfg = _apply_override(cfg, defaults, override)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:

@@ -11,9 +11,11 @@ and no package imports it (the trainer names MegaOPDConfig in annotations only).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, List
 
+from megaopd.config.model_vocab import check_model_vocab
 from megaopd.config.plan import PlanConfig
 from megaopd.data.config import DataConfig
 from megaopd.envs.config import EnvConfig
@@ -58,6 +60,9 @@ class MegaOPDConfig:
     }
     """Keys a config may still name from an older megaopd, and why they went: load_config stops at them
     with that reason (an unknown key would only say it is unknown)."""
+    RESET_ON_CHANGE: ClassVar[dict[str, str]] = {"loss.name": "loss.config"}
+    """A command-line override that changes the key's value resets the dependent key to its default first
+    (load.py): a YAML's loss.config holds the keys of its own loss, never of the one switched to."""
 
     def __post_init__(self):
         # One teacher list, made while the config is built (OmegaConf.to_object runs this), so that nothing
@@ -120,7 +125,8 @@ class MegaOPDConfig:
             key = "teacher" if len(teachers) == 1 and t.name == "teacher" else f"teachers[{i}] ({t.name})"
             if t.engine == "megatron":
                 # Embedding sizes may differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what must
-                # match is the tokenizer, which the trainer compares before loading any model.
+                # match is the tokenizer, which the trainer compares before loading any model, and the rows must
+                # cover the student's ids (check_model_vocab, below).
                 teacher_dims = check_role_layout(key, t, world)
                 check_context(key, t.path, teacher_dims, tokens, why)
                 continue
@@ -146,6 +152,10 @@ class MegaOPDConfig:
             raise ValueError("gkd runs one teacher in lockstep with the actor: it cannot route between several "
                              "teachers; use one `teacher:` section")
         self._check_routing(teachers)
+        check_model_vocab(self, needs)  # every model's embedding covers the student's ids, before any loads
+        if self.validation.path and not os.path.isfile(self.validation.path):
+            raise ValueError(f"validation.path={self.validation.path!r} is not a file: point it at a benchmark-"
+                             f"format jsonl (id, problem, answer), or set validation.path='' to disable validation")
         if self.env.enabled and self.data.teacher_prompt == "own":
             raise ValueError(f"env.name={self.env.name} with data.teacher_prompt=own: a trajectory's tool turns are "
                              f"rendered by the student's chat template, which the teacher then scores; set "

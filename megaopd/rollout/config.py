@@ -2,6 +2,7 @@
 probe), read by build_engine, the weight sync (weight_sync_*, colocated) and the trainer's parity check."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import List
@@ -126,8 +127,10 @@ class RolloutConfig:
         if self.stall_timeout_s < 0:
             raise ValueError(f"rollout.stall_timeout_s={self.stall_timeout_s} must be >= 0 (seconds an engine may "
                              "answer nothing before the wait fails; 0 turns the stall clock off)")
-        if self.temperature <= 0:
-            raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (log-probs are of logits/T)")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"rollout.temperature={self.temperature} must be a finite number > 0 (log-probs are "
+                             f"of logits/T)")
+        check_sampling(self)
         check_overlap(self)
 
 
@@ -137,6 +140,27 @@ def check_env_name(key: str, name: str) -> None:
     if name and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"{key}={name!r} must name an environment variable (e.g. MEGAOPD_API_KEY) that holds the "
                          "key, not the key itself; or be empty for no key")
+
+
+def check_sampling(r: RolloutConfig) -> None:
+    """The sampling and engine settings an engine would only refuse at the first request, after the models
+    load (each value the engines and SGLang accept; NaN is never one)."""
+    if not (math.isfinite(r.top_p) and 0.0 < r.top_p <= 1.0):
+        raise ValueError(f"rollout.top_p={r.top_p} must be in (0, 1] (1.0: the whole distribution)")
+    if r.top_k == 0 or r.top_k < -1:
+        raise ValueError(f"rollout.top_k={r.top_k} must be -1 (all tokens) or a positive count")
+    for key in ("max_new_tokens", "max_batch_size", "engine_tp", "weight_sync_bucket_mb"):
+        if getattr(r, key) < 1:
+            raise ValueError(f"rollout.{key}={getattr(r, key)} must be at least 1")
+    if not (math.isfinite(r.request_timeout_s) and r.request_timeout_s > 0):
+        raise ValueError(f"rollout.request_timeout_s={r.request_timeout_s} must be a finite number of seconds > 0")
+    if r.parity_interval < 0:
+        raise ValueError(f"rollout.parity_interval={r.parity_interval} must be >= 0 (0: the probe at start only)")
+    for key in ("parity_tolerance", "parity_mean_tolerance", "parity_p99_tolerance"):
+        if not (math.isfinite(getattr(r, key)) and getattr(r, key) > 0):
+            raise ValueError(f"rollout.{key}={getattr(r, key)} must be a finite number > 0")
+    if not (-1.0 <= r.parity_min_correlation <= 1.0):
+        raise ValueError(f"rollout.parity_min_correlation={r.parity_min_correlation} must be in [-1, 1]")
 
 
 def check_overlap(r: RolloutConfig) -> None:

@@ -2,6 +2,7 @@
 logging, the run folder, validation. Only dataclasses (no torch, no megatron): `megaopd config` loads them."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -20,18 +21,29 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables it."""
     warmup_steps: int = 0
-    """Optimizer steps of linear warmup from 0 to lr."""
+    """Optimizer steps of linear warmup to lr: optimizer step k (from 0) of the warmup trains at
+    lr * (k + 1) / warmup_steps, so the first step already trains (warmup_steps=1: at lr) and the last warmup
+    step at lr. train/lr logs the lr the step used."""
     decay_style: str = "constant"
     """constant | cosine | linear (after warmup, over trainer.max_steps optimizer steps)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (GPU only in megatron-core 0.16)."""
 
     def __post_init__(self):
-        if self.lr <= 0:
-            raise ValueError(f"optimizer.lr={self.lr} must be positive")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"optimizer.lr={self.lr} must be positive (a finite number > 0)")
+        if not (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}]")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"optimizer.{key}={getattr(self, key)} must be in [0, 1)")
+        if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):
+            raise ValueError(f"optimizer.adam_eps={self.adam_eps} must be a finite number > 0")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"optimizer.weight_decay={self.weight_decay} must be a finite number >= 0")
         if self.decay_style not in ("constant", "cosine", "linear"):
             raise ValueError(f"optimizer.decay_style={self.decay_style!r}: choose constant, cosine or linear")
-        if self.warmup_steps < 0 or self.clip_grad < 0:
+        if self.warmup_steps < 0 or not self.clip_grad >= 0 or math.isinf(self.clip_grad):
             raise ValueError("optimizer.warmup_steps and optimizer.clip_grad must be >= 0")
 
 
@@ -73,6 +85,11 @@ class TrainerConfig:
     eval_interval: int = 25
     """Validation every N steps (and at step 0 and the end); 0 disables it."""
     seed: int = 1234
+    skip_nonfinite: bool = False
+    """A non-finite loss term or gradient: false (the default) stops the run with one error naming the term,
+    the step and the rows (exit non-zero); true skips that optimizer update instead (no weight change, the
+    schedule does not advance) and counts it in train/skipped_nonfinite. Costs one all-reduce of a flag per
+    optimizer step either way."""
 
     def __post_init__(self):
         for name in ("max_steps", "prompts_per_step", "samples_per_prompt", "mini_batches_per_step",
@@ -140,6 +157,20 @@ class ValidationConfig:
     max_problems: int = 0
     """Use the first N problems (0 = all)."""
     samples: int = 1
+    """Responses per problem (accuracy is their mean)."""
     temperature: float = 0.6
-    """Paper 2604.08527 evaluates at 0.6."""
+    """Paper 2604.08527 evaluates at 0.6; 0 is greedy."""
     max_new_tokens: int = 1024
+    """Response budget of a validation generation."""
+
+    def __post_init__(self):
+        # Checked here, with or without a path: `megaopd config` refuses what the first validation (after
+        # the models load, possibly hours in) would.
+        if self.max_problems < 0:
+            raise ValueError(f"validation.max_problems={self.max_problems} must be >= 0 (0: every problem)")
+        if self.samples < 1:
+            raise ValueError(f"validation.samples={self.samples} must be at least 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"validation.temperature={self.temperature} must be a finite number >= 0 (0: greedy)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"validation.max_new_tokens={self.max_new_tokens} must be at least 1")

@@ -74,13 +74,43 @@ def build_optimizer(ddp: DistributedDataParallel, cfg: OptimizerConfig, max_step
         use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False)
-    decay_steps = max(max_steps, cfg.warmup_steps + 1)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
-        lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=cfg.decay_style,
-        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
-    )
-    return optimizer, scheduler
+    return optimizer, ConfigSchedule(optimizer, cfg, max_steps)
+
+
+class ConfigSchedule(OptimizerParamScheduler):
+    """Megatron's warmup + decay schedule, as the job's config says it, also on resume.
+
+    Warmup: optimizer step k (from 0) trains at lr * (k + 1) / warmup_steps, so step 0 trains (megatron's own
+    ramp starts at init_lr, 0 here before: `warmup_steps: 1` made the first step a no-op, issue 44): the ramp
+    is megatron's from init_lr = lr / W over W - 1 steps, and decay starts from lr at step W - 1.
+
+    Resume: the checkpoint gives the position (num_steps); the config gives everything else. Megatron's
+    scheduler would keep the checkpoint's max_lr / decay steps (use_checkpoint_opt_param_scheduler), and the
+    optimizer's load_state_dict restores the saved param groups (their max_lr, min_lr, betas, eps), so a
+    resume with optimizer.lr=1e-2 kept training at the old 5e-4 (issue 43). Restored after the optimizer
+    (trainer/checkpoint.py loads the optimizer first, then the Stateful components), load_state_dict writes the
+    config's values back into the param groups and then takes the saved step count.
+    """
+
+    def __init__(self, optimizer, cfg: OptimizerConfig, max_steps: int):
+        self.cfg = cfg
+        warmup = cfg.warmup_steps
+        decay_steps = max(max_steps, warmup + 1)
+        super().__init__(
+            optimizer, init_lr=cfg.lr / warmup if warmup else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+            lr_warmup_steps=max(warmup - 1, 0), lr_decay_steps=decay_steps, lr_decay_style=cfg.decay_style,
+            start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps,
+            wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+
+    def current_lr(self) -> float:
+        """The lr the next optimizer step uses (what train/lr logs: read before step())."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        cfg = self.cfg
+        for group in self.optimizer.param_groups:
+            group.update(max_lr=cfg.lr, min_lr=cfg.min_lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        super().load_state_dict(state_dict)
 
 
 class RouterAuxLoss:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,7 @@ from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megaopd.trainer.loss_control import ControlledLoss
+from megaopd.trainer.nonfinite import NonFinite, describe
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
 from megaopd.trainer.pipeline import RolloutPipeline
 from megaopd.trainer.preemption import PreemptionFlag
@@ -281,7 +283,7 @@ class Trainer:
             loss_tokens_B = rank0_computes(mask_BT.sum, -1)  # the denominators: rank 0 holds every row
         B = rollout.size if rollout is not None else 0
         P, M = self.batching.prompts_per_step, self.batching.mini_batches
-        results, grad_norms = [], []
+        results, grad_norms, lrs, skipped = [], [], [], 0
         for j in range(M):
             rows, golden_rows = mini_batch_rows(B, P, M, j, golden is not None)  # row_owners' rows too
             micro = step_micro_batches(MiniBatch(rollout, mask_BT, golden, rows, golden_rows, loss_tokens_B), pgs.dp.rank(),
@@ -290,17 +292,44 @@ class Trainer:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             with on_gpu_while_used(self.models.partner, self.models.partner_offload):
-                results += self.train_runner.run(micro, self._loss_step, forward_only=False) or []
+                mini = self.train_runner.run(micro, self._loss_step, forward_only=False) or []
+            results += mini
+            lr = self.scheduler.current_lr()  # the lr this update uses (train/lr), before the schedule moves on
+            bad = NonFinite.check(mini, self.ddp)  # collective: one all-reduce of two flags
+            if bad:
+                self._nonfinite(bad, mini, rows, golden_rows, rollout is not None)
+                skipped += 1
+                continue  # trainer.skip_nonfinite: no update, the schedule stays
             ok, grad_norm, _ = self.optimizer.step()
-            if not ok:
-                raise FloatingPointError(f"step {self.step}: non-finite gradients; lower optimizer.lr or check the data")
+            if not ok or not math.isfinite(float(grad_norm or 0.0)):  # finite grads whose norm overflows
+                self._nonfinite(NonFinite(False, True), [], rows, golden_rows, rollout is not None)
+                skipped += 1  # clipped by an infinite norm: no weight change
+                continue
             self.scheduler.step(increment=1)
             grad_norms.append(float(grad_norm or 0.0))
+            lrs.append(lr)
         is_reporter = pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1
         metrics = reduce_loss_metrics(results, is_reporter)
-        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        metrics["train/lr"] = sum(lrs) / max(len(lrs), 1)
+        if self.cfg.trainer.skip_nonfinite:
+            metrics["train/skipped_nonfinite"] = skipped
         return metrics
+
+    def _nonfinite(self, bad: NonFinite, mini: list, rows, golden_rows, on_policy: bool) -> None:
+        """Collective: raises one FloatingPointError naming the terms, the step and the rows, or (with
+        trainer.skip_nonfinite) says that this update is skipped."""
+        dp = self.actor_pgs.dp.rank()
+        mine = ([r for r in rows.tolist() if self.owners.owner_B[r] == dp] if on_policy
+                else [f"golden {r}" for r in (golden_rows.tolist() if golden_rows is not None else [])])
+        what = describe(bad, mini, mine, dp)
+        if self.cfg.trainer.skip_nonfinite:
+            self._console(f"step {self.step + 1}: {what}: update skipped (trainer.skip_nonfinite)")
+            return
+        raise FloatingPointError(
+            f"step {self.step + 1}: {what}; the run stops before the update: check the models and the data (a "
+            f"teacher or reference of another vocabulary), lower optimizer.lr, or set trainer.skip_nonfinite=true "
+            f"to skip such updates")
 
     def _loss_step(self, mb: MicroBatch, logits_BSv: torch.Tensor, partner_BSv: torch.Tensor | None):
         """The runner's step_fn: the loss of one micro-batch (already on the logits' device)."""

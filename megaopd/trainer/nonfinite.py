@@ -1,0 +1,73 @@
+"""A non-finite loss term or gradient stops the step with one error naming the term, the step and the rows
+(issue 43: a teacher reading past its vocabulary gave loss 1.6e29 and grad norm 1e308, and the run ended 0),
+or, with trainer.skip_nonfinite, skips that optimizer update.
+
+    bad = NonFinite.check(step_results, ddp)        # collective: one all-reduce of two flags
+    if bad: raise bad.error(step, describe(...))     # the details are gathered only on this rare path
+
+Every rank decides on the same flags, so every rank stops (or skips) together: the rank holding the loss
+(the last pipeline stage) and the one holding a bad gradient shard need not be the same.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megaopd.parallel.dist import device
+
+
+@dataclass(frozen=True)
+class NonFinite:
+    """What was non-finite in one optimizer step, over the whole job."""
+
+    loss: bool
+    grad: bool
+
+    def __bool__(self) -> bool:
+        return self.loss or self.grad
+
+    @staticmethod
+    def check(results: list[dict], ddp) -> "NonFinite":
+        """Collective over the world: this rank's micro-batch loss metrics (last stage) and gradient buffers."""
+        loss = any(not math.isfinite(float(v)) for m in results for k, v in m.items() if _is_term(k))
+        flags = torch.tensor([float(loss), float(not _grads_finite(ddp))], device=device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return NonFinite(bool(flags[0]), bool(flags[1]))
+
+
+def _is_term(key: str) -> bool:
+    return key == "loss/total" or key.endswith("/loss")
+
+
+def _grads_finite(ddp) -> bool:
+    """One reduction per gradient buffer (megatron DDP keeps the grads in contiguous buffers); a sum is
+    non-finite when any element is (or when finite grads overflow it, which are no better)."""
+    buffers = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+    if not buffers:  # not megatron's DDP: the parameters' own grads
+        grads = [p.grad for p in ddp.parameters() if p.grad is not None]
+        return all(bool(torch.isfinite(g.sum())) for g in grads)
+    return all(bool(torch.isfinite(b.grad_data.float().sum())) for b in buffers)
+
+
+def describe(bad: NonFinite, results: list[dict], rows: list, dp_rank: int) -> str:
+    """Collective (all ranks, only after a NonFinite): the terms and rows of every rank, in one line. rows:
+    the step's rows this rank's replica trained in the mini-batch (ints, or "golden N" for SFT rows)."""
+    terms = sorted({f"{k}={float(v)}" for m in results for k, v in m.items()
+                    if _is_term(k) and not math.isfinite(float(v))})
+    mine = {"terms": terms, "rows": rows if terms else [], "dp": dp_rank}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    terms = sorted({t for g in gathered for t in g["terms"]})
+    # Specific terms first: loss/total is non-finite whenever one of them is.
+    named = [t for t in terms if not t.startswith("loss/total")] or terms
+    bad_rows = list(dict.fromkeys(r for g in gathered for r in g["rows"]))  # data-parallel rank order
+    shown = ", ".join(map(str, bad_rows[:16])) + (f", ... ({len(bad_rows)} rows)" if len(bad_rows) > 16 else "")
+    parts = []
+    if bad.loss:
+        parts.append(f"non-finite loss {', '.join(named)} in the micro-batches of rows [{shown}]")
+    if bad.grad:
+        parts.append("non-finite gradients" + ("" if bad.loss else " (the loss terms were finite)"))
+    return " and ".join(parts)
