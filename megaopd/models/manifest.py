@@ -22,6 +22,9 @@ from megaopd.models.hf_config import InputError
 MANIFEST = "manifest.json"
 FORMAT = "megaopd-manifest"
 _CHUNK = 8 << 20
+# Top-level names written next to a checkpoint's state, not part of it: `megaopd eval --ckpt` writes its
+# results into CKPT/eval/ by default. Neither listed nor verified.
+NOT_STATE = ("eval",)
 
 
 class ManifestError(InputError):
@@ -54,7 +57,7 @@ def list_files(root: str, skip: tuple[str, ...] = ()) -> list[str]:
             rel = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
             if rel == MANIFEST or rel == MANIFEST + ".tmp":
                 continue
-            if rel.split("/")[0] in skip:
+            if rel.split("/")[0] in skip or rel.split("/")[0] in NOT_STATE:
                 continue
             out.append(rel)
     return sorted(out)
@@ -112,7 +115,7 @@ def verify(root: str, skip: tuple[str, ...] = (), manifest: Manifest | None = No
     manifest = manifest or read_manifest(root)
     if manifest is None:
         return f"{root} has no {MANIFEST}"
-    listed = {r.path: r for r in manifest.files if r.path.split("/")[0] not in skip}
+    listed = {r.path: r for r in manifest.files if r.path.split("/")[0] not in skip + NOT_STATE}
     present = list_files(root, skip)
     for rel in sorted(set(listed) - set(present)):
         return f"{os.path.join(root, rel)} is missing (its {MANIFEST} lists it)"

@@ -37,7 +37,8 @@ def test_manifest_names_the_flipped_truncated_missing_or_added_file(tmp_path):
     root = _folder(str(tmp_path / "ck"), {"model/__0_0.distcp": os.urandom(4096), "config.json": b"{}"}, step=3)
     assert mf.verify(root) is None and mf.read_manifest(root).step == 3
     shard = os.path.join(root, "model", "__0_0.distcp")
-    data = bytearray(open(shard, "rb").read())
+    good = open(shard, "rb").read()
+    data = bytearray(good)
     data[1000:1008] = bytes(b ^ 0xFF for b in data[1000:1008])  # 8 flipped bytes, same size
     open(shard, "wb").write(bytes(data))
     assert "model/__0_0.distcp differs from its manifest.json" in mf.verify(root)
@@ -49,6 +50,11 @@ def test_manifest_names_the_flipped_truncated_missing_or_added_file(tmp_path):
     open(os.path.join(root, "model", "extra.pt"), "wb").write(b"x")
     assert "model/extra.pt is not in its manifest.json" in mf.verify(root)
     assert mf.verify(root, skip=("model",)) is None  # a model load skips what it does not read
+    os.remove(os.path.join(root, "model", "extra.pt"))
+    open(shard, "wb").write(good)
+    os.makedirs(os.path.join(root, "eval"))
+    open(os.path.join(root, "eval", "results.json"), "w").write("{}")  # `megaopd eval --ckpt` writes here
+    assert mf.verify(root) is None
 
 
 def test_manifest_is_written_atomically_and_a_bad_one_is_one_line(tmp_path):
