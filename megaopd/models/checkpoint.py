@@ -7,12 +7,16 @@ A checkpoint directory:
     megaopd_checkpoint.json   {"format": "megaopd-megatron", "version": 1, "tp", "pp", "ep", "dtype", ...}
     config.json, tokenizer*   the HF files of the model (so the checkpoint alone describes it)
     model/                    dist_checkpointing of model.sharded_state_dict()
+    manifest.json             every other file's size and sha256 (megaopd.models.manifest), written last
 Because dist_checkpointing stores global tensors with their shard offsets, a checkpoint written at
 TP=2 PP=2 loads at TP=1 PP=1 (or any layout check_layout accepts). The vocabulary padding differs per
 TP (a multiple of 128 * TP); a MoE model's experts are stored as global experts, so EP reshards too
 ("ep" records the saving layout, for the reader; megatron marks the embedding and output layer `allow_shape_mismatch`, so
 the stored rows are read and any extra padding rows start at zero).
-The torch_dist format reads its own metadata with pickle: load only checkpoints you (or megaopd) wrote.
+Loading verifies the manifest before a byte of state is read (a changed, truncated, missing or added file is
+named in one line), then reads the torch_dist pickles through megaopd.models.safe_load's restricted readers.
+A checkpoint without a manifest (an older megaopd, another tool) still loads, through the same restricted
+readers, with one line saying it is unverified (docs/run_folder.md).
 Entry scripts that save need an `if __name__ == "__main__":` guard: the writer processes re-import it.
 megatron is imported inside the functions: reading metadata stays cheap for command-line validation.
 """
@@ -27,6 +31,8 @@ import torch.distributed as dist
 
 from megaopd.models.hf_config import HFModelConfig, ModelConfigError, read_hf_config
 from megaopd.models.hf_io import copy_side_files
+from megaopd.models.manifest import (MANIFEST, FileRecord, ManifestError, hash_files, list_files, read_manifest,
+                                     verify, write_manifest)
 
 META_NAME = "megaopd_checkpoint.json"
 MODEL_SUBDIR = "model"
@@ -57,8 +63,11 @@ def read_checkpoint_config(ckpt_dir: str) -> HFModelConfig:
 
 
 def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collection=None,
-                          hf_side_dir: str | None = None, extra_meta: dict | None = None) -> None:
-    """Collective over all ranks: writes the model's shards, then rank 0 writes config + metadata.
+                          hf_side_dir: str | None = None, extra_meta: dict | None = None,
+                          manifest: bool = True) -> None:
+    """Collective over all ranks: writes the model's shards, then rank 0 writes config + metadata, then
+    (manifest=True) the manifest of it all. A caller that adds files of its own (a training checkpoint)
+    passes manifest=False and calls write_checkpoint_manifest when it has written them.
 
     hf_side_dir: a directory whose config.json and tokenizer files are copied in (default: write
     cfg.raw as config.json and no tokenizer).
@@ -99,6 +108,56 @@ def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collectio
             json.dump(meta, f, indent=2)
         os.replace(tmp, os.path.join(ckpt_dir, META_NAME))
     dist.barrier()
+    if manifest:
+        write_checkpoint_manifest(ckpt_dir, (extra_meta or {}).get("step"))
+
+
+def write_checkpoint_manifest(ckpt_dir: str, step: int | None) -> None:
+    """Collective, after every file of the checkpoint is written: each rank hashes its share of the files,
+    rank 0 writes manifest.json (atomically, last)."""
+    from megaopd.parallel.dist import rank0_computes
+
+    files = rank0_computes(list_files, ckpt_dir)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shares: list[list[FileRecord] | None] = [None] * world
+    dist.all_gather_object(shares, hash_files(ckpt_dir, files[rank::world]))  # our own records
+    if rank == 0:
+        write_manifest(ckpt_dir, [r for share in shares for r in share], step)
+    dist.barrier()
+
+
+# A training step's files that no model load reads: a model path or a converter verifies the rest.
+TRAINING_ONLY = ("optimizer", "rng", "trainer_state.json")
+
+
+def check_checkpoint(ckpt_dir: str, skip: tuple[str, ...] = TRAINING_ONLY) -> str | None:
+    """Raises ManifestError naming the first file that differs from the manifest; returns None when it
+    verifies, or the one line to show when the checkpoint has no manifest (loaded unverified)."""
+    if read_manifest(ckpt_dir) is None:
+        return (f"{ckpt_dir} has no {MANIFEST} (written by an older megaopd or another tool): loading it "
+                f"unverified, its pickles through the restricted reader")
+    problem = verify(ckpt_dir, skip)
+    if problem is not None:
+        raise ManifestError(f"checkpoint {ckpt_dir} does not verify: {problem}; restore the file or use "
+                            f"another checkpoint")
+    return None
+
+
+def check_checkpoint_collective(ckpt_dir: str, skip: tuple[str, ...] = TRAINING_ONLY) -> None:
+    """check_checkpoint on rank 0, its verdict raised on every rank (collective; plain call without ranks)."""
+    from megaopd.parallel.dist import rank0_computes
+
+    def verdict():
+        try:
+            return ("ok", check_checkpoint(ckpt_dir, skip))
+        except ManifestError as e:
+            return ("error", str(e))
+
+    kind, line = rank0_computes(verdict) if dist.is_initialized() else verdict()
+    if kind == "error":
+        raise ManifestError(line)
+    if line and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(line, flush=True)
 
 
 def saved_ep(pgs) -> int:
@@ -107,15 +166,17 @@ def saved_ep(pgs) -> int:
     return group.size() if group is not None else 1
 
 
-def load_model_checkpoint(model, ckpt_dir: str, pg_collection=None) -> dict:
-    """Collective: loads this rank's shard of every tensor into `model` (any layout); returns the metadata."""
-    from megatron.core import dist_checkpointing
-
+def load_model_checkpoint(model, ckpt_dir: str, pg_collection=None, verified: bool = False) -> dict:
+    """Collective: loads this rank's shard of every tensor into `model` (any layout); returns the metadata.
+    The manifest is checked first unless the caller did (verified=True); the pickles are read restricted."""
     from megaopd.models import compat
+    from megaopd.models.safe_load import load_safely
 
     meta = read_checkpoint_meta(ckpt_dir)
+    if not verified:
+        check_checkpoint_collective(ckpt_dir)
     pgs = compat.resolve_pg_collection(pg_collection)
-    state = dist_checkpointing.load(compat.sharded_state_dict(model, pgs), os.path.join(ckpt_dir, MODEL_SUBDIR))
+    state = load_safely(compat.sharded_state_dict(model, pgs), os.path.join(ckpt_dir, MODEL_SUBDIR))
     missing, unexpected = model.load_state_dict(state, strict=False)
     # _extra_state entries (TE) may legitimately be absent; real parameters may not.
     missing = [k for k in missing if not k.endswith("_extra_state")]

@@ -84,12 +84,15 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int 
 
 
 def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> HFModelConfig:
-    from megaopd.models.checkpoint import read_checkpoint_meta
+    from megaopd.models.checkpoint import check_checkpoint_collective, read_checkpoint_meta
     from megaopd.models.ranks import check_world
+    from megaopd.models.safe_load import check_pickles
 
     if not os.path.isdir(ckpt_dir):
         raise InputError(f"checkpoint directory {ckpt_dir} does not exist")
     read_checkpoint_meta(ckpt_dir)
+    check_checkpoint_collective(ckpt_dir)  # the manifest, then the pickles restricted: before any worker starts
+    check_pickles(os.path.join(ckpt_dir, "model"))
     cfg = read_hf_config(ckpt_dir)
     check_layout(cfg, tp, pp)
     _check_out_dir(out_dir)
@@ -110,7 +113,7 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, t
     cfg = read_hf_config(ckpt_dir)
     meta = read_checkpoint_meta(ckpt_dir)
     model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=meta["dtype"], init_weights=False)
-    load_model_checkpoint(model, ckpt_dir, pgs)
+    load_model_checkpoint(model, ckpt_dir, pgs, verified=True)  # validate_megatron_to_hf checked it
     tensors = gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp, dtype=torch_dtype(meta["dtype"]))
     if dist.get_rank() == 0:
         # Streamed: rank 0 holds at most one ~4 GiB safetensors shard while the other ranks wait in the

@@ -10,9 +10,13 @@
                              state under its key (lr scheduler, data position, collapse detector); metadata
                              for people and tools (weight version, model paths), never read back
       rng/rank_R.safetensors each rank's torch RNG state (uint8 tensors, no pickle)
+      manifest.json          every other file's size and sha256 and the step (megaopd.models.manifest), last
 
-A checkpoint is written under a temporary name and renamed when every rank has finished, then `latest`
-is replaced atomically: a run killed mid-save resumes from the previous complete checkpoint.
+A checkpoint is written under a temporary name, its manifest last, and renamed when every rank has finished,
+then `latest` is replaced atomically: a run killed mid-save resumes from the previous complete checkpoint.
+Which step a run resumes from, and what a start over moves aside: megaopd.trainer.run_folder. Pruning keeps
+the newest `keep` complete steps by the step they record and never the one just written; it deletes only
+folders with a manifest (docs/run_folder.md).
 
 The trainer's small state travels as Stateful components (torchtitan's pattern): save and resume get the
 same {key: object} mapping, so each key is named in one place and each object says what it keeps.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from typing import Mapping, Protocol
 
 import torch
@@ -30,9 +35,10 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 
 from megaopd.models import compat
-from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint, saved_ep
-
-LATEST = "latest"
+from megaopd.models.checkpoint import (load_model_checkpoint, save_model_checkpoint, saved_ep,
+                                       write_checkpoint_manifest)
+from megaopd.models.safe_load import load_safely
+from megaopd.trainer.run_folder import LATEST, StepFolder, checkpoints_dir, step_folders
 
 
 class Stateful(Protocol):
@@ -63,24 +69,6 @@ def restore_components(state: dict, components: Mapping[str, Stateful], path: st
     for key, c in components.items():
         c.load_state_dict(state[key])
     return int(state["step"])
-
-
-def checkpoints_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def latest_checkpoint(run_dir: str) -> str | None:
-    """The directory of the last complete checkpoint of a run, or None."""
-    pointer = os.path.join(checkpoints_dir(run_dir), LATEST)
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as f:
-        name = f.read().strip()
-    path = os.path.join(checkpoints_dir(run_dir), name)
-    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        raise FileNotFoundError(f"{pointer} names {name!r}, which is incomplete or missing: delete the pointer "
-                                f"to start over, or point it at a complete step_* directory")
-    return path
 
 
 # The distributed optimizer's checkpoint layout. megatron-core 0.16's default, 'fully_sharded_model_space', is
@@ -114,11 +102,12 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, components: 
     final = os.path.join(checkpoints_dir(run_dir), name)
     tmp = final + ".tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # an unfinished save of this step: never a complete one
         os.makedirs(os.path.join(tmp, "optimizer"))
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    save_model_checkpoint(model, tmp, hf_cfg, pgs, hf_side_dir=hf_side_dir, extra_meta={"step": step})
+    save_model_checkpoint(model, tmp, hf_cfg, pgs, hf_side_dir=hf_side_dir, extra_meta={"step": step},
+                          manifest=False)
     dist_checkpointing.save(_optimizer_sd(model, optimizer, pgs, is_loading=False), os.path.join(tmp, "optimizer"))
     save_file(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.safetensors"))
     dist.barrier()
@@ -126,33 +115,57 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, components: 
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             layout = {"tp": pgs.tp.size(), "pp": pgs.pp.size(), "ep": saved_ep(pgs)}
             json.dump(trainer_state(step, dist.get_world_size(), layout, components, meta), f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)
+    write_checkpoint_manifest(tmp, step)  # collective; last: its presence marks a finished step
+    if rank == 0:
+        if os.path.exists(final):  # a folder of this name from another timeline: kept, not overwritten
+            _set_aside(run_dir, name)
         os.replace(tmp, final)
         pointer_tmp = os.path.join(checkpoints_dir(run_dir), LATEST + ".tmp")
         with open(pointer_tmp, "w") as f:
             f.write(name)
         os.replace(pointer_tmp, os.path.join(checkpoints_dir(run_dir), LATEST))
-        _prune(run_dir, keep)
+        _prune(run_dir, keep, just_written=name)
     dist.barrier()
     return final
 
 
-def _prune(run_dir: str, keep: int) -> None:
-    steps = sorted(d for d in os.listdir(checkpoints_dir(run_dir)) if d.startswith("step_") and not d.endswith(".tmp"))
-    for old in steps[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(checkpoints_dir(run_dir), old), ignore_errors=True)
+def _set_aside(run_dir: str, name: str) -> None:
+    aside = os.path.join(checkpoints_dir(run_dir), f"old_{name}_{int(time.time())}")
+    os.replace(os.path.join(checkpoints_dir(run_dir), name), aside)
+
+
+def _prune(run_dir: str, keep: int, just_written: str) -> None:
+    """Deletes complete steps (manifest present, every file at its size) beyond the newest `keep` by their
+    recorded step; never `just_written`, never a folder without a manifest (not known to be ours or complete)."""
+    if keep <= 0:
+        return
+    folders, _ = step_folders(run_dir)
+    complete = [f for f in folders if f.manifest is not None and _sizes_match(run_dir, f)]
+    kept = {f.name for f in complete[:keep]} | {just_written}
+    for f in complete:
+        if f.name not in kept:
+            shutil.rmtree(os.path.join(checkpoints_dir(run_dir), f.name), ignore_errors=True)
+
+
+def _sizes_match(run_dir: str, folder: StepFolder) -> bool:
+    root = os.path.join(checkpoints_dir(run_dir), folder.name)
+    for record in folder.manifest.files:
+        path = os.path.join(root, record.path)
+        if not os.path.isfile(path) or os.path.getsize(path) != record.size:
+            return False
+    return True
 
 
 def load_checkpoint(path: str, model, optimizer, pgs, components: Mapping[str, Stateful],
                     restore_rng: bool = True) -> int:
-    """Collective. Loads weights, optimizer state and every component in place; returns the saved step."""
+    """Collective. Loads weights, optimizer state and every component in place; returns the saved step.
+    `path` comes from run_folder.resume_point, which verified its manifest: the pickles are read restricted."""
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
-    load_model_checkpoint(model, path, pgs)
+    load_model_checkpoint(model, path, pgs, verified=True)
     if optimizer is not None:
         compat.init_optimizer_states_for_loading(optimizer)
-        loaded = dist_checkpointing.load(_optimizer_sd(model, optimizer, pgs, is_loading=True),
-                                         os.path.join(path, "optimizer"))
+        loaded = load_safely(_optimizer_sd(model, optimizer, pgs, is_loading=True), os.path.join(path, "optimizer"))
         optimizer.load_state_dict(loaded["optimizer"])
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.safetensors")
     if restore_rng and state.get("world_size") == dist.get_world_size() and os.path.exists(rng_file):

@@ -142,6 +142,10 @@ class RunConfig:
     """The run folder: config.yaml, metrics.jsonl, tb/, checkpoints/, samples/, plots/. Resumes if present."""
     world_size: int = 1
     """Ranks of the job; on CPU `megaopd train` starts this many gloo workers itself."""
+    start_over: bool = False
+    """Start at step 0 in a run folder that has checkpoints: they (and checkpoints/latest) are moved to
+    checkpoints/old_<time>/, never deleted, and metrics.jsonl's rows to a side file. Without it a run folder
+    with steps always resumes (docs/run_folder.md)."""
 
     def __post_init__(self):
         if self.world_size < 1:

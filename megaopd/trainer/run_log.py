@@ -203,6 +203,34 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def keep_rows_through(run_dir: str, step: int) -> list[str]:
+    """Before a (re)started run appends to RUN/metrics.jsonl: rows of steps after `step` (the loaded
+    checkpoint's; -1 for a run starting at 0) move to RUN/metrics.replaced_<time>.jsonl, so the file holds
+    each step once. Returns the console line saying so (none when nothing moved)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept, moved = [], []
+    for line in lines:
+        try:
+            row_step = json.loads(line).get("step", -1)
+        except ValueError:  # a line cut by a kill mid-write: not a record
+            row_step = None
+        (moved if row_step is None or row_step > step else kept).append(line)
+    if not moved:
+        return []
+    side = os.path.join(run_dir, time.strftime("metrics.replaced_%Y%m%d_%H%M%S.jsonl", time.gmtime()))
+    with open(side, "a") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return [f"metrics.jsonl: moved {len(moved)} rows after step {max(step, 0)} to {side} (the steps are run again)"]
+
+
 def write_summary(run_dir: str, summary: dict) -> str:
     """RUN/summary.json: the run's final metrics (the CLI prints them)."""
     path = os.path.join(run_dir, "summary.json")

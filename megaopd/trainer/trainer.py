@@ -49,14 +49,15 @@ from megaopd.scoring.passes import ScoreRequest, score_sequences, score_tokens
 from megaopd.scoring.runner import PipelineRunner
 from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
-from megaopd.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megaopd.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.nonfinite import NonFinite, describe
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
 from megaopd.trainer.pipeline import RolloutPipeline
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
-from megaopd.trainer.run_log import RunLog
+from megaopd.trainer.run_folder import agreed_resume_point
+from megaopd.trainer.run_log import RunLog, keep_rows_through
 from megaopd.trainer.step_metrics import (flop_metrics, reduce_loss_metrics, rollout_metrics, sample_rows,
                                           step_work)
 from megaopd.trainer.streaming import stream_and_score
@@ -133,14 +134,20 @@ class Trainer:
         # What a checkpoint keeps besides weights, optimizer and RNG: saved and restored under these keys.
         self.stateful = {"scheduler": self.scheduler, "data": self.loader, "collapse": self.detector,
                          **self.loss_fn.stateful}
-        latest = latest_checkpoint(cfg.run.dir)
+        # Rank 0 picks the step folder (verified; moved aside what it skips, docs/run_folder.md); every rank loads it.
+        point = agreed_resume_point(cfg.run.dir, cfg.run.start_over)
+        latest = point.path
         if latest is not None:
             self.step = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs, self.stateful)
         self._saved = self.step  # the step a checkpoint holds (step 0: the start itself, nothing to save)
         if self.rank == 0:
+            # metrics.jsonl holds each step once: rows after the loaded step go to a side file before new ones.
+            point.notes += keep_rows_through(cfg.run.dir, self.step if latest is not None else -1)
             self.run_log = RunLog(cfg.run.dir, cfg.trainer.max_steps, cfg.logging.tensorboard,
                                   cfg.logging.progress_bar, start_step=self.step, wandb=cfg.logging.wandb,
                                   config=dataclasses.asdict(cfg))
+            for note in point.notes:
+                self.run_log.console(note)
             if latest is not None:
                 self.run_log.console(f"resumed from {latest} at step {self.step}")
 

@@ -1,0 +1,161 @@
+"""Faults in a run folder and in checkpoints handed in, end to end on a real tiny run (world 1, 3 steps):
+a lost `latest`, flipped and truncated shards, and pickle payloads in a checkpoint's metadata (torch DCP's
+`model/.metadata`, megatron's `common.pt`) read by the converter, a model path and a resume. Each failed on
+the main of 2026-11-28 (the payload ran; the run restarted at step 0 and pruned its new step; a flipped byte
+went unnoticed; a truncated shard gave a bare EOFError). docs/run_folder.md says what a run folder promises."""
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megaopd.models import manifest as mf
+from tests.trainer.test_layouts import tiny_overrides
+from tests.trainer.tiny_models import ROOT, make_tiny_pair
+
+PRESET = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
+CONVERTER = os.path.join(ROOT, "tools", "convert_megatron_to_hf.py")
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _train(overrides, env=None, timeout=900):
+    return subprocess.run([sys.executable, "-m", "megaopd.cli", "train", PRESET, *overrides], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _convert(ckpt, out, env=None):
+    return subprocess.run([sys.executable, CONVERTER, "--ckpt", ckpt, "--out", out], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _overrides(tmp_path, models, run_dir, steps):
+    student, teacher = models
+    return [o for o in tiny_overrides(tmp_path, student, teacher, "x") if not o.startswith("run.dir")] + [
+        f"run.dir={run_dir}", f"trainer.max_steps={steps}", "trainer.save_interval=1", "run.world_size=1",
+        "student.tp=1", "reference.tp=1", "teacher.tp=1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(models, run folder after 3 steps: step_000002 and step_000003 kept, latest -> step_000003)."""
+    base = tmp_path_factory.mktemp("faults")
+    models = make_tiny_pair(str(base / "models"))
+    run = str(base / "run")
+    r = _train(_overrides(base, models, run, 3))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_000002", "step_000003"]
+    return models, run
+
+
+def _copy_run(trained, tmp_path):
+    run = str(tmp_path / "run")
+    shutil.copytree(trained[1], run)
+    return run
+
+
+def _step_rows(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [r["step"] for r in map(json.loads, f) if "event" not in r]
+
+
+def _with_payload(step_dir, rel, marker, torch_save=False):
+    """An attacker's copy: `rel` replaced by a payload and the manifest made again to match it."""
+    path = os.path.join(step_dir, rel)
+    if torch_save:
+        import torch
+
+        torch.save({"optimizer": Payload(marker)}, path)
+    else:
+        with open(path, "wb") as f:
+            pickle.dump(Payload(marker), f)
+    mf.write_manifest(step_dir, mf.hash_files(step_dir, mf.list_files(step_dir)), mf.read_manifest(step_dir).step)
+    return step_dir
+
+
+@pytest.mark.slow
+def test_lost_latest_resumes_from_newest_complete_step_keeps_checkpoints_and_logs_each_step_once(trained, tmp_path):
+    run = _copy_run(trained, tmp_path)
+    os.remove(os.path.join(run, "checkpoints", "latest"))
+    r = _train(_overrides(tmp_path, trained[0], run, 4))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "latest is missing: resuming from the newest complete step" in out and "at step 3" in out, out[-3000:]
+    checkpoints = os.path.join(run, "checkpoints")
+    assert sorted(d for d in os.listdir(checkpoints) if d.startswith("step_")) == ["step_000003", "step_000004"]
+    assert open(os.path.join(checkpoints, "latest")).read() == "step_000004"
+    for name in ("step_000003", "step_000004"):
+        assert mf.verify(os.path.join(checkpoints, name)) is None
+    steps = _step_rows(run)
+    assert sorted(steps) == [1, 2, 3, 4], steps  # each step once, none trained over from 0
+
+
+@pytest.mark.slow
+def test_truncated_shard_names_the_file_and_the_previous_complete_step(trained, tmp_path):
+    run = _copy_run(trained, tmp_path)
+    shard = os.path.join(run, "checkpoints", "step_000003", "model", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    r = _train(_overrides(tmp_path, trained[0], run, 4))
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert f"{shard} is {os.path.getsize(shard)} bytes" in out, out[-3000:]
+    assert "newest step that verifies is" in out and "step_000002 (step 2)" in out, out[-3000:]
+    assert "EOFError" not in out
+    assert len(_step_rows(run)) == 3  # nothing logged, nothing saved
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_000002", "step_000003"]
+
+
+@pytest.mark.slow
+def test_flipped_bytes_in_a_shard_are_named_by_the_converter(trained, tmp_path):
+    step = str(tmp_path / "step")
+    shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"), step)
+    shard = os.path.join(step, "model", "__0_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[4096:4104] = bytes(b ^ 0xFF for b in data[4096:4104])  # 8 bytes inside a tensor: torch reads them fine
+    open(shard, "wb").write(bytes(data))
+    r = _convert(step, str(tmp_path / "hf"))
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"{shard} differs from its manifest.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(tmp_path / "hf" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_payload_in_checkpoint_pickles_is_not_run_by_the_converter(trained, tmp_path):
+    for rel, torch_save in (("model/.metadata", False), ("model/common.pt", True)):
+        marker = str(tmp_path / f"pwned_{rel.replace('/', '_')}")
+        step = str(tmp_path / f"step_{torch_save}")
+        shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"), step)
+        _with_payload(step, rel, marker, torch_save)
+        # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 made megatron's torch.load(common.pt) a plain unpickle before.
+        r = _convert(step, str(tmp_path / f"hf_{torch_save}"), env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+        assert not os.path.exists(marker), rel
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+        assert f"{os.path.join(step, rel)} pickles posix.system" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_payload_in_metadata_is_not_run_by_a_model_path_or_a_resume(trained, tmp_path):
+    marker = str(tmp_path / "pwned")
+    step = _with_payload(shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"),
+                                         str(tmp_path / "handed_in")), "model/.metadata", marker)
+    r = _train(_overrides(tmp_path, trained[0], str(tmp_path / "fresh"), 1) + [f"student.path={step}"])
+    assert not os.path.exists(marker)
+    assert r.returncode != 0 and "model/.metadata pickles posix.system" in r.stdout + r.stderr, r.stderr[-3000:]
+
+    run = _copy_run(trained, tmp_path)
+    _with_payload(os.path.join(run, "checkpoints", "step_000003"), "model/.metadata", marker)
+    r = _train(_overrides(tmp_path, trained[0], run, 4))
+    assert not os.path.exists(marker)
+    assert r.returncode != 0 and "model/.metadata pickles posix.system" in r.stdout + r.stderr, r.stderr[-3000:]
