@@ -75,7 +75,16 @@ def config_changes(old: dict, new: dict) -> list[Change]:
     """Every dotted key whose value differs between two resolved configs (as RUN/config.yaml holds them)."""
     a, b = _flatten(old), _flatten(new)
     keys = [k for k in b if k not in IGNORED] + [k for k in a if k not in b and k not in IGNORED]
-    return [Change(k, a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in keys if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
+    return [Change(k, a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in keys
+            if not _same(k, a.get(k, _ABSENT), b.get(k, _ABSENT))]
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    """Equal values; a folder named relatively once and absolutely the next time is the same folder."""
+    if old == new:
+        return True
+    return (key.endswith(".path") and isinstance(old, str) and isinstance(new, str) and bool(old) and bool(new)
+            and os.path.realpath(old) == os.path.realpath(new))
 
 
 def _shape_changes(student_path: str, checkpoint_dir: str) -> list[str]:
