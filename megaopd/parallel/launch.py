@@ -37,7 +37,20 @@ from megaopd.parallel.dist import find_free_port
 
 
 class WorkerError(RuntimeError):
-    """A spawned worker raised; the message holds its rank and traceback."""
+    """A spawned worker raised; the message holds its rank and traceback. rank: the first rank that failed (None
+    when no worker reported: a timeout, or workers that died without a word); summary: its exception in one
+    line ("ValueError: ..."), what a command prints, the traceback going to a log (`megaopd train`:
+    RUN/logs/rank_R.err); details: the traceback."""
+
+    def __init__(self, message: str, rank: int | None = None, summary: str = "", details: str = ""):
+        super().__init__(message)
+        self.rank, self.summary, self.details = rank, summary or message.splitlines()[0], details
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and message (a message's own line breaks become spaces)."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 IMPORT_TIME_ENV = ("TRITON_", "MALLOC_", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TORCH_", "PYTORCH_",
@@ -89,8 +102,8 @@ def _worker(rank, world_size, port, fn, args, env, queue):
         # Plain pickle copies tensor data; the queue's own pickler would send shared-memory handles
         # that die with this process before the parent reads them.
         queue.put((rank, "ok", pickle.dumps(result)))
-    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
-        queue.put((rank, "error", traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with its traceback
+        queue.put((rank, "error", (traceback.format_exc(), one_line(e))))
         return
     try:
         destroy_distributed()
@@ -153,6 +166,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
         previous[sig] = signal.signal(sig, forward)
     results: dict[int, Any] = {}
     errors: list[str] = []
+    failed: tuple[int, str, str] | None = None  # the first rank that raised: (rank, summary, traceback)
     import time
 
     deadline = time.monotonic() + timeout
@@ -165,7 +179,9 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
             if status == "ok":
                 results[rank] = pickle.loads(payload)  # our own worker's bytes, not an untrusted file
             else:
-                errors.append(f"rank {rank}:\n{payload}")
+                details, summary = payload
+                errors.append(f"rank {rank}:\n{details}")
+                failed = (rank, summary, details)
                 break  # peers may now block in a collective; stop them below
         elif any(p.exitcode not in (None, 0) for p in procs):
             if queue.empty():
@@ -185,7 +201,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
             p.kill()
             p.join()
     if errors:
-        raise WorkerError("\n".join(errors))
+        raise WorkerError("\n".join(errors), *(failed or ()))
     return [results[r] for r in range(world_size)]
 
 

@@ -5,21 +5,90 @@ local workers itself (gloo on CPU); under torchrun or srun it is one rank of the
 run.dir gets config.yaml, metrics.jsonl, tb/, samples/, checkpoints/, eval/, hf/ (the final student),
 plots/ and summary.json. Starting the same command again resumes from the last checkpoint; SIGTERM or
 SIGUSR1 saves a checkpoint and exits 0.
+
+A resume compares its config with the run's config.yaml before writing anything (trainer/resume_config.py):
+a change the checkpoint cannot take (another model, dtype, the distributed optimizer's layout, ...) is refused
+in one line naming the keys, and the run folder is left as it was; any other change applies from the resumed
+step and is printed, one line a key (`config changed at step 40: optimizer.lr 0.0005 -> 0.01`). config.yaml is
+then the config now running, and RUN/configs/step_NNNNNN.yaml keeps the config of each start at step NNNNNN
+(a second start at the same step with another config: step_NNNNNN.1.yaml, ...).
+
+An error raised in a rank ends the command with one line naming the rank and the exception, exit 1; its
+traceback goes to RUN/logs/rank_R.err.
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import traceback
+
+from omegaconf import OmegaConf
 
 from megaopd.config import ConfigError, load_config, to_yaml
 from megaopd.config.schema import MegaOPDConfig
 
 
-def _prepare_run_dir(cfg: MegaOPDConfig) -> None:
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+def _resume_point(run_dir: str) -> tuple[str | None, int]:
+    """The checkpoint a start of this run folder resumes from, and its step ((None, 0): a fresh start)."""
+    if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        return None, 0  # nothing to resume: the launcher need not import the checkpoint code (megatron)
+    from megaopd.trainer.checkpoint import latest_checkpoint
+    from megaopd.trainer.resume_config import checkpoint_step
+
+    latest = latest_checkpoint(run_dir)
+    return (latest, checkpoint_step(latest)) if latest else (None, 0)
+
+
+def _prepare_run_dir(cfg: MegaOPDConfig) -> list[str]:
+    """Checks a resume's config against the stored one, then writes config.yaml and its history. Returns the
+    change lines to print; raises ValueError (nothing written) when a change cannot apply."""
+    from megaopd.trainer.resume_config import config_changes, refusal, unappliable
+
+    text = to_yaml(cfg)
+    stored = os.path.join(cfg.run.dir, "config.yaml")
+    latest, step = _resume_point(cfg.run.dir)
+    lines = []
+    if latest is not None and os.path.isfile(stored):
+        changes = config_changes(OmegaConf.to_container(OmegaConf.load(stored)),
+                                 OmegaConf.to_container(OmegaConf.create(text)))
+        refused = unappliable(changes, cfg, latest)
+        if refused:
+            raise ValueError(refusal(cfg.run.dir, step, refused))
+        lines = [c.line(step) for c in changes]
+    history = os.path.join(cfg.run.dir, "configs")
+    os.makedirs(history, exist_ok=True)
+    _write(stored, text)
+    name, n = f"step_{step:06d}", 0
+    while os.path.exists(os.path.join(history, f"{name}.yaml")):
+        with open(os.path.join(history, f"{name}.yaml")) as f:
+            if f.read() == text:
+                return lines
+        n += 1
+        name = f"step_{step:06d}.{n}"
+    _write(os.path.join(history, f"{name}.yaml"), text)
+    return lines
+
+
+def _write(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _rank_failed(cfg: MegaOPDConfig, rank: int | None, summary: str, details: str) -> int:
+    """One line on the terminal; the traceback in RUN/logs/rank_R.err."""
+    where = ""
+    if details:
+        logs = os.path.join(cfg.run.dir, "logs")
+        os.makedirs(logs, exist_ok=True)
+        path = os.path.join(logs, f"rank_{rank}.err")
+        with open(path, "w") as f:
+            f.write(details)
+        where = f" (traceback: {path})"
+    who = f"rank {rank}" if rank is not None else "the ranks"
+    print(f"megaopd train: {who} failed: {summary}{where}", file=sys.stderr, flush=True)
+    return 1
 
 
 def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> dict | None:
@@ -77,9 +146,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{cfg.run.world_size}; pass run.world_size={os.environ['WORLD_SIZE']}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
-        _prepare_run_dir(cfg)
-    results = run_on_ranks(run_worker, cfg.run.world_size, args=(cfg,), timeout=7 * 24 * 3600,
-                           forward_signals=(signal.SIGTERM, signal.SIGUSR1))
+        try:
+            for line in _prepare_run_dir(cfg):
+                print(line, flush=True)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"megaopd train: {e}", file=sys.stderr)
+            return 2
+    from megaopd.parallel.launch import WorkerError, one_line
+
+    try:
+        results = run_on_ranks(run_worker, cfg.run.world_size, args=(cfg,), timeout=7 * 24 * 3600,
+                               forward_signals=(signal.SIGTERM, signal.SIGUSR1))
+    except WorkerError as e:  # a spawned rank raised: its traceback came with the error
+        return _rank_failed(cfg, e.rank, e.summary, e.details)
+    except Exception as e:  # noqa: BLE001 - this process is the rank (torchrun / srun, or world size 1)
+        return _rank_failed(cfg, int(os.environ.get("RANK", "0")), one_line(e), traceback.format_exc())
     summary = results[0]
     if summary is not None and not summary.get("preempted"):
         _print_summary(cfg, summary)
