@@ -332,3 +332,61 @@ def test_nan_weights_over_the_group_are_refused(tiny_dir, tmp_path):
         assert greedy(server.url) == before
     finally:
         server.shutdown()
+
+
+@pytest.mark.slow
+def test_a_tiny_run_sends_the_key_to_its_keyed_servers(tmp_path, monkeypatch, one_torch_thread):
+    """One Stable-OPD step with the rollouts and the teacher on keyed servers (each its own key, named by
+    rollout.api_key_env / teacher.api_key_env): generation, the weight sync, the parity probe and the
+    teacher's scoring all authenticate; the keys appear nowhere in the run folder."""
+    from megaopd.config import load_config
+    from megaopd.config.schema import MegaOPDConfig
+    from megaopd.parallel.launch import spawn
+    from tests.trainer import _workers
+    from tests.trainer.test_golden import golden_overrides
+    from tests.trainer.tiny_models import ROOT
+
+    tiny = os.path.join(ROOT, "examples", "tiny")
+    keys = {"ROLLOUT_KEY_FOR_TEST": "rollout-k3y-0123", "TEACHER_KEY_FOR_TEST": "teacher-k3y-4567"}
+    for var, key in keys.items():
+        monkeypatch.setenv(var, key)
+    servers = []
+    try:
+        for model, key in (("student", keys["ROLLOUT_KEY_FOR_TEST"]), ("teacher", keys["TEACHER_KEY_FOR_TEST"])):
+            config = ServeConfig(hf_dir=os.path.join(tiny, "models", model), port=0, api_key=key)
+            servers.append(RolloutServer(config, engine=EmbeddedEngine(config.engine_config())).start())
+        run = tmp_path / "run"
+        cfg = load_config(MegaOPDConfig, os.path.join(tiny, "stable_opd.yaml"), golden_overrides(str(run)) + [
+            "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", "trainer.max_steps=1",
+            "trainer.prompts_per_step=4", "trainer.micro_batch_size=4", "rollout.max_new_tokens=16",
+            "rollout.engine=remote", f"rollout.urls=[{servers[0].url}]", "rollout.api_key_env=ROLLOUT_KEY_FOR_TEST",
+            "teacher.engine=remote", f"teacher.urls=[{servers[1].url}]", "teacher.api_key_env=TEACHER_KEY_FOR_TEST"])
+        spawn(_workers.run_presets, 1, args=([cfg],), timeout=600)
+    finally:
+        for s in servers:
+            s.shutdown()
+    assert servers[0].engine.weight_version != "default"  # the trainer's weights were pushed to it
+    with open(run / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f if '"event"' not in line] == [1]
+    for dirpath, _, files in os.walk(run):
+        for name in files:
+            data = open(os.path.join(dirpath, name), "rb").read()
+            assert not any(k.encode() in data for k in keys.values()), os.path.join(dirpath, name)
+
+
+@pytest.mark.slow
+def test_the_command_line_reads_the_key_from_the_environment(tiny_dir, tmp_path):
+    """`megaopd serve --host 0.0.0.0` with MEGAOPD_API_KEY set: starts, wants the key, never logs it."""
+    from megaopd.parallel.dist import find_free_port
+    from megaopd.serving.sglang_launcher import ServerProcess, megaopd_serve_command
+
+    port = find_free_port()
+    log = str(tmp_path / "serve.log")
+    cmd = megaopd_serve_command(tiny_dir, port, host="0.0.0.0", extra_args=["--num-threads", "1", "--log-level", "DEBUG"])
+    with ServerProcess.start(cmd, url=f"http://127.0.0.1:{port}", startup_timeout_s=120, log_path=log,
+                             env={"MEGAOPD_API_KEY": KEY}, die_with_parent=True) as server:
+        assert call(server.url, "GET", "/get_model_info", key=None)[0] == 401
+        assert len(greedy(server.url)) == 4
+        assert call(server.url, "GET", "/get_model_info", key="wrong")[0] == 401
+    text = open(log).read()
+    assert "API key required" in text and KEY not in text, text[-2000:]
