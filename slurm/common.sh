@@ -364,15 +364,22 @@ launch_server() {
   local role="$1" node="$2" port="$3" hf_dir="$4" tp="$5" base_gpu="$6" frac="$7" colocated="$8" backend="$9"
   shift 9
   local -a cmd
+  # The servers listen on 0.0.0.0, so they require a key (megaopd serve refuses that bind without one): one
+  # per job unless given, exported, so the trainer started from this shell sends it (rollout.api_key_env).
+  if [[ -z ${MEGAOPD_API_KEY:-} ]]; then MEGAOPD_API_KEY="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"; fi
+  export MEGAOPD_API_KEY
   if [[ $backend == sglang ]]; then
     cmd=("$PYTHON" -m sglang.launch_server --model-path "$hf_dir" --tp-size "$tp"
-         --base-gpu-id "$base_gpu" --host 0.0.0.0 --port "$port" --mem-fraction-static "$frac")
+         --base-gpu-id "$base_gpu" --host 0.0.0.0 --port "$port" --mem-fraction-static "$frac"
+         --api-key "$MEGAOPD_API_KEY")
     # Colocated engines give their weights and KV cache back while the trainer runs
     # (/release_memory_occupation); that needs SGLang's memory saver.
     if (( colocated )); then cmd+=(--enable-memory-saver); fi
     cmd+=("$@")
   elif [[ $backend == megaopd ]]; then
-    cmd=("$PYTHON" -m megaopd.cli serve --hf-dir "$hf_dir" --host 0.0.0.0 --port "$port")
+    # The key comes from the environment; weight-update groups only with the trainer's rank 0.
+    cmd=("$PYTHON" -m megaopd.cli serve --hf-dir "$hf_dir" --host 0.0.0.0 --port "$port"
+         --allowed-sync-host "$MASTER_ADDR")
   else
     die "ENGINE_BACKEND=$backend: choose sglang (GPU) or megaopd (the embedded engine server)"
   fi
@@ -384,8 +391,8 @@ launch_server() {
                      --output="$LOG_DIR/$role-$node-$port.log" --open-mode=append
                      env -u PYTORCH_CUDA_ALLOC_CONF "${cmd[@]}")
   if [[ $DRY_RUN == 1 ]]; then
-    _line batch "${srun_cmd[@]}"
-    _line "$node" "${cmd[@]}"
+    _line batch "${srun_cmd[@]//"$MEGAOPD_API_KEY"/'$MEGAOPD_API_KEY'}"  # the preview never shows the key
+    _line "$node" "${cmd[@]//"$MEGAOPD_API_KEY"/'$MEGAOPD_API_KEY'}"
   else
     "${srun_cmd[@]}" &
     BG_PIDS+=("$!")

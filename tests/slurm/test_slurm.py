@@ -558,7 +558,9 @@ setup_run_dir
 ENGINE_BACKEND=megaopd ENGINES_PER_NODE=2 ENGINE_PORT={port} STUDENT_HF_DIR="{hf}"
 start_engines STUDENT_HF_DIR
 printf '%s\\n' "${{ROLLOUT_OVERRIDES[@]}}" > "{out}/overrides.txt"
-for url in "${{ENGINE_URLS[@]}}"; do curl -sf "$url/get_model_info" >> "{out}/model_info.txt"; done
+for url in "${{ENGINE_URLS[@]}}"; do  # the key start_engines made for the job (the servers bind 0.0.0.0)
+  curl -sf -H "Authorization: Bearer $MEGAOPD_API_KEY" "$url/get_model_info" >> "{out}/model_info.txt"
+done
 export TRAIN_MODULE=tests.slurm._probe
 run_torchrun "{out}" allreduce "${{ROLLOUT_OVERRIDES[@]}}"
 """
