@@ -124,3 +124,36 @@ def test_a_slow_engine_that_answers_health_is_not_a_stall(health_status):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_silent_teacher_server_is_named(silent):
+    import torch
+
+    from megaopd.scoring.remote import RemoteTeacher, RemoteTeacherError
+
+    teacher = RemoteTeacher("math", [silent.url], stall_timeout_s=0.5, retries=3)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteTeacherError, match=r"engine teacher 'math' urls\[0\] .* made no progress"):
+        teacher.score(torch.tensor([[1, 2, 3, 4]]), torch.tensor([2]), torch.tensor([2]))
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_stop_ends_a_pool_wait_without_trying_the_other_engines(silent):
+    stop = threading.Event()
+    engines = [HttpEngine(HttpEngineConfig(url=silent.url, stall_timeout_s=0), stop=stop.is_set) for _ in range(2)]
+    pool = EnginePool(engines)
+    threading.Timer(0.3, stop.set).start()
+    with pytest.raises(WaitAbandoned):
+        pool.generate([[1], [2]], SamplingParams(n=1, max_new_tokens=4, seed=0))
+    assert not pool.failed  # abandoned is not failed: no engine is marked
+
+
+def test_the_weight_update_group_does_not_wait_for_a_silent_engine(silent):
+    from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
+
+    updater = DistributedWeightUpdater([HttpEngine(HttpEngineConfig(url=silent.url, stall_timeout_s=1.0))],
+                                       DistributedUpdateConfig(backend="gloo", timeout_s=600))
+    t0 = time.monotonic()
+    with pytest.raises(EngineStalledError, match="made no progress|has not answered since it stalled"):
+        updater.connect()  # was: the rendezvous' and the POST's 600 s
+    assert time.monotonic() - t0 < 5.0
