@@ -148,10 +148,7 @@ class Trainer:
         from megaopd.rollout import build_engine
 
         cfg = self.cfg
-        self.engine = None
-        # The trainer owns the engines' weight sync and closes it when train() ends (_close_weight_sync). None
-        # when no engine is built (SFT without validation): nothing to push to, nothing to close.
-        self.weight_sync: WeightSync | None = None
+        self.engine = self.weight_sync = None  # both stay None when nothing generates (SFT without validation)
         teachers = self.models.teachers  # rollout.stream_parts: rank 0 hands finished parts to served teachers
         stream = self.rank == 0 and teachers is not None and teachers.has_remote and cfg.rollout.stream_parts > 1
         self.pipeline = RolloutPipeline(cfg, self.loader, self.timer, self.stop.ids, self.rank, self.sync_weights,
@@ -192,18 +189,14 @@ class Trainer:
             if stop:
                 self._console(f"preemption signal received: checkpoint saved at step {self.step}, exiting")
                 summary["preempted"] = True
-                self._close_weight_sync()
-                return summary
-        self.export_hf(os.path.join(self.cfg.run.dir, "hf"))
-        summary.update(self._last_metrics, step_time_mean=sum(step_times) / max(len(step_times), 1))
-        self._close_weight_sync()
-        return summary
-
-    def _close_weight_sync(self) -> None:
-        """The engines' weight-update group goes with the run: a served engine outlives it, and the next run
-        against it (or this one resumed) forms its own group of the same name."""
+                break
+        else:  # every step ran: the final student
+            self.export_hf(os.path.join(self.cfg.run.dir, "hf"))
+            summary.update(self._last_metrics, step_time_mean=sum(step_times) / max(len(step_times), 1))
+        # The weight-update group goes with the run: a served engine outlives it, the next run forms its own.
         if self.weight_sync is not None:
             self.weight_sync.close()
+        return summary
 
     def train_step(self) -> dict:
         timer = self.timer
