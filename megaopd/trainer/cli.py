@@ -145,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megaopd train: the launcher started {os.environ['WORLD_SIZE']} ranks but run.world_size="
               f"{cfg.run.world_size}; pass run.world_size={os.environ['WORLD_SIZE']}", file=sys.stderr)
         return 2
+    import torch
+
+    from megaopd.trainer.machine import gpu_only_settings, have_transformer_engine
+
+    problems = gpu_only_settings(cfg, torch.cuda.is_available(), have_transformer_engine())
+    if problems:  # before any rank starts: these fail minutes later deep in megatron
+        print("\n".join(f"megaopd train: {p}" for p in problems), file=sys.stderr)
+        return 2
     if int(os.environ.get("RANK", "0")) == 0:
         try:
             for line in _prepare_run_dir(cfg):

@@ -158,10 +158,7 @@ class Trainer:
         from megaopd.rollout import build_engine
 
         cfg = self.cfg
-        self.engine = None
-        # The trainer owns the engines' weight sync and closes it when train() ends (_close_weight_sync). None
-        # when no engine is built (SFT without validation): nothing to push to, nothing to close.
-        self.weight_sync: WeightSync | None = None
+        self.engine = self.weight_sync = None  # both stay None when nothing generates (SFT without validation)
         teachers = self.models.teachers  # rollout.stream_parts: rank 0 hands finished parts to served teachers
         stream = self.rank == 0 and teachers is not None and teachers.has_remote and cfg.rollout.stream_parts > 1
         self.pipeline = RolloutPipeline(cfg, self.loader, self.timer, self.stop.ids, self.rank, self.sync_weights,
