@@ -51,8 +51,7 @@ def plan_main(argv: list[str] | None = None) -> int:
 
         print("\n" + format_step_times(cfg) + "\n")
     if plan.fits():
-        print(f"fits: peak {max(plan.total(p) for p in plan.phases) / 1e9:.1f} GB ({plan.peak_phase()}) of "
-              f"{plan.gpu_bytes / 1e9:g} GB per GPU")
+        print(plan.summary())
         return 0
     print(f"megaopd plan: {explain_overflow(plan)}", file=sys.stderr)
     return 1

@@ -90,12 +90,22 @@ class MegaOPDConfig:
         return (self.data.max_prompt_len + parts[key],
                 f"data.max_prompt_len={self.data.max_prompt_len} + {key}={parts[key]}")
 
-    def generated_row_tokens(self) -> int:
-        """The longest row the engines generate (prompt + response, or a whole trajectory): what the embedded
-        engine's KV cache is sized for (rollout/build.py) and what `megaopd plan` counts for it."""
-        new = max(self.rollout.max_new_tokens, self.rollout.max_trajectory_tokens if self.env.enabled else 0,
-                  self.validation.max_new_tokens if self.validation.path else 0)
+    def rollout_row_tokens(self) -> int:
+        """The longest row a training rollout makes (prompt + response, or prompt + a whole multi-turn
+        trajectory): what the scoring passes and the training step hold of one on-policy row (`megaopd plan`,
+        `megaopd plan --step-time`)."""
+        new = max(self.rollout.max_new_tokens, self.rollout.max_trajectory_tokens if self.env.enabled else 0)
         return self.data.max_prompt_len + new
+
+    def golden_row_tokens(self) -> int:
+        """The longest golden row (prompt + golden solution) the losses that train on them read."""
+        return self.data.max_prompt_len + self.data.max_golden_len
+
+    def generated_row_tokens(self) -> int:
+        """The longest row the engines generate (a rollout's, or a validation answer's): what the embedded
+        engine's KV cache is sized for (rollout/build.py) and what `megaopd plan` counts for it."""
+        validation = self.data.max_prompt_len + self.validation.max_new_tokens if self.validation.path else 0
+        return max(self.rollout_row_tokens(), validation)
 
     def embedded_engine_dtype(self) -> str:
         """The embedded engine's dtype: rollout.engine_dtype, auto = the student's."""

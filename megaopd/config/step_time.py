@@ -2,9 +2,10 @@
 config's work and stated rates, before any GPU hour is spent choosing a mode.
 
 The work of one step (from the config; lengths from plan.step_time where the data decides them):
-    R = prompts x samples rows of P prompt tokens and responses of mean L, the longest L_max = max_new_tokens
-    (a batch of hundreds of responses with a truncation rate above zero has one at the budget), plus the
-    golden rows of the losses that train on them.
+    R = prompts x samples rows of P prompt tokens and responses of mean L, the longest L_max the rollout's
+    budget after the prompt (max_new_tokens; a multi-turn trajectory's max_trajectory_tokens: a batch of
+    hundreds of responses with a truncation rate above zero has one at the budget), plus the golden rows of
+    the losses that train on them.
 
 Phases (docs/algorithms.md 1.12, "Choosing a mode"):
     generate  an engine instance of tp_e GPUs decodes its b = R / instances rows; every decode step reads
@@ -69,8 +70,9 @@ class StepTimeConfig:
     prompt_tokens: int = 256
     """Mean prompt tokens, template included (an estimate for OpenR1-Math prompts)."""
     response_tokens: int = 0
-    """Mean response tokens (golden solutions too); 0: half of rollout.max_new_tokens (an estimate; the
-    first steps' rollout/response_length_mean says it)."""
+    """Mean response tokens (golden solutions too); 0: half of the longest response, rollout.max_new_tokens or
+    (with an environment) rollout.max_trajectory_tokens (an estimate; the first steps'
+    rollout/response_length_mean says it)."""
     network_gb_s: float = 25.0
     """GB/s of a weight push from the trainer to engines on other nodes (NCCL broadcast over one
     200 Gb/s link: an estimate)."""
@@ -183,9 +185,12 @@ def shape_for(cfg: MegaOPDConfig) -> StepShape:
     student = MatmulDims.of(hf)
     in_job = [t for t in cfg.teachers if t.engine == "megatron"]
     teacher = MatmulDims.of(read_hf_config(find_hf_config(in_job[0].path))) if in_job else None
-    response = r.response_tokens or cfg.rollout.max_new_tokens // 2
+    # The longest response: the rollout's budget after the prompt (a multi-turn trajectory's, with an
+    # environment), from the config's one row-length function.
+    longest = cfg.rollout_row_tokens() - cfg.data.max_prompt_len
+    response = r.response_tokens or longest // 2
     return StepShape(rows=cfg.trainer.prompts_per_step * cfg.trainer.samples_per_prompt,
-                     prompt_tokens=r.prompt_tokens, response_tokens=response, longest=cfg.rollout.max_new_tokens,
+                     prompt_tokens=r.prompt_tokens, response_tokens=response, longest=longest,
                      golden_rows=cfg.trainer.prompts_per_step if needs.golden else 0, student=student,
                      teacher=teacher, reference=student if needs.reference else None,
                      # the whole model in bf16, every expert of a MoE layer (as the plan counts an engine's copy)

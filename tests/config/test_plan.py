@@ -18,9 +18,10 @@ import sys
 
 import pytest
 
-from megaopd.config.plan import (OPS_CHUNK_BYTES, OPS_CHUNKS_LIVE, RoleLayout, activation_bytes, build_plan,
-                                 embedded_engine_footprint, explain_overflow, hidden_bytes, logits_bytes,
-                                 packed_micro_batch_tokens, params_per_rank)
+from megaopd.config.plan import build_plan, explain_overflow
+from megaopd.config.plan_shape import StepRows, train_shape
+from megaopd.config.plan_sizes import (OPS_CHUNK_BYTES, OPS_CHUNKS_LIVE, RoleLayout, activation_bytes,
+                                       embedded_engine_footprint, hidden_bytes, logits_bytes, params_per_rank)
 from megaopd.models.hf_config import read_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,7 +86,7 @@ def test_layer_activations_match_what_megatron_saves(tmp_path):
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megaopd.config.plan import layer_saved_elements
+    from megaopd.config.plan_sizes import layer_saved_elements
     from megaopd.models.builder import build_gpt_model
     from megaopd.parallel.dist import init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
@@ -168,10 +169,12 @@ def test_packed_micro_batch_is_the_token_budget():
     full_seq = activation_bytes(student, 1, tokens, False)
     within = activation_bytes(student, 1, tokens, False, attn_seq=384)
     assert full_seq - within == pytest.approx(28 * 2 * e * heads * tokens * (tokens - 384))
-    # the largest micro-batch: the budget, or one unit longer than it (a sequence, a GRPO group kept whole)
-    assert packed_micro_batch_tokens(16384, 384) == 16384
-    assert packed_micro_batch_tokens(16384, 9216, 4) == 4 * 9216
-    assert packed_micro_batch_tokens(4096, 9216) == 9216
+    # the largest micro-batch: what the rows fill of the budget, or one unit longer than it (a sequence, a
+    # GRPO group kept whole)
+    rows = dict(rollout_rows=64, golden_rows=0, golden_tokens=0, mini_batches=1, micro_batch_size=1)
+    assert train_shape(StepRows(rollout_tokens=384, group=1, max_tokens=16384, **rows), 1).tokens == 42 * 384
+    assert train_shape(StepRows(rollout_tokens=9216, group=4, max_tokens=16384, **rows), 1).tokens == 4 * 9216
+    assert train_shape(StepRows(rollout_tokens=9216, group=1, max_tokens=4096, **rows), 1).tokens == 9216
     # no reference (opd alone): the logits and a gradient buffer of their own
     alone = build_plan(student, None, None, world_size=1, micro_batch_rows=1, seq_len=384,
                        use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80, engine_memory_fraction=0.5,
@@ -210,14 +213,15 @@ def test_fused_output_layer_and_what_nvidia_smi_shows_by_hand():
     assert _item(plan, "student logits (fused").train == lc + OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES + 6 * V * h + 3 * hid
     assert _item(plan, "reference logits (fused").train == lc + hid
     assert _item(plan, "embedded engine").generate == engine.weights + engine.kv_cache
-    assert _item(plan, "embedded engine").train == engine.weights  # not colocated: resident while training
+    # not colocated: weights and KV cache resident while training (the engine keeps its static cache)
+    assert _item(plan, "embedded engine").train == engine.weights + engine.kv_cache
     assert _item(plan, "CUDA context").train == 0.6e9
     assert plan.total("train") == pytest.approx(1.1 * plan.allocated("train"))
     whole = build_plan(student, reference, None, cuda_context_gb=0.6, allocator_reserve=0.1, embedded_engine=engine, **kw)
     assert whole.allocated("train") - plan.allocated("train") > 7e9  # 2L (10 GB) less, 2.6 GB of chunks etc. more
     colocated = build_plan(student, reference, None, logits_chunk_tokens=1024,
                            embedded_engine=embedded_engine_footprint(student.hf, "float32", 64, 384, True), **kw)
-    assert _item(colocated, "embedded engine").train == 0.0
+    assert _item(colocated, "embedded engine").train == 0.0  # weights offloaded, KV cache released
 
 
 def test_gpu_check_shape_names_the_budget_and_recompute():
@@ -230,14 +234,16 @@ def test_gpu_check_shape_names_the_budget_and_recompute():
               "rollout.engine_dtype=auto"]  # as the GPU check's trainer bench runs it (the YAML pins float32)
     bad = _cli("plan", yaml_path, *common, "student.recompute=none")
     assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert "16384 tokens packed" in bad.stdout
+    # 64 rollout rows and 16 golden rows of 384 tokens (the budgets): 42 of them fill the 16384-token budget
+    assert "16128 tokens packed" in bad.stdout
     assert "student.recompute=full" in bad.stderr and "trainer.max_tokens_per_micro_batch" in bad.stderr
     assert _cli("plan", yaml_path, *common, "student.recompute=full").returncode == 0
     smaller = _cli("plan", yaml_path, *common, "student.recompute=none", "trainer.max_tokens_per_micro_batch=4096")
     assert smaller.returncode == 0, smaller.stdout + smaller.stderr
-    assert "4096 tokens packed" in smaller.stdout
+    assert "3840 tokens packed" in smaller.stdout  # 10 rows of 384 in 4096
     padded = _cli("plan", yaml_path, *common, "student.recompute=none", "trainer.pack_sequences=false")
-    assert "8 x 384 tokens" in padded.stdout  # micro_batch_size=8 rows of 128 + 256 tokens
+    # micro_batch_size=8 rows of 128 + 256 tokens, and 2 of the 16 golden rows spread over the 8 micro-batches
+    assert "10 x 384 tokens" in padded.stdout
     # recompute=none at the 16384-token budget does not fit on an 80 GB GPU (the H100 ran out of memory in the
     # first micro-batch's forward, 2026-11-27: megatron's local layers keep ~72 h bytes a token and layer);
     # half the budget does, with the colocated engine's weights off the GPU while training.
@@ -281,6 +287,104 @@ def test_plan_command_exit_status(tmp_path):
     assert bad.returncode == 1
     assert "does not fit" in bad.stderr and "student activations" in bad.stderr
     assert _cli("plan", preset, "plan.attention=sdpa").returncode == 2
+
+
+# ------------------------------------------------------------------------------- the job's rows, the device
+TINY = os.path.join(ROOT, "examples", "tiny")
+
+
+def _load(preset, *overrides):
+    from megaopd.config import load_config
+    from megaopd.config.schema import MegaOPDConfig
+
+    return load_config(MegaOPDConfig, os.path.join(TINY, preset), list(overrides))
+
+
+def test_plan_counts_the_jobs_rows_not_the_token_budget(monkeypatch):
+    """2 prompts x 1 sample of 50 + 50 tokens (opd: no golden rows) at world 1: the step holds 200 tokens and
+    the plan's micro-batch is those 200 tokens, not trainer.max_tokens_per_micro_batch=16384 (the issue's
+    33.3 GB plan of an 11.4 GB run). Mini-batches and data parallelism divide the rows as the trainer does."""
+    from megaopd.config.plan import plan_for
+
+    monkeypatch.chdir(ROOT)
+    small = ("run.world_size=1", "student.tp=1", "reference.tp=1", "trainer.prompts_per_step=2",
+             "trainer.samples_per_prompt=1", "data.max_prompt_len=50", "rollout.max_new_tokens=50", "plan.device=cpu")
+    plan = plan_for(_load("opd.yaml", *small))
+    acts = _item(plan, "student activations")
+    assert "200 tokens packed" in acts.name and "16384" not in plan.notes[0]
+    student = RoleLayout("student", read_hf_config(os.path.join(TINY, "models", "student")), 1, 1, "float32", cpu=True)
+    assert acts.train == activation_bytes(student, 1, 200, True, attn_seq=100)
+    assert "100 tokens packed" in _item(plan_for(_load("opd.yaml", *small, "trainer.mini_batches_per_step=2")),
+                                        "student activations").name
+    dp2 = plan_for(_load("opd.yaml", *small, "run.world_size=2"))  # tp 1 at world 2: each replica 1 row
+    assert "100 tokens packed" in _item(dp2, "student activations").name
+    # The rows fill the budget: 128 rows of 256 tokens and 32 golden rows of 384 (stable_opd) at world 2, TP 2.
+    demo = plan_for(_load("stable_opd.yaml", "plan.device=cpu"))
+    assert "16384 tokens packed" in _item(demo, "student activations").name
+
+
+def test_cpu_plan_has_the_cpus_items_only(monkeypatch):
+    """plan.device=cpu: no CUDA context, NCCL margin, allocator reserve or offloading (offload_between_uses
+    moves nothing on a CPU); the rank process instead, and the machine's memory shared by the ranks. auto
+    follows the dtypes (bf16/fp16: a GPU job) and, for float32, this machine."""
+    import torch
+
+    from megaopd.config.plan import plan_device, plan_for
+
+    monkeypatch.chdir(ROOT)
+    offload = ("reference.offload_between_uses=true", "teacher.offload_between_uses=true")
+    cpu = plan_for(_load("stable_opd.yaml", "plan.device=cpu", "plan.cpu_memory_gb=16", *offload))
+    names = " | ".join(i.name for i in cpu.items)
+    assert "CUDA context" not in names and "reserved" not in names and "offloaded" not in names
+    assert _item(cpu, "rank process").train == 0.75e9
+    assert _item(cpu, "reference weights").generate == _item(cpu, "reference weights").train > 0
+    assert cpu.total("train") == cpu.allocated("train")  # no caching allocator's reserve
+    engine = _item(cpu, "embedded engine").peak()
+    assert cpu.needed() == pytest.approx(2 * cpu.peak() - engine)  # rank 0 with the engine, rank 1 without
+    assert cpu.fits() and "per rank process" in cpu.summary() and cpu.gpu_bytes == 16e9
+    gpu = plan_for(_load("stable_opd.yaml", "plan.device=cuda", *offload))
+    assert _item(gpu, "CUDA context").train == 0.6e9 and _item(gpu, "reserved").train == 5e9
+    assert _item(gpu, "reference weights (offloaded)").generate == 0
+    assert gpu.total("train") == pytest.approx(1.1 * gpu.allocated("train"))
+    assert plan_device(_load("stable_opd.yaml", "student.dtype=bfloat16", "reference.dtype=bfloat16")) == "cuda"
+    assert plan_device(_load("stable_opd.yaml")) == ("cuda" if torch.cuda.is_available() else "cpu")
+    out = _cli("plan", os.path.join(TINY, "stable_opd.yaml"), "plan.device=cpu")
+    assert out.returncode == 0 and "per rank process" in out.stdout and "CUDA" not in out.stdout, out.stdout
+
+
+def test_multi_turn_rows_are_planned_at_the_trajectory_budget(monkeypatch):
+    """examples/tiny/agentic.yaml: trajectories reach 240 tokens after the 128-token prompt, not the 96 of one
+    turn: the training micro-batch holds 16 rows of 368 + 8 golden rows of 384, the scoring one the teacher's
+    share (TP 1 at world 2: 8 rows), the engine's cache 368 positions; --step-time's longest response 240."""
+    from megaopd.config.plan import plan_for
+    from megaopd.config.step_time import shape_for
+
+    monkeypatch.chdir(ROOT)
+    cfg = _load("agentic.yaml", "plan.device=cpu")
+    assert cfg.rollout_row_tokens() == cfg.generated_row_tokens() == 128 + 240
+    plan = plan_for(cfg)
+    assert f"micro-batch {16 * 368 + 8 * 384} tokens packed (scoring: {16 * 368} tokens packed)" in plan.notes[0]
+    shape = shape_for(cfg)
+    assert (shape.longest, shape.response_tokens) == (240, 120)
+
+
+def test_rows_are_shared_and_packed_as_the_trainer_does():
+    """plan_shape against the trainer's rules: GRPO groups stay whole, golden rows pack beside rollouts, DP
+    shares are balanced, padded micro-batches carry their share of the golden rows."""
+    from megaopd.config.plan_shape import score_shape
+
+    r = StepRows(rollout_rows=128, rollout_tokens=256, golden_rows=32, golden_tokens=384, group=1, mini_batches=1,
+                 max_tokens=16384, micro_batch_size=8)
+    assert train_shape(r, 1).tokens == 16384  # 32 x 384 + 16 x 256 fill it exactly
+    assert train_shape(r, 4).tokens == (128 * 256 + 32 * 384) // 4  # 11264: a quarter each, under the budget
+    assert score_shape(r, 2).tokens == 64 * 256 and score_shape(r, 1).tokens == 64 * 256  # budget-bound
+    groups = StepRows(rollout_rows=8, rollout_tokens=300, golden_rows=0, golden_tokens=0, group=4, mini_batches=1,
+                      max_tokens=1000, micro_batch_size=8)
+    assert train_shape(groups, 1).tokens == 1200  # a group of 4 x 300 is one unit, over the budget
+    padded = StepRows(rollout_rows=64, rollout_tokens=384, golden_rows=16, golden_tokens=512, group=1,
+                      mini_batches=2, max_tokens=0, micro_batch_size=8)
+    shape = train_shape(padded, 2)  # 16 rows and 4 golden rows per rank: 2 micro-batches of 8 + 2, 512 wide
+    assert (shape.rows, shape.tokens, shape.packed) == (10, 512, False)
 
 
 # --------------------------------------------------------------------------------------- measurement

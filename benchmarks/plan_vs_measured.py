@@ -1,0 +1,203 @@
+"""`megaopd plan` against the measured peak memory of the same run on CPU: the tiny demo and SmolLM2-135M.
+
+    python benchmarks/plan_vs_measured.py                          # every case (the SmolLM2 ones need the models)
+    python benchmarks/plan_vs_measured.py --cases tiny_w2 --steps 3
+    python benchmarks/plan_vs_measured.py --models ~/.cache/megaopd/models --cases smollm2_w1,smollm2_w2
+
+What is measured: the peak resident set size of each rank process over the whole run (Linux VmHWM of the
+process `megaopd train` spawns for that rank: start-up, model loading, every step, the final checkpoint),
+read from /proc/PID/status every 0.1 s while it runs (VmHWM only grows, so the last reading is the peak up to
+then). Resident means what the process has in RAM: shared library pages it touched count in full in every
+rank (RSS, not PSS). The table gives the largest rank's peak (rank 0, which also runs the embedded engine)
+and every rank's. The plan's number is `megaopd plan`'s per-rank peak for the same config and overrides
+(plan.device=cpu: no CUDA context, allocator reserve or NCCL margin; the process baseline instead), rank 0's.
+
+Cases (each a fresh `megaopd train` run, one at a time):
+    tiny_w2      examples/tiny/stable_opd.yaml as shipped (world 2, student TP=2, 32 prompts x 4, 128 new
+                 tokens, validation of 200 problems), --steps steps
+    smollm2_w1   Stable-OPD, student = SmolLM2-135M-Instruct without layers 16-19 (26 layers), teacher = the
+                 full model (30 layers), float32, world 1, 8 prompts x 2 samples, 96 new tokens, the tiny
+    smollm2_w2   arithmetic problems with the SmolLM2 chat template (prompts <= 81 tokens, goldens <= 119:
+                 data.max_prompt_len 96, data.max_golden_len 128); world 2 = DP 2
+--models DIR holds SmolLM2-135M-Instruct (float32 HF folder) and SmolLM2-135M-Instruct-pruned16-19 (the same
+without layers 16-19); both are made by the real-model tier's tools (scripts/install_smollm2.sh).
+Results: benchmarks/README.md, "megaopd plan against measured peaks".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DEFAULT_MODELS = os.path.expanduser("~/.cache/megaopd/models")
+FULL, PRUNED = "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-pruned16-19"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    config: str
+    """A YAML path, or "" for the SmolLM2 config this script writes."""
+    overrides: tuple[str, ...]
+    world: int
+
+
+def smollm2_yaml(models: str, world: int, folder: str) -> str:
+    """The SmolLM2 case's config (a file: validation.path cannot be emptied from the command line)."""
+    import yaml
+
+    cfg = {"run": {"world_size": world},
+           "student": {"path": os.path.join(models, PRUNED), "tp": 1},
+           "reference": {"tp": 1},
+           "teacher": {"path": os.path.join(models, FULL), "tp": 1},
+           "trainer": {"prompts_per_step": 8, "samples_per_prompt": 2, "eval_interval": 0, "seed": 1234},
+           "optimizer": {"lr": 1.0e-5, "warmup_steps": 0, "clip_grad": 1.0},
+           "rollout": {"temperature": 1.0, "max_new_tokens": 96, "max_batch_size": 16},
+           "data": {"sources": [{"path": os.path.join(ROOT, "examples/tiny/data/opd.jsonl")}],
+                    "max_prompt_len": 96, "max_golden_len": 128},
+           "loss": {"name": "stable_opd", "config": {"sft_weight": 0.1, "ref_kl_weight": 0.01}},
+           "logging": {"samples_per_step": 0, "tensorboard": False, "progress_bar": "off"}}
+    path = os.path.join(folder, f"smollm2_w{world}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def cases(models: str, folder: str) -> dict[str, Case]:
+    out = {"tiny_w2": Case("tiny_w2", os.path.join(ROOT, "examples/tiny/stable_opd.yaml"), (), 2)}
+    if os.path.isdir(os.path.join(models, FULL)) and os.path.isdir(os.path.join(models, PRUNED)):
+        for w in (1, 2):
+            out[f"smollm2_w{w}"] = Case(f"smollm2_w{w}", smollm2_yaml(models, w, folder), (), w)
+    return out
+
+
+def _status_kib(pid: int, key: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _spawned(launcher) -> list:
+    """The processes a `megaopd train` launcher spawned (multiprocessing spawn_main), at any depth, not the
+    resource tracker, in start order."""
+    import psutil
+
+    procs = []
+    for p in launcher.children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if "spawn_main" in cmd and "resource_tracker" not in cmd:
+                procs.append(p)
+        except psutil.Error:
+            continue
+    return sorted(procs, key=lambda p: (p.create_time(), p.pid))
+
+
+def measure(config: str, overrides: list[str], run_dir: str, timeout: float = 3600) -> dict:
+    """Runs `megaopd train` and returns {"peaks_gb": [per rank peak RSS, rank order], "seconds": wall,
+    "rc": exit status, "log": its output's tail}."""
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "megaopd.cli", "train", config, f"run.dir={run_dir}", *overrides]
+    log_path = os.path.join(run_dir + ".log")
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        launcher = psutil.Process(proc.pid)
+        peak_kib: dict[int, int] = {}
+        info: dict[int, tuple] = {}
+        order: list[int] = []
+        while proc.poll() is None:
+            if time.time() - start > timeout:
+                proc.kill()
+                break
+            try:
+                spawned = _spawned(launcher)
+            except psutil.Error:
+                spawned = []
+            for p in spawned:
+                hwm = _status_kib(p.pid, "VmHWM")
+                if hwm is not None:
+                    if p.pid not in peak_kib:
+                        order.append(p.pid)
+                        info[p.pid] = (p.ppid(), p.create_time() - start)
+                    peak_kib[p.pid] = max(hwm, peak_kib.get(p.pid, 0))
+            time.sleep(0.1)
+    with open(log_path) as f:
+        tail = f.read()[-3000:]
+    # The ranks are the launcher's own workers (its direct children); later spawns are their helpers.
+    ranks = [p for p in order if info[p][0] == proc.pid]
+    return {"peaks_gb": [peak_kib[p] * 1024 / 1e9 for p in ranks], "seconds": time.time() - start,
+            "processes": [(p, *info[p], peak_kib[p] * 1024 / 1e9) for p in order],
+            "rc": proc.returncode, "log": tail}
+
+
+def planned_gb(config: str, overrides: list[str]) -> float:
+    """`megaopd plan`'s per-rank peak (rank 0) of the run, in GB, on CPU."""
+    from megaopd.config import load_config
+    from megaopd.config.plan import plan_for
+    from megaopd.config.schema import MegaOPDConfig
+
+    plan = plan_for(load_config(MegaOPDConfig, config, [*overrides, "plan.device=cpu"]))
+    return plan.peak() / 1e9
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="tiny_w2,smollm2_w1,smollm2_w2")
+    p.add_argument("--models", default=DEFAULT_MODELS, help="folder of the SmolLM2 HF folders")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", default="", help="also write the results as JSON here")
+    p.add_argument("--plan-only", action="store_true", help="print the plan's numbers, run nothing")
+    a = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="plan_vs_measured_") as tmp:
+        known = cases(a.models, tmp)
+        for name in a.cases.split(","):
+            if name not in known:
+                print(f"{name}: skipped (unknown case, or the SmolLM2 folders are not under {a.models})")
+                continue
+            case = known[name]
+            overrides = [*case.overrides, f"trainer.max_steps={a.steps}"]
+            plan = planned_gb(case.config, overrides)
+            row = {"case": name, "world": case.world, "plan_gb": plan}
+            if not a.plan_only:
+                m = measure(case.config, overrides, os.path.join(tmp, name))
+                if m["rc"] != 0:
+                    print(m["log"])
+                    raise SystemExit(f"{name}: megaopd train exited {m['rc']}")
+                row.update(measured_gb=max(m["peaks_gb"]), ranks_gb=m["peaks_gb"], seconds=m["seconds"],
+                           ratio=plan / max(m["peaks_gb"]))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| case | world | plan GB (rank 0) | measured peak RSS GB (max rank; every rank) | plan / measured |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        if "measured_gb" in r:
+            ranks = ", ".join(f"{x:.2f}" for x in r["ranks_gb"])
+            print(f"| {r['case']} | {r['world']} | {r['plan_gb']:.2f} | {r['measured_gb']:.2f} ({ranks}) | "
+                  f"{r['ratio']:.2f} |")
+        else:
+            print(f"| {r['case']} | {r['world']} | {r['plan_gb']:.2f} | - | - |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
