@@ -1,0 +1,84 @@
+"""The tiny demo's time per step on two source trees of megaopd, runs alternated (before, after, before, after, ...)
+so that a shared machine's load falls on both alike. Written for issue 43: does the happy path cost more with
+the checks (manifests hashed on save and verified on load, the restricted unpickler, the resume's config
+compare, the stall watch)?
+
+Each run is `megaopd train examples/tiny/stable_opd.yaml` on that tree's code (PYTHONPATH and cwd: the tree) in
+a fresh run folder, with --steps steps, a checkpoint every --save-interval steps and no validation (the
+validation passes are the same code in both trees and only add noise). From each run's metrics.jsonl:
+
+    s/step     median of time/step over the run's steps (rollout, scoring, training, weight sync; not the save)
+    save s     median over the saves that have a next step of: next row's time - this row's - next time/step
+               (the save and the logging between two steps; the last save has no next row)
+    other s    the same gap after steps without a save (what the save's gap is compared with)
+    wall s     the command's whole time (start-up, model loads, the engine's first sync, every save, the export)
+
+    python benchmarks/demo_before_after.py --before /work/wt/before            # 2 pairs of 8-step runs
+    python benchmarks/demo_before_after.py --before OLD --after NEW --pairs 3 --steps 6
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESET = "examples/tiny/stable_opd.yaml"
+
+
+def one_run(tree: str, run_dir: str, steps: int, save_interval: int) -> dict:
+    cmd = [sys.executable, "-m", "megaopd.cli", "train", PRESET, f"run.dir={run_dir}", f"trainer.max_steps={steps}",
+           f"trainer.save_interval={save_interval}", "trainer.eval_interval=0", "logging.progress_bar=off"]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True,
+                       timeout=1800)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"{tree}: {' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = {r["step"]: r for r in map(json.loads, f) if "event" not in r}
+    step_s = [rows[s]["time/step"] for s in sorted(rows)]
+    save_gaps, other_gaps = [], []
+    for s in sorted(rows):
+        if s + 1 in rows:  # the gap between two rows that is not the next step's own time
+            gap = rows[s + 1]["time"] - rows[s]["time"] - rows[s + 1]["time/step"]
+            (save_gaps if s % save_interval == 0 else other_gaps).append(gap)
+    return {"step_s": step_s, "save_s": save_gaps, "other_s": other_gaps, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, help="the older megaopd source tree")
+    ap.add_argument("--after", default=ROOT, help="the newer one (default: this tree)")
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--save-interval", type=int, default=2)
+    a = ap.parse_args()
+    med = statistics.median
+
+    trees = {"before": os.path.abspath(a.before), "after": os.path.abspath(a.after)}
+    runs = {name: [] for name in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.pairs):
+            for name, tree in trees.items():
+                r = one_run(tree, os.path.join(tmp, f"{name}_{i}"), a.steps, a.save_interval)
+                runs[name].append(r)
+                print(f"pair {i} {name:6}: s/step {med(r['step_s']):.3f}, save {med(r['save_s']):.3f} s, "
+                      f"other gap {med(r['other_s']):.3f} s, wall {r['wall_s']:.1f} s", flush=True)
+    cols = ("step_s", "save_s", "other_s", "wall_s")
+    pooled = {name: {c: med([v for r in rs for v in (r[c] if c != "wall_s" else [r[c]])]) for c in cols}
+              for name, rs in runs.items()}
+    print(f"\n{'':12} {'s/step':>8} {'save s':>8} {'other s':>8} {'wall s':>8}   (medians over {a.pairs} runs of "
+          f"{a.steps} steps each, a save every {a.save_interval})")
+    for name in trees:
+        print(f"{name:12} " + " ".join(f"{pooled[name][c]:8.3f}" for c in cols))
+    print(f"{'after/before':12} " + " ".join(f"{pooled['after'][c] / pooled['before'][c]:8.2f}" for c in cols))
+
+
+if __name__ == "__main__":
+    main()
