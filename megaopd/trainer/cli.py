@@ -30,14 +30,13 @@ from megaopd.config.schema import MegaOPDConfig
 
 
 def _resume_point(run_dir: str) -> tuple[str | None, int]:
-    """The checkpoint a start of this run folder resumes from, and its step ((None, 0): a fresh start)."""
+    """The checkpoint a start of this run folder resumes from, and its step ((None, 0): a fresh start).
+    Read-only (run_folder.planned_resume): a refused resume leaves the folder as it was."""
     if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
-        return None, 0  # nothing to resume: the launcher need not import the checkpoint code (megatron)
-    from megaopd.trainer.checkpoint import latest_checkpoint
-    from megaopd.trainer.resume_config import checkpoint_step
+        return None, 0
+    from megaopd.trainer.run_folder import planned_resume
 
-    latest = latest_checkpoint(run_dir)
-    return (latest, checkpoint_step(latest)) if latest else (None, 0)
+    return planned_resume(run_dir)
 
 
 def _prepare_run_dir(cfg: MegaOPDConfig) -> list[str]:
@@ -47,7 +46,7 @@ def _prepare_run_dir(cfg: MegaOPDConfig) -> list[str]:
 
     text = to_yaml(cfg)
     stored = os.path.join(cfg.run.dir, "config.yaml")
-    latest, step = _resume_point(cfg.run.dir)
+    latest, step = (None, 0) if cfg.run.start_over else _resume_point(cfg.run.dir)  # start_over: nothing resumed
     lines = []
     if latest is not None and os.path.isfile(stored):
         changes = config_changes(OmegaConf.to_container(OmegaConf.load(stored)),

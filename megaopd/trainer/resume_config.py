@@ -114,9 +114,3 @@ def refusal(run_dir: str, step: int, refused: list[str]) -> str:
     return (f"cannot resume {run_dir} (checkpoint at step {step}) with {'; '.join(refused)}: the checkpoint was "
             f"made of the old models and layout, so these cannot apply to it; start a new run.dir (e.g. "
             f"student.path=CHECKPOINT to start from its weights), or revert these keys to resume")
-
-
-def checkpoint_step(checkpoint_dir: str) -> int:
-    """The step a checkpoint folder records (trainer_state.json)."""
-    with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
-        return int(json.load(f)["step"])

@@ -105,6 +105,17 @@ def agreed_resume_point(run_dir: str, start_over: bool = False) -> ResumePoint:
     return got
 
 
+def planned_resume(run_dir: str) -> tuple[str | None, int]:
+    """Read-only: the step folder a start would resume from and the step it records ((None, 0): step 0), for
+    the checks made before anything is written (`megaopd train`'s config compare). Moves and writes nothing:
+    resume_point decides, verifies and says the rest when the ranks start. With the pointer missing or stale it
+    takes the newest step that verifies, as resume_point does; None when none does (resume_point's error)."""
+    folders, _ = step_folders(run_dir)
+    by_name = {f.name: f for f in folders}
+    chosen = by_name.get(_pointer(run_dir)) or _newest_verified(run_dir, folders)[0]
+    return (os.path.join(checkpoints_dir(run_dir), chosen.name), chosen.step) if chosen else (None, 0)
+
+
 def resume_point(run_dir: str, start_over: bool = False) -> ResumePoint:
     """Rank 0's decision (module docstring); moves folders aside, rewrites the pointer, never deletes."""
     folders, unreadable = step_folders(run_dir)

@@ -25,7 +25,7 @@ def _cfg(run_dir, *overrides):
 @pytest.fixture
 def resumable(tmp_path, monkeypatch):
     """A run folder started once, whose checkpoint (a folder with the student's config.json) is at step 40.
-    The checkpoint lookup itself is trainer/checkpoint.py's (tested there): here it names that folder."""
+    The lookup itself (run_folder.planned_resume) is tested below: here it names that folder."""
     run = tmp_path / "run"
     first = _cfg(run)
     assert cli._prepare_run_dir(first) == []
@@ -34,6 +34,59 @@ def resumable(tmp_path, monkeypatch):
     shutil.copy(os.path.join(TINY, "student", "config.json"), ckpt / "config.json")
     monkeypatch.setattr(cli, "_resume_point", lambda run_dir: (str(ckpt), 40))
     return run
+
+
+def _step_folder(run, n):
+    """A complete step folder (the student's config.json, a shard, a manifest recording step n)."""
+    from megaopd.models import manifest as mf
+
+    step = run / "checkpoints" / f"step_{n:06d}"
+    (step / "model").mkdir(parents=True)
+    shutil.copy(os.path.join(TINY, "student", "config.json"), step / "config.json")
+    (step / "model" / "__0_0.distcp").write_bytes(bytes([n]) * 256)
+    mf.write_manifest(str(step), mf.hash_files(str(step), mf.list_files(str(step))), n)
+    return step
+
+
+def _looked_up(run):
+    """cli._resume_point of `run`, checking that it changed nothing there (names, sizes, bytes)."""
+    def listing():
+        return sorted((str(p.relative_to(run)), None if p.is_dir() else p.read_bytes()) for p in run.rglob("*"))
+
+    before = listing()
+    found = cli._resume_point(str(run))
+    assert listing() == before
+    return found
+
+
+def test_the_resume_point_is_found_without_changing_the_folder(tmp_path):
+    """The start's lookup reads what the ranks' resume will load (the pointer's step; without a pointer the
+    newest step that verifies) and moves or writes nothing: a refused resume must leave the folder as it was.
+    Merged on 2026-11-28 it imported a function the run-folder change had removed, and every resume of
+    `megaopd train` ended in an ImportError before step 1."""
+    run = tmp_path / "run"
+    assert cli._resume_point(str(run)) == (None, 0)
+    two, three = _step_folder(run, 2), _step_folder(run, 3)
+    (run / "checkpoints" / "latest").write_text("step_000002")
+    assert _looked_up(run) == (str(two), 2)
+    (run / "checkpoints" / "latest").unlink()
+    assert _looked_up(run) == (str(three), 3)
+    (three / "model" / "__0_0.distcp").write_bytes(b"\xff" * 256)  # does not verify: the one before does
+    assert _looked_up(run) == (str(two), 2)
+
+
+def test_a_start_over_compares_nothing(tmp_path):
+    """run.start_over=true starts at step 0 (the old steps are moved aside by the ranks): another model is no
+    refusal, and the config of that start is kept as step 0's."""
+    run = tmp_path / "run"
+    assert cli._prepare_run_dir(_cfg(run)) == []
+    _step_folder(run, 2)
+    (run / "checkpoints" / "latest").write_text("step_000002")
+    teacher = os.path.join(TINY, "teacher")
+    with pytest.raises(ValueError, match="cannot resume"):
+        cli._prepare_run_dir(_cfg(run, f"student.path={teacher}"))
+    assert cli._prepare_run_dir(_cfg(run, f"student.path={teacher}", "run.start_over=true")) == []
+    assert sorted(os.listdir(run / "configs")) == ["step_000000.1.yaml", "step_000000.yaml"]
 
 
 def test_applicable_changes_are_listed_one_line_each_and_kept(resumable):
