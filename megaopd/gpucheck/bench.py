@@ -1,4 +1,4 @@
-"""--bench: the measurements of issue 13 ("What to measure"), as INFO rows.
+"""--bench: the GPU measurements (scripts/gpu_check.sh says what and why), as INFO rows.
 
   loss    fused Stable-OPD (build_loss("stable_opd") on LossInputs, one fused pass for log-probs + reference KL)
           vs a naive full-vocabulary float32 version (log_softmax materialized), same inputs and loss, bf16
@@ -209,7 +209,7 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
         if predicted is not None:
             table.info("bench", f"trainer {name}: megaopd plan's peak (CUDA context, allocator reserve, engine "
                        f"included; no flat margin)", dt, "GiB", predicted)
-        if predicted is not None and mem.peak_mib is not None:  # issue 27: within 15% on every trainer bench
+        if predicted is not None and mem.peak_mib is not None:  # the plan's contract: within 15% on every trainer bench
             table.info("bench", f"trainer {name}: planned / measured peak", dt, "ratio", predicted / (mem.peak_mib / 1024))
         # Tokens of the training phase: every sequence's prompt + response (the model runs on all of them).
         n_seq = prompts * samples
