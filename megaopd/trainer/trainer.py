@@ -40,7 +40,7 @@ from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import device as dist_device
-from megaopd.parallel.dist import init_distributed, rank0_computes
+from megaopd.parallel.dist import holds_results, init_distributed, rank0_computes
 from megaopd.rollout.records import RolloutBatch, build_rollout_batch
 from megaopd.rollout.trajectories import MultiTurn
 from megaopd.rollout.waits import WaitAbandoned
@@ -312,7 +312,7 @@ class Trainer:
             self.scheduler.step(increment=1)
             grad_norms.append(float(grad_norm or 0.0))
             lrs.append(lr)
-        is_reporter = pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1
+        is_reporter = holds_results(pgs)
         metrics = reduce_loss_metrics(results, is_reporter)
         metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics["train/lr"] = sum(lrs) / max(len(lrs), 1)
