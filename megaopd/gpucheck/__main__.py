@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                                     dtype=torch.float32, reps=1)
             else:
                 bench.bench_packing(table, device, "qwen2.5-0.5b", QWEN_VOCAB_BENCH, sequences=16)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the bench's model died with its frame: hand its memory back
         elif b == "engine":
             from megaopd.gpucheck.build import QWEN_VOCAB, write_hf_dir
 

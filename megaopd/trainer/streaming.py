@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, ContextManager
 
 import torch
@@ -85,7 +86,7 @@ def stream_and_score(pipeline, step: int, examples: list, cfg, models, needs, ac
     count = 0
     for rows, samples in pipeline.stream(step, examples):
         count += 1
-        part = broadcast_header(lambda: build_rollout_batch(samples, pad_id, n), pad_id, n, device)
+        part = broadcast_header(partial(build_rollout_batch, samples, pad_id, n), pad_id, n, device)
         batches = ScoringBatches(t.micro_batch_size, max_tokens, part.prompt_lens_B + part.response_lens_B)
         routed = teachers.route([examples[r // n].teacher for r in rows[::n]], n) if passes else {}  # whole prompts
         work = [(actor, None, list(range(len(rows))))] + [(passes[m], in_job[m], routed.get(m, [])) for m in passes]

@@ -77,7 +77,6 @@ def whole_batch(x_BT, rows, num_rows, contributes):
 def one_step_everything(rank, world_size, cfg):
     """one_step_gradients, plus every metric of the step and the rollout's per-token scores (actor log pi_old,
     teacher log q) under the loss mask (rank 0)."""
-    from megaopd.trainer.trainer import Trainer
 
     import megaopd.trainer.trainer as trainer_module
 
