@@ -159,7 +159,7 @@ class Trainer:
         from megaopd.rollout import build_engine
 
         cfg = self.cfg
-        self.engine = self.weight_sync = None  # both stay None when nothing generates (SFT without validation)
+        self.weight_sync = None  # stays None when nothing generates (SFT without validation)
         teachers = self.models.teachers  # rollout.stream_parts: rank 0 hands finished parts to served teachers
         stream = self.rank == 0 and teachers is not None and teachers.has_remote and cfg.rollout.stream_parts > 1
         self.pipeline = RolloutPipeline(cfg, self.loader, self.timer, self.stop.ids, self.rank, self.sync_weights,
@@ -173,9 +173,9 @@ class Trainer:
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             export_hf(self.actor, hf_dir)  # collective; the engine is built from it
-        self.engine = self.pipeline.engine = build_engine(cfg.rollout, hf_dir, cfg.generated_row_tokens(), cfg.embedded_engine_dtype(),
+        self.pipeline.engine = build_engine(cfg.rollout, hf_dir, cfg.generated_row_tokens(), cfg.embedded_engine_dtype(),
                                                           stop=self.preemption.signalled) if self.rank == 0 else None
-        self.weight_sync = WeightSync(self.engine, cfg.rollout, self.rank)
+        self.weight_sync = WeightSync(self.pipeline.engine, cfg.rollout, self.rank)
         self.stopping = self.pipeline.first_sync(self.step)  # True: a signal ended its waits, train() just leaves
 
     # ------------------------------------------------------------------------------------------ loop
@@ -365,7 +365,7 @@ class Trainer:
                                   layout=self.models.actor_layout)
         bounds = bounds_for(self.cfg.parity_dtype(), r.parity_tolerance, r.parity_mean_tolerance, r.parity_p99_tolerance,
                             r.parity_min_correlation)
-        check_engine_parity(self.engine, score, probe, bounds, self.step, self._console)
+        check_engine_parity(self.pipeline.engine, score, probe, bounds, self.step, self._console)
 
     # --------------------------------------------------------------------------- logging and saving
     def _validate(self) -> dict:
@@ -374,7 +374,7 @@ class Trainer:
                 self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
             elif self.cfg.validation.path:
                 self.pipeline.ensure_synced(self.step)  # overlapped modes sync at batch boundaries
-            return validate(self.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
+            return validate(self.pipeline.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
         except WaitAbandoned:
             self.stopping = True
             return {}
