@@ -1,4 +1,4 @@
-.PHONY: install test test-e2e test-real test-all demo gpu-check
+.PHONY: install test test-e2e test-real test-all lint format demo gpu-check
 
 # Everything runs in one Python environment: ./.venv by default, made and filled by scripts/install.sh
 # (torch kept if one is installed, else the CPU build; see the script's header). Pass PYTHON=... to use
@@ -31,6 +31,16 @@ test-real: install
 	$(PYTHON) -m pytest -q -m slow $(XDIST) tests/real tests/e2e/sglang/test_smollm2.py $(ARGS)
 
 test-all: test test-e2e
+
+# ruff (rules and why: ruff.toml): `make lint` fails on code ruff would lay out differently or finds a mistake in;
+# `make format` lays it out and applies ruff's safe fixes (import order, unused imports).
+lint: install
+	$(PYTHON) -m ruff format --check --diff .
+	$(PYTHON) -m ruff check .
+
+format: install
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
 
 # Stable-OPD of the tiny student from the tiny teacher, CPU, student TP=2 on 2 gloo workers, about three
 # minutes (examples/tiny/README.md). Prints validation accuracy before -> after. Each call is a fresh run

@@ -50,7 +50,7 @@ def _serve(port_hint: int):
 
 def _times(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(l) for l in f]
+        rows = [json.loads(line) for line in f]
     return [r for r in rows if "event" not in r and "time/teacher" in r]
 
 
@@ -81,11 +81,11 @@ def main() -> None:
     finally:
         for p in procs:
             p.kill()
-    print(f"| teacher | steps | actor log-prob pass s | teacher wait after it s | served scoring s | overlapped |")
+    print("| teacher | steps | actor log-prob pass s | teacher wait after it s | served scoring s | overlapped |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in ("in_job", "served"):
         rows = _times(os.path.join(tmp, name))[1:]
-        mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
+        mean = lambda k, rows=rows: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
         actor, wait, remote = mean("time/actor_logprobs"), mean("time/teacher"), mean("time/teacher_remote")
         overlap = f"{max(remote - wait, 0) / remote:.0%}" if remote else "-"
         label = "in-job (Megatron, TP=1)" if name == "in_job" else f"served ({args.servers} megaopd serve)"

@@ -1,19 +1,7 @@
 """megaopd: on-policy distillation of LLMs with Megatron-core models and SGLang rollouts.
 
-The packages stand on floors (docs/architecture.md; tests/test_layering.py checks them): each imports its
-own floor's package or lower floors only, and the libraries never import an application.
-
-    0  parallel, ops           distributed start-up and groups; vocab-parallel math
-    1  models, data, metrics,  HF <-> Megatron models; prompts and golden solutions; rollout metrics;
-       losses                  every objective as a pure function of a LossInputs record
-    3  rollout                 engines generate responses -> RolloutBatch / TokenScores records
-    4  batching                rows -> micro-batches: DP shares, row owners, padding, packing, field table
-    5  scoring, sync           the pipeline runner and scoring passes; weight sync to the engines
-    6  eval                    benchmark evaluation
-    7  trainer                 the step loop composing them: optimizer, checkpoints, run log
-    8  config                  the job's schema, composed from each package's own section
-    9  gpucheck                the GPU bring-up check
-`megaopd <command>`: cli.py (entry points, */cli.py, may import any floor).
+The packages stand on floors, each importing only its own floor's package or lower floors: the table and why
+are in docs/architecture.md, and tests/test_layering.py applies that table to every module.
 """
 
 import warnings as _warnings

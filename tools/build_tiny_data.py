@@ -51,7 +51,7 @@ def parse_sizes(text: str) -> list[tuple[str, int]]:
     try:
         sizes = [(k.strip(), int(v)) for k, v in (part.split("=") for part in text.split(","))]
     except ValueError:
-        raise SystemExit(f"--sizes {text!r}: write name=count pairs, e.g. {DEFAULT_SIZES}")
+        raise SystemExit(f"--sizes {text!r}: write name=count pairs, e.g. {DEFAULT_SIZES}") from None
     if any(n < 1 for _, n in sizes):
         raise SystemExit(f"--sizes {text!r}: every count must be positive")
     return sizes

@@ -39,7 +39,7 @@ def parse_sizes(text: str) -> list[tuple[str, int]]:
     try:
         sizes = [(k.strip(), int(v)) for k, v in (p.split("=") for p in text.split(","))]
     except ValueError:
-        raise SystemExit(f"--sizes {text!r}: write name=count pairs, e.g. {DEFAULT_SIZES}")
+        raise SystemExit(f"--sizes {text!r}: write name=count pairs, e.g. {DEFAULT_SIZES}") from None
     if any(n < 0 for _, n in sizes) or not sum(n for _, n in sizes):
         raise SystemExit(f"--sizes {text!r}: counts must be non-negative with a positive total")
     return sizes

@@ -5,7 +5,7 @@ the folders' config.json and tokenizer files before any model loads (no torch, n
 
 Why: the loss gathers the teacher's (and the reference's) log-probs at the ids the student samples. A teacher
 whose embedding has fewer rows than the student's tokenizer has ids passes the tokenizer comparison (the
-regular vocabularies agree) and then reads past its vocabulary: loss 1.6e29, grad norm 1e308 (issue 43).
+regular vocabularies agree) and then reads past its vocabulary: the loss reached 1.6e29 and the gradient norm 1e308, and nothing stopped.
 Embedding sizes may still differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what is required
 is coverage, and for gkd, whose loss reads the teacher's whole logits in the student's sharding, the same
 padded width.

@@ -57,14 +57,14 @@ class StepTimeConfig:
     """GPU memory bandwidth in TB/s (~4.3 measured on an H200, ~3.0 on an H100)."""
     train_mfu: float = 0.11
     """Model-FLOPs MFU of the training phase: 0.11 measured (one H100, Qwen2.5-1.5B student and teacher,
-    recompute=full, 2026-11-23, benchmarks/README.md); issue 27's target 0.35."""
+    recompute=full, benchmarks/README.md); the target is 0.35."""
     score_mfu: float = 0.15
     """MFU of a forward-only scoring pass (and of prefill, and of a decode step's compute): ~0.15, estimated
     from the same bench's actor pass (0.47 s; its prompt lengths were not recorded)."""
     decode_efficiency: float = 0.5
     """Share of the memory bandwidth a decode step reaches. An estimate for SGLang with CUDA graphs (not
     measured here); the embedded engine measured ~0.01 at 1.5B on an H100 (582 tokens/s), transformers'
-    compiled generate ~0.13 (issue 26's table)."""
+    compiled generate ~0.13 (benchmarks/README.md, Rollout)."""
     engine_tp: int = 1
     """GPUs per engine instance (SGLang --tp); instances = engine GPUs / engine_tp."""
     prompt_tokens: int = 256

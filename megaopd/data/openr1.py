@@ -26,7 +26,7 @@ import hashlib
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megaopd.data.config import FilterConfig
 
@@ -267,10 +267,6 @@ def split_records(records: Sequence, sizes: Sequence[tuple[str, int]], seed: int
         parts[name] = [records[i] for i in order[start:start + size]]
         start += size
     return parts
-
-
-def iter_prepared_rows(records: Iterable[GoldenRecord]) -> list[dict]:
-    return [r.to_row() for r in records]
 
 
 def approx_token_counter(texts: Sequence[str]) -> list[int]:

@@ -16,8 +16,8 @@ released tokenizer files; the Hub itself is not reachable from here):
     quoted on https://hf-mirror.492719920.workers.dev./tugstugi/Qwen2.5-7B-Instruct-QwQ-v0.1 ...
     /tokenizer_config.json). A base model's EOS is 151643 <|endoftext|> (config.json eos_token_id 151643;
     QwenLM/Qwen3 issue #927, "The eos_token of the Qwen 2.5 base model"); an Instruct tokenizer's EOS is
-    <|im_end|>. Qwen2.5-Math-7B's own tokenizer_config.json was not found in a public copy here; issue 12
-    states its EOS is <|endoftext|>.
+    <|im_end|>. Qwen2.5-Math-7B's own tokenizer_config.json was not found in a public copy here; as a base
+    model its EOS is <|endoftext|>.
   - OpenThinker3-7B is a supervised fine-tune of Qwen2.5-7B-Instruct (OpenThoughts, arXiv 2506.04178),
     so it carries the Instruct tokenizer: same names at 151643-151645, EOS <|im_end|>. Against a
     Qwen2.5-Math base student nothing is renamed; only the EOS differs (both ids are rollout stops).

@@ -115,7 +115,7 @@ class Forward:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise  # the graph capture fails (megaopd.engine.graphs turns graphs off); the next call retries
             warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "the embedded engine decodes without it")
+                          "the embedded engine decodes without it", stacklevel=2)
             self._step = self._eager_step
             return self._step(cache, tokens_A, pos_A, rows_A, length)
 

@@ -84,7 +84,7 @@ class DecodeGraphs:
                 graph = self.graphs[bs, L] = self._capture(bs, L)
             except Exception as e:  # noqa: BLE001 - eager decoding still works
                 self.off = f"{type(e).__name__}: {e}"
-                warnings.warn(f"CUDA graph capture failed ({self.off}); the embedded engine decodes eagerly")
+                warnings.warn(f"CUDA graph capture failed ({self.off}); the embedded engine decodes eagerly", stacklevel=2)
                 return None
         graph.replay()
         return self.logits[:A]

@@ -1,4 +1,4 @@
-"""GPU bring-up check of issue 13 (run by scripts/gpu_check.sh / `make gpu-check`).
+"""The GPU bring-up check (run by scripts/gpu_check.sh / `make gpu-check`).
 
     python -m megaopd.gpucheck                 # parts a-d on the GPU, table to stdout (and $OUT/gpu_check.md)
     python -m megaopd.gpucheck --parts c       # one part

@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                                     dtype=torch.float32, reps=1)
             else:
                 bench.bench_packing(table, device, "qwen2.5-0.5b", QWEN_VOCAB_BENCH, sequences=16)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the bench's model died with its frame: hand its memory back
         elif b == "engine":
             from megaopd.gpucheck.build import QWEN_VOCAB, write_hf_dir
 
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 # The same run with and without activation recomputation, the engine colocated in both (its
                 # float32 weights leave the GPU while the actor trains). Without full recomputation the
-                # 16384-token budget does not fit 80 GB (the H100 ran out of memory there on 2026-11-27, and
+                # 16384-token budget does not fit 80 GB (an 80 GB H100 runs out of memory there, and
                 # `megaopd plan` says so); half of it does.
                 for recompute in a.recompute.split(","):
                     budget = [] if recompute == "full" else ["trainer.max_tokens_per_micro_batch=8192"]

@@ -1,4 +1,4 @@
-"""--bench: the measurements of issue 13 ("What to measure"), as INFO rows.
+"""--bench: the GPU measurements (scripts/gpu_check.sh says what and why), as INFO rows.
 
   loss    fused Stable-OPD (build_loss("stable_opd") on LossInputs, one fused pass for log-probs + reference KL)
           vs a naive full-vocabulary float32 version (log_softmax materialized), same inputs and loss, bf16
@@ -76,44 +76,48 @@ def bench_loss(table: Table, device, vocab: int, token_counts, dtype=torch.bfloa
     dt = str(dtype).replace("torch.", "")
     for T in token_counts:
         with table.guard("bench", f"loss T={T}", dt):
-            g = torch.Generator(device=device).manual_seed(T)
-            logits = (3 * torch.randn(1, T, vocab, device=device, generator=g)).to(dtype).requires_grad_()
-            ref = (logits.detach().float() + torch.randn(1, T, vocab, device=device, generator=g)).to(dtype)
-            ids = torch.randint(0, vocab, (1, T), device=device, generator=g)
-            old_lp = -10 + torch.randn(1, T, device=device, generator=g)
-            teacher_lp = -10 + torch.randn(1, T, device=device, generator=g)
-            half = torch.arange(T, device=device)[None] < T // 2  # first half on-policy, second half golden
-            loss_mask, golden_mask = half.float(), (~half).float()
+            _bench_loss_at(table, loss_fn, LossInputs, device, vocab, T, dtype, dt)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # this T's tensors died with _bench_loss_at's frame
 
-            def fused():
-                logits.grad = None
-                inputs = LossInputs(logits_BTv=logits, token_ids_BT=ids, loss_mask_BT=loss_mask,
-                                    old_logprobs_BT=old_lp, teacher_logprobs_BT=teacher_lp, ref_logits_BTv=ref,
-                                    golden_logits_BTv=logits, golden_ids_BT=ids, golden_mask_BT=golden_mask)
-                loss, _ = loss_fn(inputs)
-                loss.backward()
-                return loss
 
-            def naive():
-                logits.grad = None
-                loss = _naive_stable_opd(logits, ids, ref, old_lp, teacher_lp, loss_mask, golden_mask, 0.1, 0.01)
-                loss.backward()
-                return loss
+def _bench_loss_at(table: Table, loss_fn, LossInputs, device, vocab: int, T: int, dtype, dt: str) -> None:
+    """One token count: the fused loss vs the naive formula, values then time and memory."""
+    g = torch.Generator(device=device).manual_seed(T)
+    logits = (3 * torch.randn(1, T, vocab, device=device, generator=g)).to(dtype).requires_grad_()
+    ref = (logits.detach().float() + torch.randn(1, T, vocab, device=device, generator=g)).to(dtype)
+    ids = torch.randint(0, vocab, (1, T), device=device, generator=g)
+    old_lp = -10 + torch.randn(1, T, device=device, generator=g)
+    teacher_lp = -10 + torch.randn(1, T, device=device, generator=g)
+    half = torch.arange(T, device=device)[None] < T // 2  # first half on-policy, second half golden
+    loss_mask, golden_mask = half.float(), (~half).float()
 
-            lf, ln = float(fused().detach()), float(naive().detach())
-            table.le("bench", f"fused vs naive Stable-OPD loss T={T} V={vocab}", dt, "loss rel diff",
-                     abs(lf - ln) / max(abs(ln), 1e-6), 1e-3)
-            (tf, mf), (tn, mn) = _measure(fused, device), _measure(naive, device)
-            table.info("bench", f"fused Stable-OPD loss T={T} V={vocab}", dt, "fwd+bwd ms", tf * 1e3)
-            table.info("bench", f"naive Stable-OPD loss T={T} V={vocab}", dt, "fwd+bwd ms", tn * 1e3)
-            table.info("bench", f"time naive / fused T={T}", dt, "ratio", tn / tf)
-            if device.type == "cuda":
-                table.info("bench", f"fused Stable-OPD loss T={T} V={vocab}", dt, "peak GiB above inputs", mf / 2**30)
-                table.info("bench", f"naive Stable-OPD loss T={T} V={vocab}", dt, "peak GiB above inputs", mn / 2**30)
-                table.info("bench", f"memory naive / fused T={T}", dt, "ratio", mn / max(mf, 1))
-            del logits, ref
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    def fused():
+        logits.grad = None
+        inputs = LossInputs(logits_BTv=logits, token_ids_BT=ids, loss_mask_BT=loss_mask,
+                            old_logprobs_BT=old_lp, teacher_logprobs_BT=teacher_lp, ref_logits_BTv=ref,
+                            golden_logits_BTv=logits, golden_ids_BT=ids, golden_mask_BT=golden_mask)
+        loss, _ = loss_fn(inputs)
+        loss.backward()
+        return loss
+
+    def naive():
+        logits.grad = None
+        loss = _naive_stable_opd(logits, ids, ref, old_lp, teacher_lp, loss_mask, golden_mask, 0.1, 0.01)
+        loss.backward()
+        return loss
+
+    lf, ln = float(fused().detach()), float(naive().detach())
+    table.le("bench", f"fused vs naive Stable-OPD loss T={T} V={vocab}", dt, "loss rel diff",
+             abs(lf - ln) / max(abs(ln), 1e-6), 1e-3)
+    (tf, mf), (tn, mn) = _measure(fused, device), _measure(naive, device)
+    table.info("bench", f"fused Stable-OPD loss T={T} V={vocab}", dt, "fwd+bwd ms", tf * 1e3)
+    table.info("bench", f"naive Stable-OPD loss T={T} V={vocab}", dt, "fwd+bwd ms", tn * 1e3)
+    table.info("bench", f"time naive / fused T={T}", dt, "ratio", tn / tf)
+    if device.type == "cuda":
+        table.info("bench", f"fused Stable-OPD loss T={T} V={vocab}", dt, "peak GiB above inputs", mf / 2**30)
+        table.info("bench", f"naive Stable-OPD loss T={T} V={vocab}", dt, "peak GiB above inputs", mn / 2**30)
+        table.info("bench", f"memory naive / fused T={T}", dt, "ratio", mn / max(mf, 1))
 
 
 def bench_engine(table: Table, hf_dir: str, dtypes, slots: int = 64, new_tokens: int = 128, prompt_len: int = 32,
@@ -209,7 +213,7 @@ def bench_trainer(table: Table, workdir: str, device: str, shape: str = "qwen2.5
         if predicted is not None:
             table.info("bench", f"trainer {name}: megaopd plan's peak (CUDA context, allocator reserve, engine "
                        f"included; no flat margin)", dt, "GiB", predicted)
-        if predicted is not None and mem.peak_mib is not None:  # issue 27: within 15% on every trainer bench
+        if predicted is not None and mem.peak_mib is not None:  # the plan's contract: within 15% on every trainer bench
             table.info("bench", f"trainer {name}: planned / measured peak", dt, "ratio", predicted / (mem.peak_mib / 1024))
         # Tokens of the training phase: every sequence's prompt + response (the model runs on all of them).
         n_seq = prompts * samples
@@ -344,6 +348,3 @@ def bench_packing(table: Table, device, shape: str, vocab: int, sequences: int =
                    results["padded"][0] / results["packed"][0])
         table.info("bench", f"packing {label}", "", "peak memory padded / packed",
                    results["padded"][1] / max(results["packed"][1], 1))
-    del model, runner
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -112,16 +112,6 @@ def write_hf_dir(out_dir: str, shape: str, vocab_size: int, device: str, dtype: 
     return out_dir
 
 
-def num_params(cfg: dict) -> int:
-    """Parameters of a Qwen2 config (the output layer counted once when tied)."""
-    h, f, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // heads
-    attn = h * heads * d + 2 * h * kv * d + heads * d * h + (heads + 2 * kv) * d  # q, k, v, o, qkv biases
-    per_layer = attn + 3 * h * f + 2 * h
-    return L * per_layer + V * h * (1 if cfg["tie_word_embeddings"] else 2) + h
-
-
 def opd_lengths(n: int, scale: float, seed: int = 0) -> tuple[list[int], list[int]]:
     """(prompt, response) lengths of n OPD-like rollouts: responses log-normal (median 2.2k, mean about
     3k), cut at 8k (the truncated tail), times scale. benchmarks/packing.py and the packing bench use them."""

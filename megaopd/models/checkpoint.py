@@ -26,10 +26,9 @@ import datetime
 import json
 import os
 
-import torch
 import torch.distributed as dist
 
-from megaopd.models.hf_config import HFModelConfig, ModelConfigError, read_hf_config
+from megaopd.models.hf_config import HFModelConfig, ModelConfigError
 from megaopd.models.hf_io import copy_side_files
 from megaopd.models.manifest import (MANIFEST, FileRecord, ManifestError, hash_files, list_files, read_manifest,
                                      verify, write_manifest)
@@ -55,11 +54,6 @@ def read_checkpoint_meta(ckpt_dir: str) -> dict:
     if not os.path.isdir(os.path.join(ckpt_dir, MODEL_SUBDIR)):
         raise ModelConfigError(f"{ckpt_dir} has metadata but no {MODEL_SUBDIR}/ weights; the save did not finish")
     return meta
-
-
-def read_checkpoint_config(ckpt_dir: str) -> HFModelConfig:
-    read_checkpoint_meta(ckpt_dir)
-    return read_hf_config(ckpt_dir)
 
 
 def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collection=None,
@@ -184,8 +178,3 @@ def load_model_checkpoint(model, ckpt_dir: str, pg_collection=None, verified: bo
         raise RuntimeError(f"checkpoint {ckpt_dir} lacks {missing[:4]} ({len(missing)} tensors)")
     return meta
 
-
-def checkpoint_dtype(meta: dict) -> torch.dtype:
-    from megaopd.models.builder import torch_dtype
-
-    return torch_dtype(meta.get("dtype", "float32"))

@@ -156,7 +156,7 @@ def init_optimizer_states_for_loading(optimizer) -> None:
     """Gives a fresh distributed optimizer's inner torch Adam its state tensors (and `step`) before a
     checkpoint is loaded into it. Without Apex or Transformer Engine, megatron-core 0.16's
     DistributedOptimizer.state_dict() reads `step` from the inner optimizer's per-parameter state and asserts
-    there is exactly one value; a fresh optimizer has none, so resuming failed on an H100 (2026-11-23).
+    there is exactly one value; a fresh optimizer has none, so resuming fails on a GPU.
     megatron's own remedy (used for its FSDP layout) takes one zero-gradient step; everything it touches
     (main parameters, moments, step) is then overwritten by the load. The model's own weights are not
     touched (the inner optimizer holds the float32 main copies)."""

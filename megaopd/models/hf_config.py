@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # architecture name in config.json -> family; everything the weight mapping knows how to place.
@@ -93,11 +93,6 @@ class HFModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("raw")
-        return d
 
 
 def _load_json(source: str | os.PathLike | Mapping[str, Any]) -> dict:

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -134,12 +134,6 @@ def save_hf_dir(out_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], confi
     if config_json is not None:
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(config_json, f, indent=2, sort_keys=True)
-
-
-def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    w = HFWeights(hf_dir)
-    for name in w.keys():
-        yield name, w[name]
 
 
 def tokenizer_dir(path: str) -> str:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megaopd.ops._common import (all_reduce_, check_same_tokens, check_temperature, flatten_tokens,
+from megaopd.ops._common import (all_reduce_, check_temperature, flatten_tokens,
                                  global_max, global_max_log_sumexp, local_max_sumexp, log_softmax_chunk,
                                  resolve_impl, shifted, token_chunks)
 

@@ -199,6 +199,3 @@ def enable() -> None:
     _device_mode.__enter__()  # stays active for the life of the process
     _enabled = True
 
-
-def is_enabled() -> bool:
-    return _enabled

@@ -107,3 +107,10 @@ def rank0_computes(fn, *args, **kwargs):
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0, device=device() if has_gpu() else None)
     return box[0]
+
+
+def holds_results(pgs) -> bool:
+    """Whether this rank speaks for its model replica's per-row results: TP rank 0 of the last pipeline stage.
+    Only the last stage computes the output layer, and its TP ranks hold the same reduced values, so exactly
+    one rank per data-parallel replica reports or sends them. `pgs`: the model's ProcessGroupCollection."""
+    return pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1

@@ -27,9 +27,8 @@ SGLang does (0.5.23 kills the server when asked to).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol, Sequence
 
-import torch
 
 from megaopd.engine.rows import FinishReason
 
@@ -188,11 +187,4 @@ class Engine(Protocol):
 
     def health(self) -> bool:
         """True when the engine answers and can generate."""
-
-
-class InProcessEngine(Engine, Protocol):
-    """An engine with "in_process" among its weight_transports."""
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
-        """Loads full (unsharded) HF-named tensors into the engine's model; flushes its cache."""
 

@@ -28,7 +28,7 @@ from megaopd.batching.micro_batches import (ScoringBatches, ScoringMicroBatch, p
                                             scoring_micro_batches)
 from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.packing import PackedRow
-from megaopd.parallel.dist import device as group_device, global_rank
+from megaopd.parallel.dist import device as group_device, global_rank, holds_results
 from megaopd.rollout.records import AT_IDS_LOGPROBS, ENTROPY, LOGPROBS, TOPK_IDS, TOPK_LOGPROBS, TokenScores
 from megaopd.scoring.routing import (PassOutputs, ScoringPlan, keep_owned, plan_scoring, route_at_ids,
                                      scorer_layout, send_to_owners)
@@ -81,7 +81,7 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, batches: Scori
     pgs = runner.pgs
     if plan.aligned:
         return keep_owned(local, plan, outputs, owners, pgs.pp, device, ran=bool(mbs))
-    speaks = pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1
+    speaks = holds_results(pgs)
     return send_to_owners(local, plan, outputs, owners, scorers, owner_layout, speaks, device)
 
 

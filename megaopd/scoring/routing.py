@@ -27,6 +27,7 @@ from megaopd.batching.micro_batches import ScoringBatches
 from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.packing import row_lengths
 from megaopd.batching.shares import balanced_partition, dp_rows
+from megaopd.parallel.dist import holds_results
 from megaopd.parallel.exchange import pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.rollout.records import ScoreField, TokenScores
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
@@ -78,7 +79,7 @@ class PassOutputs:
 def scorer_layout(pgs: ProcessGroupCollection, device: torch.device) -> WorldLayout:
     """Every global rank's DP replica in a scoring model's layout and whether it speaks for its share (TP rank 0
     of the last PP stage, which holds the results). Fixed for a run: gathered once per model (collective)."""
-    return WorldLayout.gather(pgs.dp.rank(), pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1, device)
+    return WorldLayout.gather(pgs.dp.rank(), holds_results(pgs), device)
 
 
 def plan_scoring(tokens_BS: torch.Tensor, batches: ScoringBatches, runner: PipelineRunner, owners: RowOwners,

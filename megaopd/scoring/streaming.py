@@ -22,7 +22,7 @@ import torch
 from megaopd.batching.micro_batches import ScoringBatches
 from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.packing import row_lengths
-from megaopd.parallel.dist import device as group_device
+from megaopd.parallel.dist import device as group_device, holds_results
 from megaopd.rollout.records import TokenScores
 from megaopd.scoring.passes import ScoreRequest, forward_scores, plan_micro_batches
 from megaopd.scoring.routing import ScoringPlan, scoring_shares, send_to_owners
@@ -79,7 +79,7 @@ class StreamedPass:
         if self.local:  # parts padded to the batch's T, in the order their rows were scored (plan.rows)
             local = TokenScores(**{f.name: torch.cat([_pad_T(getattr(p, f.name), T) for p in self.local])
                                    for f in outputs.fields})
-        speaks = pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1
+        speaks = holds_results(pgs)
         return send_to_owners(local, plan, outputs, owners, self.layout, owner_layout, speaks, device)
 
 

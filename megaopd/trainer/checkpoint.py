@@ -73,7 +73,7 @@ def restore_components(state: dict, components: Mapping[str, Stateful], path: st
 
 # The distributed optimizer's checkpoint layout. megatron-core 0.16's default, 'fully_sharded_model_space', is
 # deprecated and its ShardedTensors carry flattened_range, which its own validation now refuses: the first
-# save of a run with optimizer.use_distributed_optimizer=true failed on an H100 (2026-11-23). 'dp_reshardable'
+# save of a run with optimizer.use_distributed_optimizer=true fails on a GPU. 'dp_reshardable'
 # (Megatron-LM's default) saves each rank's buffers as they are, in parallel, with no gather; a run may
 # resume with another data-parallel size, not another TP/PP layout. The plain optimizer ignores the key.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}

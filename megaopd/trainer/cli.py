@@ -22,11 +22,15 @@ import os
 import signal
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
 from megaopd.config import ConfigError, load_config, to_yaml
 from megaopd.config.schema import MegaOPDConfig
+
+if TYPE_CHECKING:
+    from megaopd.trainer.run_log import RunSummary
 
 
 def _resume_point(run_dir: str) -> tuple[str | None, int]:
@@ -111,19 +115,21 @@ def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> dict | None:
     return summary if rank == 0 else None
 
 
-def _print_summary(cfg: MegaOPDConfig, summary: dict) -> None:
+def _print_summary(cfg: MegaOPDConfig, summary: RunSummary) -> None:
     from megaopd.trainer.run_log import write_summary
 
-    before = (summary.get("val_before") or {}).get("val/accuracy")
-    after = summary.get("val/accuracy")
-    lines = [f"run {cfg.run.dir}: {summary.get('start_step', 0)} -> {cfg.trainer.max_steps} steps"]
+    last = summary.last_metrics  # the logged metrics, by their log names
+    before = (summary.val_before or {}).get("val/accuracy")
+    after = last.get("val/accuracy")
+    lines = [f"run {cfg.run.dir}: {summary.start_step} -> {summary.end_step} steps"]
     if before is not None and after is not None:
         lines.append(f"  validation accuracy   {before:.3f} -> {after:.3f}")
     for key, label in (("rollout/truncation_rate", "truncation rate"), ("rollout/repetition_rate", "repetition rate"),
-                       ("val/truncation_rate", "val truncation rate"), ("val/repetition_rate", "val repetition rate"),
-                       ("step_time_mean", "time per step (s)")):
-        if summary.get(key) is not None:
-            lines.append(f"  {label:<21} {summary[key]:.3f}")
+                       ("val/truncation_rate", "val truncation rate"), ("val/repetition_rate", "val repetition rate")):
+        if last.get(key) is not None:
+            lines.append(f"  {label:<21} {last[key]:.3f}")
+    if summary.step_time_mean is not None:
+        lines.append(f"  {'time per step (s)':<21} {summary.step_time_mean:.3f}")
     lines.append(f"  summary: {write_summary(cfg.run.dir, summary)}")
     print("\n".join(lines), flush=True)
 
@@ -169,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - this process is the rank (torchrun / srun, or world size 1)
         return _rank_failed(cfg, int(os.environ.get("RANK", "0")), one_line(e), traceback.format_exc())
     summary = results[0]
-    if summary is not None and not summary.get("preempted"):
+    if summary is not None and not summary.preempted:
         _print_summary(cfg, summary)
         try:
             from megaopd.metrics.plot import main as plot_main

@@ -1,5 +1,5 @@
 """A non-finite loss term or gradient stops the step with one error naming the term, the step and the rows
-(issue 43: a teacher reading past its vocabulary gave loss 1.6e29 and grad norm 1e308, and the run ended 0),
+(a teacher reading past its vocabulary gives loss 1.6e29 and grad norm 1e308: no run should end 0 on that),
 or, with trainer.skip_nonfinite, skips that optimizer update.
 
     bad = NonFinite.check(step_results, ddp)        # collective: one all-reduce of two flags

@@ -81,13 +81,13 @@ class ConfigSchedule(OptimizerParamScheduler):
     """Megatron's warmup + decay schedule, as the job's config says it, also on resume.
 
     Warmup: optimizer step k (from 0) trains at lr * (k + 1) / warmup_steps, so step 0 trains (megatron's own
-    ramp starts at init_lr, 0 here before: `warmup_steps: 1` made the first step a no-op, issue 44): the ramp
+    ramp would start at init_lr = 0, so `warmup_steps: 1` would make the first step a no-op): the ramp
     is megatron's from init_lr = lr / W over W - 1 steps, and decay starts from lr at step W - 1.
 
     Resume: the checkpoint gives the position (num_steps); the config gives everything else. Megatron's
     scheduler would keep the checkpoint's max_lr / decay steps (use_checkpoint_opt_param_scheduler), and the
     optimizer's load_state_dict restores the saved param groups (their max_lr, min_lr, betas, eps), so a
-    resume with optimizer.lr=1e-2 kept training at the old 5e-4 (issue 43). Restored after the optimizer
+    resume with optimizer.lr=1e-2 would keep training at the old 5e-4. Restored after the optimizer
     (trainer/checkpoint.py loads the optimizer first, then the Stateful components), load_state_dict writes the
     config's values back into the param groups and then takes the saved step count.
     """

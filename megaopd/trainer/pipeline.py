@@ -166,17 +166,18 @@ class RolloutPipeline:
                 except BaseException as e:  # noqa: BLE001 - raised on every rank below
                     parts.queue.put(("error", e))
             threading.Thread(target=run, daemon=True, name=f"megaopd-stream-{step}").start()
-        seen = 0
+        seen = yielded = 0
         while seen < B:
             rows = rank0_computes(parts.next)
             if isinstance(rows, BaseException):
                 raise rows
-            seen += len(rows)
+            seen, yielded = seen + len(rows), yielded + 1
             yield rows, parts.take_part()
         error = rank0_computes(parts.finish)
         if error is not None:
             raise error
-        self.versions_B, self.metrics = [self.engine_version] * B, {}
+        self.versions_B = [self.engine_version] * B
+        self.metrics = {"pipeline/streamed_parts": float(yielded)}  # parts scored as they came
         self.streamed_samples = parts.all
 
     def _received(self, make: Callable[[], Received]) -> Received:

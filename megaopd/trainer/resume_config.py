@@ -1,4 +1,4 @@
-"""A resume with a changed config is explicit (issue 43): the new config is compared with the run's stored
+"""A resume with a changed config is explicit: the new config is compared with the run's stored
 RUN/config.yaml before anything in the run folder is written.
 
     changes = config_changes(stored_yaml_dict, new_yaml_dict)   # every key whose value differs, dotted

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 
 # The keys of the console line, in order, with their short labels (docs/architecture.md, "The step line").
 _CONSOLE_KEYS = [
@@ -231,9 +232,37 @@ def keep_rows_through(run_dir: str, step: int) -> list[str]:
     return [f"metrics.jsonl: moved {len(moved)} rows after step {max(step, 0)} to {side} (the steps are run again)"]
 
 
-def write_summary(run_dir: str, summary: dict) -> str:
+@dataclass(kw_only=True)
+class RunSummary:
+    """What Trainer.train() tells its caller (megaopd train): the steps it ran, whether a preemption signal
+    ended it, and the metrics the CLI prints and summary.json keeps."""
+
+    start_step: int
+    """The step the run started from (0, or the resumed checkpoint's)."""
+    end_step: int
+    """The last step trained (and checkpointed, when preempted)."""
+    preempted: bool = False
+    """A preemption signal ended the run: no final export, no summary.json."""
+    val_before: dict[str, float] | None = None
+    """Validation before step 1 (None: the run resumed, or validation is off)."""
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    """The last step's logged metrics (validation included when it ran at that step)."""
+    step_time_mean: float | None = None
+    """Mean seconds per step of this start (None when preempted)."""
+
+    def to_json(self) -> dict:
+        """summary.json: the last step's metrics at the top level, with start_step, val_before and
+        step_time_mean beside them."""
+        out: dict = {"start_step": self.start_step}
+        if self.val_before is not None:
+            out["val_before"] = self.val_before
+        out.update(self.last_metrics, step_time_mean=self.step_time_mean)
+        return out
+
+
+def write_summary(run_dir: str, summary: RunSummary) -> str:
     """RUN/summary.json: the run's final metrics (the CLI prints them)."""
     path = os.path.join(run_dir, "summary.json")
     with open(path, "w") as f:
-        json.dump(summary, f, indent=1, default=float)
+        json.dump(summary.to_json(), f, indent=1, default=float)
     return path

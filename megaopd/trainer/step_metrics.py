@@ -4,6 +4,8 @@ loss metrics over the data-parallel ranks, and the step's FLOPs and MFU (perf/*)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +21,57 @@ from megaopd.rollout.records import RolloutBatch
 from megaopd.scoring.teachers import teacher_metric_sums, teacher_metrics_from_sums
 
 
-def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool = True) -> dict[str, float]:
+@dataclass(frozen=True, kw_only=True)
+class RolloutSignals:
+    """What one step's rollouts tell the parts that steer the run: the adaptive loss controller
+    (trainer/loss_control.py) and the collapse detector (Trainer._log). Typed, so a renamed metric cannot
+    leave them reading a default; their log names are given in one place, log()."""
+
+    truncation_rate: float
+    """Share of responses cut off by the token budget (docs/algorithms.md 2.1)."""
+    repetition_rate: float
+    """Share of responses that repeat themselves (2.2)."""
+    reward_mean: float
+    """Mean reward of the step's responses."""
+    adv_regular_mean: float | None = None
+    """Mean reverse-KL advantage over regular tokens (2.3); None without a teacher."""
+    adv_repetitive_mean: float | None = None
+    """Mean advantage over tokens inside repeated n-grams; None without a teacher."""
+    repetitive_token_share: float | None = None
+    """Share of the response tokens inside repeated n-grams; None without a teacher."""
+
+    def log(self) -> dict[str, float]:
+        """The logged metric of each field (metrics.jsonl, TensorBoard, the step line)."""
+        out = {"rollout/truncation_rate": self.truncation_rate, "rollout/repetition_rate": self.repetition_rate,
+               "rollout/reward_mean": self.reward_mean}
+        if self.adv_regular_mean is not None:
+            out.update({"adv/regular_mean": self.adv_regular_mean, "adv/repetitive_mean": self.adv_repetitive_mean,
+                        "adv/repetitive_token_share": self.repetitive_token_share})
+        return out
+
+    def rates(self) -> dict[str, float]:
+        """The rates the collapse detector watches, by its names (metrics/collapse.py)."""
+        return {"truncation_rate": self.truncation_rate, "repetition_rate": self.repetition_rate}
+
+
+@dataclass(frozen=True)
+class RolloutMetrics:
+    """rollout_metrics' answer: every metric to log, and the typed signals among them."""
+
+    log: dict[str, float]
+    signals: RolloutSignals
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What Trainer.train_step tells the loop: the step's metrics to log and, for a step with rollouts, the
+    signals the collapse detector reads."""
+
+    metrics: dict[str, float]
+    signals: RolloutSignals | None
+
+
+def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool = True) -> RolloutMetrics:
     """Truncation, repetition, dynamics, the repetitive/regular advantage split, top-k overlap, and the
     engine/actor log-prob gap (the first sign of a broken weight sync) of one step's rollouts.
 
@@ -57,7 +109,8 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     gap_max = float(gap.max()) if gap.numel() else float("-inf")
     c, gap_max = _sum_over_owners(sums, gap_max, contributes)
 
-    out = _text_rates(batch, mcfg)
+    rates = _text_rates(batch, mcfg)  # the two rates, under response_metrics' names: read into signals below
+    out: dict[str, float] = {}
     # The student's tokens only: a trajectory's environment turns are not the student's response length.
     out.update(rollout_dynamics_from_counts(batch.student_lens_B, _with_prefix(c, "dyn/")))
     if batch.trajectories is not None:
@@ -66,19 +119,22 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
                                       [t.truncated_by for t in tr], batch.student_lens_B.tolist(),
                                       batch.response_lens_B.tolist()))
     n = c["dyn/tokens"]
+    split = advantage_split_from_counts(_with_prefix(c, "split/")) if teacher is not None else {}
+    signals = RolloutSignals(truncation_rate=rates["rollout/truncation_rate"],
+                             repetition_rate=rates["rollout/repetition_rate"],
+                             reward_mean=float(batch.rewards_B.mean()),
+                             adv_regular_mean=split.get("adv/regular_mean"),
+                             adv_repetitive_mean=split.get("adv/repetitive_mean"),
+                             repetitive_token_share=split.get("adv/repetitive_share"))
+    out.update(signals.log())
     if teacher is not None:
-        split = advantage_split_from_counts(_with_prefix(c, "split/"))
-        out.update({"adv/regular_mean": split["adv/regular_mean"],
-                    "adv/repetitive_mean": split["adv/repetitive_mean"],
-                    "adv/repetitive_token_share": split["adv/repetitive_share"]})
         if mcfg.overlap_k:
             out.update(topk_overlap_from_counts(_with_prefix(c, "overlap/")))
         if len(batch.teacher_rows) > 1:
             out.update(teacher_metrics_from_sums(_with_prefix(c, "teacher/"), batch.teacher_rows, batch.size))
     out["sync/logprob_gap_mean"] = c["gap_sum"] / n if n > 0 else 0.0
     out["sync/logprob_gap_max"] = gap_max if n > 0 else 0.0
-    out["rollout/reward_mean"] = float(batch.rewards_B.mean())
-    return out
+    return RolloutMetrics(log=out, signals=signals)
 
 
 def _with_prefix(c: dict[str, float], prefix: str) -> dict[str, float]:

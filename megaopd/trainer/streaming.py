@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, ContextManager
 
 import torch
@@ -82,10 +83,8 @@ def stream_and_score(pipeline, step: int, examples: list, cfg, models, needs, ac
     passes = {name: StreamedPass(tch.runner, teacher_request, tch.layout or scorer_layout(tch.runner.pgs, device))
               for name, tch in in_job.items()}
     rows_of: dict[str, list[int]] = {name: [] for name in passes}
-    count = 0
     for rows, samples in pipeline.stream(step, examples):
-        count += 1
-        part = broadcast_header(lambda: build_rollout_batch(samples, pad_id, n), pad_id, n, device)
+        part = broadcast_header(partial(build_rollout_batch, samples, pad_id, n), pad_id, n, device)
         batches = ScoringBatches(t.micro_batch_size, max_tokens, part.prompt_lens_B + part.response_lens_B)
         routed = teachers.route([examples[r // n].teacher for r in rows[::n]], n) if passes else {}  # whole prompts
         work = [(actor, None, list(range(len(rows))))] + [(passes[m], in_job[m], routed.get(m, [])) for m in passes]
@@ -98,5 +97,4 @@ def stream_and_score(pipeline, step: int, examples: list, cfg, models, needs, ac
                 stream.score(part.tokens_BS[it], [rows[i] for i in idx], batches.subset(it))
         for name in passes:
             rows_of[name] += [rows[i] for i in routed.get(name, [])]
-    pipeline.metrics["pipeline/streamed_parts"] = float(count)  # parts scored as they came
     return Streamed(pipeline.streamed_samples, actor, passes, rows_of)

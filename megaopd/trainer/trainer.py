@@ -40,7 +40,7 @@ from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import device as dist_device
-from megaopd.parallel.dist import init_distributed, rank0_computes
+from megaopd.parallel.dist import holds_results, init_distributed, rank0_computes
 from megaopd.rollout.records import RolloutBatch, build_rollout_batch
 from megaopd.rollout.trajectories import MultiTurn
 from megaopd.rollout.waits import WaitAbandoned
@@ -57,8 +57,9 @@ from megaopd.trainer.pipeline import RolloutPipeline
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.run_folder import agreed_resume_point
-from megaopd.trainer.run_log import RunLog, keep_rows_through
-from megaopd.trainer.step_metrics import (flop_metrics, reduce_loss_metrics, rollout_metrics, sample_rows,
+from megaopd.trainer.run_log import RunLog, RunSummary, keep_rows_through
+from megaopd.trainer.step_metrics import (RolloutSignals, StepResult, flop_metrics, reduce_loss_metrics, rollout_metrics,
+                                          sample_rows,
                                           step_work)
 from megaopd.trainer.streaming import stream_and_score
 from megaopd.trainer.timer import Timer
@@ -158,7 +159,7 @@ class Trainer:
         from megaopd.rollout import build_engine
 
         cfg = self.cfg
-        self.engine = self.weight_sync = None  # both stay None when nothing generates (SFT without validation)
+        self.weight_sync = None  # stays None when nothing generates (SFT without validation)
         teachers = self.models.teachers  # rollout.stream_parts: rank 0 hands finished parts to served teachers
         stream = self.rank == 0 and teachers is not None and teachers.has_remote and cfg.rollout.stream_parts > 1
         self.pipeline = RolloutPipeline(cfg, self.loader, self.timer, self.stop.ids, self.rank, self.sync_weights,
@@ -172,31 +173,32 @@ class Trainer:
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             export_hf(self.actor, hf_dir)  # collective; the engine is built from it
-        self.engine = self.pipeline.engine = build_engine(cfg.rollout, hf_dir, cfg.generated_row_tokens(), cfg.embedded_engine_dtype(),
+        self.pipeline.engine = build_engine(cfg.rollout, hf_dir, cfg.generated_row_tokens(), cfg.embedded_engine_dtype(),
                                                           stop=self.preemption.signalled) if self.rank == 0 else None
-        self.weight_sync = WeightSync(self.engine, cfg.rollout, self.rank)
+        self.weight_sync = WeightSync(self.pipeline.engine, cfg.rollout, self.rank)
         self.stopping = self.pipeline.first_sync(self.step)  # True: a signal ended its waits, train() just leaves
 
     # ------------------------------------------------------------------------------------------ loop
-    def train(self) -> dict:
+    def train(self) -> RunSummary:
         cfg = self.cfg.trainer
-        summary = {"start_step": self.step}
+        summary = RunSummary(start_step=self.step, end_step=self.step)
         if self.step == 0 and cfg.eval_interval and not self.stopping:
-            summary["val_before"] = self._validate()
-            if self.rank == 0 and summary["val_before"]:
-                self.run_log.log_step(0, summary["val_before"])  # the "before" point of the figures
+            summary.val_before = self._validate()
+            if self.rank == 0 and summary.val_before:
+                self.run_log.log_step(0, summary.val_before)  # the "before" point of the figures
         step_times = []
         while self.step < cfg.max_steps and not self.stopping:
             try:
-                metrics = self.train_step()
+                result = self.train_step()
             except WaitAbandoned:  # collective (megaopd.rollout.waits): a signal ended rank 0's wait on the engines
                 self.pipeline.abandon(self.step)  # the step in flight is not trained: its batch is drawn again
                 self.stopping = True
                 break
+            metrics = result.metrics
             step_times.append(metrics["time/step"])
             if not self.stopping and cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
                 metrics.update(self._validate())
-            self._log(metrics)
+            self._log(metrics, result.signals)
             if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
                 self.save()
         if self.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
@@ -204,9 +206,11 @@ class Trainer:
                 self.save()
             self._console(f"preemption signal received: checkpoint of step {self.step} saved, exiting")
             self._close_weight_sync()
-            return {**summary, "preempted": True}
+            summary.end_step, summary.preempted = self.step, True
+            return summary
         export_hf(self.actor, os.path.join(self.cfg.run.dir, "hf"))
-        summary.update(self._last_metrics, step_time_mean=sum(step_times) / max(len(step_times), 1))
+        summary.end_step, summary.last_metrics = self.step, self._last_metrics or {}
+        summary.step_time_mean = sum(step_times) / max(len(step_times), 1)
         self._close_weight_sync()
         return summary
 
@@ -216,7 +220,7 @@ class Trainer:
         if self.weight_sync is not None:
             self.weight_sync.close()
 
-    def train_step(self) -> dict:
+    def train_step(self) -> StepResult:
         timer = self.timer
         with timer("step"):
             examples = self.pipeline.examples(self.step)
@@ -232,15 +236,17 @@ class Trainer:
                 # SFT-only steps generate nothing: their weights are synced before validation.
                 if rollout is not None and not self.stopping:  # sync mode: now; overlapped: at the next batch
                     self.stopping = self.pipeline.after_step(self.step)  # True: a signal ended the push
+            signals = None
             if rollout is not None:  # collective: each replica sums over its rows, one small gather; then (every
                 step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)  # rank) the
-                metrics.update(self.loss_fn.observe(self.step, step, self.run_log))  # adaptive controller's weights
+                signals = step.signals  # adaptive controller's weights move on the step's signals
+                metrics.update(self.loss_fn.observe(self.step, signals, self.run_log))
             if rollout is not None and self.rank == 0:
-                metrics.update(step, **self.pipeline.metrics)
+                metrics.update(step.log, **self.pipeline.metrics)
                 self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
         metrics.update(timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's times
         metrics.update(flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), metrics))
-        return metrics
+        return StepResult(metrics=metrics, signals=signals)
 
     def _rollout(self, examples, golden=None) -> RolloutBatch:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
@@ -312,7 +318,7 @@ class Trainer:
             self.scheduler.step(increment=1)
             grad_norms.append(float(grad_norm or 0.0))
             lrs.append(lr)
-        is_reporter = pgs.tp.rank() == 0 and pgs.pp.rank() == pgs.pp.size() - 1
+        is_reporter = holds_results(pgs)
         metrics = reduce_loss_metrics(results, is_reporter)
         metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics["train/lr"] = sum(lrs) / max(len(lrs), 1)
@@ -359,7 +365,7 @@ class Trainer:
                                   layout=self.models.actor_layout)
         bounds = bounds_for(self.cfg.parity_dtype(), r.parity_tolerance, r.parity_mean_tolerance, r.parity_p99_tolerance,
                             r.parity_min_correlation)
-        check_engine_parity(self.engine, score, probe, bounds, self.step, self._console)
+        check_engine_parity(self.pipeline.engine, score, probe, bounds, self.step, self._console)
 
     # --------------------------------------------------------------------------- logging and saving
     def _validate(self) -> dict:
@@ -368,19 +374,19 @@ class Trainer:
                 self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
             elif self.cfg.validation.path:
                 self.pipeline.ensure_synced(self.step)  # overlapped modes sync at batch boundaries
-            return validate(self.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
+            return validate(self.pipeline.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
         except WaitAbandoned:
             self.stopping = True
             return {}
 
-    def _log(self, metrics: dict) -> None:
+    def _log(self, metrics: dict, signals: RolloutSignals | None) -> None:
+        """Rank 0 logs the step and feeds the collapse detector its rates (a step without rollouts, SFT, has
+        none)."""
         self._last_metrics = metrics
         if self.rank != 0:
             return
         self.run_log.log_step(self.step, metrics)
-        rates = {"truncation_rate": metrics.get("rollout/truncation_rate"),
-                 "repetition_rate": metrics.get("rollout/repetition_rate")}
-        for warning in self.detector.update(self.step, rates):
+        for warning in self.detector.update(self.step, signals.rates() if signals is not None else {}):
             self.run_log.event(self.step, warning.event, warning.message, loud=warning.is_collapse,
                                metric=warning.metric, value=warning.value)
 

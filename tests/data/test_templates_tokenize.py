@@ -43,7 +43,7 @@ def test_golden_loss_mask_covers_exactly_the_solution_tokens(tok):
     assert target == tok(GOLDEN, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert mask == [0] * len(ex.prompt_ids) + [1] * len(target)
     with pytest.raises(ValueError, match="no golden"):
-        exs[1].golden_ids
+        _ = exs[1].golden_ids
     batch = golden_batch([ex, ex], pad_id=tok.pad_token_id)
     assert batch.input_ids_BT.shape == (2, len(ids)) and batch.loss_mask_BT.sum() == 2 * len(target)
     assert torch.equal(batch.lengths_B, torch.tensor([len(ids)] * 2))

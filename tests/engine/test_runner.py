@@ -260,7 +260,7 @@ def test_admit_min_batches_admissions_and_keeps_rows(tiny_dir, monkeypatch):
     real = decode._prefill
     monkeypatch.setattr(decode, "_prefill", lambda *a: prefills.append(len(a[4])) or real(*a))
     rows = [RowRequest(prompt_ids=[4, 9, i + 3], max_new_tokens=2 + 3 * (i % 5), seed=i) for i in range(12)]
-    results = {}
+    results, by_one = {}, []
     for admit in (1, 3):
         prefills.clear()
         # sync_every=1 (the CPU's): on CUDA's 8, rows finish between harvests in fours and both values admit alike

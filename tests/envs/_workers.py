@@ -30,7 +30,7 @@ def multi_turn_rollout(rank, world_size, cfg):
     trainer = Trainer(cfg)
     examples = trainer.loader.next_batch()
     batch = trainer._rollout(examples)
-    metrics = rollout_metrics(batch, cfg.metrics, contributes=trainer.owners.sends)  # collective
+    metrics = rollout_metrics(batch, cfg.metrics, contributes=trainer.owners.sends).log  # collective
     sends = trainer.owners.sends
     actor = whole_batch(batch.actor.logprobs_BT, batch.actor.rows, batch.size, sends)
     teacher = whole_batch(batch.teacher.logprobs_BT, batch.teacher.rows, batch.size, sends)

@@ -58,7 +58,7 @@ def test_scripted_avg_at_k_rates_and_files(tok, tmp_path):
     assert metrics["val/truncation_rate"] == pytest.approx(3 / 10)
     assert metrics["val/many/accuracy"] == pytest.approx(0.625)
 
-    gens = [json.loads(l) for l in open(tmp_path / "generations.jsonl")]
+    gens = [json.loads(row) for row in open(tmp_path / "generations.jsonl")]
     assert len(gens) == 10
     assert [g["correct"] for g in gens] == [True, False, True, True, False, True, False, False, True, True]
     assert gens[0]["extracted"] == "0.5" and gens[1]["extracted"] is None and gens[5]["repetitive"]
@@ -95,14 +95,14 @@ def test_end_to_end_tiny_model(tiny_hf_dir, tiny_bench, tmp_path):
     cfg = EvalConfig(samples=2, max_new_tokens=12, batch_size=4, limit=2)
     res = evaluate(eng, tok, [tiny_bench], cfg, out_dir=str(tmp_path))
     # Seeded per (problem, sample): one prompt per call gives the same generations as two per call.
-    res1 = evaluate(eng, tok, [tiny_bench], EvalConfig(samples=2, max_new_tokens=12, batch_size=2, limit=2),
+    evaluate(eng, tok, [tiny_bench], EvalConfig(samples=2, max_new_tokens=12, batch_size=2, limit=2),
                     out_dir=str(tmp_path / "b1"))
     assert (tmp_path / "generations.jsonl").read_text() == (tmp_path / "b1" / "generations.jsonl").read_text()
     (b,) = res.benchmarks
     assert (b.name, b.n_problems, b.samples, b.metric) == ("tiny", 2, 2, "avg@2")
     assert 0.0 <= b.accuracy <= 1.0 and 0.0 <= b.truncation_rate <= 1.0
     assert 0 < b.response_tokens_mean <= 12
-    gens = [json.loads(l) for l in open(tmp_path / "generations.jsonl")]
+    gens = [json.loads(row) for row in open(tmp_path / "generations.jsonl")]
     assert len(gens) == 4 and {g["id"] for g in gens} == {"a", "b"}
     assert all(isinstance(g["correct"], bool) for g in gens)
 
@@ -192,7 +192,7 @@ def test_answers_found_warning_and_rescore_with_another_extraction(tok, tmp_path
     saved = json.load(open(tmp_path / "results.json"))
     assert (saved["extract"], saved["answers_found"], saved["responses"]) == ("number", 3, 4)
     # The store keeps both verdicts; the later one wins when read back (a third run re-scores nothing).
-    gens = [json.loads(l) for l in open(tmp_path / "generations.jsonl")]
+    gens = [json.loads(row) for row in open(tmp_path / "generations.jsonl")]
     assert [g["extract"] for g in gens] == ["boxed"] * 4 + ["number"] * 4
     assert [g["extracted"] for g in gens[4:]] == ["7", None, "42", "41"]
     number = EvalConfig(reward=RewardConfig(extract="number"), max_new_tokens=16)

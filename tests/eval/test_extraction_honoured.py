@@ -73,7 +73,7 @@ def test_validation_follows_the_setting_and_counts_answers(tok, tmp_path, extrac
         log.close()
     assert m["val/accuracy"] == accuracy
     assert (m["val/answers_found"], m["val/answers_found_count"]) == (found / 4, found)
-    events = [json.loads(l) for l in open(os.path.join(cfg.run.dir, "metrics.jsonl"))]
+    events = [json.loads(row) for row in open(os.path.join(cfg.run.dir, "metrics.jsonl"))]
     warned = [e for e in events if e.get("event") == "few_answers"]
     if found:
         assert not warned

@@ -24,7 +24,6 @@ import sys
 import time
 
 import pytest
-import yaml
 
 from tests.trainer.tiny_models import ROOT, make_tiny_qwen3_pair
 

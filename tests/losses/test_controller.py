@@ -9,6 +9,7 @@ from megaopd.losses import LossConfig, build_loss
 from megaopd.losses.controller import (AdaptiveConfig, ControllerSignals, WeightController, build_controlled_loss,
                                        slope)
 from megaopd.trainer.loss_control import ControlledLoss
+from megaopd.trainer.step_metrics import RolloutSignals
 
 CFG = AdaptiveConfig()  # sft_weight in [0, 0.3], ref_kl_weight in [0, 0.05]
 
@@ -139,7 +140,7 @@ def test_needs_are_those_at_the_ceilings():
     assert loss.needs.golden and loss.needs.reference
     fixed = ControlledLoss(LossConfig(name="stable_opd", config={"sft_weight": 0.0, "ref_kl_weight": 0.0}))
     assert not fixed.needs.golden and not fixed.needs.reference
-    assert fixed.stateful == {} and fixed.observe(1, {"rollout/truncation_rate": 1.0}) == {}
+    assert fixed.stateful == {} and fixed.observe(1, RolloutSignals(truncation_rate=1.0, repetition_rate=0.0, reward_mean=0.0)) == {}
 
 
 def test_resume_from_a_checkpoint_continues_the_same_trajectory():
@@ -170,7 +171,7 @@ def test_trainer_side_logs_every_change_as_an_event():
     log, changes = Log(), 0
     for step, t in enumerate([0.0] * 3 + [0.5] * 6 + [0.0] * 30, start=1):
         before = loss.controller.state.sft_weight
-        m = loss.observe(step, {"rollout/truncation_rate": t, "rollout/repetition_rate": 0.0}, log)
+        m = loss.observe(step, RolloutSignals(truncation_rate=t, repetition_rate=0.0, reward_mean=0.0), log)
         assert m["controller/sft_weight"] == before  # the weight this step trained with
         changes += loss.controller.state.sft_weight != before
     assert len(log.events) == changes > 0

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from megaopd.metrics import CollapseDetector
 from megaopd.trainer.run_log import RunLog
+from megaopd.trainer.step_metrics import RolloutSignals
 from megaopd.trainer.trainer import Trainer
 
 
@@ -14,7 +15,8 @@ def test_step_one_truncation_is_a_note_and_a_later_rise_a_warning(tmp_path, caps
     try:
         for step, trunc in enumerate([0.9, 0.9, 0.1, 0.1, 0.1, 0.1, 0.8], start=1):
             trainer.step = step
-            Trainer._log(trainer, {"rollout/truncation_rate": trunc, "rollout/repetition_rate": 0.0})
+            signals = RolloutSignals(truncation_rate=trunc, repetition_rate=0.0, reward_mean=0.0)
+            Trainer._log(trainer, signals.log(), signals)
     finally:
         log.close()
     out = capsys.readouterr().out.splitlines()

@@ -99,8 +99,8 @@ def _in_thread(fn):
 def test_off_main_thread():
     # Default (helper process) and signal mode (falls back to the helper off the main thread).
     for cfg in (RewardConfig(), RewardConfig(isolation="signal"), RewardConfig(isolation="none")):
-        assert _in_thread(lambda: math_verify_reward("\\boxed{0.5}", "\\frac{1}{2}", cfg)) == 1.0
-        assert _in_thread(lambda: math_verify_reward("\\boxed{3}", "2", cfg)) == 0.0
+        assert _in_thread(lambda cfg=cfg: math_verify_reward("\\boxed{0.5}", "\\frac{1}{2}", cfg)) == 1.0
+        assert _in_thread(lambda cfg=cfg: math_verify_reward("\\boxed{3}", "2", cfg)) == 0.0
 
 
 def test_process_isolation_bounds_a_power_tower():

@@ -160,7 +160,7 @@ def packed_vs_alone(rank, world_size, models, lengths):
             seqs = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in lengths]
             runner = PipelineRunner(model, pgs, cfg.vocab_size)
 
-            def logits_of(mb, shard, _partner):
+            def logits_of(mb, shard, _partner, pgs=pgs, cfg=cfg):
                 return shard.sum() * 0, _gather_tp(shard, pgs.tp)[..., : cfg.vocab_size]
 
             row = PackedRow([Segment(0, i, n) for i, n in enumerate(lengths)], total=sum(lengths) + 3)

@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="megaopd.ops' Triton path needs triton (scr
 
 from megaopd import ops  # noqa: E402
 from megaopd.parallel.launch import spawn  # noqa: E402
-from tests.ops import _cases, _triton_checks, _workers  # noqa: E402
+from tests.ops import _cases, _triton_checks  # noqa: E402
 
 # The quick tier runs what the GPU path most depends on (bf16, padding columns, several splits, logits ~1e4);
 # the slow tier more cases at TP=1, and at TP=2 those where the shards' partials meet (ties across shards, a

@@ -102,8 +102,8 @@ def test_environment_tokens_get_zero_gradient_and_zero_weight_in_every_loss_term
 
 
 def test_environment_tokens_have_zero_weight_in_the_rollout_metrics():
-    ma = rollout_metrics(_scored(5), MetricsConfig(overlap_k=2))
-    mb = rollout_metrics(_scored(6), MetricsConfig(overlap_k=2))
+    ma = rollout_metrics(_scored(5), MetricsConfig(overlap_k=2)).log
+    mb = rollout_metrics(_scored(6), MetricsConfig(overlap_k=2)).log
     assert ma == mb
     assert ma["rollout/response_length_mean"] == 4.5  # the student's tokens: (5 + 4) / 2
     assert ma["traj/env_token_share"] == 5 / 14 and ma["traj/tool_calls_mean"] == 1.0

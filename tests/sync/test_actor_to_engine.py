@@ -1,7 +1,6 @@
 """Weight sync from a Megatron actor at TP=2 or PP=2 into a `megaopd serve` process over loopback: after
 the sync the engine's log-probs equal the actor's (float32, < 1e-4) and differ from the pre-sync ones.
 The in-process embedded engine path is covered by every trainer run's parity check (tests/trainer)."""
-import sys
 
 import pytest
 

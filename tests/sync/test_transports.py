@@ -9,7 +9,7 @@ from megaopd.engine.config import EmbeddedEngineConfig
 from megaopd.engine.memory import MemoryStateError
 from megaopd.parallel.launch import spawn
 from megaopd.rollout import build_engine
-from megaopd.rollout.client import EngineError, EngineRequestError, HttpEngine, HttpEngineConfig
+from megaopd.rollout.client import EngineRequestError, HttpEngine, HttpEngineConfig
 from megaopd.rollout.config import RolloutConfig
 from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool

@@ -51,7 +51,7 @@ def two_teachers_rollout(rank, world_size, cfg):
     if trainer.run_log is not None:
         trainer.run_log.close()
     from megaopd.trainer.step_metrics import rollout_metrics
-    metrics = rollout_metrics(batch, cfg.metrics, contributes=trainer.owners.sends)  # collective
+    metrics = rollout_metrics(batch, cfg.metrics, contributes=trainer.owners.sends).log  # collective
     teacher = whole_batch(batch.teacher.logprobs_BT, batch.teacher.rows, batch.size, trainer.owners.sends)
     if rank != 0:
         return None
@@ -77,7 +77,6 @@ def whole_batch(x_BT, rows, num_rows, contributes):
 def one_step_everything(rank, world_size, cfg):
     """one_step_gradients, plus every metric of the step and the rollout's per-token scores (actor log pi_old,
     teacher log q) under the loss mask (rank 0)."""
-    from megaopd.trainer.trainer import Trainer
 
     import megaopd.trainer.trainer as trainer_module
 
@@ -129,7 +128,7 @@ def one_step_gradients_and_metrics(rank, world_size, cfg):
         return result
 
     trainer.optimizer.step = capturing_step
-    metrics = trainer.train_step()
+    metrics = trainer.train_step().metrics
     if trainer.run_log is not None:
         trainer.run_log.close()
     if rank != 0:

@@ -184,7 +184,7 @@ def test_missing_teacher_path_is_one_clear_line(tiny_models, tmp_path):
     overrides = [o if not o.startswith("teacher.path") else "teacher.path=/no/such/teacher" for o in overrides]
     code, err = _cli_error([_preset("stable_opd"), *overrides], tmp_path)
     assert code == 2
-    lines = [l for l in err.strip().splitlines() if l.startswith("megaopd train:")]
+    lines = [x for x in err.strip().splitlines() if x.startswith("megaopd train:")]
     assert lines == ["megaopd train: teacher.path='/no/such/teacher' does not exist: fix the path or convert the "
                      "model first (tools/convert_hf_to_megatron.py)"], err[-2000:]
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from megaopd.config import load_config, to_yaml
+from megaopd.config import load_config
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.trainer import cli
 from megaopd.trainer.resume_config import config_changes, unappliable

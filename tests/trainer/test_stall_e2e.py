@@ -116,7 +116,7 @@ def test_a_stopped_engine_ends_the_step_with_one_error_naming_it(tmp_path, serve
     assert rc != 0, log[-3000:]
     assert took < stall + 3.0, (took, log[-3000:])  # was: request_timeout_s (600 s) and retries
     assert log.count("made no progress") == 1, log[-3000:]
-    line = next(l for l in log.splitlines() if "made no progress" in l)
+    line = next(x for x in log.splitlines() if "made no progress" in x)
     assert f"rollout.urls[0] ({url})" in line and "stall_timeout_s" in line, line
 
 

@@ -14,7 +14,7 @@ def train_capturing_teacher(rank, world_size, cfgs):
     for cfg in cfgs:
         steps = []
 
-        def capturing(self, examples, times, *args):
+        def capturing(self, examples, times, *args, steps=steps):
             batch = original(self, examples, times, *args)
             teacher = whole_batch(batch.teacher.logprobs_BT, batch.teacher.rows, batch.size, self.owners.sends)
             steps.append({"tokens": batch.tokens_BS.clone(), "mask": batch.loss_mask_BT.clone(), "teacher": teacher})
