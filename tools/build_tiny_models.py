@@ -36,7 +36,7 @@ Committed size: 4.8 MB (fp32 safetensors: teacher 3.4 MB, student 1.4 MB).
   b. this script, with the same seeds and library versions, rebuilds bit-identical random initializations
      (their sha256 equals the manifest's);
   c. megaopd's SFT from those initializations, rerun for the first CHECK_STEPS steps of each model's first
-     stage with the build's settings, reproduces the manifest's loss curve (|delta nll| <= CHECK_TOL per
+     stage with the build's settings, reproduces the manifest's check_nll (|delta nll| <= CHECK_TOL per
      step: the data order, the init and the optimizer are the build's);
   d. the committed weights load in transformers with the manifest's sizes, and re-evaluating them on the
      manifest's validation subset gives the manifest's accuracies (within 2 problems), teacher > student.
@@ -236,7 +236,8 @@ def build(out: str, work: str, roles: list[str]) -> dict:
             f"(truncation {acc['truncation_rate']:.3f}); {time.time() - t0:.0f}s")
         manifest["models"][role] = {"parameters": n, "sizes": model_sizes(dst),
                                     "init_sha256": sha256(os.path.join(init, "model.safetensors")),
-                                    "sft_nll": curves, "val": acc, "files": dir_hashes(dst),
+                                    "sft_nll": curves, "check_nll": curves[0][:CHECK_STEPS], "val": acc,
+                                    "files": dir_hashes(dst),
                                     "build_seconds": round(time.time() - t0)}
     manifest["models"] = {r: manifest["models"][r] for r in SPECS if r in manifest["models"]}
     manifest["build_seconds"] = sum(m["build_seconds"] for m in manifest["models"].values())
@@ -280,7 +281,7 @@ def check(out: str, work: str) -> list[str]:
             log(f"{role}: random initialization rebuilt bit-identical")
         # c. SFT prefix (of the first stage: later stages start from weights only the full build makes)
         curve = sft(spec["stages"][0], init, os.path.join(work, f"{role}_sft1"), CHECK_STEPS)
-        ref = rec["sft_nll"][0][:CHECK_STEPS]
+        ref = rec["check_nll"]  # this code's first steps (may differ from sft_nll's older build: see the manifest)
         worst = max(abs(a - b) for a, b in zip(curve, ref))
         if len(curve) != len(ref) or worst > CHECK_TOL:
             problems.append(f"{role}: SFT loss curve of the first {CHECK_STEPS} steps {curve} differs from the "
