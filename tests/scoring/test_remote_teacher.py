@@ -96,7 +96,7 @@ def test_remote_scores_equal_transformers_float64(server):
 
 @pytest.mark.slow
 def test_in_job_teacher_equals_served_teacher(server):
-    """Same weights, same responses: Megatron (one gloo worker) and `megaopd serve` agree within 1e-5."""
+    """Same weights, same responses: Megatron (one gloo worker) and `megaopd serve` agree to float32 round-off."""
     from megaopd.parallel.launch import spawn
     from tests.scoring import _remote_workers
 
@@ -105,12 +105,13 @@ def test_in_job_teacher_equals_served_teacher(server):
     m = mask.bool()
     print("in-job vs served: max |d log q|", float((in_job.logprobs_BT[m] - remote.logprobs_BT[m]).abs().max()),
           "max |d top-K log q|", float((in_job.topk_logprobs_BTK[m] - remote.topk_logprobs_BTK[m]).abs().max()))
-    assert (in_job.logprobs_BT[m] - remote.logprobs_BT[m]).abs().max() < 1e-5
+    assert (in_job.logprobs_BT[m] - remote.logprobs_BT[m]).abs().max() < 2.6e-5  # two implementations' bounds below
     assert torch.equal(in_job.topk_ids_BTK[m], remote.topk_ids_BTK[m])
     # The served numbers are the server's float32 values exactly (JSON carries them losslessly); what remains
     # is float32 rounding of two implementations (transformers vs Megatron), each up to 1.3e-5 from float64
-    # at these log-probs: measured max 7.6e-6 (log q) and 1.05e-5 (top-K) on 2026-11-22.
-    assert (in_job.topk_logprobs_BTK[m] - remote.topk_logprobs_BTK[m]).abs().max() < 2e-5
+    # at these log-probs, so they may differ by 2.6e-5: measured max 7.6e-6 (log q) and 1.05e-5 (top-K) on one
+    # run, 1.05e-5 (log q) on another (a 1e-5 bound failed there).
+    assert (in_job.topk_logprobs_BTK[m] - remote.topk_logprobs_BTK[m]).abs().max() < 2.6e-5
 
 
 def _serve_process(port_file):
