@@ -34,7 +34,7 @@ def test_two_stable_opd_steps(smollm2, smollm2_student, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "megaopd.cli", "train", PRESET, *overrides(smollm2_student, smollm2, str(run))]
     env = {**os.environ, "PYTHONPATH": reference.ROOT, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=reference.ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=reference.ROOT, check=False)
     log = p.stdout + p.stderr
     assert p.returncode == 0, f"megaopd train exited {p.returncode}:\n{log[-6000:]}"
     assert "rollouts stop at <|im_end|>=2" in log, log[-4000:]
@@ -49,6 +49,6 @@ def test_two_stable_opd_steps(smollm2, smollm2_student, tmp_path):
         # responses, so its mean log-prob is a real number, and the student's own engine agrees with it
         assert math.isfinite(m["rollout/teacher_logprob_mean"]) and m["sync/logprob_gap_max"] < 1e-3, m
     assert (run / "checkpoints" / "latest").exists()
-    print(f"stable_opd on SmolLM2: " + "; ".join(
+    print("stable_opd on SmolLM2: " + "; ".join(
         f"step {s}: loss {m['loss/total']:.4f}, sft {m['loss/sft']:.3f}, response {m['rollout/response_length_mean']:.1f} "
         f"tokens, {m['time/step']:.1f} s" for s, m in sorted(steps.items())))
