@@ -22,7 +22,7 @@ Cases (each a fresh `megaopd train` run, one at a time):
                  user sizes them to the data); world 2 = DP 2
 --models DIR holds SmolLM2-135M-Instruct (float32 HF folder) and SmolLM2-135M-Instruct-drop16-19 (the same
 without layers 16-19); both are made by the real-model tier (tests/real/reference.py, scripts/install_smollm2.sh).
-Results: benchmarks/README.md, "megaopd plan against measured peaks".
+Results: benchmarks/README.md, "Plan vs measured (issue 44 item 5)".
 """
 from __future__ import annotations
 
