@@ -16,12 +16,13 @@ Cases (each a fresh `megaopd train` run, one at a time):
     tiny_w2      examples/tiny/stable_opd.yaml as shipped (world 2, student TP=2, 32 prompts x 4, 128 new
                  tokens, validation of 200 problems), --steps steps
     smollm2_w1   Stable-OPD, student = SmolLM2-135M-Instruct without layers 16-19 (26 layers), teacher = the
-                 full model (30 layers), float32, world 1, 8 prompts x 2 samples, 96 new tokens, the tiny
-    smollm2_w2   arithmetic problems with the SmolLM2 chat template (prompts <= 81 tokens, goldens <= 119:
-                 data.max_prompt_len 96, data.max_golden_len 128); world 2 = DP 2
---models DIR holds SmolLM2-135M-Instruct (float32 HF folder) and SmolLM2-135M-Instruct-pruned16-19 (the same
-without layers 16-19); both are made by the real-model tier's tools (scripts/install_smollm2.sh).
-Results: benchmarks/README.md, "megaopd plan against measured peaks".
+                 full model (30 layers), float32, world 1, --prompts prompts (2) x 2 samples, 96 new tokens, the 8
+    smollm2_w2   arithmetic problems of tests/real/data with the SmolLM2 chat template (prompts 67-73 tokens,
+                 goldens 25-28 with <|im_end|>: budgets data.max_prompt_len 80, data.max_golden_len 32, as a
+                 user sizes them to the data); world 2 = DP 2
+--models DIR holds SmolLM2-135M-Instruct (float32 HF folder) and SmolLM2-135M-Instruct-drop16-19 (the same
+without layers 16-19); both are made by the real-model tier (tests/real/reference.py, scripts/install_smollm2.sh).
+Results: benchmarks/README.md, "Plan vs measured (issue 44 item 5)".
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 DEFAULT_MODELS = os.path.expanduser("~/.cache/megaopd/models")
-FULL, PRUNED = "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-pruned16-19"
+FULL, PRUNED = "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct-drop16-19"
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Case:
     world: int
 
 
-def smollm2_yaml(models: str, world: int, folder: str) -> str:
+def smollm2_yaml(models: str, world: int, folder: str, prompts: int = 2) -> str:
     """The SmolLM2 case's config (a file: validation.path cannot be emptied from the command line)."""
     import yaml
 
@@ -58,11 +59,11 @@ def smollm2_yaml(models: str, world: int, folder: str) -> str:
            "student": {"path": os.path.join(models, PRUNED), "tp": 1},
            "reference": {"tp": 1},
            "teacher": {"path": os.path.join(models, FULL), "tp": 1},
-           "trainer": {"prompts_per_step": 8, "samples_per_prompt": 2, "eval_interval": 0, "seed": 1234},
+           "trainer": {"prompts_per_step": prompts, "samples_per_prompt": 2, "eval_interval": 0, "seed": 1234},
            "optimizer": {"lr": 1.0e-5, "warmup_steps": 0, "clip_grad": 1.0},
            "rollout": {"temperature": 1.0, "max_new_tokens": 96, "max_batch_size": 16},
-           "data": {"sources": [{"path": os.path.join(ROOT, "examples/tiny/data/opd.jsonl")}],
-                    "max_prompt_len": 96, "max_golden_len": 128},
+           "data": {"sources": [{"path": os.path.join(ROOT, "tests/real/data/arithmetic.jsonl")}],
+                    "max_prompt_len": 80, "max_golden_len": 32},
            "loss": {"name": "stable_opd", "config": {"sft_weight": 0.1, "ref_kl_weight": 0.01}},
            "logging": {"samples_per_step": 0, "tensorboard": False, "progress_bar": "off"}}
     path = os.path.join(folder, f"smollm2_w{world}.yaml")
@@ -71,11 +72,11 @@ def smollm2_yaml(models: str, world: int, folder: str) -> str:
     return path
 
 
-def cases(models: str, folder: str) -> dict[str, Case]:
+def cases(models: str, folder: str, prompts: int = 2) -> dict[str, Case]:
     out = {"tiny_w2": Case("tiny_w2", os.path.join(ROOT, "examples/tiny/stable_opd.yaml"), (), 2)}
     if os.path.isdir(os.path.join(models, FULL)) and os.path.isdir(os.path.join(models, PRUNED)):
         for w in (1, 2):
-            out[f"smollm2_w{w}"] = Case(f"smollm2_w{w}", smollm2_yaml(models, w, folder), (), w)
+            out[f"smollm2_w{w}"] = Case(f"smollm2_w{w}", smollm2_yaml(models, w, folder, prompts), (), w)
     return out
 
 
@@ -90,13 +91,16 @@ def _status_kib(pid: int, key: str) -> int | None:
     return None
 
 
-def _spawned(launcher) -> list:
-    """The processes a `megaopd train` launcher spawned (multiprocessing spawn_main), at any depth, not the
-    resource tracker, in start order."""
+def _rank_processes(launcher, world: int) -> list:
+    """The rank processes of a `megaopd train` launcher, in start order: at world 1 the launcher itself (a
+    single rank runs in that process, megaopd.parallel.launch.run_on_ranks); otherwise the workers it spawned
+    (multiprocessing spawn_main, its direct children; not the resource tracker, nor a rank's own helpers)."""
     import psutil
 
+    if world == 1:
+        return [launcher]
     procs = []
-    for p in launcher.children(recursive=True):
+    for p in launcher.children(recursive=False):
         try:
             cmd = " ".join(p.cmdline())
             if "spawn_main" in cmd and "resource_tracker" not in cmd:
@@ -106,44 +110,50 @@ def _spawned(launcher) -> list:
     return sorted(procs, key=lambda p: (p.create_time(), p.pid))
 
 
-def measure(config: str, overrides: list[str], run_dir: str, timeout: float = 3600) -> dict:
-    """Runs `megaopd train` and returns {"peaks_gb": [per rank peak RSS, rank order], "seconds": wall,
-    "rc": exit status, "log": its output's tail}."""
+def measure(config: str, overrides: list[str], run_dir: str, world: int, timeout: float = 3600) -> dict:
+    """Runs `megaopd train` and returns {"peaks_gb": [per rank peak RSS, rank order], "tree_peak_gb": the
+    kernel's peak RSS of the largest process of the run (wait4's ru_maxrss: exact, a check on the polled
+    per-rank peaks), "seconds": wall, "rc": exit status, "log": its output's tail, "timeline": [(seconds,
+    [each rank's RSS GB], the log lines that appeared since the last reading)] (where the peak happened)}."""
     import psutil
 
     env = {**os.environ, "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", "megaopd.cli", "train", config, f"run.dir={run_dir}", *overrides]
     log_path = os.path.join(run_dir + ".log")
     start = time.time()
-    with open(log_path, "w") as log:
+    peak_kib: dict[int, int] = {}
+    order: list[int] = []
+    timeline: list[tuple] = []
+    with open(log_path, "w") as log, open(log_path) as reader:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         launcher = psutil.Process(proc.pid)
-        peak_kib: dict[int, int] = {}
-        info: dict[int, tuple] = {}
-        order: list[int] = []
-        while proc.poll() is None:
+        status = None
+        while status is None:
             if time.time() - start > timeout:
                 proc.kill()
-                break
             try:
-                spawned = _spawned(launcher)
+                ranks = _rank_processes(launcher, world)
             except psutil.Error:
-                spawned = []
-            for p in spawned:
+                ranks = []
+            rss = []
+            for p in ranks:
                 hwm = _status_kib(p.pid, "VmHWM")
                 if hwm is not None:
                     if p.pid not in peak_kib:
                         order.append(p.pid)
-                        info[p.pid] = (p.ppid(), p.create_time() - start)
                     peak_kib[p.pid] = max(hwm, peak_kib.get(p.pid, 0))
-            time.sleep(0.1)
+                    rss.append((_status_kib(p.pid, "VmRSS") or 0) * 1024 / 1e9)
+            timeline.append((round(time.time() - start, 1), rss, [ln[:120] for ln in reader.read().splitlines()]))
+            # wait4, not Popen.wait: its rusage is the launcher's and every waited-for descendant's peak RSS.
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            status = None if pid == 0 else status
+            if status is None:
+                time.sleep(0.1)
+    rc = os.waitstatus_to_exitcode(status)
     with open(log_path) as f:
         tail = f.read()[-3000:]
-    # The ranks are the launcher's own workers (its direct children); later spawns are their helpers.
-    ranks = [p for p in order if info[p][0] == proc.pid]
-    return {"peaks_gb": [peak_kib[p] * 1024 / 1e9 for p in ranks], "seconds": time.time() - start,
-            "processes": [(p, *info[p], peak_kib[p] * 1024 / 1e9) for p in order],
-            "rc": proc.returncode, "log": tail}
+    return {"peaks_gb": [peak_kib[p] * 1024 / 1e9 for p in order], "tree_peak_gb": usage.ru_maxrss * 1024 / 1e9,
+            "seconds": time.time() - start, "rc": rc, "log": tail, "timeline": timeline}
 
 
 def planned_gb(config: str, overrides: list[str]) -> float:
@@ -161,12 +171,14 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="tiny_w2,smollm2_w1,smollm2_w2")
     p.add_argument("--models", default=DEFAULT_MODELS, help="folder of the SmolLM2 HF folders")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=2, help="SmolLM2 cases: prompts a step (x 2 samples); 2 keeps a "
+                   "world-2 run near 10 GB, what a shared 24 GiB machine had free")
     p.add_argument("--out", default="", help="also write the results as JSON here")
     p.add_argument("--plan-only", action="store_true", help="print the plan's numbers, run nothing")
     a = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="plan_vs_measured_") as tmp:
-        known = cases(a.models, tmp)
+        known = cases(a.models, tmp, a.prompts)
         for name in a.cases.split(","):
             if name not in known:
                 print(f"{name}: skipped (unknown case, or the SmolLM2 folders are not under {a.models})")
@@ -176,26 +188,30 @@ def main(argv=None) -> int:
             plan = planned_gb(case.config, overrides)
             row = {"case": name, "world": case.world, "plan_gb": plan}
             if not a.plan_only:
-                m = measure(case.config, overrides, os.path.join(tmp, name))
-                if m["rc"] != 0:
+                m = measure(case.config, overrides, os.path.join(tmp, name), case.world)
+                if m["rc"] != 0:  # killed (the OOM killer of a shared machine): its peaks up to then
                     print(m["log"])
-                    raise SystemExit(f"{name}: megaopd train exited {m['rc']}")
-                row.update(measured_gb=max(m["peaks_gb"]), ranks_gb=m["peaks_gb"], seconds=m["seconds"],
+                    print(f"{name}: megaopd train exited {m['rc']}; peaks so far {m['peaks_gb']}", flush=True)
+                row["rc"] = m["rc"]
+                row.update(measured_gb=max(m["peaks_gb"]), ranks_gb=m["peaks_gb"], tree_peak_gb=m["tree_peak_gb"],
+                           seconds=m["seconds"],
                            ratio=plan / max(m["peaks_gb"]))
-            rows.append(row)
             print(json.dumps(row), flush=True)
+            if not a.plan_only and a.out:
+                row["timeline"] = m["timeline"]
+            rows.append(row)
+            if a.out:  # after each case: a later one may be killed
+                with open(a.out, "w") as f:
+                    json.dump(rows, f)
     print("\n| case | world | plan GB (rank 0) | measured peak RSS GB (max rank; every rank) | plan / measured |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
         if "measured_gb" in r:
             ranks = ", ".join(f"{x:.2f}" for x in r["ranks_gb"])
             print(f"| {r['case']} | {r['world']} | {r['plan_gb']:.2f} | {r['measured_gb']:.2f} ({ranks}) | "
-                  f"{r['ratio']:.2f} |")
+                  f"{r['ratio']:.2f}{'' if r['rc'] == 0 else ' (killed: exit ' + str(r['rc']) + ')'} |")
         else:
             print(f"| {r['case']} | {r['world']} | {r['plan_gb']:.2f} | - | - |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0
 
 

@@ -23,7 +23,9 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
 - weights: params_rank * e; gradients: params_rank * 4 (megatron's DDP accumulates and reduces in fp32,
   trainer/optim.py grad_reduce_in_fp32=True);
 - Adam: m and v in fp32 (8 bytes/param) plus fp32 master weights when the params are bf16/fp16 (4 more),
-  divided by d with the distributed optimizer (megatron shards only these; weights and gradients stay whole);
+  divided by d with the distributed optimizer (megatron shards only these; weights and gradients stay whole).
+  torch's Adam makes them at the first optimizer step, after the first backward: the plan's peak is a run's
+  from step 2 on, and step 1 peaks about this item lower (benchmarks/README.md, "Plan vs measured");
 - activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", redone for SwiGLU, GQA, RMSNorm and no dropout): the tensors a layer saves for backward are
   the two norm inputs and outputs (4h, whole on every TP rank unless sequence parallel), q, k, v and the

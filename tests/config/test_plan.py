@@ -441,3 +441,34 @@ def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
     expected = activation_bytes(role, rows, seq, flash_attention=False) + 2 * hidden_bytes(role, rows * seq)
     print(f"activations+hidden (fused output layer): measured {kept_fused / 1e6:.0f} MB, plan {expected / 1e6:.0f} MB")
     assert 0.7 * expected < kept_fused < 1.3 * expected
+
+
+def test_plan_vs_measured_finds_the_rank_processes():
+    """benchmarks/plan_vs_measured.py measures the rank processes: at world 1 the launcher itself (a single
+    rank runs in the `megaopd train` process; the benchmark found no process and failed), otherwise the
+    spawned workers, not the resource tracker."""
+    import time
+
+    import psutil
+
+    from benchmarks.plan_vs_measured import _rank_processes, _status_kib
+
+    code = ("import multiprocessing as mp, time\n"
+            "if __name__ == '__main__':\n"
+            "    ps = [mp.get_context('spawn').Process(target=time.sleep, args=(5,)) for _ in range(2)]\n"
+            "    [p.start() for p in ps]; [p.join() for p in ps]\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    launcher = psutil.Process(proc.pid)
+    try:
+        assert _rank_processes(launcher, 1) == [launcher] and _status_kib(proc.pid, "VmHWM") > 0
+        deadline = time.time() + 20
+        while len(_rank_processes(launcher, 2)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        ranks = _rank_processes(launcher, 2)
+        assert len(ranks) == 2 and all(p.ppid() == proc.pid for p in ranks)
+    finally:
+        workers = launcher.children(recursive=True)  # its own workers only
+        proc.kill()
+        proc.wait()
+        for p in workers:
+            p.kill()
