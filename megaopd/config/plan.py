@@ -63,83 +63,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from megaopd.config.plan_shape import MicroBatchShape, StepRows, job_shapes
 from megaopd.config.plan_sizes import (DTYPE_BYTES, EmbeddedEngineFootprint, RoleLayout, activation_bytes,
                                        adam_bytes_per_param, embedded_engine_footprint, forward_layer_bytes,
                                        fused_weight_grad_bytes, hidden_bytes, logits_bytes, ops_chunk_bytes)
-from megaopd.config.step_time import StepTimeConfig
+from megaopd.config.schema import MegaOPDConfig
 from megaopd.engine.config import CUDA_SYNC_EVERY, cache_positions
 from megaopd.losses import build_loss_from
 from megaopd.models.config import find_hf_config
 from megaopd.models.hf_config import params_per_rank, read_hf_config
 
-if TYPE_CHECKING:  # the schema composes PlanConfig from here
-    from megaopd.config.schema import MegaOPDConfig
 
 GB = 1e9
-
-
-@dataclass
-class PlanConfig:
-    """Inputs of `megaopd plan` (per-GPU memory of the configured layout) that the rest of the config
-    does not say: the GPU, the engines' share, what the model leaves out."""
-
-    gpu_memory_gb: float = 141.0
-    """Memory of one GPU in GB (1e9 bytes): 141 for an H200, 80 for an H100."""
-    engine_memory_fraction: float = 0.5
-    """Colocated engines (rollout.colocated): the share of GPU memory they hold while generating (SGLang
-    --mem-fraction-static; slurm/common.sh ENGINE_MEM_FRACTION, 0.5 colocated)."""
-    engine_released_gb: float = 3.0
-    """What a colocated engine keeps after releasing its weights and KV cache (CUDA context, CUDA graphs)."""
-    reserved_gb: float = 5.0
-    """A margin for what is not itemized (NCCL communicator buffers at many ranks, cuDNN/cuBLAS autotuning
-    workspaces), as one flat amount on top of the items."""
-    cuda_context_gb: float = 0.6
-    """One process's CUDA context with torch's kernels and the cuBLAS workspace (about 0.5-0.6 GB on an H100
-    with CUDA 12-13, not measured here; nvidia-smi counts it, torch's allocator does not)."""
-    allocator_reserve: float = 0.1
-    """torch's caching allocator keeps freed blocks reserved for reuse (nvidia-smi counts them): this fraction
-    of each phase's allocated bytes is added (fragmentation between the phases' differently sized tensors)."""
-    attention: str = "flash"
-    """flash: fused attention (Transformer Engine / flash-attention on GPU) saves no S x S scores; unfused:
-    megatron's local attention (CPU, or no TE) saves scores and probabilities."""
-    max_tokens: int = 0
-    """Tokens per row to plan for, every row; 0: each row's budget (on-policy: data.max_prompt_len +
-    rollout.max_new_tokens, or rollout.max_trajectory_tokens with an environment; golden:
-    data.max_prompt_len + data.max_golden_len)."""
-    device: str = "auto"
-    """What the job runs on: cuda (per GPU: the CUDA context, the allocator's reserve, reserved_gb), cpu (per
-    rank process, resident memory: cpu_process_gb instead; frozen models are never offloaded, engines keep
-    their weights) or auto: cuda when a model is bfloat16/float16 or this machine has a GPU, else cpu (a
-    float32 GPU job planned on a machine without one: set plan.device=cuda)."""
-    cpu_process_gb: float = 0.75
-    """device=cpu: what a rank process holds before and beside its tensors (the interpreter, torch,
-    megatron-core, transformers and their libraries' pages, the tokenizer, the data, gloo buffers, the
-    heap's free pages): 0.75 GB, measured as the tiny demo's rank RSS (benchmarks/plan_vs_measured.py)."""
-    cpu_memory_gb: float = 0.0
-    """device=cpu: the machine's memory that all `run.world_size` local ranks share; 0: this machine's."""
-    step_time: StepTimeConfig = field(default_factory=StepTimeConfig)
-    """Rates of `megaopd plan --step-time` (megaopd/config/step_time.py)."""
-
-    def __post_init__(self):
-        if self.gpu_memory_gb <= 0:
-            raise ValueError(f"plan.gpu_memory_gb={self.gpu_memory_gb} must be positive (141 for an H200)")
-        if not 0 <= self.engine_memory_fraction < 1:
-            raise ValueError(f"plan.engine_memory_fraction={self.engine_memory_fraction} must be in [0, 1)")
-        if self.attention not in ("flash", "unfused"):
-            raise ValueError(f"plan.attention={self.attention!r}: choose flash or unfused")
-        if self.max_tokens < 0:
-            raise ValueError(f"plan.max_tokens={self.max_tokens} must be >= 0 (0: from data and rollout)")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"plan.device={self.device!r}: choose auto, cuda or cpu")
-        if self.cpu_process_gb < 0 or self.cpu_memory_gb < 0:
-            raise ValueError(f"plan.cpu_process_gb={self.cpu_process_gb} and plan.cpu_memory_gb="
-                             f"{self.cpu_memory_gb} must be >= 0")
-        if self.cuda_context_gb < 0 or not 0 <= self.allocator_reserve < 1:
-            raise ValueError(f"plan.cuda_context_gb={self.cuda_context_gb} must be >= 0 and plan.allocator_reserve="
-                             f"{self.allocator_reserve} in [0, 1)")
 
 
 @dataclass(frozen=True)

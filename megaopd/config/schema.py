@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar, List
 
 from megaopd.config.model_vocab import check_model_vocab
-from megaopd.config.plan import PlanConfig
+from megaopd.config.plan_config import PlanConfig
 from megaopd.data.config import DataConfig
 from megaopd.envs.config import EnvConfig
 from megaopd.losses import LossConfig, resolve_correction

@@ -31,63 +31,14 @@ time/sync) through predict().
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+from megaopd.config.plan_config import StepTimeConfig
+from megaopd.config.schema import MegaOPDConfig
 from megaopd.metrics.flops import MatmulDims, StepWork, step_flops
 
-if TYPE_CHECKING:
-    from megaopd.config.schema import MegaOPDConfig
 
 MODES = ("sync", "one_step_off", "async")
-
-
-@dataclass
-class StepTimeConfig:
-    """Rates and lengths `megaopd plan --step-time` turns the config's work into seconds with."""
-
-    nodes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    """Node counts to tabulate."""
-    gpus_per_node: int = 4
-    """GPUs per node (the presets' H200 nodes have 4)."""
-    peak_tflops: float = 989.0
-    """The GPU's dense bf16 peak TFLOP/s, the one the MFUs below are fractions of (H100 and H200: 989, as the
-    trainer's perf/mfu_* metrics count it; a bf16 matmul alone reaches ~790 on them)."""
-    hbm_tb_s: float = 4.3
-    """GPU memory bandwidth in TB/s (~4.3 measured on an H200, ~3.0 on an H100)."""
-    train_mfu: float = 0.11
-    """Model-FLOPs MFU of the training phase: 0.11 measured (one H100, Qwen2.5-1.5B student and teacher,
-    recompute=full, benchmarks/README.md); the target is 0.35."""
-    score_mfu: float = 0.15
-    """MFU of a forward-only scoring pass (and of prefill, and of a decode step's compute): ~0.15, estimated
-    from the same bench's actor pass (0.47 s; its prompt lengths were not recorded)."""
-    decode_efficiency: float = 0.5
-    """Share of the memory bandwidth a decode step reaches. An estimate for SGLang with CUDA graphs (not
-    measured here); the embedded engine measured ~0.01 at 1.5B on an H100 (582 tokens/s), transformers'
-    compiled generate ~0.13 (benchmarks/README.md, Rollout)."""
-    engine_tp: int = 1
-    """GPUs per engine instance (SGLang --tp); instances = engine GPUs / engine_tp."""
-    prompt_tokens: int = 256
-    """Mean prompt tokens, template included (an estimate for OpenR1-Math prompts)."""
-    response_tokens: int = 0
-    """Mean response tokens (golden solutions too); 0: half of the longest response, rollout.max_new_tokens or
-    (with an environment) rollout.max_trajectory_tokens (an estimate; the first steps'
-    rollout/response_length_mean says it)."""
-    network_gb_s: float = 25.0
-    """GB/s of a weight push from the trainer to engines on other nodes (NCCL broadcast over one
-    200 Gb/s link: an estimate)."""
-    local_gb_s: float = 100.0
-    """GB/s of a weight push to colocated engines on the same GPUs (CUDA IPC handles: an estimate)."""
-
-    def __post_init__(self):
-        for name in ("peak_tflops", "hbm_tb_s", "network_gb_s", "local_gb_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"plan.step_time.{name}={getattr(self, name)} must be positive")
-        for name in ("train_mfu", "score_mfu", "decode_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"plan.step_time.{name}={getattr(self, name)} must be in (0, 1]")
-        if self.gpus_per_node < 1 or self.engine_tp < 1 or not self.nodes or min(self.nodes) < 1:
-            raise ValueError("plan.step_time: gpus_per_node, engine_tp and every entry of nodes must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from megaopd.config.step_time import StepShape, StepTimeConfig, generate_s, predict, score_and_train_s, step_times
+from megaopd.config.plan_config import StepTimeConfig
+from megaopd.config.step_time import StepShape, generate_s, predict, score_and_train_s, step_times
 from megaopd.metrics.flops import MatmulDims
 from megaopd.models.hf_config import read_hf_config
 from tests.config.test_plan import Q7B, _cli, _write_preset
