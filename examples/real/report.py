@@ -1,0 +1,123 @@
+"""The real-model example's table and figure, from what examples/real/run_all.sh wrote into runs/real/.
+
+    python examples/real/report.py --runs runs/real      # -> examples/real/results.json, the table, the figure
+    python examples/real/report.py                        # only redraw from the committed results.json
+
+Per arm (runs/real/<arm>/metrics.jsonl, measure_<arm>.json, nll_after_<arm>.json): validation accuracy with
+the number extraction before step 1 and after the last step (and how many answers were found), golden NLL
+before (nll_before.json: the pruned student) and after (the run's final student `hf/`), the mean s/step, the
+run's wall time and the peak memory of its process tree. Plus the `megaopd eval` results of teacher and
+student with the number and the boxed extraction (eval_<who>_<extract>/results.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results.json")
+FIGURE = os.path.join(HERE, "compress_and_distill.png")
+ARMS = ("stable_opd", "opd", "sft")
+
+
+def _load(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _steps(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def collect(runs: str) -> dict:
+    nll_before = list(_load(os.path.join(runs, "nll_before.json")).values())   # [teacher, student]
+    out = {"teacher_nll": nll_before[0]["nll"], "student_nll": nll_before[1]["nll"], "evals": {}, "arms": {}}
+    for who in ("teacher", "student"):
+        for extract in ("number", "boxed"):
+            path = os.path.join(runs, f"eval_{who}_{extract}", "results.json")
+            if os.path.exists(path):
+                r = _load(path)
+                out["evals"][f"{who}/{extract}"] = {"accuracy": r["average"], "answers_found": r["answers_found"],
+                                                    "responses": r["responses"]}
+    for arm in ARMS:
+        run = os.path.join(runs, arm)
+        if not os.path.exists(os.path.join(run, "metrics.jsonl")):
+            continue
+        records = _steps(run)
+        vals = sorted((r for r in records if "val/accuracy" in r), key=lambda r: r["step"])
+        steps = [r for r in records if "time/step" in r and "event" not in r]
+        measure = _load(os.path.join(runs, f"measure_{arm}.json"))
+        out["arms"][arm] = {
+            "acc_before": vals[0]["val/accuracy"], "acc_after": vals[-1]["val/accuracy"],
+            "found_before": vals[0].get("val/answers_found_count"), "found_after": vals[-1].get("val/answers_found_count"),
+            "val_steps": [r["step"] for r in vals],
+            "nll_before": out["student_nll"],
+            "nll_after": list(_load(os.path.join(runs, f"nll_after_{arm}.json")).values())[0]["nll"],
+            "steps": len(steps), "s_per_step": sum(r["time/step"] for r in steps) / len(steps),
+            "wall_s": measure["seconds"], "peak_pss_gb": measure["peak_pss_gb"],
+            "loss": [r.get("loss/total") for r in steps],
+        }
+    return out
+
+
+def table(res: dict) -> str:
+    lines = ["| arm | val accuracy before -> after (answers found) | golden NLL before -> after | s/step | "
+             "run wall time | peak memory (PSS) |", "| --- | --- | --- | --- | --- | --- |"]
+    for arm, a in res["arms"].items():
+        found = f" ({a['found_before']:.0f} -> {a['found_after']:.0f} of 60)" if a["found_before"] is not None else ""
+        lines.append(f"| `{arm}` | {a['acc_before']:.3f} -> **{a['acc_after']:.3f}**{found} | "
+                     f"{a['nll_before']:.3f} -> **{a['nll_after']:.3f}** | {a['s_per_step']:.0f} | "
+                     f"{a['wall_s'] / 60:.1f} min | {a['peak_pss_gb']:.1f} GB |")
+    return "\n".join(lines)
+
+
+def draw(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(res["arms"])
+    fig, (ax_acc, ax_nll) = plt.subplots(1, 2, figsize=(10, 3.8))
+    x = range(len(arms))
+    w = 0.38
+    for ax, key, label in ((ax_acc, "acc", "validation accuracy (number extraction, greedy)"),
+                           (ax_nll, "nll", "golden NLL per token (validation)")):
+        before = [res["arms"][a][f"{key}_before"] for a in arms]
+        after = [res["arms"][a][f"{key}_after"] for a in arms]
+        ax.bar([i - w / 2 for i in x], before, w, label="pruned student, before", color="#bbbbbb")
+        ax.bar([i + w / 2 for i in x], after, w, label="after training", color="#3a6ea5")
+        for i, v in enumerate(after):
+            ax.annotate(f"{v:.3f}" if key == "nll" else f"{v:.2f}", (i + w / 2, v), ha="center", va="bottom", fontsize=8)
+        teacher = (res["evals"].get("teacher/number", {}).get("accuracy") if key == "acc" else res["teacher_nll"])
+        if teacher is not None:
+            ax.axhline(teacher, color="#c0504d", ls="--", lw=1, label="full model (teacher)")
+        ax.set_xticks(list(x), arms)
+        ax.set_title(label, fontsize=10)
+    ax_acc.legend(fontsize=8, loc="upper left")
+    fig.suptitle("SmolLM2-135M-Instruct without layers 16-19, distilled from the full model: same budget per arm",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", help="run_all.sh's output folder; without it, redraw from results.json")
+    args = p.parse_args()
+    if args.runs:
+        res = collect(args.runs)
+        with open(RESULTS, "w") as f:
+            json.dump(res, f, indent=1)
+    else:
+        res = _load(RESULTS)
+    print(table(res))
+    for name, e in res["evals"].items():
+        print(f"megaopd eval {name}: accuracy {e['accuracy']:.3f}, answers found: {e['answers_found']} of {e['responses']}")
+    draw(res, FIGURE)
+    print(f"figure: {FIGURE}")
+
+
+if __name__ == "__main__":
+    main()
