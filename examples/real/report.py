@@ -3,8 +3,9 @@
     python examples/real/report.py --runs runs/real      # -> examples/real/results.json, the table, the figure
     python examples/real/report.py                        # only redraw from the committed results.json
 
-Per arm (runs/real/<arm>/metrics.jsonl, measure_<arm>.json, nll_after_<arm>.json): validation accuracy with
-the number extraction before step 1 and after the last step (and how many answers were found), golden NLL
+Per arm (runs/real/<arm>/metrics.jsonl, measure_<arm>.json, nll_after_<arm>.json, eval_<arm>_number/): accuracy
+on the validation problems with the number extraction (`megaopd eval`) of the pruned student before and of the
+run's final student `hf/` after (and how many answers were found), golden NLL
 before (nll_before.json: the pruned student) and after (the run's final student `hf/`), the mean s/step, the
 run's wall time and the peak memory of its process tree. Plus the `megaopd eval` results of teacher and
 student with the number and the boxed extraction (eval_<who>_<extract>/results.json).
@@ -41,18 +42,18 @@ def collect(runs: str) -> dict:
                 r = _load(path)
                 out["evals"][f"{who}/{extract}"] = {"accuracy": r["average"], "answers_found": r["answers_found"],
                                                     "responses": r["responses"]}
+    before = out["evals"].get("student/number")
     for arm in ARMS:
         run = os.path.join(runs, arm)
-        if not os.path.exists(os.path.join(run, "metrics.jsonl")):
+        after_path = os.path.join(runs, f"eval_{arm}_number", "results.json")
+        if not (os.path.exists(os.path.join(run, "metrics.jsonl")) and os.path.exists(after_path)):
             continue
-        records = _steps(run)
-        vals = sorted((r for r in records if "val/accuracy" in r), key=lambda r: r["step"])
-        steps = [r for r in records if "time/step" in r and "event" not in r]
+        after = _load(after_path)
+        steps = [r for r in _steps(run) if "time/step" in r and "event" not in r]
         measure = _load(os.path.join(runs, f"measure_{arm}.json"))
         out["arms"][arm] = {
-            "acc_before": vals[0]["val/accuracy"], "acc_after": vals[-1]["val/accuracy"],
-            "found_before": vals[0].get("val/answers_found_count"), "found_after": vals[-1].get("val/answers_found_count"),
-            "val_steps": [r["step"] for r in vals],
+            "acc_before": before["accuracy"], "found_before": before["answers_found"],
+            "acc_after": after["average"], "found_after": after["answers_found"], "responses": after["responses"],
             "nll_before": out["student_nll"],
             "nll_after": list(_load(os.path.join(runs, f"nll_after_{arm}.json")).values())[0]["nll"],
             "steps": len(steps), "s_per_step": sum(r["time/step"] for r in steps) / len(steps),
@@ -66,7 +67,7 @@ def table(res: dict) -> str:
     lines = ["| arm | val accuracy before -> after (answers found) | golden NLL before -> after | s/step | "
              "run wall time | peak memory (PSS) |", "| --- | --- | --- | --- | --- | --- |"]
     for arm, a in res["arms"].items():
-        found = f" ({a['found_before']:.0f} -> {a['found_after']:.0f} of 60)" if a["found_before"] is not None else ""
+        found = f" ({a['found_before']} -> {a['found_after']} of {a['responses']} found)"
         lines.append(f"| `{arm}` | {a['acc_before']:.3f} -> **{a['acc_after']:.3f}**{found} | "
                      f"{a['nll_before']:.3f} -> **{a['nll_after']:.3f}** | {a['s_per_step']:.0f} | "
                      f"{a['wall_s'] / 60:.1f} min | {a['peak_pss_gb']:.1f} GB |")
