@@ -4,7 +4,7 @@
 
 Memory: the largest sum, over every process of the tree (the command, the ranks it spawns, their helpers), of
 the proportional set size (PSS, /proc/PID/smaps_rollup: a shared page counts 1/n in each of the n processes
-that map it, so the sum is what the tree holds in RAM), sampled every 0.2 s. Writes {"seconds", "peak_pss_gb",
+that map it, so the sum is what the tree holds in RAM), sampled every second. Writes {"seconds", "peak_pss_gb",
 "returncode"} and exits with the command's exit code.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
     root, peak = psutil.Process(proc.pid), 0.0
     while proc.poll() is None:
         peak = max(peak, tree_pss_gb(root))
-        time.sleep(0.2)
+        time.sleep(1.0)
     result = {"seconds": round(time.time() - start, 1), "peak_pss_gb": round(peak, 3), "returncode": proc.returncode}
     with open(args.out, "w") as f:
         json.dump(result, f)
