@@ -45,32 +45,39 @@ def collect(runs: str) -> dict:
     before = out["evals"].get("student/number")
     for arm in ARMS:
         run = os.path.join(runs, arm)
-        after_path = os.path.join(runs, f"eval_{arm}_number", "results.json")
-        if not (os.path.exists(os.path.join(run, "metrics.jsonl")) and os.path.exists(after_path)):
+        measure_path = os.path.join(runs, f"measure_{arm}.json")
+        if not (os.path.exists(os.path.join(run, "metrics.jsonl")) and os.path.exists(measure_path)):
             continue
-        after = _load(after_path)
         steps = [r for r in _steps(run) if "time/step" in r and "event" not in r]
-        measure = _load(os.path.join(runs, f"measure_{arm}.json"))
-        out["arms"][arm] = {
-            "acc_before": before["accuracy"], "found_before": before["answers_found"],
-            "acc_after": after["average"], "found_after": after["answers_found"], "responses": after["responses"],
-            "nll_before": out["student_nll"],
-            "nll_after": list(_load(os.path.join(runs, f"nll_after_{arm}.json")).values())[0]["nll"],
-            "steps": len(steps), "s_per_step": sum(r["time/step"] for r in steps) / len(steps),
-            "wall_s": measure["seconds"], "peak_pss_gb": measure["peak_pss_gb"],
-            "loss": [r.get("loss/total") for r in steps],
-        }
+        measure = _load(measure_path)
+        a = {"acc_before": before["accuracy"], "found_before": before["answers_found"],
+             "nll_before": out["student_nll"], "acc_after": None, "found_after": None, "nll_after": None,
+             "steps": len(steps), "s_per_step": sum(r["time/step"] for r in steps) / len(steps) if steps else None,
+             "wall_s": measure["seconds"], "peak_pss_gb": measure["peak_pss_gb"], "finished": measure["returncode"] == 0,
+             "loss": [r.get("loss/total") for r in steps], "step_s": [r["time/step"] for r in steps]}
+        after_path = os.path.join(runs, f"eval_{arm}_number", "results.json")
+        nll_path = os.path.join(runs, f"nll_after_{arm}.json")
+        if os.path.exists(after_path):
+            after = _load(after_path)
+            a.update(acc_after=after["average"], found_after=after["answers_found"], responses=after["responses"])
+        if os.path.exists(nll_path):
+            a["nll_after"] = list(_load(nll_path).values())[0]["nll"]
+        out["arms"][arm] = a
     return out
 
 
 def table(res: dict) -> str:
-    lines = ["| arm | val accuracy before -> after (answers found) | golden NLL before -> after | s/step | "
-             "run wall time | peak memory (PSS) |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| arm | accuracy before -> after (answers found of 60) | golden NLL before -> after | s/step | "
+             "steps | run wall time | peak memory (PSS) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for arm, a in res["arms"].items():
-        found = f" ({a['found_before']} -> {a['found_after']} of {a['responses']} found)"
-        lines.append(f"| `{arm}` | {a['acc_before']:.3f} -> **{a['acc_after']:.3f}**{found} | "
-                     f"{a['nll_before']:.3f} -> **{a['nll_after']:.3f}** | {a['s_per_step']:.0f} | "
-                     f"{a['wall_s'] / 60:.1f} min | {a['peak_pss_gb']:.1f} GB |")
+        acc = (f"{a['acc_before']:.3f} -> **{a['acc_after']:.3f}** ({a['found_before']} -> {a['found_after']})"
+               if a["acc_after"] is not None else f"{a['acc_before']:.3f} -> not measured")
+        nll = (f"{a['nll_before']:.3f} -> **{a['nll_after']:.3f}**" if a["nll_after"] is not None
+               else f"{a['nll_before']:.3f} -> not measured")
+        steps = f"{a['steps']}" + ("" if a["finished"] else " (stopped)")
+        s_step = f"{a['s_per_step']:.0f}" if a["s_per_step"] is not None else "-"
+        lines.append(f"| `{arm}` | {acc} | {nll} | {s_step} | {steps} | {a['wall_s'] / 60:.1f} min | "
+                     f"{a['peak_pss_gb']:.1f} GB |")
     return "\n".join(lines)
 
 
@@ -79,8 +86,8 @@ def draw(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = list(res["arms"])
-    fig, (ax_acc, ax_nll) = plt.subplots(1, 2, figsize=(10, 3.8))
+    arms = [a for a, v in res["arms"].items() if v["acc_after"] is not None and v["nll_after"] is not None]
+    fig, (ax_acc, ax_nll, ax_t) = plt.subplots(1, 3, figsize=(14, 3.8))
     x = range(len(arms))
     w = 0.38
     for ax, key, label in ((ax_acc, "acc", "validation accuracy (number extraction, greedy)"),
@@ -89,15 +96,23 @@ def draw(res: dict, path: str) -> None:
         after = [res["arms"][a][f"{key}_after"] for a in arms]
         ax.bar([i - w / 2 for i in x], before, w, label="pruned student, before", color="#bbbbbb")
         ax.bar([i + w / 2 for i in x], after, w, label="after training", color="#3a6ea5")
-        for i, v in enumerate(after):
-            ax.annotate(f"{v:.3f}" if key == "nll" else f"{v:.2f}", (i + w / 2, v), ha="center", va="bottom", fontsize=8)
+        for i, (v0, v) in enumerate(zip(before, after)):
+            n = 60
+            fmt = (lambda x: f"{x:.3f}") if key == "nll" else (lambda x: f"{round(x * n)}/{n}")  # noqa: E731
+            ax.annotate(fmt(v0), (i - w / 2, v0), ha="center", va="bottom", fontsize=8)
+            ax.annotate(fmt(v), (i + w / 2, v), ha="center", va="bottom", fontsize=8)
         teacher = (res["evals"].get("teacher/number", {}).get("accuracy") if key == "acc" else res["teacher_nll"])
         if teacher is not None:
             ax.axhline(teacher, color="#c0504d", ls="--", lw=1, label="full model (teacher)")
         ax.set_xticks(list(x), arms)
         ax.set_title(label, fontsize=10)
     ax_acc.legend(fontsize=8, loc="upper left")
-    fig.suptitle("SmolLM2-135M-Instruct without layers 16-19, distilled from the full model: same budget per arm",
+    for arm, a in res["arms"].items():   # every arm, finished or stopped
+        ax_t.plot(range(1, len(a["step_s"]) + 1), a["step_s"], marker="o", label=arm + ("" if a["finished"] else " (stopped)"))
+    ax_t.set_xlabel("step")
+    ax_t.set_title("seconds per step (shared, loaded 2-core CPU)", fontsize=10)
+    ax_t.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct without layers 16-19, taught by the full model: 6 steps x 4 prompts per arm (arms that finished)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
