@@ -17,7 +17,8 @@ class ModelConfig:
     """Where a model's weights are and how it is split over the job's ranks."""
 
     path: str = ""
-    """An HF directory (config.json + safetensors) or a megaopd Megatron checkpoint directory."""
+    """An HF directory (config.json + safetensors) or a megaopd Megatron checkpoint directory; `~` and
+    $VARIABLES are expanded (as in data paths), so a preset can name ~/.cache/megaopd/models/..."""
     tp: int = 1
     """Tensor-parallel size: must divide the attention heads and the KV (query) groups."""
     pp: int = 1
@@ -46,6 +47,7 @@ class ModelConfig:
     per rank; the sequence length of a micro-batch must then be a multiple of tp."""
 
     def __post_init__(self):
+        self.path = os.path.expandvars(os.path.expanduser(self.path))
         if self.tp < 1 or self.pp < 1 or self.ep < 1:
             raise ValueError(f"tp={self.tp}, pp={self.pp}, ep={self.ep}: parallel sizes must be at least 1")
         if self.dtype not in MODEL_DTYPES:

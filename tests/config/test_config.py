@@ -1,5 +1,6 @@
 """Config loading and start-up validation: each error is one clear message naming the key and the fix."""
 import json
+import os
 
 import pytest
 
@@ -98,6 +99,18 @@ def test_missing_paths(models, tmp_path):
         load_config(MegaOPDConfig, "nope.yaml", [])
     with pytest.raises(ConfigError, match="no config.json in"):
         load_config(MegaOPDConfig, None, [f"student.path={s}", f"teacher.path={tmp_path}"])
+
+
+def test_model_paths_expand_home_and_variables(models, monkeypatch):
+    """Presets name the cached real models as ~/.cache/megaopd/models/... (examples/real): model paths expand
+    `~` and $VARIABLES as data paths do, instead of failing with "'~/...' does not exist"."""
+    s, t, data = models
+    name = os.path.basename(s)
+    monkeypatch.setenv("HOME", os.path.dirname(s))
+    monkeypatch.setenv("MEGAOPD_TEST_MODELS", os.path.dirname(t))
+    cfg = load_config(MegaOPDConfig, None, [f"student.path=~/{name}", "teacher.path=$MEGAOPD_TEST_MODELS/teacher",
+                                             f"data.sources=[{{path: {data}}}]"])
+    assert (cfg.student.path, cfg.teachers[0].path) == (s, t)
 
 
 def test_missing_data_and_bad_loss(models):

@@ -7,7 +7,8 @@ examples/), each override with the reason it is needed; everything else runs as 
 weights, rollout mode and sampling, validation settings, dtypes, sequence parallelism, the distributed
 optimizer, offloading. examples/tiny presets run as they are, but for the step count and a smaller batch and
 validation set; examples/paper and examples/qwen3 presets get tiny models and data in place of the 7B-32B
-models and datasets they name, and a cluster's sizes (8 GPUs, 9216-token rows) scaled down to 2 CPU ranks.
+models and datasets they name, and a cluster's sizes (8 GPUs, 9216-token rows) scaled down to 2 CPU ranks;
+examples/real presets get the tiny models in place of SmolLM2-135M and keep their own data.
 
 Beside this file: test_paper_presets.py and test_qwen3_presets.py check what those presets resolve to at the
 real models' sizes (`megaopd config`, `megaopd plan`), which no tiny run can; test_demo.py trains the demo for
@@ -106,6 +107,17 @@ FAMILIES = {
         "trainer.prompts_per_step": "2",
         "validation.max_problems": "8",
     },
+    # Real-model presets (examples/real: SmolLM2-135M-Instruct, layers 16-19 removed, from the full model; world
+    # 1, float32, embedded engine, CPU sizes already): the tiny models in place of the two SmolLM2 folders, which
+    # CI's preset matrix does not fetch (tests/real trains on them). Their own arithmetic data, budgets and
+    # number extraction stay as shipped (the tiny tokenizer drops spaces, harmless for a 2-step run).
+    "real": {
+        "student.path": "{models}/student",
+        "teacher.path": "{models}/teacher",
+        # Validation still runs before step 1 and after step 2 (the last step validates), on 8 of the 60
+        # problems instead of all.
+        "validation.max_problems": "8",
+    },
 }
 
 # Per preset, on top of its family's (None: the family's override left out).
@@ -116,6 +128,8 @@ PRESET = {
     "qwen3/stable_opd_qwen3_8b.yaml": {"teacher.tp": "2", "teacher.path": "{models}/dense_teacher"},
     # The MoE teacher's EP=8 -> 2 (2 ranks; 8 tiny experts, 4 per rank).
     "qwen3/stable_opd_qwen3_8b_moe_teacher.yaml": {"teacher.ep": "2"},
+    # SFT: no teacher as shipped (`teacher: {path: ''}`): keep it so.
+    "real/sft.yaml": {"teacher.path": None},
 }
 
 
