@@ -1,4 +1,5 @@
 """megaopd: on-policy distillation with Megatron-core students/teachers and SGLang rollouts."""
+
 from setuptools import find_packages, setup
 
 setup(
@@ -36,7 +37,15 @@ setup(
         # The real-model tier's model (tools/fetch_smollm2.py, scripts/install_smollm2.sh): transformers'
         # GGUF loader needs both to dequantize SmolLM2-135M-Instruct's GGUF. Pure Python, no torch pulled.
         "real": ["gguf>=0.10", "accelerate>=1.0"],
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "wandb>=0.31", "gguf>=0.10", "accelerate>=1.0", "ruff==0.17.6"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout",
+            "pytest-xdist>=3.6",
+            "wandb>=0.31",
+            "gguf>=0.10",
+            "accelerate>=1.0",
+            "ruff==0.17.6",
+        ],
     },
     entry_points={"console_scripts": ["megaopd=megaopd.cli:main"]},
 )

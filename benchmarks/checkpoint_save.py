@@ -21,6 +21,7 @@ initialised: only their bytes are timed).
     python benchmarks/checkpoint_save.py --models demo --repeats 10
     python benchmarks/checkpoint_save.py --before /work/wt/before --rounds 2   # and the older tree's save
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,15 @@ CODE = os.environ.get("MEGAOPD_BENCH_CODE", ROOT)
 sys.path.insert(0, CODE)
 
 DEMO = os.path.join(ROOT, "examples", "tiny", "models", "student")
-MEDIUM = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-              num_key_value_heads=4, vocab_size=256, layer_types=["full_attention"] * 8)
+MEDIUM = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=256,
+    layer_types=["full_attention"] * 8,
+)
 
 
 def model_dir(name: str, tmp: str) -> str:
@@ -66,8 +74,18 @@ def _worker(rank, world, hf_dir, out_root, repeats):
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
     if "manifest" not in inspect.signature(save_model_checkpoint).parameters:  # a tree from before the manifest
-        return {"old": _old_saves(save_model_checkpoint, build_gpt_model, read_hf_config, Layout,
-                                  initialize_actor_layout, hf_dir, out_root, repeats)}
+        return {
+            "old": _old_saves(
+                save_model_checkpoint,
+                build_gpt_model,
+                read_hf_config,
+                Layout,
+                initialize_actor_layout,
+                hf_dir,
+                out_root,
+                repeats,
+            )
+        }
     from megaopd.models.manifest import hash_files, list_files
 
     pgs = initialize_actor_layout(Layout(1, 1))
@@ -93,8 +111,9 @@ def _worker(rank, world, hf_dir, out_root, repeats):
     return {"before": times[False], "after": times[True], "bytes": nbytes, "hash_s": hash_s}
 
 
-def _old_saves(save_model_checkpoint, build_gpt_model, read_hf_config, Layout, initialize_actor_layout, hf_dir,
-               out_root, repeats) -> list[float]:
+def _old_saves(
+    save_model_checkpoint, build_gpt_model, read_hf_config, Layout, initialize_actor_layout, hf_dir, out_root, repeats
+) -> list[float]:
     """An older tree's save, timed as _worker times this tree's (its functions passed in: they are its own)."""
     pgs = initialize_actor_layout(Layout(1, 1))
     cfg = read_hf_config(hf_dir)
@@ -116,8 +135,13 @@ def _one_process(code: str, hf_dir: str, tmp: str, repeats: int) -> dict:
     out = os.path.join(tmp, "result.json")
     env = {**os.environ, "MEGAOPD_BENCH_CODE": code, "PYTHONPATH": code}
     # cwd=code: the forkserver's interpreter puts its working directory first on sys.path
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", hf_dir, tmp, str(repeats), out],
-                   env=env, cwd=code, check=True, timeout=3600)
+    subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", hf_dir, tmp, str(repeats), out],
+        env=env,
+        cwd=code,
+        check=True,
+        timeout=3600,
+    )
     with open(out) as f:
         return json.load(f)
 
@@ -154,16 +178,23 @@ def main() -> None:
                     runs[k] += r[k]
                 runs["bytes"] = r["bytes"]
             rows.append((name, runs))
-    print(f"{'model':8} {'MB':>8} {'old tree s':>11} {'no manifest s':>14} {'after s':>9} {'after/no manifest':>18} "
-          f"{'after/old tree':>15} {'sha256 MB/s':>12}")
+    print(
+        f"{'model':8} {'MB':>8} {'old tree s':>11} {'no manifest s':>14} {'after s':>9} {'after/no manifest':>18} "
+        f"{'after/old tree':>15} {'sha256 MB/s':>12}"
+    )
     for name, r in rows:
         mb = r["bytes"] / 1e6
         old = f"{med(r['old']):11.3f}" if r["old"] else f"{'-':>11}"
         vs_old = f"{med(r['after']) / med(r['old']):15.2f}" if r["old"] else f"{'-':>15}"
-        print(f"{name:8} {mb:8.1f} {old} {med(r['before']):14.3f} {med(r['after']):9.3f} "
-              f"{med(r['after']) / med(r['before']):18.2f} {vs_old} {mb / med(r['hash_s']):12.0f}")
-    print("saves per variant: " + ", ".join(f"{name} {len(r['after'])}" for name, r in rows)
-          + "; medians; old tree: --before's own save_model_checkpoint")
+        print(
+            f"{name:8} {mb:8.1f} {old} {med(r['before']):14.3f} {med(r['after']):9.3f} "
+            f"{med(r['after']) / med(r['before']):18.2f} {vs_old} {mb / med(r['hash_s']):12.0f}"
+        )
+    print(
+        "saves per variant: "
+        + ", ".join(f"{name} {len(r['after'])}" for name, r in rows)
+        + "; medians; old tree: --before's own save_model_checkpoint"
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ validation passes are the same code in both trees and only add noise). From each
     python benchmarks/demo_before_after.py --before /work/wt/before            # 2 pairs of 8-step runs
     python benchmarks/demo_before_after.py --before OLD --after NEW --pairs 3 --steps 6
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,11 +33,22 @@ PRESET = "examples/tiny/stable_opd.yaml"
 
 
 def one_run(tree: str, run_dir: str, steps: int, save_interval: int) -> dict:
-    cmd = [sys.executable, "-m", "megaopd.cli", "train", PRESET, f"run.dir={run_dir}", f"trainer.max_steps={steps}",
-           f"trainer.save_interval={save_interval}", "trainer.eval_interval=0", "logging.progress_bar=off"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megaopd.cli",
+        "train",
+        PRESET,
+        f"run.dir={run_dir}",
+        f"trainer.max_steps={steps}",
+        f"trainer.save_interval={save_interval}",
+        "trainer.eval_interval=0",
+        "logging.progress_bar=off",
+    ]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True,
-                       timeout=1800)
+    r = subprocess.run(
+        cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, timeout=1800
+    )
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise RuntimeError(f"{tree}: {' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
@@ -68,13 +80,20 @@ def main() -> None:
             for name, tree in trees.items():
                 r = one_run(tree, os.path.join(tmp, f"{name}_{i}"), a.steps, a.save_interval)
                 runs[name].append(r)
-                print(f"pair {i} {name:6}: s/step {med(r['step_s']):.3f}, save {med(r['save_s']):.3f} s, "
-                      f"other gap {med(r['other_s']):.3f} s, wall {r['wall_s']:.1f} s", flush=True)
+                print(
+                    f"pair {i} {name:6}: s/step {med(r['step_s']):.3f}, save {med(r['save_s']):.3f} s, "
+                    f"other gap {med(r['other_s']):.3f} s, wall {r['wall_s']:.1f} s",
+                    flush=True,
+                )
     cols = ("step_s", "save_s", "other_s", "wall_s")
-    pooled = {name: {c: med([v for r in rs for v in (r[c] if c != "wall_s" else [r[c]])]) for c in cols}
-              for name, rs in runs.items()}
-    print(f"\n{'':12} {'s/step':>8} {'save s':>8} {'other s':>8} {'wall s':>8}   (medians over {a.pairs} runs of "
-          f"{a.steps} steps each, a save every {a.save_interval})")
+    pooled = {
+        name: {c: med([v for r in rs for v in (r[c] if c != "wall_s" else [r[c]])]) for c in cols}
+        for name, rs in runs.items()
+    }
+    print(
+        f"\n{'':12} {'s/step':>8} {'save s':>8} {'other s':>8} {'wall s':>8}   (medians over {a.pairs} runs of "
+        f"{a.steps} steps each, a save every {a.save_interval})"
+    )
     for name in trees:
         print(f"{name:12} " + " ".join(f"{pooled[name][c]:8.3f}" for c in cols))
     print(f"{'after/before':12} " + " ".join(f"{pooled['after'][c] / pooled['before'][c]:8.2f}" for c in cols))

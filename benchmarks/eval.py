@@ -15,6 +15,7 @@ each) and every call of `batch` sequences is split evenly between them; the serv
     python benchmarks/eval.py --models small --problems 128 --max-new-tokens 128 --threads 2
     python benchmarks/eval.py --models small --batches 64 --servers 1,2     # embedded vs pool of 1 and 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ import torch  # noqa: E402
 
 MODELS = {
     # name: Qwen2Config overrides (vocab = the tiny tokenizer's 256 ids)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "small": dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2
+    ),
 }
 TOKENIZER_DIR = os.path.join(ROOT, "examples", "tiny", "tokenizer")
 VAL_FILE = os.path.join(ROOT, "examples", "tiny", "data", "val.jsonl")
@@ -43,8 +48,15 @@ def build_model(name: str, out_dir: str) -> str:
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), max_position_embeddings=4096, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=False, **MODELS[name])
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        max_position_embeddings=4096,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        **MODELS[name],
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return out_dir
@@ -72,9 +84,30 @@ def start_servers(hf_dir: str, n: int, max_batch: int) -> tuple[list, list[str]]
 
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     ports = [find_free_port() for _ in range(n)]
-    procs = [subprocess.Popen([sys.executable, "-m", "megaopd.cli", "serve", "--hf-dir", hf_dir, "--port", str(p),
-                               "--num-threads", "1", "--max-batch-size", str(max_batch), "--log-level", "WARNING"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "megaopd.cli",
+                "serve",
+                "--hf-dir",
+                hf_dir,
+                "--port",
+                str(p),
+                "--num-threads",
+                "1",
+                "--max-batch-size",
+                str(max_batch),
+                "--log-level",
+                "WARNING",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p in ports
+    ]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     engine_pool(urls, wait_s=300)  # waits until every server answers /health
     return procs, urls
@@ -117,16 +150,25 @@ def _timed(engine, tok, bench, model, batch, max_new_tokens, workdir, servers) -
 
     cfg = EvalConfig(samples=1, batch_size=batch, max_new_tokens=max_new_tokens, temperature=0.6)
     # Warm-up (first-call allocations, math-verify import) outside the timing.
-    evaluate(engine, tok, [Benchmark("warm", bench.problems[:2], 1)], EvalConfig(samples=1, batch_size=2, max_new_tokens=4))
+    evaluate(
+        engine, tok, [Benchmark("warm", bench.problems[:2], 1)], EvalConfig(samples=1, batch_size=2, max_new_tokens=4)
+    )
     engine.seconds, engine.tokens = 0.0, 0
     t0 = time.perf_counter()
     res = evaluate(engine, tok, [bench], cfg, out_dir=os.path.join(workdir, f"out_{model}_{batch}_{servers}"))
     wall = time.perf_counter() - t0
     b = res.benchmarks[0]
     return {
-        "model": model, "engine": f"pool of {servers} server(s)" if servers else "embedded", "batch": batch, "problems": b.n_problems, "max_new_tokens": max_new_tokens,
-        "wall_s": wall, "problems_per_s": b.n_problems / wall, "gen_tokens_per_s": engine.tokens / engine.seconds,
-        "gen_share": engine.seconds / wall, "mean_response_tokens": b.response_tokens_mean,
+        "model": model,
+        "engine": f"pool of {servers} server(s)" if servers else "embedded",
+        "batch": batch,
+        "problems": b.n_problems,
+        "max_new_tokens": max_new_tokens,
+        "wall_s": wall,
+        "problems_per_s": b.n_problems / wall,
+        "gen_tokens_per_s": engine.tokens / engine.seconds,
+        "gen_share": engine.seconds / wall,
+        "mean_response_tokens": b.response_tokens_mean,
         "truncation_rate": b.truncation_rate,
     }
 
@@ -135,16 +177,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--servers", default="",
-                    help="also through an EnginePool over this many `megaopd serve` processes (e.g. 1,2), at each batch")
+    ap.add_argument(
+        "--servers",
+        default="",
+        help="also through an EnginePool over this many `megaopd serve` processes (e.g. 1,2), at each batch",
+    )
     ap.add_argument("--problems", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (1: on a shared 2-core machine more threads spin against other jobs)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: on a shared 2-core machine more threads spin against other jobs)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"# torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} cores, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"# torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory() as workdir:
         for model in args.models.split(","):
@@ -153,11 +205,16 @@ def main(argv=None) -> int:
                     r = run(model, batch, args.problems, args.max_new_tokens, workdir, servers)
                     results.append(r)
                     print(json.dumps(r), flush=True)
-    print("\n| model | engine | generate batch | problems | new tokens | problems/s | gen tokens/s | generation share of time |")
+    print(
+        "\n| model | engine | generate batch | problems | new tokens | problems/s | gen tokens/s | generation "
+        "share of time |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['model']} | {r['engine']} | {r['batch']} | {r['problems']} | {r['mean_response_tokens']:.0f} | "
-              f"{r['problems_per_s']:.2f} | {r['gen_tokens_per_s']:.0f} | {100 * r['gen_share']:.0f}% |")
+        print(
+            f"| {r['model']} | {r['engine']} | {r['batch']} | {r['problems']} | {r['mean_response_tokens']:.0f} | "
+            f"{r['problems_per_s']:.2f} | {r['gen_tokens_per_s']:.0f} | {100 * r['gen_share']:.0f}% |"
+        )
     return 0
 
 

@@ -16,6 +16,7 @@ program's loads are in flight only between its reductions. Timings need the GPU
 (`benchmarks/loss.py --device cuda --sweep`); this table says which configurations are worth timing and
 why the measured ones land where they do. It is not a timing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,9 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        out = subprocess.run([ptxas, "-v", f"-arch=sm_{arch}a", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, check=True)
+        out = subprocess.run(
+            [ptxas, "-v", f"-arch=sm_{arch}a", f.name, "-o", os.devnull], capture_output=True, text=True, check=True
+        )
     finally:
         os.unlink(f.name)
     text = out.stdout + out.stderr
@@ -56,8 +58,12 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
 def programs_per_sm(regs: int, warps: int, smem: int) -> tuple[int, str]:
     """Resident programs per SM and the limit that binds (registers are allocated per warp in units of 256)."""
     per_warp = -(-regs * 32 // 256) * 256
-    limits = {"registers": SM_REGS // (per_warp * warps), "threads": SM_THREADS // (32 * warps),
-              "blocks": SM_BLOCKS, "shared memory": SM_SMEM // (smem + SMEM_PER_BLOCK)}
+    limits = {
+        "registers": SM_REGS // (per_warp * warps),
+        "threads": SM_THREADS // (32 * warps),
+        "blocks": SM_BLOCKS,
+        "shared memory": SM_SMEM // (smem + SMEM_PER_BLOCK),
+    }
     name = min(limits, key=limits.get)
     return limits[name], name
 
@@ -69,14 +75,17 @@ def main(argv=None) -> None:
     p.add_argument("--stages", default="1,2,3")
     args = p.parse_args(argv)
     from megaopd.ops import _kernels as K
-
     from megaopd.ops._gpu_build import build
 
-    kernels = {"stats (forward)": (K.stats_kernel, dict(HAS_Q=True, WITH_XEXP=True, WITH_DIFF=True), 2),
-               "grad (backward)": (K.grad_kernel, dict(MODE=1, WRITE_P=True, WRITE_Q=False, HAS_ONEHOT=True), 2)}
+    kernels = {
+        "stats (forward)": (K.stats_kernel, dict(HAS_Q=True, WITH_XEXP=True, WITH_DIFF=True), 2),
+        "grad (backward)": (K.grad_kernel, dict(MODE=1, WRITE_P=True, WRITE_Q=False, HAS_ONEHOT=True), 2),
+    }
     print(f"\nsm_{ARCH}, bf16 logits; loaded bytes per block = tensors read x block x 2\n")
-    print("| kernel | block | warps | stages | registers | spills | shared KiB | loads | programs / SM (limit) "
-          "| KiB requested / SM / step |")
+    print(
+        "| kernel | block | warps | stages | registers | spills | shared KiB | loads | programs / SM (limit) "
+        "| KiB requested / SM / step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, (fn, consts, tensors) in kernels.items():
         for block in (int(x) for x in args.blocks.split(",")):
@@ -88,8 +97,11 @@ def main(argv=None) -> None:
                     n, limit = programs_per_sm(regs, warps, smem)
                     loads = "cp.async" if "cp.async" in ptx else ("16 B" if "ld.global.v4" in ptx else "< 16 B")
                     kib = n * tensors * block * 2 * max(1, stages - 1) / 1024
-                    print(f"| {name} | {block} | {warps} | {stages} | {regs} | {spills} | {smem / 1024:.1f} | {loads} "
-                          f"| {n} ({limit}) | {kib:.0f} |", flush=True)
+                    print(
+                        f"| {name} | {block} | {warps} | {stages} | {regs} | {spills} | {smem / 1024:.1f} | {loads} "
+                        f"| {n} ({limit}) | {kib:.0f} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ allocator's peak above what was allocated before the step. GB/s = the bound's by
 reads the logits and the reference logits twice each and writes the gradient once (5 T V dtype-sized
 passes); "of bound" = that rate / --peak-gbs (default 3000, ~an H100's HBM3 in practice).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,7 +72,7 @@ class _GatherVocab(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[..., ctx.rank * ctx.v:(ctx.rank + 1) * ctx.v], None
+        return grad[..., ctx.rank * ctx.v : (ctx.rank + 1) * ctx.v], None
 
 
 def _full(shard, group):
@@ -107,11 +108,21 @@ def naive_lsm(d, group):
 def parallel_step(loss_fn, d, group, fuse=True):
     from megaopd.losses import LossInputs
 
-    inputs = LossInputs(fuse_reference=fuse,
-        logits_BTv=d["logits"], token_ids_BT=d["ids"], loss_mask_BT=d["mask"], tp_group=group,
-        old_logprobs_BT=d["old_lp"], teacher_logprobs_BT=d["teacher_lp"], ref_logits_BTv=d["ref_logits"],
-        teacher_topk_ids_BTK=d["topk_ids"], teacher_topk_logprobs_BTK=d["topk_lp"],
-        golden_logits_BTv=d["logits"], golden_ids_BT=d["ids"], golden_mask_BT=d["mask"])
+    inputs = LossInputs(
+        fuse_reference=fuse,
+        logits_BTv=d["logits"],
+        token_ids_BT=d["ids"],
+        loss_mask_BT=d["mask"],
+        tp_group=group,
+        old_logprobs_BT=d["old_lp"],
+        teacher_logprobs_BT=d["teacher_lp"],
+        ref_logits_BTv=d["ref_logits"],
+        teacher_topk_ids_BTK=d["topk_ids"],
+        teacher_topk_logprobs_BTK=d["topk_lp"],
+        golden_logits_BTv=d["logits"],
+        golden_ids_BT=d["ids"],
+        golden_mask_BT=d["mask"],
+    )
     return loss_fn(inputs)
 
 
@@ -132,8 +143,12 @@ def _make_inputs(tokens, vocab, rank, world, with_ref=True, seed=0):
     g.manual_seed(seed)  # per-token data identical on every TP rank
     ids = torch.randint(0, vocab, (1, tokens), generator=g)
     return dict(
-        logits=logits.requires_grad_(True), ref_logits=ref_logits, ids=ids, mask=torch.ones(1, tokens),
-        old_lp=-torch.rand(1, tokens, generator=g) * 5, teacher_lp=-torch.rand(1, tokens, generator=g) * 5,
+        logits=logits.requires_grad_(True),
+        ref_logits=ref_logits,
+        ids=ids,
+        mask=torch.ones(1, tokens),
+        old_lp=-torch.rand(1, tokens, generator=g) * 5,
+        teacher_lp=-torch.rand(1, tokens, generator=g) * 5,
         topk_ids=torch.randint(0, vocab, (1, tokens, TEACHER_K), generator=g),
         topk_lp=-torch.rand(1, tokens, TEACHER_K, generator=g).sort(-1).values * 10,
     )
@@ -178,8 +193,7 @@ def bench_worker(rank, world, tokens, vocab, repeats, losses, entropy, unfused=F
                 if i > 0:
                     times[key].append(elapsed)
                     peaks[key].append(peak)
-    return {key: (min(times[key]), statistics.median(times[key]), max(peaks[key]))
-            for key in fns if times[key]}
+    return {key: (min(times[key]), statistics.median(times[key]), max(peaks[key])) for key in fns if times[key]}
 
 
 # ---------------------------------------------------------------------------------------------- one GPU
@@ -187,8 +201,9 @@ def ops_stable_opd(d, impl, sft_weight=0.1, ref_kl_weight=0.01, eps=0.2):
     """stable_opd's arithmetic (as naive_stable_opd) on the fused op with an explicit implementation."""
     from megaopd import ops
 
-    logp, kl, entropy = ops.vocab_parallel_logprobs_kl(d["logits"], d["ids"], d["ref_logits"], with_entropy=True,
-                                                       impl=impl)
+    logp, kl, entropy = ops.vocab_parallel_logprobs_kl(
+        d["logits"], d["ids"], d["ref_logits"], with_entropy=True, impl=impl
+    )
     adv = d["teacher_lp"] - d["old_lp"]
     ratio = torch.exp(logp - d["old_lp"])
     pg = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
@@ -200,14 +215,17 @@ def _gpu_inputs(tokens, vocab, dtype, device):
     g = torch.Generator(device=device).manual_seed(tokens)
     logits = (3 * torch.randn(1, tokens, vocab, generator=g, device=device)).to(dtype)
     ref = (logits.float() + torch.randn(1, tokens, vocab, generator=g, device=device)).to(dtype)
-    return dict(logits=logits.requires_grad_(), ref_logits=ref,
-                ids=torch.randint(0, vocab, (1, tokens), generator=g, device=device),
-                mask=torch.ones(1, tokens, device=device),
-                old_lp=-5 * torch.rand(1, tokens, generator=g, device=device),
-                teacher_lp=-5 * torch.rand(1, tokens, generator=g, device=device),
-                # read by parallel_step's LossInputs, unused by stable_opd
-                topk_ids=torch.zeros(1, tokens, TEACHER_K, dtype=torch.long, device=device),
-                topk_lp=torch.zeros(1, tokens, TEACHER_K, device=device))
+    return dict(
+        logits=logits.requires_grad_(),
+        ref_logits=ref,
+        ids=torch.randint(0, vocab, (1, tokens), generator=g, device=device),
+        mask=torch.ones(1, tokens, device=device),
+        old_lp=-5 * torch.rand(1, tokens, generator=g, device=device),
+        teacher_lp=-5 * torch.rand(1, tokens, generator=g, device=device),
+        # read by parallel_step's LossInputs, unused by stable_opd
+        topk_ids=torch.zeros(1, tokens, TEACHER_K, dtype=torch.long, device=device),
+        topk_lp=torch.zeros(1, tokens, TEACHER_K, device=device),
+    )
 
 
 def _time_steps(step, d, repeats, device, backward=True):
@@ -258,10 +276,12 @@ def gpu_main(args):
     skip = set(args.skip.split(",")) if args.skip else set()
     token_counts = [int(x) for x in (args.tokens or "4096,8192").split(",")]
     size = torch.finfo(dtype).bits // 8
-    print(f"\n{torch.cuda.get_device_name(device) if device.type == 'cuda' else device}, torch {torch.__version__}, "
-          f"vocab {args.vocab}, {args.dtype} logits, TP=1; median of {args.repeats} steps (forward + backward); "
-          f"bound = 5 T V x {size} bytes (logits and reference read twice, gradient written once) at "
-          f"{args.peak_gbs:.0f} GB/s\n")
+    print(
+        f"\n{torch.cuda.get_device_name(device) if device.type == 'cuda' else device}, torch {torch.__version__}, "
+        f"vocab {args.vocab}, {args.dtype} logits, TP=1; median of {args.repeats} steps (forward + backward); "
+        f"bound = 5 T V x {size} bytes (logits and reference read twice, gradient written once) at "
+        f"{args.peak_gbs:.0f} GB/s\n"
+    )
     print("| variant | T | ms | GB/s | of bound | bound ms | loss | peak GiB above inputs |")
     print("|---|---|---|---|---|---|---|---|")
     for T in token_counts:
@@ -273,8 +293,11 @@ def gpu_main(args):
             loss = float(step(d)[0].detach())
             ms, peak = _time_steps(step, d, args.repeats, device)
             gbs = bound_bytes / (ms * 1e-3) / 1e9
-            print(f"| {name} | {T} | {ms:.2f} | {gbs:.0f} | {gbs / args.peak_gbs:.2f} "
-                  f"| {bound_bytes / args.peak_gbs / 1e9 * 1e3:.2f} | {loss:.6f} | {peak / 2**30:.2f} |", flush=True)
+            print(
+                f"| {name} | {T} | {ms:.2f} | {gbs:.0f} | {gbs / args.peak_gbs:.2f} "
+                f"| {bound_bytes / args.peak_gbs / 1e9 * 1e3:.2f} | {loss:.6f} | {peak / 2**30:.2f} |",
+                flush=True,
+            )
         del d
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -291,10 +314,14 @@ def sweep_main(args):
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     size = torch.finfo(dtype).bits // 8
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton's interpreter (a smoke run)"
-    print(f"\n{name}, vocab {args.vocab}, {args.dtype}; fused op impl=triton, "
-          f"median of {args.repeats}; the default launch first\n")
-    print("| T | block | warps | stages | forward ms | of its bound | backward ms | of its bound | total ms "
-          "| of bound | loss |")
+    print(
+        f"\n{name}, vocab {args.vocab}, {args.dtype}; fused op impl=triton, "
+        f"median of {args.repeats}; the default launch first\n"
+    )
+    print(
+        "| T | block | warps | stages | forward ms | of its bound | backward ms | of its bound | total ms "
+        "| of bound | loss |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def forward(x):
@@ -321,8 +348,11 @@ def sweep_main(args):
             b, w, st = (f"default {default.block}", default.warps, default.stages) if cfg is None else cfg
             b_ms = ms - f_ms  # medians of separate runs: noise can leave it <= 0
             b_of = f"{0.6 * bound_ms / b_ms:.2f}" if b_ms > 0 else "n/a"
-            print(f"| {T} | {b} | {w} | {st} | {f_ms:.2f} | {0.4 * bound_ms / f_ms:.2f} | {b_ms:.2f} | {b_of} "
-                  f"| {ms:.2f} | {bound_ms / ms:.2f} | {value:.6f} |", flush=True)
+            print(
+                f"| {T} | {b} | {w} | {st} | {f_ms:.2f} | {0.4 * bound_ms / f_ms:.2f} | {b_ms:.2f} | {b_of} "
+                f"| {ms:.2f} | {bound_ms / ms:.2f} | {value:.6f} |",
+                flush=True,
+            )
         _triton.FORCE_LAUNCH = None
         del d
         if device.type == "cuda":
@@ -348,8 +378,10 @@ def count_ops_main(args):
     T = int(args.tokens or 16)
     d = _gpu_inputs(T, args.vocab, torch.float32 if device.type == "cpu" else getattr(torch, args.dtype), device)
     stable_opd = build_loss("stable_opd", {"opd": {"log_entropy": True}})
-    variants = {"fused op + the formula's per-token ops (impl default)": lambda x: ops_stable_opd(x, "auto"),
-                "megaopd stable_opd loss (LossInputs)": lambda x: parallel_step(stable_opd, x, None)}
+    variants = {
+        "fused op + the formula's per-token ops (impl default)": lambda x: ops_stable_opd(x, "auto"),
+        "megaopd stable_opd loss (LossInputs)": lambda x: parallel_step(stable_opd, x, None),
+    }
     print(f"\n{device}, T={T}, vocab {args.vocab}: aten operators dispatched\n")
     print("| variant | forward | backward | total |")
     print("|---|---|---|---|")
@@ -366,31 +398,56 @@ def count_ops_main(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cpu",
-                   help="cpu (default: TP workers over gloo, the table above) or cuda (one GPU, CUDA events)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default: TP workers over gloo, the table above) or cuda (one GPU, CUDA events)",
+    )
     p.add_argument("--dtype", default="bfloat16", help="logits dtype with --device cuda (default bfloat16)")
     p.add_argument("--peak-gbs", type=float, default=3000.0, help="memory bandwidth for the bound, GB/s")
     p.add_argument("--skip", default="", help="with --device cuda: comma-separated substrings of variants to skip")
-    p.add_argument("--tokens", default=None,
-                   help="response tokens per rank (default 4096; with --device cuda a list, default 4096,8192)")
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help="response tokens per rank (default 4096; with --device cuda a list, default 4096,8192)",
+    )
     p.add_argument("--vocab", type=int, default=QWEN_VOCAB, help="vocabulary size (default Qwen2.5: 152064)")
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes (gloo workers)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed steps after the warm-up (default 3 on CPU, 20 with --device cuda)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed steps after the warm-up (default 3 on CPU, 20 with --device cuda)",
+    )
     p.add_argument("--losses", default="stable_opd,lsm")
-    p.add_argument("--threads", type=int, default=1,
-                   help="intra-op threads per worker (default 1: extra threads spin against other jobs on a "
-                        "shared machine)")
-    p.add_argument("--unfused", action="store_true",
-                   help="also time stable_opd on the separate (unfused) ops, LossInputs(fuse_reference=False)")
-    p.add_argument("--no-entropy", action="store_true",
-                   help="stable_opd without the entropy metric (opd.log_entropy=false), in both implementations")
-    p.add_argument("--sweep", action="store_true",
-                   help="time the Triton fused op under each launch configuration instead (on CPU: a smoke run, "
-                        "TRITON_INTERPRET=1)")
-    p.add_argument("--count-ops", action="store_true",
-                   help="count the operators the loss and the fused op dispatch, forward and backward (default "
-                        "T=16, vocab 512 on CPU: the count does not depend on the sizes)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads per worker (default 1: extra threads spin against other jobs on a shared machine)",
+    )
+    p.add_argument(
+        "--unfused",
+        action="store_true",
+        help="also time stable_opd on the separate (unfused) ops, LossInputs(fuse_reference=False)",
+    )
+    p.add_argument(
+        "--no-entropy",
+        action="store_true",
+        help="stable_opd without the entropy metric (opd.log_entropy=false), in both implementations",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time the Triton fused op under each launch configuration instead (on CPU: a smoke run, "
+        "TRITON_INTERPRET=1)",
+    )
+    p.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="count the operators the loss and the fused op dispatch, forward and backward (default "
+        "T=16, vocab 512 on CPU: the count does not depend on the sizes)",
+    )
     args = p.parse_args(argv)
     if args.count_ops:
         args.vocab = 512 if args.vocab == QWEN_VOCAB and args.device == "cpu" else args.vocab
@@ -415,8 +472,13 @@ def main(argv=None):
         if args.vocab % tp:
             raise SystemExit(f"--vocab {args.vocab} is not divisible by TP={tp}")
         threads = str(args.threads)
-        per_rank = spawn(bench_worker, world_size=tp, timeout=3600, env={"MEGAOPD_WORKER_THREADS": threads},
-                         args=(args.tokens, args.vocab, args.repeats, losses, not args.no_entropy, args.unfused))
+        per_rank = spawn(
+            bench_worker,
+            world_size=tp,
+            timeout=3600,
+            env={"MEGAOPD_WORKER_THREADS": threads},
+            args=(args.tokens, args.vocab, args.repeats, losses, not args.no_entropy, args.unfused),
+        )
         for loss_name in losses:
             nv = [r[(loss_name, "naive")] for r in per_rank]
             for impl, label in (("vocab_parallel", loss_name), ("unfused", f"{loss_name} (unfused ops)")):
@@ -424,20 +486,36 @@ def main(argv=None):
                     continue
                 vp = [r[(loss_name, impl)] for r in per_rank]
                 # Slowest rank's best / median step; largest rank's peak.
-                rows.append((label, tp, max(x[0] for x in vp), max(x[0] for x in nv), max(x[1] for x in vp),
-                             max(x[1] for x in nv), max(x[2] for x in vp), max(x[2] for x in nv)))
+                rows.append(
+                    (
+                        label,
+                        tp,
+                        max(x[0] for x in vp),
+                        max(x[0] for x in nv),
+                        max(x[1] for x in vp),
+                        max(x[1] for x in nv),
+                        max(x[2] for x in vp),
+                        max(x[2] for x in nv),
+                    )
+                )
             print(f"done: {loss_name} TP={tp}", file=sys.stderr, flush=True)
 
     logits_mib = args.tokens * args.vocab * 4 / 2**20
-    print(f"\nvocab {args.vocab}, {args.tokens} tokens per rank (full float32 logits {logits_mib:.0f} MiB), "
-          f"entropy metric {'off' if args.no_entropy else 'on'}; time = best (median) of {args.repeats} steps, "
-          f"forward + backward; peak = VmHWM - VmRSS before the step, max over ranks; VP = vocab-parallel\n")
-    print("| loss | TP | time VP (s) | time naive (s) | time ratio VP/naive | peak VP (MiB) | peak naive (MiB) "
-          "| memory ratio VP/naive | memory target |")
+    print(
+        f"\nvocab {args.vocab}, {args.tokens} tokens per rank (full float32 logits {logits_mib:.0f} MiB), "
+        f"entropy metric {'off' if args.no_entropy else 'on'}; time = best (median) of {args.repeats} steps, "
+        f"forward + backward; peak = VmHWM - VmRSS before the step, max over ranks; VP = vocab-parallel\n"
+    )
+    print(
+        "| loss | TP | time VP (s) | time naive (s) | time ratio VP/naive | peak VP (MiB) | peak naive (MiB) "
+        "| memory ratio VP/naive | memory target |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for loss_name, tp, t_vp, t_nv, med_vp, med_nv, m_vp, m_nv in rows:
-        print(f"| {loss_name} | {tp} | {t_vp:.2f} ({med_vp:.2f}) | {t_nv:.2f} ({med_nv:.2f}) | {t_vp / t_nv:.2f} "
-              f"| {m_vp:.0f} | {m_nv:.0f} | {m_vp / m_nv:.2f} | <= {1 / tp + 0.1:.2f} |")
+        print(
+            f"| {loss_name} | {tp} | {t_vp:.2f} ({med_vp:.2f}) | {t_nv:.2f} ({med_nv:.2f}) | {t_vp / t_nv:.2f} "
+            f"| {m_vp:.0f} | {m_nv:.0f} | {m_vp / m_nv:.2f} | <= {1 / tp + 0.1:.2f} |"
+        )
 
 
 if __name__ == "__main__":

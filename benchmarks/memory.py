@@ -25,6 +25,7 @@ the share of the micro-batch that 1024, the trainer's default, is of a 16k-token
 `--before REV` extracts megaopd/ of that git revision into a temporary directory (git archive) and measures it
 in a subprocess with that PYTHONPATH; this checkout is measured the same way. Results: benchmarks/README.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def allocations(fn):
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     return out, [e.nbytes() for e in events]
 
 
@@ -74,8 +76,7 @@ def _median_seconds(fn, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: int = 0,
-            time_reps: int = 3) -> dict:
+def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: int = 0, time_reps: int = 3) -> dict:
     """Peak bytes of each case (runs in the process whose PYTHONPATH holds the megaopd to measure), and under
     "seconds" the median time of each over time_reps calls (0: not timed)."""
     import torch
@@ -99,10 +100,22 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    hf = read_hf_config({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab,
-                         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": tokens,
-                         "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False})
+    hf = read_hf_config(
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "vocab_size": vocab,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": tokens,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+        }
+    )
     L = tokens // seqs
     tokens_BS = torch.randint(3, vocab, (seqs, L))
     init_distributed()
@@ -119,22 +132,35 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
 
         def score(packed: bool):
             with torch.no_grad():
-                score_tokens(runner, tokens_BS, ScoringBatches(seqs, tokens if packed else None, lengths_B),
-                             ScoreRequest(1.0, entropy=True))
+                score_tokens(
+                    runner,
+                    tokens_BS,
+                    ScoringBatches(seqs, tokens if packed else None, lengths_B),
+                    ScoreRequest(1.0, entropy=True),
+                )
 
         row = PackedRow([Segment(0, b, L) for b in range(seqs)], tokens)
         T = tokens - 1
         half = (torch.arange(T) % L) >= L // 2  # response: the second half of each sequence
-        mb = MicroBatch(tokens_BS=row.tokens({0: tokens_BS}, 0), loss_mask_BT=half[None].float(),
-                        golden_mask_BT=(~half)[None].float(), counts=StepCounts(T / 2, seqs, T / 2, seqs),
-                        inputs={OLD_LOGPROBS: -torch.rand(1, T), TEACHER_LOGPROBS: -torch.rand(1, T)},
-                        seq_ids_BT=row.seq_ids(), packed=row)
+        mb = MicroBatch(
+            tokens_BS=row.tokens({0: tokens_BS}, 0),
+            loss_mask_BT=half[None].float(),
+            golden_mask_BT=(~half)[None].float(),
+            counts=StepCounts(T / 2, seqs, T / 2, seqs),
+            inputs={OLD_LOGPROBS: -torch.rand(1, T), TEACHER_LOGPROBS: -torch.rand(1, T)},
+            seq_ids_BT=row.seq_ids(),
+            packed=row,
+        )
 
         Tp = L - 1
         half_BT = (torch.arange(Tp) >= L // 2).expand(seqs, Tp)
-        padded = MicroBatch(tokens_BS=tokens_BS, loss_mask_BT=half_BT.float(), golden_mask_BT=(~half_BT).float(),
-                            counts=StepCounts(T / 2, seqs, T / 2, seqs),
-                            inputs={OLD_LOGPROBS: -torch.rand(seqs, Tp), TEACHER_LOGPROBS: -torch.rand(seqs, Tp)})
+        padded = MicroBatch(
+            tokens_BS=tokens_BS,
+            loss_mask_BT=half_BT.float(),
+            golden_mask_BT=(~half_BT).float(),
+            counts=StepCounts(T / 2, seqs, T / 2, seqs),
+            inputs={OLD_LOGPROBS: -torch.rand(seqs, Tp), TEACHER_LOGPROBS: -torch.rand(seqs, Tp)},
+        )
 
         def step_fn(m, logits_BSv, partner_BSv):
             loss, _ = loss_fn(m.loss_inputs(logits_BSv, partner_BSv, pgs.tp, 1.0, loss_fn.needs))
@@ -145,8 +171,12 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
             for p in actor.parameters():  # megatron's main_grad buffers are not in use here: plain .grad
                 p.grad = None
 
-        cases = {"score, packed": lambda: score(True), "score, padded": lambda: score(False),
-                 "train, packed": lambda: train(mb), "train, padded": lambda: train(padded)}
+        cases = {
+            "score, packed": lambda: score(True),
+            "score, padded": lambda: score(False),
+            "train, packed": lambda: train(mb),
+            "train, padded": lambda: train(padded),
+        }
         for fn in cases.values():  # warm-up: lazy buffers (rope cache), first-call allocations
             fn()
         peaks = {name: _peak_bytes(fn) for name, fn in cases.items()}
@@ -159,10 +189,23 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
 
 def _measure_in(path: str, args, chunk_tokens: int = 0) -> dict[str, int]:
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", f"--vocab={args.vocab}",
-                          f"--tokens={args.tokens}", f"--seqs={args.seqs}", f"--chunk-mib={args.chunk_mib}",
-                          f"--chunk-tokens={chunk_tokens}"], env=env, cwd=path, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            f"--vocab={args.vocab}",
+            f"--tokens={args.tokens}",
+            f"--seqs={args.seqs}",
+            f"--chunk-mib={args.chunk_mib}",
+            f"--chunk-tokens={chunk_tokens}",
+        ],
+        env=env,
+        cwd=path,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -181,8 +224,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--seqs", type=int, default=8)
-    ap.add_argument("--chunk-mib", type=float, default=4.0,
-                    help="the ops' float32 chunk (megaopd.ops DEFAULT_CHUNK_BYTES, 128 MiB on a GPU), in MiB")
+    ap.add_argument(
+        "--chunk-mib",
+        type=float,
+        default=4.0,
+        help="the ops' float32 chunk (megaopd.ops DEFAULT_CHUNK_BYTES, 128 MiB on a GPU), in MiB",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tokens % args.seqs:
@@ -197,8 +244,10 @@ def main() -> None:
             runs[f"before ({args.before})"] = _measure_in(_checkout(args.before, tmp), args)
         runs["whole"] = _measure_in(ROOT, args)
         runs[f"fused ({args.chunk_tokens})"] = _measure_in(ROOT, args, args.chunk_tokens)
-    print(f"V={args.vocab}, {args.tokens} tokens ({args.seqs} x {args.tokens // args.seqs}), bf16; "
-          f"L = one bf16 logits tensor = {logits / 2**20:.0f} MiB; ops chunk {args.chunk_mib:g} MiB float32")
+    print(
+        f"V={args.vocab}, {args.tokens} tokens ({args.seqs} x {args.tokens // args.seqs}), bf16; "
+        f"L = one bf16 logits tensor = {logits / 2**20:.0f} MiB; ops chunk {args.chunk_mib:g} MiB float32"
+    )
     names = list(runs)
     head = f"{'case':<16}" + "".join(f"{n + ' MiB':>20}{'L':>6}" for n in names)
     print(head + f"{'fused/whole':>13}")
@@ -208,7 +257,9 @@ def main() -> None:
         print(line + f"{runs[fused][case] / runs[whole][case]:>13.2f}")
     # Time too (median of 3 after a warm-up; one thread; the runs follow each other, so load changes between
     # them show): the fused path makes each chunk's logits again in backward.
-    print(f"\n{'case':<16}" + "".join(f"{n + ' s':>20}" for n in names if "seconds" in runs[n]) + f"{'fused/whole':>13}")
+    print(
+        f"\n{'case':<16}" + "".join(f"{n + ' s':>20}" for n in names if "seconds" in runs[n]) + f"{'fused/whole':>13}"
+    )
     for case in CASES:
         line = f"{case:<16}" + "".join(f"{runs[n]['seconds'][case]:>20.3f}" for n in names if "seconds" in runs[n])
         print(line + f"{runs[fused]['seconds'][case] / runs[whole]['seconds'][case]:>13.2f}")

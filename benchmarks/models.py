@@ -13,6 +13,7 @@ What is timed (models: random `tiny-qwen2` and `qwen2-100m` from megaopd.models.
     python benchmarks/models.py                        # both models, batch 4 x 256, 5 reps
     python benchmarks/models.py --models tiny-qwen2 --batch 2 --seq 128 --reps 3 --no-convert
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,9 @@ def forward_worker(rank, world, hf_dir, batch, seq, reps):
             t0 = time.perf_counter()
             model(ids, pos, attention_mask=None)
             times.append(time.perf_counter() - t0)
-    return dict(ms=1000 * statistics.median(times), weights_mib=rss_weights,
-                fwd_peak_mib=max(0.0, _peak_rss_mib() - rss1))
+    return dict(
+        ms=1000 * statistics.median(times), weights_mib=rss_weights, fwd_peak_mib=max(0.0, _peak_rss_mib() - rss1)
+    )
 
 
 def _tool(args) -> float:
@@ -118,8 +120,7 @@ def main(argv=None) -> int:
         n_params = sum(math.prod(s) for s in hf_shapes(read_hf_config(hf_dir)).values())
         base = None
         for tp in (1, 2):
-            r = max(spawn(forward_worker, tp, (hf_dir, a.batch, a.seq, a.reps), timeout=1800),
-                    key=lambda x: x["ms"])
+            r = max(spawn(forward_worker, tp, (hf_dir, a.batch, a.seq, a.reps), timeout=1800), key=lambda x: x["ms"])
             base = base or r
             fwd_rows.append((name, n_params, tp, r, base))
             print(f"{name} tp={tp}: {r['ms']:.1f} ms", flush=True)
@@ -127,24 +128,39 @@ def main(argv=None) -> int:
             continue
         for tp in (1, 2):
             ckpt, back = os.path.join(tmp, f"{name}-tp{tp}"), os.path.join(tmp, f"{name}-tp{tp}-hf")
-            wall = _tool([os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"), "--hf-dir", hf_dir,
-                          "--out", ckpt, "--tp", str(tp)])
+            wall = _tool(
+                [
+                    os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
+                    "--hf-dir",
+                    hf_dir,
+                    "--out",
+                    ckpt,
+                    "--tp",
+                    str(tp),
+                ]
+            )
             work = max(spawn(convert_work_worker, tp, (hf_dir, ckpt + "-work"), timeout=1800))
             back_wall = _tool([os.path.join(ROOT, "tools", "convert_megatron_to_hf.py"), "--ckpt", ckpt, "--out", back])
             conv_rows.append((name, tp, wall, work, back_wall, _du_mib(os.path.join(ckpt, "model"))))
             print(f"{name} convert tp={tp}: {wall:.1f} s", flush=True)
 
     load = os.getloadavg()[0]
-    print(f"\n{os.cpu_count()}-core CPU, load average {load:.1f}, {datetime.date.today()}, "
-          f"batch {a.batch} x seq {a.seq}, median of {a.reps}\n")
-    print("| model | params | TP | forward ms | tokens/s | speed-up vs TP=1 | weights MiB/rank | ratio | "
-          "forward peak MiB/rank | ratio |")
+    print(
+        f"\n{os.cpu_count()}-core CPU, load average {load:.1f}, {datetime.date.today()}, "
+        f"batch {a.batch} x seq {a.seq}, median of {a.reps}\n"
+    )
+    print(
+        "| model | params | TP | forward ms | tokens/s | speed-up vs TP=1 | weights MiB/rank | ratio | "
+        "forward peak MiB/rank | ratio |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, n_params, tp, r, b in fwd_rows:
         toks = a.batch * a.seq / (r["ms"] / 1000)
-        print(f"| {name} | {n_params / 1e6:.1f}M | {tp} | {r['ms']:.1f} | {toks:.0f} | {b['ms'] / r['ms']:.2f}x | "
-              f"{r['weights_mib']:.0f} | {r['weights_mib'] / max(b['weights_mib'], 1e-9):.2f} | "
-              f"{r['fwd_peak_mib']:.0f} | {r['fwd_peak_mib'] / max(b['fwd_peak_mib'], 1e-9):.2f} |")
+        print(
+            f"| {name} | {n_params / 1e6:.1f}M | {tp} | {r['ms']:.1f} | {toks:.0f} | {b['ms'] / r['ms']:.2f}x | "
+            f"{r['weights_mib']:.0f} | {r['weights_mib'] / max(b['weights_mib'], 1e-9):.2f} | "
+            f"{r['fwd_peak_mib']:.0f} | {r['fwd_peak_mib'] / max(b['fwd_peak_mib'], 1e-9):.2f} |"
+        )
     if conv_rows:
         print("\n| model | TP | HF -> Megatron wall s | of which work s | Megatron -> HF wall s | checkpoint MiB |")
         print("|---|---:|---:|---:|---:|---:|")

@@ -15,6 +15,7 @@ A run whose summary.json exists is not run again. `recompute` is left out of the
 mini-batch per step the recomputed reward equals log pi_old's (docs/algorithms.md 1.12), so its runs repeat
 `none`'s. Results: benchmarks/README.md, "Learning is not lost".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,12 +53,29 @@ def start(out: str, arm: tuple, env: dict, steps: int) -> tuple[subprocess.Popen
     server, url = _serve(env, 64)
     d = run_dir(out, arm)
     os.makedirs(d, exist_ok=True)
-    cmd = [sys.executable, "-m", "megaopd.cli", "train", os.path.join(TINY, "stable_opd.yaml"), f"run.dir={d}",
-           "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", f"trainer.max_steps={steps}",
-           f"trainer.eval_interval={steps}", f"trainer.save_interval={steps}", "logging.tensorboard=false",
-           "logging.progress_bar=off",
-           "rollout.engine=remote", f"rollout.urls=[{url}]", f"rollout.mode={mode}",
-           f"loss.off_policy_correction={correction}", f"trainer.seed={seed}", f"data.seed={seed}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megaopd.cli",
+        "train",
+        os.path.join(TINY, "stable_opd.yaml"),
+        f"run.dir={d}",
+        "run.world_size=1",
+        "student.tp=1",
+        "reference.tp=1",
+        "teacher.tp=1",
+        f"trainer.max_steps={steps}",
+        f"trainer.eval_interval={steps}",
+        f"trainer.save_interval={steps}",
+        "logging.tensorboard=false",
+        "logging.progress_bar=off",
+        "rollout.engine=remote",
+        f"rollout.urls=[{url}]",
+        f"rollout.mode={mode}",
+        f"loss.off_policy_correction={correction}",
+        f"trainer.seed={seed}",
+        f"data.seed={seed}",
+    ]
     if mode == "async":
         cmd.append(f"rollout.max_staleness={staleness}")
     log = open(os.path.join(d, "train.log"), "a")
@@ -94,10 +112,17 @@ def stats(path: str) -> dict | None:
 
     def tail(key):
         return statistics.mean(r.get(key, 0.0) for r in last)
-    return {"start": val[0], "final": val[-1], "trunc": tail("rollout/truncation_rate"),
-            "rep": tail("rollout/repetition_rate"), "rkl": tail("opd/reverse_kl"),
-            "stale": tail("pipeline/staleness_mean"), "w_mean": tail("off_policy/weight_mean"),
-            "clip": tail("off_policy/clip_frac")}
+
+    return {
+        "start": val[0],
+        "final": val[-1],
+        "trunc": tail("rollout/truncation_rate"),
+        "rep": tail("rollout/repetition_rate"),
+        "rkl": tail("opd/reverse_kl"),
+        "stale": tail("pipeline/staleness_mean"),
+        "w_mean": tail("off_policy/weight_mean"),
+        "clip": tail("off_policy/clip_frac"),
+    }
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -111,20 +136,27 @@ def report(out: str, seeds: list[int], async_seeds: list[int] | None = None) -> 
         s = stats(run_dir(out, arm))
         if s is not None:
             groups.setdefault(name(*arm[:3]), []).append(s)
-    lines = ["| arm | seeds | final val accuracy | per seed | truncation | repetition | reverse KL | staleness "
-             "| weight mean / clipped (tis, mis) |", "|---|---:|---|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "| arm | seeds | final val accuracy | per seed | truncation | repetition | reverse KL | staleness "
+        "| weight mean / clipped (tis, mis) |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|",
+    ]
     for arm, ss in groups.items():
         m, se = mean_se([s["final"] for s in ss])
         avg = {k: statistics.mean(s[k] for s in ss) for k in ss[0]}
         w = f"{avg['w_mean']:.3f} / {avg['clip']:.4f}" if "tis" in arm or "mis" in arm else "-"
         per_seed = ", ".join(f"{s['final']:.3f}" for s in ss)
-        lines.append(f"| {arm} | {len(ss)} | {m:.3f} +/- {se:.3f} | {per_seed} | "
-                     f"{avg['trunc']:.3f} | {avg['rep']:.3f} | {avg['rkl']:.4f} | {avg['stale']:.2f} | {w} |")
+        lines.append(
+            f"| {arm} | {len(ss)} | {m:.3f} +/- {se:.3f} | {per_seed} | "
+            f"{avg['trunc']:.3f} | {avg['rep']:.3f} | {avg['rkl']:.4f} | {avg['stale']:.2f} | {w} |"
+        )
     if "sync" in groups:
         start_acc = groups["sync"][0]["start"]
         finals = [s["final"] for s in groups["sync"]]
-        lines += ["", f"Validation accuracy at step 0: {start_acc}. sync's seeds span "
-                      f"{min(finals):.3f}-{max(finals):.3f}."]
+        lines += [
+            "",
+            f"Validation accuracy at step 0: {start_acc}. sync's seeds span {min(finals):.3f}-{max(finals):.3f}.",
+        ]
     return "\n".join(lines)
 
 
@@ -133,10 +165,19 @@ def main() -> int:
     ap.add_argument("--out", default="runs/overlap_learning")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time (each: a trainer and a server)")
-    ap.add_argument("--async-seeds", type=int, nargs="+", default=None,
-                    help="seeds of the async arms (default: the first of --seeds)")
-    ap.add_argument("--arms", nargs="+", default=None,
-                    help="run only these arms (names as in the table: sync, one_step_off_tis, async_tis_s2, ...)")
+    ap.add_argument(
+        "--async-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="seeds of the async arms (default: the first of --seeds)",
+    )
+    ap.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        help="run only these arms (names as in the table: sync, one_step_off_tis, async_tis_s2, ...)",
+    )
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--steps", type=int, default=40, help="trainer.max_steps (40: the preset's run)")
     args = ap.parse_args()

@@ -7,6 +7,7 @@ two arms alternating, median of --reps.
 
     python benchmarks/packed_attention.py [--reps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,15 @@ MIXES = {  # name: (shortest, longest, sequences in the row)
 
 def per_sequence(q, k, v, bounds, scale, gqa):
     """The loop this replaced: one causal SDPA per sequence."""
-    return torch.cat([F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)), is_causal=True,
-                                                     scale=scale, enable_gqa=gqa).transpose(0, 1)
-                      for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                *(x[s:e].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale, enable_gqa=gqa
+            ).transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:])
+            if e > s
+        ]
+    )
 
 
 def _time(fn, q, k, v, bounds, scale, gqa):
@@ -65,10 +72,12 @@ def main(argv=None) -> int:
             times = {a: [] for a in arms}
             for _ in range(args.reps + 1):  # the first round warms up
                 for a, fn in arms.items():
-                    times[a].append(_time(fn, q, k, v, bounds, 24 ** -0.5, hq != hk))
+                    times[a].append(_time(fn, q, k, v, bounds, 24**-0.5, hq != hk))
             loop, batched = (statistics.median(times[a][1:]) for a in arms)
-            print(f"| {name} | {hq} / {hk} | {bounds[-1]} | {loop:.1f} | {batched:.1f} | {loop / batched:.1f}x |",
-                  flush=True)
+            print(
+                f"| {name} | {hq} / {hk} | {bounds[-1]} | {loop:.1f} | {batched:.1f} | {loop / batched:.1f}x |",
+                flush=True,
+            )
     return 0
 
 

@@ -24,6 +24,7 @@ batch, computed at 256 x 8192 x K=32.
     python benchmarks/packing.py --rollout-bytes-only   # only the rollout-data tables
     python benchmarks/packing.py --rollout-modes-only   # only bytes per rank per rollout.mode (issue 25)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,11 +51,17 @@ def synthetic_rollout(prompt_lens, response_lens, vocab: int):
     tokens = torch.zeros(B, S, dtype=torch.long)
     mask = torch.zeros(B, S - 1)
     for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        tokens[b, :p + r] = torch.randint(1, vocab, (p + r,), generator=g)
-        mask[b, p - 1:p + r - 1] = 1
-    return RolloutBatch(tokens_BS=tokens, loss_mask_BT=mask, engine_logprobs_BT=torch.zeros(B, S - 1),
-                        prompt_lens_B=torch.tensor(prompt_lens), response_lens_B=torch.tensor(response_lens),
-                        finish_reasons=["stop"] * B, group_ids_B=torch.arange(B))
+        tokens[b, : p + r] = torch.randint(1, vocab, (p + r,), generator=g)
+        mask[b, p - 1 : p + r - 1] = 1
+    return RolloutBatch(
+        tokens_BS=tokens,
+        loss_mask_BT=mask,
+        engine_logprobs_BT=torch.zeros(B, S - 1),
+        prompt_lens_B=torch.tensor(prompt_lens),
+        response_lens_B=torch.tensor(response_lens),
+        finish_reasons=["stop"] * B,
+        group_ids_B=torch.arange(B),
+    )
 
 
 def _worker(rank, world, hf_dir, mode, prompt_lens, response_lens, mbs, max_tokens, repeats):
@@ -95,8 +102,13 @@ def _worker(rank, world, hf_dir, mode, prompt_lens, response_lens, mbs, max_toke
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     processed = sum(mb.tokens_BS.numel() for mb in micro)
     real = sum(p + r for p, r in zip(prompt_lens, response_lens))
-    return dict(useful=real / processed, time=statistics.median(times), peak_mb=peak / 1024,
-                step_mb=(peak - base) / 1024, micro=len(micro))
+    return dict(
+        useful=real / processed,
+        time=statistics.median(times),
+        peak_mb=peak / 1024,
+        step_mb=(peak - base) / 1024,
+        micro=len(micro),
+    )
 
 
 def rollout_bytes(lengths: list[int], S: int, K: int, dp: int) -> dict[str, float]:
@@ -111,8 +123,12 @@ def rollout_bytes(lengths: list[int], S: int, K: int, dp: int) -> dict[str, floa
     per_position = (2 * 4 + K * (4 + 8), 2 * 4 + K * (4 + 4))  # bytes per position: before, after
     owned_rows = -(-B // dp)
     real = sum(n - 1 for n in lengths)
-    return {"before": replicated + B * T * per_position[0], "owner": replicated + owned_rows * T * per_position[1],
-            "ragged": replicated + real / dp * per_position[1], "replicated": replicated}
+    return {
+        "before": replicated + B * T * per_position[0],
+        "owner": replicated + owned_rows * T * per_position[1],
+        "ragged": replicated + real / dp * per_position[1],
+        "replicated": replicated,
+    }
 
 
 def _bytes_of(*tensors) -> int:
@@ -141,15 +157,23 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     V = actor.hf.vocab_size
     rollout = synthetic_rollout(prompt_lens, response_lens, V)
     plan = BatchingPlan(prompts_per_step=rollout.size, mini_batches=1, micro_batch_size=4, pad_id=0, max_tokens=4096)
-    owners = RowOwners(tuple(row_owners(rollout, None, pgs.dp.size(), LossNeeds(), plan)), pgs.dp.rank(),
-                       pgs.dp.size(), pgs.tp.rank() == 0)
+    owners = RowOwners(
+        tuple(row_owners(rollout, None, pgs.dp.size(), LossNeeds(), plan)),
+        pgs.dp.rank(),
+        pgs.dp.size(),
+        pgs.tp.rank() == 0,
+    )
     batches = ScoringBatches(4, 4096, rollout.prompt_lens_B + rollout.response_lens_B)
     a = score_tokens(PipelineRunner(actor.model, pgs, V), rollout.tokens_BS, batches, ScoreRequest(1.0), owners=owners)
-    t = score_tokens(PipelineRunner(teacher.model, tpgs, V), rollout.tokens_BS, batches, ScoreRequest(1.0, topk=K),
-                     owners=owners)
+    t = score_tokens(
+        PipelineRunner(teacher.model, tpgs, V), rollout.tokens_BS, batches, ScoreRequest(1.0, topk=K), owners=owners
+    )
     replicated = _bytes_of(rollout.tokens_BS, rollout.loss_mask_BT, rollout.engine_logprobs_BT)
-    return {"replicated": replicated, "held": replicated + _bytes_of(a.logprobs_BT, t.logprobs_BT, t.topk_ids_BTK,
-                                                                      t.topk_logprobs_BTK), "rows": len(a.rows)}
+    return {
+        "replicated": replicated,
+        "held": replicated + _bytes_of(a.logprobs_BT, t.logprobs_BT, t.topk_ids_BTK, t.topk_logprobs_BTK),
+        "rows": len(a.rows),
+    }
 
 
 def measure_rollout_bytes(hf_dir: str, prompt_lens, response_lens, K: int = 32) -> list[tuple]:
@@ -159,8 +183,9 @@ def measure_rollout_bytes(hf_dir: str, prompt_lens, response_lens, K: int = 32) 
     lengths = [p + r for p, r in zip(prompt_lens, response_lens)]
     out = []
     for world, actor_tp, teacher_tp in ((2, 2, 1), (2, 1, 2), (4, 1, 2)):
-        res = spawn(_bytes_worker, world, args=(hf_dir, prompt_lens, response_lens, actor_tp, teacher_tp, K),
-                    timeout=3000)
+        res = spawn(
+            _bytes_worker, world, args=(hf_dir, prompt_lens, response_lens, actor_tp, teacher_tp, K), timeout=3000
+        )
         computed = rollout_bytes(lengths, max(lengths), K, world // actor_tp)
         out.append((world, actor_tp, teacher_tp, max(r["held"] for r in res), computed))
     return out
@@ -189,29 +214,51 @@ def main():
     if a.rollout_bytes_only:
         print_rollout_bytes(prompt_lens, response_lens, a.sequences)
         return print_rollout_bytes_per_mode(prompt_lens, response_lens, a.sequences)
-    print(f"{a.sequences} sequences, lengths {min(lengths)}..{max(lengths)} (mean {statistics.mean(lengths):.0f}), "
-          f"micro_batch_size {a.micro_batch_size}, max_tokens {max_tokens}")
+    print(
+        f"{a.sequences} sequences, lengths {min(lengths)}..{max(lengths)} (mean {statistics.mean(lengths):.0f}), "
+        f"micro_batch_size {a.micro_batch_size}, max_tokens {max_tokens}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192,
-                                     tie_word_embeddings=False)).save_pretrained(tmp)
+        Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=2048,
+                hidden_size=256,
+                intermediate_size=688,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                max_position_embeddings=8192,
+                tie_word_embeddings=False,
+            )
+        ).save_pretrained(tmp)
         rows = []
         for tp in [int(x) for x in a.tps.split(",")]:
-            res = {mode: spawn(_worker, tp, args=(tmp, mode, prompt_lens, response_lens, a.micro_batch_size,
-                                                  max_tokens, a.repeats), timeout=3000)[0]
-                   for mode in ("padded", "packed")}
+            res = {
+                mode: spawn(
+                    _worker,
+                    tp,
+                    args=(tmp, mode, prompt_lens, response_lens, a.micro_batch_size, max_tokens, a.repeats),
+                    timeout=3000,
+                )[0]
+                for mode in ("padded", "packed")
+            }
             rows.append((tp, res))
     print("| TP | mode | micro-batches | useful tokens | step s | peak RSS MB | step's RSS growth MB |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for tp, res in rows:
         for mode, r in res.items():
-            print(f"| {tp} | {mode} | {r['micro']} | {r['useful']:.0%} | {r['time']:.2f} | {r['peak_mb']:.0f} | "
-                  f"{r['step_mb']:.0f} |")
+            print(
+                f"| {tp} | {mode} | {r['micro']} | {r['useful']:.0%} | {r['time']:.2f} | {r['peak_mb']:.0f} | "
+                f"{r['step_mb']:.0f} |"
+            )
     for tp, res in rows:
         p, q = res["padded"], res["packed"]
-        print(f"TP={tp}: packed/padded step time {q['time'] / p['time']:.2f}, peak RSS {q['peak_mb'] / p['peak_mb']:.2f}, "
-              f"useful-token fraction {p['useful']:.0%} -> {q['useful']:.0%}")
+        print(
+            f"TP={tp}: packed/padded step time {q['time'] / p['time']:.2f}, peak RSS "
+            f"{q['peak_mb'] / p['peak_mb']:.2f}, "
+            f"useful-token fraction {p['useful']:.0%} -> {q['useful']:.0%}"
+        )
     print_rollout_bytes(prompt_lens, response_lens, a.sequences)
     print_rollout_bytes_per_mode(prompt_lens, response_lens, a.sequences)
 
@@ -227,19 +274,32 @@ def print_rollout_bytes(prompt_lens, response_lens, sequences: int) -> None:
     print("|---|---|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                     tie_word_embeddings=False)).save_pretrained(tmp)
+        Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=2048,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=8192,
+                tie_word_embeddings=False,
+            )
+        ).save_pretrained(tmp)
         for world, atp, ttp, held, c in measure_rollout_bytes(tmp, prompt_lens, response_lens):
-            print(f"| CPU {sequences} x {S}, K=32, measured | world {world}: actor TP={atp} DP={world // atp}, teacher "
-                  f"TP={ttp} DP={world // ttp} | {c['before'] / 2**20:.2f} MiB | {held / 2**20:.2f} MiB | "
-                  f"{c['replicated'] / 2**20:.2f} MiB | {c['ragged'] / 2**20:.2f} MiB |")
+            print(
+                f"| CPU {sequences} x {S}, K=32, measured | world {world}: actor TP={atp} DP={world // atp}, teacher "
+                f"TP={ttp} DP={world // ttp} | {c['before'] / 2**20:.2f} MiB | {held / 2**20:.2f} MiB | "
+                f"{c['replicated'] / 2**20:.2f} MiB | {c['ragged'] / 2**20:.2f} MiB |"
+            )
     big_p, big_r = opd_lengths(256, 1.0, seed=3)
     big = [p + r for p, r in zip(big_p, big_r)]
     for dp in (1, 8, 64):
         c = rollout_bytes(big, 8192 + 300, 32, dp)
-        print(f"| 256 x 8492, K=32, computed (OPD lengths) | DP={dp} | {c['before'] / 2**30:.3f} GiB | "
-              f"{c['owner'] / 2**30:.3f} GiB | {c['replicated'] / 2**30:.3f} GiB | {c['ragged'] / 2**30:.3f} GiB |")
+        print(
+            f"| 256 x 8492, K=32, computed (OPD lengths) | DP={dp} | {c['before'] / 2**30:.3f} GiB | "
+            f"{c['owner'] / 2**30:.3f} GiB | {c['replicated'] / 2**30:.3f} GiB | {c['ragged'] / 2**30:.3f} GiB |"
+        )
 
 
 def sample_transport_bytes(prompt_lens, response_lens, vocab: int = 151_936) -> dict[str, float]:
@@ -255,8 +315,16 @@ def sample_transport_bytes(prompt_lens, response_lens, vocab: int = 151_936) -> 
 
     rng = random.Random(0)
     tracemalloc.start()
-    samples = [Sample([rng.randrange(vocab) for _ in range(p)], [rng.randrange(vocab) for _ in range(r)],
-                      [-rng.random() for _ in range(r)], "stop", "3") for p, r in zip(prompt_lens, response_lens)]
+    samples = [
+        Sample(
+            [rng.randrange(vocab) for _ in range(p)],
+            [rng.randrange(vocab) for _ in range(r)],
+            [-rng.random() for _ in range(r)],
+            "stop",
+            "3",
+        )
+        for p, r in zip(prompt_lens, response_lens)
+    ]
     in_flight = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return {"sent": float(len(pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL))), "in_flight": float(in_flight)}
@@ -299,11 +367,23 @@ def print_rollout_bytes_per_mode(prompt_lens, response_lens, sequences: int) -> 
     from megaopd.parallel.launch import spawn
 
     big_p, big_r = opd_lengths(256, 1.0, seed=3)
-    cases = [(f"CPU {sequences} x {max(p + r for p, r in zip(prompt_lens, response_lens))}", prompt_lens, response_lens,
-              (1, 2, 4), 2**20, "MiB", True), ("256 x 8492 (OPD lengths)", big_p, big_r, (1, 8, 64), 2**30, "GiB", False)]
-    print("| batch | DP | received per rank per step before (pickled samples), every mode | now (header + its rows "
-          "as tensors), every mode | held per rank (record + owned scores, K=32), every mode | rank 0 also holds, "
-          "batches in flight: sync / one_step_off / async 2 / async 4 |")
+    cases = [
+        (
+            f"CPU {sequences} x {max(p + r for p, r in zip(prompt_lens, response_lens))}",
+            prompt_lens,
+            response_lens,
+            (1, 2, 4),
+            2**20,
+            "MiB",
+            True,
+        ),
+        ("256 x 8492 (OPD lengths)", big_p, big_r, (1, 8, 64), 2**30, "GiB", False),
+    ]
+    print(
+        "| batch | DP | received per rank per step before (pickled samples), every mode | now (header + its rows "
+        "as tensors), every mode | held per rank (record + owned scores, K=32), every mode | rank 0 also holds, "
+        "batches in flight: sync / one_step_off / async 2 / async 4 |"
+    )
     print("|---|---:|---:|---:|---:|---|")
     for name, pl, rl, dps, unit, label, measure in cases:
         t = sample_transport_bytes(pl, rl)
@@ -317,8 +397,10 @@ def print_rollout_bytes_per_mode(prompt_lens, response_lens, sequences: int) -> 
             else:
                 d = delivered_bytes(lengths, dp)
                 now = f"{(d['header'] + d['rows']) / unit:.4f} {label} computed"
-            print(f"| {name} | {dp} | {t['sent'] / unit:.3f} {label} | {now} | {held / unit:.3f} {label} | {ahead} "
-                  f"{label} |")
+            print(
+                f"| {name} | {dp} | {t['sent'] / unit:.3f} {label} | {now} | {held / unit:.3f} {label} | {ahead} "
+                f"{label} |"
+            )
 
 
 if __name__ == "__main__":

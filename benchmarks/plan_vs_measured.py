@@ -24,6 +24,7 @@ Cases (each a fresh `megaopd train` run, one at a time):
 without layers 16-19); both are made by the real-model tier (tests/real/reference.py, scripts/install_smollm2.sh).
 Results: benchmarks/README.md, "Plan vs measured (issue 44 item 5)".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,17 +56,22 @@ def smollm2_yaml(models: str, world: int, folder: str, prompts: int = 2) -> str:
     """The SmolLM2 case's config (a file: validation.path cannot be emptied from the command line)."""
     import yaml
 
-    cfg = {"run": {"world_size": world},
-           "student": {"path": os.path.join(models, PRUNED), "tp": 1},
-           "reference": {"tp": 1},
-           "teacher": {"path": os.path.join(models, FULL), "tp": 1},
-           "trainer": {"prompts_per_step": prompts, "samples_per_prompt": 2, "eval_interval": 0, "seed": 1234},
-           "optimizer": {"lr": 1.0e-5, "warmup_steps": 0, "clip_grad": 1.0},
-           "rollout": {"temperature": 1.0, "max_new_tokens": 96, "max_batch_size": 16},
-           "data": {"sources": [{"path": os.path.join(ROOT, "tests/real/data/arithmetic.jsonl")}],
-                    "max_prompt_len": 80, "max_golden_len": 32},
-           "loss": {"name": "stable_opd", "config": {"sft_weight": 0.1, "ref_kl_weight": 0.01}},
-           "logging": {"samples_per_step": 0, "tensorboard": False, "progress_bar": "off"}}
+    cfg = {
+        "run": {"world_size": world},
+        "student": {"path": os.path.join(models, PRUNED), "tp": 1},
+        "reference": {"tp": 1},
+        "teacher": {"path": os.path.join(models, FULL), "tp": 1},
+        "trainer": {"prompts_per_step": prompts, "samples_per_prompt": 2, "eval_interval": 0, "seed": 1234},
+        "optimizer": {"lr": 1.0e-5, "warmup_steps": 0, "clip_grad": 1.0},
+        "rollout": {"temperature": 1.0, "max_new_tokens": 96, "max_batch_size": 16},
+        "data": {
+            "sources": [{"path": os.path.join(ROOT, "tests/real/data/arithmetic.jsonl")}],
+            "max_prompt_len": 80,
+            "max_golden_len": 32,
+        },
+        "loss": {"name": "stable_opd", "config": {"sft_weight": 0.1, "ref_kl_weight": 0.01}},
+        "logging": {"samples_per_step": 0, "tensorboard": False, "progress_bar": "off"},
+    }
     path = os.path.join(folder, f"smollm2_w{world}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -152,8 +158,14 @@ def measure(config: str, overrides: list[str], run_dir: str, world: int, timeout
     rc = os.waitstatus_to_exitcode(status)
     with open(log_path) as f:
         tail = f.read()[-3000:]
-    return {"peaks_gb": [peak_kib[p] * 1024 / 1e9 for p in order], "tree_peak_gb": usage.ru_maxrss * 1024 / 1e9,
-            "seconds": time.time() - start, "rc": rc, "log": tail, "timeline": timeline}
+    return {
+        "peaks_gb": [peak_kib[p] * 1024 / 1e9 for p in order],
+        "tree_peak_gb": usage.ru_maxrss * 1024 / 1e9,
+        "seconds": time.time() - start,
+        "rc": rc,
+        "log": tail,
+        "timeline": timeline,
+    }
 
 
 def planned_gb(config: str, overrides: list[str]) -> float:
@@ -171,8 +183,13 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="tiny_w2,smollm2_w1,smollm2_w2")
     p.add_argument("--models", default=DEFAULT_MODELS, help="folder of the SmolLM2 HF folders")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--prompts", type=int, default=2, help="SmolLM2 cases: prompts a step (x 2 samples); 2 keeps a "
-                   "world-2 run near 10 GB, what a shared 24 GiB machine had free")
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=2,
+        help="SmolLM2 cases: prompts a step (x 2 samples); 2 keeps a "
+        "world-2 run near 10 GB, what a shared 24 GiB machine had free",
+    )
     p.add_argument("--out", default="", help="also write the results as JSON here")
     p.add_argument("--plan-only", action="store_true", help="print the plan's numbers, run nothing")
     a = p.parse_args(argv)
@@ -193,9 +210,13 @@ def main(argv=None) -> int:
                     print(m["log"])
                     print(f"{name}: megaopd train exited {m['rc']}; peaks so far {m['peaks_gb']}", flush=True)
                 row["rc"] = m["rc"]
-                row.update(measured_gb=max(m["peaks_gb"]), ranks_gb=m["peaks_gb"], tree_peak_gb=m["tree_peak_gb"],
-                           seconds=m["seconds"],
-                           ratio=plan / max(m["peaks_gb"]))
+                row.update(
+                    measured_gb=max(m["peaks_gb"]),
+                    ranks_gb=m["peaks_gb"],
+                    tree_peak_gb=m["tree_peak_gb"],
+                    seconds=m["seconds"],
+                    ratio=plan / max(m["peaks_gb"]),
+                )
             print(json.dumps(row), flush=True)
             if not a.plan_only and a.out:
                 row["timeline"] = m["timeline"]
@@ -208,8 +229,10 @@ def main(argv=None) -> int:
     for r in rows:
         if "measured_gb" in r:
             ranks = ", ".join(f"{x:.2f}" for x in r["ranks_gb"])
-            print(f"| {r['case']} | {r['world']} | {r['plan_gb']:.2f} | {r['measured_gb']:.2f} ({ranks}) | "
-                  f"{r['ratio']:.2f}{'' if r['rc'] == 0 else ' (killed: exit ' + str(r['rc']) + ')'} |")
+            print(
+                f"| {r['case']} | {r['world']} | {r['plan_gb']:.2f} | {r['measured_gb']:.2f} ({ranks}) | "
+                f"{r['ratio']:.2f}{'' if r['rc'] == 0 else ' (killed: exit ' + str(r['rc']) + ')'} |"
+            )
         else:
             print(f"| {r['case']} | {r['world']} | {r['plan_gb']:.2f} | - | - |")
     return 0

@@ -22,6 +22,7 @@ The reference is raw dist.broadcast of the same bytes with the same broadcasts (
 per tensor) over the same group, sent from tensors already flat and received by the helper's main
 thread into buffers it allocated once (the best case). ratio = update GB/s / raw GB/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,15 +44,33 @@ def build_model(path: str, hidden: int, layers: int, vocab: int, seed: int = 0) 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     Qwen2ForCausalLM(cfg).float().save_pretrained(path)
     return path
 
 
-def bench_generation(repeats: int, threads: int, device: str = "cpu", dtype: str = "float32", slots: int = 16,
-                     new_tokens: int = 64, prompt_len: int = 32, which=None, cb_repeats: int = 1) -> str:
+def bench_generation(
+    repeats: int,
+    threads: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+    slots: int = 16,
+    new_tokens: int = 64,
+    prompt_len: int = 32,
+    which=None,
+    cb_repeats: int = 1,
+) -> str:
     from megaopd.gpucheck import engine_bench as eb
 
     torch.set_num_threads(threads)
@@ -66,8 +85,10 @@ def bench_generation(repeats: int, threads: int, device: str = "cpu", dtype: str
             fast, gens.which = gens.which, slow
             eb.measure(gens, case_list, cb_repeats, log=lambda line: print("gen", line, flush=True))
             gens.which = fast + gens.which
-    return (f"torch threads {threads}, {device}, {dtype}, {slots} slots, load average (1 min) at the end: "
-            f"{os.getloadavg()[0]:.2f}\n\n" + eb.markdown(case_list, gens.errors))
+    return (
+        f"torch threads {threads}, {device}, {dtype}, {slots} slots, load average (1 min) at the end: "
+        f"{os.getloadavg()[0]:.2f}\n\n" + eb.markdown(case_list, gens.errors)
+    )
 
 
 def bench_schedule(admits=(1, 2, 4, 8, 16), slots: int = 64, sync_every: int = 8) -> str:
@@ -84,17 +105,29 @@ def bench_schedule(admits=(1, 2, 4, 8, 16), slots: int = 64, sync_every: int = 8
     from megaopd.gpucheck import engine_bench as eb
 
     torch.set_num_threads(1)
-    lines = ["| case | admit_min | decode steps | prefills | tokens / step | rate vs fixed, c=1 | c=4 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | admit_min | decode steps | prefills | tokens / step | rate vs fixed, c=1 | c=4 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory() as d:
         build_model(d, hidden=64, layers=1, vocab=512)
         fixed_rate = {}
         for case in eb.cases(slots, 32, 128, 512):
-            rows = [RowRequest(prompt_ids=p, max_new_tokens=b, seed=i)
-                    for i, (p, b) in enumerate(zip(case.prompts, case.budgets))]
+            rows = [
+                RowRequest(prompt_ids=p, max_new_tokens=b, seed=i)
+                for i, (p, b) in enumerate(zip(case.prompts, case.budgets))
+            ]
             for admit in admits if case.name == "mixed" else (1,):
-                engine = ModelRunner(EmbeddedEngineConfig(hf_dir=d, device="cpu", max_batch_size=slots, load_tokenizer=False,
-                                                          sync_every=sync_every, admit_min=admit))
+                engine = ModelRunner(
+                    EmbeddedEngineConfig(
+                        hf_dir=d,
+                        device="cpu",
+                        max_batch_size=slots,
+                        load_tokenizer=False,
+                        sync_every=sync_every,
+                        admit_min=admit,
+                    )
+                )
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     engine.run(rows)
                 calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith("engine.")}
@@ -102,8 +135,10 @@ def bench_schedule(admits=(1, 2, 4, 8, 16), slots: int = 64, sync_every: int = 8
                 rate = {c: case.tokens / (steps + c * prefills) for c in (1, 4)}
                 if case.name == "fixed":
                     fixed_rate = rate
-                lines.append(f"| {case.name} | {admit} | {steps} | {prefills} | {case.tokens / steps:.1f} | "
-                             f"{rate[1] / fixed_rate[1]:.2f} | {rate[4] / fixed_rate[4]:.2f} |")
+                lines.append(
+                    f"| {case.name} | {admit} | {steps} | {prefills} | {case.tokens / steps:.1f} | "
+                    f"{rate[1] / fixed_rate[1]:.2f} | {rate[4] / fixed_rate[4]:.2f} |"
+                )
     return "\n".join(lines)
 
 
@@ -130,13 +165,41 @@ def bench_step_ops(rows: int = 64, length: int = 256) -> str:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     name = attention.register()
-    cfg = Qwen2Config(vocab_size=1024, hidden_size=192, intermediate_size=512, num_hidden_layers=28,
-                      num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=1024,
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     cfg._attn_implementation = name
     model = Qwen2ForCausalLM(cfg).eval()
-    shape_only = {"view", "reshape", "as_strided", "transpose", "unsqueeze", "slice", "select", "expand", "t",
-                  "_unsafe_view", "alias", "empty", "empty_strided", "detach", "squeeze", "permute", "lift_fresh",
-                  "_reshape_alias", "resolve_conj", "resolve_neg", "result_type", "empty_like"}
+    shape_only = {
+        "view",
+        "reshape",
+        "as_strided",
+        "transpose",
+        "unsqueeze",
+        "slice",
+        "select",
+        "expand",
+        "t",
+        "_unsafe_view",
+        "alias",
+        "empty",
+        "empty_strided",
+        "detach",
+        "squeeze",
+        "permute",
+        "lift_fresh",
+        "_reshape_alias",
+        "resolve_conj",
+        "resolve_neg",
+        "result_type",
+        "empty_like",
+    }
 
     def computes(e):
         return (e.name.startswith("aten::") and e.name[6:] not in shape_only) or "cpp_fused" in e.name
@@ -149,13 +212,19 @@ def bench_step_ops(rows: int = 64, length: int = 256) -> str:
         leaves = [e for e in prof.events() if computes(e) and not any(computes(c) for c in children[e.id])]
         fused = sum("cpp_fused" in e.name for e in leaves)
         gemms = sum(e.name in ("aten::mm", "aten::bmm", "aten::addmm") for e in leaves)
-        bias = sum(e.name == "aten::copy_" and e.cpu_parent is not None and e.cpu_parent.name == "aten::addmm"
-                   for e in leaves)
-        return (f"| {label} | {len(leaves)} | {fused} | {gemms} | {bias} | {len(leaves) - fused - gemms - bias} "
-                f"| {seconds:.2f} |")
+        bias = sum(
+            e.name == "aten::copy_" and e.cpu_parent is not None and e.cpu_parent.name == "aten::addmm" for e in leaves
+        )
+        return (
+            f"| {label} | {len(leaves)} | {fused} | {gemms} | {bias} | {len(leaves) - fused - gemms - bias} "
+            f"| {seconds:.2f} |"
+        )
 
-    lines = ["| forward | operations | fused kernels | GEMMs | bias copies (CPU only) | other "
-             "| s (decode: to first step; prefill: median of 3) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| forward | operations | fused kernels | GEMMs | bias copies (CPU only) | other "
+        "| s (decode: to first step; prefill: median of 3) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     # The prefill that admits the rows: distinct 32-token prompts, each copied into its slot in every layer.
     prompts = [[5 + i] * 32 for i in range(rows)]
     copies = [PrefillCopy(u=i, slot=i, pad=0, length=32) for i in range(rows)]
@@ -187,8 +256,8 @@ def bench_step_ops(rows: int = 64, length: int = 256) -> str:
 def _server_process(model_dir: str, to_parent, from_parent):
     """Helper: a RolloutServer in a thread; on request, raw receives on its weight-update group."""
     torch.set_num_threads(1)
-    from megaopd.serving.server import RolloutServer, ServeConfig
     from megaopd.parallel import custom_group as dist_group
+    from megaopd.serving.server import RolloutServer, ServeConfig
 
     server = RolloutServer(ServeConfig(hf_dir=model_dir, port=0))
     server.load_engine()
@@ -213,11 +282,12 @@ def _server_process(model_dir: str, to_parent, from_parent):
 
 def bench_weight_update(repeats: int, bucket_sizes_mb: list[int]) -> list[dict]:
     """One row per (load_format, bucket size); raw = the same broadcasts (per bucket or per tensor)."""
-    from megaopd.rollout.client import HttpEngine
-    from megaopd.rollout import weight_wire as wire
-    from megaopd.parallel import custom_group as dist_group
-    from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
     from transformers import AutoModelForCausalLM
+
+    from megaopd.parallel import custom_group as dist_group
+    from megaopd.rollout import weight_wire as wire
+    from megaopd.rollout.client import HttpEngine
+    from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
 
     rows = []
     ctx = mp.get_context("spawn")
@@ -233,8 +303,9 @@ def bench_weight_update(repeats: int, bucket_sizes_mb: list[int]) -> list[dict]:
             url = to_parent.get(timeout=300)
             client = HttpEngine(url)
             for fmt, mb in [("flattened_bucket", mb) for mb in bucket_sizes_mb] + [(None, max(bucket_sizes_mb))]:
-                upd = DistributedWeightUpdater([client], DistributedUpdateConfig(
-                    bucket_bytes=mb << 20, timeout_s=300, load_format=fmt))
+                upd = DistributedWeightUpdater(
+                    [client], DistributedUpdateConfig(bucket_bytes=mb << 20, timeout_s=300, load_format=fmt)
+                )
                 upd.connect()
                 upd.update(named, weight_version="warm")
                 # Raw: the same broadcasts (bucket bytes pre-flattened, or each tensor) over the same group.
@@ -258,11 +329,24 @@ def bench_weight_update(repeats: int, bucket_sizes_mb: list[int]) -> list[dict]:
                     raw_times.append(time.perf_counter() - t0)
                 upd.close()
                 t, tr = statistics.median(times), statistics.median(raw_times)
-                row = {"load_format": fmt or "per-tensor", "bucket_mb": mb, "broadcasts": len(buckets), "bytes": total, "update_s": t, "raw_s": tr,
-                       "update_gbps": total / t / 1e9, "raw_gbps": total / tr / 1e9, "ratio": tr / t}
+                row = {
+                    "load_format": fmt or "per-tensor",
+                    "bucket_mb": mb,
+                    "broadcasts": len(buckets),
+                    "bytes": total,
+                    "update_s": t,
+                    "raw_s": tr,
+                    "update_gbps": total / t / 1e9,
+                    "raw_gbps": total / tr / 1e9,
+                    "ratio": tr / t,
+                }
                 rows.append(row)
-                print(f"sync {row['load_format']} bucket={mb:4d} MB x{len(buckets):3d}: update {row['update_gbps']:.3f} GB/s, "
-                      f"raw {row['raw_gbps']:.3f} GB/s, ratio {row['ratio']:.2f}", flush=True)
+                print(
+                    f"sync {row['load_format']} bucket={mb:4d} MB x{len(buckets):3d}: update "
+                    f"{row['update_gbps']:.3f} GB/s, "
+                    f"raw {row['raw_gbps']:.3f} GB/s, ratio {row['ratio']:.2f}",
+                    flush=True,
+                )
         finally:
             from_parent.put(("stop",))
             helper.join(timeout=30)
@@ -274,10 +358,15 @@ def bench_weight_update(repeats: int, bucket_sizes_mb: list[int]) -> list[dict]:
 def markdown(gen: str, sync: list[dict]) -> str:
     lines = [gen, ""] if gen else []
     if sync:
-        lines += ["| load_format | bucket | broadcasts | MB sent | update GB/s | raw broadcast GB/s | ratio |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['load_format']} | {r['bucket_mb']} MB | {r['broadcasts']} | {r['bytes'] / 1e6:.0f} | "
-                  f"{r['update_gbps']:.3f} | {r['raw_gbps']:.3f} | {r['ratio']:.2f} |" for r in sync]
+        lines += [
+            "| load_format | bucket | broadcasts | MB sent | update GB/s | raw broadcast GB/s | ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['load_format']} | {r['bucket_mb']} MB | {r['broadcasts']} | {r['bytes'] / 1e6:.0f} | "
+            f"{r['update_gbps']:.3f} | {r['raw_gbps']:.3f} | {r['ratio']:.2f} |"
+            for r in sync
+        ]
     return "\n".join(lines)
 
 
@@ -289,8 +378,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for generation")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--generators", default=None, help="comma-separated subset of engine,engine compiled,hf dynamic,hf static,hf cb "
-                    "(default: all but engine compiled)")
+    ap.add_argument(
+        "--generators",
+        default=None,
+        help="comma-separated subset of engine,engine compiled,hf dynamic,hf static,hf cb "
+        "(default: all but engine compiled)",
+    )
     ap.add_argument("--hf-cb-repeats", type=int, default=1)
     args = ap.parse_args(argv)
     which = args.generators.split(",") if args.generators else None
@@ -300,8 +393,13 @@ def main(argv=None):
     if args.only == "ops":
         print(bench_step_ops())
         return
-    gen = (bench_generation(args.repeats, args.threads, args.device, args.dtype, which=which,
-                            cb_repeats=args.hf_cb_repeats) if args.only in (None, "gen") else "")
+    gen = (
+        bench_generation(
+            args.repeats, args.threads, args.device, args.dtype, which=which, cb_repeats=args.hf_cb_repeats
+        )
+        if args.only in (None, "gen")
+        else ""
+    )
     sync = bench_weight_update(args.repeats, args.bucket_mb) if args.only in (None, "sync") else []
     print(markdown(gen, sync))
 

@@ -18,6 +18,7 @@ Per variant (fresh servers and run folder), means over the steps after the first
 Rounds repeat the variants in turn (a change of machine load hits all of them); read the ratios.
 Results: benchmarks/README.md "Streaming teacher scores".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,15 +39,35 @@ def run(parts: int, args, env) -> dict:
     teacher, teacher_url = _serve(env, 64, model="teacher") if served else (None, None)
     run_dir = tempfile.mkdtemp(prefix=f"streaming_{parts}_")
     try:
-        subprocess.run([sys.executable, "-m", "megaopd.cli", "train", os.path.join(TINY, "stable_opd.yaml"),
-                        f"run.dir={run_dir}", "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1",
-                        f"trainer.max_steps={args.steps}", f"trainer.prompts_per_step={args.prompts}",
-                        "trainer.save_interval=100000", "trainer.eval_interval=0", "validation.path=''",
-                        "logging.tensorboard=false", "logging.progress_bar=off", "rollout.engine=remote",
-                        f"rollout.urls=[{engine_url}]", f"rollout.stream_parts={parts}"]
-                       + (["teacher.engine=remote", f"teacher.urls=[{teacher_url}]"] if served else []), env=env,
-                       check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megaopd.cli",
+                "train",
+                os.path.join(TINY, "stable_opd.yaml"),
+                f"run.dir={run_dir}",
+                "run.world_size=1",
+                "student.tp=1",
+                "reference.tp=1",
+                "teacher.tp=1",
+                f"trainer.max_steps={args.steps}",
+                f"trainer.prompts_per_step={args.prompts}",
+                "trainer.save_interval=100000",
+                "trainer.eval_interval=0",
+                "validation.path=''",
+                "logging.tensorboard=false",
+                "logging.progress_bar=off",
+                "rollout.engine=remote",
+                f"rollout.urls=[{engine_url}]",
+                f"rollout.stream_parts={parts}",
+            ]
+            + (["teacher.engine=remote", f"teacher.urls=[{teacher_url}]"] if served else []),
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rows = [r for r in map(json.loads, f) if "event" not in r and r["step"] > 1]
     finally:
@@ -57,10 +78,16 @@ def run(parts: int, args, env) -> dict:
     def mean(key):
         vals = [r[key] for r in rows if key in r]
         return statistics.mean(vals) if vals else 0.0
-    return {"step": mean("time/step"), "rollout": mean("time/rollout"), "teacher": mean("time/teacher"),
-            "remote": mean("time/teacher_remote"), "actor": mean("time/actor_logprobs"),
-            "streamed": mean("pipeline/teacher_streamed_fraction" if served else "pipeline/streamed_parts"),
-            "loss": mean("loss/total")}
+
+    return {
+        "step": mean("time/step"),
+        "rollout": mean("time/rollout"),
+        "teacher": mean("time/teacher"),
+        "remote": mean("time/teacher_remote"),
+        "actor": mean("time/actor_logprobs"),
+        "streamed": mean("pipeline/teacher_streamed_fraction" if served else "pipeline/streamed_parts"),
+        "loss": mean("loss/total"),
+    }
 
 
 def main() -> int:
@@ -69,8 +96,12 @@ def main() -> int:
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--teacher", choices=("served", "in_job"), default="served",
-                    help="in_job: the teacher in the trainer, so the actor's and its passes stream (sync mode)")
+    ap.add_argument(
+        "--teacher",
+        choices=("served", "in_job"),
+        default="served",
+        help="in_job: the teacher in the trainer, so the actor's and its passes stream (sync mode)",
+    )
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MEGAOPD_WORKER_THREADS="1", PYTHONPATH=ROOT)
     results: dict[int, list[dict]] = {p: [] for p in args.parts}
@@ -79,13 +110,17 @@ def main() -> int:
             results[p].append(run(p, args, env))
     base = statistics.mean(r["step"] for r in results[args.parts[0]])
     streamed = "streamed fraction" if args.teacher == "served" else "parts streamed"
-    print(f"| stream_parts | s/step | vs {args.parts[0]} | rollout s | actor pass s | teacher wait s | teacher thread s "
-          f"| {streamed} | loss (same in each) |")
+    print(
+        f"| stream_parts | s/step | vs {args.parts[0]} | rollout s | actor pass s | teacher wait s | teacher thread s "
+        f"| {streamed} | loss (same in each) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p, rs in results.items():
         m = {k: statistics.mean(r[k] for r in rs) for k in rs[0]}
-        print(f"| {p} | {m['step']:.2f} | {m['step'] / base:.2f} | {m['rollout']:.2f} | {m['actor']:.2f} | "
-              f"{m['teacher']:.2f} | {m['remote']:.2f} | {m['streamed']:.2f} | {m['loss']:.4f} |")
+        print(
+            f"| {p} | {m['step']:.2f} | {m['step'] / base:.2f} | {m['rollout']:.2f} | {m['actor']:.2f} | "
+            f"{m['teacher']:.2f} | {m['remote']:.2f} | {m['streamed']:.2f} | {m['loss']:.4f} |"
+        )
     return 0
 
 

@@ -12,6 +12,7 @@ samples, 128 new tokens) for --steps steps, once in the job and once with teache
 overlap = (teacher_remote - teacher) / teacher_remote: the share of the served scoring hidden behind the
 actor pass. The first step is left out (start-up).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,22 @@ sys.path.insert(0, ROOT)
 
 def _serve(port_hint: int):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "megaopd.cli", "serve", "--hf-dir",
-                             os.path.join(ROOT, "examples/tiny/models/teacher"), "--port", "0"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megaopd.cli",
+            "serve",
+            "--hf-dir",
+            os.path.join(ROOT, "examples/tiny/models/teacher"),
+            "--port",
+            "0",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     while True:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
@@ -39,6 +53,7 @@ def _serve(port_hint: int):
             url = "http://" + line.split("http://", 1)[1].split()[0].rstrip("/.,")
             break
     import urllib.request
+
     for _ in range(600):
         try:
             urllib.request.urlopen(url + "/health", timeout=2)
@@ -65,18 +80,31 @@ def main() -> None:
     from tests.trainer import _workers
 
     tmp = tempfile.mkdtemp(prefix="megaopd_teacher_bench_")
-    base = [f"trainer.max_steps={args.steps}", "trainer.eval_interval=0", "trainer.save_interval=1000",
-            "validation.path=''", "logging.tensorboard=false", "logging.progress_bar=off"]
+    base = [
+        f"trainer.max_steps={args.steps}",
+        "trainer.eval_interval=0",
+        "trainer.save_interval=1000",
+        "validation.path=''",
+        "logging.tensorboard=false",
+        "logging.progress_bar=off",
+    ]
     procs, urls = [], []
     for i in range(args.servers):
         p, u = _serve(i)
         procs.append(p)
         urls.append(u)
     try:
-        cfgs = [load_config(MegaOPDConfig, os.path.join(ROOT, "examples/tiny/stable_opd.yaml"),
-                            base + [f"run.dir={tmp}/{name}"] + extra)
-                for name, extra in (("in_job", []),
-                                    ("served", ["teacher.engine=remote", f"teacher.urls=[{','.join(urls)}]"]))]
+        cfgs = [
+            load_config(
+                MegaOPDConfig,
+                os.path.join(ROOT, "examples/tiny/stable_opd.yaml"),
+                base + [f"run.dir={tmp}/{name}"] + extra,
+            )
+            for name, extra in (
+                ("in_job", []),
+                ("served", ["teacher.engine=remote", f"teacher.urls=[{','.join(urls)}]"]),
+            )
+        ]
         spawn(_workers.run_presets, 2, args=(cfgs,), timeout=3600)
     finally:
         for p in procs:

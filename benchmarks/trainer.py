@@ -7,6 +7,7 @@ Runs `megaopd train examples/tiny/stable_opd.yaml` for a few steps in each layou
 metrics.jsonl, skipping the first step (warm-up). Uses examples/tiny/models when present, otherwise
 random tiny models of the same shapes as the tests'. Prints a table with TP=2 / TP=1 ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +40,30 @@ def main() -> None:
 
         student, teacher = make_tiny_pair(os.path.join(work, "models"))
     results = {}
-    for name, layout in (("TP=1 (DP=2)", ["student.tp=1", "reference.tp=1"]), ("TP=2", ["student.tp=2", "reference.tp=2"])):
+    for name, layout in (
+        ("TP=1 (DP=2)", ["student.tp=1", "reference.tp=1"]),
+        ("TP=2", ["student.tp=2", "reference.tp=2"]),
+    ):
         run = os.path.join(work, name.split()[0].replace("=", ""))
-        cmd = [sys.executable, "-m", "megaopd.cli", "train", os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml"),
-               f"run.dir={run}", f"student.path={student}", f"teacher.path={teacher}", "teacher.tp=1",
-               f"trainer.max_steps={args.steps}", "trainer.eval_interval=0", "trainer.save_interval=1000",
-               # the settings benchmarks/README.md reports, pinned against later preset changes
-               "trainer.prompts_per_step=16", "rollout.max_new_tokens=160",
-               "logging.tensorboard=false", *layout]
+        cmd = [
+            sys.executable,
+            "-m",
+            "megaopd.cli",
+            "train",
+            os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml"),
+            f"run.dir={run}",
+            f"student.path={student}",
+            f"teacher.path={teacher}",
+            "teacher.tp=1",
+            f"trainer.max_steps={args.steps}",
+            "trainer.eval_interval=0",
+            "trainer.save_interval=1000",
+            # the settings benchmarks/README.md reports, pinned against later preset changes
+            "trainer.prompts_per_step=16",
+            "rollout.max_new_tokens=160",
+            "logging.tensorboard=false",
+            *layout,
+        ]
         subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         results[name] = mean_times(run)
     a, b = results["TP=1 (DP=2)"], results["TP=2"]

@@ -12,8 +12,12 @@ __version__ = "0.1.0"
 # it falls back to torch's norm and optimizers without Apex or Transformer Engine. That is the intended
 # CPU path and an informed choice on GPUs (README, "GPU clusters: optional pieces"), so the lines say
 # nothing to a user and drown the step lines; megaopd's own start-up says which layers it builds.
-_warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed",
-                         category=UserWarning, module=r"megatron\.")
+_warnings.filterwarnings(
+    "ignore",
+    message=r"(Transformer Engine and Apex are|Apex is) not installed",
+    category=UserWarning,
+    module=r"megatron\.",
+)
 
 from megaopd import _megatron_import  # noqa: E402 - must run before anything imports megatron
 

@@ -15,6 +15,7 @@ So while `megatron.core`'s package runs its imports:
   process already imported it. Our own wandb logger (megaopd.eval) imports it normally afterwards.
 Nothing else changes; the finder removes itself after the one import.
 """
+
 from __future__ import annotations
 
 import functools

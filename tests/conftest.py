@@ -25,8 +25,14 @@ import pytest  # noqa: E402
 _SHARED = {"tests/e2e/sglang/": "sglang", "tests/slurm/": "slurm", "tests/real/": "real"}
 # The groups that take longest (minutes each on a 2-core CPU) start first, so no worker is left with one at
 # the end (with --no-loadscope-reorder, workers take groups in the order of the items).
-_LONGEST_FIRST = ["sglang", "real", "slurm", "tests/models/test_tools.py", "tests/trainer/test_end_to_end.py",
-                  "tests/examples/test_tiny_models.py"]
+_LONGEST_FIRST = [
+    "sglang",
+    "real",
+    "slurm",
+    "tests/models/test_tools.py",
+    "tests/trainer/test_end_to_end.py",
+    "tests/examples/test_tiny_models.py",
+]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the test ids

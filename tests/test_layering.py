@@ -10,6 +10,7 @@ The floor table has one place, docs/architecture.md (this test reads it). No cap
 cap pushed state into long parameter lists to fit, which reads worse than a long function. KNOWN_* list what
 breaks the floors today; each test fails on a new violation and on a listed one that is gone.
 """
+
 import ast
 import os
 import re
@@ -24,9 +25,9 @@ def _read_floors(path: str) -> dict[str, int]:
     """The floor table, from its one place: the code block under docs/architecture.md's "The packages, floor by
     floor" (rows `  name/   N  what`), so the document a newcomer reads is the rule the test applies."""
     text = open(path).read()
-    section = text[text.index("## The packages, floor by floor"):]
-    block = section[section.index("```") + 3:]
-    block = block[:block.index("```")]
+    section = text[text.index("## The packages, floor by floor") :]
+    block = section[section.index("```") + 3 :]
+    block = block[: block.index("```")]
     floors = {m[1]: int(m[2]) for m in re.finditer(r"^  (\w+)/\s+(\d+)\s", block, re.M)}
     assert floors, f"no floor rows found in {path}"
     return floors
@@ -78,8 +79,13 @@ def _resolve(name: str) -> str | None:
 def _imports(module: str, path: str) -> set[str]:
     """The megaopd modules `module` imports, anywhere but under `if TYPE_CHECKING:`."""
     tree = _parse(path)
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(node.test) for b in node.body for n in ast.walk(b)}
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for b in node.body
+        for n in ast.walk(b)
+    }
     package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
     out = set()
     for node in ast.walk(tree):
@@ -88,7 +94,7 @@ def _imports(module: str, path: str) -> set[str]:
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
             names = [f"{base}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -127,13 +133,20 @@ def _floor_violations() -> set[tuple[str, str]]:
 
 def test_every_package_is_on_a_floor():
     packages = {_package(m) for m in MODULES} - {None}
-    assert packages <= set(FLOOR), f"put {sorted(packages - set(FLOOR))} on a floor (the floor table in docs/architecture.md)"
+    assert packages <= set(FLOOR), (
+        f"put {sorted(packages - set(FLOOR))} on a floor (the floor table in docs/architecture.md)"
+    )
     assert LIBRARIES | APPLICATIONS == set(FLOOR) and not LIBRARIES & APPLICATIONS
 
 
 def test_libraries_never_import_applications():
-    bad = sorted(f"{_rel(MODULES[m])} imports {t}" for m, targets in GRAPH.items() if _package(m) in LIBRARIES
-                 for t in targets if _package(t) in APPLICATIONS)
+    bad = sorted(
+        f"{_rel(MODULES[m])} imports {t}"
+        for m, targets in GRAPH.items()
+        if _package(m) in LIBRARIES
+        for t in targets
+        if _package(t) in APPLICATIONS
+    )
     known = {f"{f} imports {t}" for f, t in KNOWN_BACK_UP}
     assert not [b for b in bad if b not in known], bad
 
@@ -142,8 +155,9 @@ def test_no_import_runs_back_up_a_floor():
     """Each package imports only lower floors (config, the top, composes every package's section; so no
     package imports config). KNOWN_BACK_UP is strict: a fixed import must leave the list too."""
     bad = _floor_violations()
-    assert not bad - KNOWN_BACK_UP, [f"{f} imports {t}: a higher floor or an entry point"
-                                     for f, t in sorted(bad - KNOWN_BACK_UP)]
+    assert not bad - KNOWN_BACK_UP, [
+        f"{f} imports {t}: a higher floor or an entry point" for f, t in sorted(bad - KNOWN_BACK_UP)
+    ]
     assert not KNOWN_BACK_UP - bad, f"fixed, so delete from KNOWN_BACK_UP: {sorted(KNOWN_BACK_UP - bad)}"
 
 

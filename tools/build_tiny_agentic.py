@@ -25,6 +25,7 @@ files' sha256 in examples/tiny/models/agentic_manifest.json. Measured here: teac
 10-15, student 53 s. --eval runs the multi-turn loop (megaopd.rollout.trajectories) with the embedded
 engine and the calculator environment (EVAL below), as the trainer's validation does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,24 @@ DATA = os.path.join(ROOT, "examples", "tiny", "agentic_data")
 MODELS = os.path.join(ROOT, "examples", "tiny", "models")
 SIZES = (("sft", 3000), ("opd", 1000), ("val", 100))
 SEED = 29
-AGENTIC = {"steps": 150, "prompts_per_step": 8, "lr": 3e-3, "min_lr": 1e-4, "warmup_steps": 5, "decay": "cosine",
-           "train_seed": 29}
-STUDENT = {"steps": 60, "prompts_per_step": 8, "lr": 3e-3, "min_lr": 1e-4, "warmup_steps": 5, "decay": "cosine",
-           "train_seed": 31}
+AGENTIC = {
+    "steps": 150,
+    "prompts_per_step": 8,
+    "lr": 3e-3,
+    "min_lr": 1e-4,
+    "warmup_steps": 5,
+    "decay": "cosine",
+    "train_seed": 29,
+}
+STUDENT = {
+    "steps": 60,
+    "prompts_per_step": 8,
+    "lr": 3e-3,
+    "min_lr": 1e-4,
+    "warmup_steps": 5,
+    "decay": "cosine",
+    "train_seed": 31,
+}
 """The agentic student's cold start: short, so that it calls the tool but still gets many answers wrong
 (copying the numbers), which is what OPD from the agentic teacher then has to teach."""
 EVAL = {"temperature": 0.6, "max_new_tokens": 96, "max_turns": 3, "max_trajectory_tokens": 240, "seed": 0}
@@ -70,17 +85,25 @@ def problem(rng: random.Random) -> tuple[str, str, int]:
         return f"A box holds {a} rows of {b} {item}. How many {item} are in the box?", f"{a} * {b}", a * b
     if form == 1:
         a, b, c = rng.randint(10, 99), rng.randint(11, 49), rng.randint(11, 49)
-        return (f"{name} has {a} {item} and buys {b} bags of {c} {item} each. How many {item} does {name} have now?",
-                f"{a} + {b} * {c}", a + b * c)
+        return (
+            f"{name} has {a} {item} and buys {b} bags of {c} {item} each. How many {item} does {name} have now?",
+            f"{a} + {b} * {c}",
+            a + b * c,
+        )
     q, b = rng.randint(12, 99), rng.randint(12, 49)
-    return (f"{name} shares {q * b} {item} equally among {b} friends. How many {item} does each friend get?",
-            f"{q * b} / {b}", q)
+    return (
+        f"{name} shares {q * b} {item} equally among {b} friends. How many {item} does each friend get?",
+        f"{q * b} / {b}",
+        q,
+    )
 
 
 def trace(expression: str, answer: int) -> str:
     call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-    return (f"<tool_call>\n{call}\n</tool_call><|im_end|>\n<|im_start|>tool\n{answer}<|im_end|>\n"
-            f"<|im_start|>assistant\nThe answer is \\boxed{{{answer}}}.")
+    return (
+        f"<tool_call>\n{call}\n</tool_call><|im_end|>\n<|im_start|>tool\n{answer}<|im_end|>\n"
+        f"<|im_start|>assistant\nThe answer is \\boxed{{{answer}}}."
+    )
 
 
 def rows(seed: int = SEED) -> dict[str, list[dict]]:
@@ -91,14 +114,25 @@ def rows(seed: int = SEED) -> dict[str, list[dict]]:
         if text in seen:
             continue
         seen.add(text)
-        out.append({"problem": text, "solution": f"{expr} = {answer}\nThe answer is ${answer}$.", "answer": str(answer),
-                    "problem_type": "Arithmetic", "question_type": "math-word-problem", "source": "megaopd_agentic",
-                    "uuid": str(uuidlib.uuid5(UUID_NAMESPACE, f"{seed}/{text}")), "is_reasoning_complete": [True],
-                    "generations": [trace(expr, answer)], "correctness_math_verify": [True],
-                    "finish_reasons": ["stop"], "correctness_count": 1})
+        out.append(
+            {
+                "problem": text,
+                "solution": f"{expr} = {answer}\nThe answer is ${answer}$.",
+                "answer": str(answer),
+                "problem_type": "Arithmetic",
+                "question_type": "math-word-problem",
+                "source": "megaopd_agentic",
+                "uuid": str(uuidlib.uuid5(UUID_NAMESPACE, f"{seed}/{text}")),
+                "is_reasoning_complete": [True],
+                "generations": [trace(expr, answer)],
+                "correctness_math_verify": [True],
+                "finish_reasons": ["stop"],
+                "correctness_count": 1,
+            }
+        )
     splits, at = {}, 0
     for name, n in SIZES:
-        splits[name] = out[at:at + n]
+        splits[name] = out[at : at + n]
         at += n
     return splits
 
@@ -148,13 +182,24 @@ def evaluate_with_tools(hf_dir: str, problems: int = 100) -> dict:
     cfg = DataConfig(sources=[SourceConfig(path=os.path.join(DATA, "val.jsonl"))], max_prompt_len=128)
     examples = PromptDataset.load(cfg, tok, log=None, tools=mt.tools).examples[0][:problems]
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    samples = mt.generate(engine, examples, SamplingParams(temperature=EVAL["temperature"], n=1, seed=EVAL["seed"],
-                                                           max_new_tokens=EVAL["max_new_tokens"], stop_token_ids=[end]))
+    samples = mt.generate(
+        engine,
+        examples,
+        SamplingParams(
+            temperature=EVAL["temperature"],
+            n=1,
+            seed=EVAL["seed"],
+            max_new_tokens=EVAL["max_new_tokens"],
+            stop_token_ids=[end],
+        ),
+    )
     n = len(samples)
-    return {"pass@1_with_tools": round(sum(s.trajectory.reward for s in samples) / n, 4),
-            "tool_call_rate": round(sum(s.trajectory.tool_calls > 0 for s in samples) / n, 4),
-            "tool_errors_per_trajectory": round(sum(s.trajectory.tool_errors for s in samples) / n, 4),
-            "problems": n}
+    return {
+        "pass@1_with_tools": round(sum(s.trajectory.reward for s in samples) / n, 4),
+        "tool_call_rate": round(sum(s.trajectory.tool_calls > 0 for s in samples) / n, 4),
+        "tool_errors_per_trajectory": round(sum(s.trajectory.tool_errors for s in samples) / n, 4),
+        "problems": n,
+    }
 
 
 def build_role(work: str, role: str) -> dict:
@@ -167,8 +212,13 @@ def build_role(work: str, role: str) -> dict:
     src = os.path.join(MODELS, base)
     run = os.path.join(work, f"{role}_sft")
     log(f"{role}: megaopd SFT of {src} on {spec['steps']} x {spec['prompts_per_step']} tool-use traces")
-    curve = sft(spec, src, run, spec["steps"],
-                extra=[f"data.sources=[{{path: {os.path.join(DATA, 'sft.jsonl')}}}]", "validation.path=''"])
+    curve = sft(
+        spec,
+        src,
+        run,
+        spec["steps"],
+        extra=[f"data.sources=[{{path: {os.path.join(DATA, 'sft.jsonl')}}}]", "validation.path=''"],
+    )
     dst = os.path.join(MODELS, role)
     if os.path.isdir(dst):
         shutil.rmtree(dst)
@@ -176,9 +226,15 @@ def build_role(work: str, role: str) -> dict:
     path = os.path.join(MODELS, "agentic_manifest.json")
     manifest = json.load(open(path)) if os.path.isfile(path) else {}
     manifest.setdefault("eval", EVAL)
-    manifest[role] = {"from": f"examples/tiny/models/{base}", "sft": spec, "sft_nll": curve,
-                      "with_tools": evaluate_with_tools(dst), f"{base}_before_with_tools": evaluate_with_tools(src),
-                      "files": dir_hashes(dst), "build_seconds": round(time.time() - t0)}
+    manifest[role] = {
+        "from": f"examples/tiny/models/{base}",
+        "sft": spec,
+        "sft_nll": curve,
+        "with_tools": evaluate_with_tools(dst),
+        f"{base}_before_with_tools": evaluate_with_tools(src),
+        "files": dir_hashes(dst),
+        "build_seconds": round(time.time() - t0),
+    }
     with open(path, "w") as f:
         json.dump(manifest, f, indent=1)
         f.write("\n")

@@ -9,6 +9,7 @@ Run time on a shared 2-core CPU: 15-20 s to build, the same for --check (math-ve
 generations, and the BPE training). The library code is megaopd/data/synthetic.py; the files are deterministic given
 --seed and the sizes (and the versions of tokenizers/transformers that serialize the tokenizer).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,11 @@ problems. Generations: `<think>` steps `</think>` then `The answer is \\boxed{{N
 math-verify (correctness_math_verify). Tokenizer: ../tokenizer (256 ids, EOS <|im_end|>, pad <|endoftext|>).
 val.jsonl also reads as a benchmark file of megaopd.eval (it has `problem` and `answer`).
 """
-USES = {"sft": "cold-start SFT on golden solutions", "opd": "OPD prompts (+ golden for mixture distillation)",
-        "val": "validation (answers)"}
+USES = {
+    "sft": "cold-start SFT on golden solutions",
+    "opd": "OPD prompts (+ golden for mixture distillation)",
+    "val": "validation (answers)",
+}
 
 
 def parse_sizes(text: str) -> list[tuple[str, int]]:
@@ -65,8 +69,10 @@ def build(data_dir: str, tokenizer_dir: str, seed: int, sizes: list[tuple[str, i
     # The OPD prompts split by kind, two data sources of the two-teacher preset (examples/tiny/two_teachers.yaml).
     for kind, file in (("Arithmetic", "arithmetic"), ("Algebra", "algebra")) if "opd" in splits else ():
         write_rows(os.path.join(data_dir, f"{file}.jsonl"), [r for r in splits["opd"] if r["problem_type"] == kind])
-    table = "\n".join(f"| {name}.jsonl | {len(rows)} | {sum(len(r['generations']) > 1 for r in rows)} | "
-                      f"{USES.get(name, '')} |" for name, rows in splits.items())
+    table = "\n".join(
+        f"| {name}.jsonl | {len(rows)} | {sum(len(r['generations']) > 1 for r in rows)} | {USES.get(name, '')} |"
+        for name, rows in splits.items()
+    )
     sizes_text = ",".join(f"{k}={v}" for k, v in sizes)
     with open(os.path.join(data_dir, "README.md"), "w", newline="\n") as f:
         f.write(README.format(seed=seed, sizes=sizes_text, table=table))
@@ -102,17 +108,20 @@ def main(argv=None) -> int:
     t0 = time.time()
     if not args.check:
         counts = build(args.data_dir, args.tokenizer_dir, args.seed, sizes)
-        print(f"wrote {counts} to {args.data_dir} and the tokenizer to {args.tokenizer_dir} "
-              f"in {time.time() - t0:.1f}s")
+        print(f"wrote {counts} to {args.data_dir} and the tokenizer to {args.tokenizer_dir} in {time.time() - t0:.1f}s")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         data_tmp, tok_tmp = os.path.join(tmp, "data"), os.path.join(tmp, "tokenizer")
         build(data_tmp, tok_tmp, args.seed, sizes)
         problems = compare_dirs(args.data_dir, data_tmp) + compare_dirs(args.tokenizer_dir, tok_tmp)
     if problems:
-        print("tiny data check FAILED:\n  " + "\n  ".join(problems) +
-              "\nfix: run `python tools/build_tiny_data.py` and commit the files (or revert the generator "
-              "change)", file=sys.stderr)
+        print(
+            "tiny data check FAILED:\n  "
+            + "\n  ".join(problems)
+            + "\nfix: run `python tools/build_tiny_data.py` and commit the files (or revert the generator "
+            "change)",
+            file=sys.stderr,
+        )
         return 1
     print(f"tiny data check passed ({time.time() - t0:.1f}s)")
     return 0

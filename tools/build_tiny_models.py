@@ -45,6 +45,7 @@ committed weights bit for bit, nor anything about the teacher's second stage bey
 the full build (`python tools/build_tiny_models.py --out /tmp/m` and compare the manifests' file hashes;
 the runs are deterministic on one machine with one thread, but float reductions may differ across CPUs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,20 +70,62 @@ SFT_PRESET = os.path.join(ROOT, "examples", "tiny", "sft.yaml")
 # SFT "stages": consecutive `megaopd train` runs, each starting from the previous one's exported HF dir
 # (a fresh optimizer and schedule each; lr warms up over warmup_steps, then decays over the stage's steps).
 SPECS: dict[str, dict] = {
-    "teacher": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "ffn": 384, "init_seed": 1,
-                "stages": [
-                    {"steps": 1200, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
-                     "decay": "cosine", "train_seed": 11},
-                    {"steps": 1500, "prompts_per_step": 32, "lr": 1e-3, "min_lr": 5e-5, "warmup_steps": 30,
-                     "decay": "cosine", "train_seed": 13},
-                ]},
-    "student": {"hidden": 96, "layers": 3, "heads": 4, "kv_heads": 2, "ffn": 256, "init_seed": 2,
-                "stages": [
-                    {"steps": 400, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
-                     "decay": "constant", "train_seed": 12},
-                    {"steps": 1600, "prompts_per_step": 32, "lr": 2e-3, "min_lr": 1e-4, "warmup_steps": 30,
-                     "decay": "constant", "train_seed": 14},
-                ]},
+    "teacher": {
+        "hidden": 128,
+        "layers": 4,
+        "heads": 4,
+        "kv_heads": 2,
+        "ffn": 384,
+        "init_seed": 1,
+        "stages": [
+            {
+                "steps": 1200,
+                "prompts_per_step": 32,
+                "lr": 2e-3,
+                "min_lr": 1e-4,
+                "warmup_steps": 30,
+                "decay": "cosine",
+                "train_seed": 11,
+            },
+            {
+                "steps": 1500,
+                "prompts_per_step": 32,
+                "lr": 1e-3,
+                "min_lr": 5e-5,
+                "warmup_steps": 30,
+                "decay": "cosine",
+                "train_seed": 13,
+            },
+        ],
+    },
+    "student": {
+        "hidden": 96,
+        "layers": 3,
+        "heads": 4,
+        "kv_heads": 2,
+        "ffn": 256,
+        "init_seed": 2,
+        "stages": [
+            {
+                "steps": 400,
+                "prompts_per_step": 32,
+                "lr": 2e-3,
+                "min_lr": 1e-4,
+                "warmup_steps": 30,
+                "decay": "constant",
+                "train_seed": 12,
+            },
+            {
+                "steps": 1600,
+                "prompts_per_step": 32,
+                "lr": 2e-3,
+                "min_lr": 1e-4,
+                "warmup_steps": 30,
+                "decay": "constant",
+                "train_seed": 14,
+            },
+        ],
+    },
 }
 EVAL_PROBLEMS = 64
 """Validation problems (the first N of val.jsonl) the manifest's accuracies are measured on."""
@@ -110,11 +153,22 @@ def dir_hashes(d: str) -> dict[str, str]:
 
 
 def hf_config(spec: dict) -> dict:
-    return {"vocab_size": 256, "hidden_size": spec["hidden"], "intermediate_size": spec["ffn"],
-            "num_hidden_layers": spec["layers"], "num_attention_heads": spec["heads"],
-            "num_key_value_heads": spec["kv_heads"], "max_position_embeddings": 512, "rope_theta": 10000.0,
-            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-            "pad_token_id": 0, "initializer_range": 0.02}
+    return {
+        "vocab_size": 256,
+        "hidden_size": spec["hidden"],
+        "intermediate_size": spec["ffn"],
+        "num_hidden_layers": spec["layers"],
+        "num_attention_heads": spec["heads"],
+        "num_key_value_heads": spec["kv_heads"],
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "initializer_range": 0.02,
+    }
 
 
 def build_init(spec: dict, out_dir: str) -> int:
@@ -137,15 +191,33 @@ def sft(stage: dict, init_dir: str, run_dir: str, steps: int, extra: tuple = ())
     """megaopd's own SFT (examples/tiny/sft.yaml, one process) of one stage from init_dir, for `steps` steps
     of the stage's schedule; returns sft/nll per step. The exported model is run_dir/hf. extra: more
     key=value overrides (tools/build_tiny_agentic.py: its data)."""
-    args = [sys.executable, "-m", "megaopd.cli", "train", SFT_PRESET, f"run.dir={run_dir}",
-            f"student.path={init_dir}", "student.tp=1", "reference.tp=1", "run.world_size=1",
-            f"trainer.max_steps={steps}", f"trainer.prompts_per_step={stage['prompts_per_step']}",
-            f"trainer.micro_batch_size={stage['prompts_per_step']}", f"trainer.seed={stage['train_seed']}",
-            f"trainer.save_interval={steps}", "trainer.eval_interval=0",
-            f"optimizer.lr={stage['lr']}", f"optimizer.min_lr={stage['min_lr']}",
-            f"optimizer.warmup_steps={stage['warmup_steps']}", f"optimizer.decay_style={stage['decay']}",
-            f"validation.max_problems={EVAL_PROBLEMS}", f"validation.max_new_tokens={EVAL['max_new_tokens']}",
-            "logging.progress_bar=off", "logging.tensorboard=false", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "megaopd.cli",
+        "train",
+        SFT_PRESET,
+        f"run.dir={run_dir}",
+        f"student.path={init_dir}",
+        "student.tp=1",
+        "reference.tp=1",
+        "run.world_size=1",
+        f"trainer.max_steps={steps}",
+        f"trainer.prompts_per_step={stage['prompts_per_step']}",
+        f"trainer.micro_batch_size={stage['prompts_per_step']}",
+        f"trainer.seed={stage['train_seed']}",
+        f"trainer.save_interval={steps}",
+        "trainer.eval_interval=0",
+        f"optimizer.lr={stage['lr']}",
+        f"optimizer.min_lr={stage['min_lr']}",
+        f"optimizer.warmup_steps={stage['warmup_steps']}",
+        f"optimizer.decay_style={stage['decay']}",
+        f"validation.max_problems={EVAL_PROBLEMS}",
+        f"validation.max_new_tokens={EVAL['max_new_tokens']}",
+        "logging.progress_bar=off",
+        "logging.tensorboard=false",
+        *extra,
+    ]
     env = dict(os.environ, MEGAOPD_WORKER_THREADS=THREADS, PYTHONPATH=ROOT)
     t0 = time.time()
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -153,8 +225,13 @@ def sft(stage: dict, init_dir: str, run_dir: str, steps: int, extra: tuple = ())
     for line in proc.stdout:
         tail = (tail + [line])[-40:]
         words = line.split()
-        if len(words) > 2 and words[0] == "step" and words[1].isdigit() and words[2].startswith("loss=") \
-                and (int(words[1]) % 100 == 0 or " val_acc" in line):
+        if (
+            len(words) > 2
+            and words[0] == "step"
+            and words[1].isdigit()
+            and words[2].startswith("loss=")
+            and (int(words[1]) % 100 == 0 or " val_acc" in line)
+        ):
             log(f"  {os.path.basename(run_dir)}: {line.strip()} ({time.time() - t0:.0f}s)")
     if proc.wait() != 0:
         raise SystemExit(f"SFT run {run_dir} failed:\n{''.join(tail)}")
@@ -173,25 +250,43 @@ def evaluate_dir(hf_dir: str, problems: int = EVAL_PROBLEMS) -> dict:
 
     from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.eval.evaluate import EvalConfig, evaluate
-    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.models.hf_io import load_tokenizer
+    from megaopd.rollout.embedded import EmbeddedEngine
 
     torch.set_num_threads(int(THREADS))
     engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, device="cpu"))
     tokenizer = load_tokenizer(hf_dir)  # the trainer's loader (AutoTokenizer picks a wrong class here)
-    result = evaluate(engine, tokenizer, [os.path.join(DATA, "val.jsonl")],
-                      EvalConfig(samples=1, temperature=EVAL["temperature"], max_new_tokens=EVAL["max_new_tokens"],
-                                 limit=problems, seed=EVAL["seed"]))
+    result = evaluate(
+        engine,
+        tokenizer,
+        [os.path.join(DATA, "val.jsonl")],
+        EvalConfig(
+            samples=1,
+            temperature=EVAL["temperature"],
+            max_new_tokens=EVAL["max_new_tokens"],
+            limit=problems,
+            seed=EVAL["seed"],
+        ),
+    )
     m = result.to_metrics("val")
-    return {"accuracy": round(m["val/accuracy"], 4), "truncation_rate": round(m["val/truncation_rate"], 4),
-            "problems": problems}
+    return {
+        "accuracy": round(m["val/accuracy"], 4),
+        "truncation_rate": round(m["val/truncation_rate"], 4),
+        "problems": problems,
+    }
 
 
 def model_sizes(hf_dir: str) -> dict:
     with open(os.path.join(hf_dir, "config.json")) as f:
         c = json.load(f)
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "vocab_size")
+    keys = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+    )
     return {k: c[k] for k in keys}
 
 
@@ -200,8 +295,12 @@ def versions() -> dict:
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "megatron-core": megatron.core.__version__, "python": sys.version.split()[0]}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "megatron-core": megatron.core.__version__,
+        "python": sys.version.split()[0],
+    }
 
 
 def build(out: str, work: str, roles: list[str]) -> dict:
@@ -211,9 +310,14 @@ def build(out: str, work: str, roles: list[str]) -> dict:
     if set(roles) != set(SPECS) and os.path.isfile(path):  # rebuild some roles, keep the others' records
         with open(path) as f:
             old = json.load(f).get("models", {})
-    manifest = {"specs": SPECS, "eval": {**EVAL, "problems": EVAL_PROBLEMS, "file": "examples/tiny/data/val.jsonl"},
-                "check": {"steps": CHECK_STEPS, "tol": CHECK_TOL}, "threads": THREADS, "versions": versions(),
-                "models": {r: old[r] for r in SPECS if r not in roles and r in old}}
+    manifest = {
+        "specs": SPECS,
+        "eval": {**EVAL, "problems": EVAL_PROBLEMS, "file": "examples/tiny/data/val.jsonl"},
+        "check": {"steps": CHECK_STEPS, "tol": CHECK_TOL},
+        "threads": THREADS,
+        "versions": versions(),
+        "models": {r: old[r] for r in SPECS if r not in roles and r in old},
+    }
     for role in roles:
         spec = SPECS[role]
         t0 = time.time()
@@ -222,8 +326,10 @@ def build(out: str, work: str, roles: list[str]) -> dict:
         log(f"{role}: random init ({n / 1e6:.2f}M parameters, seed {spec['init_seed']}) -> {init}")
         curves, src = [], init
         for i, stage in enumerate(spec["stages"]):
-            log(f"{role}: megaopd SFT stage {i + 1}/{len(spec['stages'])}, {stage['steps']} steps x "
-                f"{stage['prompts_per_step']} golden solutions, lr {stage['lr']} ({stage['decay']})")
+            log(
+                f"{role}: megaopd SFT stage {i + 1}/{len(spec['stages'])}, {stage['steps']} steps x "
+                f"{stage['prompts_per_step']} golden solutions, lr {stage['lr']} ({stage['decay']})"
+            )
             run = os.path.join(work, f"{role}_sft{i + 1}")
             curves.append(sft(stage, src, run, stage["steps"]))
             src = os.path.join(run, "hf")
@@ -232,13 +338,20 @@ def build(out: str, work: str, roles: list[str]) -> dict:
             shutil.rmtree(dst)
         shutil.copytree(src, dst)
         acc = evaluate_dir(dst)
-        log(f"{role}: val accuracy {acc['accuracy']:.3f} on the first {EVAL_PROBLEMS} problems "
-            f"(truncation {acc['truncation_rate']:.3f}); {time.time() - t0:.0f}s")
-        manifest["models"][role] = {"parameters": n, "sizes": model_sizes(dst),
-                                    "init_sha256": sha256(os.path.join(init, "model.safetensors")),
-                                    "sft_nll": curves, "check_nll": curves[0][:CHECK_STEPS], "val": acc,
-                                    "files": dir_hashes(dst),
-                                    "build_seconds": round(time.time() - t0)}
+        log(
+            f"{role}: val accuracy {acc['accuracy']:.3f} on the first {EVAL_PROBLEMS} problems "
+            f"(truncation {acc['truncation_rate']:.3f}); {time.time() - t0:.0f}s"
+        )
+        manifest["models"][role] = {
+            "parameters": n,
+            "sizes": model_sizes(dst),
+            "init_sha256": sha256(os.path.join(init, "model.safetensors")),
+            "sft_nll": curves,
+            "check_nll": curves[0][:CHECK_STEPS],
+            "val": acc,
+            "files": dir_hashes(dst),
+            "build_seconds": round(time.time() - t0),
+        }
     manifest["models"] = {r: manifest["models"][r] for r in SPECS if r in manifest["models"]}
     manifest["build_seconds"] = sum(m["build_seconds"] for m in manifest["models"].values())
     with open(path, "w") as f:
@@ -262,8 +375,10 @@ def check(out: str, work: str) -> list[str]:
     now = versions()
     for k in ("torch", "transformers", "megatron-core"):
         if manifest["versions"].get(k) != now[k]:
-            log(f"note: built with {k} {manifest['versions'].get(k)}, checking with {now[k]} "
-                f"(random inits and loss curves may differ)")
+            log(
+                f"note: built with {k} {manifest['versions'].get(k)}, checking with {now[k]} "
+                f"(random inits and loss curves may differ)"
+            )
     for role in ("teacher", "student"):
         spec, rec, d = SPECS[role], manifest["models"][role], os.path.join(out, role)
         # a. committed files
@@ -275,8 +390,9 @@ def check(out: str, work: str) -> list[str]:
         init = os.path.join(work, f"{role}_init")
         build_init(spec, init)
         if sha256(os.path.join(init, "model.safetensors")) != rec["init_sha256"]:
-            problems.append(f"{role}: the rebuilt random initialization differs from the manifest's (seed "
-                            f"{spec['init_seed']})")
+            problems.append(
+                f"{role}: the rebuilt random initialization differs from the manifest's (seed {spec['init_seed']})"
+            )
         else:
             log(f"{role}: random initialization rebuilt bit-identical")
         # c. SFT prefix (of the first stage: later stages start from weights only the full build makes)
@@ -284,8 +400,10 @@ def check(out: str, work: str) -> list[str]:
         ref = rec["check_nll"]  # this code's first steps (may differ from sft_nll's older build: see the manifest)
         worst = max(abs(a - b) for a, b in zip(curve, ref))
         if len(curve) != len(ref) or worst > CHECK_TOL:
-            problems.append(f"{role}: SFT loss curve of the first {CHECK_STEPS} steps {curve} differs from the "
-                            f"manifest's {ref} (max |delta| {worst:.2e} > {CHECK_TOL})")
+            problems.append(
+                f"{role}: SFT loss curve of the first {CHECK_STEPS} steps {curve} differs from the "
+                f"manifest's {ref} (max |delta| {worst:.2e} > {CHECK_TOL})"
+            )
         else:
             log(f"{role}: first {CHECK_STEPS} SFT losses match the manifest (max |delta| {worst:.1e})")
         # d. the committed weights: sizes and accuracy
@@ -295,15 +413,17 @@ def check(out: str, work: str) -> list[str]:
             model = transformers.AutoModelForCausalLM.from_pretrained(d)
             n = sum(p.numel() for p in model.parameters())
             if n != rec["parameters"] or model_sizes(d) != rec["sizes"]:
-                problems.append(f"{role}: {n} parameters / sizes {model_sizes(d)}; manifest: {rec['parameters']} / "
-                                f"{rec['sizes']}")
+                problems.append(
+                    f"{role}: {n} parameters / sizes {model_sizes(d)}; manifest: {rec['parameters']} / {rec['sizes']}"
+                )
             acc = evaluate_dir(d)
             # Counted in problems: both accuracies are rounded to 4 decimals, so comparing the fractions against
             # 2 / 64 = 0.03125 refused a difference of exactly 2 problems (0.0313).
             solved, recorded = (round(a * EVAL_PROBLEMS) for a in (acc["accuracy"], rec["val"]["accuracy"]))
             if abs(solved - recorded) > 2:
-                problems.append(f"{role}: val accuracy {acc['accuracy']} differs from the manifest's "
-                                f"{rec['val']['accuracy']}")
+                problems.append(
+                    f"{role}: val accuracy {acc['accuracy']} differs from the manifest's {rec['val']['accuracy']}"
+                )
             else:
                 log(f"{role}: val accuracy {acc['accuracy']:.3f} (manifest {rec['val']['accuracy']:.3f})")
     t, s = (manifest["models"][r]["val"]["accuracy"] for r in ("teacher", "student"))

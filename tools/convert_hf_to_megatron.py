@@ -7,6 +7,7 @@ the job's ranks (a multiple of tp*pp*ep). The checkpoint (megatron dist_checkpoi
 config.json and the tokenizer files too, and loads at any TP/PP (see megaopd/models/checkpoint.py).
 Inputs are checked first: a bad directory, config or layout exits 2 with one line, before any start-up.
 """
+
 from __future__ import annotations
 
 import os

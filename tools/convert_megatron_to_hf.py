@@ -7,6 +7,7 @@ vocabulary padding trimmed and tied embeddings stored once, plus config.json and
 copied from the checkpoint. HF -> Megatron -> HF is bit-exact. The checkpoint is loaded at --tp/--pp
 (default one process, whatever layout it was written at). Bad inputs exit 2 with one line.
 """
+
 from __future__ import annotations
 
 import os

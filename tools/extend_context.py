@@ -8,6 +8,7 @@ converted checkpoint (STUDENT_CKPT), that folder too: engines and trainer must u
 their log-probs disagree. Each config.json is rewritten in place (the original kept as config.json.orig);
 every change is printed. Recipes and their sources: megaopd/config/context.py and docs/cluster.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,11 @@ from megaopd.config.context import RECIPES, extend_context, model_config_files  
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folders", nargs="+", help="HF model directories and/or megaopd checkpoint folders")
-    ap.add_argument("--recipe", choices=sorted(RECIPES), help="luffy: rope_theta 40000, 16384 positions; "
-                    "open-r1: rope_theta 300000, 32768 positions")
+    ap.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        help="luffy: rope_theta 40000, 16384 positions; open-r1: rope_theta 300000, 32768 positions",
+    )
     ap.add_argument("--rope-theta", type=float)
     ap.add_argument("--max-position-embeddings", type=int)
     args = ap.parse_args(argv)
@@ -45,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{path}: already rope_theta {theta:g}, max_position_embeddings {positions}")
             else:
                 old, new = change
-                print(f"{path}: rope_theta {old['rope_theta']} -> {new['rope_theta']:g}, max_position_embeddings "
-                      f"{old['max_position_embeddings']} -> {new['max_position_embeddings']} (original: {path}.orig)")
+                print(
+                    f"{path}: rope_theta {old['rope_theta']} -> {new['rope_theta']:g}, max_position_embeddings "
+                    f"{old['max_position_embeddings']} -> {new['max_position_embeddings']} (original: {path}.orig)"
+                )
     except (FileNotFoundError, ValueError) as e:
         print(f"extend_context: {e}", file=sys.stderr)
         return 1

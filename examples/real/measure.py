@@ -7,6 +7,7 @@ the proportional set size (PSS, /proc/PID/smaps_rollup: a shared page counts 1/n
 that map it, so the sum is what the tree holds in RAM), sampled every second. Writes {"seconds", "peak_pss_gb",
 "returncode"} and exits with the command's exit code.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -10,6 +10,7 @@ before (nll_before.json: the pruned student) and after (the run's final student 
 run's wall time and the peak memory of its process tree. Plus the `megaopd eval` results of teacher and
 student with the number and the boxed extraction (eval_<who>_<extract>/results.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,18 @@ def _steps(run_dir: str) -> list[dict]:
 
 
 def collect(runs: str) -> dict:
-    nll_before = list(_load(os.path.join(runs, "nll_before.json")).values())   # [teacher, student]
+    nll_before = list(_load(os.path.join(runs, "nll_before.json")).values())  # [teacher, student]
     out = {"teacher_nll": nll_before[0]["nll"], "student_nll": nll_before[1]["nll"], "evals": {}, "arms": {}}
     for who in ("teacher", "student"):
         for extract in ("number", "boxed"):
             path = os.path.join(runs, f"eval_{who}_{extract}", "results.json")
             if os.path.exists(path):
                 r = _load(path)
-                out["evals"][f"{who}/{extract}"] = {"accuracy": r["average"], "answers_found": r["answers_found"],
-                                                    "responses": r["responses"]}
+                out["evals"][f"{who}/{extract}"] = {
+                    "accuracy": r["average"],
+                    "answers_found": r["answers_found"],
+                    "responses": r["responses"],
+                }
     before = out["evals"].get("student/number")
     for arm in ARMS:
         run = os.path.join(runs, arm)
@@ -50,11 +54,21 @@ def collect(runs: str) -> dict:
             continue
         steps = [r for r in _steps(run) if "time/step" in r and "event" not in r]
         measure = _load(measure_path)
-        a = {"acc_before": before["accuracy"], "found_before": before["answers_found"],
-             "nll_before": out["student_nll"], "acc_after": None, "found_after": None, "nll_after": None,
-             "steps": len(steps), "s_per_step": sum(r["time/step"] for r in steps) / len(steps) if steps else None,
-             "wall_s": measure["seconds"], "peak_pss_gb": measure["peak_pss_gb"], "finished": measure["returncode"] == 0,
-             "loss": [r.get("loss/total") for r in steps], "step_s": [r["time/step"] for r in steps]}
+        a = {
+            "acc_before": before["accuracy"],
+            "found_before": before["answers_found"],
+            "nll_before": out["student_nll"],
+            "acc_after": None,
+            "found_after": None,
+            "nll_after": None,
+            "steps": len(steps),
+            "s_per_step": sum(r["time/step"] for r in steps) / len(steps) if steps else None,
+            "wall_s": measure["seconds"],
+            "peak_pss_gb": measure["peak_pss_gb"],
+            "finished": measure["returncode"] == 0,
+            "loss": [r.get("loss/total") for r in steps],
+            "step_s": [r["time/step"] for r in steps],
+        }
         after_path = os.path.join(runs, f"eval_{arm}_number", "results.json")
         nll_path = os.path.join(runs, f"nll_after_{arm}.json")
         if os.path.exists(after_path):
@@ -67,22 +81,33 @@ def collect(runs: str) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = ["| arm | accuracy before -> after (answers found of 60) | golden NLL before -> after | s/step | "
-             "steps | run wall time | peak memory (PSS) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| arm | accuracy before -> after (answers found of 60) | golden NLL before -> after | s/step | "
+        "steps | run wall time | peak memory (PSS) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for arm, a in res["arms"].items():
-        acc = (f"{a['acc_before']:.3f} -> **{a['acc_after']:.3f}** ({a['found_before']} -> {a['found_after']})"
-               if a["acc_after"] is not None else f"{a['acc_before']:.3f} -> not measured")
-        nll = (f"{a['nll_before']:.3f} -> **{a['nll_after']:.3f}**" if a["nll_after"] is not None
-               else f"{a['nll_before']:.3f} -> not measured")
+        acc = (
+            f"{a['acc_before']:.3f} -> **{a['acc_after']:.3f}** ({a['found_before']} -> {a['found_after']})"
+            if a["acc_after"] is not None
+            else f"{a['acc_before']:.3f} -> not measured"
+        )
+        nll = (
+            f"{a['nll_before']:.3f} -> **{a['nll_after']:.3f}**"
+            if a["nll_after"] is not None
+            else f"{a['nll_before']:.3f} -> not measured"
+        )
         steps = f"{a['steps']}" + ("" if a["finished"] else " (stopped)")
         s_step = f"{a['s_per_step']:.0f}" if a["s_per_step"] is not None else "-"
-        lines.append(f"| `{arm}` | {acc} | {nll} | {s_step} | {steps} | {a['wall_s'] / 60:.1f} min | "
-                     f"{a['peak_pss_gb']:.1f} GB |")
+        lines.append(
+            f"| `{arm}` | {acc} | {nll} | {s_step} | {steps} | {a['wall_s'] / 60:.1f} min | {a['peak_pss_gb']:.1f} GB |"
+        )
     return "\n".join(lines)
 
 
 def draw(res: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -90,8 +115,10 @@ def draw(res: dict, path: str) -> None:
     fig, (ax_acc, ax_nll, ax_t) = plt.subplots(1, 3, figsize=(14, 3.8))
     x = range(len(arms))
     w = 0.38
-    for ax, key, label in ((ax_acc, "acc", "validation accuracy (number extraction, greedy)"),
-                           (ax_nll, "nll", "golden NLL per token (validation)")):
+    for ax, key, label in (
+        (ax_acc, "acc", "validation accuracy (number extraction, greedy)"),
+        (ax_nll, "nll", "golden NLL per token (validation)"),
+    ):
         before = [res["arms"][a][f"{key}_before"] for a in arms]
         after = [res["arms"][a][f"{key}_after"] for a in arms]
         ax.bar([i - w / 2 for i in x], before, w, label="pruned student, before", color="#bbbbbb")
@@ -101,19 +128,23 @@ def draw(res: dict, path: str) -> None:
             fmt = (lambda x: f"{x:.3f}") if key == "nll" else (lambda x: f"{round(x * n)}/{n}")  # noqa: E731
             ax.annotate(fmt(v0), (i - w / 2, v0), ha="center", va="bottom", fontsize=8)
             ax.annotate(fmt(v), (i + w / 2, v), ha="center", va="bottom", fontsize=8)
-        teacher = (res["evals"].get("teacher/number", {}).get("accuracy") if key == "acc" else res["teacher_nll"])
+        teacher = res["evals"].get("teacher/number", {}).get("accuracy") if key == "acc" else res["teacher_nll"]
         if teacher is not None:
             ax.axhline(teacher, color="#c0504d", ls="--", lw=1, label="full model (teacher)")
         ax.set_xticks(list(x), arms)
         ax.set_title(label, fontsize=10)
     ax_acc.legend(fontsize=8, loc="upper left")
-    for arm, a in res["arms"].items():   # every arm, finished or stopped
-        ax_t.plot(range(1, len(a["step_s"]) + 1), a["step_s"], marker="o", label=arm + ("" if a["finished"] else " (stopped)"))
+    for arm, a in res["arms"].items():  # every arm, finished or stopped
+        ax_t.plot(
+            range(1, len(a["step_s"]) + 1), a["step_s"], marker="o", label=arm + ("" if a["finished"] else " (stopped)")
+        )
     ax_t.set_xlabel("step")
     ax_t.set_title("seconds per step (shared, loaded 2-core CPU)", fontsize=10)
     ax_t.legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M-Instruct without layers 16-19, taught by the full model: 6 steps x 4 prompts per arm (arms that finished)",
-                 fontsize=10)
+    fig.suptitle(
+        "SmolLM2-135M-Instruct without layers 16-19, taught by the full model: 6 steps x 4 prompts per arm (arms that finished)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -130,7 +161,9 @@ def main() -> None:
         res = _load(RESULTS)
     print(table(res))
     for name, e in res["evals"].items():
-        print(f"megaopd eval {name}: accuracy {e['accuracy']:.3f}, answers found: {e['answers_found']} of {e['responses']}")
+        print(
+            f"megaopd eval {name}: accuracy {e['accuracy']:.3f}, answers found: {e['answers_found']} of {e['responses']}"
+        )
     draw(res, FIGURE)
     print(f"figure: {FIGURE}")
 

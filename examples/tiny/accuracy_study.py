@@ -13,6 +13,7 @@ A run whose summary.json exists is not run again (an interrupted run resumes fro
 the study can be stopped and started again; --report-only tabulates the seeds that finished. The regime
 (REGIME below) and why it was chosen: examples/tiny/README.md, "The accuracy study". Not run in CI.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,22 +32,46 @@ ONE_THREAD = ["run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=
 REGIME = ["optimizer.lr=3.0e-3", "trainer.max_steps=40", "trainer.eval_interval=10", "trainer.save_interval=20"]
 # Stable-OPD's anchors, and the adaptive controller's bounds: from 0 up to the fixed arm's weights.
 FIXED = ["loss.config.sft_weight=1.0", "loss.config.ref_kl_weight=0.2"]
-ADAPTIVE = ["loss.controller=adaptive", "loss.config.sft_weight=0.0", "loss.config.ref_kl_weight=0.0",
-            "loss.adaptive.sft_weight_max=1.0", "loss.adaptive.ref_kl_weight_max=0.2"]
+ADAPTIVE = [
+    "loss.controller=adaptive",
+    "loss.config.sft_weight=0.0",
+    "loss.config.ref_kl_weight=0.0",
+    "loss.adaptive.sft_weight_max=1.0",
+    "loss.adaptive.ref_kl_weight_max=0.2",
+]
 # --regime stress: collapse.sh's setting (lr 5e-3, no clipping, 384 tokens, 16 prompts x 4, 180 steps), where
 # plain OPD's rollouts collapse into loops; the preset's weights and the controller's default bounds.
-STRESS = ["optimizer.lr=5.0e-3", "optimizer.clip_grad=0", "trainer.prompts_per_step=16", "rollout.max_new_tokens=384",
-          "validation.max_new_tokens=384", "trainer.max_steps=180", "trainer.eval_interval=20",
-          "trainer.save_interval=60", "validation.max_problems=32"]
+STRESS = [
+    "optimizer.lr=5.0e-3",
+    "optimizer.clip_grad=0",
+    "trainer.prompts_per_step=16",
+    "rollout.max_new_tokens=384",
+    "validation.max_new_tokens=384",
+    "trainer.max_steps=180",
+    "trainer.eval_interval=20",
+    "trainer.save_interval=60",
+    "validation.max_problems=32",
+]
 REGIMES = {  # name -> (settings, {arm: (preset, overrides)})
-    "accuracy": (REGIME, {"opd": ("examples/tiny/opd.yaml", []),
-                          "stable_opd_fixed": ("examples/tiny/stable_opd.yaml", FIXED),
-                          "stable_opd_adaptive": ("examples/tiny/stable_opd.yaml", ADAPTIVE)}),
-    "stress": (STRESS, {"opd": ("examples/tiny/opd.yaml", []),
-                        "stable_opd_fixed": ("examples/tiny/stable_opd.yaml", []),
-                        "stable_opd_adaptive": ("examples/tiny/stable_opd.yaml",
-                                                ["loss.controller=adaptive", "loss.config.sft_weight=0.0",
-                                                 "loss.config.ref_kl_weight=0.0"])}),
+    "accuracy": (
+        REGIME,
+        {
+            "opd": ("examples/tiny/opd.yaml", []),
+            "stable_opd_fixed": ("examples/tiny/stable_opd.yaml", FIXED),
+            "stable_opd_adaptive": ("examples/tiny/stable_opd.yaml", ADAPTIVE),
+        },
+    ),
+    "stress": (
+        STRESS,
+        {
+            "opd": ("examples/tiny/opd.yaml", []),
+            "stable_opd_fixed": ("examples/tiny/stable_opd.yaml", []),
+            "stable_opd_adaptive": (
+                "examples/tiny/stable_opd.yaml",
+                ["loss.controller=adaptive", "loss.config.sft_weight=0.0", "loss.config.ref_kl_weight=0.0"],
+            ),
+        },
+    ),
 }
 SETTINGS, ARMS = REGIMES["accuracy"]
 
@@ -57,15 +82,30 @@ def run_dir(out: str, arm: str, seed: int) -> str:
 
 def command(out: str, arm: str, seed: int) -> list[str]:
     preset, overrides = ARMS[arm]
-    return [sys.executable, "-m", "megaopd.cli", "train", preset, f"run.dir={run_dir(out, arm, seed)}",
-            *ONE_THREAD, *SETTINGS, *overrides, f"trainer.seed={seed}", f"data.seed={seed}"]
+    return [
+        sys.executable,
+        "-m",
+        "megaopd.cli",
+        "train",
+        preset,
+        f"run.dir={run_dir(out, arm, seed)}",
+        *ONE_THREAD,
+        *SETTINGS,
+        *overrides,
+        f"trainer.seed={seed}",
+        f"data.seed={seed}",
+    ]
 
 
 def run_all(out: str, seeds: list[int], parallel: int, nice: int, arms: list[str]) -> None:
     """Seed-major order (every arm of seed 1, then seed 2, ...), so a study cut short has whole seeds."""
     env = dict(os.environ, MEGAOPD_WORKER_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    todo = [(arm, s) for s in seeds for arm in arms
-            if not os.path.exists(os.path.join(run_dir(out, arm, s), "summary.json"))]
+    todo = [
+        (arm, s)
+        for s in seeds
+        for arm in arms
+        if not os.path.exists(os.path.join(run_dir(out, arm, s), "summary.json"))
+    ]
     running: list[tuple[subprocess.Popen, str, float]] = []
     while todo or running:
         while todo and len(running) < parallel:
@@ -114,10 +154,15 @@ def run_stats(path: str, arm: str) -> dict | None:
             return sum(r.get(f"controller/{key}", 0.0) for r in train) / len(train)
         return float(overrides.get(f"loss.config.{key}", 0.0)) if arm != "opd" else 0.0
 
-    return {"final": val[-1][1], "start": val[0][1], "first_trunc": trunc[0] if trunc else None,
-            "golden": sum(r.get("sft/num_tokens", 0.0) for r in train if "loss/sft" in r),
-            "sft_weight": weight("sft_weight"), "ref_kl_weight": weight("ref_kl_weight"),
-            "events": sum(1 for line in open(os.path.join(path, "metrics.jsonl")) if '"loss_controller"' in line)}
+    return {
+        "final": val[-1][1],
+        "start": val[0][1],
+        "first_trunc": trunc[0] if trunc else None,
+        "golden": sum(r.get("sft/num_tokens", 0.0) for r in train if "loss/sft" in r),
+        "sft_weight": weight("sft_weight"),
+        "ref_kl_weight": weight("ref_kl_weight"),
+        "events": sum(1 for line in open(os.path.join(path, "metrics.jsonl")) if '"loss_controller"' in line),
+    }
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -129,9 +174,11 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
 
 def report(out: str, seeds: list[int]) -> str:
     stats = {arm: {s: run_stats(run_dir(out, arm, s), arm) for s in seeds} for arm in ARMS}
-    lines = ["| arm | seeds | final val accuracy (mean +/- SE) | per seed | truncation first > 0.2 | "
-             "golden tokens used (mean) | sft_weight / ref_kl_weight (mean over steps) | controller events |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| arm | seeds | final val accuracy (mean +/- SE) | per seed | truncation first > 0.2 | "
+        "golden tokens used (mean) | sft_weight / ref_kl_weight (mean over steps) | controller events |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     finals = {}
     for arm, per_seed in stats.items():
         done = {s: v for s, v in per_seed.items() if v is not None}
@@ -142,20 +189,27 @@ def report(out: str, seeds: list[int]) -> str:
         m, se = mean_se(finals[arm])
         first = ", ".join("never" if v["first_trunc"] is None else str(v["first_trunc"]) for v in done.values())
         golden = sum(v["golden"] for v in done.values()) / len(done)
-        w = (sum(v["sft_weight"] for v in done.values()) / len(done), sum(v["ref_kl_weight"] for v in done.values()) / len(done))
-        lines.append(f"| {arm} | {','.join(map(str, done))} | {m:.3f} +/- {se:.3f} | "
-                     f"{', '.join(f'{x:.3f}' for x in finals[arm])} | {first} | {golden:,.0f} | {w[0]:.3g} / {w[1]:.3g} | "
-                     f"{sum(v['events'] for v in done.values())} |")
+        w = (
+            sum(v["sft_weight"] for v in done.values()) / len(done),
+            sum(v["ref_kl_weight"] for v in done.values()) / len(done),
+        )
+        lines.append(
+            f"| {arm} | {','.join(map(str, done))} | {m:.3f} +/- {se:.3f} | "
+            f"{', '.join(f'{x:.3f}' for x in finals[arm])} | {first} | {golden:,.0f} | {w[0]:.3g} / {w[1]:.3g} | "
+            f"{sum(v['events'] for v in done.values())} |"
+        )
     start = next((v["start"] for per in stats.values() for v in per.values() if v), None)
     lines.append("")
     lines.append(f"- Validation accuracy at step 0 (all runs): {start}.")
     for arm in (a for a in ARMS if a != "opd"):
         if arm in finals and "opd" in finals and len(finals[arm]) > 1 and len(finals["opd"]) > 1:
             (m1, se1), (m0, se0) = mean_se(finals[arm]), mean_se(finals["opd"])
-            se = math.sqrt(se1 ** 2 + se0 ** 2)
+            se = math.sqrt(se1**2 + se0**2)
             verdict = "more" if m1 - m0 > 2 * se else "NOT more"
-            lines.append(f"- {arm} - opd: {m1 - m0:+.3f}, standard error of the difference {se:.3f} "
-                         f"({(m1 - m0) / se:.1f} SE): {verdict} than 2 standard errors.")
+            lines.append(
+                f"- {arm} - opd: {m1 - m0:+.3f}, standard error of the difference {se:.3f} "
+                f"({(m1 - m0) / se:.1f} SE): {verdict} than 2 standard errors."
+            )
     return "\n".join(lines)
 
 
@@ -178,11 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table + "\n")
     print(table)
-    finished = [run_dir(out, a, s) for a in ARMS for s in args.seeds
-                if os.path.exists(os.path.join(run_dir(out, a, s), "summary.json"))]
+    finished = [
+        run_dir(out, a, s)
+        for a in ARMS
+        for s in args.seeds
+        if os.path.exists(os.path.join(run_dir(out, a, s), "summary.json"))
+    ]
     if finished:
-        subprocess.run([sys.executable, "-m", "megaopd.cli", "plot", *finished, "--bands", "--out",
-                        os.path.join(out, "plots")], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), check=True)
+        subprocess.run(
+            [sys.executable, "-m", "megaopd.cli", "plot", *finished, "--bands", "--out", os.path.join(out, "plots")],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            check=True,
+        )
     return 0
 
 

@@ -18,6 +18,7 @@ A receiver's record keeps the batch's [B, S] shape (rows are addressed by their 
 micro-batches, scores, metrics) with the rows it does not use left as padding; `held_B` names the rows
 it holds, and `RolloutBatch.check_held` refuses a read of any other. Rank 0 holds every row.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Collection, Sequence
@@ -37,8 +38,9 @@ TRUNCATED_BY = ("", "turns", "tokens")
 _PROMPT, _RESPONSE, _STUDENT, _FINISH, _TRAJECTORY, _TURNS, _CALLS, _ERRORS, _TRUNCATED = range(9)
 
 
-def broadcast_header(make: Callable[[], RolloutBatch], pad_id: int, samples_per_prompt: int,
-                     device: torch.device) -> RolloutBatch:
+def broadcast_header(
+    make: Callable[[], RolloutBatch], pad_id: int, samples_per_prompt: int, device: torch.device
+) -> RolloutBatch:
     """Collective over the world: rank 0 builds its record with make() (it holds every row); every other rank
     gets a record with the same per-row facts and its per-token fields empty (padding; held_B all False)
     until deliver_rows fills the rows it uses. A failure on rank 0 (bad samples) is raised there and, as
@@ -61,8 +63,9 @@ def broadcast_header(make: Callable[[], RolloutBatch], pad_id: int, samples_per_
     if error is not None:
         raise error
     if B < 0:
-        raise RuntimeError("rank 0 could not build the step's rollout record from the engines' samples: its "
-                           "error is in rank 0's log")
+        raise RuntimeError(
+            "rank 0 could not build the step's rollout record from the engines' samples: its error is in rank 0's log"
+        )
     if global_rank() != 0:
         header = torch.zeros(B, 9, dtype=torch.long, device=device)
     dist.broadcast(header, src=0)
@@ -72,14 +75,23 @@ def broadcast_header(make: Callable[[], RolloutBatch], pad_id: int, samples_per_
 def _record(h: torch.Tensor, S: int, pad_id: int, samples_per_prompt: int) -> RolloutBatch:
     """A receiver's record (CPU, as rank 0's): the header's facts, the per-token fields padding, no row held."""
     B = h.shape[0]
-    trajectories = [TrajectoryStats(int(r[_TURNS]), int(r[_CALLS]), int(r[_ERRORS]), TRUNCATED_BY[int(r[_TRUNCATED])])
-                    for r in h] if bool(h[:, _TRAJECTORY].any()) else None
+    trajectories = (
+        [TrajectoryStats(int(r[_TURNS]), int(r[_CALLS]), int(r[_ERRORS]), TRUNCATED_BY[int(r[_TRUNCATED])]) for r in h]
+        if bool(h[:, _TRAJECTORY].any())
+        else None
+    )
     return RolloutBatch(
-        tokens_BS=torch.full((B, S), pad_id, dtype=torch.long), loss_mask_BT=torch.zeros(B, S - 1),
-        engine_logprobs_BT=torch.zeros(B, S - 1), prompt_lens_B=h[:, _PROMPT].clone(),
-        response_lens_B=h[:, _RESPONSE].clone(), finish_reasons=[FINISH[int(c)] for c in h[:, _FINISH]],
-        group_ids_B=torch.arange(B) // samples_per_prompt, trajectories=trajectories,
-        student_lens_B=h[:, _STUDENT].clone(), held_B=torch.zeros(B, dtype=torch.bool))
+        tokens_BS=torch.full((B, S), pad_id, dtype=torch.long),
+        loss_mask_BT=torch.zeros(B, S - 1),
+        engine_logprobs_BT=torch.zeros(B, S - 1),
+        prompt_lens_B=h[:, _PROMPT].clone(),
+        response_lens_B=h[:, _RESPONSE].clone(),
+        finish_reasons=[FINISH[int(c)] for c in h[:, _FINISH]],
+        group_ids_B=torch.arange(B) // samples_per_prompt,
+        trajectories=trajectories,
+        student_lens_B=h[:, _STUDENT].clone(),
+        held_B=torch.zeros(B, dtype=torch.bool),
+    )
 
 
 def _header(batch: RolloutBatch) -> torch.Tensor:
@@ -89,20 +101,24 @@ def _header(batch: RolloutBatch) -> torch.Tensor:
     h[:, _FINISH] = torch.tensor([FINISH.index(r) for r in batch.finish_reasons])
     if batch.trajectories is not None:
         h[:, _TRAJECTORY] = 1
-        h[:, _TURNS:_TRUNCATED + 1] = torch.tensor(
+        h[:, _TURNS : _TRUNCATED + 1] = torch.tensor(
             [[t.turns, t.tool_calls, t.tool_errors, TRUNCATED_BY.index(t.truncated_by)] for t in batch.trajectories],
-            dtype=torch.long).reshape(-1, 4)
+            dtype=torch.long,
+        ).reshape(-1, 4)
     return h
 
 
-def row_users(owners: RowOwners, owner_layout: WorldLayout,
-              scorers: Sequence[tuple[Sequence[Sequence[int]], WorldLayout]] = ()) -> list[frozenset[int]]:
+def row_users(
+    owners: RowOwners, owner_layout: WorldLayout, scorers: Sequence[tuple[Sequence[Sequence[int]], WorldLayout]] = ()
+) -> list[frozenset[int]]:
     """Per batch row, the global ranks that read its tokens: every rank of the actor replica that trains it
     (the actor's and the reference's passes, the loss), and of each scoring pass in another layout
     (`scorers`: per pass, the batch rows each of its DP replicas scores and that model's WorldLayout), the
     ranks of the replica that scores it. Pure: every rank computes the same sets."""
-    return [frozenset(owner_layout.replica(o)) | s for o, s in zip(owners.owner_B, scorer_users(len(owners.owner_B),
-                                                                                                 scorers))]
+    return [
+        frozenset(owner_layout.replica(o)) | s
+        for o, s in zip(owners.owner_B, scorer_users(len(owners.owner_B), scorers))
+    ]
 
 
 def scorer_users(num_rows: int, scorers: Sequence[tuple[Sequence[Sequence[int]], WorldLayout]]) -> list[frozenset[int]]:
@@ -132,8 +148,13 @@ def deliver_rows(batch: RolloutBatch, users_B: Sequence[Collection[int]], device
         mask = torch.nn.functional.pad(batch.loss_mask_BT, (0, 1))  # position S - 1 predicts nothing
         logprobs = torch.nn.functional.pad(batch.engine_logprobs_BT, (0, 1))
         valid = torch.arange(T + 1).unsqueeze(0) < torch.tensor(positions).unsqueeze(1)
-        payload = pack_columns([batch.tokens_BS[valid].int().reshape(-1, 1).to(device),
-                                mask[valid].reshape(-1, 1).to(device), logprobs[valid].reshape(-1, 1).to(device)])
+        payload = pack_columns(
+            [
+                batch.tokens_BS[valid].int().reshape(-1, 1).to(device),
+                mask[valid].reshape(-1, 1).to(device),
+                logprobs[valid].reshape(-1, 1).to(device),
+            ]
+        )
     received, values = route_rows(payload, held, dests, positions, 3, device)
     if global_rank() == 0:
         return 0

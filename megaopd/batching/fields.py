@@ -11,6 +11,7 @@ rollout.records.SCORE_FIELDS and its op to the scoring pass.
 
 Shape legend: B rows of the batch, T = S - 1 positions, K top-k size.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,32 +68,50 @@ class TokenField:
         return x.long() if self.index else x
 
 
-OLD_LOGPROBS = TokenField("old_logprobs_BT", _actor, lambda s: s.logprobs_BT, torch.float32,
-                          lambda n: n.old_logprobs)
-TEACHER_LOGPROBS = TokenField("teacher_logprobs_BT", _teacher, lambda s: s.logprobs_BT, torch.float32,
-                              lambda n: n.teacher_logprobs)
-TEACHER_TOPK_IDS = TokenField("teacher_topk_ids_BTK", _teacher, lambda s: s.topk_ids_BTK, torch.int32,
-                              lambda n: n.teacher_topk, pad=0, index=True)
-TEACHER_TOPK_LOGPROBS = TokenField("teacher_topk_logprobs_BTK", _teacher, lambda s: s.topk_logprobs_BTK,
-                                   torch.float32, lambda n: n.teacher_topk)
-STUDENT_TOPK_IDS = TokenField("student_topk_ids_BTK", _actor, lambda s: s.topk_ids_BTK, torch.int32,
-                              lambda n: n.student_topk, pad=0, index=True)
+OLD_LOGPROBS = TokenField("old_logprobs_BT", _actor, lambda s: s.logprobs_BT, torch.float32, lambda n: n.old_logprobs)
+TEACHER_LOGPROBS = TokenField(
+    "teacher_logprobs_BT", _teacher, lambda s: s.logprobs_BT, torch.float32, lambda n: n.teacher_logprobs
+)
+TEACHER_TOPK_IDS = TokenField(
+    "teacher_topk_ids_BTK", _teacher, lambda s: s.topk_ids_BTK, torch.int32, lambda n: n.teacher_topk, pad=0, index=True
+)
+TEACHER_TOPK_LOGPROBS = TokenField(
+    "teacher_topk_logprobs_BTK", _teacher, lambda s: s.topk_logprobs_BTK, torch.float32, lambda n: n.teacher_topk
+)
+STUDENT_TOPK_IDS = TokenField(
+    "student_topk_ids_BTK", _actor, lambda s: s.topk_ids_BTK, torch.int32, lambda n: n.student_topk, pad=0, index=True
+)
 # Scored at exactly the student's top-k ids: already k wide, nothing to cut.
-STUDENT_TOPK_TEACHER_LOGPROBS = TokenField("student_topk_teacher_logprobs_BTK", _teacher,
-                                           lambda s: s.at_ids_logprobs_BTK, torch.float32,
-                                           lambda n: bool(n.student_topk))
-REWARDS = TokenField("rewards_S", _rollout, lambda b: b.rewards_B, torch.float32, lambda n: n.rewards,
-                     per_sequence=True)
-GROUP_IDS = TokenField("group_ids_S", _rollout, lambda b: b.group_ids_B, torch.long, lambda n: n.rewards,
-                       pad=None, per_sequence=True)
+STUDENT_TOPK_TEACHER_LOGPROBS = TokenField(
+    "student_topk_teacher_logprobs_BTK",
+    _teacher,
+    lambda s: s.at_ids_logprobs_BTK,
+    torch.float32,
+    lambda n: bool(n.student_topk),
+)
+REWARDS = TokenField(
+    "rewards_S", _rollout, lambda b: b.rewards_B, torch.float32, lambda n: n.rewards, per_sequence=True
+)
+GROUP_IDS = TokenField(
+    "group_ids_S", _rollout, lambda b: b.group_ids_B, torch.long, lambda n: n.rewards, pad=None, per_sequence=True
+)
 
 # The engine's log-probs of the sampled tokens (replicated with the rollout): loss.off_policy_correction.
-ENGINE_LOGPROBS = TokenField("engine_logprobs_BT", _rollout, lambda b: b.engine_logprobs_BT, torch.float32,
-                             lambda n: n.engine_logprobs)
+ENGINE_LOGPROBS = TokenField(
+    "engine_logprobs_BT", _rollout, lambda b: b.engine_logprobs_BT, torch.float32, lambda n: n.engine_logprobs
+)
 
-FIELDS: tuple[TokenField, ...] = (OLD_LOGPROBS, TEACHER_LOGPROBS, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS,
-                                  STUDENT_TOPK_IDS, STUDENT_TOPK_TEACHER_LOGPROBS, REWARDS, GROUP_IDS,
-                                  ENGINE_LOGPROBS)
+FIELDS: tuple[TokenField, ...] = (
+    OLD_LOGPROBS,
+    TEACHER_LOGPROBS,
+    TEACHER_TOPK_IDS,
+    TEACHER_TOPK_LOGPROBS,
+    STUDENT_TOPK_IDS,
+    STUDENT_TOPK_TEACHER_LOGPROBS,
+    REWARDS,
+    GROUP_IDS,
+    ENGINE_LOGPROBS,
+)
 
 
 def needed_fields(needs: LossNeeds) -> list[tuple[TokenField, int | None]]:

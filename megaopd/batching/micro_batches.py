@@ -21,6 +21,7 @@ same two ways, into ScoringMicroBatch records.
 
 Shape legend: R rows of a micro-batch, S padded sequence length, T = S - 1 positions, K top-k size.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -92,12 +93,16 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         """The record with every tensor on `device` (the runner calls this, once per micro-batch)."""
-        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
         return dataclasses.replace(self, **moved, inputs={f: x.to(device) for f, x in self.inputs.items()})
 
-    def loss_inputs(self, logits_BSv: torch.Tensor, partner_BSv: torch.Tensor | None, tp_group, temperature: float,
-                    needs: LossNeeds) -> LossInputs:
+    def loss_inputs(
+        self, logits_BSv: torch.Tensor, partner_BSv: torch.Tensor | None, tp_group, temperature: float, needs: LossNeeds
+    ) -> LossInputs:
         """The loss's record: logits and targets shifted so that position t predicts token t + 1; the
         lockstep partner's logits are the reference's (ref_kl) or the teacher's (gkd)."""
         logits_BTv = logits_BSv[:, :-1]
@@ -105,8 +110,12 @@ class MicroBatch:
         partner_BTv = partner_BSv[:, :-1] if partner_BSv is not None else None
         c = self.counts
         return LossInputs(
-            logits_BTv=logits_BTv, token_ids_BT=targets_BT, loss_mask_BT=self.loss_mask_BT, tp_group=tp_group,
-            seq_ids_BT=self.seq_ids_BT, golden_seq_ids_BT=self.seq_ids_BT if needs.golden else None,
+            logits_BTv=logits_BTv,
+            token_ids_BT=targets_BT,
+            loss_mask_BT=self.loss_mask_BT,
+            tp_group=tp_group,
+            seq_ids_BT=self.seq_ids_BT,
+            golden_seq_ids_BT=self.seq_ids_BT if needs.golden else None,
             temperature=temperature,
             ref_logits_BTv=partner_BTv if needs.reference else None,
             # The partner's logits die with this micro-batch: the fused backward may take their memory.
@@ -116,13 +125,21 @@ class MicroBatch:
             golden_logits_BTv=logits_BTv if needs.golden else None,
             golden_ids_BT=targets_BT if needs.golden else None,
             golden_mask_BT=self.golden_mask_BT if needs.golden else None,
-            global_num_tokens=c.global_num_tokens, global_num_seqs=c.global_num_seqs,
-            global_num_golden_tokens=c.global_num_golden_tokens, global_num_golden_seqs=c.global_num_golden_seqs,
-            **{f.name: f.on_device(x) for f, x in self.inputs.items()})
+            global_num_tokens=c.global_num_tokens,
+            global_num_seqs=c.global_num_seqs,
+            global_num_golden_tokens=c.global_num_golden_tokens,
+            global_num_golden_seqs=c.global_num_golden_seqs,
+            **{f.name: f.on_device(x) for f, x in self.inputs.items()},
+        )
 
 
-def step_counts(loss_mask_BT: torch.Tensor | None, rows: torch.Tensor, golden: GoldenBatch | None,
-                golden_rows: torch.Tensor | None, loss_tokens_B: torch.Tensor | None = None) -> StepCounts:
+def step_counts(
+    loss_mask_BT: torch.Tensor | None,
+    rows: torch.Tensor,
+    golden: GoldenBatch | None,
+    golden_rows: torch.Tensor | None,
+    loss_tokens_B: torch.Tensor | None = None,
+) -> StepCounts:
     """The denominators of the mini-batch made of `rows` (on-policy) and `golden_rows` (loss_tokens_B: the
     on-policy rows' loss tokens, MiniBatch.loss_tokens_B)."""
     values = {}
@@ -137,12 +154,18 @@ def step_counts(loss_mask_BT: torch.Tensor | None, rows: torch.Tensor, golden: G
     return StepCounts(**values)
 
 
-def assemble_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, micro_batch_size: int,
-                           pad_id: int) -> list[MicroBatch]:
+def assemble_micro_batches(
+    mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, micro_batch_size: int, pad_id: int
+) -> list[MicroBatch]:
     """This DP rank's share of one mini-batch, cut into equal-shaped micro-batches of padded rows. With no
     rollout (SFT alone) the micro-batches are micro_batch_size golden rows each."""
-    rollout, loss_mask_BT, golden, rows, golden_rows = (mini.rollout, mini.loss_mask_BT, mini.golden, mini.rows,
-                                                       mini.golden_rows)
+    rollout, loss_mask_BT, golden, rows, golden_rows = (
+        mini.rollout,
+        mini.loss_mask_BT,
+        mini.golden,
+        mini.rows,
+        mini.golden_rows,
+    )
     counts = step_counts(loss_mask_BT, rows, golden, golden_rows, mini.loss_tokens_B)
     local, S = torch.arange(0), 0
     if rollout is not None:
@@ -162,9 +185,23 @@ def assemble_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: L
     else:
         g_per = micro_batch_size
         n_micro = max(1, -(-len(g_local) // g_per))
-    return [_one_micro_batch(rollout, loss_mask_BT, golden, local[i * mbs:(i + 1) * mbs],
-                             g_local[i * g_per:(i + 1) * g_per] if g_local is not None else torch.arange(0),
-                             mbs, g_per, S, T, needs, counts, pad_id) for i in range(n_micro)]
+    return [
+        _one_micro_batch(
+            rollout,
+            loss_mask_BT,
+            golden,
+            local[i * mbs : (i + 1) * mbs],
+            g_local[i * g_per : (i + 1) * g_per] if g_local is not None else torch.arange(0),
+            mbs,
+            g_per,
+            S,
+            T,
+            needs,
+            counts,
+            pad_id,
+        )
+        for i in range(n_micro)
+    ]
 
 
 def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, needs, counts, pad_id) -> MicroBatch:
@@ -177,8 +214,12 @@ def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, nee
         return pad_to(rows_of(x_BT, fill), T, fill)
 
     R = mbs + g_per
-    mb = MicroBatch(tokens_BS=torch.full((R, S), pad_id, dtype=torch.long), loss_mask_BT=torch.zeros(R, T),
-                    golden_mask_BT=torch.zeros(R, T), counts=counts)
+    mb = MicroBatch(
+        tokens_BS=torch.full((R, S), pad_id, dtype=torch.long),
+        loss_mask_BT=torch.zeros(R, T),
+        golden_mask_BT=torch.zeros(R, T),
+        counts=counts,
+    )
     if rollout is not None:
         mb.tokens_BS = pad_to(rows_of(rollout.tokens_BS, pad_id), S, pad_id)
         mb.loss_mask_BT = per_token(loss_mask_BT)
@@ -189,8 +230,9 @@ def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, nee
     return mb
 
 
-def _padded_input(field: TokenField, k: int | None, rollout: RolloutBatch, r: torch.Tensor, mbs: int, g_per: int,
-                  T: int) -> torch.Tensor:
+def _padded_input(
+    field: TokenField, k: int | None, rollout: RolloutBatch, r: torch.Tensor, mbs: int, g_per: int, T: int
+) -> torch.Tensor:
     """A loss input on a padded micro-batch: on-policy rows r (padded to mbs rows), then g_per golden rows;
     the field's pad value on padding and golden rows and past each row's positions."""
     held = field.holder(rollout)
@@ -205,8 +247,16 @@ def _padded_input(field: TokenField, k: int | None, rollout: RolloutBatch, r: to
     return x if field.per_sequence else pad_to(x, T, fill)
 
 
-def assemble_packed_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, max_tokens: int,
-                                  pad_id: int, uniform: bool = False, multiple: int = 1) -> list[MicroBatch]:
+def assemble_packed_micro_batches(
+    mini: MiniBatch,
+    dp_rank: int,
+    dp_size: int,
+    needs: LossNeeds,
+    max_tokens: int,
+    pad_id: int,
+    uniform: bool = False,
+    multiple: int = 1,
+) -> list[MicroBatch]:
     """This DP rank's share of one mini-batch as packed micro-batches (one [1, t] row each, t <= max_tokens
     unless one unit is longer). The share is balanced over DP by tokens and attention cost; uniform pads
     every micro-batch to the largest t (PP > 1: fixed-size pipeline buffers). Always at least one
@@ -221,9 +271,18 @@ def assemble_packed_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, n
     layouts = [[s for i in b for s in mine[i]] for b in bins]
     largest = max(max(sum(s.length for s in segs) for segs in layouts), 2)
     # Sequence parallelism splits a row's tokens over TP: every row is padded to a multiple of `multiple`.
-    return [_packed_micro_batch(rollout, loss_mask_BT, golden, PackedRow(segs, round_up(
-        largest if uniform else max(sum(s.length for s in segs), 2), multiple)), needs, counts, pad_id)
-        for segs in layouts]
+    return [
+        _packed_micro_batch(
+            rollout,
+            loss_mask_BT,
+            golden,
+            PackedRow(segs, round_up(largest if uniform else max(sum(s.length for s in segs), 2), multiple)),
+            needs,
+            counts,
+            pad_id,
+        )
+        for segs in layouts
+    ]
 
 
 def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, counts, pad_id) -> MicroBatch:
@@ -233,8 +292,14 @@ def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, co
     if golden is not None:
         sources[GOLDEN] = golden.input_ids_BT
     T = row.total - 1
-    mb = MicroBatch(tokens_BS=row.tokens(sources, pad_id), loss_mask_BT=torch.zeros(1, T),
-                    golden_mask_BT=torch.zeros(1, T), counts=counts, seq_ids_BT=row.seq_ids(), packed=row)
+    mb = MicroBatch(
+        tokens_BS=row.tokens(sources, pad_id),
+        loss_mask_BT=torch.zeros(1, T),
+        golden_mask_BT=torch.zeros(1, T),
+        counts=counts,
+        seq_ids_BT=row.seq_ids(),
+        packed=row,
+    )
     if rollout is not None:
         mb.loss_mask_BT = row.per_token(loss_mask_BT, ON_POLICY)
         layouts: dict = {}  # per holder of scores: the row's layout in the rows it holds (built once)
@@ -244,16 +309,18 @@ def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, co
     return mb
 
 
-def _packed_input(field: TokenField, k: int | None, rollout: RolloutBatch, row: PackedRow,
-                  layouts: dict) -> torch.Tensor:
+def _packed_input(
+    field: TokenField, k: int | None, rollout: RolloutBatch, row: PackedRow, layouts: dict
+) -> torch.Tensor:
     """A loss input on a packed row: per token [1, T] at each on-policy segment's positions; per sequence
     [num_seqs] (segments, then the padding segment). The field's pad value on golden and padding ones."""
     x = field.source(rollout, k)
     if field.per_sequence:
         n_pad = row.num_seqs - len(row.segments)
         on_S = torch.tensor([s.source == ON_POLICY for s in row.segments] + [False] * n_pad)
-        src_S = torch.tensor([s.row if s.source == ON_POLICY else 0 for s in row.segments] + [0] * n_pad,
-                             dtype=torch.long)
+        src_S = torch.tensor(
+            [s.row if s.source == ON_POLICY else 0 for s in row.segments] + [0] * n_pad, dtype=torch.long
+        )
         pad = rollout.size + torch.arange(row.num_seqs) if field.pad is None else torch.tensor(field.pad, dtype=x.dtype)
         return torch.where(on_S, x[src_S], pad)
     held = field.holder(rollout)
@@ -268,18 +335,21 @@ def _held_layout(row: PackedRow, scores) -> PackedRow:
     """`row` with each on-policy segment's row replaced by its position among the rows `scores` holds."""
     on = [s.row for s in row.segments if s.source == ON_POLICY]
     local = dict(zip(on, scores.index(on).tolist())) if on else {}
-    return PackedRow([Segment(s.source, local[s.row], s.length) if s.source == ON_POLICY else s
-                      for s in row.segments], row.total)
+    return PackedRow(
+        [Segment(s.source, local[s.row], s.length) if s.source == ON_POLICY else s for s in row.segments], row.total
+    )
 
 
-def step_micro_batches(mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds,
-                       plan: BatchingPlan) -> list[MicroBatch]:
+def step_micro_batches(
+    mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, plan: BatchingPlan
+) -> list[MicroBatch]:
     """The micro-batches of one mini-batch as the plan asks: packed by its token budget (uniform lengths
     under PP; lengths a multiple of plan.multiple, the TP size under sequence parallelism), or padded rows
     of micro_batch_size (pack_sequences off, or a model that cannot take packed rows: expert parallelism)."""
     if plan.packed:
-        return assemble_packed_micro_batches(mini, dp_rank, dp_size, needs, plan.max_tokens, plan.pad_id,
-                                             uniform=plan.uniform, multiple=plan.multiple)
+        return assemble_packed_micro_batches(
+            mini, dp_rank, dp_size, needs, plan.max_tokens, plan.pad_id, uniform=plan.uniform, multiple=plan.multiple
+        )
     return assemble_micro_batches(mini, dp_rank, dp_size, needs, plan.micro_batch_size, plan.pad_id)
 
 
@@ -315,12 +385,14 @@ class ScoringMicroBatch:
     """The layout of a packed row (b = 1, several sequences); None = one sequence per row."""
 
     def to(self, device: torch.device) -> "ScoringMicroBatch":
-        return ScoringMicroBatch(self.tokens_BS.to(device),
-                                 None if self.at_ids_BTK is None else self.at_ids_BTK.to(device), self.packed)
+        return ScoringMicroBatch(
+            self.tokens_BS.to(device), None if self.at_ids_BTK is None else self.at_ids_BTK.to(device), self.packed
+        )
 
 
-def scoring_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None,
-                          size: int) -> list[ScoringMicroBatch]:
+def scoring_micro_batches(
+    tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, size: int
+) -> list[ScoringMicroBatch]:
     """A rank's rows to score in micro-batches of `size` rows (the last padded with empty rows)."""
     n = tokens_BS.shape[0]
     if n == 0:
@@ -331,8 +403,14 @@ def scoring_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | No
     return [ScoringMicroBatch(t, a) for t, a in zip(tokens, at_ids)]
 
 
-def packed_scoring_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, lengths: list[int],
-                                 max_tokens: int, uniform: bool, multiple: int = 1) -> list[ScoringMicroBatch]:
+def packed_scoring_micro_batches(
+    tokens_BS: torch.Tensor,
+    at_ids_BTK: torch.Tensor | None,
+    lengths: list[int],
+    max_tokens: int,
+    uniform: bool,
+    multiple: int = 1,
+) -> list[ScoringMicroBatch]:
     """A rank's rows to score packed into rows of at most max_tokens tokens (uniform: all padded to the
     largest, for fixed-size pipeline buffers; every row padded to a multiple of `multiple`)."""
     if not lengths:

@@ -5,6 +5,7 @@ actor data-parallel replica that trains each row (RowOwners).
     owners.rows()        # this replica's rows, increasing: the rows its TokenScores hold
     layout = WorldLayout.gather(pgs.dp.rank(), speaks, device)   # once per model and run (collective)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -83,5 +84,6 @@ class RowOwners:
 
     def subset(self, batch_rows: list[int]) -> "RowOwners":
         """The owners of a sub-batch made of `batch_rows` (its row i is batch row batch_rows[i])."""
-        return RowOwners(tuple(self.owner_B[b] for b in batch_rows), self.dp_rank, self.dp_size, self.sends,
-                         self.layout)
+        return RowOwners(
+            tuple(self.owner_B[b] for b in batch_rows), self.dp_rank, self.dp_size, self.sends, self.layout
+        )

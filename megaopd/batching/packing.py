@@ -15,13 +15,13 @@ A segment of length L at offset o maps position o + t to position t of its sourc
 Everything here is a pure function of the lengths: every rank of a model-parallel group makes the same
 micro-batches, and a resumed run makes the same partition.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
 
 ON_POLICY, GOLDEN = 0, 1  # the two sources of a training micro-batch's segments (rollout rows, golden rows)
 
@@ -46,8 +46,9 @@ class PackedRow:
         used = sum(s.length for s in self.segments)
         self.total = used if total is None else total
         if self.total < used or any(s.length < 1 for s in self.segments):
-            raise ValueError(f"packed row of {self.total} tokens cannot hold segments of lengths "
-                             f"{[s.length for s in self.segments]}")
+            raise ValueError(
+                f"packed row of {self.total} tokens cannot hold segments of lengths {[s.length for s in self.segments]}"
+            )
         lengths = [s.length for s in self.segments] + ([self.total - used] if self.total > used else [])
         self.num_seqs = len(lengths)
         """Segments plus the padding segment, if any: the sequence ids of seq_ids() run over [0, num_seqs)."""
@@ -63,15 +64,15 @@ class PackedRow:
         t_P = torch.zeros(T, dtype=torch.long)
         for i, s in enumerate(self.segments):
             o = offsets[i]
-            seg_P[o:o + s.length - 1] = i
-            t_P[o:o + s.length - 1] = torch.arange(s.length - 1)
+            seg_P[o : o + s.length - 1] = i
+            t_P[o : o + s.length - 1] = torch.arange(s.length - 1)
         self._seg_P, self._t_P = seg_P, t_P
 
     def tokens(self, sources: dict[int, torch.Tensor], pad_id: int) -> torch.Tensor:
         """[1, total] long: every segment's first `length` tokens of its source's [rows, S] tensor."""
         out = torch.full((1, self.total), pad_id, dtype=torch.long)
         for i, s in enumerate(self.segments):
-            out[0, self.offsets[i]:self.offsets[i] + s.length] = sources[s.source][s.row, :s.length]
+            out[0, self.offsets[i] : self.offsets[i] + s.length] = sources[s.source][s.row, : s.length]
         return out
 
     def per_token(self, x_BT: torch.Tensor, source: int = 0, fill=0) -> torch.Tensor:
@@ -99,7 +100,7 @@ class PackedRow:
 
     def unpack(self, y_1T: torch.Tensor) -> list[torch.Tensor]:
         """Per segment, its L - 1 positions of a [1, total - 1, ...] result."""
-        return [y_1T[0, self.offsets[i]:self.offsets[i] + s.length - 1] for i, s in enumerate(self.segments)]
+        return [y_1T[0, self.offsets[i] : self.offsets[i] + s.length - 1] for i, s in enumerate(self.segments)]
 
 
 def pack_by_budget(unit_tokens: Sequence[int], budget: int) -> list[list[int]]:

@@ -1,4 +1,5 @@
 """Padding of row tensors: equal-shaped micro-batches (megatron's pipeline buffers need one [R, S] shape)."""
+
 from __future__ import annotations
 
 import torch

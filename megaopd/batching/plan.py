@@ -1,5 +1,6 @@
 """BatchingPlan: how a step's rows become the training step's micro-batches, from the trainer's settings and
 what the trained model can take. The trainer builds it once; nothing in batching reads a config."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

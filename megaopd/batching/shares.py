@@ -7,6 +7,7 @@ balanced by tokens and attention cost), per mini-batch, and so which replica own
 
 Pure functions of the row counts and lengths: every rank computes the same shares, and a resumed run too.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -45,17 +46,26 @@ def balanced_partition(unit_lengths: Sequence[Sequence[int]], parts: int) -> lis
     return [sorted(s) for s in shares]
 
 
-def mini_batch_rows(num_rows: int, num_prompts: int, mini_batches: int, j: int,
-                    golden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def mini_batch_rows(
+    num_rows: int, num_prompts: int, mini_batches: int, j: int, golden: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """On-policy rows and golden rows (None without golden data) of mini-batch j of `mini_batches`."""
     rows = torch.arange(j * num_rows // mini_batches, (j + 1) * num_rows // mini_batches)
-    golden_rows = torch.arange(j * num_prompts // mini_batches, (j + 1) * num_prompts // mini_batches) if golden else None
+    golden_rows = (
+        torch.arange(j * num_prompts // mini_batches, (j + 1) * num_prompts // mini_batches) if golden else None
+    )
     return rows, golden_rows
 
 
-def dp_shares(rollout: RolloutBatch | None, golden: GoldenBatch | None, rows: torch.Tensor,
-              golden_rows: torch.Tensor | None, dp_size: int, needs: LossNeeds,
-              packed: bool) -> tuple[list[list[Segment]], list[list[int]]]:
+def dp_shares(
+    rollout: RolloutBatch | None,
+    golden: GoldenBatch | None,
+    rows: torch.Tensor,
+    golden_rows: torch.Tensor | None,
+    dp_size: int,
+    needs: LossNeeds,
+    packed: bool,
+) -> tuple[list[list[Segment]], list[list[int]]]:
     """The packing units of one mini-batch and each DP rank's units (packed: balanced by tokens and
     attention cost), the one partition both the micro-batches and row_owners take."""
     if packed:
@@ -65,8 +75,9 @@ def dp_shares(rollout: RolloutBatch | None, golden: GoldenBatch | None, rows: to
     return units, [list(dp_rows(len(units), d, dp_size)) for d in range(dp_size)]
 
 
-def row_owners(rollout: RolloutBatch, golden: GoldenBatch | None, dp_size: int, needs: LossNeeds,
-               plan: BatchingPlan) -> list[int]:
+def row_owners(
+    rollout: RolloutBatch, golden: GoldenBatch | None, dp_size: int, needs: LossNeeds, plan: BatchingPlan
+) -> list[int]:
     """The actor DP rank that trains each on-policy row of the step: per mini-batch (mini_batch_rows),
     its rows shared over DP exactly as micro_batches.step_micro_batches shares them (packed:
     balanced_partition of the packing units, golden rows included; padded: contiguous dp_rows). Pure and
@@ -82,13 +93,20 @@ def row_owners(rollout: RolloutBatch, golden: GoldenBatch | None, dp_size: int, 
                     if seg.source == ON_POLICY:
                         owner[seg.row] = d
     if -1 in owner:
-        raise ValueError(f"rows {[b for b, o in enumerate(owner) if o < 0][:8]} belong to no mini-batch: "
-                         f"{B} rows over trainer.mini_batches_per_step={M}")
+        raise ValueError(
+            f"rows {[b for b, o in enumerate(owner) if o < 0][:8]} belong to no mini-batch: "
+            f"{B} rows over trainer.mini_batches_per_step={M}"
+        )
     return owner
 
 
-def packing_units(rollout: RolloutBatch | None, rows: torch.Tensor, golden: GoldenBatch | None,
-                  golden_rows: torch.Tensor | None, keep_groups: bool) -> list[list[Segment]]:
+def packing_units(
+    rollout: RolloutBatch | None,
+    rows: torch.Tensor,
+    golden: GoldenBatch | None,
+    golden_rows: torch.Tensor | None,
+    keep_groups: bool,
+) -> list[list[Segment]]:
     """The mini-batch's packing units: one sequence each, or a whole GRPO group (keep_groups)."""
     units: list[list[Segment]] = []
     if rollout is not None:

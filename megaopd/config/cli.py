@@ -9,6 +9,7 @@
 Both load and validate the config exactly as `megaopd train` does (same presets, same overrides, same
 checks of the model and data paths), so what they print is what the job runs. Neither imports megatron.
 """
+
 from __future__ import annotations
 
 import sys

@@ -14,6 +14,7 @@ responses need 9216. Recipes built on OpenR1-Math raise both (sources, read 2026
 
     python tools/extend_context.py --recipe luffy $MODELS_DIR/Qwen2.5-Math-7B $CKPT/student
 """
+
 from __future__ import annotations
 
 import json
@@ -37,11 +38,14 @@ RECIPES = {
 
 def model_config_files(folder: str) -> list[str]:
     """The config.json files of an HF directory and/or a megaopd checkpoint folder (hf/config.json)."""
-    found = [p for p in (os.path.join(folder, "config.json"), os.path.join(folder, "hf", "config.json"))
-             if os.path.isfile(p)]
+    found = [
+        p for p in (os.path.join(folder, "config.json"), os.path.join(folder, "hf", "config.json")) if os.path.isfile(p)
+    ]
     if not found:
-        raise FileNotFoundError(f"no config.json in {folder!r} (nor in {folder}/hf): pass an HF model directory "
-                                f"or a checkpoint written by tools/convert_hf_to_megatron.py")
+        raise FileNotFoundError(
+            f"no config.json in {folder!r} (nor in {folder}/hf): pass an HF model directory "
+            f"or a checkpoint written by tools/convert_hf_to_megatron.py"
+        )
     return found
 
 
@@ -55,12 +59,17 @@ def extend_context(path: str, rope_theta: float, max_position_embeddings: int) -
     old_theta = raw.get("rope_theta", (params or {}).get("rope_theta"))
     old = {"rope_theta": old_theta, "max_position_embeddings": raw.get("max_position_embeddings")}
     new = {"rope_theta": float(rope_theta), "max_position_embeddings": int(max_position_embeddings)}
-    if old_theta is not None and float(old_theta) == new["rope_theta"] and old["max_position_embeddings"] == new[
-            "max_position_embeddings"]:
+    if (
+        old_theta is not None
+        and float(old_theta) == new["rope_theta"]
+        and old["max_position_embeddings"] == new["max_position_embeddings"]
+    ):
         return None
     if raw.get("rope_scaling") or (params or {}).get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"{path} uses RoPE scaling ({raw.get('rope_scaling') or params}): a rope_theta change on "
-                         f"top of it is not one of the recipes; extend the unscaled base model instead")
+        raise ValueError(
+            f"{path} uses RoPE scaling ({raw.get('rope_scaling') or params}): a rope_theta change on "
+            f"top of it is not one of the recipes; extend the unscaled base model instead"
+        )
     backup = path + ".orig"
     if not os.path.exists(backup):
         shutil.copy2(path, backup)

@@ -14,6 +14,7 @@ changes the key's value, before any override applies: `loss.name=opd` over a YAM
 Every error comes out as one ConfigError line naming the key and the fix: an unknown key (with the
 keys that section accepts), a value of the wrong type, a failed __post_init__ check.
 """
+
 from __future__ import annotations
 
 import os
@@ -93,8 +94,7 @@ def _cleared(defaults, node, key: str):
     if OmegaConf.is_dict(node) or OmegaConf.is_list(node):
         structured = OmegaConf.is_dict(node) and is_dataclass(OmegaConf.get_type(node))
         return OmegaConf.select(defaults, key) if structured else ({} if OmegaConf.is_dict(node) else [])
-    raise ConfigError(f"{key} cannot be empty: give it a value (e.g. {key}={node._value()}), or ~{key} for its "
-                      f"default")
+    raise ConfigError(f"{key} cannot be empty: give it a value (e.g. {key}={node._value()}), or ~{key} for its default")
 
 
 def _apply_override(cfg, defaults, override: str):
@@ -108,8 +108,9 @@ def _apply_override(cfg, defaults, override: str):
     parsed = OmegaConf.from_dotlist([override])
     value = OmegaConf.select(parsed, key)
     node = _node(cfg, key)
-    if node is not None and (value is None or ((OmegaConf.is_dict(value) or OmegaConf.is_list(value))
-                                               and len(value) == 0)):
+    if node is not None and (
+        value is None or ((OmegaConf.is_dict(value) or OmegaConf.is_list(value)) and len(value) == 0)
+    ):
         _set(cfg, key, _cleared(defaults, node, key))
         return cfg
     return _merge(cfg, parsed, "command-line overrides")
@@ -124,8 +125,7 @@ def _reset_on_change(cfg, defaults, reset: dict[str, str], overrides: Sequence[s
                 _set(cfg, reset[key], OmegaConf.select(defaults, reset[key]))
 
 
-def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None,
-                overrides: Sequence[str] = ()) -> T:
+def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None, overrides: Sequence[str] = ()) -> T:
     """Returns a validated `schema_cls` instance (its __post_init__ checks have run). Keys the schema lists
     in a REMOVED_KEYS class attribute ({dotted key: why}) are refused with that reason."""
     removed = getattr(schema_cls, "REMOVED_KEYS", {})
@@ -133,13 +133,15 @@ def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None,
     presets = [preset] if isinstance(preset, str) else list(preset or [])
     for path in presets:
         if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist: pass a YAML preset such as "
-                              f"examples/tiny/stable_opd.yaml")
+            raise ConfigError(
+                f"config file {path!r} does not exist: pass a YAML preset such as examples/tiny/stable_opd.yaml"
+            )
         try:
             loaded = OmegaConf.load(path)
         except Exception as e:  # noqa: BLE001 - yaml's scanner/parser errors have no common public base
-            raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]} "
-                              f"({' '.join(str(e).split()[-4:])})") from None
+            raise ConfigError(
+                f"{path} is not valid YAML: {str(e).splitlines()[0]} ({' '.join(str(e).split()[-4:])})"
+            ) from None
         _refuse_removed(removed, _dotted_keys(loaded), path)
         cfg = _merge(cfg, loaded, path)
     bad = [o for o in overrides if "=" not in o and not o.startswith("~")]

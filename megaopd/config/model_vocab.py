@@ -5,11 +5,13 @@ the folders' config.json and tokenizer files before any model loads (no torch, n
 
 Why: the loss gathers the teacher's (and the reference's) log-probs at the ids the student samples. A teacher
 whose embedding has fewer rows than the student's tokenizer has ids passes the tokenizer comparison (the
-regular vocabularies agree) and then reads past its vocabulary: the loss reached 1.6e29 and the gradient norm 1e308, and nothing stopped.
+regular vocabularies agree) and then reads past its vocabulary: the loss reached 1.6e29 and the gradient norm 1e308,
+and nothing stopped.
 Embedding sizes may still differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what is required
 is coverage, and for gkd, whose loss reads the teacher's whole logits in the student's sharding, the same
 padded width.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +61,11 @@ def check_model_vocab(cfg, needs) -> None:
     ids = tokenizer_id_count(student)
     student_vocab = _vocab_size(student)
     roles = [("student", student), ("reference", cfg.reference.path)]
-    roles += [("teacher" if len(cfg.teachers) == 1 else f"teachers[{i}] ({t.name})", t.path)
-              for i, t in enumerate(cfg.teachers) if needs.teacher]
+    roles += [
+        ("teacher" if len(cfg.teachers) == 1 else f"teachers[{i}] ({t.name})", t.path)
+        for i, t in enumerate(cfg.teachers)
+        if needs.teacher
+    ]
     for role, path in roles:
         vocab = _vocab_size(path) if path else None
         if ids is None or vocab is None or vocab >= ids:
@@ -68,7 +73,8 @@ def check_model_vocab(cfg, needs) -> None:
         raise ValueError(
             f"{role} {path} has vocab_size={vocab} (config.json) but the student's tokenizer ({student}) emits ids "
             f"up to {ids - 1}: the loss reads the {role}'s log-probs at every id the student samples, so its "
-            f"embedding needs a row for each; use a {role} of the student's vocabulary (vocab_size >= {ids})")
+            f"embedding needs a row for each; use a {role} of the student's vocabulary (vocab_size >= {ids})"
+        )
     if needs.teacher_logits and student_vocab is not None:
         t = cfg.teachers[0]
         tv = _vocab_size(t.path)
@@ -78,4 +84,5 @@ def check_model_vocab(cfg, needs) -> None:
                 f"gkd reads the teacher's whole logits in the student's vocabulary sharding, but teacher {t.path} "
                 f"has vocab_size={tv} (padded {padded_vocab_size(tv, tp)} at tp={tp}) and student {student} "
                 f"vocab_size={student_vocab} (padded {padded_vocab_size(student_vocab, tp)}): use a teacher with "
-                f"the student's vocab_size, or a loss that reads the teacher at the sampled ids (opd, lsm)")
+                f"the student's vocab_size, or a loss that reads the teacher at the sampled ids (opd, lsm)"
+            )

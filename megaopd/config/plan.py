@@ -41,7 +41,8 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
   the fused backward then fills with the student's gradient (without a reference: the logits and their
   gradient). Neither the scoring passes nor the loss make a float32 copy of the logits (benchmarks/memory.py
   measures it); padded rows (b > 1, pack_sequences=false) add a shifted contiguous copy of each model's
-  logits (the loss reads logits[:, :-1]): 4L with the reference. A scoring pass holds L and the chunks (padded rows: at least 2L for a moment, megatron's [S, b] -> [b, S] copy of its output).
+  logits (the loss reads logits[:, :-1]): 4L with the reference. A scoring pass holds L and the chunks (padded rows:
+  at least 2L for a moment, megatron's [S, b] -> [b, S] copy of its output).
   With the fused output layer (trainer.logits_chunk_tokens = c > 0, megaopd.ops.head, the default) no L is
   made: per model a chunk's logits Lc = [c, V/t] in e bytes, in training the student's chunk gradient
   (in the reference chunk's memory, as above) and the ops' float32 chunks of c tokens, the output weight's
@@ -59,21 +60,31 @@ The numbers are estimates to size a layout, not a measurement: NCCL buffers and 
 are one flat `plan.reserved_gb` margin. Checked against hand-computed sizes of Qwen2.5-7B at
 TP=2 and a psutil measurement on CPU (tests/config/test_plan.py).
 """
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
 from megaopd.config.plan_shape import MicroBatchShape, StepRows, job_shapes
-from megaopd.config.plan_sizes import (DTYPE_BYTES, EmbeddedEngineFootprint, RoleLayout, activation_bytes,
-                                       adam_bytes_per_param, embedded_engine_footprint, forward_layer_bytes,
-                                       fused_weight_grad_bytes, hidden_bytes, logits_bytes, ops_chunk_bytes)
+from megaopd.config.plan_sizes import (
+    DTYPE_BYTES,
+    EmbeddedEngineFootprint,
+    RoleLayout,
+    activation_bytes,
+    adam_bytes_per_param,
+    embedded_engine_footprint,
+    forward_layer_bytes,
+    fused_weight_grad_bytes,
+    hidden_bytes,
+    logits_bytes,
+    ops_chunk_bytes,
+)
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.engine.config import CUDA_SYNC_EVERY, cache_positions
 from megaopd.losses import build_loss_from
 from megaopd.models.config import find_hf_config
 from megaopd.models.hf_config import params_per_rank, read_hf_config
-
 
 GB = 1e9
 
@@ -131,19 +142,38 @@ class Plan:
     def summary(self) -> str:
         """The line `megaopd plan` ends with when the plan fits."""
         if self.device == "cpu":
-            return (f"fits: peak {self.peak() / GB:.1f} GB ({self.peak_phase()}) per rank process, "
-                    f"{self.needed() / GB:.1f} GB for the {self.ranks} rank(s) of {self.gpu_bytes / GB:.1f} GB")
+            return (
+                f"fits: peak {self.peak() / GB:.1f} GB ({self.peak_phase()}) per rank process, "
+                f"{self.needed() / GB:.1f} GB for the {self.ranks} rank(s) of {self.gpu_bytes / GB:.1f} GB"
+            )
         return f"fits: peak {self.peak() / GB:.1f} GB ({self.peak_phase()}) of {self.gpu_bytes / GB:g} GB per GPU"
 
 
 # ------------------------------------------------------------------------------------------- the plan
-def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleLayout | None, *, world_size: int,
-               micro_batch_rows: int, seq_len: int, use_distributed_optimizer: bool, colocated: bool,
-               gpu_memory_gb: float, engine_memory_fraction: float, engine_released_gb: float,
-               reserved_gb: float, flash_attention: bool, packed_tokens: int = 0, logits_chunk_tokens: int = 0,
-               cuda_context_gb: float = 0.0, allocator_reserve: float = 0.0,
-               embedded_engine: EmbeddedEngineFootprint | None = None, score: MicroBatchShape | None = None,
-               device: str = "cuda", process_gb: float = 0.0) -> Plan:
+def build_plan(
+    student: RoleLayout,
+    reference: RoleLayout | None,
+    teacher: RoleLayout | None,
+    *,
+    world_size: int,
+    micro_batch_rows: int,
+    seq_len: int,
+    use_distributed_optimizer: bool,
+    colocated: bool,
+    gpu_memory_gb: float,
+    engine_memory_fraction: float,
+    engine_released_gb: float,
+    reserved_gb: float,
+    flash_attention: bool,
+    packed_tokens: int = 0,
+    logits_chunk_tokens: int = 0,
+    cuda_context_gb: float = 0.0,
+    allocator_reserve: float = 0.0,
+    embedded_engine: EmbeddedEngineFootprint | None = None,
+    score: MicroBatchShape | None = None,
+    device: str = "cuda",
+    process_gb: float = 0.0,
+) -> Plan:
     """Bytes per GPU (device=cpu: per rank process) of every item in each phase; pure (no file or device is
     touched).
 
@@ -163,7 +193,7 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
     train = MicroBatchShape(b, s, seq_len, packed)
     score = score or train
     # What to lower when a micro-batch's activations or logits do not fit.
-    smaller = ("lower trainer.max_tokens_per_micro_batch" if packed else "lower trainer.micro_batch_size")
+    smaller = "lower trainer.max_tokens_per_micro_batch" if packed else "lower trainer.micro_batch_size"
     items = []
 
     def static(name, nbytes, hint=""):
@@ -171,30 +201,51 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
 
     static("student weights", p_actor * e, "raise student.tp (or student.pp)")
     static("student gradients (fp32)", p_actor * 4.0, "raise student.tp (or student.pp)")
-    opt_hint = ("set optimizer.use_distributed_optimizer=true (shards Adam over the data-parallel ranks)"
-                if not use_distributed_optimizer else "add data-parallel ranks (more GPUs) or raise student.tp")
+    opt_hint = (
+        "set optimizer.use_distributed_optimizer=true (shards Adam over the data-parallel ranks)"
+        if not use_distributed_optimizer
+        else "add data-parallel ranks (more GPUs) or raise student.tp"
+    )
     static(f"Adam states{' (sharded /' + str(dp) + ')' if use_distributed_optimizer else ''}", adam, opt_hint)
-    act_hint = ("set student.recompute=full" if student.recompute != "full" else
-                smaller if packed or b > 1 else "raise student.tp with student.sequence_parallel=true")
+    act_hint = (
+        "set student.recompute=full"
+        if student.recompute != "full"
+        else smaller
+        if packed or b > 1
+        else "raise student.tp with student.sequence_parallel=true"
+    )
     if student.recompute != "full" and not student.sequence_parallel and student.tp > 1:
         act_hint += " or student.sequence_parallel=true"
-    items.append(Item(f"student activations ({train.describe()}, recompute={student.recompute}"
-                      f"{', SP' if student.sequence_parallel else ''})", 0, 0,
-                      activation_bytes(student, b, s, flash_attention, _span(train)),
-                      act_hint if act_hint == smaller else f"{act_hint}, or {smaller}"))
+    items.append(
+        Item(
+            f"student activations ({train.describe()}, recompute={student.recompute}"
+            f"{', SP' if student.sequence_parallel else ''})",
+            0,
+            0,
+            activation_bytes(student, b, s, flash_attention, _span(train)),
+            act_hint if act_hint == smaller else f"{act_hint}, or {smaller}",
+        )
+    )
     if logits_chunk_tokens:
-        _fused_logits_items(items, student, reference, teacher, train, score, logits_chunk_tokens, smaller,
-                            flash_attention)
+        _fused_logits_items(
+            items, student, reference, teacher, train, score, logits_chunk_tokens, smaller, flash_attention
+        )
     else:
         _whole_logits_items(items, student, reference, teacher, train, score, smaller, flash_attention)
     _model_items(items, reference, teacher, offload=not cpu)
     if colocated and not cpu:
         share = engine_memory_fraction * gpu_memory_gb * GB
         rest = engine_released_gb * GB
-        items.append(Item(f"colocated engine (mem fraction {engine_memory_fraction:g}; released: "
-                          f"{engine_released_gb:g} GB)", share, rest, rest,
-                          "lower the engines' memory fraction (ENGINE_MEM_FRACTION, plan.engine_memory_fraction) "
-                          "or give engines their own nodes (ENGINE_NODES)"))
+        items.append(
+            Item(
+                f"colocated engine (mem fraction {engine_memory_fraction:g}; released: {engine_released_gb:g} GB)",
+                share,
+                rest,
+                rest,
+                "lower the engines' memory fraction (ENGINE_MEM_FRACTION, plan.engine_memory_fraction) "
+                "or give engines their own nodes (ENGINE_NODES)",
+            )
+        )
     if embedded_engine is not None:
         items.append(_embedded_engine_item(embedded_engine, cpu))
     if cpu:
@@ -205,13 +256,24 @@ def build_plan(student: RoleLayout, reference: RoleLayout | None, teacher: RoleL
         static("reserved (NCCL, not itemized)", reserved_gb * GB)
     head = "fused output layer, " + f"{logits_chunk_tokens} tokens a chunk" if logits_chunk_tokens else "whole logits"
     where = "per rank process (CPU, resident memory)" if cpu else "per GPU"
-    notes = [f"{where} at student tp={student.tp} pp={student.pp} dp={dp}, {p_actor / 1e9:.3f}B student params "
-             f"per rank, micro-batch {train.describe()} (scoring: {score.describe()}), "
-             f"{'flash' if flash_attention else 'unfused'} attention, {head}"
-             + (f"; totals include the allocator's reserve (+{allocator_reserve:.0%})"
-                if allocator_reserve and not cpu else "")]
-    return Plan(items, gpu_memory_gb * GB, notes=notes, allocator_reserve=0.0 if cpu else allocator_reserve,
-                device=device, ranks=world_size if cpu else 1)
+    notes = [
+        f"{where} at student tp={student.tp} pp={student.pp} dp={dp}, {p_actor / 1e9:.3f}B student params "
+        f"per rank, micro-batch {train.describe()} (scoring: {score.describe()}), "
+        f"{'flash' if flash_attention else 'unfused'} attention, {head}"
+        + (
+            f"; totals include the allocator's reserve (+{allocator_reserve:.0%})"
+            if allocator_reserve and not cpu
+            else ""
+        )
+    ]
+    return Plan(
+        items,
+        gpu_memory_gb * GB,
+        notes=notes,
+        allocator_reserve=0.0 if cpu else allocator_reserve,
+        device=device,
+        ranks=world_size if cpu else 1,
+    )
 
 
 def _span(shape: MicroBatchShape) -> int | None:
@@ -226,13 +288,27 @@ def _model_items(items: list, reference: RoleLayout | None, teacher: RoleLayout 
         # In lockstep with the actor: on the GPU whenever the actor trains; offload frees it while engines
         # generate and while the teacher scores.
         off = 0.0 if reference.offload and offload else w
-        items.append(Item("reference weights" + (" (offloaded)" if off == 0 else ""), off, off, w,
-                          "set reference.offload_between_uses=true"))
+        items.append(
+            Item(
+                "reference weights" + (" (offloaded)" if off == 0 else ""),
+                off,
+                off,
+                w,
+                "set reference.offload_between_uses=true",
+            )
+        )
     if teacher is not None:
         w = params_per_rank(teacher.hf, teacher.tp, teacher.pp, teacher.ep) * DTYPE_BYTES[teacher.dtype]
         off = 0.0 if teacher.offload and offload else w
-        items.append(Item("teacher weights" + (" (offloaded)" if off == 0 else ""), off, w, off,
-                          "set teacher.offload_between_uses=true or raise teacher.tp"))
+        items.append(
+            Item(
+                "teacher weights" + (" (offloaded)" if off == 0 else ""),
+                off,
+                w,
+                off,
+                "set teacher.offload_between_uses=true or raise teacher.tp",
+            )
+        )
 
 
 def _embedded_engine_item(eng: EmbeddedEngineFootprint, cpu: bool) -> Item:
@@ -240,14 +316,28 @@ def _embedded_engine_item(eng: EmbeddedEngineFootprint, cpu: bool) -> Item:
     and (on a GPU) offloads its weights; any other keeps both (engine/memory.py: the cache is kept)."""
     kept = (0.0 if eng.colocated and not cpu else eng.weights) + (0.0 if eng.colocated else eng.kv_cache)
     what = "offloaded" if not cpu else "kept"
-    return Item(f"embedded engine on rank 0 (weights{f'; {what} after generating' if eng.colocated else ''}"
-                f"; KV cache{' while generating' if eng.colocated else ''})", eng.weights + eng.kv_cache, kept, kept,
-                "set rollout.colocated=true (releases its KV cache and offloads its weights while training), "
-                "lower rollout.max_batch_size, or serve rollouts (rollout.engine=remote)")
+    return Item(
+        f"embedded engine on rank 0 (weights{f'; {what} after generating' if eng.colocated else ''}"
+        f"; KV cache{' while generating' if eng.colocated else ''})",
+        eng.weights + eng.kv_cache,
+        kept,
+        kept,
+        "set rollout.colocated=true (releases its KV cache and offloads its weights while training), "
+        "lower rollout.max_batch_size, or serve rollouts (rollout.engine=remote)",
+    )
 
 
-def _fused_logits_items(items, student, reference, teacher, train: MicroBatchShape, score: MicroBatchShape,
-                        chunk_tokens: int, smaller, flash_attention) -> None:
+def _fused_logits_items(
+    items,
+    student,
+    reference,
+    teacher,
+    train: MicroBatchShape,
+    score: MicroBatchShape,
+    chunk_tokens: int,
+    smaller,
+    flash_attention,
+) -> None:
     """The logits items of the fused output layer: chunks of `chunk` tokens, the hidden states, the weight's
     float32 gradient (module docstring)."""
     tokens = train.rows * train.tokens
@@ -256,28 +346,57 @@ def _fused_logits_items(items, student, reference, teacher, train: MicroBatchSha
     grad_in_reference = reference is not None and reference.dtype == student.dtype
     hid = hidden_bytes(student, tokens)
     # Its output, megatron's [s, b] -> [b, s] copy of it, and its gradient in backward.
-    trained = ((1 if grad_in_reference else 2) * lc + ops_chunk_bytes(student, 1, chunk)
-               + fused_weight_grad_bytes(student) + 3 * hid)
-    items.append(Item(f"student logits (fused: {chunk} tokens a chunk; weight grad fp32; hidden states)", 0, 0,
-                      trained, f"lower trainer.logits_chunk_tokens or {smaller}"))
+    trained = (
+        (1 if grad_in_reference else 2) * lc
+        + ops_chunk_bytes(student, 1, chunk)
+        + fused_weight_grad_bytes(student)
+        + 3 * hid
+    )
+    items.append(
+        Item(
+            f"student logits (fused: {chunk} tokens a chunk; weight grad fp32; hidden states)",
+            0,
+            0,
+            trained,
+            f"lower trainer.logits_chunk_tokens or {smaller}",
+        )
+    )
     if reference is not None:
-        items.append(Item("reference logits (fused: its chunk and hidden states)", 0, 0,
-                          logits_bytes(reference, 1, chunk) + hidden_bytes(reference, tokens),
-                          "lower trainer.logits_chunk_tokens"))
+        items.append(
+            Item(
+                "reference logits (fused: its chunk and hidden states)",
+                0,
+                0,
+                logits_bytes(reference, 1, chunk) + hidden_bytes(reference, tokens),
+                "lower trainer.logits_chunk_tokens",
+            )
+        )
     s_tokens = score.rows * score.tokens
     s_chunk = min(chunk_tokens, s_tokens)
 
     def scoring(role):
-        return (logits_bytes(role, 1, s_chunk) + ops_chunk_bytes(role, 1, s_chunk) + 2 * hidden_bytes(role, s_tokens)
-                + forward_layer_bytes(role, score.rows, score.tokens, flash_attention, _span(score)))
+        return (
+            logits_bytes(role, 1, s_chunk)
+            + ops_chunk_bytes(role, 1, s_chunk)
+            + 2 * hidden_bytes(role, s_tokens)
+            + forward_layer_bytes(role, score.rows, score.tokens, flash_attention, _span(score))
+        )
 
     score_bytes, scorer = max([(scoring(student), "student")] + ([(scoring(teacher), "teacher")] if teacher else []))
-    items.append(Item(f"scoring pass ({scorer}'s, the larger: a logits chunk + one layer)", 0, score_bytes, 0,
-                      f"{smaller} or raise {scorer}.tp"))
+    items.append(
+        Item(
+            f"scoring pass ({scorer}'s, the larger: a logits chunk + one layer)",
+            0,
+            score_bytes,
+            0,
+            f"{smaller} or raise {scorer}.tp",
+        )
+    )
 
 
-def _whole_logits_items(items, student, reference, teacher, train: MicroBatchShape, score: MicroBatchShape,
-                        smaller, flash_attention) -> None:
+def _whole_logits_items(
+    items, student, reference, teacher, train: MicroBatchShape, score: MicroBatchShape, smaller, flash_attention
+) -> None:
     """The logits items when the model's output layer makes the micro-batch's whole logits (module docstring)."""
     b, s, padded = train.rows, train.tokens, not train.packed and train.rows > 1
     lg = logits_bytes(student, b, s)
@@ -288,13 +407,27 @@ def _whole_logits_items(items, student, reference, teacher, train: MicroBatchSha
     # contiguous copy of it while megatron still holds the output: one more L (benchmarks/memory.py: 4.5L
     # with the reference, against 2.4L packed).
     student_train = (1 if grad_in_reference else 2) * lg + (lg if padded else 0)
-    items.append(Item(f"student logits ({train.describe()}{'' if grad_in_reference else '; + grad in backward'}"
-                      f"{'; + shifted copy' if padded else ''})", 0, 0,
-                      student_train + ops_chunk_bytes(student, b, s), f"{smaller} or raise student.tp"))
+    items.append(
+        Item(
+            f"student logits ({train.describe()}{'' if grad_in_reference else '; + grad in backward'}"
+            f"{'; + shifted copy' if padded else ''})",
+            0,
+            0,
+            student_train + ops_chunk_bytes(student, b, s),
+            f"{smaller} or raise student.tp",
+        )
+    )
     if reference is not None:
         ref_lg = logits_bytes(reference, b, s) * (2 if padded else 1)  # padded: + its shifted copy
-        items.append(Item("reference logits (lockstep KL" + ("; then the student's grad)" if grad_in_reference else ")"),
-                          0, 0, ref_lg, smaller))
+        items.append(
+            Item(
+                "reference logits (lockstep KL" + ("; then the student's grad)" if grad_in_reference else ")"),
+                0,
+                0,
+                ref_lg,
+                smaller,
+            )
+        )
 
     def scoring(role):
         # The logits (padded rows: megatron's [S, b] -> [b, S] copy of them too) and the ops' chunks.
@@ -304,8 +437,15 @@ def _whole_logits_items(items, student, reference, teacher, train: MicroBatchSha
 
     # The scoring passes run one after the other (actor's log pi_old, then the teacher's): the larger counts.
     score_bytes, scorer = max([(scoring(student), "student")] + ([(scoring(teacher), "teacher")] if teacher else []))
-    items.append(Item(f"scoring pass ({scorer}'s, the larger: logits + one layer)", 0, score_bytes, 0,
-                      f"{smaller} or raise {scorer}.tp"))
+    items.append(
+        Item(
+            f"scoring pass ({scorer}'s, the larger: logits + one layer)",
+            0,
+            score_bytes,
+            0,
+            f"{smaller} or raise {scorer}.tp",
+        )
+    )
 
 
 def format_plan(plan: Plan) -> str:
@@ -332,8 +472,9 @@ def explain_overflow(plan: Plan, top: int = 3) -> str:
         limit = f"the machine's {plan.gpu_bytes / GB:.1f} GB (plan.cpu_memory_gb)"
     else:
         need, limit = f"{plan.total(phase) / GB:.1f} GB per GPU", f"plan.gpu_memory_gb={plan.gpu_bytes / GB:g}"
-    return (f"does not fit: the {phase} phase needs {need}, {over / GB:.1f} GB more than {limit}; biggest: "
-            + "; ".join(parts))
+    return f"does not fit: the {phase} phase needs {need}, {over / GB:.1f} GB more than {limit}; biggest: " + "; ".join(
+        parts
+    )
 
 
 def plan_device(cfg: MegaOPDConfig) -> str:
@@ -351,13 +492,16 @@ def plan_device(cfg: MegaOPDConfig) -> str:
 def step_rows(cfg: MegaOPDConfig, needs) -> StepRows:
     """One step's rows at their budgets (plan.max_tokens, when set, for every row)."""
     t = cfg.trainer
-    return StepRows(rollout_rows=t.prompts_per_step * t.samples_per_prompt if needs.on_policy else 0,
-                    rollout_tokens=cfg.plan.max_tokens or cfg.rollout_row_tokens(),
-                    golden_rows=t.prompts_per_step if needs.golden else 0,
-                    golden_tokens=cfg.plan.max_tokens or cfg.golden_row_tokens(),
-                    group=t.samples_per_prompt if needs.rewards else 1, mini_batches=t.mini_batches_per_step,
-                    max_tokens=t.max_tokens_per_micro_batch if t.pack_sequences else 0,
-                    micro_batch_size=t.micro_batch_size)
+    return StepRows(
+        rollout_rows=t.prompts_per_step * t.samples_per_prompt if needs.on_policy else 0,
+        rollout_tokens=cfg.plan.max_tokens or cfg.rollout_row_tokens(),
+        golden_rows=t.prompts_per_step if needs.golden else 0,
+        golden_tokens=cfg.plan.max_tokens or cfg.golden_row_tokens(),
+        group=t.samples_per_prompt if needs.rewards else 1,
+        mini_batches=t.mini_batches_per_step,
+        max_tokens=t.max_tokens_per_micro_batch if t.pack_sequences else 0,
+        micro_batch_size=t.micro_batch_size,
+    )
 
 
 def plan_for(cfg: MegaOPDConfig) -> Plan:
@@ -368,9 +512,18 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
 
     def role(name, section, path=None):
         hf = read_hf_config(find_hf_config(path or section.path))
-        return RoleLayout(name, hf, section.tp, section.pp, section.dtype, section.recompute,
-                          section.sequence_parallel, section.offload_between_uses and name != "student", section.ep,
-                          cpu=cpu)
+        return RoleLayout(
+            name,
+            hf,
+            section.tp,
+            section.pp,
+            section.dtype,
+            section.recompute,
+            section.sequence_parallel,
+            section.offload_between_uses and name != "student",
+            section.ep,
+            cpu=cpu,
+        )
 
     student = role("student", cfg.student)
     reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path) if needs.reference else None
@@ -380,30 +533,47 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
     teacher = role("teacher", in_job[0]) if in_job else None
     world = cfg.run.world_size
     rows = step_rows(cfg, needs)
-    shapes = job_shapes(rows, max(1, world // (student.tp * student.pp)),
-                        [max(1, world // (t.tp * t.pp)) for t in in_job[:1]],
-                        student.tp if student.sequence_parallel else 1)
+    shapes = job_shapes(
+        rows,
+        max(1, world // (student.tp * student.pp)),
+        [max(1, world // (t.tp * t.pp)) for t in in_job[:1]],
+        student.tp if student.sequence_parallel else 1,
+    )
     engine = None
     if cfg.rollout.engine == "embedded" and (needs.on_policy or cfg.validation.path):
         # The embedded engine generates on rank 0 with the student's architecture (rollout/build.py), its KV
         # cache sized to the longest generated row as the engine rounds it on CUDA (megaopd.engine).
         positions = cache_positions(cfg.generated_row_tokens(), CUDA_SYNC_EVERY)
-        engine = embedded_engine_footprint(student.hf, cfg.embedded_engine_dtype(), cfg.rollout.max_batch_size,
-                                           positions, cfg.rollout.colocated)
+        engine = embedded_engine_footprint(
+            student.hf, cfg.embedded_engine_dtype(), cfg.rollout.max_batch_size, positions, cfg.rollout.colocated
+        )
     train = shapes.train
     # On the CPU a packed row runs the packed SDPA path (no S x S scores); padded rows megatron's unfused one.
     flash = train.packed if cpu else cfg.plan.attention == "flash"
     memory = (cfg.plan.cpu_memory_gb or _machine_memory_gb()) if cpu else cfg.plan.gpu_memory_gb
-    return build_plan(student, reference, teacher, world_size=world, micro_batch_rows=train.rows,
-                      seq_len=train.longest if train.packed else train.tokens,
-                      packed_tokens=train.tokens if train.packed else 0, score=shapes.score,
-                      use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                      colocated=cfg.rollout.colocated and cfg.rollout.engine == "remote",
-                      gpu_memory_gb=memory, engine_memory_fraction=cfg.plan.engine_memory_fraction,
-                      engine_released_gb=cfg.plan.engine_released_gb, reserved_gb=cfg.plan.reserved_gb,
-                      flash_attention=flash, logits_chunk_tokens=cfg.trainer.logits_chunk_tokens,
-                      cuda_context_gb=cfg.plan.cuda_context_gb, allocator_reserve=cfg.plan.allocator_reserve,
-                      embedded_engine=engine, device=device, process_gb=cfg.plan.cpu_process_gb)
+    return build_plan(
+        student,
+        reference,
+        teacher,
+        world_size=world,
+        micro_batch_rows=train.rows,
+        seq_len=train.longest if train.packed else train.tokens,
+        packed_tokens=train.tokens if train.packed else 0,
+        score=shapes.score,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        colocated=cfg.rollout.colocated and cfg.rollout.engine == "remote",
+        gpu_memory_gb=memory,
+        engine_memory_fraction=cfg.plan.engine_memory_fraction,
+        engine_released_gb=cfg.plan.engine_released_gb,
+        reserved_gb=cfg.plan.reserved_gb,
+        flash_attention=flash,
+        logits_chunk_tokens=cfg.trainer.logits_chunk_tokens,
+        cuda_context_gb=cfg.plan.cuda_context_gb,
+        allocator_reserve=cfg.plan.allocator_reserve,
+        embedded_engine=engine,
+        device=device,
+        process_gb=cfg.plan.cpu_process_gb,
+    )
 
 
 def _machine_memory_gb() -> float:

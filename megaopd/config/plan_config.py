@@ -1,6 +1,7 @@
 """The planning sections of the job's config: `plan` (megaopd plan's memory inputs) and `plan.step_time`
 (megaopd plan --step-time's rates). Their own module, importing nothing of megaopd, so the schema composes them
 while plan.py and step_time.py, which read the whole config, import the schema without a circle."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -108,8 +109,11 @@ class PlanConfig:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"plan.device={self.device!r}: choose auto, cuda or cpu")
         if self.cpu_process_gb < 0 or self.cpu_memory_gb < 0:
-            raise ValueError(f"plan.cpu_process_gb={self.cpu_process_gb} and plan.cpu_memory_gb="
-                             f"{self.cpu_memory_gb} must be >= 0")
+            raise ValueError(
+                f"plan.cpu_process_gb={self.cpu_process_gb} and plan.cpu_memory_gb={self.cpu_memory_gb} must be >= 0"
+            )
         if self.cuda_context_gb < 0 or not 0 <= self.allocator_reserve < 1:
-            raise ValueError(f"plan.cuda_context_gb={self.cuda_context_gb} must be >= 0 and plan.allocator_reserve="
-                             f"{self.allocator_reserve} in [0, 1)")
+            raise ValueError(
+                f"plan.cuda_context_gb={self.cuda_context_gb} must be >= 0 and plan.allocator_reserve="
+                f"{self.allocator_reserve} in [0, 1)"
+            )

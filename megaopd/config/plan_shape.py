@@ -9,6 +9,7 @@ planned at 200 tokens, not at trainer.max_tokens_per_micro_batch.
 
 The lengths are budgets: real rows are shorter, so this is the largest micro-batch the job can make.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

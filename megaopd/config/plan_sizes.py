@@ -1,6 +1,7 @@
 """Pure sizes of `megaopd plan` (config/plan.py): bytes of one model's weights, optimizer state, activations,
 logits and engine cache from its HF config dimensions, per GPU or (cpu) per rank process. No file or device
 is touched; the formulas and what they were checked against are in config/plan.py's docstring."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 from megaopd.models.hf_config import HFModelConfig, padded_vocab_size, params_per_rank
 
 OPS_CHUNK_BYTES = 128 * 2**20  # megaopd.ops._common.DEFAULT_CHUNK_BYTES: one float32 chunk of logits
-OPS_CHUNKS_LIVE = 3            # a chunk's logits in float32, its softmax and a gradient (or q's chunk)
+OPS_CHUNKS_LIVE = 3  # a chunk's logits in float32, its softmax and a gradient (or q's chunk)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -44,15 +45,14 @@ class EmbeddedEngineFootprint:
     """Weights offloaded once generation ends (rollout.colocated); else resident all along."""
 
 
-def embedded_engine_footprint(hf: HFModelConfig, dtype: str, rows: int, seq: int,
-                              colocated: bool) -> EmbeddedEngineFootprint:
+def embedded_engine_footprint(
+    hf: HFModelConfig, dtype: str, rows: int, seq: int, colocated: bool
+) -> EmbeddedEngineFootprint:
     """Weights, and the KV cache (2 x layers x kv_heads x head_dim per token) plus one float32 [rows, V] of
     decode logits, of an HF engine generating `rows` rows of up to `seq` tokens."""
     e = DTYPE_BYTES[dtype]
     kv = 2 * hf.num_layers * hf.num_key_value_heads * hf.head_dim * e * rows * seq
     return EmbeddedEngineFootprint(params_per_rank(hf, 1, 1) * e, kv + 4.0 * rows * hf.vocab_size, colocated)
-
-
 
 
 def adam_bytes_per_param(dtype: str) -> int:
@@ -84,9 +84,18 @@ def layer_saved_elements(hf: HFModelConfig, tp: int, sequence_parallel: bool, cp
     return parts
 
 
-def layer_activation_bytes(hf: HFModelConfig, rows: int, seq: int, tp: int, dtype: str, recompute: str,
-                           sequence_parallel: bool, flash_attention: bool,
-                           attn_seq: int | None = None, cpu: bool = False) -> tuple[float, float]:
+def layer_activation_bytes(
+    hf: HFModelConfig,
+    rows: int,
+    seq: int,
+    tp: int,
+    dtype: str,
+    recompute: str,
+    sequence_parallel: bool,
+    flash_attention: bool,
+    attn_seq: int | None = None,
+    cpu: bool = False,
+) -> tuple[float, float]:
     """(bytes saved per layer for backward, bytes of one layer's full set) for one micro-batch of rows x seq
     tokens whose unfused attention scores span attn_seq keys per token (None: seq; a packed row: its longest
     sequence, attention stays within each)."""
@@ -103,11 +112,22 @@ def layer_activation_bytes(hf: HFModelConfig, rows: int, seq: int, tp: int, dtyp
     return full_layer, full_layer
 
 
-def activation_bytes(role: RoleLayout, rows: int, seq: int, flash_attention: bool,
-                     attn_seq: int | None = None) -> float:
+def activation_bytes(
+    role: RoleLayout, rows: int, seq: int, flash_attention: bool, attn_seq: int | None = None
+) -> float:
     """Activations saved by the trained model for one optimizer micro-batch (all in-flight micro-batches)."""
-    saved, one_layer = layer_activation_bytes(role.hf, rows, seq, role.tp, role.dtype, role.recompute,
-                                              role.sequence_parallel, flash_attention, attn_seq, role.cpu)
+    saved, one_layer = layer_activation_bytes(
+        role.hf,
+        rows,
+        seq,
+        role.tp,
+        role.dtype,
+        role.recompute,
+        role.sequence_parallel,
+        flash_attention,
+        attn_seq,
+        role.cpu,
+    )
     layers = role.hf.num_layers // role.pp
     in_flight = role.pp  # 1F1B: the first stage holds pp micro-batches before its first backward
     total = saved * layers * in_flight
@@ -139,8 +159,10 @@ def ops_chunk_bytes(role: RoleLayout, rows: int, seq: int) -> float:
     return min(OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES, OPS_CHUNKS_LIVE * 4.0 * rows * seq * vocab_shard)
 
 
-def forward_layer_bytes(role: RoleLayout, rows: int, seq: int, flash_attention: bool,
-                        attn_seq: int | None = None) -> float:
+def forward_layer_bytes(
+    role: RoleLayout, rows: int, seq: int, flash_attention: bool, attn_seq: int | None = None
+) -> float:
     """Working set of a forward-only pass: one layer's tensors at a time (nothing is saved)."""
-    return layer_activation_bytes(role.hf, rows, seq, role.tp, role.dtype, "none", role.sequence_parallel,
-                                  flash_attention, attn_seq, role.cpu)[1]
+    return layer_activation_bytes(
+        role.hf, rows, seq, role.tp, role.dtype, "none", role.sequence_parallel, flash_attention, attn_seq, role.cpu
+    )[1]

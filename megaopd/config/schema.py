@@ -9,6 +9,7 @@ list routed per data source); run, trainer, optimizer, logging, validation (trai
 (config/plan.py, `megaopd plan` only). This module is the top floor: it imports every package's section
 and no package imports it (the trainer names MegaOPDConfig in annotations only).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,7 @@ from megaopd.metrics.config import MetricsConfig
 from megaopd.models.config import ModelConfig, check_context, check_role_layout
 from megaopd.rollout.config import RolloutConfig
 from megaopd.scoring.config import TeacherConfig
-from megaopd.trainer.config import (LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig,
-                                    ValidationConfig)
+from megaopd.trainer.config import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig, ValidationConfig
 
 
 @dataclass
@@ -69,8 +69,10 @@ class MegaOPDConfig:
         # changes the config after load and no reader has to know about the shorthand.
         if self.teacher.configured:
             if self.teachers:
-                raise ValueError("both `teacher` and `teachers` are set: use `teacher` for one teacher or "
-                                 "`teachers` (a named list) for several, not both")
+                raise ValueError(
+                    "both `teacher` and `teachers` are set: use `teacher` for one teacher or "
+                    "`teachers` (a named list) for several, not both"
+                )
             self.teachers = [replace(self.teacher, name=self.teacher.name or "teacher")]
             self.teacher = TeacherConfig()
         names = [t.name for t in self.teachers]
@@ -81,14 +83,19 @@ class MegaOPDConfig:
 
     def max_row_tokens(self, needs) -> tuple[int, str]:
         """The longest row the job builds (prompt + the longest response it generates or trains on)."""
-        parts = {"rollout.max_new_tokens": self.rollout.max_new_tokens if needs.on_policy else 0,
-                 "rollout.max_trajectory_tokens": self.rollout.max_trajectory_tokens
-                 if needs.on_policy and self.env.enabled else 0,
-                 "data.max_golden_len": self.data.max_golden_len if needs.golden else 0,
-                 "validation.max_new_tokens": self.validation.max_new_tokens if self.validation.path else 0}
+        parts = {
+            "rollout.max_new_tokens": self.rollout.max_new_tokens if needs.on_policy else 0,
+            "rollout.max_trajectory_tokens": self.rollout.max_trajectory_tokens
+            if needs.on_policy and self.env.enabled
+            else 0,
+            "data.max_golden_len": self.data.max_golden_len if needs.golden else 0,
+            "validation.max_new_tokens": self.validation.max_new_tokens if self.validation.path else 0,
+        }
         key = max(parts, key=parts.get)
-        return (self.data.max_prompt_len + parts[key],
-                f"data.max_prompt_len={self.data.max_prompt_len} + {key}={parts[key]}")
+        return (
+            self.data.max_prompt_len + parts[key],
+            f"data.max_prompt_len={self.data.max_prompt_len} + {key}={parts[key]}",
+        )
 
     def rollout_row_tokens(self) -> int:
         """The longest row a training rollout makes (prompt + response, or prompt + a whole multi-turn
@@ -121,13 +128,16 @@ class MegaOPDConfig:
     def validate(self) -> None:
         """Cross-section checks that need the files on disk: run once at start-up, before any model loads."""
         from megaopd.losses import build_loss_from
+
         needs = build_loss_from(self.loss).needs  # unknown loss names and keys fail here
         world = self.run.world_size
         student_dims = check_role_layout("student", self.student, world)
         teachers = self.teachers
         if needs.teacher and not teachers:
-            raise ValueError(f"loss {self.loss.name!r} needs a teacher: set teacher.path=DIR (an HF directory or a "
-                             f"megaopd checkpoint), or teacher.engine=remote with teacher.urls")
+            raise ValueError(
+                f"loss {self.loss.name!r} needs a teacher: set teacher.path=DIR (an HF directory or a "
+                f"megaopd checkpoint), or teacher.engine=remote with teacher.urls"
+            )
         tokens, why = self.max_row_tokens(needs)
         check_context("student", self.student.path, student_dims, tokens, why)
         for i, t in enumerate(teachers):
@@ -143,52 +153,68 @@ class MegaOPDConfig:
             if not t.urls:
                 raise ValueError(f"{key}.engine=remote has no urls: set {key}.urls=[http://HOST:PORT, ...]")
             if not t.path:
-                raise ValueError(f"{key}.engine=remote needs path=DIR of the teacher's HF directory (only its "
-                                 f"tokenizer is read: the teacher must share the student's vocabulary)")
+                raise ValueError(
+                    f"{key}.engine=remote needs path=DIR of the teacher's HF directory (only its "
+                    f"tokenizer is read: the teacher must share the student's vocabulary)"
+                )
             if self.rollout.temperature != 1.0:
                 raise ValueError(
                     f"{key}.engine=remote with rollout.temperature={self.rollout.temperature}: SGLang scores "
                     f"prompts (the prefill of the responses) at temperature 1 only, and a top-K cannot be "
                     f"renormalized at another temperature; use rollout.temperature=1.0 or an in-job teacher "
-                    f"(engine=megatron)")
+                    f"(engine=megatron)"
+                )
             if needs.student_topk:
                 raise ValueError(
                     f"{key}.engine=remote cannot score the teacher at the student's top-k (loss "
                     f"{self.loss.name!r} needs it): SGLang's token_ids_logprob takes one id list per request, "
-                    f"not one per position; use the teacher's support (loss support=teacher_topk) or engine=megatron")
+                    f"not one per position; use the teacher's support (loss support=teacher_topk) or engine=megatron"
+                )
             if needs.teacher_logits:
                 raise ValueError(f"{key}.engine=remote cannot give the full logits gkd reads: use engine=megatron")
         if needs.teacher_logits and len(teachers) > 1:
-            raise ValueError("gkd runs one teacher in lockstep with the actor: it cannot route between several "
-                             "teachers; use one `teacher:` section")
+            raise ValueError(
+                "gkd runs one teacher in lockstep with the actor: it cannot route between several "
+                "teachers; use one `teacher:` section"
+            )
         self._check_routing(teachers)
         check_model_vocab(self, needs)  # every model's embedding covers the student's ids, before any loads
         if self.validation.path and not os.path.isfile(self.validation.path):
-            raise ValueError(f"validation.path={self.validation.path!r} is not a file: point it at a benchmark-"
-                             f"format jsonl (id, problem, answer), or set validation.path='' to disable validation")
+            raise ValueError(
+                f"validation.path={self.validation.path!r} is not a file: point it at a benchmark-"
+                f"format jsonl (id, problem, answer), or set validation.path='' to disable validation"
+            )
         if self.env.enabled and self.data.teacher_prompt == "own":
-            raise ValueError(f"env.name={self.env.name} with data.teacher_prompt=own: a trajectory's tool turns are "
-                             f"rendered by the student's chat template, which the teacher then scores; set "
-                             f"data.teacher_prompt=shared")
+            raise ValueError(
+                f"env.name={self.env.name} with data.teacher_prompt=own: a trajectory's tool turns are "
+                f"rendered by the student's chat template, which the teacher then scores; set "
+                f"data.teacher_prompt=shared"
+            )
         if self.env.enabled and self.rollout.stale_samples == "regenerate":
-            raise ValueError(f"env.name={self.env.name} with rollout.stale_samples=regenerate: a stale trajectory "
-                             f"would be regenerated as a single-turn response; use rollout.stale_samples=drop")
+            raise ValueError(
+                f"env.name={self.env.name} with rollout.stale_samples=regenerate: a stale trajectory "
+                f"would be regenerated as a single-turn response; use rollout.stale_samples=drop"
+            )
         ref_layout = (self.reference.tp, self.reference.pp, self.reference.ep)
         student_layout = (self.student.tp, self.student.pp, self.student.ep)
         if ref_layout != student_layout:
             raise ValueError(
                 f"reference.tp/pp/ep={ref_layout} differ from student.tp/pp/ep={student_layout}: the reference must "
                 f"share the student's layout so their vocab shards and expert groups line up; set "
-                f"reference.tp={self.student.tp} reference.pp={self.student.pp} reference.ep={self.student.ep}")
+                f"reference.tp={self.student.tp} reference.pp={self.student.pp} reference.ep={self.student.ep}"
+            )
         if self.reference.path:
             ref_dims = check_role_layout("reference", self.reference, world)
             if ref_dims != student_dims:
-                raise ValueError(f"reference {self.reference.path} has other sizes than student "
-                                 f"{self.student.path} ({ref_dims} vs {student_dims}): the reference must be "
-                                 f"the student's initial checkpoint")
+                raise ValueError(
+                    f"reference {self.reference.path} has other sizes than student "
+                    f"{self.student.path} ({ref_dims} vs {student_dims}): the reference must be "
+                    f"the student's initial checkpoint"
+                )
         if (self.trainer.prompts_per_step * self.trainer.samples_per_prompt) % self.trainer.mini_batches_per_step:
-            raise ValueError("trainer.prompts_per_step*samples_per_prompt must be a multiple of "
-                             "trainer.mini_batches_per_step")
+            raise ValueError(
+                "trainer.prompts_per_step*samples_per_prompt must be a multiple of trainer.mini_batches_per_step"
+            )
         self.data.validate()
 
     def _check_routing(self, teachers: list[TeacherConfig]) -> None:
@@ -196,8 +222,12 @@ class MegaOPDConfig:
         names = [t.name for t in teachers]
         for src in self.data.sources:
             if src.teacher and src.teacher not in names:
-                raise ValueError(f"data source {src.name!r} routes to teacher {src.teacher!r}, which is not among "
-                                 f"the teachers {names}: fix data.sources[].teacher")
+                raise ValueError(
+                    f"data source {src.name!r} routes to teacher {src.teacher!r}, which is not among "
+                    f"the teachers {names}: fix data.sources[].teacher"
+                )
             if len(teachers) > 1 and not src.teacher:
-                raise ValueError(f"data source {src.name!r} names no teacher, and the job has several {names}: "
-                                 f"set data.sources[].teacher to one of them")
+                raise ValueError(
+                    f"data source {src.name!r} names no teacher, and the job has several {names}: "
+                    f"set data.sources[].teacher to one of them"
+                )

@@ -28,6 +28,7 @@ default comes from; replace them with your cluster's (`plan.step_time.train_mfu=
 times of a first run's metrics.jsonl (time/rollout, time/actor_logprobs + time/teacher + time/train,
 time/sync) through predict().
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,6 @@ from dataclasses import dataclass
 from megaopd.config.plan_config import StepTimeConfig
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.metrics.flops import MatmulDims, StepWork, step_flops
-
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -70,7 +70,7 @@ def generate_s(w: StepShape, r: StepTimeConfig, gpus: int) -> float:
     bw = r.hbm_tb_s * 1e12 * r.engine_tp * r.decode_efficiency
     flops = r.peak_tflops * 1e12 * r.engine_tp * r.score_mfu
     decode = max(w.longest * w.weight_bytes / bw, b * w.response_tokens * 2.0 * w.student.params / flops)
-    kv = b * w.kv_bytes_per_token * (w.prompt_tokens * w.response_tokens + w.response_tokens ** 2 / 2) / bw
+    kv = b * w.kv_bytes_per_token * (w.prompt_tokens * w.response_tokens + w.response_tokens**2 / 2) / bw
     prefill = b * w.student.forward([w.prompt_tokens]) / flops
     return decode + kv + prefill
 
@@ -78,10 +78,16 @@ def generate_s(w: StepShape, r: StepTimeConfig, gpus: int) -> float:
 def score_and_train_s(w: StepShape, r: StepTimeConfig, gpus: int) -> tuple[float, float]:
     """Seconds of the scoring passes and of the training phase on `gpus` trainer GPUs."""
     rollout_S = [w.prompt_tokens + w.response_tokens] * w.rows
-    f = step_flops(StepWork(w.student, rollout_S + [w.prompt_tokens + w.response_tokens] * w.golden_rows,
-                            actor_scored_S=rollout_S, teacher=w.teacher,
-                            teacher_scored_S=rollout_S if w.teacher else (),
-                            partner=w.reference))  # the lockstep reference: hardware FLOPs, inside train_mfu
+    f = step_flops(
+        StepWork(
+            w.student,
+            rollout_S + [w.prompt_tokens + w.response_tokens] * w.golden_rows,
+            actor_scored_S=rollout_S,
+            teacher=w.teacher,
+            teacher_scored_S=rollout_S if w.teacher else (),
+            partner=w.reference,
+        )
+    )  # the lockstep reference: hardware FLOPs, inside train_mfu
     rate = gpus * r.peak_tflops * 1e12
     return (f.model - f.model_train) / (rate * r.score_mfu), f.model_train / (rate * r.train_mfu)
 
@@ -140,14 +146,20 @@ def shape_for(cfg: MegaOPDConfig) -> StepShape:
     # environment), from the config's one row-length function.
     longest = cfg.rollout_row_tokens() - cfg.data.max_prompt_len
     response = r.response_tokens or longest // 2
-    return StepShape(rows=cfg.trainer.prompts_per_step * cfg.trainer.samples_per_prompt,
-                     prompt_tokens=r.prompt_tokens, response_tokens=response, longest=longest,
-                     golden_rows=cfg.trainer.prompts_per_step if needs.golden else 0, student=student,
-                     teacher=teacher, reference=student if needs.reference else None,
-                     # the whole model in bf16, every expert of a MoE layer (as the plan counts an engine's copy)
-                     weight_bytes=2.0 * params_per_rank(hf, 1, 1),
-                     kv_bytes_per_token=2.0 * 2 * hf.num_layers * hf.num_key_value_heads * hf.head_dim,
-                     trainer_gpus_min=cfg.student.tp * cfg.student.pp)
+    return StepShape(
+        rows=cfg.trainer.prompts_per_step * cfg.trainer.samples_per_prompt,
+        prompt_tokens=r.prompt_tokens,
+        response_tokens=response,
+        longest=longest,
+        golden_rows=cfg.trainer.prompts_per_step if needs.golden else 0,
+        student=student,
+        teacher=teacher,
+        reference=student if needs.reference else None,
+        # the whole model in bf16, every expert of a MoE layer (as the plan counts an engine's copy)
+        weight_bytes=2.0 * params_per_rank(hf, 1, 1),
+        kv_bytes_per_token=2.0 * 2 * hf.num_layers * hf.num_key_value_heads * hf.head_dim,
+        trainer_gpus_min=cfg.student.tp * cfg.student.pp,
+    )
 
 
 def format_step_times(cfg: MegaOPDConfig) -> str:
@@ -155,12 +167,16 @@ def format_step_times(cfg: MegaOPDConfig) -> str:
     w, r = shape_for(cfg), cfg.plan.step_time
     g1 = r.gpus_per_node
     score, train = score_and_train_s(w, r, g1)
-    lines = [f"step time per rollout.mode (estimates: plan.step_time's rates; {w.rows} rows of {w.prompt_tokens} "
-             f"prompt + {w.response_tokens} mean / {w.longest} longest response tokens, {w.golden_rows} golden rows)",
-             f"one node ({g1} GPUs) alone: generate {generate_s(w, r, g1):.1f} s, score {score:.1f} s, "
-             f"train {train:.1f} s, sync {w.weight_bytes / (r.local_gb_s * 1e9):.2f} s colocated / "
-             f"{w.weight_bytes / (r.network_gb_s * 1e9):.2f} s to other nodes",
-             "", "| nodes | GPUs | sync colocated | sync split | one_step_off | async |", "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"step time per rollout.mode (estimates: plan.step_time's rates; {w.rows} rows of {w.prompt_tokens} "
+        f"prompt + {w.response_tokens} mean / {w.longest} longest response tokens, {w.golden_rows} golden rows)",
+        f"one node ({g1} GPUs) alone: generate {generate_s(w, r, g1):.1f} s, score {score:.1f} s, "
+        f"train {train:.1f} s, sync {w.weight_bytes / (r.local_gb_s * 1e9):.2f} s colocated / "
+        f"{w.weight_bytes / (r.network_gb_s * 1e9):.2f} s to other nodes",
+        "",
+        "| nodes | GPUs | sync colocated | sync split | one_step_off | async |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for n in r.nodes:
         t = step_times(w, r, n)
         base = t["sync colocated"].seconds
@@ -169,7 +185,10 @@ def format_step_times(cfg: MegaOPDConfig) -> str:
             c = t.get(key)
             cells.append("-" if c is None else f"{c.seconds:.1f} s ({c.seconds / base:.2f}x; E={c.engine_gpus})")
         lines.append(f"| {n} | {n * g1} | " + " | ".join(cells) + " |")
-    lines += ["", "E: GPUs that generate, the rest train (the best split for that mode; its memory is not "
-                  "checked: plan the trainer at that size with run.world_size); x: vs sync colocated. A served "
-                  "teacher's scoring runs on its own nodes and is not counted."]
+    lines += [
+        "",
+        "E: GPUs that generate, the rest train (the best split for that mode; its memory is not "
+        "checked: plan the trainer at that size with run.world_size); x: vs sync colocated. A served "
+        "teacher's scoring runs on its own nodes and is not counted.",
+    ]
     return "\n".join(lines)

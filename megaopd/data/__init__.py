@@ -11,6 +11,7 @@ student/teacher vocabulary check and the special ids to mask), sampler (determin
 dataset (the two classes above), synthetic (the tiny arithmetic/algebra data of examples/tiny).
 Tools: tools/prepare_openr1_math.py, tools/build_tiny_data.py.
 """
+
 from megaopd.data.config import DEFAULT_INSTRUCTION, DataConfig, FilterConfig, SourceConfig
 from megaopd.data.dataset import PromptDataset, PromptLoader
 from megaopd.data.openr1 import DataError, GoldenRecord, LoadReport, answer_matches
@@ -20,7 +21,27 @@ from megaopd.data.templates import render_prompt
 from megaopd.data.tokenize import GoldenBatch, PromptExample, golden_batch
 from megaopd.data.vocab import VocabMismatchError, VocabReport, compare_vocab, loss_mask_ids
 
-__all__ = ["DataConfig", "FilterConfig", "SourceConfig", "DEFAULT_INSTRUCTION", "PromptDataset", "PromptLoader",
-           "DataError", "GoldenRecord", "LoadReport", "answer_matches", "MixtureSampler", "render_prompt",
-           "GoldenBatch", "PromptExample", "golden_batch", "StopTokens", "rollout_stop_ids", "stop_tokens",
-           "VocabMismatchError", "VocabReport", "compare_vocab", "loss_mask_ids"]
+__all__ = [
+    "DataConfig",
+    "FilterConfig",
+    "SourceConfig",
+    "DEFAULT_INSTRUCTION",
+    "PromptDataset",
+    "PromptLoader",
+    "DataError",
+    "GoldenRecord",
+    "LoadReport",
+    "answer_matches",
+    "MixtureSampler",
+    "render_prompt",
+    "GoldenBatch",
+    "PromptExample",
+    "golden_batch",
+    "StopTokens",
+    "rollout_stop_ids",
+    "stop_tokens",
+    "VocabMismatchError",
+    "VocabReport",
+    "compare_vocab",
+    "loss_mask_ids",
+]

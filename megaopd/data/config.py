@@ -10,6 +10,7 @@
 Paths are checked when the config is built (a missing file is a ValueError naming it and the fix);
 `DataConfig.validate()` adds the checks that need the whole section (at least one source).
 """
+
 from __future__ import annotations
 
 import glob
@@ -26,8 +27,10 @@ DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 # job is launched from another directory.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PREPARE_HINT = ("build the data first: `python tools/build_tiny_data.py` (tiny CPU data) or "
-                "`python tools/prepare_openr1_math.py --input RAW --out DIR` (OpenR1-Math)")
+PREPARE_HINT = (
+    "build the data first: `python tools/build_tiny_data.py` (tiny CPU data) or "
+    "`python tools/prepare_openr1_math.py --input RAW --out DIR` (OpenR1-Math)"
+)
 
 
 def resolve_data_files(path: str) -> list[str]:
@@ -73,11 +76,15 @@ class SourceConfig:
         if not self.path:
             raise ValueError("data.sources[].path is empty: set it to a .jsonl/.parquet file; " + PREPARE_HINT)
         if not resolve_data_files(self.path):
-            raise ValueError(f"data source {self.path!r} does not exist (or holds no .jsonl/.json/.parquet "
-                             f"file): fix the path or {PREPARE_HINT}")
+            raise ValueError(
+                f"data source {self.path!r} does not exist (or holds no .jsonl/.json/.parquet "
+                f"file): fix the path or {PREPARE_HINT}"
+            )
         if not self.weight > 0:
-            raise ValueError(f"data source {self.path!r} has weight={self.weight}: weights must be positive "
-                             f"(remove the source to leave it out)")
+            raise ValueError(
+                f"data source {self.path!r} has weight={self.weight}: weights must be positive "
+                f"(remove the source to leave it out)"
+            )
         if self.max_rows < 0:
             raise ValueError(f"data source {self.path!r} has max_rows={self.max_rows}: use 0 (all) or a count")
         if not self.name:
@@ -108,8 +115,10 @@ class FilterConfig:
 
     def __post_init__(self):
         if self.max_generation_tokens < 0:
-            raise ValueError(f"data.filter.max_generation_tokens={self.max_generation_tokens}: use 0 (no limit) "
-                             f"or a token count such as 8192")
+            raise ValueError(
+                f"data.filter.max_generation_tokens={self.max_generation_tokens}: use 0 (no limit) "
+                f"or a token count such as 8192"
+            )
         if self.golden_choice not in ("first", "shortest"):
             raise ValueError(f"data.filter.golden_choice={self.golden_choice!r}: choose first or shortest")
 
@@ -157,14 +166,20 @@ class DataConfig:
         if self.prompt_template not in ("student", "teacher", "plain"):
             raise ValueError(f"data.prompt_template={self.prompt_template!r}: choose student, teacher or plain")
         if self.teacher_prompt not in ("shared", "own"):
-            raise ValueError(f"data.teacher_prompt={self.teacher_prompt!r}: choose shared (the teacher scores after "
-                             f"the student's prompt) or own (after the teacher's chat template)")
+            raise ValueError(
+                f"data.teacher_prompt={self.teacher_prompt!r}: choose shared (the teacher scores after "
+                f"the student's prompt) or own (after the teacher's chat template)"
+            )
         if "{problem}" not in self.user_format:
-            raise ValueError(f"data.user_format={self.user_format!r} has no {{problem}} placeholder: "
-                             f"add one, e.g. '{{problem}}\\n{{instruction}}'")
+            raise ValueError(
+                f"data.user_format={self.user_format!r} has no {{problem}} placeholder: "
+                f"add one, e.g. '{{problem}}\\n{{instruction}}'"
+            )
         if self.max_prompt_len < 1 or self.max_golden_len < 1:
-            raise ValueError(f"data.max_prompt_len={self.max_prompt_len} and data.max_golden_len="
-                             f"{self.max_golden_len} must be positive token counts")
+            raise ValueError(
+                f"data.max_prompt_len={self.max_prompt_len} and data.max_golden_len="
+                f"{self.max_golden_len} must be positive token counts"
+            )
         if self.golden_overflow not in ("skip", "truncate"):
             raise ValueError(f"data.golden_overflow={self.golden_overflow!r}: choose skip or truncate")
         names = [s.name for s in self.sources]
@@ -175,8 +190,10 @@ class DataConfig:
     def validate(self) -> None:
         """Checks of the whole section, run at start-up (a default-built config has no sources yet)."""
         if not self.sources:
-            raise ValueError("data.sources is empty: add one, e.g. data.sources=[{path: "
-                             "examples/tiny/data/opd.jsonl}]; " + PREPARE_HINT)
+            raise ValueError(
+                "data.sources is empty: add one, e.g. data.sources=[{path: "
+                "examples/tiny/data/opd.jsonl}]; " + PREPARE_HINT
+            )
 
     @property
     def weights(self) -> list[float]:

@@ -10,6 +10,7 @@ Every rank loads all sources (the sampler's order is computed the same everywher
 communicated); use the prepared format of tools/prepare_openr1_math.py for big data, so that the golden
 filter does not run on every rank at start-up.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,10 +22,12 @@ from megaopd.data.sampler import MixtureSampler, Ref
 from megaopd.data.special_tokens import StopTokens, stop_tokens
 from megaopd.data.tokenize import PromptExample, build_examples
 
-EMPTY_FIX = ("give the file rows with `problem` and `answer` plus a `golden` (prepared format) or "
-             "`generations` (OpenR1-Math schema); set data.require_golden=false for prompt-only files; "
-             "raise data.max_prompt_len / data.max_golden_len if prompts were too long; or rebuild the data "
-             "(tools/build_tiny_data.py, tools/prepare_openr1_math.py)")
+EMPTY_FIX = (
+    "give the file rows with `problem` and `answer` plus a `golden` (prepared format) or "
+    "`generations` (OpenR1-Math schema); set data.require_golden=false for prompt-only files; "
+    "raise data.max_prompt_len / data.max_golden_len if prompts were too long; or rebuild the data "
+    "(tools/build_tiny_data.py, tools/prepare_openr1_math.py)"
+)
 
 
 @dataclass
@@ -38,8 +41,14 @@ class PromptDataset:
     """The ids rollouts stop at; every golden ends with stop.golden_id (one source for both)."""
 
     @classmethod
-    def load(cls, cfg: DataConfig, tokenizer, teacher_tokenizer=None,
-             log: Optional[Callable[[str], None]] = print, tools: Optional[list] = None) -> "PromptDataset":
+    def load(
+        cls,
+        cfg: DataConfig,
+        tokenizer,
+        teacher_tokenizer=None,
+        log: Optional[Callable[[str], None]] = print,
+        tools: Optional[list] = None,
+    ) -> "PromptDataset":
         """Loads every source of cfg; raises DataError naming the files when a source has no usable row.
         tools: a multi-turn environment's tool schemas (megaopd.envs), rendered into every prompt."""
         cfg.validate()
@@ -53,10 +62,12 @@ class PromptDataset:
             report = LoadReport(name=src.name, files=files)
             if not files:
                 raise DataError(f"data source {src.path!r} matches no .jsonl/.json/.parquet file: fix the path")
-            records = load_records(files, cfg.filter, counter, report, require_golden=cfg.require_golden,
-                                   max_rows=src.max_rows)
-            exs, skipped, first = build_examples(records, src.name, cfg, tokenizer, teacher_tokenizer,
-                                                 stop_id=stop.golden_id, tools=tools)
+            records = load_records(
+                files, cfg.filter, counter, report, require_golden=cfg.require_golden, max_rows=src.max_rows
+            )
+            exs, skipped, first = build_examples(
+                records, src.name, cfg, tokenizer, teacher_tokenizer, stop_id=stop.golden_id, tools=tools
+            )
             for reason, n in skipped.items():
                 report.skipped[reason] += n
                 report.first_skipped.setdefault(reason, f"uuid {first[reason]}")
@@ -88,14 +99,24 @@ class PromptDataset:
 class PromptLoader:
     """The dataset plus its MixtureSampler: batches of PromptExamples for one DP rank, resumable."""
 
-    def __init__(self, dataset: PromptDataset, cfg: DataConfig, batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, epoch_size: Optional[int] = None):
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        cfg: DataConfig,
+        batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        epoch_size: Optional[int] = None,
+    ):
         if batch_size < 1 or batch_size % dp_size:
-            raise ValueError(f"batch_size={batch_size} must be a positive multiple of dp_size={dp_size}: make "
-                             f"trainer.prompts_per_step a multiple of the data-parallel size")
+            raise ValueError(
+                f"batch_size={batch_size} must be a positive multiple of dp_size={dp_size}: make "
+                f"trainer.prompts_per_step a multiple of the data-parallel size"
+            )
         self.dataset, self.batch_size, self.dp_rank, self.dp_size = dataset, batch_size, dp_rank, dp_size
-        self.sampler = MixtureSampler(dataset.sizes, [s.weight for s in cfg.sources], seed=cfg.seed,
-                                      shuffle=cfg.shuffle, epoch_size=epoch_size)
+        self.sampler = MixtureSampler(
+            dataset.sizes, [s.weight for s in cfg.sources], seed=cfg.seed, shuffle=cfg.shuffle, epoch_size=epoch_size
+        )
 
     def _examples(self, refs: Sequence[Ref]) -> list[PromptExample]:
         return [self.dataset[r] for r in refs]

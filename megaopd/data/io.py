@@ -8,6 +8,7 @@ counts it. Parquet goes through `datasets` in streaming mode: OpenR1-Math-220k's
 parquet, streaming reads it shard by shard without an Arrow cache copy on disk. JSON lines are parsed one
 line at a time so that one broken line costs one row, not the file.
 """
+
 from __future__ import annotations
 
 import json

@@ -20,6 +20,7 @@ Prepared format, one row per prompt (written by tools/prepare_openr1_math.py, re
     golden_tokens (int | null)  its length in tokens of the tokenizer the filter counted with
 Rows of either format, and prompt-only rows (problem + answer), are accepted wherever data is loaded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,8 +51,14 @@ class GoldenRecord:
     golden_tokens: Optional[int] = None
 
     def to_row(self) -> dict:
-        return {"uuid": self.uuid, "problem": self.problem, "answer": self.answer, "source": self.source,
-                "golden": self.golden, "golden_tokens": self.golden_tokens}
+        return {
+            "uuid": self.uuid,
+            "problem": self.problem,
+            "answer": self.answer,
+            "source": self.source,
+            "golden": self.golden,
+            "golden_tokens": self.golden_tokens,
+        }
 
 
 @dataclass
@@ -75,8 +82,10 @@ class LoadReport:
     def summary(self) -> str:
         parts = [f"{self.name}: {self.kept}/{self.rows} rows kept"]
         if self.skipped:
-            parts.append("skipped: " + ", ".join(f"{r} x{n} (first at {self.first_skipped[r]})"
-                                                  for r, n in self.skipped.most_common()))
+            parts.append(
+                "skipped: "
+                + ", ".join(f"{r} x{n} (first at {self.first_skipped[r]})" for r, n in self.skipped.most_common())
+            )
         if self.generations:
             parts.append("generations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.generations.items())))
         return "; ".join(parts)
@@ -100,8 +109,10 @@ def answer_matches(answer: str, text: str) -> bool:
 
 def token_counter(tokenizer) -> TokenCounter:
     """Counts tokens as the student will see them: the tokenizer alone, no special tokens added."""
+
     def count(texts: Sequence[str]) -> list[int]:
         return [len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
     return count
 
 
@@ -125,8 +136,9 @@ def _bool_list(row: dict, key: str, n: int) -> tuple[Optional[list], Optional[st
     return list(value), None
 
 
-def select_golden(row: dict, answer: str, filt: FilterConfig, count_tokens: Optional[TokenCounter],
-                  outcomes: Counter) -> tuple[Optional[str], Optional[int], Optional[str]]:
+def select_golden(
+    row: dict, answer: str, filt: FilterConfig, count_tokens: Optional[TokenCounter], outcomes: Counter
+) -> tuple[Optional[str], Optional[int], Optional[str]]:
     """(golden, its token count, None) for a raw OpenR1-Math row, (None, None, reason) when no generation
     survives the filter or the row's generation columns are malformed. `outcomes` counts each
     generation's fate."""
@@ -160,8 +172,10 @@ def select_golden(row: dict, answer: str, filt: FilterConfig, count_tokens: Opti
         return None, None, "no verified generation"
     if count_tokens is None:
         if filt.max_generation_tokens or filt.golden_choice == "shortest":
-            raise ValueError("select_golden needs count_tokens when max_generation_tokens > 0 or "
-                             "golden_choice=shortest: pass a tokenizer")
+            raise ValueError(
+                "select_golden needs count_tokens when max_generation_tokens > 0 or "
+                "golden_choice=shortest: pass a tokenizer"
+            )
         outcomes["kept"] += 1
         return candidates[0], None, None
     # Counting tokens is the expensive part (traces run to 16k tokens): with golden_choice=first only the
@@ -184,8 +198,9 @@ def select_golden(row: dict, answer: str, filt: FilterConfig, count_tokens: Opti
     return candidates[chosen], lengths[chosen], None
 
 
-def record_from_row(row: dict, filt: FilterConfig, count_tokens: Optional[TokenCounter],
-                    outcomes: Counter) -> tuple[Optional[GoldenRecord], Optional[str]]:
+def record_from_row(
+    row: dict, filt: FilterConfig, count_tokens: Optional[TokenCounter], outcomes: Counter
+) -> tuple[Optional[GoldenRecord], Optional[str]]:
     """A GoldenRecord from a row of any accepted format, or (None, reason) for a row to skip."""
     problem = row.get("problem")
     if not isinstance(problem, str):
@@ -206,8 +221,9 @@ def record_from_row(row: dict, filt: FilterConfig, count_tokens: Optional[TokenC
         if golden is not None and not isinstance(golden, str):
             return None, "golden is not a string"
         n = row.get("golden_tokens")
-        return GoldenRecord(uuid, problem, answer, source, golden or None,
-                            int(n) if isinstance(n, int) and golden else None), None
+        return GoldenRecord(
+            uuid, problem, answer, source, golden or None, int(n) if isinstance(n, int) and golden else None
+        ), None
     if "generations" in row:
         golden, n, reason = select_golden(row, answer, filt, count_tokens, outcomes)
         if reason:
@@ -216,8 +232,14 @@ def record_from_row(row: dict, filt: FilterConfig, count_tokens: Optional[TokenC
     return GoldenRecord(uuid, problem, answer, source), None  # prompt-only (validation sets)
 
 
-def load_records(files: Sequence[str], filt: FilterConfig, count_tokens: Optional[TokenCounter],
-                 report: LoadReport, require_golden: bool = False, max_rows: int = 0) -> list[GoldenRecord]:
+def load_records(
+    files: Sequence[str],
+    filt: FilterConfig,
+    count_tokens: Optional[TokenCounter],
+    report: LoadReport,
+    require_golden: bool = False,
+    max_rows: int = 0,
+) -> list[GoldenRecord]:
     """Reads every row of `files` into GoldenRecords, skipping and counting (in `report`) what is unusable."""
     from megaopd.data.io import iter_rows
 
@@ -264,7 +286,7 @@ def split_records(records: Sequence, sizes: Sequence[tuple[str, int]], seed: int
     random.Random(f"megaopd-split/{seed}").shuffle(order)  # str seeds are hashed with sha512: stable
     parts, start = {}, 0
     for name, size in split_sizes(len(records), sizes):
-        parts[name] = [records[i] for i in order[start:start + size]]
+        parts[name] = [records[i] for i in order[start : start + size]]
         start += size
     return parts
 
@@ -275,10 +297,15 @@ def approx_token_counter(texts: Sequence[str]) -> list[int]:
     return [-(-len(t.encode("utf-8")) // 4) for t in texts]
 
 
-def prepare_splits(files: Sequence[str], filt: FilterConfig, count_tokens: Optional[TokenCounter],
-                   sizes: Sequence[tuple[str, int]], seed: int, limit: int = 0,
-                   progress: Optional[Callable[[LoadReport], None]] = None,
-                   ) -> tuple[dict[str, list[GoldenRecord]], LoadReport]:
+def prepare_splits(
+    files: Sequence[str],
+    filt: FilterConfig,
+    count_tokens: Optional[TokenCounter],
+    sizes: Sequence[tuple[str, int]],
+    seed: int,
+    limit: int = 0,
+    progress: Optional[Callable[[LoadReport], None]] = None,
+) -> tuple[dict[str, list[GoldenRecord]], LoadReport]:
     """The paper's data pipeline: filter raw OpenR1-Math rows to prompts with a verified golden, then split
     them (seeded) into parts of the given sizes (scaled down in proportion when fewer survive).
 
@@ -287,7 +314,9 @@ def prepare_splits(files: Sequence[str], filt: FilterConfig, count_tokens: Optio
     records = load_records(files, filt, count_tokens, report, require_golden=True, max_rows=limit)
     if progress is not None:
         progress(report)
-    report.raise_if_empty("pass the OpenR1-Math-220k parquet files (data/train-*.parquet of the default "
-                          "config) or .jsonl rows with problem, answer, generations and "
-                          "correctness_math_verify; check --max-tokens")
+    report.raise_if_empty(
+        "pass the OpenR1-Math-220k parquet files (data/train-*.parquet of the default "
+        "config) or .jsonl rows with problem, answer, generations and "
+        "correctness_math_verify; check --max-tokens"
+    )
     return split_records(records, sizes, seed), report

@@ -15,6 +15,7 @@ items (continuing into the next epoch when one runs out), and DP rank r takes th
 contiguous slices. With a constant batch size B, step s starts at global item s * B
 (`batch_at_step`): resume replays the same batches whether or not the state was saved.
 """
+
 from __future__ import annotations
 
 import random
@@ -45,8 +46,14 @@ def _interleave(counts: Sequence[int]) -> list[int]:
 class MixtureSampler:
     """The deterministic prompt stream; its only state is (epoch, position) within the epoch."""
 
-    def __init__(self, source_sizes: Sequence[int], weights: Optional[Sequence[float]] = None, seed: int = 0,
-                 shuffle: bool = True, epoch_size: Optional[int] = None):
+    def __init__(
+        self,
+        source_sizes: Sequence[int],
+        weights: Optional[Sequence[float]] = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        epoch_size: Optional[int] = None,
+    ):
         sizes = [int(n) for n in source_sizes]
         if not sizes or any(n < 1 for n in sizes):
             raise ValueError(f"source sizes {sizes}: every source needs at least one prompt")
@@ -78,7 +85,7 @@ class MixtureSampler:
             cycle, offset = divmod(j, n)
             perm = self._permutation(source, cycle)
             take = min(n - offset, count - len(out))
-            out.extend(perm[offset:offset + take])
+            out.extend(perm[offset : offset + take])
             j += take
         return out
 
@@ -104,7 +111,7 @@ class MixtureSampler:
         while len(out) < batch_size:
             refs = self.epoch_refs(epoch)
             take = min(len(refs) - position, batch_size - len(out))
-            out.extend(refs[position:position + take])
+            out.extend(refs[position : position + take])
             position += take
             if position == len(refs):
                 epoch, position = epoch + 1, 0
@@ -116,10 +123,12 @@ class MixtureSampler:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         if len(global_refs) % dp_size:
-            raise ValueError(f"batch size {len(global_refs)} is not a multiple of dp_size={dp_size}: make "
-                             f"trainer.prompts_per_step a multiple of the data-parallel size")
+            raise ValueError(
+                f"batch size {len(global_refs)} is not a multiple of dp_size={dp_size}: make "
+                f"trainer.prompts_per_step a multiple of the data-parallel size"
+            )
         per = len(global_refs) // dp_size
-        return list(global_refs[dp_rank * per:(dp_rank + 1) * per])
+        return list(global_refs[dp_rank * per : (dp_rank + 1) * per])
 
     def batch_at_step(self, step: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[Ref]:
         """The rank's share of step `step`'s batch, for a run that always drew batch_size items per step."""
@@ -138,8 +147,15 @@ class MixtureSampler:
     def state_dict(self) -> dict:
         # sizes/weights/seed travel with the cursor so that a resume on changed data fails loudly instead
         # of silently replaying another order.
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "sizes": list(self.sizes),
-                "weights": list(self.weights), "shuffle": self.shuffle, "epoch_size": self.epoch_size}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "sizes": list(self.sizes),
+            "weights": list(self.weights),
+            "shuffle": self.shuffle,
+            "epoch_size": self.epoch_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "sizes", "weights", "shuffle", "epoch_size"):
@@ -147,9 +163,11 @@ class MixtureSampler:
                 raise ValueError(
                     f"data sampler state was saved with {key}={state[key]} but this run has "
                     f"{key}={getattr(self, key)}: the checkpoint's data order cannot be replayed; resume "
-                    f"with the same data and data.seed, or start a new run directory")
+                    f"with the same data and data.seed, or start a new run directory"
+                )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.epoch_size:
-            raise ValueError(f"data sampler state epoch={epoch}, position={position} is out of range "
-                             f"(epoch size {self.epoch_size})")
+            raise ValueError(
+                f"data sampler state epoch={epoch}, position={position} is out of range (epoch size {self.epoch_size})"
+            )
         self.epoch, self.position = epoch, position

@@ -17,6 +17,7 @@ The ids, in order (duplicates dropped):
      turn in its own format has ended (the teacher may name that id differently; data.vocab masks it).
 Pure functions of the tokenizers and the data config; nothing is read from disk.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,10 +36,11 @@ def turn_end_token(tokenizer) -> str:
         return eos
     try:
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False)
+            [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False
+        )
     except Exception:  # templates that refuse an assistant message: fall back to the EOS token
         return eos
-    after = text[text.rfind(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in text else ""
+    after = text[text.rfind(_SENTINEL) + len(_SENTINEL) :] if _SENTINEL in text else ""
     added = getattr(tokenizer, "added_tokens_encoder", {}) or {}
     for tok in sorted(added, key=len, reverse=True):  # longest first: "<|im_end|>" before "<|im"
         if after.lstrip(" ").startswith(tok):
@@ -49,12 +51,15 @@ def turn_end_token(tokenizer) -> str:
 def _token_id(tok, name: str | None, what: str) -> int:
     who = getattr(tok, "name_or_path", "?")
     if name is None:
-        raise ValueError(f"tokenizer {who} has no eos_token: set one in its tokenizer_config.json (the "
-                         f"{what} needs a stop token)")
+        raise ValueError(
+            f"tokenizer {who} has no eos_token: set one in its tokenizer_config.json (the {what} needs a stop token)"
+        )
     tid = tok.convert_tokens_to_ids(name)
     if tid is None or (tok.unk_token_id is not None and tid == tok.unk_token_id and name != tok.unk_token):
-        raise ValueError(f"tokenizer {who}: its {what} {name!r} is not in its vocabulary: fix its "
-                         f"tokenizer_config.json / chat template")
+        raise ValueError(
+            f"tokenizer {who}: its {what} {name!r} is not in its vocabulary: fix its "
+            f"tokenizer_config.json / chat template"
+        )
     return int(tid)
 
 

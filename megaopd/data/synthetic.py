@@ -23,6 +23,7 @@ Qwen-like chat template without a default system prompt.
 Run time (shared 2-core CPU): 15-20 s for the default 4000/2000/200 rows (math-verify judging ~7000
 generations, then the BPE training), and the same for --check. Output: ~3.8 MB of jsonl + a 20 KB tokenizer.
 """
+
 from __future__ import annotations
 
 import json
@@ -156,8 +157,12 @@ def _signed(v: int) -> str:
 
 def _linear_steps(a: int, move: str, rhs_terms: str, rhs: int) -> list[str]:
     """The steps after the first: isolate a*x, then divide."""
-    return [f"{move}: {a}x = {rhs_terms}", f"{a}x = {rhs}", f"Divide both sides by {a}: x = {rhs} / {a}",
-            f"x = {rhs // a}"]
+    return [
+        f"{move}: {a}x = {rhs_terms}",
+        f"{a}x = {rhs}",
+        f"Divide both sides by {a}: x = {rhs} / {a}",
+        f"x = {rhs // a}",
+    ]
 
 
 def _linear_problem(rng: random.Random) -> Problem:
@@ -199,8 +204,10 @@ def _word_problem(rng: random.Random) -> Problem:
     if form == 0:
         a, b, c = rng.randint(2, 30), rng.randint(2, 6), rng.randint(2, 9)
         d = rng.randint(1, a + b * c - 1)
-        text = (f"{name} has {a} {item}, buys {b} bags of {c} {item} each and gives away {d}. "
-                f"How many {item} does {name} have now?")
+        text = (
+            f"{name} has {a} {item}, buys {b} bags of {c} {item} each and gives away {d}. "
+            f"How many {item} does {name} have now?"
+        )
         ops = [(b, "*", c), (a, "+", b * c), (a + b * c, "-", d)]
         labels = ("In the bags", "Before giving", "Now")
     elif form == 1:
@@ -285,8 +292,9 @@ def make_row(p: Problem, rng: random.Random, seed: int, wrong_rate: float) -> Op
     }
 
 
-def generate_splits(sizes: Sequence[tuple[str, int]], seed: int = 0, wrong_rate: float = 0.15,
-                    no_wrong: Sequence[str] = ("val",)) -> dict[str, list[dict]]:
+def generate_splits(
+    sizes: Sequence[tuple[str, int]], seed: int = 0, wrong_rate: float = 0.15, no_wrong: Sequence[str] = ("val",)
+) -> dict[str, list[dict]]:
     """Unique problems (no problem text in two splits), cut into consecutive splits of the given sizes.
     Splits named in no_wrong get only the correct generation."""
     rng = random.Random(f"megaopd-synthetic/{seed}")
@@ -335,15 +343,26 @@ def build_tokenizer(corpus: Sequence[str], vocab_size: int = TOKENIZER_VOCAB):
     # Digits are split before BPE so that no merge swallows a number: the model sees 1 2 7, not "127".
     tok.pre_tokenizer = pre_tokenizers.Digits(individual_digits=True)
     tok.decoder = decoders.Fuse()  # tokens are pieces of the text itself: decode by concatenation
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2, initial_alphabet=alphabet,
-                                  limit_alphabet=len(alphabet), special_tokens=[PAD, BOS_TURN, EOS, UNK],
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 2,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        special_tokens=[PAD, BOS_TURN, EOS, UNK],
+        show_progress=False,
+    )
     tok.train_from_iterator(list(corpus), trainer)
     # Not special: decode(skip_special_tokens=True) keeps the think block, as Qwen3's tokenizer does.
-    tok.add_tokens([AddedToken(THINK, special=False, normalized=False),
-                    AddedToken(END_THINK, special=False, normalized=False)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
-                                   chat_template=CHAT_TEMPLATE, model_max_length=2048)
+    tok.add_tokens(
+        [AddedToken(THINK, special=False, normalized=False), AddedToken(END_THINK, special=False, normalized=False)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
 
 
 def save_tokenizer(tokenizer, out_dir: str) -> None:
@@ -360,5 +379,15 @@ def save_tokenizer(tokenizer, out_dir: str) -> None:
         f.write(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-__all__ = ["Problem", "make_problem", "make_row", "generate_splits", "trace", "tokenizer_corpus",
-           "build_tokenizer", "save_tokenizer", "CHAT_TEMPLATE", "SOURCE"]
+__all__ = [
+    "Problem",
+    "make_problem",
+    "make_row",
+    "generate_splits",
+    "trace",
+    "tokenizer_corpus",
+    "build_tokenizer",
+    "save_tokenizer",
+    "CHAT_TEMPLATE",
+    "SOURCE",
+]

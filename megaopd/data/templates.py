@@ -12,6 +12,7 @@ Three templates (DataConfig.prompt_template):
 The user message is DataConfig.user_format with {problem} and {instruction} substituted (str.replace, not
 str.format: problems are LaTeX and full of braces).
 """
+
 from __future__ import annotations
 
 from megaopd.data.config import DataConfig
@@ -25,8 +26,10 @@ def _template_tokenizer(cfg: DataConfig, tokenizer, teacher_tokenizer):
     if cfg.prompt_template != "teacher":
         return tokenizer
     if teacher_tokenizer is None:
-        raise ValueError("data.prompt_template=teacher needs the teacher's tokenizer: pass teacher_tokenizer "
-                         "(the teacher model directory's tokenizer), or set data.prompt_template=student")
+        raise ValueError(
+            "data.prompt_template=teacher needs the teacher's tokenizer: pass teacher_tokenizer "
+            "(the teacher model directory's tokenizer), or set data.prompt_template=student"
+        )
     return teacher_tokenizer
 
 
@@ -40,9 +43,11 @@ def render_prompt(problem: str, cfg: DataConfig, tokenizer, teacher_tokenizer=No
     tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
     if not getattr(tok, "chat_template", None):
         who = "teacher" if cfg.prompt_template == "teacher" else "student"
-        raise ValueError(f"the {who} tokenizer ({getattr(tok, 'name_or_path', '?')}) has no chat template: "
-                         f"set data.prompt_template=plain, or use a tokenizer that has one")
-    messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
+        raise ValueError(
+            f"the {who} tokenizer ({getattr(tok, 'name_or_path', '?')}) has no chat template: "
+            f"set data.prompt_template=plain, or use a tokenizer that has one"
+        )
+    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     messages.append({"role": "user", "content": content})
     if tools:
         return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
@@ -61,12 +66,16 @@ def strip_think_overlap(prompt_text: str, golden: str, think: str = "<think>") -
     the think block in the generation prompt): otherwise the golden would teach a doubled <think>."""
     head = golden.lstrip()
     if prompt_text.rstrip().endswith(think) and head.startswith(think):
-        return head[len(think):].lstrip("\n")
+        return head[len(think) :].lstrip("\n")
     return golden
 
 
-def render_and_encode(problem: str, cfg: DataConfig, tokenizer, teacher_tokenizer=None,
-                      ) -> tuple[str, list[int]]:
+def render_and_encode(
+    problem: str,
+    cfg: DataConfig,
+    tokenizer,
+    teacher_tokenizer=None,
+) -> tuple[str, list[int]]:
     text = render_prompt(problem, cfg, tokenizer, teacher_tokenizer)
     return text, encode_prompt(text, cfg, tokenizer, teacher_tokenizer)
 

@@ -13,6 +13,7 @@ must share that boundary (BPE merges across it would give the SFT term a prompt 
 The golden ends with the token that ends an assistant turn in the chat template (<|im_end|> for Qwen), read
 from the template itself, so the student learns to stop where its rollouts must stop.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -80,9 +81,15 @@ def golden_stop_id(cfg: DataConfig, tokenizer, teacher_tokenizer=None) -> int:
     return stop_tokens(cfg, tokenizer, teacher_tokenizer).golden_id
 
 
-def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig, tokenizer,
-                   teacher_tokenizer=None, stop_id: Optional[int] = None, tools: Optional[list] = None,
-                   ) -> tuple[list[PromptExample], Counter, dict]:
+def build_examples(
+    records: Sequence[GoldenRecord],
+    source: str,
+    cfg: DataConfig,
+    tokenizer,
+    teacher_tokenizer=None,
+    stop_id: Optional[int] = None,
+    tools: Optional[list] = None,
+) -> tuple[list[PromptExample], Counter, dict]:
     """Renders and tokenizes records; returns (examples, skipped reasons, reason -> first uuid).
 
     A prompt over max_prompt_len is skipped; so is a golden over max_golden_len (golden_overflow=skip) or
@@ -98,8 +105,12 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
     prompt_ids = template_tok(texts, add_special_tokens=False)["input_ids"] if texts else []
     goldens = [strip_think_overlap(t, r.golden) if r.golden else None for t, r in zip(texts, records)]
     with_golden = [i for i, g in enumerate(goldens) if g is not None]
-    sol_ids = dict(zip(with_golden, tokenizer([goldens[i] for i in with_golden],
-                                              add_special_tokens=False)["input_ids"] if with_golden else []))
+    sol_ids = dict(
+        zip(
+            with_golden,
+            tokenizer([goldens[i] for i in with_golden], add_special_tokens=False)["input_ids"] if with_golden else [],
+        )
+    )
 
     teacher_ids = _teacher_prompt_ids(records, cfg, tokenizer, teacher_tokenizer)
     sol_masks = _multi_turn_goldens(goldens, sol_ids, tokenizer)
@@ -129,12 +140,20 @@ def build_examples(records: Sequence[GoldenRecord], source: str, cfg: DataConfig
         elif cfg.require_golden:
             skip("no golden solution", rec)
             continue
-        examples.append(PromptExample(uid=rec.uuid, source=source, problem=rec.problem, answer=rec.answer,
-                                      prompt_text=texts[i], prompt_ids=ids, golden=goldens[i],
-                                      solution_ids=solution,
-                                      solution_mask=None if mask is None or solution is None else
-                                      np.asarray(mask, dtype=np.int8),
-                                      teacher_prompt_ids=list(teacher_ids[i]) if teacher_ids else None))
+        examples.append(
+            PromptExample(
+                uid=rec.uuid,
+                source=source,
+                problem=rec.problem,
+                answer=rec.answer,
+                prompt_text=texts[i],
+                prompt_ids=ids,
+                golden=goldens[i],
+                solution_ids=solution,
+                solution_mask=None if mask is None or solution is None else np.asarray(mask, dtype=np.int8),
+                teacher_prompt_ids=list(teacher_ids[i]) if teacher_ids else None,
+            )
+        )
     return examples, skipped, first
 
 
@@ -147,10 +166,11 @@ def _multi_turn_goldens(goldens: list, sol_ids: dict, tokenizer) -> dict[int, li
     turn_end = turn_end_token(tokenizer)
     user = [{"role": "user", "content": "x"}]
     header = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)[
-        len(tokenizer.apply_chat_template(user, tokenize=False)):]
+        len(tokenizer.apply_chat_template(user, tokenize=False)) :
+    ]
     masks = {}
     for i, g in enumerate(goldens):
-        if g is None or not header or turn_end not in g.rstrip()[:-len(turn_end)]:
+        if g is None or not header or turn_end not in g.rstrip()[: -len(turn_end)]:
             continue
         ids, mask, rest = [], [], g
         while True:
@@ -160,14 +180,14 @@ def _multi_turn_goldens(goldens: list, sol_ids: dict, tokenizer) -> dict[int, li
                 pieces = [(rest, 1)]
             else:
                 cut = at + len(turn_end)
-                pieces = [(rest[:cut], 1), (rest[cut:nxt + len(header)], 0)]
+                pieces = [(rest[:cut], 1), (rest[cut : nxt + len(header)], 0)]
             for text, m in pieces:
                 part = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
                 ids += part
                 mask += [m] * len(part)
             if nxt < 0:
                 break
-            rest = rest[nxt + len(header):]
+            rest = rest[nxt + len(header) :]
         if 0 in mask:
             sol_ids[i], masks[i] = ids, mask
     return masks
@@ -178,8 +198,10 @@ def _teacher_prompt_ids(records: Sequence[GoldenRecord], cfg: DataConfig, tokeni
     if cfg.teacher_prompt != "own":
         return None
     if teacher_tokenizer is None:
-        raise ValueError("data.teacher_prompt=own needs the teacher's tokenizer: pass teacher_tokenizer (the "
-                         "teacher model directory's tokenizer), or set data.teacher_prompt=shared")
+        raise ValueError(
+            "data.teacher_prompt=own needs the teacher's tokenizer: pass teacher_tokenizer (the "
+            "teacher model directory's tokenizer), or set data.teacher_prompt=shared"
+        )
     own = replace(cfg, prompt_template="teacher")
     texts = [render_prompt(r.problem, own, tokenizer, teacher_tokenizer) for r in records]
     return teacher_tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []

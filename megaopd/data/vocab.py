@@ -36,6 +36,7 @@ the meaningful "stop here". The masking is the loss's first-occurrence masking (
 token is the last token of a response, so its first occurrence is its only one.
 Pure functions of two tokenizer objects; nothing is read from disk.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -103,16 +104,22 @@ class VocabReport:
         return tuple(d.id for d in self.diffs if d.student is not None and d.teacher is not None)
 
     def log_lines(self) -> list[str]:
-        lines = [f"[vocab] teacher shares the student's regular vocabulary ({self.regular_size} tokens; "
-                 f"{self.probes} probe texts encode to the same ids)"]
+        lines = [
+            f"[vocab] teacher shares the student's regular vocabulary ({self.regular_size} tokens; "
+            f"{self.probes} probe texts encode to the same ids)"
+        ]
         (se, sid), (te, tid) = self.student_eos, self.teacher_eos
         if (se, sid) != (te, tid):
-            lines.append(f"[vocab] EOS differs: student {se}={sid}, teacher {te}={tid} (accepted: rollouts stop "
-                         f"at the template's turn end and the student's EOS)")
+            lines.append(
+                f"[vocab] EOS differs: student {se}={sid}, teacher {te}={tid} (accepted: rollouts stop "
+                f"at the template's turn end and the student's EOS)"
+            )
         lines += [d.log_line() for d in self.diffs]
         if self.mask_ids:
-            lines.append(f"[vocab] {len(self.mask_ids)} special ids the teacher names differently are added to "
-                         f"the loss's masked ids: {list(self.mask_ids)}")
+            lines.append(
+                f"[vocab] {len(self.mask_ids)} special ids the teacher names differently are added to "
+                f"the loss's masked ids: {list(self.mask_ids)}"
+            )
         return lines
 
 
@@ -148,13 +155,21 @@ def _regular_mismatch(sv: dict[str, int], tv: dict[str, int]) -> list[str]:
     if only_t:
         problems.append(f"{len(only_t)} tokens only in the teacher's, e.g. {_fmt(only_t[:5])}")
     if moved:
-        problems.append(f"{len(moved)} tokens with other ids, e.g. "
-                        + ", ".join(f"{k!r} student {sv[k]} / teacher {tv[k]}" for k in moved[:5]))
+        problems.append(
+            f"{len(moved)} tokens with other ids, e.g. "
+            + ", ".join(f"{k!r} student {sv[k]} / teacher {tv[k]}" for k in moved[:5])
+        )
     return problems
 
 
-def compare_vocab(student, teacher, student_path: str = "student", teacher_path: str = "teacher",
-                  stop_ids: Sequence[int] = (), probes: Sequence[str] = DEFAULT_PROBES) -> VocabReport:
+def compare_vocab(
+    student,
+    teacher,
+    student_path: str = "student",
+    teacher_path: str = "teacher",
+    stop_ids: Sequence[int] = (),
+    probes: Sequence[str] = DEFAULT_PROBES,
+) -> VocabReport:
     """Checks that `teacher` reads the student's ids as the same text; returns a VocabReport, or raises
     VocabMismatchError naming tokens when the regular vocabularies differ.
 
@@ -168,15 +183,18 @@ def compare_vocab(student, teacher, student_path: str = "student", teacher_path:
         s_ids = list(student(text, add_special_tokens=False)["input_ids"])
         t_ids = list(teacher(text, add_special_tokens=False)["input_ids"])
         if s_ids != t_ids:
-            problems.append(f"{text!r} encodes to student {_fmt(student.convert_ids_to_tokens(s_ids)[:12])} "
-                            f"but teacher {_fmt(teacher.convert_ids_to_tokens(t_ids)[:12])}")
+            problems.append(
+                f"{text!r} encodes to student {_fmt(student.convert_ids_to_tokens(s_ids)[:12])} "
+                f"but teacher {_fmt(teacher.convert_ids_to_tokens(t_ids)[:12])}"
+            )
             break
     if problems:
         raise VocabMismatchError(
             f"teacher tokenizer ({teacher_path}) does not match the student's ({student_path}): its regular "
             f"vocabulary maps text to other ids: {'; '.join(problems)}. OPD scores the student's token ids with "
             f"the teacher, so both need one regular vocabulary (special tokens may differ in name): pick a "
-            f"teacher of the student's family (e.g. a Qwen2.5 derivative for a Qwen2.5-Math student)")
+            f"teacher of the student's family (e.g. a Qwen2.5 derivative for a Qwen2.5-Math student)"
+        )
 
     s_end = _end_ids(student) | {int(i) for i in stop_ids}
     t_end = _end_ids(teacher)
@@ -188,18 +206,24 @@ def compare_vocab(student, teacher, student_path: str = "student", teacher_path:
         if s_name is None:
             diffs.append(SpecialIdDiff(tid, None, t_name, False, "teacher only: the student cannot emit it"))
         elif tid in s_end and tid in t_end:
-            diffs.append(SpecialIdDiff(tid, s_name, t_name, False,
-                                       "ends the response for both: the teacher's score of it is meaningful"))
+            diffs.append(
+                SpecialIdDiff(
+                    tid, s_name, t_name, False, "ends the response for both: the teacher's score of it is meaningful"
+                )
+            )
         elif t_name is None:
             diffs.append(SpecialIdDiff(tid, s_name, None, True, "the teacher has no token at this id"))
         else:
             role = "the student's stop token" if tid in s_end else "the student can emit it"
             diffs.append(SpecialIdDiff(tid, s_name, t_name, True, f"{role}; the teacher reads another token"))
     t_eos_id = teacher.eos_token_id
-    return VocabReport(regular_size=len(sv), probes=len(probes),
-                       student_eos=(str(student.eos_token), int(student.eos_token_id)),
-                       teacher_eos=(teacher.eos_token, None if t_eos_id is None else int(t_eos_id)),
-                       diffs=tuple(diffs))
+    return VocabReport(
+        regular_size=len(sv),
+        probes=len(probes),
+        student_eos=(str(student.eos_token), int(student.eos_token_id)),
+        teacher_eos=(teacher.eos_token, None if t_eos_id is None else int(t_eos_id)),
+        diffs=tuple(diffs),
+    )
 
 
 def resolve_token_names(tokenizer, names: Sequence[str]) -> list[int]:
@@ -209,9 +233,11 @@ def resolve_token_names(tokenizer, names: Sequence[str]) -> list[int]:
     vocab = tokenizer.get_vocab()
     for name in names:
         if name not in vocab:
-            raise ValueError(f"loss.mask_first_tokens names {name!r}, which the student tokenizer "
-                             f"({getattr(tokenizer, 'name_or_path', '?')}) does not have as one token: use a "
-                             f"token of its vocabulary (e.g. its EOS {tokenizer.eos_token!r})")
+            raise ValueError(
+                f"loss.mask_first_tokens names {name!r}, which the student tokenizer "
+                f"({getattr(tokenizer, 'name_or_path', '?')}) does not have as one token: use a "
+                f"token of its vocabulary (e.g. its EOS {tokenizer.eos_token!r})"
+            )
         ids.append(int(vocab[name]))
     return ids
 
@@ -223,5 +249,12 @@ def loss_mask_ids(tokenizer, names: Sequence[str], report: Optional[VocabReport]
     return list(dict.fromkeys(ids))
 
 
-__all__ = ["DEFAULT_PROBES", "SpecialIdDiff", "VocabMismatchError", "VocabReport", "compare_vocab",
-           "loss_mask_ids", "resolve_token_names"]
+__all__ = [
+    "DEFAULT_PROBES",
+    "SpecialIdDiff",
+    "VocabMismatchError",
+    "VocabReport",
+    "compare_vocab",
+    "loss_mask_ids",
+    "resolve_token_names",
+]

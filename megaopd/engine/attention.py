@@ -18,6 +18,7 @@ itself (pack_gqa); doing it here keeps the engine's speed independent of the ins
 Everything else (prefill, models without grouped KV heads, masks that differ by head) goes to transformers'
 own sdpa_attention_forward unchanged.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,9 +29,17 @@ ATTENTION = "megaopd_sdpa"
 attention sinks or logit soft-capping, which this function would silently drop)."""
 
 
-def engine_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, **kwargs):
+def engine_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """transformers' attention-function protocol: query [A, H, Q, D], key/value [A, Hkv, L, D]; returns
     ([A, Q, H, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -40,13 +49,14 @@ def engine_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     groups = H // kv_heads
     shared_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
     if Q != 1 or groups == 1 or not shared_mask or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     if attention_mask is not None:
-        attention_mask = attention_mask[:, :, :, :key.shape[-2]]
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(A, kv_heads, groups, D), key, value, attn_mask=attention_mask, dropout_p=dropout,
-        scale=scaling)
+        query.reshape(A, kv_heads, groups, D), key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
     return out.reshape(A, H, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 

@@ -21,6 +21,7 @@ is what continuous batching cannot use; its layout and in-place update are the s
 
 Legend: S slots, A running rows, H kv heads, C capacity (positions per slot), D head dim, L attended length.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ class SlotCache:
         A = key_states.shape[0]
         K[self._rows_A, :, self._pos_A] = key_states[:, :, 0]
         V[self._rows_A, :, self._pos_A] = value_states[:, :, 0]
-        return K[:A, :, :self._length], V[:A, :, :self._length]
+        return K[:A, :, : self._length], V[:A, :, : self._length]
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
         """Copies slots src -> dst (positions < length), to keep the running rows packed."""

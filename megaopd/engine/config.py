@@ -1,4 +1,5 @@
 """How to build the embedded engine: EmbeddedEngineConfig, and the EOS ids an HF directory declares."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,7 @@ from typing import Literal
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 CUDA_SYNC_EVERY = 8
@@ -80,11 +80,14 @@ class EmbeddedEngineConfig:
         if self.context_length < 0:
             raise ValueError(f"context_length={self.context_length} must be >= 0 (0 = what fits)")
         if not 0 <= self.admit_min <= self.max_batch_size:
-            raise ValueError(f"admit_min={self.admit_min} must be in [0, max_batch_size={self.max_batch_size}] "
-                             "(0 = automatic)")
+            raise ValueError(
+                f"admit_min={self.admit_min} must be in [0, max_batch_size={self.max_batch_size}] (0 = automatic)"
+            )
         if self.attn_implementation not in ("sdpa", "eager"):
-            raise ValueError(f"attn_implementation={self.attn_implementation!r}: choose sdpa or eager (the engine "
-                             "hands the model prepared 4D masks, which other backends cannot take)")
+            raise ValueError(
+                f"attn_implementation={self.attn_implementation!r}: choose sdpa or eager (the engine "
+                "hands the model prepared 4D masks, which other backends cannot take)"
+            )
         if self.sync_every < 0:
             raise ValueError(f"sync_every={self.sync_every} must be >= 0 (0 = automatic)")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -103,7 +106,7 @@ def read_eos_ids(hf_dir: str) -> list[int]:
         if os.path.isfile(path):
             with open(path) as f:
                 value = json.load(f).get("eos_token_id")
-            for v in (value if isinstance(value, list) else [value]):
+            for v in value if isinstance(value, list) else [value]:
                 if v is not None and int(v) not in ids:
                     ids.append(int(v))
     return ids

@@ -25,6 +25,7 @@ pause, an abort or a weight load intervenes.
 
 Legend: S slots, A running rows, N longest budget, K most stop ids of a row, V vocabulary.
 """
+
 from __future__ import annotations
 
 import collections
@@ -68,10 +69,22 @@ class SlotState:
     @classmethod
     def empty(cls, S: int, N: int, K: int, device) -> "SlotState":
         z = lambda *shape, dt=torch.long: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
-        return cls(row_S=z(S), token_S=z(S), pos_S=z(S), count_S=z(S), budget_S=z(S), seed_S=z(S),
-                   temp_S=z(S, dt=torch.float32), top_p_S=z(S, dt=torch.float32), top_k_S=z(S),
-                   min_p_S=z(S, dt=torch.float32), stop_SK=z(S, K) - 1, done_S=z(S, dt=torch.bool),
-                   out_ids_SN=z(S, N + 1), out_lp_SN=z(S, N + 1, dt=torch.float32))
+        return cls(
+            row_S=z(S),
+            token_S=z(S),
+            pos_S=z(S),
+            count_S=z(S),
+            budget_S=z(S),
+            seed_S=z(S),
+            temp_S=z(S, dt=torch.float32),
+            top_p_S=z(S, dt=torch.float32),
+            top_k_S=z(S),
+            min_p_S=z(S, dt=torch.float32),
+            stop_SK=z(S, K) - 1,
+            done_S=z(S, dt=torch.bool),
+            out_ids_SN=z(S, N + 1),
+            out_lp_SN=z(S, N + 1, dt=torch.float32),
+        )
 
     def move(self, src: list[int], dst: list[int]) -> None:
         if not src:
@@ -117,8 +130,14 @@ class Decoder:
 
 
 @torch.inference_mode()
-def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
-                boundary: Callable[[], StepAction], sync_every: int = 1, admit_min: int = 1) -> list[RowResult]:
+def decode_rows(
+    dec: Decoder,
+    rows: list[RowRequest],
+    weight_version: str,
+    boundary: Callable[[], StepAction],
+    sync_every: int = 1,
+    admit_min: int = 1,
+) -> list[RowResult]:
     """Generates every row through the cache's slots; results in row order, each tagged with weight_version."""
     fwd, cache = dec.fwd, dec.cache
     S, device, vocab = cache.slots, fwd.device, int(fwd.model.config.get_text_config().vocab_size)
@@ -139,8 +158,9 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
         if waiting and free and (not running or free >= min(admit_min, len(waiting))):
             new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
             with record_function("engine.prefill"):
-                new_logits = _prefill(fwd, cache, st, rows, new, seeds, len(running), K,
-                                      [list(rows[i].prompt_ids) for i in new])
+                new_logits = _prefill(
+                    fwd, cache, st, rows, new, seeds, len(running), K, [list(rows[i].prompt_ids) for i in new]
+                )
             running += new
             pos_h += [len(rows[i].prompt_ids) for i in new]
             # float32 throughout: prefill returns float32 logits and a bf16 decode step its own dtype; a row's first
@@ -148,8 +168,17 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
             logits = new_logits if logits is None else torch.cat([logits.float(), new_logits.float()])
         A = len(running)
         with record_function("engine.sample"):
-            tok_A, lp_A = sample_tokens(logits, st.temp_S[:A], st.top_p_S[:A], st.top_k_S[:A], st.seed_S[:A],
-                                        st.count_S[:A], st.min_p_S[:A], filters, greedy)
+            tok_A, lp_A = sample_tokens(
+                logits,
+                st.temp_S[:A],
+                st.top_p_S[:A],
+                st.top_k_S[:A],
+                st.seed_S[:A],
+                st.count_S[:A],
+                st.min_p_S[:A],
+                filters,
+                greedy,
+            )
         ar_A = torch.arange(A, device=device)
         live_A = ~st.done_S[:A]
         st.out_ids_SN[ar_A, st.count_S[:A]] = tok_A
@@ -176,7 +205,7 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
                 break
             A = len(running)
             counts, ids = st.count_S[:A].tolist(), st.out_ids_SN[:A].tolist()
-            seqs = [list(rows[i].prompt_ids) + ids[a][:counts[a]] for a, i in enumerate(running)]
+            seqs = [list(rows[i].prompt_ids) + ids[a][: counts[a]] for a, i in enumerate(running)]
             logits = _reprefill(fwd, cache, st, seqs)
             pos_h = [len(s) for s in seqs]
             continue
@@ -186,13 +215,22 @@ def decode_rows(dec: Decoder, rows: list[RowRequest], weight_version: str,
         with record_function("engine.decode_step"):
             logits = dec.step(st, len(running), max(pos_h) + 1)
         # finished rows not yet harvested (sync_every > 1) stay put: no position past the row's budget
-        st.pos_S[:len(running)] += (~st.done_S[:len(running)]).long()
+        st.pos_S[: len(running)] += (~st.done_S[: len(running)]).long()
         pos_h = [p + 1 for p in pos_h]
     return results
 
 
-def _prefill(fwd: Forward, cache: SlotCache, st: SlotState, rows: list[RowRequest], new: list[int],
-             seeds: list[int], at: int, K: int, seqs: list[list[int]]) -> torch.Tensor:
+def _prefill(
+    fwd: Forward,
+    cache: SlotCache,
+    st: SlotState,
+    rows: list[RowRequest],
+    new: list[int],
+    seeds: list[int],
+    at: int,
+    K: int,
+    seqs: list[list[int]],
+) -> torch.Tensor:
     """Prefills rows `new` into slots at, at+1, ...: each distinct prompt once. Returns their logits [n, V]."""
     unique: dict[tuple[int, ...], int] = {}
     u_of = [unique.setdefault(tuple(s), len(unique)) for s in seqs]
@@ -211,12 +249,19 @@ def _reprefill(fwd: Forward, cache: SlotCache, st: SlotState, seqs: list[list[in
     P = max(len(s) for s in seqs)
     copies = [PrefillCopy(u=j, slot=j, pad=P - len(s), length=len(s)) for j, s in enumerate(seqs)]
     logits = fwd.prefill(cache, seqs, copies)
-    st.pos_S[:len(seqs)] = torch.tensor([len(s) for s in seqs], device=st.pos_S.device)
+    st.pos_S[: len(seqs)] = torch.tensor([len(s) for s in seqs], device=st.pos_S.device)
     return logits
 
 
-def _harvest(st: SlotState, cache: SlotCache, rows: list[RowRequest], results: list[RowResult],
-             running: list[int], pos_h: list[int], finish_all: str | None = None):
+def _harvest(
+    st: SlotState,
+    cache: SlotCache,
+    rows: list[RowRequest],
+    results: list[RowResult],
+    running: list[int],
+    pos_h: list[int],
+    finish_all: str | None = None,
+):
     """Copies finished rows' tokens to their results and packs the survivors into the first slots.
     finish_all: every running row ends (with that reason); returns (running, pos_h) after packing."""
     A = len(running)

@@ -15,6 +15,7 @@ On CUDA, decode steps may be replayed from CUDA graphs (megaopd.engine.graphs); 
 
 Legend: U distinct sequences of a prefill, P padded length, A running rows, L attended length, V vocabulary.
 """
+
 from __future__ import annotations
 
 import sys
@@ -39,8 +40,9 @@ def layer_windows(model) -> dict[str, int | None]:
     if not layer_types:
         module = sys.modules.get(type(model).__module__)
         slides = module is not None and "create_sliding_window_causal_mask" in vars(module)
-        layer_types = ["sliding_attention" if window and slides and getattr(cfg, "use_sliding_window", True)
-                       else "full_attention"]
+        layer_types = [
+            "sliding_attention" if window and slides and getattr(cfg, "use_sliding_window", True) else "full_attention"
+        ]
     return {t: (int(window) if t == "sliding_attention" and window else None) for t in set(layer_types)}
 
 
@@ -80,7 +82,9 @@ class Forward:
             if window is not None:
                 m = m & (k_pos > q_pos - window)
             if self._additive:
-                m = torch.zeros(m.shape, dtype=self._dtype, device=m.device).masked_fill(~m, torch.finfo(self._dtype).min)
+                m = torch.zeros(m.shape, dtype=self._dtype, device=m.device).masked_fill(
+                    ~m, torch.finfo(self._dtype).min
+                )
             out[kind] = m
         return next(iter(out.values())) if len(out) == 1 else out
 
@@ -91,8 +95,8 @@ class Forward:
         ids_UP = torch.full((U, P), self.pad_id, dtype=torch.long)
         real_UP = torch.zeros((U, P), dtype=torch.bool)
         for i, s in enumerate(seqs):
-            ids_UP[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
-            real_UP[i, P - len(s):] = True
+            ids_UP[i, P - len(s) :] = torch.tensor(s, dtype=torch.long)
+            real_UP[i, P - len(s) :] = True
         ids_UP, real_UP = ids_UP.to(self.device), real_UP.to(self.device)
         pos_UP = (real_UP.long().cumsum(-1) - 1).clamp(min=0)
         ar_P = torch.arange(P, device=self.device)
@@ -100,13 +104,20 @@ class Forward:
         visible = (causal_PP[None] & real_UP[:, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)[None]
         masks = self._masks(pos_UP[:, :, None], pos_UP[:, None, :], visible)
         masks = masks[:, None] if torch.is_tensor(masks) else {k: m[:, None] for k, m in masks.items()}
-        out = self.model(input_ids=ids_UP, attention_mask=masks, position_ids=pos_UP, use_cache=True,
-                         logits_to_keep=1, **{self.cache_kw: cache.for_prefill(copies)})
+        out = self.model(
+            input_ids=ids_UP,
+            attention_mask=masks,
+            position_ids=pos_UP,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: cache.for_prefill(copies)},
+        )
         cache.for_prefill(None)
         return out.logits[:, -1, :].float()
 
-    def step(self, cache: SlotCache, tokens_A: torch.Tensor, pos_A: torch.Tensor, rows_A: torch.Tensor,
-             length: int) -> torch.Tensor:
+    def step(
+        self, cache: SlotCache, tokens_A: torch.Tensor, pos_A: torch.Tensor, rows_A: torch.Tensor, length: int
+    ) -> torch.Tensor:
         """One token per running row (slots 0 .. A-1), written at pos_A; attention over the first `length`
         positions of each slot. Returns logits [A, V] (the model's dtype: the sampler upcasts)."""
         try:
@@ -114,17 +125,26 @@ class Forward:
         except torch._dynamo.exc.TorchDynamoException as e:  # a compilation that fails leaves eager decoding
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise  # the graph capture fails (megaopd.engine.graphs turns graphs off); the next call retries
-            warnings.warn(f"torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "the embedded engine decodes without it", stacklevel=2)
+            warnings.warn(
+                f"torch.compile of the decode step failed ({type(e).__name__}: {str(e)[:200]}); "
+                "the embedded engine decodes without it",
+                stacklevel=2,
+            )
             self._step = self._eager_step
             return self._step(cache, tokens_A, pos_A, rows_A, length)
 
-    def _eager_step(self, cache: SlotCache, tokens_A: torch.Tensor, pos_A: torch.Tensor, rows_A: torch.Tensor,
-                    length: int) -> torch.Tensor:
+    def _eager_step(
+        self, cache: SlotCache, tokens_A: torch.Tensor, pos_A: torch.Tensor, rows_A: torch.Tensor, length: int
+    ) -> torch.Tensor:
         k_pos = torch.arange(length, device=self.device)[None, None, None, :]
         q_pos = pos_A[:, None, None, None]
         masks = self._masks(q_pos, k_pos, k_pos <= q_pos)
-        out = self.model(input_ids=tokens_A[:, None], attention_mask=masks, position_ids=pos_A[:, None],
-                         use_cache=True, logits_to_keep=1,
-                         **{self.cache_kw: cache.for_decode(rows_A, pos_A, length)})
+        out = self.model(
+            input_ids=tokens_A[:, None],
+            attention_mask=masks,
+            position_ids=pos_A[:, None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: cache.for_decode(rows_A, pos_A, length)},
+        )
         return out.logits[:, -1, :]

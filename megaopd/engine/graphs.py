@@ -21,6 +21,7 @@ with the KV cache, and when weights move (release_memory / resume_memory of "wei
 A capture that fails (a model whose forward syncs with the host, say) turns graphs off for this engine,
 with a warning, and decoding goes on eagerly.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -53,8 +54,11 @@ class DecodeGraphs:
 
     def __init__(self, fwd: Forward, cache: SlotCache, batch_sizes: list[int] | None):
         self.fwd, self.cache = fwd, cache
-        sizes = default_batch_sizes(cache.slots) if batch_sizes is None else sorted({min(int(b), cache.slots)
-                                                                                     for b in batch_sizes})
+        sizes = (
+            default_batch_sizes(cache.slots)
+            if batch_sizes is None
+            else sorted({min(int(b), cache.slots) for b in batch_sizes})
+        )
         self.batch_sizes = sizes
         self.buckets = length_buckets(cache.capacity)
         dev = fwd.device
@@ -84,7 +88,9 @@ class DecodeGraphs:
                 graph = self.graphs[bs, L] = self._capture(bs, L)
             except Exception as e:  # noqa: BLE001 - eager decoding still works
                 self.off = f"{type(e).__name__}: {e}"
-                warnings.warn(f"CUDA graph capture failed ({self.off}); the embedded engine decodes eagerly", stacklevel=2)
+                warnings.warn(
+                    f"CUDA graph capture failed ({self.off}); the embedded engine decodes eagerly", stacklevel=2
+                )
                 return None
         graph.replay()
         return self.logits[:A]

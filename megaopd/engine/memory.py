@@ -15,6 +15,7 @@ The static KV cache (megaopd.engine.cache) is allocated by the first run and kep
 (megaopd.engine.graphs, CUDA only) and empties the allocator cache; the next run after resume allocates
 and captures them again. While released, generation raises EngineReleasedError.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -51,7 +52,8 @@ def check_resume(tags: Sequence[str] | None, released: Iterable[str], who: str) 
     if missing:
         raise MemoryStateError(
             f"{who}: cannot resume {missing}: not released (released: {sorted(released)}). Resume only what "
-            "release_memory freed; SGLang kills the server on this request")
+            "release_memory freed; SGLang kills the server on this request"
+        )
     return wanted
 
 
@@ -68,8 +70,9 @@ def discard(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torc
     return shapes
 
 
-def restore(params: dict[str, torch.Tensor], shapes: dict[str, tuple[torch.Size, torch.dtype]],
-            device: torch.device) -> None:
+def restore(
+    params: dict[str, torch.Tensor], shapes: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device
+) -> None:
     """Re-allocates what discard freed, as zeros: the weights stay unusable until they are loaded again."""
     for name, (shape, dtype) in shapes.items():
         params[name].data = torch.zeros(shape, dtype=dtype, device=device)

@@ -4,6 +4,7 @@ A row is one of a prompt's n samples. megaopd.rollout.embedded.row_request build
 SamplingParams for both callers (the trainer's in-process engine and `megaopd serve`), so the stop rule is
 written once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

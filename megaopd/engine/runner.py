@@ -8,7 +8,8 @@ loads HF-named weights and releases its memory, with SGLang's semantics.
 Log-probs are log softmax(logits / T) of each sampled token before top-k/top-p filtering
 (megaopd.engine.sampling); a row that ends on EOS or a stop id finishes "stop" (the stop token is in
 output_ids), one that uses max_new_tokens finishes "length". How a run is decoded (static KV cache,
-continuous batching): megaopd.engine.decode; weight names: megaopd.engine.weights; memory release: megaopd.engine.memory. The trainer uses it as an
+continuous batching): megaopd.engine.decode; weight names: megaopd.engine.weights; memory release:
+megaopd.engine.memory. The trainer uses it as an
 Engine through megaopd.rollout.embedded, `megaopd serve` through megaopd.serving.
 
 Concurrency: one run decodes at a time, and holds the model; weight loads and memory release wait for
@@ -18,6 +19,7 @@ and weight loads go ahead between those two steps; when it ends a hold "retracti
 re-prefilled (prompt + tokens so far) under the new weights, otherwise they keep their KV cache; when it
 aborts the run, its running and waiting rows finish "abort". The trainer's runs carry none.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +32,15 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from megaopd.engine import attention, memory
-from megaopd.engine.config import CACHE_ROUND, CUDA_SYNC_EVERY, DTYPES, EmbeddedEngineConfig, cache_positions, read_eos_ids
 from megaopd.engine.cache import SlotCache
+from megaopd.engine.config import (
+    CACHE_ROUND,
+    CUDA_SYNC_EVERY,
+    DTYPES,
+    EmbeddedEngineConfig,
+    cache_positions,
+    read_eos_ids,
+)
 from megaopd.engine.decode import Decoder, StepAction, decode_rows
 from megaopd.engine.forward import Forward
 from megaopd.engine.memory import EngineReleasedError
@@ -88,7 +97,9 @@ class ModelRunner:
         self.eos_ids = list(config.eos_token_ids) if config.eos_token_ids is not None else read_eos_ids(config.hf_dir)
         mc = self.model.config
         self.vocab_size = int(mc.vocab_size)
-        self.pad_id = int(mc.pad_token_id) if getattr(mc, "pad_token_id", None) is not None else (self.eos_ids or [0])[0]
+        self.pad_id = (
+            int(mc.pad_token_id) if getattr(mc, "pad_token_id", None) is not None else (self.eos_ids or [0])[0]
+        )
         cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._forward = Forward(self.model, self.device, self.pad_id, cache_kw, compile=config.compile_decode)
         self.tokenizer = _try_load_tokenizer(config.hf_dir) if config.load_tokenizer else None
@@ -140,8 +151,14 @@ class ModelRunner:
             on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
             try:
                 with on_device:
-                    return decode_rows(self._decoder(rows), rows, self.weight_version,
-                                       lambda: self._boundary(control), self.sync_every, self.admit_min)
+                    return decode_rows(
+                        self._decoder(rows),
+                        rows,
+                        self.weight_version,
+                        lambda: self._boundary(control),
+                        self.sync_every,
+                        self.admit_min,
+                    )
             finally:
                 self.running -= len(rows)
                 self._cond.notify_all()
@@ -180,9 +197,11 @@ class ModelRunner:
         per_slot = SlotCache.bytes_per_token(self.model.config, self.dtype) * slots
         fits = int(budget // per_slot) // CACHE_ROUND * CACHE_ROUND
         if fits < need:
-            raise ValueError(f"the KV cache needs {need} positions x {slots} slots but mem_fraction_static="
-                             f"{self.config.mem_fraction_static} leaves room for {fits}; lower max_batch_size "
-                             "or max_new_tokens, or raise mem_fraction_static")
+            raise ValueError(
+                f"the KV cache needs {need} positions x {slots} slots but mem_fraction_static="
+                f"{self.config.mem_fraction_static} leaves room for {fits}; lower max_batch_size "
+                "or max_new_tokens, or raise mem_fraction_static"
+            )
         if self.config.context_length:
             return need
         limit = getattr(self.model.config, "max_position_embeddings", None) or fits
@@ -219,8 +238,10 @@ class ModelRunner:
             raise ValueError(f"max_new_tokens={r.max_new_tokens} must be at least 1")
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and len(r.prompt_ids) + r.max_new_tokens > limit:
-            raise ValueError(f"prompt ({len(r.prompt_ids)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds "
-                             f"the model's context of {limit} tokens")
+            raise ValueError(
+                f"prompt ({len(r.prompt_ids)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds "
+                f"the model's context of {limit} tokens"
+            )
 
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
         """log softmax(logits) (temperature 1, as SGLang's input_token_logprobs) of each prompt token
@@ -228,8 +249,9 @@ class ModelRunner:
         return [None] + self.prompt_scores(prompt_ids).logprobs
 
     @torch.inference_mode()
-    def prompt_scores(self, prompt_ids: list[int], top_k: int = 0, at_ids: list[int] | None = None,
-                      first: int = 1) -> PromptScores:
+    def prompt_scores(
+        self, prompt_ids: list[int], top_k: int = 0, at_ids: list[int] | None = None, first: int = 1
+    ) -> PromptScores:
         """Prefill scoring (SGLang's input log-probs, temperature 1) of the prompt's tokens from `first` on
         (1 <= first <= len: token 0 has no prefix): their log-probs given their prefixes; with top_k / at_ids
         also the top_k (id, log-prob) pairs and the log-probs at `at_ids` of the distributions that predict
@@ -241,7 +263,7 @@ class ModelRunner:
                 raise EngineReleasedError(self._released_message())
             ids = torch.tensor([prompt_ids], device=self.device)
             logits_LV = self.model(input_ids=ids).logits[0].float()
-        lp_RV = torch.log_softmax(logits_LV[first - 1:], dim=-1)  # rows predict tokens first..L-1, then the next
+        lp_RV = torch.log_softmax(logits_LV[first - 1 :], dim=-1)  # rows predict tokens first..L-1, then the next
         out = PromptScores(logprobs=lp_RV[:-1].gather(-1, ids[0, first:].unsqueeze(-1)).squeeze(-1).tolist())
         if top_k:
             vals, idx = lp_RV.topk(min(top_k, lp_RV.shape[-1]), dim=-1)
@@ -274,8 +296,10 @@ class ModelRunner:
         if self._kv_released or self._weights_released:
             return "memory is released (release_memory); call resume_memory before generating"
         names = sorted(self._stale)
-        return (f"{len(names)} weights were discarded by release_memory and not reloaded "
-                f"(e.g. {names[:4]}); call update_weights with all of them before generating")
+        return (
+            f"{len(names)} weights were discarded by release_memory and not reloaded "
+            f"(e.g. {names[:4]}); call update_weights with all of them before generating"
+        )
 
     # -------------------------------------------------------------------------------- weights
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -286,7 +310,9 @@ class ModelRunner:
         """Problems (unknown names, shape mismatches, duplicates) that would stop a load; [] when fine."""
         return self._weights.problems(named_shapes)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> None:
         """Loads full HF-named tensors (any subset of the model's weights) by name; all or nothing.
 
         Raises WeightMismatchError listing every unknown name and shape mismatch; then nothing is loaded.
@@ -301,8 +327,12 @@ class ModelRunner:
                     target.copy_(tensor.to(device=target.device))
             self._loaded([n for n, _ in named], weight_version)
 
-    def receive_weights_in_place(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-                                 fill: Callable[[list[torch.Tensor]], None], weight_version: str | None = None) -> bool:
+    def receive_weights_in_place(
+        self,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        fill: Callable[[list[torch.Tensor]], None],
+        weight_version: str | None = None,
+    ) -> bool:
         """Zero-copy load: fill(targets) writes straight into the model's tensors (e.g. a broadcast).
 
         Only when every (name, shape) matches and each dtype equals the model's (else returns False and
@@ -376,10 +406,16 @@ class ModelRunner:
             self._released.difference_update(tags)
 
     def model_info(self) -> dict:
-        return {"model_path": self.config.hf_dir, "tokenizer_path": self.config.hf_dir,
-                "is_generation": True, "weight_version": self.weight_version,
-                "device": str(self.device), "dtype": self.config.dtype,
-                "vocab_size": self.vocab_size, "eos_token_ids": self.eos_ids}
+        return {
+            "model_path": self.config.hf_dir,
+            "tokenizer_path": self.config.hf_dir,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+            "device": str(self.device),
+            "dtype": self.config.dtype,
+            "vocab_size": self.vocab_size,
+            "eos_token_ids": self.eos_ids,
+        }
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids when the HF dir has a tokenizer, else "" (the protocol is token ids)."""

@@ -22,8 +22,8 @@ vocabulary, so it runs only when some row asks for top-k, top-p or min-p (`filte
 
 Legend: B = rows (sequences), V = vocabulary.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 
@@ -43,8 +43,9 @@ def scaled_logprobs(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> tor
     return torch.log_softmax(logits_BV / temp_B1, dim=-1)
 
 
-def keep_mask(probs_BV: torch.Tensor, top_p_B: torch.Tensor, top_k_B: torch.Tensor,
-              min_p_B: torch.Tensor | None = None) -> torch.Tensor:
+def keep_mask(
+    probs_BV: torch.Tensor, top_p_B: torch.Tensor, top_k_B: torch.Tensor, min_p_B: torch.Tensor | None = None
+) -> torch.Tensor:
     """Which tokens survive top-k, top-p and min-p filtering of `probs_BV` (rows sum to 1).
 
     All three filters look at the same unfiltered probabilities (top-p's cumulative mass is not
@@ -70,8 +71,13 @@ def keep_mask(probs_BV: torch.Tensor, top_p_B: torch.Tensor, top_k_B: torch.Tens
     return keep_BV
 
 
-def filtered_probs(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor,
-                   top_k_B: torch.Tensor, min_p_B: torch.Tensor | None = None) -> torch.Tensor:
+def filtered_probs(
+    logits_BV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    top_k_B: torch.Tensor,
+    min_p_B: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The distribution a row samples from: softmax(logits / T) restricted to keep_mask, renormalized."""
     probs_BV = scaled_logprobs(logits_BV, temperature_B).exp()
     probs_BV = probs_BV * keep_mask(probs_BV, top_p_B, top_k_B, min_p_B)
@@ -160,7 +166,9 @@ def inverse_cdf(mass_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
     blocks_BnW = padded.view(B, nb, W)
     cum_Bn = blocks_BnW.sum(-1, dtype=torch.float64).cumsum(-1)
     total_B1 = cum_Bn[:, -1:]
-    target_B1 = torch.minimum(u_B.to(cum_Bn).unsqueeze(-1) * total_B1, torch.nextafter(total_B1, torch.zeros_like(total_B1)))
+    target_B1 = torch.minimum(
+        u_B.to(cum_Bn).unsqueeze(-1) * total_B1, torch.nextafter(total_B1, torch.zeros_like(total_B1))
+    )
     blk_B1 = torch.searchsorted(cum_Bn, target_B1, right=True).clamp(max=nb - 1)
     before_B1 = torch.where(blk_B1 > 0, cum_Bn.gather(-1, (blk_B1 - 1).clamp(min=0)), torch.zeros_like(target_B1))
     inblock_BW = blocks_BnW.gather(1, blk_B1.unsqueeze(-1).expand(B, 1, W)).squeeze(1).double().cumsum(-1)

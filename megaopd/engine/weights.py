@@ -4,6 +4,7 @@ Weights are named as in the HF checkpoint (what megaopd's gather and SGLang send
 MoE layer's experts fused (Qwen3-MoE's mlp.experts.gate_up_proj / down_proj); a per-expert name such as
 mlp.experts.3.gate_proj.weight loads into its slice of the fused tensor (fused_expert_slots).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -102,4 +103,5 @@ class WeightTable:
             raise WeightMismatchError(
                 f"update_weights: {len(problems)} of {len(named_shapes)} tensors do not match the model "
                 f"({len(self.slots)} weights, HF names such as {next(iter(self.slots))!r}); nothing was "
-                "loaded:\n  " + "\n  ".join(problems))
+                "loaded:\n  " + "\n  ".join(problems)
+            )

@@ -1,12 +1,13 @@
 """megaopd.envs: environments for multi-turn rollouts (docs/environments.md).
 
-    base.py        the Environment protocol, StepResult, the Qwen <tool_call> parser, error observations
-    calculator.py  safe arithmetic (parsed, never eval'd)
-    math_tools.py  CalculatorEnv: the calculator tool + the math-verify final-answer check
-    config.py      EnvConfig, the job config's `env` section
+base.py        the Environment protocol, StepResult, the Qwen <tool_call> parser, error observations
+calculator.py  safe arithmetic (parsed, never eval'd)
+math_tools.py  CalculatorEnv: the calculator tool + the math-verify final-answer check
+config.py      EnvConfig, the job config's `env` section
 
-    env = build_environment(cfg.env); env.reset(example); env.step(assistant_text) -> StepResult
+env = build_environment(cfg.env); env.reset(example); env.step(assistant_text) -> StepResult
 """
+
 from __future__ import annotations
 
 from megaopd.envs.base import Environment, StepResult, ToolCall, error_observation, parse_tool_calls
@@ -22,5 +23,12 @@ def build_environment(cfg: EnvConfig) -> Environment:
     raise ValueError(f"env.name={cfg.name!r} has no environment to build; set env.name=calculator")
 
 
-__all__ = ["EnvConfig", "Environment", "StepResult", "ToolCall", "build_environment", "error_observation",
-           "parse_tool_calls"]
+__all__ = [
+    "EnvConfig",
+    "Environment",
+    "StepResult",
+    "ToolCall",
+    "build_environment",
+    "error_observation",
+    "parse_tool_calls",
+]

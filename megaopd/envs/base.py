@@ -17,6 +17,7 @@ Tool calls (Qwen2.5 / Qwen3 templates: tools are passed to apply_chat_template(t
     {"name": "calculator", "arguments": {"expression": "12 * 7"}}
     </tool_call>
 """
+
 from __future__ import annotations
 
 import json

@@ -7,17 +7,32 @@ the rollout), so a tool call cannot run code or stop the run.
     calculate("7 / 2")             -> "3.5"
     calculate("__import__('os')")  raises ToolError("unsupported expression: a call")
 """
+
 from __future__ import annotations
 
 import ast
 import math
 import operator
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_NODE_NAMES = {ast.Call: "a call", ast.Name: "a name", ast.Attribute: "an attribute", ast.Subscript: "a subscript",
-               ast.Compare: "a comparison", ast.BoolOp: "a boolean operator", ast.Lambda: "a lambda"}
+_NODE_NAMES = {
+    ast.Call: "a call",
+    ast.Name: "a name",
+    ast.Attribute: "an attribute",
+    ast.Subscript: "a subscript",
+    ast.Compare: "a comparison",
+    ast.BoolOp: "a boolean operator",
+    ast.Lambda: "a lambda",
+}
 
 
 class ToolError(ValueError):
@@ -27,7 +42,7 @@ class ToolError(ValueError):
 def calculate(expression: str, max_chars: int = 200, max_digits: int = 60) -> str:
     """The value of an arithmetic expression as text (integers exact; floats to 12 significant digits)."""
     if not isinstance(expression, str) or not expression.strip():
-        raise ToolError("expression must be a non-empty string of arithmetic, e.g. \"12 * (3 + 4)\"")
+        raise ToolError('expression must be a non-empty string of arithmetic, e.g. "12 * (3 + 4)"')
     if len(expression) > max_chars:
         raise ToolError(f"expression longer than {max_chars} characters")
     text = expression.replace("^", "**").replace("×", "*").replace("÷", "/")
@@ -73,15 +88,15 @@ def _check_size(value, max_digits: int) -> None:
     if isinstance(value, float):
         if math.isinf(value) or math.isnan(value):
             raise ToolError("the result is not a finite number")
-        if value != 0 and abs(value) >= 10 ** max_digits:
+        if value != 0 and abs(value) >= 10**max_digits:
             raise ToolError(f"result too large (more than {max_digits} digits)")
-    elif abs(value) >= 10 ** max_digits:
+    elif abs(value) >= 10**max_digits:
         raise ToolError(f"result too large (more than {max_digits} digits)")
 
 
 def _format(value, max_digits: int) -> str:
     if isinstance(value, float):
-        if value.is_integer() and abs(value) < 10 ** 15:
+        if value.is_integer() and abs(value) < 10**15:
             return str(int(value))
         return f"{value:.12g}"
     return str(value)

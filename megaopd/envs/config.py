@@ -1,5 +1,6 @@
 """env: the job config's section of the multi-turn environment (megaopd.envs). Without one (name "") every
 row is a single-turn prompt -> response, as before."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ class EnvConfig:
 
     def __post_init__(self):
         if self.name not in ENVIRONMENTS:
-            raise ValueError(f"env.name={self.name!r}: choose one of {', '.join(repr(n) for n in ENVIRONMENTS)} "
-                             f"(\"\" = single-turn rows), or write your own environment (docs/environments.md)")
+            raise ValueError(
+                f"env.name={self.name!r}: choose one of {', '.join(repr(n) for n in ENVIRONMENTS)} "
+                f'("" = single-turn rows), or write your own environment (docs/environments.md)'
+            )
         if self.max_expression_chars < 1 or self.max_result_digits < 1:
             raise ValueError("env.max_expression_chars and env.max_result_digits must be at least 1")
 

@@ -2,6 +2,7 @@
 gets their results (or error observations); a turn without one is the final answer, checked by the
 math-verify reward the single-turn runs use (its last \\boxed{} against the row's gold answer), and ends
 the episode."""
+
 from __future__ import annotations
 
 from megaopd.envs.base import StepResult, error_observation, parse_tool_calls
@@ -14,9 +15,11 @@ CALCULATOR_TOOL = {
     "function": {
         "name": "calculator",
         "description": "Evaluates an arithmetic expression (numbers, + - * / // % ** and parentheses).",
-        "parameters": {"type": "object",
-                       "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
-                       "required": ["expression"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
+            "required": ["expression"],
+        },
     },
 }
 

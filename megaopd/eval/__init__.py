@@ -9,12 +9,33 @@ with math-verify, result tables; used by `megaopd eval` and by the trainer's val
     table.py       `python -m megaopd.eval.table DIR...`: one table, a row per evaluated checkpoint
     cli.py         `megaopd eval --ckpt DIR --benchmarks ... [--engines URL,...]`
 """
-from megaopd.eval.benchmarks import BENCHMARKS, Benchmark, BenchmarkSpec, Problem, load_benchmark_file, resolve_benchmarks
+
+from megaopd.eval.benchmarks import (
+    BENCHMARKS,
+    Benchmark,
+    BenchmarkSpec,
+    Problem,
+    load_benchmark_file,
+    resolve_benchmarks,
+)
 from megaopd.eval.evaluate import BenchmarkResult, EvalConfig, EvalResult, any_at_k, evaluate, mean_at_k
 from megaopd.eval.prompt import PROMPT_SUFFIX, format_problem, prompt_ids, prompt_text
 
 __all__ = [
-    "BENCHMARKS", "Benchmark", "BenchmarkSpec", "Problem", "load_benchmark_file", "resolve_benchmarks",
-    "BenchmarkResult", "EvalConfig", "EvalResult", "any_at_k", "evaluate", "mean_at_k",
-    "PROMPT_SUFFIX", "format_problem", "prompt_ids", "prompt_text",
+    "BENCHMARKS",
+    "Benchmark",
+    "BenchmarkSpec",
+    "Problem",
+    "load_benchmark_file",
+    "resolve_benchmarks",
+    "BenchmarkResult",
+    "EvalConfig",
+    "EvalResult",
+    "any_at_k",
+    "evaluate",
+    "mean_at_k",
+    "PROMPT_SUFFIX",
+    "format_problem",
+    "prompt_ids",
+    "prompt_text",
 ]

@@ -11,6 +11,7 @@ Default protocol (paper 2604.08527): MATH-500, Minerva, OlympiadBench pass@1 (on
 AMC, AIME24, AIME25 avg@32 (mean accuracy over 32 samples per problem); temperature 0.6.
 Both are the same estimator, mean over problems of the mean correctness over k samples; the names say k.
 """
+
 from __future__ import annotations
 
 import json
@@ -186,7 +187,8 @@ def convert_rows(
     if acol is None and scol is None:
         raise ValueError(
             f"{name}: {source or 'input'} has no answer column (looked for {', '.join(ANSWER_COLUMNS)}, or a "
-            f"solution with \\boxed{{}} in {', '.join(SOLUTION_COLUMNS)}; found {', '.join(columns)}); pass --answer-column"
+            f"solution with \\boxed{{}} in {', '.join(SOLUTION_COLUMNS)}; found {', '.join(columns)}); pass "
+            f"--answer-column"
         )
     out, seen = [], set()
     for i, row in enumerate(rows):

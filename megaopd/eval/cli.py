@@ -12,7 +12,8 @@ killed evaluation started again with the same --out generates only what generati
 --ckpt: a Hugging Face folder (config.json + weights + tokenizer) runs on the embedded engine
 (megaopd.rollout.embedded); a megaopd Megatron checkpoint (megaopd_checkpoint.json) is first exported to
 HF with megaopd.models.convert (the library behind tools/convert_megatron_to_hf.py) into a temporary
-folder under OUT, removed afterwards. Benchmarks are read from --data-dir/<name>.jsonl (tools/prepare_benchmarks.py writes them)
+folder under OUT, removed afterwards. Benchmarks are read from --data-dir/<name>.jsonl (tools/prepare_benchmarks.py
+writes them)
 or given as paths to .jsonl files. Prints the results table; OUT gets results.md, results.json and
 generations.jsonl (default OUT: CKPT/eval).
 
@@ -21,6 +22,7 @@ the paper's rule, default), latex, number (for models that do not box), answer_i
 many responses had an answer ("answers found: 12 of 50"), with a one-line warning when almost none did.
 Run again with the same --out and another --extract, the stored responses are re-scored, not generated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +56,9 @@ def load_engine(hf_dir: str, max_batch_size: int = 64, dtype: str = "float32"):
     from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.rollout.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=max_batch_size, dtype=dtype, load_tokenizer=False))
+    return EmbeddedEngine(
+        EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=max_batch_size, dtype=dtype, load_tokenizer=False)
+    )
 
 
 def parse_samples(spec: str | None) -> tuple[int | None, dict[str, int]]:
@@ -75,34 +79,66 @@ def parse_samples(spec: str | None) -> tuple[int | None, dict[str, int]]:
 
 def build_parser() -> argparse.ArgumentParser:
     d = EvalConfig()
-    ap = argparse.ArgumentParser(prog="megaopd eval", description="Benchmark table of a checkpoint (math-verify scoring).")
+    ap = argparse.ArgumentParser(
+        prog="megaopd eval", description="Benchmark table of a checkpoint (math-verify scoring)."
+    )
     ap.add_argument("--ckpt", required=True, help="HF folder or Megatron checkpoint")
-    ap.add_argument("--benchmarks", default=",".join(BENCHMARKS),
-                    help=f"comma-separated names ({', '.join(BENCHMARKS)}) or .jsonl paths")
+    ap.add_argument(
+        "--benchmarks",
+        default=",".join(BENCHMARKS),
+        help=f"comma-separated names ({', '.join(BENCHMARKS)}) or .jsonl paths",
+    )
     ap.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="folder of <name>.jsonl benchmark files")
-    ap.add_argument("--samples", default=None,
-                    help="samples per problem: K for every benchmark, or NAME=K,... per benchmark (the others "
-                         "keep their default); default: pass@1 / avg@32 as in the paper")
+    ap.add_argument(
+        "--samples",
+        default=None,
+        help="samples per problem: K for every benchmark, or NAME=K,... per benchmark (the others "
+        "keep their default); default: pass@1 / avg@32 as in the paper",
+    )
     ap.add_argument("--temperature", type=float, default=d.temperature)
     ap.add_argument("--top-p", type=float, default=d.top_p)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    ap.add_argument("--engines", default=None, metavar="URL[,URL...]",
-                    help="evaluate on these running SGLang / megaopd serve servers instead of the embedded engine")
-    ap.add_argument("--engine-timeout", type=float, default=3600.0,
-                    help="seconds one /generate request to one server may take (with --engines)")
-    ap.add_argument("--engine-wait", type=float, default=30.0,
-                    help="seconds to wait for every server's /health before giving up (with --engines)")
-    ap.add_argument("--batch-size", type=int, default=None,
-                    help=f"sequences per generate call (default {d.batch_size}; with --engines 256 per server)")
+    ap.add_argument(
+        "--engines",
+        default=None,
+        metavar="URL[,URL...]",
+        help="evaluate on these running SGLang / megaopd serve servers instead of the embedded engine",
+    )
+    ap.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds one /generate request to one server may take (with --engines)",
+    )
+    ap.add_argument(
+        "--engine-wait",
+        type=float,
+        default=30.0,
+        help="seconds to wait for every server's /health before giving up (with --engines)",
+    )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"sequences per generate call (default {d.batch_size}; with --engines 256 per server)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--dtype", default="float32", help="embedded engine dtype (bfloat16 on GPU)")
-    ap.add_argument("--repetition-window", type=int, default=RepetitionConfig().window_chars,
-                    help="L of the repetition rate, in characters (paper: 10000)")
-    ap.add_argument("--extract", choices=list(EXTRACTIONS), default=d.reward.extract,
-                    help="where the answer is read from a response: boxed = the last \\boxed{} (the paper's rule); "
-                         "latex = the last LaTeX expression; number = the last number (models that do not box); "
-                         "answer_is = 'the answer is ...'; any = math-verify's default order")
+    ap.add_argument(
+        "--repetition-window",
+        type=int,
+        default=RepetitionConfig().window_chars,
+        help="L of the repetition rate, in characters (paper: 10000)",
+    )
+    ap.add_argument(
+        "--extract",
+        choices=list(EXTRACTIONS),
+        default=d.reward.extract,
+        help="where the answer is read from a response: boxed = the last \\boxed{} (the paper's rule); "
+        "latex = the last LaTeX expression; number = the last number (models that do not box); "
+        "answer_is = 'the answer is ...'; any = math-verify's default order",
+    )
     ap.add_argument("--no-chat-template", action="store_true", help="plain prompt even if the tokenizer has a template")
     ap.add_argument("--label", default=None, help="row name in the table (default: the checkpoint folder's name)")
     ap.add_argument("--out", default=None, help="output folder (default: CKPT/eval)")
@@ -135,9 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megaopd eval: {e}", file=sys.stderr)
         return 2
     cfg = EvalConfig(
-        samples=every, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, limit=args.limit, seed=args.seed, use_chat_template=not args.no_chat_template,
-        repetition=RepetitionConfig(window_chars=args.repetition_window), reward=RewardConfig(extract=args.extract),
+        samples=every,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        seed=args.seed,
+        use_chat_template=not args.no_chat_template,
+        repetition=RepetitionConfig(window_chars=args.repetition_window),
+        reward=RewardConfig(extract=args.extract),
     )
     # Check the benchmark files before exporting or loading a model: a typo should cost a second.
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
@@ -178,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             elif is_hf_dir(ckpt):
                 hf_dir = ckpt
             else:
-                print(f"megaopd eval: {ckpt} is neither an HF folder (config.json) nor a megaopd Megatron "
-                      f"checkpoint (megaopd_checkpoint.json)", file=sys.stderr)
+                print(
+                    f"megaopd eval: {ckpt} is neither an HF folder (config.json) nor a megaopd Megatron "
+                    f"checkpoint (megaopd_checkpoint.json)",
+                    file=sys.stderr,
+                )
                 return 2
             tokenizer = load_tokenizer(hf_dir)
             engine = load_engine(hf_dir, args.batch_size, args.dtype)

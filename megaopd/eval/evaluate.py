@@ -22,6 +22,7 @@ a killed evaluation started again into the same out_dir generates only the missi
 same table: megaopd.eval.generations; one started again with another extraction re-scores the stored
 responses without generating them), generation_config.json, results.json, results.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -122,7 +123,7 @@ class EvalResult:
         return sum(b.answers_found for b in self.benchmarks)
 
     def answers_line(self) -> str:
-        """"answers found: 12 of 50 (extract=boxed)"."""
+        """ "answers found: 12 of 50 (extract=boxed)"."""
         return f"answers found: {self.answers_found} of {self.responses} (extract={self.extract})"
 
     def answers_warning(self, set_hint: str) -> str | None:
@@ -177,11 +178,14 @@ class EvalResult:
             "|---|" + "---:|" * (len(heads) + 1),
             "| metric | " + " | ".join(b.metric for b in self.benchmarks) + " | |",
             "| problems x samples | " + " | ".join(f"{b.n_problems}x{b.samples}" for b in self.benchmarks) + " | |",
-            "| truncation (%) | " + " | ".join(pct(b.truncation_rate) for b in self.benchmarks)
+            "| truncation (%) | "
+            + " | ".join(pct(b.truncation_rate) for b in self.benchmarks)
             + f" | {pct(self._pooled('truncation_rate'))} |",
-            "| repetition (%) | " + " | ".join(pct(b.repetition_rate) for b in self.benchmarks)
+            "| repetition (%) | "
+            + " | ".join(pct(b.repetition_rate) for b in self.benchmarks)
             + f" | {pct(self._pooled('repetition_rate'))} |",
-            "| mean response tokens | " + " | ".join(f"{b.response_tokens_mean:.0f}" for b in self.benchmarks)
+            "| mean response tokens | "
+            + " | ".join(f"{b.response_tokens_mean:.0f}" for b in self.benchmarks)
             + f" | {self._pooled('response_tokens_mean'):.0f} |",
             f"| answers found (extract={self.extract}) | "
             + " | ".join(f"{b.answers_found} of {b.n_problems * b.samples}" for b in self.benchmarks)
@@ -249,8 +253,16 @@ def evaluate(
         for bench in suites:
             results.append(_evaluate_one(engine, tokenizer, bench, cfg, store, prompt_fn))
             r = results[-1]
-            log.info("%s: %s %.1f%% (%d x %d, answers found %d, %.0fs)", r.display, r.metric, 100 * r.accuracy,
-                     r.n_problems, r.samples, r.answers_found, r.seconds)
+            log.info(
+                "%s: %s %.1f%% (%d x %d, answers found %d, %.0fs)",
+                r.display,
+                r.metric,
+                100 * r.accuracy,
+                r.n_problems,
+                r.samples,
+                r.answers_found,
+                r.seconds,
+            )
     finally:
         if store:
             store.close()
@@ -269,8 +281,13 @@ def _config_dict(cfg: EvalConfig) -> dict[str, Any]:
 
 def _generation_settings(cfg: EvalConfig) -> dict[str, Any]:
     """What decides a sample (a resumed evaluation must match them); batch_size and limit do not."""
-    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-            "seed": cfg.seed, "use_chat_template": cfg.use_chat_template}
+    return {
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_new_tokens": cfg.max_new_tokens,
+        "seed": cfg.seed,
+        "use_chat_template": cfg.use_chat_template,
+    }
 
 
 def _runs(units: list[int], size: int) -> Iterable[list[int]]:
@@ -286,8 +303,9 @@ def _runs(units: list[int], size: int) -> Iterable[list[int]]:
         yield run
 
 
-def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, store: GenerationStore | None,
-                  prompt_fn) -> BenchmarkResult:
+def _evaluate_one(
+    engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, store: GenerationStore | None, prompt_fn
+) -> BenchmarkResult:
     """Sample j of problem i is unit u = i * k + j, generated as its own sequence (n=1) with the seed
     derive_seed(cfg.seed, u, 0): the same whatever the batching, the engine, or what a resume skips."""
     started = time.perf_counter()
@@ -299,14 +317,27 @@ def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, 
             raise ValueError(
                 f"{store.path}: the record of {bench.name} problem {i} sample {j} (id {rec.id!r}, {rec.samples} "
                 f"samples per problem) does not match this evaluation (id {problems[i].id!r}, {k} samples): "
-                "evaluate into another --out folder, or delete the file to start over")
+                "evaluate into another --out folder, or delete the file to start over"
+            )
     _rescore(done, len(problems), cfg, store)
     pending = [u for u in range(len(problems) * k) if (u // k, u % k) not in done]
     if done and pending:
-        log.info("%s: %d of %d samples already in %s, generating %d", bench.display,
-                 len(problems) * k - len(pending), len(problems) * k, store.path, len(pending))
-    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                            stop_token_ids=_stop_ids(tokenizer, cfg), n=1, seed=cfg.seed)
+        log.info(
+            "%s: %d of %d samples already in %s, generating %d",
+            bench.display,
+            len(problems) * k - len(pending),
+            len(problems) * k,
+            store.path,
+            len(pending),
+        )
+    params = SamplingParams(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=_stop_ids(tokenizer, cfg),
+        n=1,
+        seed=cfg.seed,
+    )
     prompts: dict[int, list[int]] = {}
     for run in _runs(pending, cfg.batch_size):
         for u in run:
@@ -321,11 +352,16 @@ def _evaluate_one(engine: Engine, tokenizer, bench: Benchmark, cfg: EvalConfig, 
         if store:
             store.append(records)
     ordered = [done[(i, j)] for i in range(len(problems)) for j in range(k)]
-    correct = [[float(r.correct) for r in ordered[i * k:(i + 1) * k]] for i in range(len(problems))]
+    correct = [[float(r.correct) for r in ordered[i * k : (i + 1) * k]] for i in range(len(problems))]
     n_gen = len(ordered)
     return BenchmarkResult(
-        name=bench.name, display=bench.display, metric=bench.metric_name, n_problems=len(problems), samples=k,
-        accuracy=mean_at_k(correct), pass_at_k=any_at_k(correct),
+        name=bench.name,
+        display=bench.display,
+        metric=bench.metric_name,
+        n_problems=len(problems),
+        samples=k,
+        accuracy=mean_at_k(correct),
+        pass_at_k=any_at_k(correct),
         truncation_rate=sum(r.finish_reason == "length" for r in ordered) / n_gen if n_gen else 0.0,
         repetition_rate=sum(r.repetitive for r in ordered) / n_gen if n_gen else 0.0,
         response_tokens_mean=sum(r.response_tokens for r in ordered) / n_gen if n_gen else 0.0,
@@ -340,8 +376,9 @@ def _rescore(done: dict, n_problems: int, cfg: EvalConfig, store: GenerationStor
     stale = [rec for (i, _), rec in done.items() if i < n_problems and rec.extract != cfg.reward.extract]
     for rec in stale:
         verdict = extract_and_verify(rec.response, rec.answer, cfg.reward)
-        done[(rec.index, rec.sample)] = dataclasses.replace(rec, extracted=verdict.extracted, correct=verdict.correct,
-                                                            extract=cfg.reward.extract)
+        done[(rec.index, rec.sample)] = dataclasses.replace(
+            rec, extracted=verdict.extracted, correct=verdict.correct, extract=cfg.reward.extract
+        )
     if stale:
         log.info("re-scored %d stored samples with extract=%s", len(stale), cfg.reward.extract)
         if store:
@@ -353,6 +390,18 @@ def _score(bench: Benchmark, problems, i: int, j: int, k: int, s, tokenizer, cfg
     text = tokenizer.decode(s.output_ids, skip_special_tokens=True)
     verdict = extract_and_verify(text, prob.answer, cfg.reward)
     return GenerationRecord(
-        benchmark=bench.name, index=i, id=prob.id, sample=j, samples=k, problem=prob.problem, answer=prob.answer,
-        response=text, extracted=verdict.extracted, correct=verdict.correct, finish_reason=s.finish_reason,
-        response_tokens=len(s.output_ids), repetitive=is_repetitive(text, cfg.repetition), extract=cfg.reward.extract)
+        benchmark=bench.name,
+        index=i,
+        id=prob.id,
+        sample=j,
+        samples=k,
+        problem=prob.problem,
+        answer=prob.answer,
+        response=text,
+        extracted=verdict.extracted,
+        correct=verdict.correct,
+        finish_reason=s.finish_reason,
+        response_tokens=len(s.output_ids),
+        repetitive=is_repetitive(text, cfg.repetition),
+        extract=cfg.reward.extract,
+    )

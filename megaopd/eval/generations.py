@@ -11,6 +11,7 @@ mixing two evaluations in one table.
 Crash safety: each batch of records is written with one write() and flushed; a kill can at worst leave a
 torn last line, which the next start cuts off (that sample is generated again, nothing else is).
 """
+
 from __future__ import annotations
 
 import json
@@ -60,9 +61,9 @@ class GenerationRecord:
 class GenerationStore:
     """Reads what an earlier (killed) run of the same evaluation left in out_dir and appends new records.
 
-        store = GenerationStore(out_dir, settings)      # raises ValueError if out_dir holds another evaluation
-        done = store.done("aime24")                     # {(index, sample): GenerationRecord}
-        store.append(records)                           # one write + flush
+    store = GenerationStore(out_dir, settings)      # raises ValueError if out_dir holds another evaluation
+    done = store.done("aime24")                     # {(index, sample): GenerationRecord}
+    store.append(records)                           # one write + flush
     """
 
     def __init__(self, out_dir: str, settings: dict[str, Any]):
@@ -80,8 +81,10 @@ class GenerationStore:
             changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
             if changed:
                 desc = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
-                raise ValueError(f"{self.path} holds generations of an evaluation with other settings ({desc}); "
-                                 f"evaluate into another --out folder, or delete {self.path} to start over")
+                raise ValueError(
+                    f"{self.path} holds generations of an evaluation with other settings ({desc}); "
+                    f"evaluate into another --out folder, or delete {self.path} to start over"
+                )
         with open(path, "w") as f:
             json.dump(settings, f, indent=2)
 
@@ -100,8 +103,10 @@ class GenerationStore:
             try:
                 rec = GenerationRecord.from_dict(json.loads(line))
             except (json.JSONDecodeError, ValueError, TypeError) as e:
-                raise ValueError(f"{self.path} line {n} is not a generation record ({e}): delete the file to "
-                                 "start the evaluation over") from e
+                raise ValueError(
+                    f"{self.path} line {n} is not a generation record ({e}): delete the file to "
+                    "start the evaluation over"
+                ) from e
             self._records.setdefault(rec.benchmark, {})[(rec.index, rec.sample)] = rec
 
     def done(self, benchmark: str) -> dict[tuple[int, int], GenerationRecord]:
@@ -113,7 +118,7 @@ class GenerationStore:
             return
         data = "".join(r.to_json() + "\n" for r in records).encode("utf-8")
         while data:  # regular files take it in one write; loop in case of a short one
-            data = data[os.write(self._fd, data):]
+            data = data[os.write(self._fd, data) :]
         os.fsync(self._fd)
         for r in records:
             self._records.setdefault(r.benchmark, {})[(r.index, r.sample)] = r

@@ -8,6 +8,7 @@ Rendered by megaopd.data.templates, the code that renders training prompts, so v
 and `megaopd eval` see prompts exactly like the rollouts'. The trainer passes its own data config (teacher
 template, system prompt, ...) through `evaluate(..., prompt_fn=...)`.
 """
+
 from __future__ import annotations
 
 from megaopd.data.config import DEFAULT_INSTRUCTION, DataConfig

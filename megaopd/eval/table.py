@@ -7,6 +7,7 @@ order (MATH-500, Minerva, OlympiadBench, AMC, AIME24, AIME25, then any others), 
 
 Accuracy in percent with one decimal, as in `megaopd eval`'s own table; a benchmark a row lacks is "-".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,12 @@ def read_row(eval_dir: str) -> Row:
         raise FileNotFoundError(f"{path} not found: is {eval_dir} the --out folder of a finished `megaopd eval`?")
     with open(path) as f:
         r = json.load(f)
-    return Row(label=r["label"], accuracy={b["display"]: b["accuracy"] for b in r["benchmarks"]},
-               average=r["average"], source=eval_dir)
+    return Row(
+        label=r["label"],
+        accuracy={b["display"]: b["accuracy"] for b in r["benchmarks"]},
+        average=r["average"],
+        source=eval_dir,
+    )
 
 
 def column_order(rows: list[Row]) -> list[str]:

@@ -1,4 +1,5 @@
 """Command line of the GPU check: see megaopd/gpucheck/__init__.py and scripts/gpu_check.sh."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,27 +27,45 @@ def _environment(device: torch.device) -> str:
     except Exception as e:  # noqa: BLE001 - reported, the parts that need it fail on their own
         mcore = f"not importable ({type(e).__name__})"
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "none (CPU)"
-    return (f"{datetime.date.today()}, device {gpu}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-            f"megatron-core {mcore}, transformers {transformers.__version__}, Python {platform.python_version()}")
+    return (
+        f"{datetime.date.today()}, device {gpu}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"megatron-core {mcore}, transformers {transformers.__version__}, Python {platform.python_version()}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megaopd.gpucheck", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="CPU smoke mode: tiny shapes, float32, gloo (tests)")
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of a,b,c,d (default all)")
-    ap.add_argument("--bench", nargs="?", const=",".join(BENCHES), default="",
-                    help="measurements instead of checks: comma-separated subset of loss,engine,trainer (default all)")
-    ap.add_argument("--workdir", default=os.environ.get("MEGAOPD_GPU_CHECK_DIR", "/tmp/megaopd_gpu_check"),
-                    help="models and run folders (reused by a second call on the same machine)")
+    ap.add_argument(
+        "--bench",
+        nargs="?",
+        const=",".join(BENCHES),
+        default="",
+        help="measurements instead of checks: comma-separated subset of loss,engine,trainer (default all)",
+    )
+    ap.add_argument(
+        "--workdir",
+        default=os.environ.get("MEGAOPD_GPU_CHECK_DIR", "/tmp/megaopd_gpu_check"),
+        help="models and run folders (reused by a second call on the same machine)",
+    )
     ap.add_argument("--layers", type=int, default=None, help="part b: fewer layers than the 1.5B shape's 28")
-    ap.add_argument("--generators", default="engine,hf dynamic,hf static,hf cb",
-                    help="bench engine: comma-separated generators to time (engine, engine compiled, hf dynamic, hf "
-                         "static, hf cb)")
-    ap.add_argument("--profile", action="store_true",
-                    help="bench engine: also profile one engine run of each case (phases and top ops)")
+    ap.add_argument(
+        "--generators",
+        default="engine,hf dynamic,hf static,hf cb",
+        help="bench engine: comma-separated generators to time (engine, engine compiled, hf dynamic, hf static, hf cb)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="bench engine: also profile one engine run of each case (phases and top ops)",
+    )
     ap.add_argument("--dtypes", default="bfloat16,float32", help="bench engine: the engine's dtypes (GPU)")
-    ap.add_argument("--recompute", default="none,full",
-                    help="bench trainer: comma-separated student/reference recompute settings to run")
+    ap.add_argument(
+        "--recompute",
+        default="none,full",
+        help="bench trainer: comma-separated student/reference recompute settings to run",
+    )
     ap.add_argument("--peak-tflops", type=float, default=None, help="bench: the GPU's dense bf16 peak")
     a = ap.parse_args(argv)
 
@@ -95,18 +114,33 @@ def main(argv: list[str] | None = None) -> int:
             tp_check.check_tp2(table, device, dtypes, vocab_ops, tokens=16 if a.quick else 64)
         print(f"[gpu_check] part {part}: {time.time() - t:.0f} s", flush=True)
     from megaopd.gpucheck.build import QWEN_VOCAB as QWEN_VOCAB_BENCH
+
     for b in benches:
         t = time.time()
         print(f"[gpu_check] bench {b} ...", flush=True)
         from megaopd.gpucheck import bench
 
         if b == "loss":
-            bench.bench_loss(table, device, vocab_ops, (256, 512) if a.quick else (4096, 8192),
-                             torch.float32 if a.quick else torch.bfloat16)
+            bench.bench_loss(
+                table,
+                device,
+                vocab_ops,
+                (256, 512) if a.quick else (4096, 8192),
+                torch.float32 if a.quick else torch.bfloat16,
+            )
         elif b == "packing":
             if a.quick:
-                bench.bench_packing(table, device, "tiny-student", 512, sequences=8, scale=1 / 64, micro_batch_size=2,
-                                    dtype=torch.float32, reps=1)
+                bench.bench_packing(
+                    table,
+                    device,
+                    "tiny-student",
+                    512,
+                    sequences=8,
+                    scale=1 / 64,
+                    micro_batch_size=2,
+                    dtype=torch.float32,
+                    reps=1,
+                )
             else:
                 bench.bench_packing(table, device, "qwen2.5-0.5b", QWEN_VOCAB_BENCH, sequences=16)
             if device.type == "cuda":
@@ -115,11 +149,24 @@ def main(argv: list[str] | None = None) -> int:
             from megaopd.gpucheck.build import QWEN_VOCAB, write_hf_dir
 
             shape, vocab = ("tiny-student", 512) if a.quick else ("qwen2.5-1.5b", QWEN_VOCAB)
-            hf_dir = write_hf_dir(os.path.join(a.workdir, f"bench_{shape}"), shape, vocab, device.type,
-                                  torch.float32 if a.quick else torch.bfloat16, 4)
-            bench.bench_engine(table, hf_dir, ["float32"] if a.quick else a.dtypes.split(","),
-                               slots=4 if a.quick else 64, new_tokens=16 if a.quick else 128,
-                               repeats=1 if a.quick else 3, generators=a.generators.split(","), profile=a.profile)
+            hf_dir = write_hf_dir(
+                os.path.join(a.workdir, f"bench_{shape}"),
+                shape,
+                vocab,
+                device.type,
+                torch.float32 if a.quick else torch.bfloat16,
+                4,
+            )
+            bench.bench_engine(
+                table,
+                hf_dir,
+                ["float32"] if a.quick else a.dtypes.split(","),
+                slots=4 if a.quick else 64,
+                new_tokens=16 if a.quick else 128,
+                repeats=1 if a.quick else 3,
+                generators=a.generators.split(","),
+                profile=a.profile,
+            )
         elif b == "trainer":
             if a.quick:
                 table.skip("bench", "trainer", "GPU only (1.5B shape)")
@@ -130,10 +177,19 @@ def main(argv: list[str] | None = None) -> int:
                 # `megaopd plan` says so); half of it does.
                 for recompute in a.recompute.split(","):
                     budget = [] if recompute == "full" else ["trainer.max_tokens_per_micro_batch=8192"]
-                    bench.bench_trainer(table, a.workdir, device.type, peak_tflops=a.peak_tflops,
-                                        overrides=[f"student.recompute={recompute}", f"reference.recompute={recompute}",
-                                                   "rollout.colocated=true", *budget],
-                                        label=f"recompute={recompute}" + (" 8k tokens" if budget else ""))
+                    bench.bench_trainer(
+                        table,
+                        a.workdir,
+                        device.type,
+                        peak_tflops=a.peak_tflops,
+                        overrides=[
+                            f"student.recompute={recompute}",
+                            f"reference.recompute={recompute}",
+                            "rollout.colocated=true",
+                            *budget,
+                        ],
+                        label=f"recompute={recompute}" + (" 8k tokens" if budget else ""),
+                    )
         print(f"[gpu_check] bench {b}: {time.time() - t:.0f} s", flush=True)
     title = ("megaopd GPU check" if parts else "megaopd GPU measurements") + (" (--quick, CPU)" if a.quick else "")
     text = f"# {title}\n\n{_environment(device)}; {time.time() - t0:.0f} s\n\n" + table.markdown()

@@ -9,6 +9,7 @@ N(0, 0.02), norms 1 + N(0, 0.1) and q/k/v biases N(0, 0.1), as megaopd.models.pr
 norm or bias mapping shows. The tokenizer is examples/tiny/tokenizer with its BPE vocabulary extended by
 placeholder tokens "<xN>" up to the model's vocabulary, so every id a random model samples decodes to text.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,14 +24,42 @@ TINY_TOKENIZER = os.path.join(REPO, "examples", "tiny", "tokenizer")
 
 # Qwen2.5 family sizes (config.json of the released models); "tiny-*" are the CPU smoke mode's.
 SHAPES: dict[str, dict] = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768),
-    "tiny-student": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512),
-    "tiny-teacher": dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=512),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    "tiny-student": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    ),
+    "tiny-teacher": dict(
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    ),
 }
 QWEN_VOCAB = 151936  # Qwen2.5 0.5B/1.5B/3B embedding rows
 # Ids of the tiny tokenizer's specials (examples/tiny/README.md): pad <|endoftext|>=0, <|im_start|>=1, EOS <|im_end|>=2.
@@ -41,9 +70,19 @@ def hf_config_dict(shape: str, vocab_size: int, num_layers: int | None = None) -
     """config.json fields of a Qwen2 model of the named shape (optionally fewer layers)."""
     if shape not in SHAPES:
         raise KeyError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
-    cfg = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=vocab_size, rms_norm_eps=1e-6,
-               rope_theta=1000000.0, use_sliding_window=False, hidden_act="silu", bos_token_id=BOS_ID,
-               eos_token_id=EOS_ID, pad_token_id=PAD_ID, **copy.deepcopy(SHAPES[shape]))
+    cfg = dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=vocab_size,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        use_sliding_window=False,
+        hidden_act="silu",
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        **copy.deepcopy(SHAPES[shape]),
+    )
     if num_layers is not None:
         cfg["num_hidden_layers"] = num_layers
     return cfg
@@ -87,8 +126,9 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
         json.dump(tok, f, ensure_ascii=False)
 
 
-def write_hf_dir(out_dir: str, shape: str, vocab_size: int, device: str, dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0) -> str:
+def write_hf_dir(
+    out_dir: str, shape: str, vocab_size: int, device: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> str:
     """Saves a random model (safetensors, config.json, generation_config.json) and the tokenizer; skips
     the work when out_dir already holds the same config (a second run of the check reuses it)."""
     cfg = hf_config_dict(shape, vocab_size)

@@ -17,6 +17,7 @@ distribution of the packing benchmark, scaled to the same mean budget). Runs are
 times every generator once) so load changes hit all alike; the table gives medians and each generator's
 ratio to `hf dynamic`, and the engine's mixed / fixed ratio.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -76,9 +77,19 @@ class Generators:
         if unknown:
             raise ValueError(f"unknown generators {sorted(unknown)}; choose among {list(GENERATORS)}")
         self.device, self.slots, self.which = torch.device(device), slots, list(which)
+
         def runner(**kw):
-            return ModelRunner(EmbeddedEngineConfig(hf_dir=hf_dir, device=device, dtype=dtype, max_batch_size=slots,
-                                                    context_length=CONTEXT_LENGTH, load_tokenizer=False, **kw))
+            return ModelRunner(
+                EmbeddedEngineConfig(
+                    hf_dir=hf_dir,
+                    device=device,
+                    dtype=dtype,
+                    max_batch_size=slots,
+                    context_length=CONTEXT_LENGTH,
+                    load_tokenizer=False,
+                    **kw,
+                )
+            )
 
         self.engine = runner()
         self.engine_compiled = runner(compile_decode=True) if "engine compiled" in self.which else None
@@ -101,8 +112,10 @@ class Generators:
     def _engine(self, case: Case, engine=None) -> int:
         from megaopd.engine.rows import RowRequest
 
-        rows = [RowRequest(prompt_ids=p, max_new_tokens=b, temperature=1.0, seed=i)
-                for i, (p, b) in enumerate(zip(case.prompts, case.budgets))]
+        rows = [
+            RowRequest(prompt_ids=p, max_new_tokens=b, temperature=1.0, seed=i)
+            for i, (p, b) in enumerate(zip(case.prompts, case.budgets))
+        ]
         return sum(len(r.output_ids) for r in (engine or self.engine).run(rows))
 
     def _engine_compiled(self, case: Case) -> int:
@@ -111,15 +124,24 @@ class Generators:
     def _hf_generate(self, case: Case, **kw) -> int:
         made = 0
         for s in range(0, len(case.prompts), self.slots):
-            prompts, budgets = case.prompts[s:s + self.slots], case.budgets[s:s + self.slots]
+            prompts, budgets = case.prompts[s : s + self.slots], case.budgets[s : s + self.slots]
             L = max(len(p) for p in prompts)
             ids = torch.zeros((len(prompts), L), dtype=torch.long)
             mask = torch.zeros_like(ids)
             for i, p in enumerate(prompts):
-                ids[i, L - len(p):], mask[i, L - len(p):] = torch.tensor(p), 1
-            out = self.hf.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                   do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(budgets),
-                                   min_new_tokens=max(budgets), pad_token_id=0, **kw)
+                ids[i, L - len(p) :], mask[i, L - len(p) :] = torch.tensor(p), 1
+            out = self.hf.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max(budgets),
+                min_new_tokens=max(budgets),
+                pad_token_id=0,
+                **kw,
+            )
             made += sum(min(b, out.shape[1] - L) for b in budgets)
         return made
 
@@ -133,16 +155,30 @@ class Generators:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(case.budgets),
-                              eos_token_id=-1, pad_token_id=0)
+        gc = GenerationConfig(
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max(case.budgets),
+            eos_token_id=-1,
+            pad_token_id=0,
+        )
         page, prompt = 256, max(len(p) for p in case.prompts)
         # transformers renamed block_size to page_size (5.17 has only block_size; 5.24 both).
-        page_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+        page_key = (
+            "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+        )
         manager = self.hf.init_continuous_batching(
-            generation_config=gc, continuous_batching_config=ContinuousBatchingConfig(
-                max_requests_per_batch=self.slots, **{page_key: page}, max_batch_tokens=max(512, self.slots * prompt),
+            generation_config=gc,
+            continuous_batching_config=ContinuousBatchingConfig(
+                max_requests_per_batch=self.slots,
+                **{page_key: page},
+                max_batch_tokens=max(512, self.slots * prompt),
                 # Sized to the slots (left to itself it takes a share of the device's memory: all of a CPU's).
-                num_blocks=self.slots * (-(-(prompt + max(case.budgets)) // page) + 1)))
+                num_blocks=self.slots * (-(-(prompt + max(case.budgets)) // page) + 1),
+            ),
+        )
         manager.start()
         try:
             ids = [manager.add_request(input_ids=p, max_new_tokens=b) for p, b in zip(case.prompts, case.budgets)]
@@ -186,7 +222,10 @@ def measure(gens: Generators, case_list: list[Case], repeats: int, log=print) ->
 
 
 def markdown(case_list: list[Case], errors: dict[str, str] | None = None) -> str:
-    lines = ["| case | rows | tokens | generator | median s | tokens/s | / hf dynamic |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | rows | tokens | generator | median s | tokens/s | / hf dynamic |",
+        "|---|---|---|---|---|---|---|",
+    ]
     rate: dict[tuple[str, str], float] = {}
     for c in case_list:
         for name, times in c.seconds.items():
@@ -194,8 +233,10 @@ def markdown(case_list: list[Case], errors: dict[str, str] | None = None) -> str
         for name, times in c.seconds.items():
             base = rate.get((c.name, "hf dynamic"))
             ratio = f"{rate[c.name, name] / base:.2f}" if base else "-"
-            lines.append(f"| {c.name} | {len(c.prompts)} | {c.tokens} | {name} | {statistics.median(times):.3f} | "
-                         f"{rate[c.name, name]:.0f} | {ratio} |")
+            lines.append(
+                f"| {c.name} | {len(c.prompts)} | {c.tokens} | {name} | {statistics.median(times):.3f} | "
+                f"{rate[c.name, name]:.0f} | {ratio} |"
+            )
     if ("fixed", "engine") in rate and ("mixed", "engine") in rate:
         lines.append("")
         lines.append(f"engine mixed / fixed tokens/s: {rate['mixed', 'engine'] / rate['fixed', 'engine']:.2f}")
@@ -220,8 +261,10 @@ def profile(gens: Generators, case: Case, log=print, rows: int = 25) -> None:
     averages = prof.key_averages()
     phases = [e for e in averages if e.key.startswith("engine.")]
     for e in sorted(phases, key=lambda e: e.key):
-        log(f"  {e.key:20s} calls {e.count:6d}  CPU total {e.cpu_time_total / 1e3:9.1f} ms  "
-            f"device total {getattr(e, 'device_time_total', 0.0) / 1e3:9.1f} ms")
+        log(
+            f"  {e.key:20s} calls {e.count:6d}  CPU total {e.cpu_time_total / 1e3:9.1f} ms  "
+            f"device total {getattr(e, 'device_time_total', 0.0) / 1e3:9.1f} ms"
+        )
     keys = ["self_cpu_time_total"] + (["self_device_time_total"] if gens.device.type == "cuda" else [])
     for key in keys:
         log(f"top ops by {key}:\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=60))

@@ -8,6 +8,7 @@ bfloat16 has no fixed bound: the same model's transformers bf16 output is compar
 float32 output first (the bf16 noise floor of this model and batch), and megatron bf16 must be within a small
 multiple of that floor, both against float32 transformers and against bf16 transformers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,9 @@ def _megatron_out(cfg, hf_state, ids, dtype, vocab, lengths):
         logits = model(ids, pos, attention_mask=None)[..., :vocab].float()  # padding columns dropped
         lp = ops.vocab_parallel_logprobs(logits[:, :-1].contiguous(), ids[:, 1:])
         packed_ids = row.tokens({0: ids.cpu()}, 0).to(ids.device)
-        packed = model(packed_ids, row.position_ids().to(ids.device), None,
-                       packed_seq_params=_packed_seq_params(row, ids.device))[..., :vocab].float()
+        packed = model(
+            packed_ids, row.position_ids().to(ids.device), None, packed_seq_params=_packed_seq_params(row, ids.device)
+        )[..., :vocab].float()
         packed_lp = ops.vocab_parallel_logprobs(packed[:, :-1].contiguous(), packed_ids[:, 1:])
     del model
     return logits, lp, row.unpack(packed_lp)
@@ -58,11 +60,12 @@ def _megatron_out(cfg, hf_state, ids, dtype, vocab, lengths):
 
 def _prefix_delta(per_seq: list[torch.Tensor], lp_BT: torch.Tensor) -> float:
     """max |packed - padded| over every sequence's positions."""
-    return max(float((got - lp_BT[i, :got.numel()]).abs().max()) for i, got in enumerate(per_seq) if got.numel())
+    return max(float((got - lp_BT[i, : got.numel()]).abs().max()) for i, got in enumerate(per_seq) if got.numel())
 
 
-def check_models(table: Table, device, shape: str, vocab: int, num_layers: int | None, batch: int, seq: int,
-                 dtypes) -> None:
+def check_models(
+    table: Table, device, shape: str, vocab: int, num_layers: int | None, batch: int, seq: int, dtypes
+) -> None:
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.dist import init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
@@ -84,14 +87,28 @@ def check_models(table: Table, device, shape: str, vocab: int, num_layers: int |
     if "float32" in dtypes:
         with table.guard("b", f"megatron vs HF {label}", "float32"):
             m_logits, m_lp, m_packed = _megatron_out(cfg, state, ids, torch.float32, vocab, lengths)
-            table.le("b", f"megatron vs HF {label}", "float32", "max abs Δ logits", max_abs(m_logits, ref_logits),
-                     FP32_BOUND)
-            table.le("b", f"megatron vs HF {label}", "float32", "max abs Δ log-probs", max_abs(m_lp, ref_lp),
-                     FP32_BOUND)
-            table.le("b", f"megatron {packed_label}", "float32", "max abs Δ log-probs (vs megatron padded)",
-                     _prefix_delta(m_packed, m_lp), FP32_BOUND)
-            table.le("b", f"megatron {packed_label}", "float32", "max abs Δ log-probs (vs HF)",
-                     _prefix_delta(m_packed, ref_lp), FP32_BOUND)
+            table.le(
+                "b", f"megatron vs HF {label}", "float32", "max abs Δ logits", max_abs(m_logits, ref_logits), FP32_BOUND
+            )
+            table.le(
+                "b", f"megatron vs HF {label}", "float32", "max abs Δ log-probs", max_abs(m_lp, ref_lp), FP32_BOUND
+            )
+            table.le(
+                "b",
+                f"megatron {packed_label}",
+                "float32",
+                "max abs Δ log-probs (vs megatron padded)",
+                _prefix_delta(m_packed, m_lp),
+                FP32_BOUND,
+            )
+            table.le(
+                "b",
+                f"megatron {packed_label}",
+                "float32",
+                "max abs Δ log-probs (vs HF)",
+                _prefix_delta(m_packed, ref_lp),
+                FP32_BOUND,
+            )
             del m_logits, m_lp
     if "bfloat16" in dtypes:
         with table.guard("b", f"megatron vs HF {label}", "bfloat16"):
@@ -104,16 +121,44 @@ def check_models(table: Table, device, shape: str, vocab: int, num_layers: int |
             state16 = {k: v for k, v in hf16.state_dict().items()}
             del hf16
             m_logits, m_lp, m_packed = _megatron_out(cfg, state16, ids, torch.bfloat16, vocab, lengths)
-            for what, got, want, floor in (("logits", m_logits, ref_logits, floor_logits),
-                                           ("log-probs", m_lp, ref_lp, floor_lp)):
-                table.le("b", f"megatron bf16 vs HF fp32 {label}", "bfloat16", f"max abs Δ {what}",
-                         max_abs(got, want), BF16_FACTOR * floor + BF16_SLACK)
-            for what, got, want, floor in (("logits", m_logits, h_logits, floor_logits),
-                                           ("log-probs", m_lp, h_lp, floor_lp)):
-                table.le("b", f"megatron bf16 vs HF bf16 {label}", "bfloat16", f"max abs Δ {what}",
-                         max_abs(got, want), BF16_FACTOR * floor + BF16_SLACK)
+            for what, got, want, floor in (
+                ("logits", m_logits, ref_logits, floor_logits),
+                ("log-probs", m_lp, ref_lp, floor_lp),
+            ):
+                table.le(
+                    "b",
+                    f"megatron bf16 vs HF fp32 {label}",
+                    "bfloat16",
+                    f"max abs Δ {what}",
+                    max_abs(got, want),
+                    BF16_FACTOR * floor + BF16_SLACK,
+                )
+            for what, got, want, floor in (
+                ("logits", m_logits, h_logits, floor_logits),
+                ("log-probs", m_lp, h_lp, floor_lp),
+            ):
+                table.le(
+                    "b",
+                    f"megatron bf16 vs HF bf16 {label}",
+                    "bfloat16",
+                    f"max abs Δ {what}",
+                    max_abs(got, want),
+                    BF16_FACTOR * floor + BF16_SLACK,
+                )
             # the varlen flash kernel vs the padded path's attention: both bf16, so the same floor bounds it
-            table.le("b", f"megatron bf16 {packed_label}", "bfloat16", "max abs Δ log-probs (vs megatron padded)",
-                     _prefix_delta(m_packed, m_lp), BF16_FACTOR * floor_lp + BF16_SLACK)
-            table.le("b", f"megatron bf16 {packed_label}", "bfloat16", "max abs Δ log-probs (vs HF fp32)",
-                     _prefix_delta(m_packed, ref_lp), BF16_FACTOR * floor_lp + BF16_SLACK)
+            table.le(
+                "b",
+                f"megatron bf16 {packed_label}",
+                "bfloat16",
+                "max abs Δ log-probs (vs megatron padded)",
+                _prefix_delta(m_packed, m_lp),
+                BF16_FACTOR * floor_lp + BF16_SLACK,
+            )
+            table.le(
+                "b",
+                f"megatron bf16 {packed_label}",
+                "bfloat16",
+                "max abs Δ log-probs (vs HF fp32)",
+                _prefix_delta(m_packed, ref_lp),
+                BF16_FACTOR * floor_lp + BF16_SLACK,
+            )

@@ -2,7 +2,8 @@
 (values and gradients) at the real vocabulary.
 
 Ops: both implementations where they can run (the torch path, and the Triton kernels on CUDA: rows tagged
-[torch] / [triton]), plus the Triton fused op on T x V > 2^31 logits (int64 offsets). The float64 formulas are written here (plain torch on the full vocabulary; they never call megaopd.ops).
+[torch] / [triton]), plus the Triton fused op on T x V > 2^31 logits (int64 offsets). The float64 formulas are
+written here (plain torch on the full vocabulary; they never call megaopd.ops).
 Losses: tests/losses/_reference.py (the suite's float64 references, importable from the repository root) on
 its deterministic batches, with the vocabulary raised to the check's. Inputs are rounded to the dtype under
 test first and the reference computed from the rounded values, so a row measures the code's arithmetic, not
@@ -13,6 +14,7 @@ Bounds (max |got - ref| / max |ref| over the tensor): float32 1e-4 (values and g
 come back in the logits' dtype: 2^-9 relative rounding of each entry). Loss batches with logits ~ 700 +- 170
 ("large") get 10x: float32 itself is good to ~5e-5 there. A wrong formula is off by O(1).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +38,12 @@ def _cases(quick: bool):
 def _inputs(T: int, V: int, scale: float, offset: float, dtype: torch.dtype, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    inp = {"p": (offset + scale * r(T, V)).to(dtype), "q": (offset + scale * r(T, V)).to(dtype),
-           "ids": torch.randint(0, V, (T,), generator=g), "gather_ids": torch.randint(0, V, (T, 3), generator=g)}
+    inp = {
+        "p": (offset + scale * r(T, V)).to(dtype),
+        "q": (offset + scale * r(T, V)).to(dtype),
+        "ids": torch.randint(0, V, (T,), generator=g),
+        "gather_ids": torch.randint(0, V, (T, 3), generator=g),
+    }
     inp["support_ids"] = torch.stack([torch.randperm(V, generator=g)[:SUPPORT_K] for _ in range(T)])
     inp["support_ref"] = torch.log_softmax(2 * r(T, SUPPORT_K), -1).float()
     inp["w"] = {k: r(T) for k in ("logprobs", "logsumexp", "entropy", "kl", "jsd", "gather", "support_kl", "fused_kl")}
@@ -82,16 +88,20 @@ def _reference(inp: dict, tau: float) -> dict:
 
     def fused(p, q):  # weighted log-probs + KL(p || q), q frozen: the loss whose gradient is compared
         lp, lq = ls(p), ls(q.detach())
-        return ((lp.gather(-1, inp["ids"][:, None])[:, 0] * inp["w"]["logprobs"]).sum()
-                + (kl(lp, lq) * inp["w"]["fused_kl"]).sum())
+        return (lp.gather(-1, inp["ids"][:, None])[:, 0] * inp["w"]["logprobs"]).sum() + (
+            kl(lp, lq) * inp["w"]["fused_kl"]
+        ).sum()
 
     run("fused", fused)
     with torch.no_grad():
         lp = ls(inp["p"].double())
         out["topk_logp"] = lp
         out["topk"] = lp.topk(TOPK, dim=-1).values
-        out["fused_values"] = (lp.gather(-1, inp["ids"][:, None])[:, 0], kl(lp, ls(inp["q"].double())),
-                               -(lp.exp() * lp).sum(-1))
+        out["fused_values"] = (
+            lp.gather(-1, inp["ids"][:, None])[:, 0],
+            kl(lp, ls(inp["q"].double())),
+            -(lp.exp() * lp).sum(-1),
+        )
     return out
 
 
@@ -115,8 +125,11 @@ def _device_results(inp: dict, tau: float, chunk, device, group=None, rank=0, wo
         w = inp["w"][name if name in inp["w"] else "logprobs"].to(device)
         loss = (value.double() * w).sum() if value.dim() == 1 else value
         grads = torch.autograd.grad(loss, [p] if q is None else [p, q])
-        out[name] = (value.detach().double().cpu() if value.dim() == 1 else value.detach(),
-                     grads[0].double().cpu(), grads[1].double().cpu() if q is not None else None)
+        out[name] = (
+            value.detach().double().cpu() if value.dim() == 1 else value.detach(),
+            grads[0].double().cpu(),
+            grads[1].double().cpu() if q is not None else None,
+        )
 
     p, q = leaves()
     record("logprobs", ops.vocab_parallel_logprobs(p, ids, **ckw), p)
@@ -131,8 +144,11 @@ def _device_results(inp: dict, tau: float, chunk, device, group=None, rank=0, wo
     p, q = leaves()
     record("gather", ops.vocab_parallel_gather(p, gids, group=group, impl=impl).sum(-1), p)
     p, q = leaves()
-    record("support_kl", ops.vocab_parallel_support_kl(p, inp["support_ids"].to(device),
-                                                       inp["support_ref"].to(device), **kw), p)
+    record(
+        "support_kl",
+        ops.vocab_parallel_support_kl(p, inp["support_ids"].to(device), inp["support_ref"].to(device), **kw),
+        p,
+    )
     p, q = leaves()
     lp, kl, ent = ops.vocab_parallel_logprobs_kl(p, ids, q.detach(), with_entropy=True, **ckw)
     loss = (lp.double() * inp["w"]["logprobs"].to(device)).sum() + (kl.double() * inp["w"]["fused_kl"].to(device)).sum()
@@ -148,14 +164,19 @@ def _device_results(inp: dict, tau: float, chunk, device, group=None, rank=0, wo
 def _impls(device) -> tuple[str, ...]:
     """Both implementations where the Triton kernels can run (CUDA with triton), else the torch path."""
     from megaopd.ops._common import triton_available
+
     return ("torch", "triton") if device.type == "cuda" and triton_available() else ("torch",)
 
 
 def check_ops(table: Table, device, dtypes, vocab: int, tokens: int) -> None:
     impls = _impls(device)
     if "triton" not in impls:
-        table.skip("a", "ops [triton]", f"the Triton kernels run on CUDA with triton installed, not on {device.type} "
-                                        f"(tests/ops/test_triton.py runs them through Triton's interpreter)")
+        table.skip(
+            "a",
+            "ops [triton]",
+            f"the Triton kernels run on CUDA with triton installed, not on {device.type} "
+            f"(tests/ops/test_triton.py runs them through Triton's interpreter)",
+        )
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         vb, gb = BOUND[dtype_name]
@@ -164,8 +185,9 @@ def check_ops(table: Table, device, dtypes, vocab: int, tokens: int) -> None:
             ref = _reference(inp, tau)
             for impl in impls:
                 with table.guard("a", f"ops {label} [{impl}]", dtype_name):
-                    _check_ops_impl(table, dtype_name, label, ref, _device_results(inp, tau, chunk, device, impl=impl),
-                                    impl, vb, gb)
+                    _check_ops_impl(
+                        table, dtype_name, label, ref, _device_results(inp, tau, chunk, device, impl=impl), impl, vb, gb
+                    )
         if "triton" in impls and dtype_name == "bfloat16":
             with table.guard("a", "ops int64 offsets [triton]", dtype_name):
                 check_int64_offsets(table, device, vocab, dtype)
@@ -183,8 +205,9 @@ def _check_ops_impl(table, dtype_name, label, ref, got, impl, vb, gb) -> None:
             table.le("a", f"ops.{name} {tag}", dtype_name, "grad_q rel", max_rel(ggq, rgq), gb * big)
     for what, g, r in zip(("logprobs", "kl", "entropy"), got["fused_values"], ref["fused_values"]):
         table.le("a", f"ops.logprobs_kl {tag}", dtype_name, f"{what} rel", max_rel(g, r), vb * big)
-    table.le("a", f"ops.logprobs_kl {tag}", dtype_name, "grad_p rel", max_rel(got["fused"][1], ref["fused"][1]),
-             gb * big)
+    table.le(
+        "a", f"ops.logprobs_kl {tag}", dtype_name, "grad_p rel", max_rel(got["fused"][1], ref["fused"][1]), gb * big
+    )
     vals, tids = got["topk"]
     table.le("a", f"ops.topk k={TOPK} {tag}", dtype_name, "values rel", max_rel(vals, ref["topk"]), vb * big)
     # Ties (frequent in bf16) may pick other ids of equal log-prob: check the ids' own log-probs.
@@ -220,12 +243,29 @@ def check_int64_offsets(table: Table, device, vocab: int, dtype, last: int = 4, 
 
 # ------------------------------------------------------------------------------------------------- losses
 LOSS_CASES = [  # (label in tests/losses/_reference.CASES, batch)
-    ("opd", "base"), ("opd", "large"), ("ref_kl_full", "base"), ("ref_kl_k3", "base"), ("sft", "base"),
-    ("lsm_teacher", "base"), ("lsm_student", "base"), ("gkd", "base"), ("grpo", "base"),
-    ("stable_opd", "base"), ("stable_opd", "large"),
+    ("opd", "base"),
+    ("opd", "large"),
+    ("ref_kl_full", "base"),
+    ("ref_kl_k3", "base"),
+    ("sft", "base"),
+    ("lsm_teacher", "base"),
+    ("lsm_student", "base"),
+    ("gkd", "base"),
+    ("grpo", "base"),
+    ("stable_opd", "base"),
+    ("stable_opd", "large"),
 ]
-_FLOAT_FIELDS = ("logits", "teacher_logits", "ref_logits", "golden_logits", "old_lp", "teacher_lp", "t_topk_lp",
-                 "s_topk_teacher_lp", "rewards")
+_FLOAT_FIELDS = (
+    "logits",
+    "teacher_logits",
+    "ref_logits",
+    "golden_logits",
+    "old_lp",
+    "teacher_lp",
+    "t_topk_lp",
+    "s_topk_teacher_lp",
+    "rewards",
+)
 
 
 @contextlib.contextmanager
@@ -243,8 +283,12 @@ def check_losses(table: Table, device, dtypes, vocab: int) -> None:
     try:
         from tests.losses import _reference as R
     except ImportError as e:
-        table.fail("a", "losses", "-", f"tests/losses/_reference.py not importable ({e}): run from the "
-                                        f"repository root with PYTHONPATH=$PWD")
+        table.fail(
+            "a",
+            "losses",
+            "-",
+            f"tests/losses/_reference.py not importable ({e}): run from the repository root with PYTHONPATH=$PWD",
+        )
         return
     from megaopd.losses import LossInputs, build_loss
 
@@ -265,16 +309,26 @@ def check_losses(table: Table, device, dtypes, vocab: int) -> None:
                 golden = batch["golden_logits"].to(device, dtype).requires_grad_()
                 d = lambda t, dt=None: None if t is None else t.to(device, dt) if dt else t.to(device)  # noqa: E731
                 inputs = LossInputs(
-                    logits_BTv=logits, token_ids_BT=d(batch["ids"]), loss_mask_BT=d(batch["mask"]),
-                    temperature=batch["temperature"], seq_ids_BT=d(batch["seq_ids"]),
-                    old_logprobs_BT=d(batch["old_lp"], dtype), teacher_logprobs_BT=d(batch["teacher_lp"], dtype),
-                    teacher_topk_ids_BTK=d(batch["t_topk_ids"]), teacher_topk_logprobs_BTK=d(batch["t_topk_lp"], dtype),
-                    teacher_topk_mask_BTK=d(batch["t_topk_mask"]), student_topk_ids_BTK=d(batch["s_topk_ids"]),
+                    logits_BTv=logits,
+                    token_ids_BT=d(batch["ids"]),
+                    loss_mask_BT=d(batch["mask"]),
+                    temperature=batch["temperature"],
+                    seq_ids_BT=d(batch["seq_ids"]),
+                    old_logprobs_BT=d(batch["old_lp"], dtype),
+                    teacher_logprobs_BT=d(batch["teacher_lp"], dtype),
+                    teacher_topk_ids_BTK=d(batch["t_topk_ids"]),
+                    teacher_topk_logprobs_BTK=d(batch["t_topk_lp"], dtype),
+                    teacher_topk_mask_BTK=d(batch["t_topk_mask"]),
+                    student_topk_ids_BTK=d(batch["s_topk_ids"]),
                     student_topk_teacher_logprobs_BTK=d(batch["s_topk_teacher_lp"], dtype),
-                    teacher_logits_BTv=d(batch["teacher_logits"], dtype), ref_logits_BTv=d(batch["ref_logits"], dtype),
-                    rewards_S=d(batch["rewards"], dtype), group_ids_S=d(batch["groups"]),
-                    golden_logits_BTv=golden, golden_ids_BT=d(batch["golden_ids"]),
-                    golden_mask_BT=d(batch["golden_mask"]))
+                    teacher_logits_BTv=d(batch["teacher_logits"], dtype),
+                    ref_logits_BTv=d(batch["ref_logits"], dtype),
+                    rewards_S=d(batch["rewards"], dtype),
+                    group_ids_S=d(batch["groups"]),
+                    golden_logits_BTv=golden,
+                    golden_ids_BT=d(batch["golden_ids"]),
+                    golden_mask_BT=d(batch["golden_mask"]),
+                )
                 loss, _ = build_loss(name, cfg)(inputs)
                 loss.backward()
                 big = 10 if bname == "large" else 1
@@ -283,5 +337,11 @@ def check_losses(table: Table, device, dtypes, vocab: int) -> None:
                 g = logits.grad if logits.grad is not None else torch.zeros_like(logits)
                 table.le("a", f"loss {label} ({bname})", dtype_name, "grad rel", max_rel(g, ref_grad), gb * big * 2)
                 if float(ref_golden.abs().max()) > 0:
-                    table.le("a", f"loss {label} ({bname})", dtype_name, "golden grad rel",
-                             max_rel(golden.grad, ref_golden), gb * big * 2)
+                    table.le(
+                        "a",
+                        f"loss {label} ({bname})",
+                        dtype_name,
+                        "golden grad rel",
+                        max_rel(golden.grad, ref_golden),
+                        gb * big * 2,
+                    )

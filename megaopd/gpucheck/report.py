@@ -1,4 +1,5 @@
 """The check table: one Row per measured quantity, PASS/FAIL against its bound, printed as markdown."""
+
 from __future__ import annotations
 
 import math
@@ -74,11 +75,14 @@ class Table:
 
     def markdown(self, title: str = "") -> str:
         lines = [f"## {title}", ""] if title else []
-        lines += ["| part | check | dtype | metric | value | bound | result |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "| part | check | dtype | metric | value | bound | result |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in self.rows:
-            lines.append(f"| {r.part} | {r.check} | {r.dtype} | {_cell(r.metric)} | {_fmt(r.value)} | {r.bound} "
-                         f"| {r.status} |")
+            lines.append(
+                f"| {r.part} | {r.check} | {r.dtype} | {_cell(r.metric)} | {_fmt(r.value)} | {r.bound} | {r.status} |"
+            )
         n = {s: sum(r.status == s for r in self.rows) for s in ("PASS", "FAIL", "INFO", "SKIP")}
         lines += ["", f"{n['PASS']} passed, {n['FAIL']} failed, {n['INFO']} info, {n['SKIP']} skipped"]
         return "\n".join(lines) + "\n"

@@ -5,6 +5,7 @@ gloo. Gloo takes CUDA tensors only in some collectives (it stages them through h
 all_reduce (SUM, MAX) and, for top-k, all_gather. Each rank first probes every collective it needs with
 tensors on the device and reports which ones gloo accepts; the op comparison runs when all do.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ def _probe(device) -> dict[str, str]:
     probes = {
         "all_reduce SUM": lambda: dist.all_reduce(torch.ones(4, device=device)),
         "all_reduce MAX": lambda: dist.all_reduce(torch.ones(4, device=device), op=dist.ReduceOp.MAX),
-        "all_gather": lambda: dist.all_gather([torch.empty(4, device=device) for _ in range(WORLD)],
-                                              torch.ones(4, device=device)),
+        "all_gather": lambda: dist.all_gather(
+            [torch.empty(4, device=device) for _ in range(WORLD)], torch.ones(4, device=device)
+        ),
         "broadcast": lambda: dist.broadcast(torch.ones(4, device=device), src=0),
     }
     for name, fn in probes.items():
@@ -68,8 +70,13 @@ def check_tp2(table: Table, device, dtypes, vocab: int, tokens: int) -> None:
             inp = _inputs(tokens, vocab, CASE["scale"], CASE["offset"], getattr(torch, dtype_name), seed=20)
             tp1 = _device_results(inp, CASE["tau"], CASE["chunk"], device)
             with tempfile.TemporaryDirectory() as tmp:
-                mp.start_processes(_worker, args=(find_free_port(), device.type, inp, tmp), nprocs=WORLD,
-                                   join=True, start_method="spawn")
+                mp.start_processes(
+                    _worker,
+                    args=(find_free_port(), device.type, inp, tmp),
+                    nprocs=WORLD,
+                    join=True,
+                    start_method="spawn",
+                )
                 res = []
                 for r in range(WORLD):
                     with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
@@ -85,8 +92,14 @@ def check_tp2(table: Table, device, dtypes, vocab: int, tokens: int) -> None:
             for name in ("logprobs", "logsumexp", "entropy", "kl", "jsd", "gather", "support_kl", "fused"):
                 ref_v, ref_gp, ref_gq = tp1[name]
                 for r in range(WORLD):
-                    table.le("d", f"ops.{name} TP=2 rank {r} vs TP=1", dtype_name, "value rel",
-                             max_rel(res[r]["ops"][name][0], ref_v), vb)
+                    table.le(
+                        "d",
+                        f"ops.{name} TP=2 rank {r} vs TP=1",
+                        dtype_name,
+                        "value rel",
+                        max_rel(res[r]["ops"][name][0], ref_v),
+                        vb,
+                    )
                 got_gp = torch.cat([res[r]["ops"][name][1] for r in range(WORLD)], dim=-1)
                 table.le("d", f"ops.{name} TP=2 vs TP=1", dtype_name, "grad_p rel", max_rel(got_gp, ref_gp), gb)
                 if ref_gq is not None:

@@ -5,6 +5,7 @@ Only the CLI, the config keys and the run folder's files are used (RUN/metrics.j
 so the trainer's internals can change freely. The models are random HF directories built by
 megaopd.gpucheck.build (Qwen2.5 shapes on the GPU, tiny ones in --quick).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,11 +44,27 @@ def gpu_setup() -> TrainerSetup:
 
 def quick_setup() -> TrainerSetup:
     """CPU smoke mode: tiny models, float32, gloo; the distributed optimizer is GPU-only in megatron-core 0.16."""
-    return TrainerSetup("tiny-student", "tiny-teacher", 512, "float32", overrides=[
-        "student.dtype=float32", "reference.dtype=float32", "teacher.dtype=float32",
-        "optimizer.use_distributed_optimizer=false", "optimizer.lr=1e-4", "trainer.prompts_per_step=4",
-        "trainer.samples_per_prompt=2", "trainer.micro_batch_size=4", "rollout.max_new_tokens=24",
-        "rollout.parity_tolerance=1e-3", "data.max_prompt_len=96", "data.max_golden_len=96"], timeout_s=300.0)
+    return TrainerSetup(
+        "tiny-student",
+        "tiny-teacher",
+        512,
+        "float32",
+        overrides=[
+            "student.dtype=float32",
+            "reference.dtype=float32",
+            "teacher.dtype=float32",
+            "optimizer.use_distributed_optimizer=false",
+            "optimizer.lr=1e-4",
+            "trainer.prompts_per_step=4",
+            "trainer.samples_per_prompt=2",
+            "trainer.micro_batch_size=4",
+            "rollout.max_new_tokens=24",
+            "rollout.parity_tolerance=1e-3",
+            "data.max_prompt_len=96",
+            "data.max_golden_len=96",
+        ],
+        timeout_s=300.0,
+    )
 
 
 class GpuMemoryPoll:
@@ -68,8 +85,12 @@ class GpuMemoryPoll:
     def _run(self):
         while not self._stop.is_set():
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=10).stdout
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
                 used = max(float(x) for x in out.split())
                 self.peak_mib = used if self.peak_mib is None else max(self.peak_mib, used)
             except Exception:  # noqa: BLE001 - a missed sample only loses a sample
@@ -125,8 +146,9 @@ def run_trainer(cmd: list[str], log_path: str, timeout_s: float, kill_when=None)
     """Runs the trainer in its own process group; kill_when() -> True kills that group with SIGKILL.
     Returns (exit code or None when killed/timed out, killed_on_purpose)."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None:
             if kill_when is not None and kill_when():
@@ -155,10 +177,12 @@ def build_models(setup: TrainerSetup, workdir: str, device: str) -> tuple[str, s
     import torch
 
     dtype = getattr(torch, setup.weights_dtype)
-    student = write_hf_dir(os.path.join(workdir, f"student_{setup.student_shape}"), setup.student_shape, setup.vocab,
-                           device, dtype, seed=1)
-    teacher = write_hf_dir(os.path.join(workdir, f"teacher_{setup.teacher_shape}"), setup.teacher_shape, setup.vocab,
-                           device, dtype, seed=2)
+    student = write_hf_dir(
+        os.path.join(workdir, f"student_{setup.student_shape}"), setup.student_shape, setup.vocab, device, dtype, seed=1
+    )
+    teacher = write_hf_dir(
+        os.path.join(workdir, f"teacher_{setup.teacher_shape}"), setup.teacher_shape, setup.vocab, device, dtype, seed=2
+    )
     return student, teacher
 
 
@@ -167,15 +191,26 @@ def check_trainer(table: Table, setup: TrainerSetup, workdir: str, device: str) 
     with table.guard("c", "build models", dt):
         t = time.time()
         student, teacher = build_models(setup, workdir, device)
-        table.info("c", f"student {setup.student_shape}, teacher {setup.teacher_shape}, V={setup.vocab}", dt,
-                   "build s", time.time() - t)
+        table.info(
+            "c",
+            f"student {setup.student_shape}, teacher {setup.teacher_shape}, V={setup.vocab}",
+            dt,
+            "build s",
+            time.time() - t,
+        )
     if not table.rows or table.rows[-1].status == "FAIL":
         return
     run_dir = os.path.join(workdir, "run_c")
     shutil.rmtree(run_dir, ignore_errors=True)
     max_steps, save_interval = 10, 5
-    overrides = [f"run.dir={run_dir}", f"student.path={student}", f"teacher.path={teacher}",
-                 f"trainer.max_steps={max_steps}", f"trainer.save_interval={save_interval}", *setup.overrides]
+    overrides = [
+        f"run.dir={run_dir}",
+        f"student.path={student}",
+        f"teacher.path={teacher}",
+        f"trainer.max_steps={max_steps}",
+        f"trainer.save_interval={save_interval}",
+        *setup.overrides,
+    ]
     cmd = train_command(YAML, overrides)
     print("[gpu_check] part c:", " ".join(cmd), flush=True)
 
@@ -189,8 +224,12 @@ def check_trainer(table: Table, setup: TrainerSetup, workdir: str, device: str) 
         rc, killed = run_trainer(cmd, os.path.join(workdir, "train_1.log"), setup.timeout_s, killed_after_checkpoint)
         table.info("c", "run 1 wall time to kill", dt, "s", time.time() - t)
         if not killed:
-            table.fail("c", "run 1 killed mid-run", dt, f"exit {rc} before a checkpoint + 1 step: "
-                                                        f"{_tail(os.path.join(workdir, 'train_1.log'))}")
+            table.fail(
+                "c",
+                "run 1 killed mid-run",
+                dt,
+                f"exit {rc} before a checkpoint + 1 step: {_tail(os.path.join(workdir, 'train_1.log'))}",
+            )
             return
         steps_before = [r["step"] for r in read_metrics(run_dir)]
         ckpt = latest_step(run_dir)
@@ -204,18 +243,33 @@ def check_trainer(table: Table, setup: TrainerSetup, workdir: str, device: str) 
             table.fail("c", "resumed run", dt, _tail(os.path.join(workdir, "train_2.log")))
             return
         after = [r for r in read_metrics(run_dir) if r.get("time", 0) >= restart_time]
-        table.eq("c", "resume from the checkpoint", dt, "first step after restart", after[0]["step"] if after else None,
-                 save_interval + 1)
+        table.eq(
+            "c",
+            "resume from the checkpoint",
+            dt,
+            "first step after restart",
+            after[0]["step"] if after else None,
+            save_interval + 1,
+        )
         table.eq("c", "run finished", dt, "last step", after[-1]["step"] if after else None, max_steps)
         table.eq("c", "checkpoint at the end", dt, "latest checkpoint step", latest_step(run_dir), max_steps)
         records = read_metrics(run_dir)
         losses = [r.get("loss/total") for r in records]
-        table.eq("c", "loss finite every step", dt, "non-finite or missing losses",
-                 sum(1 for v in losses if v is None or not math.isfinite(v)), 0)
+        table.eq(
+            "c",
+            "loss finite every step",
+            dt,
+            "non-finite or missing losses",
+            sum(1 for v in losses if v is None or not math.isfinite(v)),
+            0,
+        )
         gaps = [r["sync/logprob_gap_max"] for r in records if r.get("sync/logprob_gap_max") is not None]
         if gaps:
-            tol = float(next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("rollout.parity_tolerance=")),
-                             0.1))
+            tol = float(
+                next(
+                    (o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("rollout.parity_tolerance=")), 0.1
+                )
+            )
             table.le("c", "weight sync + parity probe", dt, "max engine-actor log-prob gap", max(gaps), tol)
         else:
             table.info("c", "weight sync + parity probe", dt, "sync/logprob_gap_max", "not logged by this trainer")

@@ -11,19 +11,26 @@ dataclass, returns (loss, metrics) with metrics named "<loss>/<what>", and divid
 global count the caller passes (aggregation.py). Special-token masking: masking.py. Formulas and
 defaults: docs in each module and docs/algorithms.md.
 """
+
 from dataclasses import dataclass, field
 from typing import Any
 
 from megaopd.losses.aggregation import AGGREGATIONS, aggregate
+from megaopd.losses.composite import StableOPDConfig, TermConfig, WeightedSumConfig
+from megaopd.losses.controller import (
+    AdaptiveConfig,
+    ControllerSignals,
+    ControllerState,
+    WeightController,
+    build_controlled_loss,
+    control_step,
+)
+from megaopd.losses.divergence import GKDConfig, LSMConfig, RefKLConfig, SFTConfig, student_topk_support
 from megaopd.losses.inputs import LossInputs, all_reduce_counts, local_counts
 from megaopd.losses.masking import mask_first_occurrences
 from megaopd.losses.off_policy import OFF_POLICY_CORRECTIONS, OffPolicyCorrection
-from megaopd.losses.registry import LOSSES, BoundLoss, LossNeeds, build_loss, get_spec, make_config, register_loss
 from megaopd.losses.policy import GRPOConfig, OPDConfig, discounted_returns, grpo_advantages  # registers
-from megaopd.losses.divergence import GKDConfig, LSMConfig, RefKLConfig, SFTConfig, student_topk_support
-from megaopd.losses.composite import StableOPDConfig, TermConfig, WeightedSumConfig
-from megaopd.losses.controller import (AdaptiveConfig, ControllerSignals, ControllerState, WeightController,
-                                       build_controlled_loss, control_step)
+from megaopd.losses.registry import LOSSES, BoundLoss, LossNeeds, build_loss, get_spec, make_config, register_loss
 
 
 @dataclass
@@ -75,9 +82,11 @@ def build_loss_from(section: LossConfig) -> BoundLoss:
         return bound
     wanted = bound.needs.old_logprobs and (correction.method != "recompute" or bound.needs.teacher_logprobs)
     if not wanted:
-        raise ValueError(f"loss.off_policy_correction={correction.method} corrects "
-                         f"{'the reverse-KL reward of opd' if correction.method == 'recompute' else 'opd or grpo'}, "
-                         f"and loss {section.name!r} has no such term; use loss.off_policy_correction=none")
+        raise ValueError(
+            f"loss.off_policy_correction={correction.method} corrects "
+            f"{'the reverse-KL reward of opd' if correction.method == 'recompute' else 'opd or grpo'}, "
+            f"and loss {section.name!r} has no such term; use loss.off_policy_correction=none"
+        )
     bound.off_policy = correction
     bound.needs = bound.needs.merge(LossNeeds(engine_logprobs=correction.weighs))
     return bound
@@ -89,11 +98,39 @@ def build_controller(section: LossConfig, loss: BoundLoss) -> WeightController |
 
 
 __all__ = [
-    "AGGREGATIONS", "LOSSES", "OFF_POLICY_CORRECTIONS", "AdaptiveConfig", "BoundLoss", "ControllerSignals",
-    "ControllerState", "OffPolicyCorrection", "WeightController", "build_controller", "control_step", "LossNeeds",
-    "GKDConfig", "GRPOConfig", "LSMConfig", "LossConfig", "LossInputs",
-    "OPDConfig", "RefKLConfig", "SFTConfig", "StableOPDConfig", "TermConfig", "WeightedSumConfig",
-    "aggregate", "all_reduce_counts", "build_loss", "build_loss_from", "discounted_returns", "get_spec",
-    "grpo_advantages", "local_counts", "make_config", "mask_first_occurrences", "register_loss",
+    "AGGREGATIONS",
+    "LOSSES",
+    "OFF_POLICY_CORRECTIONS",
+    "AdaptiveConfig",
+    "BoundLoss",
+    "ControllerSignals",
+    "ControllerState",
+    "OffPolicyCorrection",
+    "WeightController",
+    "build_controller",
+    "control_step",
+    "LossNeeds",
+    "GKDConfig",
+    "GRPOConfig",
+    "LSMConfig",
+    "LossConfig",
+    "LossInputs",
+    "OPDConfig",
+    "RefKLConfig",
+    "SFTConfig",
+    "StableOPDConfig",
+    "TermConfig",
+    "WeightedSumConfig",
+    "aggregate",
+    "all_reduce_counts",
+    "build_loss",
+    "build_loss_from",
+    "discounted_returns",
+    "get_spec",
+    "grpo_advantages",
+    "local_counts",
+    "make_config",
+    "mask_first_occurrences",
+    "register_loss",
     "student_topk_support",
 ]

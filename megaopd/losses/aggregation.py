@@ -16,6 +16,7 @@ loss by the number of micro-batches nor average gradients over DP): the counts a
 
     pytest tests/losses -k "micro_batches or dp_aggregation or aggregation"
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -30,9 +31,15 @@ def check_aggregation(value: str) -> None:
         raise ValueError(f"aggregation={value!r} is not one of {AGGREGATIONS}; pick one of them")
 
 
-def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, seq_ids_BT: torch.Tensor | Callable[[], torch.Tensor],
-              num_seqs: int | Callable[[], int], mode: str, global_num_tokens=None,
-              global_num_seqs=None) -> torch.Tensor:
+def aggregate(
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    seq_ids_BT: torch.Tensor | Callable[[], torch.Tensor],
+    num_seqs: int | Callable[[], int],
+    mode: str,
+    global_num_tokens=None,
+    global_num_seqs=None,
+) -> torch.Tensor:
     """The micro-batch's share of the step loss (see module docstring); a 0-dim tensor.
 
     seq_ids_BT and num_seqs may be callables (LossInputs.seq_ids, LossInputs.num_seqs): only the sequence

@@ -11,6 +11,7 @@ term) and "loss/total".
 
     build_loss("weighted_sum", {"terms": [{"name": "opd"}, {"name": "lsm", "weight": 0.5}]})
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ def _weighted_sum(inputs: LossInputs, bound: list[tuple[str, float, BoundLoss]])
         loss, term_metrics = loss_fn(inputs)
         for key, value in term_metrics.items():
             # Each loss names its metrics "<name>/..."; re-home them under the term's label.
-            metrics[label + key[len(loss_fn.name):] if key.startswith(loss_fn.name + "/") else key] = value
+            metrics[label + key[len(loss_fn.name) :] if key.startswith(loss_fn.name + "/") else key] = value
         metrics[f"{label}/loss"] = loss.detach()
         total = weight * loss if total is None else total + weight * loss
     if total is None:  # every weight is 0: a zero that still connects to the logits for backward()
@@ -111,9 +112,11 @@ class StableOPDConfig:
     def __post_init__(self):
         if self.sft_weight < 0 or self.ref_kl_weight < 0:
             raise ValueError(f"sft_weight={self.sft_weight} and ref_kl_weight={self.ref_kl_weight} must be >= 0")
-        self._bound = [("opd", 1.0, build_loss("opd", self.opd)),
-                       ("sft", self.sft_weight, build_loss("sft", self.sft)),
-                       ("ref_kl", self.ref_kl_weight, build_loss("ref_kl", self.ref_kl))]
+        self._bound = [
+            ("opd", 1.0, build_loss("opd", self.opd)),
+            ("sft", self.sft_weight, build_loss("sft", self.sft)),
+            ("ref_kl", self.ref_kl_weight, build_loss("ref_kl", self.ref_kl)),
+        ]
 
 
 @register_loss("stable_opd", StableOPDConfig, needs=_terms_needs)

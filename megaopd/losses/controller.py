@@ -29,6 +29,7 @@ bound at the current weights.
     change = ctl.observe(step, ControllerSignals(truncation_rate=0.1, repetition_rate=0.0, adv_gap=0.0))
     loss_fn = ctl.loss          # stable_opd at the weights now
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -95,8 +96,10 @@ class AdaptiveConfig:
         if self.reward_drop < 0:
             raise ValueError(f"loss.adaptive.reward_drop={self.reward_drop} must be >= 0 (0 turns the signal off)")
         if not (0 < self.raise_fraction <= 1 and 0 < self.lower_fraction <= 1):
-            raise ValueError(f"loss.adaptive.raise_fraction={self.raise_fraction} and lower_fraction="
-                             f"{self.lower_fraction} must be in (0, 1]")
+            raise ValueError(
+                f"loss.adaptive.raise_fraction={self.raise_fraction} and lower_fraction="
+                f"{self.lower_fraction} must be in (0, 1]"
+            )
         if not 0 < self.calm_fraction <= 1:
             raise ValueError(f"loss.adaptive.calm_fraction={self.calm_fraction} must be in (0, 1]")
         if self.cooldown < 1:
@@ -163,7 +166,7 @@ def _with_reward(state: ControllerState, reward: float | None, cfg: AdaptiveConf
     lucky step does not set it."""
     if reward is None:
         return state
-    rewards = (*state.reward, float(reward))[-cfg.window:]
+    rewards = (*state.reward, float(reward))[-cfg.window :]
     if len(rewards) < cfg.min_history:
         return dataclasses.replace(state, reward=rewards)
     now = mean(rewards)
@@ -173,36 +176,51 @@ def _with_reward(state: ControllerState, reward: float | None, cfg: AdaptiveConf
 
 def pressure(state: ControllerState, s: ControllerSignals, cfg: AdaptiveConfig) -> tuple[float, str]:
     """The largest of the signals' ratios to their thresholds, with its name; state holds this step's rates."""
-    parts = {"truncation_rate": s.truncation_rate / cfg.truncation_level,
-             "repetition_rate": s.repetition_rate / cfg.repetition_level}
+    parts = {
+        "truncation_rate": s.truncation_rate / cfg.truncation_level,
+        "repetition_rate": s.repetition_rate / cfg.repetition_level,
+    }
     if len(state.truncation) >= cfg.min_history:
         parts["truncation_slope"] = slope(state.truncation) / cfg.truncation_slope
         parts["repetition_slope"] = slope(state.repetition) / cfg.repetition_slope
     if s.repetitive_share >= cfg.gap_min_share:
         parts["adv_gap"] = s.adv_gap / cfg.gap
     if cfg.reward_drop > 0 and state.reward_peak is not None and len(state.reward) >= cfg.min_history:
-        parts["reward_drop"] = (state.reward_peak - mean(state.reward[-cfg.min_history:])) / cfg.reward_drop
+        parts["reward_drop"] = (state.reward_peak - mean(state.reward[-cfg.min_history :])) / cfg.reward_drop
     name = max(parts, key=parts.get)
-    scale = {"truncation_rate": cfg.truncation_level, "repetition_rate": cfg.repetition_level,
-             "truncation_slope": cfg.truncation_slope, "repetition_slope": cfg.repetition_slope, "adv_gap": cfg.gap,
-             "reward_drop": cfg.reward_drop}
+    scale = {
+        "truncation_rate": cfg.truncation_level,
+        "repetition_rate": cfg.repetition_level,
+        "truncation_slope": cfg.truncation_slope,
+        "repetition_slope": cfg.repetition_slope,
+        "adv_gap": cfg.gap,
+        "reward_drop": cfg.reward_drop,
+    }
     return parts[name], f"{name}={parts[name] * scale[name]:.4g}"
 
 
 def _move(state: ControllerState, cfg: AdaptiveConfig, fraction: float) -> tuple[float, float]:
     """Both weights moved by `fraction` of their ranges (negative: down), clamped to the bounds."""
+
     def one(w, lo, hi):
         return min(hi, max(lo, w + fraction * (hi - lo)))
-    return (one(state.sft_weight, cfg.sft_weight_min, cfg.sft_weight_max),
-            one(state.ref_kl_weight, cfg.ref_kl_weight_min, cfg.ref_kl_weight_max))
+
+    return (
+        one(state.sft_weight, cfg.sft_weight_min, cfg.sft_weight_max),
+        one(state.ref_kl_weight, cfg.ref_kl_weight_min, cfg.ref_kl_weight_max),
+    )
 
 
-def control_step(state: ControllerState, signals: ControllerSignals,
-                 cfg: AdaptiveConfig) -> tuple[ControllerState, Decision]:
+def control_step(
+    state: ControllerState, signals: ControllerSignals, cfg: AdaptiveConfig
+) -> tuple[ControllerState, Decision]:
     """The rule of the module docstring: the next state and the decision, from this step's signals."""
     w = cfg.window
-    state = dataclasses.replace(state, truncation=(*state.truncation, float(signals.truncation_rate))[-w:],
-                                repetition=(*state.repetition, float(signals.repetition_rate))[-w:])
+    state = dataclasses.replace(
+        state,
+        truncation=(*state.truncation, float(signals.truncation_rate))[-w:],
+        repetition=(*state.repetition, float(signals.repetition_rate))[-w:],
+    )
     state = _with_reward(state, signals.reward, cfg)
     p, reason = pressure(state, signals, cfg)
     if p >= 1.0:
@@ -229,8 +247,10 @@ class WeightChange:
     @property
     def message(self) -> str:
         d = self.decision
-        return (f"{d.action} sft_weight {self.before[0]:.4g} -> {self.after[0]:.4g}, ref_kl_weight "
-                f"{self.before[1]:.4g} -> {self.after[1]:.4g} (pressure {d.pressure:.3g}, {d.reason})")
+        return (
+            f"{d.action} sft_weight {self.before[0]:.4g} -> {self.after[0]:.4g}, ref_kl_weight "
+            f"{self.before[1]:.4g} -> {self.after[1]:.4g} (pressure {d.pressure:.3g}, {d.reason})"
+        )
 
 
 @dataclass
@@ -247,13 +267,16 @@ class WeightController:
 
     def __post_init__(self):
         c, cfg = self.base.config, self.cfg
-        self.state = ControllerState(min(cfg.sft_weight_max, max(cfg.sft_weight_min, c.sft_weight)),
-                                     min(cfg.ref_kl_weight_max, max(cfg.ref_kl_weight_min, c.ref_kl_weight)))
+        self.state = ControllerState(
+            min(cfg.sft_weight_max, max(cfg.sft_weight_min, c.sft_weight)),
+            min(cfg.ref_kl_weight_max, max(cfg.ref_kl_weight_min, c.ref_kl_weight)),
+        )
         self.loss = self._bind()
 
     def _bind(self) -> BoundLoss:
-        config = dataclasses.replace(self.base.config, sft_weight=self.state.sft_weight,
-                                     ref_kl_weight=self.state.ref_kl_weight)
+        config = dataclasses.replace(
+            self.base.config, sft_weight=self.state.sft_weight, ref_kl_weight=self.state.ref_kl_weight
+        )
         return BoundLoss(self.base.name, self.base.fn, config, self.base.needs, off_policy=self.base.off_policy)
 
     def observe(self, step: int, signals: ControllerSignals) -> WeightChange | None:
@@ -269,15 +292,27 @@ class WeightController:
 
     def state_dict(self) -> dict:
         s = self.state
-        return {"sft_weight": s.sft_weight, "ref_kl_weight": s.ref_kl_weight, "truncation": list(s.truncation),
-                "repetition": list(s.repetition), "calm_steps": s.calm_steps, "reward": list(s.reward),
-                "reward_peak": s.reward_peak}
+        return {
+            "sft_weight": s.sft_weight,
+            "ref_kl_weight": s.ref_kl_weight,
+            "truncation": list(s.truncation),
+            "repetition": list(s.repetition),
+            "calm_steps": s.calm_steps,
+            "reward": list(s.reward),
+            "reward_peak": s.reward_peak,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         # reward / reward_peak: absent from checkpoints written before the reward signal (it starts afresh).
-        self.state = ControllerState(float(state["sft_weight"]), float(state["ref_kl_weight"]),
-                                     tuple(state["truncation"]), tuple(state["repetition"]), int(state["calm_steps"]),
-                                     tuple(state.get("reward", ())), state.get("reward_peak"))
+        self.state = ControllerState(
+            float(state["sft_weight"]),
+            float(state["ref_kl_weight"]),
+            tuple(state["truncation"]),
+            tuple(state["repetition"]),
+            int(state["calm_steps"]),
+            tuple(state.get("reward", ())),
+            state.get("reward_peak"),
+        )
         self.loss = self._bind()
 
 
@@ -287,8 +322,9 @@ def adaptive_needs(name: str, config, cfg: AdaptiveConfig):
     return build_loss(name, ceiling).needs
 
 
-def build_controlled_loss(name: str, config, controller: str, adaptive: AdaptiveConfig
-                          ) -> tuple[BoundLoss, WeightController | None]:
+def build_controlled_loss(
+    name: str, config, controller: str, adaptive: AdaptiveConfig
+) -> tuple[BoundLoss, WeightController | None]:
     """The loss, and its controller when `controller` is adaptive (stable_opd only)."""
     if controller not in CONTROLLERS:
         raise ValueError(f"loss.controller={controller!r}: use one of {', '.join(CONTROLLERS)}")
@@ -296,7 +332,9 @@ def build_controlled_loss(name: str, config, controller: str, adaptive: Adaptive
     if controller == "fixed":
         return loss, None
     if name != "stable_opd":
-        raise ValueError(f"loss.controller=adaptive moves stable_opd's sft_weight and ref_kl_weight; loss.name="
-                         f"{name!r} has neither: use loss.name=stable_opd or loss.controller=fixed")
+        raise ValueError(
+            f"loss.controller=adaptive moves stable_opd's sft_weight and ref_kl_weight; loss.name="
+            f"{name!r} has neither: use loss.name=stable_opd or loss.controller=fixed"
+        )
     loss = BoundLoss(loss.name, loss.fn, loss.config, adaptive_needs(name, loss.config, adaptive))
     return loss, WeightController(adaptive, loss)

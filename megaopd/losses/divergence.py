@@ -25,6 +25,7 @@ micro-batch of an on-policy step.
 
     pytest tests/losses -k "sft or ref_kl or lsm or gkd"
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,10 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from megaopd import ops
-from megaopd.ops.head import LogitsHead, tokenwise
 from megaopd.losses.aggregation import aggregate, check_aggregation, masked_mean
 from megaopd.losses.inputs import LossInputs
 from megaopd.losses.registry import LossNeeds, Metrics, register_loss
+from megaopd.ops.head import LogitsHead, tokenwise
 
 KL_ESTIMATORS = ("full", "k1", "k2", "k3")
 LSM_SUPPORTS = ("teacher_topk", "student_topk")
@@ -101,14 +102,23 @@ class GKDConfig:
 
     def __post_init__(self):
         if not 0.0 < self.beta < 1.0:
-            raise ValueError(f"beta={self.beta} must be in (0, 1): at 0 or 1 the JSD(beta) is identically 0; "
-                             f"use ref_kl-style KL losses for the one-sided limits")
+            raise ValueError(
+                f"beta={self.beta} must be in (0, 1): at 0 or 1 the JSD(beta) is identically 0; "
+                f"use ref_kl-style KL losses for the one-sided limits"
+            )
         check_aggregation(self.aggregation)
 
 
 def _aggregate_on_policy(loss_BT, inputs: LossInputs, aggregation: str) -> torch.Tensor:
-    return aggregate(loss_BT, inputs.loss_mask_BT, inputs.seq_ids, inputs.num_seqs, aggregation,
-                     inputs.global_num_tokens, inputs.global_num_seqs)
+    return aggregate(
+        loss_BT,
+        inputs.loss_mask_BT,
+        inputs.seq_ids,
+        inputs.num_seqs,
+        aggregation,
+        inputs.global_num_tokens,
+        inputs.global_num_seqs,
+    )
 
 
 @register_loss("sft", SFTConfig, needs=LossNeeds(golden=True))
@@ -121,9 +131,11 @@ def sft_loss(inputs: LossInputs, config: SFTConfig) -> tuple[torch.Tensor, Metri
     if logits is inputs.logits_BTv and ids_BT is inputs.token_ids_BT:
         logprobs_BT = inputs.student_logprobs()  # golden rows share the on-policy forward: reuse its log-probs
     else:
-        logprobs_BT = tokenwise(lambda z, ids: ops.vocab_parallel_logprobs(z, ids, group=inputs.tp_group,
-                                                                           temperature=inputs.temperature),
-                                logits, ids_BT)
+        logprobs_BT = tokenwise(
+            lambda z, ids: ops.vocab_parallel_logprobs(z, ids, group=inputs.tp_group, temperature=inputs.temperature),
+            logits,
+            ids_BT,
+        )
     nll_BT = -logprobs_BT
     if inputs.golden_seq_ids_BT is not None:
         seq_ids_BT = inputs.golden_seq_ids_BT
@@ -131,10 +143,16 @@ def sft_loss(inputs: LossInputs, config: SFTConfig) -> tuple[torch.Tensor, Metri
     else:
         seq_ids_BT = lambda: torch.arange(ids_BT.shape[0], device=ids_BT.device)[:, None].expand_as(ids_BT)  # noqa: E731
         num_seqs = ids_BT.shape[0]
-    loss = aggregate(nll_BT, mask_BT, seq_ids_BT, num_seqs, config.aggregation,
-                     inputs.global_num_golden_tokens, inputs.global_num_golden_seqs)
-    return loss, {"sft/nll": masked_mean(nll_BT, mask_BT),
-                  "sft/num_tokens": mask_BT.detach().sum().to(nll_BT.dtype)}
+    loss = aggregate(
+        nll_BT,
+        mask_BT,
+        seq_ids_BT,
+        num_seqs,
+        config.aggregation,
+        inputs.global_num_golden_tokens,
+        inputs.global_num_golden_seqs,
+    )
+    return loss, {"sft/nll": masked_mean(nll_BT, mask_BT), "sft/num_tokens": mask_BT.detach().sum().to(nll_BT.dtype)}
 
 
 @register_loss("ref_kl", RefKLConfig, needs=LossNeeds(reference=True))
@@ -150,7 +168,7 @@ def ref_kl_loss(inputs: LossInputs, config: RefKLConfig) -> tuple[torch.Tensor, 
         if config.estimator == "k1":
             kl_BT = log_ratio_BT
         elif config.estimator == "k2":
-            kl_BT = 0.5 * log_ratio_BT ** 2
+            kl_BT = 0.5 * log_ratio_BT**2
         else:
             # rho^-1 - 1 + log rho; expm1 keeps it accurate (and >= 0) when rho is near 1.
             kl_BT = torch.expm1(-log_ratio_BT) + log_ratio_BT
@@ -158,17 +176,23 @@ def ref_kl_loss(inputs: LossInputs, config: RefKLConfig) -> tuple[torch.Tensor, 
     return loss, {"ref_kl/kl": masked_mean(kl_BT, mask_BT)}
 
 
-def student_topk_support(logits_BTv: torch.Tensor | LogitsHead, k: int, group=None, temperature: float = 1.0) -> torch.Tensor:
+def student_topk_support(
+    logits_BTv: torch.Tensor | LogitsHead, k: int, group=None, temperature: float = 1.0
+) -> torch.Tensor:
     """The student's top-k global ids [B, T, k] (sorted by decreasing probability), for lsm
     support=student_topk: the trainer calls it on the pi_old pass and has the teacher score these ids."""
     with torch.no_grad():
-        _, ids_BTK = tokenwise(lambda z: ops.vocab_parallel_topk(z, k, group=group, temperature=temperature),
-                               logits_BTv.detach())
+        _, ids_BTK = tokenwise(
+            lambda z: ops.vocab_parallel_topk(z, k, group=group, temperature=temperature), logits_BTv.detach()
+        )
     return ids_BTK
 
 
-@register_loss("lsm", LSMConfig, needs=lambda c: LossNeeds(teacher_topk=c.k) if c.support == "teacher_topk"
-               else LossNeeds(student_topk=c.k))
+@register_loss(
+    "lsm",
+    LSMConfig,
+    needs=lambda c: LossNeeds(teacher_topk=c.k) if c.support == "teacher_topk" else LossNeeds(student_topk=c.k),
+)
 def lsm_loss(inputs: LossInputs, config: LSMConfig) -> tuple[torch.Tensor, Metrics]:
     """Top-k support matching. Needs: teacher_topk_ids_BTK + teacher_topk_logprobs_BTK (teacher_topk) or
     student_topk_ids_BTK + student_topk_teacher_logprobs_BTK (student_topk). Divides like opd."""
@@ -181,30 +205,45 @@ def lsm_loss(inputs: LossInputs, config: LSMConfig) -> tuple[torch.Tensor, Metri
         ref_BTK = inputs.need("student_topk_teacher_logprobs_BTK", "lsm")
         support_mask_BTK = None
     if ids_BTK.shape[-1] < config.k:
-        raise ValueError(f"lsm k={config.k} but the {config.support} support has only {ids_BTK.shape[-1]} "
-                         f"ids per token; score a larger top-K or set lsm k<={ids_BTK.shape[-1]}")
-    ids_BTK, ref_BTK = ids_BTK[..., :config.k], ref_BTK[..., :config.k].detach()
+        raise ValueError(
+            f"lsm k={config.k} but the {config.support} support has only {ids_BTK.shape[-1]} "
+            f"ids per token; score a larger top-K or set lsm k<={ids_BTK.shape[-1]}"
+        )
+    ids_BTK, ref_BTK = ids_BTK[..., : config.k], ref_BTK[..., : config.k].detach()
     if support_mask_BTK is not None:
-        support_mask_BTK = support_mask_BTK[..., :config.k]
-    kl_BT = tokenwise(lambda z, ids, ref, mask: ops.vocab_parallel_support_kl(
-        z, ids, ref, group=inputs.tp_group, temperature=inputs.temperature, support_mask=mask),
-        inputs.logits_BTv, ids_BTK, ref_BTK, support_mask_BTK)
+        support_mask_BTK = support_mask_BTK[..., : config.k]
+    kl_BT = tokenwise(
+        lambda z, ids, ref, mask: ops.vocab_parallel_support_kl(
+            z, ids, ref, group=inputs.tp_group, temperature=inputs.temperature, support_mask=mask
+        ),
+        inputs.logits_BTv,
+        ids_BTK,
+        ref_BTK,
+        support_mask_BTK,
+    )
     loss = _aggregate_on_policy(kl_BT, inputs, config.aggregation)
     with torch.no_grad():
         # Teacher probability mass on the support: how much of q the renormalized loss sees.
-        masked_ref_BTK = ref_BTK if support_mask_BTK is None else torch.where(
-            support_mask_BTK.bool(), ref_BTK, torch.full_like(ref_BTK, float("-inf")))
+        masked_ref_BTK = (
+            ref_BTK
+            if support_mask_BTK is None
+            else torch.where(support_mask_BTK.bool(), ref_BTK, torch.full_like(ref_BTK, float("-inf")))
+        )
         teacher_mass_BT = torch.logsumexp(masked_ref_BTK.float(), dim=-1).exp()
-    return loss, {"lsm/kl": masked_mean(kl_BT, inputs.loss_mask_BT),
-                  "lsm/teacher_support_mass": masked_mean(teacher_mass_BT, inputs.loss_mask_BT)}
+    return loss, {
+        "lsm/kl": masked_mean(kl_BT, inputs.loss_mask_BT),
+        "lsm/teacher_support_mass": masked_mean(teacher_mass_BT, inputs.loss_mask_BT),
+    }
 
 
 @register_loss("gkd", GKDConfig, needs=LossNeeds(teacher_logits=True))
 def gkd_loss(inputs: LossInputs, config: GKDConfig) -> tuple[torch.Tensor, Metrics]:
     """Generalized JSD(beta). Needs: teacher_logits_BTv (in the student's vocab sharding). Divides like opd."""
     teacher_logits = inputs.need("teacher_logits_BTv", "gkd").detach()
-    jsd_BT = tokenwise(lambda z, q: ops.vocab_parallel_jsd(z, q, config.beta, group=inputs.tp_group,
-                                                           temperature=inputs.temperature),
-                       inputs.logits_BTv, teacher_logits)
+    jsd_BT = tokenwise(
+        lambda z, q: ops.vocab_parallel_jsd(z, q, config.beta, group=inputs.tp_group, temperature=inputs.temperature),
+        inputs.logits_BTv,
+        teacher_logits,
+    )
     loss = _aggregate_on_policy(jsd_BT, inputs, config.aggregation)
     return loss, {"gkd/jsd": masked_mean(jsd_BT, inputs.loss_mask_BT)}

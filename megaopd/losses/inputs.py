@@ -16,9 +16,11 @@ one big batch exactly. Left as None they default to this micro-batch's own count
 DP rank), which is what a test or a metric-only call wants.
 
 Mapping from megaopd.rollout.records.RolloutBatch (via megaopd.batching.micro_batches): token_ids_BT =
-targets_BT, rewards_S = rewards_B, group_ids_S = group_ids_B (rows are sequences). Megatron's logits come sequence-first [T, B, v]:
+targets_BT, rewards_S = rewards_B, group_ids_S = group_ids_B (rows are sequences). Megatron's logits come
+sequence-first [T, B, v]:
 transpose them and make them contiguous (the ops otherwise copy).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -117,11 +119,16 @@ class LossInputs:
     def __post_init__(self):
         B, T = self.token_ids_BT.shape
         if self.logits_BTv.shape[:2] != (B, T):
-            raise ValueError(f"logits_BTv {tuple(self.logits_BTv.shape)} and token_ids_BT {(B, T)} differ "
-                             f"in [B, T]: shift logits and ids so position t predicts token t")
+            raise ValueError(
+                f"logits_BTv {tuple(self.logits_BTv.shape)} and token_ids_BT {(B, T)} differ "
+                f"in [B, T]: shift logits and ids so position t predicts token t"
+            )
         # Every [B, T] field but the ids themselves and the golden rows' own (which may have another [Bg, Tg]).
-        per_token = [f.name for f in fields(self) if f.name.endswith("_BT") and f.name != "token_ids_BT"
-                     and not f.name.startswith("golden_")]
+        per_token = [
+            f.name
+            for f in fields(self)
+            if f.name.endswith("_BT") and f.name != "token_ids_BT" and not f.name.startswith("golden_")
+        ]
         for name in per_token:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (B, T):
@@ -129,8 +136,10 @@ class LossInputs:
         for name in ("teacher_logits_BTv", "ref_logits_BTv"):
             t = getattr(self, name)
             if t is not None and t.shape != self.logits_BTv.shape:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(self.logits_BTv.shape)}"
-                                 f" (the student's vocab sharding)")
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)}, expected {tuple(self.logits_BTv.shape)}"
+                    f" (the student's vocab sharding)"
+                )
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (greedy rollouts: use 1.0)")
 
@@ -138,8 +147,10 @@ class LossInputs:
     def need(self, name: str, loss: str) -> torch.Tensor:
         value = getattr(self, name)
         if value is None:
-            raise ValueError(f"loss {loss!r} needs LossInputs.{name}; the trainer must provide it "
-                             f"(or drop {loss!r} from the loss config)")
+            raise ValueError(
+                f"loss {loss!r} needs LossInputs.{name}; the trainer must provide it "
+                f"(or drop {loss!r} from the loss config)"
+            )
         return value
 
     # ---- shared, cached per-token quantities (computed once even when several terms use them) -----------------
@@ -150,9 +161,12 @@ class LossInputs:
                 self._fused_reference()
             else:
                 self._cache["logprobs"] = tokenwise(
-                    lambda z, ids: ops.vocab_parallel_logprobs(z, ids, group=self.tp_group,
-                                                               temperature=self.temperature),
-                    self.logits_BTv, self.token_ids_BT)
+                    lambda z, ids: ops.vocab_parallel_logprobs(
+                        z, ids, group=self.tp_group, temperature=self.temperature
+                    ),
+                    self.logits_BTv,
+                    self.token_ids_BT,
+                )
         return self._cache["logprobs"]
 
     def student_entropy(self) -> torch.Tensor:
@@ -165,7 +179,8 @@ class LossInputs:
                 with torch.no_grad():
                     self._cache["entropy"] = tokenwise(
                         lambda z: ops.vocab_parallel_entropy(z, group=self.tp_group, temperature=self.temperature),
-                        self.logits_BTv.detach())
+                        self.logits_BTv.detach(),
+                    )
         return self._cache["entropy"]
 
     def student_ref_kl(self, loss: str) -> torch.Tensor:
@@ -178,12 +193,18 @@ class LossInputs:
             else:
                 self._cache["ref_kl"] = tokenwise(
                     lambda z, q: ops.vocab_parallel_kl(z, q, group=self.tp_group, temperature=self.temperature),
-                    self.logits_BTv, ref_logits.detach())
+                    self.logits_BTv,
+                    ref_logits.detach(),
+                )
         return self._cache["ref_kl"]
 
     def _can_fuse_reference(self) -> bool:
-        return (self.fuse_reference and self.ref_logits_BTv is not None
-                and "logprobs" not in self._cache and "ref_kl" not in self._cache)
+        return (
+            self.fuse_reference
+            and self.ref_logits_BTv is not None
+            and "logprobs" not in self._cache
+            and "ref_kl" not in self._cache
+        )
 
     def _fused_reference(self) -> None:
         """Student log-probs, exact KL to the reference and (if not cached yet) the entropy metric from one
@@ -191,10 +212,19 @@ class LossInputs:
         with_entropy = "entropy" not in self._cache
         logprobs_BT, kl_BT, entropy_BT = tokenwise(
             lambda z, ids, q: ops.vocab_parallel_logprobs_kl(
-                z, ids, q, group=self.tp_group, temperature=self.temperature, with_entropy=with_entropy,
+                z,
+                ids,
+                q,
+                group=self.tp_group,
+                temperature=self.temperature,
+                with_entropy=with_entropy,
                 # A LogitsHead's reference chunk is made for this op alone: always disposable.
-                overwrite_q=self.ref_logits_disposable or isinstance(self.ref_logits_BTv, LogitsHead)),
-            self.logits_BTv, self.token_ids_BT, self.ref_logits_BTv.detach())
+                overwrite_q=self.ref_logits_disposable or isinstance(self.ref_logits_BTv, LogitsHead),
+            ),
+            self.logits_BTv,
+            self.token_ids_BT,
+            self.ref_logits_BTv.detach(),
+        )
         self._cache["logprobs"], self._cache["ref_kl"] = logprobs_BT, kl_BT
         if entropy_BT is not None:
             self._cache["entropy"] = entropy_BT
@@ -207,9 +237,12 @@ class LossInputs:
             ref_logits = self.need("ref_logits_BTv", loss)
             with torch.no_grad():
                 self._cache["ref_logprobs"] = tokenwise(
-                    lambda z, ids: ops.vocab_parallel_logprobs(z, ids, group=self.tp_group,
-                                                               temperature=self.temperature),
-                    ref_logits.detach(), self.token_ids_BT)
+                    lambda z, ids: ops.vocab_parallel_logprobs(
+                        z, ids, group=self.tp_group, temperature=self.temperature
+                    ),
+                    ref_logits.detach(),
+                    self.token_ids_BT,
+                )
         return self._cache["ref_logprobs"]
 
     def zero_loss(self) -> torch.Tensor:

@@ -11,6 +11,7 @@ consume the "first".
 
 Pure function of ids and mask; the trainer applies it once to LossInputs.loss_mask_BT.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -18,8 +19,12 @@ from typing import Sequence
 import torch
 
 
-def mask_first_occurrences(token_ids_BT: torch.Tensor, mask_BT: torch.Tensor, special_ids: Sequence[int],
-                           seq_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+def mask_first_occurrences(
+    token_ids_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    special_ids: Sequence[int],
+    seq_ids_BT: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A copy of mask_BT (same dtype) with the first occurrence of each id of `special_ids` in each
     sequence switched off. Rows are sequences unless seq_ids_BT (packed rows, contiguous segments)."""
     on_BT = mask_BT.bool()

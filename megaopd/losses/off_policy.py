@@ -15,6 +15,7 @@ never overflows, however far the engine's weights lag.
 
     w_BT, off_BT = correction_weights(OffPolicyCorrection("tis", 2.0), old_BT, engine_BT)
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,9 @@ class OffPolicyCorrection:
 
     def __post_init__(self):
         if self.method not in OFF_POLICY_CORRECTIONS:
-            raise ValueError(f"loss.off_policy_correction={self.method!r}: choose one of "
-                             f"{', '.join(OFF_POLICY_CORRECTIONS)}")
+            raise ValueError(
+                f"loss.off_policy_correction={self.method!r}: choose one of {', '.join(OFF_POLICY_CORRECTIONS)}"
+            )
         if not self.clip >= 1.0:
             raise ValueError(f"loss.off_policy_clip={self.clip} must be >= 1 (tis truncates at C, mis keeps [1/C, C])")
 
@@ -61,20 +63,24 @@ def mis_weights(old_BT: torch.Tensor, engine_BT: torch.Tensor, clip: float) -> t
     return (~outside_BT).to(old_BT.dtype), outside_BT
 
 
-def correction_weights(correction: OffPolicyCorrection | None, old_BT: torch.Tensor,
-                       engine_BT: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def correction_weights(
+    correction: OffPolicyCorrection | None, old_BT: torch.Tensor, engine_BT: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(w_BT, bound_BT) of a weighing correction; (None, None) for none and recompute."""
     if correction is None or not correction.weighs:
         return None, None
     if engine_BT is None:
-        raise ValueError(f"loss.off_policy_correction={correction.method} needs LossInputs.engine_logprobs_BT "
-                         "(the rollout's engine log-probs); the trainer passes them when the correction is set")
+        raise ValueError(
+            f"loss.off_policy_correction={correction.method} needs LossInputs.engine_logprobs_BT "
+            "(the rollout's engine log-probs); the trainer passes them when the correction is set"
+        )
     fn = tis_weights if correction.method == "tis" else mis_weights
     return fn(old_BT, engine_BT.to(old_BT.dtype), correction.clip)
 
 
-def reward_baseline(correction: OffPolicyCorrection | None, old_BT: torch.Tensor,
-                    logprobs_BT: torch.Tensor) -> torch.Tensor:
+def reward_baseline(
+    correction: OffPolicyCorrection | None, old_BT: torch.Tensor, logprobs_BT: torch.Tensor
+) -> torch.Tensor:
     """The student log-prob the reverse-KL reward subtracts: log pi_old, or (recompute) the training
     forward's own, detached (the reward is a constant of the update)."""
     if correction is not None and correction.method == "recompute":
@@ -87,6 +93,8 @@ def correction_metrics(w_BT: torch.Tensor, bound_BT: torch.Tensor, mask_BT: torc
     m = mask_BT.bool()
     n = m.sum().clamp(min=1).to(w_BT.dtype)
     w = w_BT.detach()
-    return {"off_policy/weight_mean": (w * m).sum() / n,
-            "off_policy/weight_max": masked_max(w, m),  # no host sync per micro-batch
-            "off_policy/clip_frac": (bound_BT & m).sum().to(w.dtype) / n}
+    return {
+        "off_policy/weight_mean": (w * m).sum() / n,
+        "off_policy/weight_max": masked_max(w, m),  # no host sync per micro-batch
+        "off_policy/clip_frac": (bound_BT & m).sum().to(w.dtype) / n,
+    }

@@ -19,6 +19,7 @@ unbiased one (torch.std, as in verl/TRL); a group of one sample gets advantage 0
 
     pytest tests/losses -k "opd or grpo"
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,8 +93,9 @@ class GRPOConfig:
             raise ValueError(f"eps={self.eps} must be > 0 (it keeps a zero-variance group finite)")
 
 
-def discounted_returns(rewards_BT: torch.Tensor, seq_ids_BT: torch.Tensor | Callable[[], torch.Tensor],
-                       gamma: float) -> torch.Tensor:
+def discounted_returns(
+    rewards_BT: torch.Tensor, seq_ids_BT: torch.Tensor | Callable[[], torch.Tensor], gamma: float
+) -> torch.Tensor:
     """G_t = sum_{t' >= t, same sequence} gamma^(t'-t) r_t' along each row; sequences are contiguous
     segments of a row (seq_ids_BT, or a callable making them, as aggregate takes them). gamma = 0 returns the
     rewards themselves and reads no sequence ids."""
@@ -112,8 +114,9 @@ def discounted_returns(rewards_BT: torch.Tensor, seq_ids_BT: torch.Tensor | Call
     return returns_BT
 
 
-def grpo_advantages(rewards_S: torch.Tensor, group_ids_S: torch.Tensor, std_normalize: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards_S: torch.Tensor, group_ids_S: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """A_i = (R_i - mean_g R) / (std_g R + eps) per sequence [S] (unbiased std; groups of one -> 0)."""
     rewards = rewards_S.double()
     groups, group_of_S = torch.unique(group_ids_S, return_inverse=True)
@@ -123,14 +126,20 @@ def grpo_advantages(rewards_S: torch.Tensor, group_ids_S: torch.Tensor, std_norm
     centered_S = rewards - mean_G[group_of_S]
     if not std_normalize:
         return centered_S.to(rewards_S.dtype if rewards_S.is_floating_point() else torch.float32)
-    ss_G = torch.zeros_like(n_G).index_add(0, group_of_S, centered_S ** 2)
+    ss_G = torch.zeros_like(n_G).index_add(0, group_of_S, centered_S**2)
     std_G = torch.where(n_G > 1, (ss_G / (n_G - 1).clamp(min=1)).sqrt(), torch.zeros_like(ss_G))
     adv_S = centered_S / (std_G[group_of_S] + eps)
     return adv_S.to(rewards_S.dtype if rewards_S.is_floating_point() else torch.float32)
 
 
-def policy_gradient_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_BT: torch.Tensor,
-                         policy_loss: str, eps_low: float, eps_high: float):
+def policy_gradient_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    policy_loss: str,
+    eps_low: float,
+    eps_high: float,
+):
     """Per-token loss l_t (see module docstring) and, for metrics, the ratio and where the clip bound."""
     # exp of a difference of log-probs: the ratio itself never overflows for reasonable policies, and a
     # wild one is exactly what the clip is for.
@@ -144,8 +153,9 @@ def policy_gradient_loss(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tenso
     return -torch.minimum(unclipped_BT, clipped_BT), ratio_BT, clip_active_BT
 
 
-def _off_policy(inputs: LossInputs, loss_BT: torch.Tensor, old_BT: torch.Tensor,
-                mask_BT: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+def _off_policy(
+    inputs: LossInputs, loss_BT: torch.Tensor, old_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, Metrics]:
     """loss_BT times the off-policy weights of loss.off_policy_correction (tis, mis), with their metrics."""
     w_BT, bound_BT = correction_weights(inputs.off_policy, old_BT, inputs.engine_logprobs_BT)
     if w_BT is None:
@@ -153,8 +163,18 @@ def _off_policy(inputs: LossInputs, loss_BT: torch.Tensor, old_BT: torch.Tensor,
     return loss_BT * w_BT.to(loss_BT.dtype), correction_metrics(w_BT, bound_BT, mask_BT)
 
 
-def _policy_metrics(prefix: str, inputs: LossInputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT,
-                    adv_BT, log_entropy: bool, extra_means: dict[str, torch.Tensor] | None = None) -> Metrics:
+def _policy_metrics(
+    prefix: str,
+    inputs: LossInputs,
+    mask_BT,
+    logprobs_BT,
+    old_BT,
+    ratio_BT,
+    clip_BT,
+    adv_BT,
+    log_entropy: bool,
+    extra_means: dict[str, torch.Tensor] | None = None,
+) -> Metrics:
     logprobs_BT = logprobs_BT.detach()
     means = {
         f"{prefix}/advantage_mean": adv_BT,
@@ -166,9 +186,11 @@ def _policy_metrics(prefix: str, inputs: LossInputs, mask_BT, logprobs_BT, old_B
         **({f"{prefix}/entropy": inputs.student_entropy()} if log_entropy else {}),
         **(extra_means or {}),
     }
-    return {**masked_means(means, mask_BT),
-            f"{prefix}/ratio_max": masked_max(ratio_BT, mask_BT),
-            f"{prefix}/num_tokens": mask_BT.detach().sum().to(logprobs_BT.dtype)}
+    return {
+        **masked_means(means, mask_BT),
+        f"{prefix}/ratio_max": masked_max(ratio_BT, mask_BT),
+        f"{prefix}/num_tokens": mask_BT.detach().sum().to(logprobs_BT.dtype),
+    }
 
 
 @register_loss("opd", OPDConfig, needs=LossNeeds(old_logprobs=True, teacher_logprobs=True))
@@ -185,13 +207,31 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
         baseline_BT = reward_baseline(inputs.off_policy, old_BT, logprobs_BT)  # log pi_old, or recomputed
         rewards_BT = torch.where(on_BT, teacher_BT - baseline_BT, torch.zeros_like(teacher_BT)).to(logprobs_BT.dtype)
         advantages_BT = config.advantage_scale * discounted_returns(rewards_BT, inputs.seq_ids, config.gamma)
-    loss_BT, ratio_BT, clip_BT = policy_gradient_loss(logprobs_BT, old_BT, advantages_BT, config.policy_loss,
-                                                      config.eps_low, config.eps_high)
+    loss_BT, ratio_BT, clip_BT = policy_gradient_loss(
+        logprobs_BT, old_BT, advantages_BT, config.policy_loss, config.eps_low, config.eps_high
+    )
     loss_BT, off_metrics = _off_policy(inputs, loss_BT, old_BT, mask_BT)
-    loss = aggregate(loss_BT, mask_BT, inputs.seq_ids, inputs.num_seqs, config.aggregation,
-                     inputs.global_num_tokens, inputs.global_num_seqs)
-    metrics = _policy_metrics("opd", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT,
-                              config.log_entropy, {"opd/reward_mean": rewards_BT, "opd/teacher_logprob_mean": teacher_BT})
+    loss = aggregate(
+        loss_BT,
+        mask_BT,
+        inputs.seq_ids,
+        inputs.num_seqs,
+        config.aggregation,
+        inputs.global_num_tokens,
+        inputs.global_num_seqs,
+    )
+    metrics = _policy_metrics(
+        "opd",
+        inputs,
+        mask_BT,
+        logprobs_BT,
+        old_BT,
+        ratio_BT,
+        clip_BT,
+        advantages_BT,
+        config.log_entropy,
+        {"opd/reward_mean": rewards_BT, "opd/teacher_logprob_mean": teacher_BT},
+    )
     metrics.update(off_metrics)
     # Sampled-token estimate of the reverse KL(pi_old || q) that OPD minimizes.
     metrics["opd/reverse_kl"] = -metrics["opd/reward_mean"]
@@ -211,13 +251,22 @@ def grpo_loss(inputs: LossInputs, config: GRPOConfig) -> tuple[torch.Tensor, Met
     with torch.no_grad():
         adv_S = grpo_advantages(rewards_S, group_ids_S, config.std_normalize, config.eps)
         advantages_BT = adv_S.to(logprobs_BT.dtype)[seq_ids_BT]  # each token gets its response's advantage
-    loss_BT, ratio_BT, clip_BT = policy_gradient_loss(logprobs_BT, old_BT, advantages_BT, "ppo_clip",
-                                                      config.eps_low, config.eps_high)
+    loss_BT, ratio_BT, clip_BT = policy_gradient_loss(
+        logprobs_BT, old_BT, advantages_BT, "ppo_clip", config.eps_low, config.eps_high
+    )
     loss_BT, off_metrics = _off_policy(inputs, loss_BT, old_BT, mask_BT)  # tis / mis (recompute is opd's)
-    loss = aggregate(loss_BT, mask_BT, seq_ids_BT, inputs.num_seqs, config.aggregation,
-                     inputs.global_num_tokens, inputs.global_num_seqs)
-    metrics = _policy_metrics("grpo", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT,
-                              config.log_entropy)
+    loss = aggregate(
+        loss_BT,
+        mask_BT,
+        seq_ids_BT,
+        inputs.num_seqs,
+        config.aggregation,
+        inputs.global_num_tokens,
+        inputs.global_num_seqs,
+    )
+    metrics = _policy_metrics(
+        "grpo", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT, config.log_entropy
+    )
     metrics.update(off_metrics)
     metrics["grpo/reward_mean"] = rewards_S.float().mean() if rewards_S.numel() else rewards_S.new_zeros(())
     return loss, metrics

@@ -10,6 +10,7 @@ function of its config), so the step computes only that and a new loss is writte
     loss_fn.needs.reference    # True: run the reference model in lockstep with the actor
     loss, metrics = loss_fn(inputs)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,12 @@ class LossNeeds:
 
     def merge(self, other: "LossNeeds") -> "LossNeeds":
         """What two losses summed need: the union (the larger top-k)."""
-        return LossNeeds(**{f.name: max(getattr(self, f.name), getattr(other, f.name))  # or, for bools
-                            for f in dataclasses.fields(self)})
+        return LossNeeds(
+            **{
+                f.name: max(getattr(self, f.name), getattr(other, f.name))  # or, for bools
+                for f in dataclasses.fields(self)
+            }
+        )
 
 
 NeedsDecl = LossNeeds | Callable[[Any], LossNeeds]

@@ -8,6 +8,7 @@ the collapse early warning, and `megaopd plot`.
     collapse.py  CollapseDetector: jump/level alarms on truncation and repetition rates
     plot.py      `megaopd plot RUN [RUN ...]`: training-dynamics figures from RUN/metrics.jsonl
 """
+
 import importlib
 
 # name -> submodule. Imported on first use (PEP 562), so that the math-verify helper process and
@@ -15,13 +16,31 @@ import importlib
 _EXPORTS = {
     "collapse": ["CollapseConfig", "CollapseDetector", "CollapseWarning"],
     "overlap": ["topk_overlap", "topk_overlap_counts", "topk_overlap_from_counts"],
-    "reward": ["EXTRACTIONS", "RewardConfig", "Verdict", "extract_and_verify", "few_answers_warning", "last_boxed",
-               "math_verify_reward", "math_verify_rewards"],
+    "reward": [
+        "EXTRACTIONS",
+        "RewardConfig",
+        "Verdict",
+        "extract_and_verify",
+        "few_answers_warning",
+        "last_boxed",
+        "math_verify_reward",
+        "math_verify_rewards",
+    ],
     "rollout": [
-        "RepetitionConfig", "advantage_split", "advantage_split_counts", "advantage_split_from_counts",
-        "compression_ratio", "is_repetitive", "repetition_rate", "repetitive_token_flags",
-        "repetitive_token_mask", "response_metrics", "rollout_dynamics", "rollout_dynamics_counts",
-        "rollout_dynamics_from_counts", "truncation_rate",
+        "RepetitionConfig",
+        "advantage_split",
+        "advantage_split_counts",
+        "advantage_split_from_counts",
+        "compression_ratio",
+        "is_repetitive",
+        "repetition_rate",
+        "repetitive_token_flags",
+        "repetitive_token_mask",
+        "response_metrics",
+        "rollout_dynamics",
+        "rollout_dynamics_counts",
+        "rollout_dynamics_from_counts",
+        "truncation_rate",
     ],
     "trajectory": ["trajectory_metrics"],
 }

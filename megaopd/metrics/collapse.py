@@ -22,6 +22,7 @@ Pure Python with state_dict / load_state_dict, so a resumed run keeps its baseli
     for step, m in enumerate(metrics):
         for w in det.update(step, {"truncation_rate": m["rollout/truncation_rate"], ...}): log.warning(w.message)
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -82,10 +83,12 @@ class CollapseWarning:
     def message(self) -> str:
         if not self.is_collapse:
             hint = _START_HINTS.get(self.metric, "")
-            return (f"{self.metric} = {self.value:.3f} at step {self.step} is above its level {self.threshold:g} with "
-                    f"no baseline yet ({self.history} earlier steps): too early to tell a collapse from where the run "
-                    f"starts{'; ' + hint if hint else ''}. A collapse warning follows if it falls below its "
-                    f"thresholds and rises again")
+            return (
+                f"{self.metric} = {self.value:.3f} at step {self.step} is above its level {self.threshold:g} with "
+                f"no baseline yet ({self.history} earlier steps): too early to tell a collapse from where the run "
+                f"starts{'; ' + hint if hint else ''}. A collapse warning follows if it falls below its "
+                f"thresholds and rises again"
+            )
         base = "n/a" if self.baseline is None else f"{self.baseline:.3f}"
         return (
             f"collapse warning at step {self.step}: {self.metric} = {self.value:.3f} ({self.reason}; "
@@ -95,7 +98,7 @@ class CollapseWarning:
 
 _START_HINTS = {
     "truncation_rate": "responses cut off from the first steps usually mean a token budget "
-                       "(rollout.max_new_tokens) shorter than the model's answers",
+    "(rollout.max_new_tokens) shorter than the model's answers",
 }
 """What a high start of a watched rate usually means, for the no-baseline note."""
 

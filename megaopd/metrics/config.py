@@ -1,6 +1,7 @@
 """metrics: the job config's section of the training-dynamics metrics, the collapse early warning and the
 answer extraction and verification, read by the trainer's step metrics (trainer/step_metrics.py), its
 CollapseDetector, its rewards and its validation (trainer/validation.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -22,6 +22,7 @@ Conventions (Kaplan et al. 2020 / PaLM's "6N", with attention added explicitly):
   logits in backward (2 V h per trained token for the student, and for the partner).
 MFU = FLOPs / (seconds x GPUs x peak FLOP/s); the trainer logs the training phase's and the step's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ that ops/ computes vocab-parallel, and the entropies; nothing here touches full-
 
     topk_overlap(s_ids_TK, s_lp_TK, t_ids_TK, mask_T, student_entropy_T=hs, teacher_entropy_T=ht)
 """
+
 from __future__ import annotations
 
 import torch
@@ -71,6 +72,8 @@ def topk_overlap(
     Ids within one row are assumed distinct (they are a top-k). Keys: {prefix}/ratio, /mass, /entropy_gap.
     """
     return topk_overlap_from_counts(
-        topk_overlap_counts(student_ids_TK, student_logprobs_TK, teacher_ids_TK, mask_T, student_entropy_T, teacher_entropy_T),
+        topk_overlap_counts(
+            student_ids_TK, student_logprobs_TK, teacher_ids_TK, mask_T, student_entropy_T, teacher_entropy_T
+        ),
         prefix,
     )

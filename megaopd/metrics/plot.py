@@ -20,6 +20,7 @@ their maximum (the seed band). A third figure, controller.png, shows the adaptiv
     megaopd plot runs/opd runs/stable_opd --out figs/
     megaopd plot study/*/seed_* --bands --out figs/
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,14 +45,32 @@ class Panel:
 
 FIGURES: dict[str, list[Panel]] = {
     "collapse": [
-        Panel("Truncation rate", "fraction", [("rollout/truncation_rate", "-", "rollout"), ("val/truncation_rate", "--o", "val")], rate=True),
-        Panel("Repetition rate", "fraction", [("rollout/repetition_rate", "-", "rollout"), ("val/repetition_rate", "--o", "val")], rate=True),
+        Panel(
+            "Truncation rate",
+            "fraction",
+            [("rollout/truncation_rate", "-", "rollout"), ("val/truncation_rate", "--o", "val")],
+            rate=True,
+        ),
+        Panel(
+            "Repetition rate",
+            "fraction",
+            [("rollout/repetition_rate", "-", "rollout"), ("val/repetition_rate", "--o", "val")],
+            rate=True,
+        ),
         Panel("Validation accuracy", "accuracy", [("val/accuracy", "-o", "")], rate=True),
     ],
     "dynamics": [
         Panel("Response length", "tokens", [("rollout/response_length_mean", "-", "")]),
-        Panel("Log-probs of sampled tokens", "mean log-prob", [("rollout/student_logprob_mean", "-", "student"), ("rollout/teacher_logprob_mean", "--", "teacher")]),
-        Panel("Advantage", "mean advantage", [("adv/regular_mean", "-", "regular"), ("adv/repetitive_mean", "--", "repetitive")]),
+        Panel(
+            "Log-probs of sampled tokens",
+            "mean log-prob",
+            [("rollout/student_logprob_mean", "-", "student"), ("rollout/teacher_logprob_mean", "--", "teacher")],
+        ),
+        Panel(
+            "Advantage",
+            "mean advantage",
+            [("adv/regular_mean", "-", "regular"), ("adv/repetitive_mean", "--", "repetitive")],
+        ),
     ],
     "controller": [
         Panel("Golden-mix weight (sft_weight)", "weight", [("controller/sft_weight", "-", "")]),
@@ -75,7 +94,8 @@ def read_metrics(path: str) -> dict[int, dict[str, float]]:
             if "event" in obj:
                 continue
             rows[step] = {
-                k: float(v) for k, v in obj.items()
+                k: float(v)
+                for k, v in obj.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
             }
     return rows
@@ -93,8 +113,9 @@ def band(group: list[dict[int, dict[str, float]]], key: str) -> tuple[list[int],
     return steps, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
 
 
-def plot_runs(runs: dict[str, dict[int, dict[str, float]] | list[dict[int, dict[str, float]]]],
-              out_dir: str) -> list[str]:
+def plot_runs(
+    runs: dict[str, dict[int, dict[str, float]] | list[dict[int, dict[str, float]]]], out_dir: str
+) -> list[str]:
     """Draws FIGURES for the named runs into out_dir; returns the paths written. A value that is a list
     of runs (seeds) is drawn as its mean with a min-max band."""
     runs = {name: rows if isinstance(rows, list) else [rows] for name, rows in runs.items()}
@@ -107,8 +128,11 @@ def plot_runs(runs: dict[str, dict[int, dict[str, float]] | list[dict[int, dict[
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     written = []
     for fig_name, panels in FIGURES.items():
-        present = [p for p in panels if any(series(rows, k)[0] for group in runs.values() for rows in group
-                                            for k, _, _ in p.series)]
+        present = [
+            p
+            for p in panels
+            if any(series(rows, k)[0] for group in runs.values() for rows in group for k, _, _ in p.series)
+        ]
         if not present:
             continue
         fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.8), squeeze=False)
@@ -142,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megaopd plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", metavar="RUN", help="run folders holding metrics.jsonl")
     ap.add_argument("--out", default=None, help="output folder (default: RUN/plots of the first RUN)")
-    ap.add_argument("--bands", action="store_true",
-                    help="one line per parent folder: the mean of its runs (seeds) with a min-max band")
+    ap.add_argument(
+        "--bands",
+        action="store_true",
+        help="one line per parent folder: the mean of its runs (seeds) with a min-max band",
+    )
     args = ap.parse_args(argv)
     runs = {}
     for run in args.runs:

@@ -38,6 +38,7 @@ per response; the bounds below apply the same.
     math_verify_reward("... so the answer is \\boxed{\\frac{1}{2}}.", "0.5")   # -> 1.0
     extract_and_verify("The answer is 42.", "42", RewardConfig(extract="number"))  # -> Verdict(True, "42")
 """
+
 from __future__ import annotations
 
 import atexit
@@ -91,8 +92,10 @@ class RewardConfig:
 
     def __post_init__(self):
         if self.extract not in EXTRACTIONS:
-            raise ValueError(f"metrics.reward.extract={self.extract!r}: choose one of {', '.join(EXTRACTIONS)} "
-                             f"(boxed: the last \\boxed{{}}; number: for models that do not box their answers)")
+            raise ValueError(
+                f"metrics.reward.extract={self.extract!r}: choose one of {', '.join(EXTRACTIONS)} "
+                f"(boxed: the last \\boxed{{}}; number: for models that do not box their answers)"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be positive (seconds per answer)")
         if self.max_answer_chars < 1:
@@ -123,9 +126,11 @@ def few_answers_warning(found: int, total: int, extract: str, set_hint: str) -> 
     to switch (set_hint: "metrics.reward.extract=" or "--extract "); None otherwise."""
     if total <= 0 or found >= FEW_ANSWERS * total:
         return None
-    return (f"{found} of {total} responses had {EXTRACTIONS[extract]} (extract={extract}), so accuracy measures "
-            f"the extraction, not the model: set {set_hint}number (or latex, answer_is, any) for a model that "
-            f"does not {'box its answers' if extract == 'boxed' else 'answer that way'}")
+    return (
+        f"{found} of {total} responses had {EXTRACTIONS[extract]} (extract={extract}), so accuracy measures "
+        f"the extraction, not the model: set {set_hint}number (or latex, answer_is, any) for a model that "
+        f"does not {'box its answers' if extract == 'boxed' else 'answer that way'}"
+    )
 
 
 def last_boxed(text: str) -> str | None:
@@ -177,6 +182,7 @@ class _Timeout(BaseException):
 @contextmanager
 def _time_limit(seconds: float):
     """Raise _Timeout in the main thread after `seconds`; restores the caller's SIGALRM handler and timer."""
+
     def on_alarm(signum, frame):
         raise _Timeout()
 
@@ -230,8 +236,10 @@ def _targets(extract: str) -> tuple:
         "latex": (latex(),),
         "number": (expr(),),
         # Without their anchor-free patterns both targets match only after "answer"; no bare boxes either.
-        "answer_is": (latex(try_extract_without_anchor=False, boxed_match_priority=-1),
-                      expr(try_extract_without_anchor=False)),
+        "answer_is": (
+            latex(try_extract_without_anchor=False, boxed_match_priority=-1),
+            expr(try_extract_without_anchor=False),
+        ),
         "any": (latex(), expr()),
     }[extract]
 
@@ -263,8 +271,9 @@ def _known_answer(text: str, extract: str) -> str | None:
     return text if extract == "boxed" else None
 
 
-def _verify_in_main_thread(text: str, gold_content: str, timeout_s: float, extract: str = "boxed",
-                           max_chars: int = 1000) -> Verdict:
+def _verify_in_main_thread(
+    text: str, gold_content: str, timeout_s: float, extract: str = "boxed", max_chars: int = 1000
+) -> Verdict:
     try:
         with _time_limit(timeout_s):
             return _verify_unguarded(text, gold_content, extract, max_chars)
@@ -326,7 +335,11 @@ class _VerifyWorker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         self._proc = subprocess.Popen(
             [sys.executable, "-c", f"from megaopd.metrics.reward import serve_worker; serve_worker({int(memory_mb)})"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=env,
         )
         self._warm = False
 
@@ -359,8 +372,9 @@ class _VerifyWorker:
                         return Verdict(bool(correct), extracted)
             except (OSError, ValueError):
                 pass
-            logging.getLogger(__name__).warning("math-verify helper exceeded %.1fs on %.80r; restarting it",
-                                                cfg.timeout_s, text)
+            logging.getLogger(__name__).warning(
+                "math-verify helper exceeded %.1fs on %.80r; restarting it", cfg.timeout_s, text
+            )
             self.close()
             self.restarts += 1
             return Verdict(False, _known_answer(text, cfg.extract))

@@ -20,6 +20,7 @@ gathering the numerators and denominators (see `*_counts` helpers) or by calling
     from megaopd.metrics import repetition_rate, RepetitionConfig
     repetition_rate(texts, RepetitionConfig(window_chars=2000))
 """
+
 from __future__ import annotations
 
 import zlib
@@ -73,7 +74,7 @@ def is_repetitive(text: str, cfg: RepetitionConfig | None = None) -> bool:
     cfg = cfg or RepetitionConfig()
     if len(text) <= cfg.window_chars:
         return False
-    return compression_ratio(text[-cfg.window_chars:]) > cfg.ratio_threshold
+    return compression_ratio(text[-cfg.window_chars :]) > cfg.ratio_threshold
 
 
 def repetition_rate(texts: Sequence[str], cfg: RepetitionConfig | None = None) -> float:
@@ -182,14 +183,19 @@ def rollout_dynamics_counts(
     over data-parallel ranks before dividing; a tensor passed as None is left out."""
     mask = mask_BT.bool()
     out = {"tokens": float(mask.sum())}
-    for name, x in (("student_logprob", student_logprobs_BT), ("teacher_logprob", teacher_logprobs_BT), ("advantage", adv_BT)):
+    for name, x in (
+        ("student_logprob", student_logprobs_BT),
+        ("teacher_logprob", teacher_logprobs_BT),
+        ("advantage", adv_BT),
+    ):
         if x is not None:
             out[f"{name}_sum"] = float(x.detach().double()[mask].sum())
     return out
 
 
-def rollout_dynamics_from_counts(response_lengths: Sequence[int] | torch.Tensor, c: dict[str, float],
-                                 prefix: str = "rollout") -> dict[str, float]:
+def rollout_dynamics_from_counts(
+    response_lengths: Sequence[int] | torch.Tensor, c: dict[str, float], prefix: str = "rollout"
+) -> dict[str, float]:
     """Mean response length (per response) and the token-means from (possibly reduced) counts; no token: 0.0."""
     lengths = torch.as_tensor(response_lengths, dtype=torch.float64)
     out = {f"{prefix}/response_length_mean": float(lengths.mean()) if lengths.numel() else 0.0}
@@ -214,4 +220,5 @@ def rollout_dynamics(
     a tensor passed as None is left out.
     """
     return rollout_dynamics_from_counts(
-        response_lengths, rollout_dynamics_counts(mask_BT, student_logprobs_BT, teacher_logprobs_BT, adv_BT), prefix)
+        response_lengths, rollout_dynamics_counts(mask_BT, student_logprobs_BT, teacher_logprobs_BT, adv_BT), prefix
+    )

@@ -7,14 +7,21 @@ tool call (the tool-call rate); the environment-token share (environment tokens 
 prompts, over the batch: what the scoring passes pay for but never train on); and truncation split by
 cause: rollout.max_turns ("turns") vs the token budgets ("tokens"). Pure functions of Python lists.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
 
-def trajectory_metrics(turns: Sequence[int], tool_calls: Sequence[int], tool_errors: Sequence[int],
-                       truncated_by: Sequence[str], student_tokens: Sequence[int], response_tokens: Sequence[int],
-                       prefix: str = "traj") -> dict[str, float]:
+def trajectory_metrics(
+    turns: Sequence[int],
+    tool_calls: Sequence[int],
+    tool_errors: Sequence[int],
+    truncated_by: Sequence[str],
+    student_tokens: Sequence[int],
+    response_tokens: Sequence[int],
+    prefix: str = "traj",
+) -> dict[str, float]:
     """Keys {prefix}/turns_mean, /tool_calls_mean, /tool_errors_mean, /tool_call_rate, /env_token_share,
     /truncated_turns_rate, /truncated_tokens_rate (all 0 for an empty batch)."""
     n = len(turns)

@@ -8,6 +8,7 @@ Parallel sizes enter only through TransformerConfig; the model's groups come fro
 (None -> megatron's global parallel_state, set by megaopd.parallel.groups.initialize_actor_layout).
 The stage (pre_process / post_process and which layers) is derived from the collection's PP rank.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,9 +52,7 @@ class StageInfo:
 
     @classmethod
     def of(cls, pg_collection: ProcessGroupCollection) -> "StageInfo":
-        return cls(pg_collection.tp.rank(), pg_collection.tp.size(),
-                   pg_collection.pp.rank(), pg_collection.pp.size())
-
+        return cls(pg_collection.tp.rank(), pg_collection.tp.size(), pg_collection.pp.rank(), pg_collection.pp.size())
 
 
 def moe_token_dispatcher() -> str:
@@ -95,9 +94,16 @@ def moe_config(cfg: HFModelConfig, ep: int, train_router: bool) -> dict:
     )
 
 
-def transformer_config(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
-                       dtype: str | torch.dtype = torch.float32, init_weights: bool = True,
-                       ep: int = 1, train_router: bool = True, **overrides) -> TransformerConfig:
+def transformer_config(
+    cfg: HFModelConfig,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str | torch.dtype = torch.float32,
+    init_weights: bool = True,
+    ep: int = 1,
+    train_router: bool = True,
+    **overrides,
+) -> TransformerConfig:
     """The megatron TransformerConfig of an HF Qwen2/Llama/Qwen3/Qwen3-MoE decoder at TP=tp, PP=pp, EP=ep."""
     check_layout(cfg, tp, pp, ep)
     dt = torch_dtype(dtype)
@@ -133,8 +139,9 @@ def transformer_config(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
     return compat.make_transformer_config(**kwargs)
 
 
-def activation_memory_overrides(recompute: str = "none", recompute_num_layers: int = 1,
-                                sequence_parallel: bool = False) -> dict:
+def activation_memory_overrides(
+    recompute: str = "none", recompute_num_layers: int = 1, sequence_parallel: bool = False
+) -> dict:
     """TransformerConfig keys of a ModelConfig's memory options (recompute, sequence_parallel), for
     build_gpt_model(config_overrides=...). megatron recomputes only in training mode, so a frozen model
     built with these runs its forward unchanged."""
@@ -142,20 +149,29 @@ def activation_memory_overrides(recompute: str = "none", recompute_num_layers: i
     if recompute == "selective":
         kwargs.update(recompute_granularity="selective")  # megatron's default module list: core_attn
     elif recompute == "full":
-        kwargs.update(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=recompute_num_layers)
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=recompute_num_layers
+        )
     elif recompute != "none":
         raise ValueError(f"recompute={recompute!r}: choose none, selective or full")
     return kwargs
 
 
-def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
-                    pg_collection: ProcessGroupCollection | None = None,
-                    pre_process: bool | None = None, post_process: bool | None = None,
-                    dtype: str | torch.dtype = torch.float32, use_te: bool | None = None,
-                    init_weights: bool = True, parallel_output: bool = True,
-                    config_overrides: dict | None = None, ep: int = 1,
-                    train_router: bool = True) -> GPTModel:
+def build_gpt_model(
+    cfg: HFModelConfig,
+    tp: int = 1,
+    pp: int = 1,
+    pg_collection: ProcessGroupCollection | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    dtype: str | torch.dtype = torch.float32,
+    use_te: bool | None = None,
+    init_weights: bool = True,
+    parallel_output: bool = True,
+    config_overrides: dict | None = None,
+    ep: int = 1,
+    train_router: bool = True,
+) -> GPTModel:
     """Builds this rank's stage of the model: its PP stage's layers, its TP shard of each weight.
 
     tp/pp must equal the sizes of pg_collection's tp/pp groups (or of parallel_state when None).
@@ -169,19 +185,24 @@ def build_gpt_model(cfg: HFModelConfig, tp: int = 1, pp: int = 1,
     pgs = compat.resolve_pg_collection(pg_collection)
     stage = StageInfo.of(pgs)
     if (stage.tp_size, stage.pp_size) != (tp, pp):
-        raise ValueError(f"build_gpt_model(tp={tp}, pp={pp}) but the process groups have "
-                         f"tp={stage.tp_size}, pp={stage.pp_size}; pass the layout the groups were made for")
+        raise ValueError(
+            f"build_gpt_model(tp={tp}, pp={pp}) but the process groups have "
+            f"tp={stage.tp_size}, pp={stage.pp_size}; pass the layout the groups were made for"
+        )
     group_ep = pgs.ep.size() if getattr(pgs, "ep", None) is not None else 1
     if cfg.is_moe and group_ep != ep:
-        raise ValueError(f"build_gpt_model(ep={ep}) but the process groups have ep={group_ep}; "
-                         "pass the layout the groups were made for")
+        raise ValueError(
+            f"build_gpt_model(ep={ep}) but the process groups have ep={group_ep}; "
+            "pass the layout the groups were made for"
+        )
     config = transformer_config(cfg, tp, pp, dtype, init_weights, ep, train_router, **(config_overrides or {}))
     if use_te is None:
         use_te = compat.use_transformer_engine_default()
     if cfg.is_moe:
         compat.patch_moe_router_without_te()
-    spec = compat.decoder_block_spec(use_te, layers_per_stage(cfg, pp), qk_layernorm=cfg.qk_layernorm,
-                                     num_experts=cfg.num_experts or None)
+    spec = compat.decoder_block_spec(
+        use_te, layers_per_stage(cfg, pp), qk_layernorm=cfg.qk_layernorm, num_experts=cfg.num_experts or None
+    )
     llama3_factor = cfg.rope_scaling.factor if cfg.rope_scaling is not None else None
     model = GPTModel(
         config=config,

@@ -11,7 +11,8 @@ A checkpoint directory:
 Because dist_checkpointing stores global tensors with their shard offsets, a checkpoint written at
 TP=2 PP=2 loads at TP=1 PP=1 (or any layout check_layout accepts). The vocabulary padding differs per
 TP (a multiple of 128 * TP); a MoE model's experts are stored as global experts, so EP reshards too
-("ep" records the saving layout, for the reader; megatron marks the embedding and output layer `allow_shape_mismatch`, so
+("ep" records the saving layout, for the reader; megatron marks the embedding and output layer
+`allow_shape_mismatch`, so
 the stored rows are read and any extra padding rows start at zero).
 Loading verifies the manifest before a byte of state is read (a changed, truncated, missing or added file is
 named in one line), then reads the torch_dist pickles through megaopd.models.safe_load's restricted readers.
@@ -20,6 +21,7 @@ readers, with one line saying it is unverified (docs/run_folder.md).
 Entry scripts that save need an `if __name__ == "__main__":` guard: the writer processes re-import it.
 megatron is imported inside the functions: reading metadata stays cheap for command-line validation.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -30,8 +32,16 @@ import torch.distributed as dist
 
 from megaopd.models.hf_config import HFModelConfig, ModelConfigError
 from megaopd.models.hf_io import copy_side_files
-from megaopd.models.manifest import (MANIFEST, FileRecord, ManifestError, hash_files, list_files, read_manifest,
-                                     verify, write_manifest)
+from megaopd.models.manifest import (
+    MANIFEST,
+    FileRecord,
+    ManifestError,
+    hash_files,
+    list_files,
+    read_manifest,
+    verify,
+    write_manifest,
+)
 
 META_NAME = "megaopd_checkpoint.json"
 MODEL_SUBDIR = "model"
@@ -45,8 +55,10 @@ def is_megatron_checkpoint(path: str) -> bool:
 def read_checkpoint_meta(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, META_NAME)
     if not os.path.isfile(path):
-        raise ModelConfigError(f"{ckpt_dir} is not a megaopd Megatron checkpoint (no {META_NAME}); "
-                               "make one with tools/convert_hf_to_megatron.py")
+        raise ModelConfigError(
+            f"{ckpt_dir} is not a megaopd Megatron checkpoint (no {META_NAME}); "
+            "make one with tools/convert_hf_to_megatron.py"
+        )
     with open(path) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
@@ -56,9 +68,15 @@ def read_checkpoint_meta(ckpt_dir: str) -> dict:
     return meta
 
 
-def save_model_checkpoint(model, ckpt_dir: str, cfg: HFModelConfig, pg_collection=None,
-                          hf_side_dir: str | None = None, extra_meta: dict | None = None,
-                          manifest: bool = True) -> None:
+def save_model_checkpoint(
+    model,
+    ckpt_dir: str,
+    cfg: HFModelConfig,
+    pg_collection=None,
+    hf_side_dir: str | None = None,
+    extra_meta: dict | None = None,
+    manifest: bool = True,
+) -> None:
     """Collective over all ranks: writes the model's shards, then rank 0 writes config + metadata, then
     (manifest=True) the manifest of it all. A caller that adds files of its own (a training checkpoint)
     passes manifest=False and calls write_checkpoint_manifest when it has written them.
@@ -128,12 +146,15 @@ def check_checkpoint(ckpt_dir: str, skip: tuple[str, ...] = TRAINING_ONLY) -> st
     """Raises ManifestError naming the first file that differs from the manifest; returns None when it
     verifies, or the one line to show when the checkpoint has no manifest (loaded unverified)."""
     if read_manifest(ckpt_dir) is None:
-        return (f"{ckpt_dir} has no {MANIFEST} (written by an older megaopd or another tool): loading it "
-                f"unverified, its pickles through the restricted reader")
+        return (
+            f"{ckpt_dir} has no {MANIFEST} (written by an older megaopd or another tool): loading it "
+            f"unverified, its pickles through the restricted reader"
+        )
     problem = verify(ckpt_dir, skip)
     if problem is not None:
-        raise ManifestError(f"checkpoint {ckpt_dir} does not verify: {problem}; restore the file or use "
-                            f"another checkpoint")
+        raise ManifestError(
+            f"checkpoint {ckpt_dir} does not verify: {problem}; restore the file or use another checkpoint"
+        )
     return None
 
 
@@ -177,4 +198,3 @@ def load_model_checkpoint(model, ckpt_dir: str, pg_collection=None, verified: bo
     if missing:
         raise RuntimeError(f"checkpoint {ckpt_dir} lacks {missing[:4]} ({len(missing)} tensors)")
     return meta
-

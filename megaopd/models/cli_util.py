@@ -1,4 +1,5 @@
 """Shared command-line behaviour of the model tools: one-line errors and non-zero exits."""
+
 from __future__ import annotations
 
 import argparse

@@ -4,6 +4,7 @@ Written against megatron-core 0.16.1. When megatron changes a name or a signatur
 to edit: layer specs (Transformer Engine vs local), the final-norm choice of TransformerBlock, RoPE
 arguments, sharded_state_dict metadata and the pipeline schedule call.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,8 +17,23 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 # Groups GPTModel, its blocks, its MoE layers and the pipeline schedule read from a ProcessGroupCollection.
-REQUIRED_PGS = ["tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp",
-                "ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp"]
+REQUIRED_PGS = [
+    "tp",
+    "pp",
+    "mp",
+    "cp",
+    "tp_cp",
+    "embd",
+    "pos_embd",
+    "dp",
+    "dp_cp",
+    "tp_dp_cp",
+    "ep",
+    "expt_tp",
+    "expt_dp",
+    "tp_ep",
+    "tp_ep_pp",
+]
 
 
 def have_transformer_engine() -> bool:
@@ -29,8 +45,9 @@ def use_transformer_engine_default() -> bool:
     return torch.cuda.is_available() and have_transformer_engine()
 
 
-def decoder_block_spec(use_te: bool, num_local_layers: int, qk_layernorm: bool = False,
-                       num_experts: int | None = None) -> TransformerBlockSubmodules:
+def decoder_block_spec(
+    use_te: bool, num_local_layers: int, qk_layernorm: bool = False, num_experts: int | None = None
+) -> TransformerBlockSubmodules:
     """The layer recipe (RMSNorm, SwiGLU MLP or routed experts, fused QKV with RoPE, optional per-head
     q/k RMSNorm) and the block's final norm.
 
@@ -46,13 +63,15 @@ def decoder_block_spec(use_te: bool, num_local_layers: int, qk_layernorm: bool =
         from megatron.core.extensions.transformer_engine import TENorm
 
         layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm)
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm
+        )
         final_norm: Any = TENorm
     else:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         layer = gpt_layer_specs.get_gpt_layer_local_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization="RMSNorm")
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization="RMSNorm"
+        )
         layer = _with_packed_core_attention(layer)
         final_norm = WrappedTorchNorm
     assert isinstance(layer, ModuleSpec)
@@ -203,9 +222,12 @@ def mark_tensor_parallel_params(model: torch.nn.Module) -> None:
     rank 0's, and the gradient norm (hence clipping) and anything else that filters duplicates come
     out wrong at TP > 1. Linear biases already have them.
     """
-    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                      VocabParallelEmbedding,
-                                                      set_tensor_model_parallel_attributes)
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
 
     for module in model.modules():
         weight = getattr(module, "weight", None)

@@ -1,11 +1,11 @@
 """models: the job config's section of one model (student, reference; a teacher extends it in
 scoring/config.py) and the start-up checks of its layout against the model's config.json (no torch)."""
+
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
-
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes a model (student, reference, teacher) or the embedded engine (rollout.engine_dtype) may have."""
@@ -57,8 +57,10 @@ class ModelConfig:
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers={self.recompute_num_layers} must be at least 1")
         if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel=true needs tp > 1 (it splits activations over the TP ranks): "
-                             "set tp=2 or more, or sequence_parallel=false")
+            raise ValueError(
+                "sequence_parallel=true needs tp > 1 (it splits activations over the TP ranks): "
+                "set tp=2 or more, or sequence_parallel=false"
+            )
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ def find_hf_config(path: str) -> str:
             return candidate
     raise FileNotFoundError(
         f"no config.json in {path!r}: point the path at an HF model directory or at a checkpoint "
-        f"written by tools/convert_hf_to_megatron.py")
+        f"written by tools/convert_hf_to_megatron.py"
+    )
 
 
 def read_model_dims(path: str) -> ModelDims:
@@ -108,7 +111,8 @@ def check_context(role: str, path: str, dims: ModelDims, tokens: int, why: str) 
         raise ValueError(
             f"{role} {path} has max_position_embeddings={dims.max_position_embeddings} but rows reach {tokens} "
             f"tokens ({why}): extend its context explicitly in every folder the job loads it from "
-            f"(python tools/extend_context.py --recipe luffy FOLDER ...; docs/cluster.md) or lower the lengths")
+            f"(python tools/extend_context.py --recipe luffy FOLDER ...; docs/cluster.md) or lower the lengths"
+        )
 
 
 def check_role_layout(role: str, model: ModelConfig, world_size: int) -> ModelDims:
@@ -116,31 +120,47 @@ def check_role_layout(role: str, model: ModelConfig, world_size: int) -> ModelDi
     if not model.path:
         raise ValueError(f"{role}.path is empty: set {role}.path=DIR (an HF directory or a megaopd checkpoint)")
     if not os.path.exists(model.path):
-        raise ValueError(f"{role}.path={model.path!r} does not exist: fix the path or convert the model first "
-                         f"(tools/convert_hf_to_megatron.py)")
+        raise ValueError(
+            f"{role}.path={model.path!r} does not exist: fix the path or convert the model first "
+            f"(tools/convert_hf_to_megatron.py)"
+        )
     dims = read_model_dims(model.path)
     if dims.num_attention_heads % model.tp:
-        raise ValueError(f"{role}.tp={model.tp} does not divide the {dims.num_attention_heads} attention heads "
-                         f"of {model.path}: choose a tp that divides {dims.num_attention_heads}")
+        raise ValueError(
+            f"{role}.tp={model.tp} does not divide the {dims.num_attention_heads} attention heads "
+            f"of {model.path}: choose a tp that divides {dims.num_attention_heads}"
+        )
     if dims.num_query_groups % model.tp:
-        raise ValueError(f"{role}.tp={model.tp} does not divide the {dims.num_query_groups} query (KV) groups "
-                         f"of {model.path}: choose a tp that divides {dims.num_query_groups}")
+        raise ValueError(
+            f"{role}.tp={model.tp} does not divide the {dims.num_query_groups} query (KV) groups "
+            f"of {model.path}: choose a tp that divides {dims.num_query_groups}"
+        )
     if dims.num_layers % model.pp:
-        raise ValueError(f"{role}.pp={model.pp} does not divide the {dims.num_layers} layers of {model.path}: "
-                         f"choose a pp that divides {dims.num_layers}")
+        raise ValueError(
+            f"{role}.pp={model.pp} does not divide the {dims.num_layers} layers of {model.path}: "
+            f"choose a pp that divides {dims.num_layers}"
+        )
     if world_size % (model.tp * model.pp):
-        raise ValueError(f"run.world_size={world_size} is not a multiple of {role}.tp*{role}.pp="
-                         f"{model.tp * model.pp}: change the world size or the layout")
+        raise ValueError(
+            f"run.world_size={world_size} is not a multiple of {role}.tp*{role}.pp="
+            f"{model.tp * model.pp}: change the world size or the layout"
+        )
     if model.ep > 1:
         if not dims.num_experts:
-            raise ValueError(f"{role}.ep={model.ep} but {model.path} ({dims.architecture}) has no experts: "
-                             f"expert parallelism is for MoE models; set {role}.ep=1")
+            raise ValueError(
+                f"{role}.ep={model.ep} but {model.path} ({dims.architecture}) has no experts: "
+                f"expert parallelism is for MoE models; set {role}.ep=1"
+            )
         if dims.num_experts % model.ep:
-            raise ValueError(f"{role}.ep={model.ep} does not divide the {dims.num_experts} experts of {model.path}: "
-                             f"choose an ep that divides {dims.num_experts}")
+            raise ValueError(
+                f"{role}.ep={model.ep} does not divide the {dims.num_experts} experts of {model.path}: "
+                f"choose an ep that divides {dims.num_experts}"
+            )
         dp = world_size // (model.tp * model.pp)
         if dp % model.ep:
-            raise ValueError(f"{role}.ep={model.ep} does not divide the data-parallel size {dp} (run.world_size="
-                             f"{world_size} / ({role}.tp*{role}.pp={model.tp * model.pp})): expert-parallel ranks "
-                             f"are data-parallel ranks; choose an ep that divides {dp}")
+            raise ValueError(
+                f"{role}.ep={model.ep} does not divide the data-parallel size {dp} (run.world_size="
+                f"{world_size} / ({role}.tp*{role}.pp={model.tp * model.pp})): expert-parallel ranks "
+                f"are data-parallel ranks; choose an ep that divides {dp}"
+            )
     return dims

@@ -8,11 +8,12 @@ Both validate everything they can from small files first (validate_*: config.jso
 headers, the layout, the output directory) and raise InputError with one line before megatron is
 imported or a worker is started. Weights keep their dtype, so HF -> Megatron -> HF is bit-exact.
 """
+
 from __future__ import annotations
 
 import os
 
-from megaopd.models.hf_config import (HFModelConfig, InputError, check_layout, read_hf_config)
+from megaopd.models.hf_config import HFModelConfig, InputError, check_layout, read_hf_config
 from megaopd.models.hf_io import safetensors_files
 
 
@@ -33,8 +34,10 @@ def validate_hf_dir(hf_dir: str) -> tuple[HFModelConfig, dict[str, str]]:
     files = safetensors_files(hf_dir)
     missing = [n for n in hf_shapes(cfg) if n not in files]
     if missing:
-        raise InputError(f"{hf_dir}: safetensors lack {len(missing)} tensors config.json implies "
-                         f"(first: {missing[0]}); the weights do not match config.json")
+        raise InputError(
+            f"{hf_dir}: safetensors lack {len(missing)} tensors config.json implies "
+            f"(first: {missing[0]}); the weights do not match config.json"
+        )
     return cfg, files
 
 
@@ -56,8 +59,7 @@ def hf_dtype(hf_dir: str) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str,
-                           ep: int = 1):
+def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, ep: int = 1):
     from megaopd.models.builder import StageInfo, build_gpt_model
     from megaopd.models.checkpoint import save_model_checkpoint
     from megaopd.models.hf_io import HFWeights
@@ -69,8 +71,7 @@ def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp:
     model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=dtype, init_weights=False, ep=ep)
     st = StageInfo.of(pgs)
     load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp, pgs.ep.rank(), ep)
-    save_model_checkpoint(model, out_dir, cfg, pgs, hf_side_dir=hf_dir,
-                          extra_meta={"source": os.path.abspath(hf_dir)})
+    save_model_checkpoint(model, out_dir, cfg, pgs, hf_side_dir=hf_dir, extra_meta={"source": os.path.abspath(hf_dir)})
     return rank
 
 
@@ -105,8 +106,8 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, t
 
     from megaopd.models.builder import build_gpt_model, torch_dtype
     from megaopd.models.checkpoint import load_model_checkpoint, read_checkpoint_meta
-    from megaopd.models.hf_io import save_hf_dir
     from megaopd.models.gather import gather_hf_weights, model_state
+    from megaopd.models.hf_io import save_hf_dir
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
     pgs = initialize_actor_layout(Layout(tp, pp))

@@ -9,6 +9,7 @@ stage's tensors come from models.weights.gather_stage_hf_weights (TP, and for a 
 this module adds the PP collection. Every collective tensor lives on the device of the shard it came from
 (the model's device), which is the device of the group's backend: CUDA under NCCL, CPU under gloo.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Mapping
@@ -17,8 +18,14 @@ import torch
 import torch.distributed as dist
 
 from megaopd.models.hf_config import HFModelConfig
-from megaopd.models.weights import (gather_stage_hf_weights, hf_shapes, model_state, stage_rules,
-                                    strip_wrapper_prefix, uses_fused_norms)
+from megaopd.models.weights import (
+    gather_stage_hf_weights,
+    hf_shapes,
+    model_state,
+    stage_rules,
+    strip_wrapper_prefix,
+    uses_fused_norms,
+)
 
 __all__ = ["gather_hf_weights", "model_state", "stage_hf_names"]
 
@@ -38,9 +45,15 @@ def stage_hf_names(cfg: HFModelConfig, pp_rank: int, pp_size: int, fused_norms: 
     return names
 
 
-def gather_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_group=None, pp_group=None,
-                      collect_pp: bool = True, dtype: torch.dtype | None = None,
-                      ep_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_hf_weights(
+    state: Mapping[str, torch.Tensor],
+    cfg: HFModelConfig,
+    tp_group=None,
+    pp_group=None,
+    collect_pp: bool = True,
+    dtype: torch.dtype | None = None,
+    ep_group=None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, full tensor) for the whole model, built from every rank's megatron shard.
 
     state: this rank's megatron tensors by name (model_state(model), or a state_dict; a `module.`

@@ -9,6 +9,7 @@ Qwen2.5 / Llama 3 files carry a top-level `rope_theta` (and `rope_scaling`), tra
 `rope_parameters = {"rope_theta": ..., "rope_type": ...}`. This module imports neither torch nor megatron,
 so the command-line tools validate their inputs in well under a second, before any expensive start-up.
 """
+
 from __future__ import annotations
 
 import json
@@ -132,7 +133,8 @@ def _rope(raw: Mapping[str, Any]) -> tuple[float, LlamaRopeScaling | None]:
             raise ModelConfigError(
                 f"llama3 RoPE scaling with low_freq_factor={s.low_freq_factor}, high_freq_factor="
                 f"{s.high_freq_factor}, original_max_position_embeddings={s.original_max_position_embeddings}"
-                " is not supported (megatron-core fixes them at 1, 4, 8192)")
+                " is not supported (megatron-core fixes them at 1, 4, 8192)"
+            )
         return float(theta), s
     raise ModelConfigError(f"RoPE type {rope_type!r} is not supported; supported: default, llama3")
 
@@ -145,7 +147,8 @@ def read_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> HFModelConf
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelConfigError(
             f"unsupported architecture {arch!r} (model_type {raw.get('model_type')!r}); supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     family = SUPPORTED_ARCHITECTURES[arch]
     try:
         hidden = int(raw["hidden_size"])
@@ -166,14 +169,20 @@ def read_hf_config(source: str | os.PathLike | Mapping[str, Any]) -> HFModelConf
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act {raw['hidden_act']!r} is not supported; megaopd maps SwiGLU (silu)")
     if family == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
-        raise ModelConfigError("Llama with attention_bias or mlp_bias is not supported (o_proj/MLP biases "
-                               "have no megatron equivalent here); supported: bias-free Llama")
+        raise ModelConfigError(
+            "Llama with attention_bias or mlp_bias is not supported (o_proj/MLP biases "
+            "have no megatron equivalent here); supported: bias-free Llama"
+        )
     if family in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window"):
-        raise ModelConfigError(f"{arch} with use_sliding_window=true is not supported; set it to false "
-                               "(all released Qwen2/2.5/3 checkpoints use full attention)")
+        raise ModelConfigError(
+            f"{arch} with use_sliding_window=true is not supported; set it to false "
+            "(all released Qwen2/2.5/3 checkpoints use full attention)"
+        )
     if family in ("qwen3", "qwen3_moe") and raw.get("attention_bias"):
-        raise ModelConfigError(f"{arch} with attention_bias=true is not supported (its o_proj bias has no "
-                               "megatron equivalent here); released Qwen3 checkpoints have attention_bias=false")
+        raise ModelConfigError(
+            f"{arch} with attention_bias=true is not supported (its o_proj bias has no "
+            "megatron equivalent here); released Qwen3 checkpoints have attention_bias=false"
+        )
     moe = _moe_fields(raw, arch) if family == "qwen3_moe" else {}
     theta, scaling = _rope(raw)
     dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").replace("torch.", "")
@@ -197,20 +206,30 @@ def _moe_fields(raw: Mapping[str, Any], arch: str) -> dict:
     # Released configs say num_experts; transformers 5 writes num_local_experts on save.
     n = raw.get("num_experts", raw.get("num_local_experts"))
     try:
-        fields = dict(num_experts=int(n), moe_intermediate_size=int(raw["moe_intermediate_size"]),
-                      moe_topk=int(raw["num_experts_per_tok"]))
+        fields = dict(
+            num_experts=int(n),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            moe_topk=int(raw["num_experts_per_tok"]),
+        )
     except (KeyError, TypeError):
-        raise ModelConfigError(f"{arch} config.json needs num_experts, moe_intermediate_size and "
-                               "num_experts_per_tok") from None
+        raise ModelConfigError(
+            f"{arch} config.json needs num_experts, moe_intermediate_size and num_experts_per_tok"
+        ) from None
     if not 1 <= fields["moe_topk"] <= fields["num_experts"]:
-        raise ModelConfigError(f"num_experts_per_tok={fields['moe_topk']} must be between 1 and "
-                               f"num_experts={fields['num_experts']}")
+        raise ModelConfigError(
+            f"num_experts_per_tok={fields['moe_topk']} must be between 1 and num_experts={fields['num_experts']}"
+        )
     if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
-        raise ModelConfigError(f"{arch} with dense layers (mlp_only_layers={raw.get('mlp_only_layers')}, "
-                               f"decoder_sparse_step={raw.get('decoder_sparse_step')}) is not supported; "
-                               "megaopd maps all-MoE layers (mlp_only_layers=[], decoder_sparse_step=1)")
-    return dict(fields, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.0)))
+        raise ModelConfigError(
+            f"{arch} with dense layers (mlp_only_layers={raw.get('mlp_only_layers')}, "
+            f"decoder_sparse_step={raw.get('decoder_sparse_step')}) is not supported; "
+            "megaopd maps all-MoE layers (mlp_only_layers=[], decoder_sparse_step=1)"
+        )
+    return dict(
+        fields,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.0)),
+    )
 
 
 def check_layout(cfg: HFModelConfig, tp: int, pp: int, ep: int = 1) -> None:
@@ -220,22 +239,30 @@ def check_layout(cfg: HFModelConfig, tp: int, pp: int, ep: int = 1) -> None:
     if ep > 1 and not cfg.is_moe:
         raise ModelConfigError(f"ep={ep} but {cfg.architecture} has no experts; use ep=1 for a dense model")
     if cfg.is_moe and cfg.num_experts % ep:
-        raise ModelConfigError(f"ep={ep} does not divide num_experts={cfg.num_experts}; "
-                               f"choose ep among {_divisors(cfg.num_experts)}")
+        raise ModelConfigError(
+            f"ep={ep} does not divide num_experts={cfg.num_experts}; choose ep among {_divisors(cfg.num_experts)}"
+        )
     if cfg.is_moe and cfg.moe_intermediate_size % tp:
-        raise ModelConfigError(f"tp={tp} does not divide moe_intermediate_size={cfg.moe_intermediate_size} "
-                               "(experts are split over TP like the dense MLP)")
+        raise ModelConfigError(
+            f"tp={tp} does not divide moe_intermediate_size={cfg.moe_intermediate_size} "
+            "(experts are split over TP like the dense MLP)"
+        )
     if cfg.num_attention_heads % tp:
-        raise ModelConfigError(f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}; "
-                               f"choose tp among {_divisors(cfg.num_attention_heads)}")
+        raise ModelConfigError(
+            f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}; "
+            f"choose tp among {_divisors(cfg.num_attention_heads)}"
+        )
     if cfg.num_key_value_heads % tp:
-        raise ModelConfigError(f"tp={tp} does not divide the {cfg.num_key_value_heads} key/value heads "
-                               f"(query groups); choose tp among {_divisors(cfg.num_key_value_heads)}")
+        raise ModelConfigError(
+            f"tp={tp} does not divide the {cfg.num_key_value_heads} key/value heads "
+            f"(query groups); choose tp among {_divisors(cfg.num_key_value_heads)}"
+        )
     if not cfg.is_moe and cfg.intermediate_size % tp:  # a MoE model's intermediate_size is unused
         raise ModelConfigError(f"tp={tp} does not divide intermediate_size={cfg.intermediate_size}")
     if cfg.num_layers % pp:
-        raise ModelConfigError(f"pp={pp} does not divide num_hidden_layers={cfg.num_layers}; "
-                               f"choose pp among {_divisors(cfg.num_layers)}")
+        raise ModelConfigError(
+            f"pp={pp} does not divide num_hidden_layers={cfg.num_layers}; choose pp among {_divisors(cfg.num_layers)}"
+        )
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY) -> int:

@@ -7,6 +7,7 @@
 Only safetensors are read: pytorch_model.bin files are pickles, and loading an untrusted pickle runs
 arbitrary code, so a directory that has only those is refused with the fix.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,16 @@ import torch
 from megaopd.models.hf_config import InputError
 
 # Files copied beside the weights so the output loads with AutoTokenizer / generate().
-SIDE_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab.", "merges.txt",
-                      "generation_config", "chat_template", "preprocessor_config")
+SIDE_FILE_PREFIXES = (
+    "tokenizer",
+    "special_tokens_map",
+    "added_tokens",
+    "vocab.",
+    "merges.txt",
+    "generation_config",
+    "chat_template",
+    "preprocessor_config",
+)
 INDEX_NAME = "model.safetensors.index.json"
 SHARD_BYTES = 4 * 1024**3  # one safetensors file per ~4 GiB, like save_pretrained
 
@@ -44,8 +53,10 @@ def safetensors_files(hf_dir: str) -> dict[str, str]:
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}
     if any(n.endswith(".bin") or n.endswith(".pt") for n in os.listdir(hf_dir)):
-        raise HFWeightsError(f"{hf_dir} has only pickle weights (*.bin); megaopd reads safetensors only: "
-                             "re-save with model.save_pretrained(dir, safe_serialization=True)")
+        raise HFWeightsError(
+            f"{hf_dir} has only pickle weights (*.bin); megaopd reads safetensors only: "
+            "re-save with model.save_pretrained(dir, safe_serialization=True)"
+        )
     raise HFWeightsError(f"no model.safetensors or {INDEX_NAME} in {hf_dir}")
 
 
@@ -87,8 +98,12 @@ def copy_side_files(src_dir: str, dst_dir: str, include_config: bool = True) -> 
     return copied
 
 
-def save_hf_dir(out_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], config_json: dict | None = None,
-                side_files_from: str | None = None) -> None:
+def save_hf_dir(
+    out_dir: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    config_json: dict | None = None,
+    side_files_from: str | None = None,
+) -> None:
     """Writes model.safetensors (sharded with an index past SHARD_BYTES) + config.json + side files.
 
     `tensors` is consumed as a stream: at most one shard is held in memory. Shards are written under
@@ -141,8 +156,10 @@ def tokenizer_dir(path: str) -> str:
     for candidate in (path, os.path.join(path, "hf")):
         if any(os.path.exists(os.path.join(candidate, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             return candidate
-    raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}: copy the "
-                            f"model's tokenizer files there (tools/convert_hf_to_megatron.py does it)")
+    raise FileNotFoundError(
+        f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {path!r}: copy the "
+        f"model's tokenizer files there (tools/convert_hf_to_megatron.py does it)"
+    )
 
 
 def load_tokenizer(path: str):

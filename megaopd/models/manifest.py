@@ -10,6 +10,7 @@ truncated shard, a lost or an added file is found before a byte of state is read
 A directory without manifest.json (an older megaopd, or a checkpoint from elsewhere) is "unverified":
 the caller decides what that means (megaopd loads it, through the restricted reader of safe_load).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -87,8 +88,12 @@ def hash_files(root: str, paths: list[str]) -> list[FileRecord]:
 
 def write_manifest(root: str, records: list[FileRecord], step: int | None) -> str:
     """Writes root/manifest.json atomically (after every file it lists: the caller's job)."""
-    body = {"format": FORMAT, "version": 1, "step": step,
-            "files": {r.path: {"size": r.size, "sha256": r.sha256} for r in sorted(records, key=lambda r: r.path)}}
+    body = {
+        "format": FORMAT,
+        "version": 1,
+        "step": step,
+        "files": {r.path: {"size": r.size, "sha256": r.sha256} for r in sorted(records, key=lambda r: r.path)},
+    }
     path = os.path.join(root, MANIFEST)
     with open(path + ".tmp", "w") as f:
         json.dump(body, f, indent=1)
@@ -112,8 +117,10 @@ def read_manifest(root: str) -> Manifest | None:
         step = body.get("step")
         return Manifest(int(step) if step is not None else None, files)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ManifestError(f"{path} is not a readable megaopd manifest ({e}); the checkpoint cannot be "
-                            f"verified: use an earlier checkpoint") from None
+        raise ManifestError(
+            f"{path} is not a readable megaopd manifest ({e}); the checkpoint cannot be "
+            f"verified: use an earlier checkpoint"
+        ) from None
 
 
 def verify(root: str, skip: tuple[str, ...] = (), manifest: Manifest | None = None) -> str | None:
@@ -133,11 +140,15 @@ def verify(root: str, skip: tuple[str, ...] = (), manifest: Manifest | None = No
     for rel in present:  # sizes first: a truncated file is named without hashing the rest
         size = os.path.getsize(os.path.join(root, rel))
         if size != listed[rel].size:
-            return (f"{os.path.join(root, rel)} is {size} bytes, its {MANIFEST} says {listed[rel].size} "
-                    f"(truncated or overwritten)")
+            return (
+                f"{os.path.join(root, rel)} is {size} bytes, its {MANIFEST} says {listed[rel].size} "
+                f"(truncated or overwritten)"
+            )
     for record in hash_files(root, present):
         rel, digest = record.path, record.sha256
         if digest != listed[rel].sha256:
-            return f"{os.path.join(root, rel)} differs from its {MANIFEST} (sha256 {digest[:12]}..., " \
-                   f"recorded {listed[rel].sha256[:12]}...): the file is corrupted or was changed"
+            return (
+                f"{os.path.join(root, rel)} differs from its {MANIFEST} (sha256 {digest[:12]}..., "
+                f"recorded {listed[rel].sha256[:12]}...): the file is corrupted or was changed"
+            )
     return None

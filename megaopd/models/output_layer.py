@@ -13,6 +13,7 @@ logits are never made, and the gradients it returns to the hidden states go thro
 as the output layer's would. The weight stays the model's parameter (tied to the embedding or not), so
 DDP, the optimizer and checkpoints see nothing new.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,6 +52,7 @@ def _deferred_forward(layer):
         else:
             hidden = input_
         return hidden, None
+
     return forward
 
 

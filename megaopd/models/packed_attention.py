@@ -22,6 +22,7 @@ megaopd (chosen by `compat.decoder_block_spec`, not by branches in model code):
 Attention dropout is not applied on the packed path (megaopd's configs set it to 0; a nonzero value is
 refused).
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,8 +51,9 @@ def _varlen_attn():
 class PackedDotProductAttention(DotProductAttention):
     """megatron's local core attention, plus packed sequences (see the module docstring)."""
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is None:
             if self._padded_sdpa(query, attention_mask, attn_mask_type, attention_bias):
                 return self._causal_sdpa(query, key, value)
@@ -72,9 +74,13 @@ class PackedDotProductAttention(DotProductAttention):
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         varlen = _varlen_attn()
         head_dim = query.shape[-1]
-        default_scale = abs(scale - head_dim ** -0.5) < 1e-12 * head_dim ** -0.5
-        if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and varlen is not None
-                and ("scale" in varlen[1] or default_scale)):
+        default_scale = abs(scale - head_dim**-0.5) < 1e-12 * head_dim**-0.5
+        if (
+            query.is_cuda
+            and query.dtype in (torch.float16, torch.bfloat16)
+            and varlen is not None
+            and ("scale" in varlen[1] or default_scale)
+        ):
             fn, params = varlen
             cu32 = cu.to(device=query.device, dtype=torch.int32)
             m = int(packed_seq_params.max_seqlen_q)
@@ -99,11 +105,16 @@ class PackedDotProductAttention(DotProductAttention):
         """The padded path takes torch's fused causal attention: CUDA, causal, no mask tensor, no bias,
         no dropout while training, no sliding window, no attention sinks."""
         # (megatron's local attention ignores the attn_mask_type argument and masks by its own type)
-        return (query.is_cuda and attention_mask is None and attention_bias is None
-                and self.attn_mask_type == AttnMaskType.causal and query.shape[0] > 0
-                and not (self.training and self.attention_dropout.p > 0)
-                and getattr(self.config, "window_size", None) is None
-                and getattr(self, "softmax_offset", None) is None)
+        return (
+            query.is_cuda
+            and attention_mask is None
+            and attention_bias is None
+            and self.attn_mask_type == AttnMaskType.causal
+            and query.shape[0] > 0
+            and not (self.training and self.attention_dropout.p > 0)
+            and getattr(self.config, "window_size", None) is None
+            and getattr(self, "softmax_offset", None) is None
+        )
 
     def _causal_sdpa(self, query, key, value):
         """[s, b, heads, d] q/k/v -> [s, b, heads * d]; KV heads repeated for grouped-query attention so
@@ -124,8 +135,9 @@ LENGTH_RATIO = 1.25
 MAX_BATCH_SCORES = 1 << 24
 
 
-def length_batches(lengths: list[int], ratio: float = LENGTH_RATIO, max_scores: int = MAX_BATCH_SCORES,
-                   heads: int = 1) -> list[list[int]]:
+def length_batches(
+    lengths: list[int], ratio: float = LENGTH_RATIO, max_scores: int = MAX_BATCH_SCORES, heads: int = 1
+) -> list[list[int]]:
     """Indices of the non-empty sequences, longest first, cut into batches whose longest is at most `ratio`
     times their shortest and whose [n, heads, longest, longest] scores hold at most `max_scores` elements
     (a sequence longer than that is a batch of its own)."""
@@ -140,8 +152,9 @@ def length_batches(lengths: list[int], ratio: float = LENGTH_RATIO, max_scores: 
     return batches
 
 
-def causal_by_length(query, key, value, bounds: list[int], scale: float, gqa: bool,
-                     max_scores: int = MAX_BATCH_SCORES) -> torch.Tensor:
+def causal_by_length(
+    query, key, value, bounds: list[int], scale: float, gqa: bool, max_scores: int = MAX_BATCH_SCORES
+) -> torch.Tensor:
     """Causal self-attention within each sequence of a packed row: q [t, hq, d], k/v [t, hk, d], sequence i
     at [bounds[i], bounds[i+1]) with bounds[0] = 0 and bounds[-1] = t -> [t, hq, d].
 
@@ -167,8 +180,12 @@ def causal_by_length(query, key, value, bounds: list[int], scale: float, gqa: bo
         real = valid.reshape(-1).nonzero().squeeze(1)
         positions.append(index.reshape(-1)[real])
         index, valid, real = (x.to(device, non_blocking=True) for x in (index.reshape(-1), valid, real))
-        q, k, v = (torch.where(valid[:, :, None, None], x.index_select(0, index).view(n, longest, *x.shape[1:]), 0.0)
-                   .transpose(1, 2) for x in (query, key, value))  # [n, heads, longest, d], padding zero
+        q, k, v = (
+            torch.where(
+                valid[:, :, None, None], x.index_select(0, index).view(n, longest, *x.shape[1:]), 0.0
+            ).transpose(1, 2)
+            for x in (query, key, value)
+        )  # [n, heads, longest, d], padding zero
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         outs.append(out.transpose(1, 2).reshape(-1, *query.shape[1:]).index_select(0, real))
     order = torch.empty(t, dtype=torch.long)

@@ -1,4 +1,5 @@
 """The job-size check of the model tools; running on ranks is megaopd.parallel.launch.run_on_ranks."""
+
 from __future__ import annotations
 
 import os
@@ -12,5 +13,7 @@ def check_world(model_parallel_size: int) -> None:
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
         if world % model_parallel_size:
-            raise InputError(f"the job has {world} ranks, not a multiple of tp*pp = {model_parallel_size}; "
-                             "launch tp*pp (or a multiple) ranks")
+            raise InputError(
+                f"the job has {world} ranks, not a multiple of tp*pp = {model_parallel_size}; "
+                "launch tp*pp (or a multiple) ranks"
+            )

@@ -21,6 +21,7 @@ the module function `_get_filesystem_reader`, with no parameter for a reader of 
 swaps that one function for the duration of its own calls (under a lock; megatron-core 0.16). Nothing else
 is patched, and nothing stays patched after the call.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,19 +37,41 @@ from megaopd.models.hf_config import InputError
 
 # (module, name) of every global torch DCP's .metadata is made of (torch 2.x). Dtypes are admitted by value
 # (any torch.<name> that is a torch.dtype), not listed.
-METADATA_GLOBALS = frozenset({
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a layout by its name ('torch.strided')
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of a plain torch DCP save (a path, built from its parts)
-    *(("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    *(("torch.distributed.checkpoint.planner", n) for n in (
-        "SavePlan", "LoadPlan", "WriteItem", "WriteItemType", "ReadItem", "LoadItemType", "TensorWriteData",
-        "BytesIOWriteData")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-})
+METADATA_GLOBALS = frozenset(
+    {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name ('torch.strided')
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of a plain torch DCP save (a path, built from its parts)
+        *(
+            ("torch.distributed.checkpoint.metadata", n)
+            for n in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        *(
+            ("torch.distributed.checkpoint.planner", n)
+            for n in (
+                "SavePlan",
+                "LoadPlan",
+                "WriteItem",
+                "WriteItemType",
+                "ReadItem",
+                "LoadItemType",
+                "TensorWriteData",
+                "BytesIOWriteData",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    }
+)
 _HOW = "load only checkpoints from a source you trust; megaopd's own hold nothing else"
 
 
@@ -57,8 +80,10 @@ class UnsafeCheckpointError(InputError):
 
 
 def _refusal(path: str, what: str) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(f"{path} pickles {what}, which a checkpoint's metadata is never made of: "
-                                 f"refused without loading it (it could run code); {_HOW}")
+    return UnsafeCheckpointError(
+        f"{path} pickles {what}, which a checkpoint's metadata is never made of: "
+        f"refused without loading it (it could run code); {_HOW}"
+    )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -67,8 +92,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.path = path
 
     def find_class(self, module, name):
-        if (module, name) in METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                    torch.dtype)):
+        if (module, name) in METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise _refusal(self.path, f"{module}.{name}")
 
@@ -81,8 +107,10 @@ def read_metadata(path: str):
         except UnsafeCheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - a truncated or garbled pickle: name the file
-            raise InputError(f"{path} is not readable torch DCP metadata ({type(e).__name__}: {e}); "
-                             f"the checkpoint is damaged: use an earlier one") from None
+            raise InputError(
+                f"{path} is not readable torch DCP metadata ({type(e).__name__}: {e}); "
+                f"the checkpoint is damaged: use an earlier one"
+            ) from None
 
 
 def _common_globals() -> list:
@@ -119,8 +147,9 @@ class _CheckedBytes:
 
 
 def _reader_class():
-    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import \
-        CachedMetadataFileSystemReader
+    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader,
+    )
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(CachedMetadataFileSystemReader):
@@ -184,8 +213,10 @@ def _strategies():
             return torch_load(path, path)
 
         def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
-            raise InputError(f"{checkpoint_dir}: sharded objects outside the torch_dist shards are not read by "
-                             f"megaopd (a pickle per object); re-save the checkpoint with the torch_dist format")
+            raise InputError(
+                f"{checkpoint_dir}: sharded objects outside the torch_dist shards are not read by "
+                f"megaopd (a pickle per object); re-save the checkpoint with the torch_dist format"
+            )
 
     return SafeTorchDistLoadStrategy(), SafeCommonLoadStrategy()
 
@@ -195,8 +226,7 @@ def load_safely(sharded_state_dict, checkpoint_dir: str):
     from megatron.core import dist_checkpointing
 
     sharded, common = _strategies()
-    return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, sharded_strategy=sharded,
-                                   common_strategy=common)
+    return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, sharded_strategy=sharded, common_strategy=common)
 
 
 def check_pickles(checkpoint_dir: str) -> None:

@@ -9,6 +9,7 @@ states (the fused output layer); it is re-exported here for the model-side calle
 
 Legend: B batch, S sequence, v this rank's vocab shard width.
 """
+
 from __future__ import annotations
 
 from megaopd.ops.head import PAD_LOGIT, mask_vocab_padding

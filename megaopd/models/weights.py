@@ -29,6 +29,7 @@ Vp = V padded to a multiple of 128 * TP):
 Tied embeddings: with PP > 1 the last stage holds its own copy as output_layer.weight (megatron keeps
 the two in sync); it is filled from embed_tokens and never exported. With PP = 1 there is no copy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,10 +42,10 @@ from megaopd.models.hf_config import HFModelConfig, layers_per_stage, padded_voc
 
 # How a megatron tensor is split over TP and combined from HF tensors.
 REPLICATED = "replicated"  # same on every TP rank (norms)
-ROW = "row"                # row-parallel linear: HF dim 1 (input features) split in tp chunks
-QKV = "qkv"                # fused q/k/v, interleaved by query group, groups split over TP
-FC1 = "fc1"                # [gate; up], each split over TP on dim 0 and concatenated per rank
-VOCAB = "vocab"            # rows padded to Vp with zeros, then split over TP on dim 0
+ROW = "row"  # row-parallel linear: HF dim 1 (input features) split in tp chunks
+QKV = "qkv"  # fused q/k/v, interleaved by query group, groups split over TP
+FC1 = "fc1"  # [gate; up], each split over TP on dim 0 and concatenated per rank
+VOCAB = "vocab"  # rows padded to Vp with zeros, then split over TP on dim 0
 
 HFGetter = Callable[[str], torch.Tensor]
 
@@ -74,13 +75,21 @@ def _expert_rules(cfg: HFModelConfig, m: str, h: str, ep_rank: int, ep_size: int
     rules = [WeightRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), REPLICATED)]
     for j in range(per_rank):
         e, x = f"{h}mlp.experts.{ep_rank * per_rank + j}.", f"{m}mlp.experts.local_experts.{j}."
-        rules += [WeightRule(x + "linear_fc1.weight", (e + "gate_proj.weight", e + "up_proj.weight"), FC1, expert=True),
-                  WeightRule(x + "linear_fc2.weight", (e + "down_proj.weight",), ROW, expert=True)]
+        rules += [
+            WeightRule(x + "linear_fc1.weight", (e + "gate_proj.weight", e + "up_proj.weight"), FC1, expert=True),
+            WeightRule(x + "linear_fc2.weight", (e + "down_proj.weight",), ROW, expert=True),
+        ]
     return rules
 
 
-def stage_rules(cfg: HFModelConfig, pp_rank: int = 0, pp_size: int = 1,
-                fused_norms: bool = False, ep_rank: int = 0, ep_size: int = 1) -> list[WeightRule]:
+def stage_rules(
+    cfg: HFModelConfig,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    fused_norms: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> list[WeightRule]:
     """The rules of PP stage `pp_rank` on expert-parallel rank `ep_rank`, in a fixed order.
 
     Only the expert rules (rule.expert) depend on ep_rank; the others are the same on every EP rank
@@ -96,19 +105,24 @@ def stage_rules(cfg: HFModelConfig, pp_rank: int = 0, pp_size: int = 1,
         m, h = f"decoder.layers.{i}.", f"model.layers.{offset + i}."
         in_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
         # A MoE layer keeps its own pre-MLP norm even with Transformer Engine (nothing to fuse it into).
-        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not cfg.is_moe \
-            else "pre_mlp_layernorm.weight"
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not cfg.is_moe else "pre_mlp_layernorm.weight"
         rules += [
             WeightRule(m + in_norm, (h + "input_layernorm.weight",), REPLICATED),
-            WeightRule(m + "self_attention.linear_qkv.weight",
-                       tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), QKV),
+            WeightRule(
+                m + "self_attention.linear_qkv.weight", tuple(h + f"self_attn.{p}_proj.weight" for p in "qkv"), QKV
+            ),
         ]
         if cfg.qkv_bias:
-            rules.append(WeightRule(m + "self_attention.linear_qkv.bias",
-                                    tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), QKV))
+            rules.append(
+                WeightRule(
+                    m + "self_attention.linear_qkv.bias", tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), QKV
+                )
+            )
         if cfg.qk_layernorm:  # one [head_dim] weight shared by all heads: replicated over TP
-            rules += [WeightRule(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), REPLICATED),
-                      WeightRule(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), REPLICATED)]
+            rules += [
+                WeightRule(m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), REPLICATED),
+                WeightRule(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), REPLICATED),
+            ]
         rules += [
             WeightRule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), ROW),
             WeightRule(m + mlp_norm, (h + "post_attention_layernorm.weight",), REPLICATED),
@@ -166,8 +180,10 @@ def hf_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------------------------------------
 # Single-process cores: one rule, explicit TP rank, no communication.
 
-def shard_tensor(rule: WeightRule, hf: Sequence[torch.Tensor], cfg: HFModelConfig,
-                 tp_rank: int, tp_size: int) -> torch.Tensor:
+
+def shard_tensor(
+    rule: WeightRule, hf: Sequence[torch.Tensor], cfg: HFModelConfig, tp_rank: int, tp_size: int
+) -> torch.Tensor:
     """TP shard `tp_rank` of the megatron tensor built from the HF tensors of `rule` (in rule.hf order)."""
     if rule.kind == REPLICATED:
         return hf[0]
@@ -189,7 +205,7 @@ def shard_tensor(rule: WeightRule, hf: Sequence[torch.Tensor], cfg: HFModelConfi
         # [ng, (nq + 2) d, *rest]: each query group's q heads, then its k head, then its v head
         fused = torch.cat([q.reshape(ng, nq * d, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)], 1)
         per_rank = ng // tp_size
-        return fused[tp_rank * per_rank:(tp_rank + 1) * per_rank].reshape(-1, *rest)
+        return fused[tp_rank * per_rank : (tp_rank + 1) * per_rank].reshape(-1, *rest)
     raise ValueError(f"unknown rule kind {rule.kind!r}")
 
 
@@ -214,8 +230,8 @@ def merge_shards(rule: WeightRule, shards: Sequence[torch.Tensor], cfg: HFModelC
         rest = tuple(full.shape[1:])
         full = full.reshape(ng, (nq + 2) * d, *rest)
         q = full[:, : nq * d].reshape(ng * nq * d, *rest).clone()
-        k = full[:, nq * d:(nq + 1) * d].reshape(ng * d, *rest).clone()
-        v = full[:, (nq + 1) * d:].reshape(ng * d, *rest).clone()
+        k = full[:, nq * d : (nq + 1) * d].reshape(ng * d, *rest).clone()
+        v = full[:, (nq + 1) * d :].reshape(ng * d, *rest).clone()
         return [q, k, v]
     raise ValueError(f"unknown rule kind {rule.kind!r}")
 
@@ -223,9 +239,18 @@ def merge_shards(rule: WeightRule, shards: Sequence[torch.Tensor], cfg: HFModelC
 # ---------------------------------------------------------------------------------------------------
 # HF -> this rank's megatron shard.
 
-def shard_hf_weights(get_hf: HFGetter | Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_rank: int,
-                     tp_size: int, pp_rank: int = 0, pp_size: int = 1,
-                     fused_norms: bool = False, ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+
+def shard_hf_weights(
+    get_hf: HFGetter | Mapping[str, torch.Tensor],
+    cfg: HFModelConfig,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    fused_norms: bool = False,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> dict[str, torch.Tensor]:
     """{megatron name: this rank's shard} for PP stage pp_rank, TP rank tp_rank, EP rank ep_rank.
 
     get_hf: a mapping or a function name -> full HF tensor; only the tensors this stage needs are
@@ -239,8 +264,10 @@ def shard_hf_weights(get_hf: HFGetter | Mapping[str, torch.Tensor], cfg: HFModel
         for name in rule.hf:
             t = get(name)
             if tuple(t.shape) != expected[name]:
-                raise ValueError(f"HF tensor {name} has shape {tuple(t.shape)}, config.json implies "
-                                 f"{expected[name]}; the weights do not belong to this config")
+                raise ValueError(
+                    f"HF tensor {name} has shape {tuple(t.shape)}, config.json implies "
+                    f"{expected[name]}; the weights do not belong to this config"
+                )
             tensors.append(t)
         out[rule.megatron] = shard_tensor(rule, tensors, cfg, tp_rank, tp_size)
     return out
@@ -256,17 +283,28 @@ def uses_fused_norms(names) -> bool:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, get_hf: HFGetter | Mapping[str, torch.Tensor],
-                    cfg: HFModelConfig, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1,
-                    ep_rank: int = 0, ep_size: int = 1) -> None:
+def load_hf_weights(
+    model: torch.nn.Module,
+    get_hf: HFGetter | Mapping[str, torch.Tensor],
+    cfg: HFModelConfig,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> None:
     """Copies HF weights into this rank's GPTModel stage (in place; dtype must match for exactness)."""
     params = model_state(model)
-    shards = shard_hf_weights(get_hf, cfg, tp_rank, tp_size, pp_rank, pp_size, uses_fused_norms(params),
-                              ep_rank, ep_size)
+    shards = shard_hf_weights(
+        get_hf, cfg, tp_rank, tp_size, pp_rank, pp_size, uses_fused_norms(params), ep_rank, ep_size
+    )
     missing, unexpected = set(params) - set(shards), set(shards) - set(params)
     if missing or unexpected:
-        raise ValueError(f"weight mapping does not match the model: megatron params without HF source "
-                         f"{sorted(missing)[:4]}, mapped names absent from the model {sorted(unexpected)[:4]}")
+        raise ValueError(
+            f"weight mapping does not match the model: megatron params without HF source "
+            f"{sorted(missing)[:4]}, mapped names absent from the model {sorted(unexpected)[:4]}"
+        )
     for name, p in params.items():
         src = shards[name]
         if src.shape != p.shape:
@@ -277,9 +315,16 @@ def load_hf_weights(model: torch.nn.Module, get_hf: HFGetter | Mapping[str, torc
 # ---------------------------------------------------------------------------------------------------
 # This stage's shards at any TP x EP -> full HF tensors (collective over TP and EP).
 
-def gather_stage_hf_weights(state: Mapping[str, torch.Tensor], cfg: HFModelConfig, tp_group=None,
-                            ep_group=None, pp_rank: int = 0, pp_size: int = 1,
-                            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+
+def gather_stage_hf_weights(
+    state: Mapping[str, torch.Tensor],
+    cfg: HFModelConfig,
+    tp_group=None,
+    ep_group=None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, full tensor) for every exported tensor of PP stage `pp_rank`, on every rank of
     the stage (no PP traffic: a weight-sync sender per stage streams them; a converter collects them).
 
@@ -322,5 +367,5 @@ def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
 def strip_wrapper_prefix(name: str) -> str:
     """A parameter name without wrapper prefixes (DDP's `module.`)."""
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     return name

@@ -11,7 +11,8 @@ the logits and small per-token stats instead of saving it. Ops are per-token: ca
     vocab_parallel_entropy(logits, group=None, temperature=1.0, chunk_size=None) -> [...]
     vocab_parallel_kl(logits_p, logits_q, group=None, temperature=1.0, chunk_size=None) -> [...]
     vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=1.0, chunk_size=None,
-                               with_entropy=False, overwrite_q=False) -> (logprobs [...], kl [...], entropy [...] or None)
+                               with_entropy=False, overwrite_q=False) -> (logprobs [...], kl [...], entropy [...] or
+                               None)
         fused: one pass and one backward for the student's sampled-token log-probs, KL(p||q) to a
         frozen reference q (no gradient for q) and optionally the entropy metric (fused.py); overwrite_q:
         the backward writes the gradient into q's memory (a caller that drops q after backward)
@@ -35,6 +36,7 @@ Formulas and gradients: the docstrings of logprobs.py, divergence.py, fused.py, 
 the tensor-name legend: _common.py. Tests: pytest tests/ops -x (TP=2/4 spawned tests are marked slow;
 tests/ops/test_triton.py runs the Triton path through Triton's interpreter on CPU).
 """
+
 from megaopd.ops._common import vocab_range
 from megaopd.ops.divergence import vocab_parallel_jsd, vocab_parallel_kl
 from megaopd.ops.fused import vocab_parallel_logprobs_kl

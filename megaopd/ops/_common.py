@@ -18,6 +18,7 @@ accurate to float32 rounding of O(1) numbers even when the logits are ~1e4 (thei
 Backward passes need no communication: the softmax of the local shard is recomputed from the saved
 logits and the saved per-token (M, log S), chunk by chunk over tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -88,11 +89,14 @@ def flatten_tokens(x: torch.Tensor, name: str) -> torch.Tensor:
 def check_same_tokens(leading: torch.Size, other: torch.Tensor, name: str, trailing: int = 0) -> None:
     got = other.shape[: other.dim() - trailing] if trailing else other.shape
     if tuple(got) != tuple(leading):
-        raise ValueError(f"{name} has leading shape {tuple(got)}, expected {tuple(leading)} "
-                         f"(the logits' shape without the vocabulary dimension)")
+        raise ValueError(
+            f"{name} has leading shape {tuple(got)}, expected {tuple(leading)} "
+            f"(the logits' shape without the vocabulary dimension)"
+        )
 
 
 # ---- per-chunk math (no communication) ---------------------------------------------------------------
+
 
 def shifted(raw_cV: torch.Tensor, max_c: torch.Tensor, temperature: float) -> torch.Tensor:
     """(raw - max) / temperature as a NEW float32 [c, V] tensor (safe to modify in place).
@@ -126,6 +130,7 @@ def local_max_sumexp(logits_TV: torch.Tensor, temperature: float, chunks: list[s
 
 # ---- cross-rank combination (the collectives) --------------------------------------------------------
 
+
 def global_max(local_max, temperature, group):
     """All-reduce MAX of per-token shard maxima (any shape [..., T]).
 
@@ -141,8 +146,7 @@ def global_max_log_sumexp(local_max_T, local_sumexp_T, temperature, group, *extr
     """Global (max_T, log_sumexp_T) from per-shard stats; `extra_sums_T` (already additive over ranks,
     e.g. a gathered logit that only its owner contributes) ride in the same SUM all-reduce."""
     max_T, _, scale_T = global_max(local_max_T, temperature, group)
-    sums_nT = all_reduce_(torch.stack([local_sumexp_T * scale_T, *extra_sums_T]), dist.ReduceOp.SUM,
-                          group)
+    sums_nT = all_reduce_(torch.stack([local_sumexp_T * scale_T, *extra_sums_T]), dist.ReduceOp.SUM, group)
     return max_T, sums_nT[0].log(), sums_nT[1:]
 
 
@@ -168,7 +172,7 @@ def triton_available() -> bool:
 
 
 def resolve_impl(impl: str, logits: torch.Tensor) -> str:
-    """"triton" or "torch" for an op on `logits`. auto: the Triton kernels (_triton.py) on CUDA when triton
+    """ "triton" or "torch" for an op on `logits`. auto: the Triton kernels (_triton.py) on CUDA when triton
     is installed, the torch path (the reference) otherwise. "triton" on CPU tensors runs only under Triton's
     interpreter (TRITON_INTERPRET=1, read by triton when the kernels are first imported: the tests)."""
     if impl not in IMPLS:
@@ -177,9 +181,13 @@ def resolve_impl(impl: str, logits: torch.Tensor) -> str:
         return "triton" if logits.is_cuda and triton_available() else "torch"
     if impl == "triton":
         if not triton_available():
-            raise ValueError("impl='triton' needs the triton package (pip install triton==3.7.1; "
-                             "scripts/install.sh installs it), or pass impl='torch'")
+            raise ValueError(
+                "impl='triton' needs the triton package (pip install triton==3.7.1; "
+                "scripts/install.sh installs it), or pass impl='torch'"
+            )
         if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"impl='triton' on {logits.device.type} tensors needs Triton's interpreter: set "
-                             f"TRITON_INTERPRET=1 before megaopd.ops' kernels are first used, or pass impl='torch'")
+            raise ValueError(
+                f"impl='triton' on {logits.device.type} tensors needs Triton's interpreter: set "
+                f"TRITON_INTERPRET=1 before megaopd.ops' kernels are first used, or pass impl='torch'"
+            )
     return impl

@@ -25,11 +25,11 @@ log S per token, log p = (raw - M) / temperature - log S, and per-token coeffici
             log m = logaddexp(log(1 - beta) + log p, log beta + log q)            (JSD)
 jsd_kernel: sum p (log p - log m) and sum q (log q - log m) per (split, token), for global M, log S.
 """
+
 from __future__ import annotations
 
 # (Kernels spell -inf as the literal float("-inf"): compiled Triton reads no module globals but constexprs,
 # and the interpreter, which the CPU tests use, would not notice one.)
-
 import triton
 import triton.language as tl
 
@@ -44,9 +44,22 @@ def _rescale(m, m_new, inv_temp):
 
 
 @triton.jit
-def stats_kernel(p_ptr, q_ptr, out_ptr, T, V, stride_p, stride_q, split_size, inv_temp,
-                 HAS_Q: tl.constexpr, WITH_XEXP: tl.constexpr, WITH_DIFF: tl.constexpr, BLOCK: tl.constexpr,
-                 STAGES: tl.constexpr):
+def stats_kernel(
+    p_ptr,
+    q_ptr,
+    out_ptr,
+    T,
+    V,
+    stride_p,
+    stride_q,
+    split_size,
+    inv_temp,
+    HAS_Q: tl.constexpr,
+    WITH_XEXP: tl.constexpr,
+    WITH_DIFF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     row = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -104,10 +117,30 @@ def _logaddexp(a, b):
 
 
 @triton.jit
-def grad_kernel(p_ptr, q_ptr, gp_ptr, gq_ptr, tok_ptr, ids_ptr, T, V, stride_p, stride_q, stride_gp, stride_gq,
-                split_size, inv_temp, log_a, log_b,
-                MODE: tl.constexpr, WRITE_P: tl.constexpr, WRITE_Q: tl.constexpr, HAS_ONEHOT: tl.constexpr,
-                BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def grad_kernel(
+    p_ptr,
+    q_ptr,
+    gp_ptr,
+    gq_ptr,
+    tok_ptr,
+    ids_ptr,
+    T,
+    V,
+    stride_p,
+    stride_q,
+    stride_gp,
+    stride_gq,
+    split_size,
+    inv_temp,
+    log_a,
+    log_b,
+    MODE: tl.constexpr,
+    WRITE_P: tl.constexpr,
+    WRITE_Q: tl.constexpr,
+    HAS_ONEHOT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     row = tl.program_id(0)
     split = tl.program_id(1)
     start = split * split_size
@@ -157,8 +190,22 @@ def grad_kernel(p_ptr, q_ptr, gp_ptr, gq_ptr, tok_ptr, ids_ptr, T, V, stride_p, 
 
 
 @triton.jit
-def jsd_kernel(p_ptr, q_ptr, tok_ptr, out_ptr, T, V, stride_p, stride_q, split_size, inv_temp, log_a, log_b,
-               BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def jsd_kernel(
+    p_ptr,
+    q_ptr,
+    tok_ptr,
+    out_ptr,
+    T,
+    V,
+    stride_p,
+    stride_q,
+    split_size,
+    inv_temp,
+    log_a,
+    log_b,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     row = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)

@@ -17,6 +17,7 @@ chunk_size does not apply (no [chunk, V] buffers exist here). On CPU tensors thi
 interpreter (TRITON_INTERPRET=1), which is how the tests run it.
 Tensor-name legend: megaopd/ops/_common.py.   Tests: pytest tests/ops -k triton.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,9 +82,23 @@ def _stats(p_TV, q_TV, temperature, with_xexp, with_diff):
     out = torch.zeros(K.STATS_ROWS, L.splits, T, dtype=torch.float32, device=p_TV.device)
     if T:
         q = q_TV if q_TV is not None else p_TV
-        K.stats_kernel[(T, L.splits)](p_TV, q, out, T, V, p_TV.stride(0), q.stride(0), L.split_size,
-                                      1.0 / temperature, HAS_Q=q_TV is not None, WITH_XEXP=with_xexp,
-                                      WITH_DIFF=with_diff, BLOCK=L.block, STAGES=L.stages, num_warps=L.warps)
+        K.stats_kernel[(T, L.splits)](
+            p_TV,
+            q,
+            out,
+            T,
+            V,
+            p_TV.stride(0),
+            q.stride(0),
+            L.split_size,
+            1.0 / temperature,
+            HAS_Q=q_TV is not None,
+            WITH_XEXP=with_xexp,
+            WITH_DIFF=with_diff,
+            BLOCK=L.block,
+            STAGES=L.stages,
+            num_warps=L.warps,
+        )
     return out
 
 
@@ -126,8 +141,11 @@ def _grad(mode, p_TV, q_TV, tok_nT, ids_T, temperature, write_p, write_q, out_p=
     """Launch grad_kernel; returns (grad_p or None, grad_q or None) in the logits' dtypes."""
     T, V = p_TV.shape
     L = launch_config(T, V, p_TV.device)
-    gp = (out_p if out_p is not None else torch.empty(p_TV.shape, dtype=p_TV.dtype, device=p_TV.device)) \
-        if write_p else None
+    gp = (
+        (out_p if out_p is not None else torch.empty(p_TV.shape, dtype=p_TV.dtype, device=p_TV.device))
+        if write_p
+        else None
+    )
     gq = torch.empty(q_TV.shape, dtype=q_TV.dtype, device=q_TV.device) if write_q else None
     q = q_TV if q_TV is not None else p_TV
     tok = torch.zeros(K.TOKEN_ROWS, T, dtype=torch.float32, device=p_TV.device)
@@ -135,10 +153,30 @@ def _grad(mode, p_TV, q_TV, tok_nT, ids_T, temperature, write_p, write_q, out_p=
     if T:
         dummy_p, dummy_q = gp if gp is not None else p_TV, gq if gq is not None else q
         K.grad_kernel[(T, L.splits)](
-            p_TV, q, dummy_p, dummy_q, tok, ids_T if ids_T is not None else tok, T, V, p_TV.stride(0), q.stride(0),
-            dummy_p.stride(0), dummy_q.stride(0), L.split_size, 1.0 / temperature, log_ab[0], log_ab[1],
-            MODE=mode, WRITE_P=write_p, WRITE_Q=write_q, HAS_ONEHOT=ids_T is not None, BLOCK=L.block,
-            STAGES=L.stages, num_warps=L.warps)
+            p_TV,
+            q,
+            dummy_p,
+            dummy_q,
+            tok,
+            ids_T if ids_T is not None else tok,
+            T,
+            V,
+            p_TV.stride(0),
+            q.stride(0),
+            dummy_p.stride(0),
+            dummy_q.stride(0),
+            L.split_size,
+            1.0 / temperature,
+            log_ab[0],
+            log_ab[1],
+            MODE=mode,
+            WRITE_P=write_p,
+            WRITE_Q=write_q,
+            HAS_ONEHOT=ids_T is not None,
+            BLOCK=L.block,
+            STAGES=L.stages,
+            num_warps=L.warps,
+        )
     return gp, gq
 
 
@@ -218,10 +256,24 @@ class PairOp(torch.autograd.Function):
         a = grad_kl.float() / tau if grad_kl is not None else zero  # dp = p (a (log p - log q) - a KL - b) + b 1[id]
         b = grad_logprobs.float() / tau if grad_logprobs is not None else zero
         rows = _token_rows(m_p, ls_p, m_q, ls_q, a=a, c=-(a * kl + b), d=b, g=a)
-        reuse = (ctx.overwrite_q and not need_q and q_TV.dtype == p_TV.dtype and q_TV.is_contiguous()
-                 and p_TV.shape == q_TV.shape)
-        gp, gq = _grad(1, p_TV, q_TV, rows, local_T if grad_logprobs is not None else None, tau, need_p,
-                       need_q and grad_kl is not None, out_p=q_TV if reuse else None)
+        reuse = (
+            ctx.overwrite_q
+            and not need_q
+            and q_TV.dtype == p_TV.dtype
+            and q_TV.is_contiguous()
+            and p_TV.shape == q_TV.shape
+        )
+        gp, gq = _grad(
+            1,
+            p_TV,
+            q_TV,
+            rows,
+            local_T if grad_logprobs is not None else None,
+            tau,
+            need_p,
+            need_q and grad_kl is not None,
+            out_p=q_TV if reuse else None,
+        )
         if need_q and gq is None:
             gq = torch.zeros_like(q_TV)
         return gp, None, gq, None, None, None, None
@@ -242,9 +294,23 @@ class JSDOp(torch.autograd.Function):
         tok = torch.stack([m_p, ls_p, m_q, ls_q])
         out = torch.zeros(2, L.splits, T, dtype=torch.float32, device=p_TV.device)
         if T:
-            K.jsd_kernel[(T, L.splits)](p_TV, q_TV, tok, out, T, V, p_TV.stride(0), q_TV.stride(0), L.split_size,
-                                        1.0 / temperature, log_ab[0], log_ab[1], BLOCK=L.block, STAGES=L.stages,
-                                        num_warps=L.warps)
+            K.jsd_kernel[(T, L.splits)](
+                p_TV,
+                q_TV,
+                tok,
+                out,
+                T,
+                V,
+                p_TV.stride(0),
+                q_TV.stride(0),
+                L.split_size,
+                1.0 / temperature,
+                log_ab[0],
+                log_ab[1],
+                BLOCK=L.block,
+                STAGES=L.stages,
+                num_warps=L.warps,
+            )
         kl_2T = all_reduce_(out.sum(1), dist.ReduceOp.SUM, group)  # KL(p||m), KL(q||m)
         ctx.save_for_backward(p_TV, q_TV, m_p, ls_p, m_q, ls_q, kl_2T)
         ctx.beta, ctx.temperature, ctx.log_ab = beta, temperature, log_ab
@@ -256,8 +322,17 @@ class JSDOp(torch.autograd.Function):
         p_TV, q_TV, m_p, ls_p, m_q, ls_q, kl_2T = ctx.saved_tensors
         g = grad_T.float() / ctx.temperature
         rows = _token_rows(m_p, ls_p, m_q, ls_q, a=g * (1.0 - ctx.beta), g=g * ctx.beta, k_p=kl_2T[0], k_q=kl_2T[1])
-        gp, gq = _grad(2, p_TV, q_TV, rows, None, ctx.temperature, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                       log_ab=ctx.log_ab)
+        gp, gq = _grad(
+            2,
+            p_TV,
+            q_TV,
+            rows,
+            None,
+            ctx.temperature,
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            log_ab=ctx.log_ab,
+        )
         return gp, gq, None, None, None
 
 

@@ -22,6 +22,7 @@ once forward and once backward, both gradients written in one pass; JSD reads th
 
 Tests: pytest tests/ops -x.   Tensor-name legend: megaopd/ops/_common.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,18 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megaopd.ops._common import (all_reduce_, check_temperature, flatten_tokens,
-                                 global_max, global_max_log_sumexp, local_max_sumexp, log_softmax_chunk,
-                                 resolve_impl, shifted, token_chunks)
+from megaopd.ops._common import (
+    all_reduce_,
+    check_temperature,
+    flatten_tokens,
+    global_max,
+    global_max_log_sumexp,
+    local_max_sumexp,
+    log_softmax_chunk,
+    resolve_impl,
+    shifted,
+    token_chunks,
+)
 
 
 class _VocabParallelKL(torch.autograd.Function):
@@ -57,11 +67,17 @@ class _VocabParallelKL(torch.autograd.Function):
             sumq_loc_T[sl] = xq_cV.exp_().sum(dim=-1)
         max_2T, shift_2T, scale_2T = global_max(max_loc_2T, temperature, group)
         # Against the global maxima, zp - Mp - (zq - Mq) = xp - xq + (shift_p - shift_q) on this shard.
-        sums_3T = all_reduce_(torch.stack([
-            scale_2T[0] * sump_loc_T,
-            scale_2T[1] * sumq_loc_T,
-            scale_2T[0] * (diff_loc_T + (shift_2T[0] - shift_2T[1]) * sump_loc_T),
-        ]), dist.ReduceOp.SUM, group)
+        sums_3T = all_reduce_(
+            torch.stack(
+                [
+                    scale_2T[0] * sump_loc_T,
+                    scale_2T[1] * sumq_loc_T,
+                    scale_2T[0] * (diff_loc_T + (shift_2T[0] - shift_2T[1]) * sump_loc_T),
+                ]
+            ),
+            dist.ReduceOp.SUM,
+            group,
+        )
         log_sumexp_p_T, log_sumexp_q_T = sums_3T[0].log(), sums_3T[1].log()
         kl_T = sums_3T[2] / sums_3T[0] - log_sumexp_p_T + log_sumexp_q_T
         ctx.save_for_backward(logits_p_TV, logits_q_TV, max_2T, log_sumexp_p_T, log_sumexp_q_T, kl_T)
@@ -101,12 +117,14 @@ class _VocabParallelJSD(torch.autograd.Function):
         maxq_loc_T, sumq_loc_T = local_max_sumexp(logits_q_TV, temperature, chunks)
         # One MAX and one SUM all-reduce for both distributions: stack p and q along a leading dim.
         max_2T, log_sumexp_2T, _ = global_max_log_sumexp(
-            torch.stack([maxp_loc_T, maxq_loc_T]), torch.stack([sump_loc_T, sumq_loc_T]), temperature, group)
+            torch.stack([maxp_loc_T, maxq_loc_T]), torch.stack([sump_loc_T, sumq_loc_T]), temperature, group
+        )
         log_a, log_b = math.log1p(-beta), math.log(beta)  # log(1 - beta), log beta
         kl_loc_2T = torch.empty(2, T, dtype=torch.float32, device=logits_p_TV.device)  # KL(p||M), KL(q||M)
         for sl in chunks:
-            logp_cV, logq_cV, logm_cV = _jsd_chunk(logits_p_TV[sl], logits_q_TV[sl], max_2T[:, sl],
-                                                   log_sumexp_2T[:, sl], temperature, log_a, log_b)
+            logp_cV, logq_cV, logm_cV = _jsd_chunk(
+                logits_p_TV[sl], logits_q_TV[sl], max_2T[:, sl], log_sumexp_2T[:, sl], temperature, log_a, log_b
+            )
             kl_loc_2T[0, sl] = (logp_cV - logm_cV).mul_(logp_cV.exp()).sum(dim=-1)
             kl_loc_2T[1, sl] = (logq_cV - logm_cV).mul_(logq_cV.exp()).sum(dim=-1)
         kl_2T = all_reduce_(kl_loc_2T, dist.ReduceOp.SUM, group)
@@ -126,8 +144,9 @@ class _VocabParallelJSD(torch.autograd.Function):
         log_a, log_b = math.log1p(-beta), math.log(beta)
         for sl in ctx.chunks:
             g_c1 = g_T[sl].unsqueeze(-1)
-            logp_cV, logq_cV, logm_cV = _jsd_chunk(logits_p_TV[sl], logits_q_TV[sl], max_2T[:, sl],
-                                                   log_sumexp_2T[:, sl], temperature, log_a, log_b)
+            logp_cV, logq_cV, logm_cV = _jsd_chunk(
+                logits_p_TV[sl], logits_q_TV[sl], max_2T[:, sl], log_sumexp_2T[:, sl], temperature, log_a, log_b
+            )
             if need_p:
                 d_cV = (logp_cV - logm_cV).sub_(kl_2T[0, sl].unsqueeze(-1)).mul_(logp_cV.exp())
                 grad_p_TV[sl] = d_cV.mul_(g_c1 * (1.0 - beta))
@@ -154,20 +173,30 @@ def vocab_parallel_kl(logits_p, logits_q, group=None, temperature=1.0, chunk_siz
     """
     temperature = check_temperature(temperature)
     if logits_p.shape != logits_q.shape:
-        raise ValueError(f"logits_p {tuple(logits_p.shape)} and logits_q {tuple(logits_q.shape)} must have "
-                         f"the same shape (same tokens, same vocab shard)")
+        raise ValueError(
+            f"logits_p {tuple(logits_p.shape)} and logits_q {tuple(logits_q.shape)} must have "
+            f"the same shape (same tokens, same vocab shard)"
+        )
     if resolve_impl(impl, logits_p) == "triton":
         from megaopd.ops import _triton
-        _, kl_T, _ = _triton.PairOp.apply(flatten_tokens(logits_p, "logits_p"), None,
-                                          flatten_tokens(logits_q, "logits_q"), group, temperature, False, False)
+
+        _, kl_T, _ = _triton.PairOp.apply(
+            flatten_tokens(logits_p, "logits_p"),
+            None,
+            flatten_tokens(logits_q, "logits_q"),
+            group,
+            temperature,
+            False,
+            False,
+        )
         return kl_T.view(logits_p.shape[:-1])
-    kl_T = _VocabParallelKL.apply(flatten_tokens(logits_p, "logits_p"), flatten_tokens(logits_q, "logits_q"),
-                                  group, temperature, chunk_size)
+    kl_T = _VocabParallelKL.apply(
+        flatten_tokens(logits_p, "logits_p"), flatten_tokens(logits_q, "logits_q"), group, temperature, chunk_size
+    )
     return kl_T.view(logits_p.shape[:-1])
 
 
-def vocab_parallel_jsd(logits_student, logits_teacher, beta, group=None, temperature=1.0, chunk_size=None,
-                       impl="auto"):
+def vocab_parallel_jsd(logits_student, logits_teacher, beta, group=None, temperature=1.0, chunk_size=None, impl="auto"):
     """Per-token generalized JSD(beta) of GKD over the full vocabulary (p = student, q = teacher):
     M = beta q + (1 - beta) p,  JSD = beta KL(q||M) + (1 - beta) KL(p||M).
 
@@ -181,18 +210,30 @@ def vocab_parallel_jsd(logits_student, logits_teacher, beta, group=None, tempera
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"JSD beta must be in [0, 1], got {beta}")
     if logits_student.shape != logits_teacher.shape:
-        raise ValueError(f"logits_student {tuple(logits_student.shape)} and logits_teacher "
-                         f"{tuple(logits_teacher.shape)} must have the same shape")
+        raise ValueError(
+            f"logits_student {tuple(logits_student.shape)} and logits_teacher "
+            f"{tuple(logits_teacher.shape)} must have the same shape"
+        )
     if beta == 0.0:
         return vocab_parallel_kl(logits_teacher, logits_student, group, temperature, chunk_size, impl)
     if beta == 1.0:
         return vocab_parallel_kl(logits_student, logits_teacher, group, temperature, chunk_size, impl)
     if resolve_impl(impl, logits_student) == "triton":
         from megaopd.ops import _triton
-        return _triton.JSDOp.apply(flatten_tokens(logits_student, "logits_student"),
-                                   flatten_tokens(logits_teacher, "logits_teacher"), beta, group,
-                                   temperature).view(logits_student.shape[:-1])
-    jsd_T = _VocabParallelJSD.apply(flatten_tokens(logits_student, "logits_student"),
-                                    flatten_tokens(logits_teacher, "logits_teacher"), beta, group,
-                                    temperature, chunk_size)
+
+        return _triton.JSDOp.apply(
+            flatten_tokens(logits_student, "logits_student"),
+            flatten_tokens(logits_teacher, "logits_teacher"),
+            beta,
+            group,
+            temperature,
+        ).view(logits_student.shape[:-1])
+    jsd_T = _VocabParallelJSD.apply(
+        flatten_tokens(logits_student, "logits_student"),
+        flatten_tokens(logits_teacher, "logits_teacher"),
+        beta,
+        group,
+        temperature,
+        chunk_size,
+    )
     return jsd_T.view(logits_student.shape[:-1])

@@ -27,15 +27,25 @@ gradient (in the logits' dtype, into q's memory under overwrite_q) backward: ~10
 
 Tests: pytest tests/ops -x.   Tensor-name legend: megaopd/ops/_common.py.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megaopd.ops._common import (all_reduce_, check_same_tokens, check_temperature, flatten_tokens,
-                                 global_max, log_softmax_chunk, owned_local_ids, resolve_impl, shifted,
-                                 token_chunks)
+from megaopd.ops._common import (
+    all_reduce_,
+    check_same_tokens,
+    check_temperature,
+    flatten_tokens,
+    global_max,
+    log_softmax_chunk,
+    owned_local_ids,
+    resolve_impl,
+    shifted,
+    token_chunks,
+)
 
 
 class _VocabParallelLogProbsKL(torch.autograd.Function):
@@ -66,10 +76,12 @@ class _VocabParallelLogProbsKL(torch.autograd.Function):
         max_2T, shift_2T, scale_2T = global_max(max_loc_2T, temperature, group)
         # Against the global maxima, zp - Mp - (zq - Mq) = xp - xq + (shift_p - shift_q) on this shard, and
         # zp - Mp = xp + shift_p (see vocab_parallel_kl / vocab_parallel_entropy).
-        rows = [scale_2T[0] * sump_loc_T,
-                scale_2T[1] * sumq_loc_T,
-                scale_2T[0] * (diff_loc_T + (shift_2T[0] - shift_2T[1]) * sump_loc_T),
-                target_T]
+        rows = [
+            scale_2T[0] * sump_loc_T,
+            scale_2T[1] * sumq_loc_T,
+            scale_2T[0] * (diff_loc_T + (shift_2T[0] - shift_2T[1]) * sump_loc_T),
+            target_T,
+        ]
         if with_entropy:
             rows.append(scale_2T[0] * (xexp_loc_T + shift_2T[0] * sump_loc_T))
         sums_nT = all_reduce_(torch.stack(rows), dist.ReduceOp.SUM, group)
@@ -77,8 +89,9 @@ class _VocabParallelLogProbsKL(torch.autograd.Function):
         kl_T = sums_nT[2] / sums_nT[0] - log_sumexp_p_T + log_sumexp_q_T
         logprobs_T = (sums_nT[3] - max_2T[0]) / temperature - log_sumexp_p_T
         entropy_T = log_sumexp_p_T - sums_nT[4] / sums_nT[0] if with_entropy else None
-        ctx.save_for_backward(logits_p_TV, logits_q_TV, owned_T, local_ids_T, max_2T, log_sumexp_p_T,
-                              log_sumexp_q_T, kl_T)
+        ctx.save_for_backward(
+            logits_p_TV, logits_q_TV, owned_T, local_ids_T, max_2T, log_sumexp_p_T, log_sumexp_q_T, kl_T
+        )
         ctx.temperature, ctx.chunks, ctx.overwrite_q = temperature, chunks, overwrite_q
         ctx.set_materialize_grads(False)  # an unused output (e.g. only the KL is in the loss) costs nothing
         if with_entropy:
@@ -88,13 +101,16 @@ class _VocabParallelLogProbsKL(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprobs_T, grad_kl_T, _grad_entropy_T):
-        logits_p_TV, logits_q_TV, owned_T, local_ids_T, max_2T, log_sumexp_p_T, log_sumexp_q_T, kl_T = \
-            ctx.saved_tensors
+        logits_p_TV, logits_q_TV, owned_T, local_ids_T, max_2T, log_sumexp_p_T, log_sumexp_q_T, kl_T = ctx.saved_tensors
         temperature = ctx.temperature
         # overwrite_q: the caller drops q after this backward, so its buffer takes the gradient; each chunk of
         # q is read (log q) before the same rows are written, chunks are disjoint. One [T, V] buffer less.
-        reuse = (ctx.overwrite_q and logits_q_TV.dtype == logits_p_TV.dtype and logits_q_TV.is_contiguous()
-                 and logits_q_TV.device == logits_p_TV.device)
+        reuse = (
+            ctx.overwrite_q
+            and logits_q_TV.dtype == logits_p_TV.dtype
+            and logits_q_TV.is_contiguous()
+            and logits_q_TV.device == logits_p_TV.device
+        )
         grad_TV = logits_q_TV if reuse else torch.empty_like(logits_p_TV)
         direct = grad_TV.dtype == torch.float32  # write each chunk's product straight into grad_TV
         # Per token: a = dL/dKL / temperature, b = dL/dlogprob / temperature; the chunk gradient is
@@ -140,8 +156,17 @@ def _rowdot(a_cV: torch.Tensor, b_cV: torch.Tensor) -> torch.Tensor:
     return (a_cV * b_cV).sum(dim=-1)
 
 
-def vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=1.0, chunk_size=None,
-                               with_entropy=False, overwrite_q=False, impl="auto"):
+def vocab_parallel_logprobs_kl(
+    logits_p,
+    ids,
+    logits_q,
+    group=None,
+    temperature=1.0,
+    chunk_size=None,
+    with_entropy=False,
+    overwrite_q=False,
+    impl="auto",
+):
     """(logprobs, kl, entropy) per token in one fused pass over the logits shards (see module docstring).
 
     logits_p: [..., V] student shard, differentiable; ids: [...] GLOBAL token ids (as in
@@ -159,20 +184,38 @@ def vocab_parallel_logprobs_kl(logits_p, ids, logits_q, group=None, temperature=
     """
     temperature = check_temperature(temperature)
     if logits_p.shape != logits_q.shape:
-        raise ValueError(f"logits_p {tuple(logits_p.shape)} and logits_q {tuple(logits_q.shape)} must have "
-                         f"the same shape (same tokens, same vocab shard)")
+        raise ValueError(
+            f"logits_p {tuple(logits_p.shape)} and logits_q {tuple(logits_q.shape)} must have "
+            f"the same shape (same tokens, same vocab shard)"
+        )
     if logits_q.requires_grad and torch.is_grad_enabled():
-        raise ValueError("vocab_parallel_logprobs_kl treats logits_q as a frozen reference and computes no "
-                         "gradient for it: pass logits_q.detach() (or use vocab_parallel_kl for both gradients)")
+        raise ValueError(
+            "vocab_parallel_logprobs_kl treats logits_q as a frozen reference and computes no "
+            "gradient for it: pass logits_q.detach() (or use vocab_parallel_kl for both gradients)"
+        )
     check_same_tokens(logits_p.shape[:-1], ids, "ids")
     lead = logits_p.shape[:-1]
     if resolve_impl(impl, logits_p) == "triton":
         from megaopd.ops import _triton
+
         logprobs_T, kl_T, entropy_T = _triton.PairOp.apply(
-            flatten_tokens(logits_p, "logits_p"), ids.reshape(-1).long(), flatten_tokens(logits_q, "logits_q"),
-            group, temperature, bool(with_entropy), bool(overwrite_q))
+            flatten_tokens(logits_p, "logits_p"),
+            ids.reshape(-1).long(),
+            flatten_tokens(logits_q, "logits_q"),
+            group,
+            temperature,
+            bool(with_entropy),
+            bool(overwrite_q),
+        )
         return logprobs_T.view(lead), kl_T.view(lead), entropy_T.view(lead) if entropy_T is not None else None
     logprobs_T, kl_T, entropy_T = _VocabParallelLogProbsKL.apply(
-        flatten_tokens(logits_p, "logits_p"), ids.reshape(-1).long(), flatten_tokens(logits_q, "logits_q"),
-        group, temperature, chunk_size, bool(with_entropy), bool(overwrite_q))
+        flatten_tokens(logits_p, "logits_p"),
+        ids.reshape(-1).long(),
+        flatten_tokens(logits_q, "logits_q"),
+        group,
+        temperature,
+        chunk_size,
+        bool(with_entropy),
+        bool(overwrite_q),
+    )
     return logprobs_T.view(lead), kl_T.view(lead), entropy_T.view(lead) if entropy_T is not None else None

@@ -31,6 +31,7 @@ extra logits matmul per head and chunk in backward (the recomputation), and `fn`
 
 Legend: T tokens (all leading dimensions flattened), H hidden size, v this rank's vocabulary shard.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,7 @@ PAD_LOGIT = -1e30
 DEFAULT_CHUNK_TOKENS = 1024
 
 
-def mask_vocab_padding(logits_BSv: torch.Tensor, vocab_size: int, tp_group=None,
-                       inplace: bool = False) -> torch.Tensor:
+def mask_vocab_padding(logits_BSv: torch.Tensor, vocab_size: int, tp_group=None, inplace: bool = False) -> torch.Tensor:
     """This rank's logits shard with megatron's padding columns (global id >= vocab_size) set to
     PAD_LOGIT, so every softmax over the shard ignores them. Returns the input when the shard has no
     padding columns.
@@ -96,8 +96,10 @@ class LogitsHead:
 
     def __post_init__(self):
         if self.hidden_BSH.shape[-1] != self.weight_vH.shape[-1]:
-            raise ValueError(f"hidden states {tuple(self.hidden_BSH.shape)} and output weight "
-                             f"{tuple(self.weight_vH.shape)} differ in the hidden size")
+            raise ValueError(
+                f"hidden states {tuple(self.hidden_BSH.shape)} and output weight "
+                f"{tuple(self.weight_vH.shape)} differ in the hidden size"
+            )
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={self.chunk_tokens} must be at least 1")
 
@@ -147,7 +149,7 @@ def tokenwise(fn: Callable, *args):
         return fn(*args)
     lead = heads[0].shape[:-1]
     for a in args:
-        got = a.shape[:-1] if isinstance(a, LogitsHead) else a.shape[:len(lead)] if a is not None else lead
+        got = a.shape[:-1] if isinstance(a, LogitsHead) else a.shape[: len(lead)] if a is not None else lead
         if tuple(got) != tuple(lead):
             raise ValueError(f"tokenwise: an argument has leading shape {tuple(got)}, the logits {tuple(lead)}")
     T = math.prod(lead)
@@ -160,8 +162,11 @@ def tokenwise(fn: Callable, *args):
         out = tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
         return _unflatten(out, lead, single=not isinstance(parts[0], _Multi))
     spec = _Spec(fn, flat, chunks)
-    tensors = [t for a in flat for t in ((a.hidden_BSH, a.weight_vH) if isinstance(a, LogitsHead) else
-                                         (a,) if a is not None else ())]
+    tensors = [
+        t
+        for a in flat
+        for t in ((a.hidden_BSH, a.weight_vH) if isinstance(a, LogitsHead) else (a,) if a is not None else ())
+    ]
     outs = _ChunkedLogits.apply(spec, *tensors)
     it = iter(outs)
     out = tuple(None if absent else next(it) for absent in spec.absent)
@@ -246,8 +251,10 @@ class _ChunkedLogits(torch.autograd.Function):
         spec = ctx.spec
         heads = [a for a in spec.flat if isinstance(a, LogitsHead)]
         grad_h = [torch.zeros_like(h.hidden_BSH) if h.requires_grad else None for h in heads]
-        grad_w = [torch.zeros(h.weight_vH.shape, dtype=torch.float32, device=h.weight_vH.device)
-                  if h.requires_grad else None for h in heads]
+        grad_w = [
+            torch.zeros(h.weight_vH.shape, dtype=torch.float32, device=h.weight_vH.device) if h.requires_grad else None
+            for h in heads
+        ]
         wanted = [g is not None and d for g, d in zip(grads, ctx.present)]
         if any(wanted):
             for sl in spec.chunks:

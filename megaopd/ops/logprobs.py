@@ -15,15 +15,27 @@ one read and one write backward, the ranks' partials combined by one all-gather 
 Tests: pytest tests/ops -x  (multi-process TP=2/4 checks are marked slow).
 Tensor-name legend: see megaopd/ops/_common.py.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megaopd.ops._common import (all_reduce_, check_same_tokens, check_temperature, flatten_tokens,
-                                 global_max, global_max_log_sumexp, local_max_sumexp, log_softmax_chunk,
-                                 owned_local_ids, resolve_impl, shifted, token_chunks)
+from megaopd.ops._common import (
+    all_reduce_,
+    check_same_tokens,
+    check_temperature,
+    flatten_tokens,
+    global_max,
+    global_max_log_sumexp,
+    local_max_sumexp,
+    log_softmax_chunk,
+    owned_local_ids,
+    resolve_impl,
+    shifted,
+    token_chunks,
+)
 
 
 class _VocabParallelLogSumExp(torch.autograd.Function):
@@ -62,8 +74,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         max_loc_T, sumexp_loc_T = local_max_sumexp(logits_TV, temperature, chunks)
         target_T = logits_TV.gather(1, local_ids_T.unsqueeze(1)).squeeze(1).float()
         target_T = target_T.masked_fill(~owned_T, 0.0)
-        max_T, log_sumexp_T, (target_T,) = global_max_log_sumexp(max_loc_T, sumexp_loc_T, temperature,
-                                                                 group, target_T)
+        max_T, log_sumexp_T, (target_T,) = global_max_log_sumexp(max_loc_T, sumexp_loc_T, temperature, group, target_T)
         ctx.save_for_backward(logits_TV, owned_T, local_ids_T, max_T, log_sumexp_T)
         ctx.temperature, ctx.chunks = temperature, chunks
         return (target_T - max_T) / temperature - log_sumexp_T
@@ -103,9 +114,11 @@ class _VocabParallelEntropy(torch.autograd.Function):
             xexp_loc_T[sl] = e_cV.mul_(x_cV).sum(dim=-1)
         max_T, shift_T, scale_T = global_max(max_loc_T, temperature, group)
         # sum_v e^(x_v + shift) (x_v + shift) = scale * (sum e^x x + shift * sum e^x), x relative to m_r
-        sums_2T = all_reduce_(torch.stack([scale_T * sumexp_loc_T,
-                                           scale_T * (xexp_loc_T + shift_T * sumexp_loc_T)]),
-                              dist.ReduceOp.SUM, group)
+        sums_2T = all_reduce_(
+            torch.stack([scale_T * sumexp_loc_T, scale_T * (xexp_loc_T + shift_T * sumexp_loc_T)]),
+            dist.ReduceOp.SUM,
+            group,
+        )
         log_sumexp_T = sums_2T[0].log()
         entropy_T = log_sumexp_T - sums_2T[1] / sums_2T[0]
         ctx.save_for_backward(logits_TV, max_T, log_sumexp_T, entropy_T)
@@ -136,6 +149,7 @@ def vocab_parallel_logsumexp(logits, group=None, temperature=1.0, chunk_size=Non
     logits_TV = flatten_tokens(logits, "logits")
     if resolve_impl(impl, logits) == "triton":
         from megaopd.ops import _triton
+
         return _triton.SoftmaxOp.apply(logits_TV, None, group, temperature, "logsumexp").view(logits.shape[:-1])
     lse_T = _VocabParallelLogSumExp.apply(logits_TV, group, temperature, chunk_size)
     return lse_T.view(logits.shape[:-1])
@@ -155,10 +169,11 @@ def vocab_parallel_logprobs(logits, ids, group=None, temperature=1.0, chunk_size
     logits_TV = flatten_tokens(logits, "logits")
     if resolve_impl(impl, logits) == "triton":
         from megaopd.ops import _triton
-        return _triton.SoftmaxOp.apply(logits_TV, ids.reshape(-1).long(), group, temperature,
-                                       "logprobs").view(logits.shape[:-1])
-    logprobs_T = _VocabParallelLogProbs.apply(logits_TV, ids.reshape(-1).long(), group, temperature,
-                                              chunk_size)
+
+        return _triton.SoftmaxOp.apply(logits_TV, ids.reshape(-1).long(), group, temperature, "logprobs").view(
+            logits.shape[:-1]
+        )
+    logprobs_T = _VocabParallelLogProbs.apply(logits_TV, ids.reshape(-1).long(), group, temperature, chunk_size)
     return logprobs_T.view(logits.shape[:-1])
 
 
@@ -172,6 +187,7 @@ def vocab_parallel_entropy(logits, group=None, temperature=1.0, chunk_size=None,
     logits_TV = flatten_tokens(logits, "logits")
     if resolve_impl(impl, logits) == "triton":
         from megaopd.ops import _triton
+
         return _triton.SoftmaxOp.apply(logits_TV, None, group, temperature, "entropy").view(logits.shape[:-1])
     entropy_T = _VocabParallelEntropy.apply(logits_TV, group, temperature, chunk_size)
     return entropy_T.view(logits.shape[:-1])

@@ -13,15 +13,27 @@ all-reduce of [T, K] gathers them (only the owner rank contributes), the rest is
 
 Tests: pytest tests/ops -x.   Tensor-name legend: megaopd/ops/_common.py.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megaopd.ops._common import (all_gather, all_reduce_, check_same_tokens, check_temperature,
-                                 flatten_tokens, global_max_log_sumexp, group_rank_and_size,
-                                 owned_local_ids, resolve_impl, shifted, token_chunks, vocab_range)
+from megaopd.ops._common import (
+    all_gather,
+    all_reduce_,
+    check_same_tokens,
+    check_temperature,
+    flatten_tokens,
+    global_max_log_sumexp,
+    group_rank_and_size,
+    owned_local_ids,
+    resolve_impl,
+    shifted,
+    token_chunks,
+    vocab_range,
+)
 
 
 class _VocabParallelGather(torch.autograd.Function):
@@ -45,8 +57,9 @@ class _VocabParallelGather(torch.autograd.Function):
         # accumulate=True: a repeated id in one row gets the sum, as the forward used its logit twice.
         # (index_put_, not scatter_add_: on CPU the latter upcasts a bf16 [T, V] to float32 first.)
         rows_TK = torch.arange(grad_TV.shape[0], device=grad_TV.device).unsqueeze(1).expand_as(local_TK)
-        grad_TV.index_put_((rows_TK, local_TK), grad_TK.masked_fill(~owned_TK, 0.0).to(ctx.logits_dtype),
-                           accumulate=True)
+        grad_TV.index_put_(
+            (rows_TK, local_TK), grad_TK.masked_fill(~owned_TK, 0.0).to(ctx.logits_dtype), accumulate=True
+        )
         return grad_TV, None, None
 
 
@@ -88,6 +101,7 @@ def vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None,
     impl = resolve_impl(impl, logits)
     if impl == "triton":
         from megaopd.ops import _triton
+
         chunk_size = max(T, 1)  # one "chunk": torch.topk allocates only its [T, k] outputs
     chunks = token_chunks(T, V, chunk_size)
     f32 = dict(dtype=torch.float32, device=logits_TV.device)
@@ -120,8 +134,9 @@ def vocab_parallel_topk(logits, k, group=None, temperature=1.0, chunk_size=None,
     return logprobs_Tk.view(*lead, k), ids_Tk.view(*lead, k)
 
 
-def vocab_parallel_support_kl(logits_student, support_ids, support_logprobs_ref, group=None, temperature=1.0,
-                              support_mask=None, impl="auto"):
+def vocab_parallel_support_kl(
+    logits_student, support_ids, support_logprobs_ref, group=None, temperature=1.0, support_mask=None, impl="auto"
+):
     """Reverse KL(pihat || qhat) with both renormalized over the support S (LSM).
 
     logits_student: [..., V] local shard; support_ids: [..., K] global ids; support_logprobs_ref: [..., K]
@@ -135,8 +150,10 @@ def vocab_parallel_support_kl(logits_student, support_ids, support_logprobs_ref,
     temperature = check_temperature(temperature)
     check_same_tokens(logits_student.shape[:-1], support_ids, "support_ids", trailing=1)
     if support_logprobs_ref.shape != support_ids.shape:
-        raise ValueError(f"support_logprobs_ref {tuple(support_logprobs_ref.shape)} must match support_ids "
-                         f"{tuple(support_ids.shape)}")
+        raise ValueError(
+            f"support_logprobs_ref {tuple(support_logprobs_ref.shape)} must match support_ids "
+            f"{tuple(support_ids.shape)}"
+        )
     mask = torch.ones_like(support_ids, dtype=torch.bool) if support_mask is None else support_mask.bool()
     if mask.shape != support_ids.shape:
         raise ValueError(f"support_mask {tuple(mask.shape)} must match support_ids {tuple(support_ids.shape)}")

@@ -10,6 +10,7 @@ Each is patched here and nowhere else. The patches are process-global and idempo
 called by `megaopd.parallel.dist.init_distributed` when no GPU is present, so library code never needs
 to know which machine it runs on.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,9 +26,25 @@ _device_mode: "_CudaToCpuMode | None" = None
 
 # Factory functions whose `device=` keyword megatron passes as "cuda" or an int.
 _FACTORIES = {
-    torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.rand, torch.randn,
-    torch.randint, torch.tensor, torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
-    torch.randn_like, torch.rand_like, torch.as_tensor, torch.linspace, torch.eye, torch.empty_strided,
+    torch.empty,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.arange,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.tensor,
+    torch.empty_like,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.full_like,
+    torch.randn_like,
+    torch.rand_like,
+    torch.as_tensor,
+    torch.linspace,
+    torch.eye,
+    torch.empty_strided,
 }
 
 _REWRITTEN = frozenset(_FACTORIES | {torch.Tensor.cuda, torch.Tensor.to})
@@ -198,4 +215,3 @@ def enable() -> None:
     _device_mode = _CudaToCpuMode()
     _device_mode.__enter__()  # stays active for the life of the process
     _enabled = True
-

@@ -7,6 +7,7 @@ PrefixStore named after the group, and a process group of `backend` created on i
 group per set of engines, and a `megaopd serve` process needs no default group at all. What travels
 over it is described in megaopd.rollout.weight_wire.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -15,11 +16,17 @@ import torch
 import torch.distributed as dist
 
 
-def init_custom_process_group(backend: str, master_address: str, master_port: int, rank: int,
-                              world_size: int, group_name: str, timeout_s: float = 300.0) -> dist.ProcessGroup:
+def init_custom_process_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float = 300.0,
+) -> dist.ProcessGroup:
     """Joins (rank > 0) or hosts (rank 0) a standalone process group; blocks until all ranks arrive."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -29,8 +36,9 @@ def init_custom_process_group(backend: str, master_address: str, master_port: in
     store.set_timeout(timeout)
     # The prefix keeps two groups on one store (or a reused port) from reading each other's keys.
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+    )
     # Registering the ranks lets torch.distributed's collectives and destroy_process_group accept the group.
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

@@ -3,6 +3,7 @@
 Works under torchrun/srun (reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and inside
 workers started by `megaopd.parallel.launch.spawn`, which set the same variables.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,8 +36,10 @@ def local_rank() -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RuntimeError("WORLD_SIZE > 1 but neither LOCAL_RANK nor SLURM_LOCALID says which GPU this rank "
-                           "uses: start the ranks with torchrun (or srun), which set them")
+        raise RuntimeError(
+            "WORLD_SIZE > 1 but neither LOCAL_RANK nor SLURM_LOCALID says which GPU this rank "
+            "uses: start the ranks with torchrun (or srun), which set them"
+        )
     return 0
 
 
@@ -76,8 +79,9 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> N
     if "WORLD_SIZE" not in os.environ:
         # A one-process group of its own. A tcp:// rendezvous instead of MASTER_* variables leaves nothing
         # in the environment for child processes (a later torchrun or sbatch) to inherit.
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0,
-                                world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1, timeout=timeout
+        )
         return
     dist.init_process_group(
         backend=backend,

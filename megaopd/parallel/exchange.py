@@ -3,7 +3,8 @@
     received_rows, values_NC = route_rows(values_NC, held, dests, positions, device)
 
 `held[s]` lists the rows global rank s sends (empty for ranks that send nothing), `dests[b]` the global ranks
-that receive row b, (a set: it is asked `rank in dests[b]`), `positions[b]` how many of row b's positions travel (a row of L real tokens has L - 1).
+that receive row b, (a set: it is asked `rank in dests[b]`), `positions[b]` how many of row b's positions travel (a
+row of L real tokens has L - 1).
 Every rank knows all three (they are pure functions of the row lengths and the two layouts), so each rank
 computes every send and receive count itself and no sizes are exchanged. On the sender, values_NC holds its
 rows' positions end to end in `held[s]` order; a receiver gets, sender by sender in rank order, the rows of
@@ -12,6 +13,7 @@ that sender it is a destination of, in the sender's order (`received_rows`).
 Fields of several dtypes travel as one float32 payload: int32 columns are reinterpreted bit for bit
 (`pack_columns` / `unpack_columns`), so one collective carries them all and nothing is rounded.
 """
+
 from __future__ import annotations
 
 from typing import Collection, Sequence
@@ -22,8 +24,14 @@ import torch.distributed as dist
 from megaopd.parallel.dist import global_rank, world_size
 
 
-def route_rows(values_NC: torch.Tensor | None, held: Sequence[Sequence[int]], dests: Sequence[Collection[int]],
-               positions: Sequence[int], width: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
+def route_rows(
+    values_NC: torch.Tensor | None,
+    held: Sequence[Sequence[int]],
+    dests: Sequence[Collection[int]],
+    positions: Sequence[int],
+    width: int,
+    device: torch.device,
+) -> tuple[list[int], torch.Tensor]:
     """Collective over the world: see the module docstring. Returns the received rows and their positions
     [sum of their positions, width] (float32, on `device`)."""
     world, me = world_size(), global_rank()
@@ -48,8 +56,11 @@ def route_rows(values_NC: torch.Tensor | None, held: Sequence[Sequence[int]], de
         values_NC = torch.zeros(0, width, dtype=torch.float32, device=device)
     # The gather index of what is sent, built on the CPU and moved once (one small kernel per row on a GPU
     # would be hundreds of launches per pass).
-    index = torch.cat([torch.arange(offsets[b], offsets[b] + positions[b], device="cpu") for b in order]).to(device) \
-        if order else torch.zeros(0, dtype=torch.long, device=device)
+    index = (
+        torch.cat([torch.arange(offsets[b], offsets[b] + positions[b], device="cpu") for b in order]).to(device)
+        if order
+        else torch.zeros(0, dtype=torch.long, device=device)
+    )
     send = values_NC.to(device)[index]
     recv = torch.empty(sum(recv_counts), width, dtype=torch.float32, device=device)
     if world == 1:
@@ -59,8 +70,14 @@ def route_rows(values_NC: torch.Tensor | None, held: Sequence[Sequence[int]], de
     return received, recv
 
 
-def scatter_received(values_N: torch.Tensor, received: Sequence[int], counts: Sequence[int], rows: Sequence[int],
-                     T: int, starts: Sequence[int] | None = None) -> torch.Tensor:
+def scatter_received(
+    values_N: torch.Tensor,
+    received: Sequence[int],
+    counts: Sequence[int],
+    rows: Sequence[int],
+    T: int,
+    starts: Sequence[int] | None = None,
+) -> torch.Tensor:
     """What route_rows delivered -> dense rows [len(rows), T, ...] on the CPU, zero elsewhere: received row b's
     counts[b] values (route_rows' order, row after row) land at positions starts[b] .. starts[b] + counts[b] - 1
     (starts default 0) of row b's place among `rows`. Received rows not in `rows` are skipped."""
@@ -97,7 +114,7 @@ def unpack_columns(values_NC: torch.Tensor, widths: Sequence[int], dtypes: Seque
     """The inverse of pack_columns: [N, c_i] tensors of the given widths and dtypes."""
     out, o = [], 0
     for w, dt in zip(widths, dtypes):
-        c = values_NC[:, o:o + w].contiguous()
+        c = values_NC[:, o : o + w].contiguous()
         out.append(c.view(torch.int32) if dt == torch.int32 else c)
         o += w
     return out

@@ -12,6 +12,7 @@ is [expert TP = tp, ep, dp / ep, pp] over the same ranks, so each EP group is `e
 of one TP rank and one stage. Those ranks exchange tokens in every MoE layer: they must run the same
 number of micro-batches of the same shape in lockstep.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,13 +34,17 @@ class Layout:
 
     def dp(self, world_size: int) -> int:
         if world_size % (self.tp * self.pp):
-            raise ValueError(f"world size {world_size} is not a multiple of tp*pp = {self.tp}*{self.pp}; "
-                             f"choose tp and pp whose product divides the number of ranks")
+            raise ValueError(
+                f"world size {world_size} is not a multiple of tp*pp = {self.tp}*{self.pp}; "
+                f"choose tp and pp whose product divides the number of ranks"
+            )
         dp = world_size // (self.tp * self.pp)
         if self.ep < 1 or dp % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide the data-parallel size {dp} (world {world_size} / "
-                             f"tp*pp = {self.tp}*{self.pp}); expert-parallel ranks are data-parallel ranks: "
-                             f"choose ep among the divisors of {dp}")
+            raise ValueError(
+                f"ep={self.ep} does not divide the data-parallel size {dp} (world {world_size} / "
+                f"tp*pp = {self.tp}*{self.pp}); expert-parallel ranks are data-parallel ranks: "
+                f"choose ep among the divisors of {dp}"
+            )
         return dp
 
 
@@ -51,7 +56,8 @@ def initialize_actor_layout(layout: Layout, seed: int = 1234) -> ProcessGroupCol
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
         create_gloo_process_groups=dist.get_backend() != "gloo",
     )
@@ -61,8 +67,23 @@ def initialize_actor_layout(layout: Layout, seed: int = 1234) -> ProcessGroupCol
 
 # The groups of megaopd's models: GPTModel and the pipeline schedule (tp ... tp_dp_cp) and the MoE
 # layers (ep, expt_tp, expt_dp, tp_ep, tp_ep_pp; size-1 / dense-equal groups for a dense model).
-ACTOR_PGS = ["tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp",
-             "ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp"]
+ACTOR_PGS = [
+    "tp",
+    "pp",
+    "mp",
+    "cp",
+    "tp_cp",
+    "embd",
+    "pos_embd",
+    "dp",
+    "dp_cp",
+    "tp_dp_cp",
+    "ep",
+    "expt_tp",
+    "expt_dp",
+    "tp_ep",
+    "tp_ep_pp",
+]
 
 
 def build_process_groups(layout: Layout) -> ProcessGroupCollection:
@@ -88,8 +109,13 @@ def build_process_groups(layout: Layout) -> ProcessGroupCollection:
     # Expert layout over the same ranks: the DP dimension split into [ep, dp / ep] (ep fastest), as
     # megatron's expert rank generator "tp-ep-dp-pp" does with expert TP = TP.
     egrid = HyperCommGrid([layout.tp, layout.ep, dp // layout.ep, layout.pp], ["tp", "ep", "dp", "pp"])
-    pgs.update(ep=egrid.create_pg("ep"), expt_tp=egrid.create_pg("tp"), expt_dp=egrid.create_pg("dp"),
-               tp_ep=egrid.create_pg(["tp", "ep"]), tp_ep_pp=egrid.create_pg(["tp", "ep", "pp"]))
+    pgs.update(
+        ep=egrid.create_pg("ep"),
+        expt_tp=egrid.create_pg("tp"),
+        expt_dp=egrid.create_pg("dp"),
+        tp_ep=egrid.create_pg(["tp", "ep"]),
+        tp_ep_pp=egrid.create_pg(["tp", "ep", "pp"]),
+    )
     # Embedding groups join the first and last pipeline stage of each pipeline (tied embeddings and
     # their gradient all-reduce); position embeddings live on the first stage only.
     embd = pos_embd = None

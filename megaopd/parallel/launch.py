@@ -24,6 +24,7 @@ before, where:
 A spawned worker that finished runs its exit handlers and leaves with os._exit, as a forked one does: the
 interpreter's teardown of torch, megatron-core and transformers would hold the caller's join ~2.5 s.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,7 @@ def one_line(exc: BaseException) -> str:
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
-IMPORT_TIME_ENV = ("TRITON_", "MALLOC_", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TORCH_", "PYTORCH_",
-                   "PYTHONHASHSEED")
+IMPORT_TIME_ENV = ("TRITON_", "MALLOC_", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TORCH_", "PYTORCH_", "PYTHONHASHSEED")
 """Prefixes of variables read while modules import or at process start (glibc's MALLOC_*, OpenMP's, Hugging Face's
 offline and cache settings, TORCH_LOGS, ...): a worker that needs other values than the forkserver started with
 starts fresh. Not CUDA_* (no forkserver where CUDA is present; `megaopd`'s CLI sets CUDA_DEVICE_MAX_CONNECTIONS in
@@ -74,8 +74,13 @@ def _context(full_env: dict[str, str], forward_signals: Sequence[int]):
 
     # the server's variables: those it started with, or this process's when this call starts it
     server_env = _server_env if _server_env is not None else _import_time(dict(os.environ))
-    fresh = (os.environ.get("MEGAOPD_START_METHOD") == "spawn" or torch.cuda.is_available() or bool(forward_signals)
-             or "forkserver" not in mp.get_all_start_methods() or _import_time(full_env) != server_env)
+    fresh = (
+        os.environ.get("MEGAOPD_START_METHOD") == "spawn"
+        or torch.cuda.is_available()
+        or bool(forward_signals)
+        or "forkserver" not in mp.get_all_start_methods()
+        or _import_time(full_env) != server_env
+    )
     if fresh:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -88,8 +93,9 @@ def _context(full_env: dict[str, str], forward_signals: Sequence[int]):
 def _worker(rank, world_size, port, fn, args, env, queue):
     os.environ.clear()  # the caller's environment at the call, not the forkserver's at its start
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     # Each worker gets one intra-op thread so that `world_size` workers do not oversubscribe the cores.
     import torch
 
@@ -133,8 +139,14 @@ def _leave_without_teardown() -> None:
     os._exit(0)
 
 
-def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600,
-          env: dict[str, str] | None = None, forward_signals: Sequence[int] = ()) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    forward_signals: Sequence[int] = (),
+) -> list[Any]:
     """Runs fn(rank, world_size, *args) in `world_size` new processes; returns results by rank.
 
     fn must be importable (module level): workers are forked from the forkserver or spawned (module docstring),
@@ -186,8 +198,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), tim
         elif any(p.exitcode not in (None, 0) for p in procs):
             if queue.empty():
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                errors.append(f"worker(s) {dead} died with exit codes "
-                              f"{[procs[i].exitcode for i in dead]}")
+                errors.append(f"worker(s) {dead} died with exit codes {[procs[i].exitcode for i in dead]}")
                 break
         else:
             time.sleep(0.02)
@@ -210,8 +221,13 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 3600,
-                 forward_signals: Sequence[int] = ()) -> list[Any]:
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout: float = 3600,
+    forward_signals: Sequence[int] = (),
+) -> list[Any]:
     """fn(rank, world_size, *args) on the job's ranks.
 
     Under torchrun/srun this process is one rank: it initializes torch.distributed, runs fn once and

@@ -7,6 +7,7 @@ are synced in right after, so hf_dir only has to have the student's architecture
 rollout.engine = remote: an EnginePool over one HttpEngine per rollout.urls entry (each with
 rollout.engine_tp workers); hf_dir is not read: the servers loaded their own copy.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -18,20 +19,37 @@ from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool, PoolConfig
 
 
-def build_engine(rollout: RolloutConfig, hf_dir: str, context_length: int = 0, dtype: str = "float32",
-                 stop: Callable[[], bool] | None = None):
+def build_engine(
+    rollout: RolloutConfig,
+    hf_dir: str,
+    context_length: int = 0,
+    dtype: str = "float32",
+    stop: Callable[[], bool] | None = None,
+):
     """An Engine (see megaopd.rollout.protocol) for `rollout`; pass it to megaopd.sync.WeightSync.
     context_length: the longest row the job generates (MegaOPDConfig.generated_row_tokens), which sizes the
     embedded engine's KV cache; 0 = what fits (a server's sizing). dtype: the embedded engine's
     (MegaOPDConfig.embedded_engine_dtype). stop: remote engines give up any wait once it is true (the
     trainer's PreemptionFlag.signalled; megaopd.rollout.waits)."""
     if rollout.engine == "remote":
-        engines = [HttpEngine(HttpEngineConfig(url=url, workers=rollout.engine_tp, name=f"rollout.urls[{i}]",
-                                               stall_timeout_s=rollout.stall_timeout_s,
-                                               api_key_env=rollout.api_key_env), stop=stop)
-                   for i, url in enumerate(rollout.urls)]
+        engines = [
+            HttpEngine(
+                HttpEngineConfig(
+                    url=url,
+                    workers=rollout.engine_tp,
+                    name=f"rollout.urls[{i}]",
+                    stall_timeout_s=rollout.stall_timeout_s,
+                    api_key_env=rollout.api_key_env,
+                ),
+                stop=stop,
+            )
+            for i, url in enumerate(rollout.urls)
+        ]
         return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
     if rollout.engine == "embedded":
-        return EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=rollout.max_batch_size,
-                                                  context_length=context_length, dtype=dtype))
+        return EmbeddedEngine(
+            EmbeddedEngineConfig(
+                hf_dir=hf_dir, max_batch_size=rollout.max_batch_size, context_length=context_length, dtype=dtype
+            )
+        )
     raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or remote")

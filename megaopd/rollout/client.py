@@ -28,6 +28,7 @@ kills the server when asked to resume a tag that was never released).
 Key: every request carries `Authorization: Bearer <key>` when the config's variable (api_key_env, by
 default MEGAOPD_API_KEY) holds one, as SGLang's --api-key and `megaopd serve` expect. Never printed.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,16 @@ from typing import Any, Callable
 from megaopd.engine.memory import check_resume, memory_tags
 from megaopd.rollout import waits
 from megaopd.rollout.protocol import Sample, SamplingParams, expand_samples
-from megaopd.rollout.schema import (WEIGHT_UPDATE_SESSION_SINCE, PrefillScores, params_to_json, parse_version,
-                                    prefill_request, prefill_scores_from_json, sample_from_json)
+from megaopd.rollout.schema import (
+    WEIGHT_UPDATE_SESSION_SINCE,
+    PrefillScores,
+    params_to_json,
+    parse_version,
+    prefill_request,
+    prefill_scores_from_json,
+    sample_from_json,
+)
+
 
 class EngineError(RuntimeError):
     """A rollout server failed a request; the message names the server, the endpoint and why."""
@@ -142,8 +151,15 @@ class HttpEngine:
         return f"HttpEngine({self.url})"
 
     # ------------------------------------------------------------------------------- transport
-    def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None,
-                retries: int | None = None, parse: bool = True) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+        parse: bool = True,
+    ) -> Any:
         """One call with retries; returns the parsed JSON (or text). Raises EngineRequestError on 4xx,
         EngineUnavailableError when every attempt failed to get an answer, EngineStalledError (no retry) when
         the engine fell silent for stall_timeout_s, WaitAbandoned once stop() is true."""
@@ -163,8 +179,11 @@ class HttpEngine:
                     return _decode(raw) if parse else raw.decode(errors="replace")
                 payload = _decode(raw)
                 if status < 500:
-                    raise EngineRequestError(f"{what} -> HTTP {status}: {_message(payload)}" + _auth_hint(status, self.config),
-                                             status, payload)
+                    raise EngineRequestError(
+                        f"{what} -> HTTP {status}: {_message(payload)}" + _auth_hint(status, self.config),
+                        status,
+                        payload,
+                    )
                 last = f"HTTP {status}: {_message(payload)}"
             if attempt < retries:
                 waits.sleep(delay, self.stop, what)
@@ -176,8 +195,7 @@ class HttpEngine:
         what = f"{method} {self.url}{path}"
 
         def attempt() -> tuple[int, bytes]:
-            req = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers=self._headers(data))
+            req = urllib.request.Request(self.url + path, data=data, method=method, headers=self._headers(data))
             try:
                 with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                     return resp.status, resp.read()
@@ -189,8 +207,10 @@ class HttpEngine:
             try:
                 self._probe(min(_RECHECK_S, self.config.stall_timeout_s or _RECHECK_S))
             except Exception:  # noqa: BLE001 - still silent
-                raise EngineStalledError(f"{what}: {self.label} has not answered since it stalled "
-                                         f"(GET /health: no answer in {_RECHECK_S:.0f} s)") from None
+                raise EngineStalledError(
+                    f"{what}: {self.label} has not answered since it stalled "
+                    f"(GET /health: no answer in {_RECHECK_S:.0f} s)"
+                ) from None
             self._stalled = False
         try:
             out = waits.wait(attempt, what, self.stop, self.config.stall_timeout_s, self._probe)
@@ -203,8 +223,9 @@ class HttpEngine:
         """GET /health: returns on any answer (a 503 too: the process is alive), raises on none."""
         timeout_s = timeout_s or self.config.stall_timeout_s or self.config.control_timeout_s
         try:
-            with urllib.request.urlopen(urllib.request.Request(self.url + "/health", headers=self._headers(None)),
-                                        timeout=timeout_s) as resp:
+            with urllib.request.urlopen(
+                urllib.request.Request(self.url + "/health", headers=self._headers(None)), timeout=timeout_s
+            ) as resp:
                 resp.read()
         except urllib.error.HTTPError:
             pass
@@ -215,10 +236,12 @@ class HttpEngine:
         return f"engine {self.config.name} ({self.url})" if self.config.name else f"engine {self.url}"
 
     def _stall_message(self, method: str, path: str, seconds: float) -> str:
-        return (f"{self.label} made no progress for {seconds:.0f} s (stall_timeout_s={self.config.stall_timeout_s:g}): "
-                f"no answer to {method} {path} nor to GET /health. It is stopped (SIGSTOP), hung or unreachable: "
-                "check that server's process and log, and the network to it; raise rollout.stall_timeout_s only "
-                "if it is alive but answers /health that slowly")
+        return (
+            f"{self.label} made no progress for {seconds:.0f} s (stall_timeout_s={self.config.stall_timeout_s:g}): "
+            f"no answer to {method} {path} nor to GET /health. It is stopped (SIGSTOP), hung or unreachable: "
+            "check that server's process and log, and the network to it; raise rollout.stall_timeout_s only "
+            "if it is alive but answers /health that slowly"
+        )
 
     def _headers(self, data: bytes | None) -> dict[str, str]:
         """Every request's headers: the JSON body's type, and the key (SGLang's --api-key scheme)."""
@@ -229,18 +252,27 @@ class HttpEngine:
 
     # ------------------------------------------------------------------------------- Engine protocol
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt_index: int = 0) -> list[Sample]:
-        entries = [(r.prompt_ids, params_to_json(params, r.seed))
-                   for r in expand_samples(prompts, params.n, params.seed, first_prompt_index)]
+        entries = [
+            (r.prompt_ids, params_to_json(params, r.seed))
+            for r in expand_samples(prompts, params.n, params.seed, first_prompt_index)
+        ]
         samples: list[Sample] = []
         step = self.config.max_entries_per_request
         for start in range(0, len(entries), step):
-            chunk = entries[start:start + step]
-            body = {"input_ids": [p for p, _ in chunk], "sampling_params": [sp for _, sp in chunk],
-                    "return_logprob": True, "logprob_start_len": -1, "stream": False}
+            chunk = entries[start : start + step]
+            body = {
+                "input_ids": [p for p, _ in chunk],
+                "sampling_params": [sp for _, sp in chunk],
+                "return_logprob": True,
+                "logprob_start_len": -1,
+                "stream": False,
+            }
             out = self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
             if not isinstance(out, list) or len(out) != len(chunk):
-                raise EngineError(f"{self.url}/generate answered {type(out).__name__} of "
-                                  f"{len(out) if isinstance(out, list) else 1} entries for {len(chunk)}")
+                raise EngineError(
+                    f"{self.url}/generate answered {type(out).__name__} of "
+                    f"{len(out) if isinstance(out, list) else 1} entries for {len(chunk)}"
+                )
             try:
                 samples.extend(sample_from_json(p, e) for (p, _), e in zip(chunk, out))
             except ValueError as e:
@@ -322,8 +354,10 @@ class HttpEngine:
         body = prefill_request(seqs, firsts, topk)
         out = self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
         if not isinstance(out, list) or len(out) != len(seqs):
-            raise EngineError(f"{self.url}/generate answered {type(out).__name__} of "
-                              f"{len(out) if isinstance(out, list) else 1} entries for {len(seqs)} sequences")
+            raise EngineError(
+                f"{self.url}/generate answered {type(out).__name__} of "
+                f"{len(out) if isinstance(out, list) else 1} entries for {len(seqs)} sequences"
+            )
         try:
             return [prefill_scores_from_json(e, s, f, topk) for e, s, f in zip(out, seqs, firsts)]
         except ValueError as e:
@@ -387,8 +421,10 @@ def _auth_hint(status: int, config: HttpEngineConfig) -> str:
     var = f"${config.api_key_env}" if config.api_key_env else "HttpEngineConfig.api_key"
     if config.api_key:
         return f" (the key in {var} is not the server's --api-key)"
-    return (f" (the server wants an API key: set {var} to its --api-key; rollout.api_key_env / "
-            "teacher.api_key_env name the variable)")
+    return (
+        f" (the server wants an API key: set {var} to its --api-key; rollout.api_key_env / "
+        "teacher.api_key_env name the variable)"
+    )
 
 
 def _message(payload: Any) -> str:

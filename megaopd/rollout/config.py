@@ -1,5 +1,6 @@
 """rollout: the job config's section of the rollout engines (which engines, which sampling, the parity
 probe), read by build_engine, the weight sync (weight_sync_*, colocated) and the trainer's parity check."""
+
 from __future__ import annotations
 
 import math
@@ -117,19 +118,26 @@ class RolloutConfig:
             raise ValueError("rollout.engine=remote needs rollout.urls=[http://host:port, ...]")
         check_env_name("rollout.api_key_env", self.api_key_env)
         if self.max_turns < 1 or self.max_trajectory_tokens < 1:
-            raise ValueError(f"rollout.max_turns={self.max_turns} and rollout.max_trajectory_tokens="
-                             f"{self.max_trajectory_tokens} must be at least 1")
+            raise ValueError(
+                f"rollout.max_turns={self.max_turns} and rollout.max_trajectory_tokens="
+                f"{self.max_trajectory_tokens} must be at least 1"
+            )
         if self.stream_parts < 1 or (self.stream_parts > 1 and self.engine != "remote"):
-            raise ValueError(f"rollout.stream_parts={self.stream_parts}: must be >= 1, and > 1 needs rollout.engine="
-                             "remote (the embedded engine generates a batch in one call, in the trainer's process)")
+            raise ValueError(
+                f"rollout.stream_parts={self.stream_parts}: must be >= 1, and > 1 needs rollout.engine="
+                "remote (the embedded engine generates a batch in one call, in the trainer's process)"
+            )
         if self.engine_dtype not in ("auto", *MODEL_DTYPES):
             raise ValueError(f"rollout.engine_dtype={self.engine_dtype!r}: choose auto, {', '.join(MODEL_DTYPES)}")
         if self.stall_timeout_s < 0:
-            raise ValueError(f"rollout.stall_timeout_s={self.stall_timeout_s} must be >= 0 (seconds an engine may "
-                             "answer nothing before the wait fails; 0 turns the stall clock off)")
+            raise ValueError(
+                f"rollout.stall_timeout_s={self.stall_timeout_s} must be >= 0 (seconds an engine may "
+                "answer nothing before the wait fails; 0 turns the stall clock off)"
+            )
         if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"rollout.temperature={self.temperature} must be a finite number > 0 (log-probs are "
-                             f"of logits/T)")
+            raise ValueError(
+                f"rollout.temperature={self.temperature} must be a finite number > 0 (log-probs are of logits/T)"
+            )
         check_sampling(self)
         check_overlap(self)
 
@@ -138,8 +146,10 @@ def check_env_name(key: str, name: str) -> None:
     """ValueError unless `name` is "" or an environment variable's name (a key pasted here instead of a
     name would end up in config.yaml)."""
     if name and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-        raise ValueError(f"{key}={name!r} must name an environment variable (e.g. MEGAOPD_API_KEY) that holds the "
-                         "key, not the key itself; or be empty for no key")
+        raise ValueError(
+            f"{key}={name!r} must name an environment variable (e.g. MEGAOPD_API_KEY) that holds the "
+            "key, not the key itself; or be empty for no key"
+        )
 
 
 def check_sampling(r: RolloutConfig) -> None:
@@ -165,8 +175,11 @@ def check_sampling(r: RolloutConfig) -> None:
 
 def check_overlap(r: RolloutConfig) -> None:
     """rollout.mode and its keys, with the reason when this engine layout cannot overlap."""
-    for key, value, choices in (("mode", r.mode, ROLLOUT_MODES), ("stale_samples", r.stale_samples, STALE_SAMPLES),
-                                ("sync_pause", r.sync_pause, SYNC_PAUSES)):
+    for key, value, choices in (
+        ("mode", r.mode, ROLLOUT_MODES),
+        ("stale_samples", r.stale_samples, STALE_SAMPLES),
+        ("sync_pause", r.sync_pause, SYNC_PAUSES),
+    ):
         if value not in choices:
             raise ValueError(f"rollout.{key}={value!r}: choose one of {', '.join(choices)}")
     if r.max_staleness < 1:
@@ -174,13 +187,19 @@ def check_overlap(r: RolloutConfig) -> None:
     if r.mode == "sync":
         return
     if r.engine == "embedded":
-        raise ValueError(f"rollout.mode={r.mode} needs engines beside the trainer, not in it: the embedded engine "
-                         "runs in trainer rank 0's process and would share its cores/GPU with training, so nothing "
-                         "overlaps; use rollout.engine=remote (megaopd serve or SGLang) or rollout.mode=sync")
+        raise ValueError(
+            f"rollout.mode={r.mode} needs engines beside the trainer, not in it: the embedded engine "
+            "runs in trainer rank 0's process and would share its cores/GPU with training, so nothing "
+            "overlaps; use rollout.engine=remote (megaopd serve or SGLang) or rollout.mode=sync"
+        )
     if r.colocated:
-        raise ValueError(f"rollout.mode={r.mode} with rollout.colocated=true: colocated engines release their "
-                         "memory while the actor trains on the same GPUs, so they cannot generate meanwhile; "
-                         "use rollout.mode=sync, or engines on their own GPUs (colocated=false)")
+        raise ValueError(
+            f"rollout.mode={r.mode} with rollout.colocated=true: colocated engines release their "
+            "memory while the actor trains on the same GPUs, so they cannot generate meanwhile; "
+            "use rollout.mode=sync, or engines on their own GPUs (colocated=false)"
+        )
     if r.mode == "one_step_off" and r.max_staleness != 1:
-        raise ValueError(f"rollout.mode=one_step_off lags exactly one weight version; rollout.max_staleness="
-                         f"{r.max_staleness} applies to async: use mode=async or max_staleness=1")
+        raise ValueError(
+            f"rollout.mode=one_step_off lags exactly one weight version; rollout.max_staleness="
+            f"{r.max_staleness} applies to async: use mode=async or max_staleness=1"
+        )

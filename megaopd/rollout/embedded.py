@@ -10,6 +10,7 @@ What this adds to the runner is the protocol's vocabulary: prompts x n become ro
 become Samples, and weights arrive "in_process" (megaopd.sync.in_process). Everything else (generation,
 prompt scores, weight loads, memory release) is the runner's: megaopd.engine.runner.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -26,9 +27,16 @@ def row_request(sample: SampleRequest, params: SamplingParams | ParsedParams, eo
     ParsedParams (the same fields; max_new_tokens may be 0 there: prefill scoring runs no row)."""
     # SGLang 0.5.23: ignore_eos ignores stop_token_ids too (the response runs to its budget).
     stop = set() if params.ignore_eos else set(params.stop_token_ids) | set(eos_ids)
-    return RowRequest(prompt_ids=list(sample.prompt_ids), max_new_tokens=params.max_new_tokens,
-                      temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                      min_p=params.min_p, stop_ids=frozenset(stop), seed=sample.seed)
+    return RowRequest(
+        prompt_ids=list(sample.prompt_ids),
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        stop_ids=frozenset(stop),
+        seed=sample.seed,
+    )
 
 
 class EmbeddedEngine(ModelRunner):
@@ -38,12 +46,21 @@ class EmbeddedEngine(ModelRunner):
     """It loads HF-named tensors handed to update_weights in this process (megaopd.sync.in_process)."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt_index: int = 0) -> list[Sample]:
-        rows = [row_request(s, params, self.eos_ids)
-                for s in expand_samples(prompts, params.n, params.seed, first_prompt_index)]
+        rows = [
+            row_request(s, params, self.eos_ids)
+            for s in expand_samples(prompts, params.n, params.seed, first_prompt_index)
+        ]
         results = self.run(rows)
-        return [Sample(prompt_ids=list(r.prompt_ids), output_ids=o.output_ids, output_logprobs=o.logprobs,
-                       finish_reason=o.finish_reason, weight_version=o.weight_version)
-                for r, o in zip(rows, results)]
+        return [
+            Sample(
+                prompt_ids=list(r.prompt_ids),
+                output_ids=o.output_ids,
+                output_logprobs=o.logprobs,
+                finish_reason=o.finish_reason,
+                weight_version=o.weight_version,
+            )
+            for r, o in zip(rows, results)
+        ]
 
     def weight_targets(self) -> list["EmbeddedEngine"]:
         return [self]

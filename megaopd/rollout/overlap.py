@@ -14,6 +14,7 @@ are equal (weights change only between batches); with async a sync can land in t
 Threads: HTTP generate calls release the GIL, so the trainer's torch work goes on meanwhile. Threads are
 daemons: a preempted run exits without waiting for an engine that may already be gone.
 """
+
 from __future__ import annotations
 
 import threading
@@ -135,16 +136,29 @@ def staleness(taken: Taken, trained_version: int, max_staleness: int) -> Stalene
     return Staleness(list(taken.first_versions), last, stale)
 
 
-def overlap_metrics(st: Staleness, response_lens: list[int], trained_version: int, max_staleness: int,
-                    waited_s: float, engine_idle_s: float, dropped: int, regenerated: int) -> dict[str, float]:
+def overlap_metrics(
+    st: Staleness,
+    response_lens: list[int],
+    trained_version: int,
+    max_staleness: int,
+    waited_s: float,
+    engine_idle_s: float,
+    dropped: int,
+    regenerated: int,
+) -> dict[str, float]:
     """pipeline/*: staleness (mean, max, over samples, by their first token), response tokens per weight
     version lag (tokens_lag_<s>, s = 0 .. max_staleness; a partial rollout counts under its first token's
     lag), who waited for whom, and the too-stale samples dropped or regenerated."""
     lags = [trained_version - f for f in st.first_B]
-    out = {"pipeline/staleness_mean": sum(lags) / max(len(lags), 1), "pipeline/staleness_max": float(max(lags, default=0)),
-           "pipeline/partial_fraction": sum(a != b for a, b in zip(st.first_B, st.last_B)) / max(len(lags), 1),
-           "pipeline/trainer_wait_s": waited_s, "pipeline/engine_idle_s": engine_idle_s,
-           "pipeline/dropped": float(dropped), "pipeline/regenerated": float(regenerated)}
+    out = {
+        "pipeline/staleness_mean": sum(lags) / max(len(lags), 1),
+        "pipeline/staleness_max": float(max(lags, default=0)),
+        "pipeline/partial_fraction": sum(a != b for a, b in zip(st.first_B, st.last_B)) / max(len(lags), 1),
+        "pipeline/trainer_wait_s": waited_s,
+        "pipeline/engine_idle_s": engine_idle_s,
+        "pipeline/dropped": float(dropped),
+        "pipeline/regenerated": float(regenerated),
+    }
     for s in range(max_staleness + 1):
         out[f"pipeline/tokens_lag_{s}"] = float(sum(n for n, lag in zip(response_lens, lags) if lag == s))
     return out

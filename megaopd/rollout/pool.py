@@ -13,6 +13,7 @@ when no engine is left or `timeout_s` passes (nothing waits forever: each HttpEn
 own timeout too). Jobs carry their offset in the batch (first_prompt_index), so a seeded batch gives
 the same samples whichever engine ran which job.
 """
+
 from __future__ import annotations
 
 import queue
@@ -82,10 +83,17 @@ class SpreadError(RuntimeError):
         super().__init__(f"{done}/{total} jobs done: {what}")
 
 
-def spread_jobs(workers: Sequence[W], jobs: Sequence[J], call: Callable[[W, J], R], timeout_s: float,
-                max_attempts: int | None = None, refuse: tuple[type[BaseException], ...] = (),
-                label: Callable[[W], str] = repr, name: str = "megaopd-jobs",
-                on_worker_failed: Callable[[int], None] | None = None) -> list[R]:
+def spread_jobs(
+    workers: Sequence[W],
+    jobs: Sequence[J],
+    call: Callable[[W, J], R],
+    timeout_s: float,
+    max_attempts: int | None = None,
+    refuse: tuple[type[BaseException], ...] = (),
+    label: Callable[[W], str] = repr,
+    name: str = "megaopd-jobs",
+    on_worker_failed: Callable[[int], None] | None = None,
+) -> list[R]:
     """call(worker, job) for every job, spread over the workers: one thread per worker takes jobs from a
     shared queue (a fast worker takes more). Returns the results in job order.
 
@@ -122,8 +130,9 @@ def spread_jobs(workers: Sequence[W], jobs: Sequence[J], call: Callable[[W, J], 
                 return
             except refuse as e:
                 with lock:
-                    failures.append(JobFailure(j, attempts[j] + 1, errors[j] + (f"{label(worker)}: {e}",), True,
-                                               label(worker), e))
+                    failures.append(
+                        JobFailure(j, attempts[j] + 1, errors[j] + (f"{label(worker)}: {e}",), True, label(worker), e)
+                    )
                     done.set()
                 return
             except Exception as e:  # noqa: BLE001 - any worker failure sends the job elsewhere
@@ -171,8 +180,9 @@ class EnginePool:
     @property
     def weight_transports(self) -> tuple[str, ...]:
         """Transports every member accepts (megaopd.sync picks per member from weight_targets())."""
-        common = [t for t in self.engines[0].weight_transports
-                  if all(t in e.weight_transports for e in self.engines[1:])]
+        common = [
+            t for t in self.engines[0].weight_transports if all(t in e.weight_transports for e in self.engines[1:])
+        ]
         return tuple(common)
 
     def weight_targets(self) -> list[Engine]:
@@ -198,7 +208,7 @@ class EnginePool:
         if not live:
             raise PoolError(f"no healthy engine among {len(self.engines)}")
         per_job = self.config.prompts_per_job or -(-len(prompts) // len(live))
-        jobs = [_Job(s, prompts[s:s + per_job]) for s in range(0, len(prompts), per_job)]
+        jobs = [_Job(s, prompts[s : s + per_job]) for s in range(0, len(prompts), per_job)]
 
         def run(engine: Engine, job: _Job) -> list[Sample]:
             out = engine.generate(job.prompts, params, first_prompt_index=first_prompt_index + job.start)
@@ -207,16 +217,27 @@ class EnginePool:
             return out
 
         try:
-            outs = spread_jobs([self.engines[i] for i in live], jobs, run, timeout_s=self.config.timeout_s,
-                               max_attempts=self.config.max_attempts, name="megaopd-pool",
-                               on_worker_failed=lambda k: self._mark_failed(live[k]))
+            outs = spread_jobs(
+                [self.engines[i] for i in live],
+                jobs,
+                run,
+                timeout_s=self.config.timeout_s,
+                max_attempts=self.config.max_attempts,
+                name="megaopd-pool",
+                on_worker_failed=lambda k: self._mark_failed(live[k]),
+            )
         except SpreadError as e:
             if e.timed_out:
-                raise PoolError(f"generate did not finish in {self.config.timeout_s:.0f}s "
-                                f"({e.done}/{e.total} jobs done)") from None
-            raise PoolError("; ".join(
-                f"prompts {jobs[f.job].start}..{jobs[f.job].start + len(jobs[f.job].prompts) - 1} failed on "
-                f"{f.attempts} engine(s): " + " | ".join(f.errors) for f in e.failures)) from None
+                raise PoolError(
+                    f"generate did not finish in {self.config.timeout_s:.0f}s ({e.done}/{e.total} jobs done)"
+                ) from None
+            raise PoolError(
+                "; ".join(
+                    f"prompts {jobs[f.job].start}..{jobs[f.job].start + len(jobs[f.job].prompts) - 1} failed on "
+                    f"{f.attempts} engine(s): " + " | ".join(f.errors)
+                    for f in e.failures
+                )
+            ) from None
         return [s for out in outs for s in out]
 
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:

@@ -24,11 +24,11 @@ Memory: release_memory(tags) / resume_memory(tags) with tags among megaopd.engin
 an engine remembers what it released (`released_tags`) and refuses to resume a tag it never released, as
 SGLang does (0.5.23 kills the server when asked to).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
-
 
 from megaopd.engine.rows import FinishReason
 
@@ -79,8 +79,12 @@ def derive_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     Hashing (rather than seed + index) keeps neighbouring seeds from giving overlapping streams.
     """
     mask = (1 << 64) - 1
-    x = (int(seed) * 0x9E3779B97F4A7C15 + int(prompt_index) * 0xBF58476D1CE4E5B9
-         + int(sample_index) * 0x94D049BB133111EB + 0x632BE59BD9B4E019) & mask
+    x = (
+        int(seed) * 0x9E3779B97F4A7C15
+        + int(prompt_index) * 0xBF58476D1CE4E5B9
+        + int(sample_index) * 0x94D049BB133111EB
+        + 0x632BE59BD9B4E019
+    ) & mask
     for mul in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB):
         x ^= x >> 31
         x = (x * mul) & mask
@@ -100,8 +104,13 @@ class SampleRequest:
     """None: the engine draws a fresh random seed."""
 
 
-def expand_samples(prompts: Sequence[Sequence[int]], n: int | Sequence[int], seed: int | None | Sequence[int | None],
-                   first_prompt_index: int = 0, keep_single_seeds: bool = False) -> list[SampleRequest]:
+def expand_samples(
+    prompts: Sequence[Sequence[int]],
+    n: int | Sequence[int],
+    seed: int | None | Sequence[int | None],
+    first_prompt_index: int = 0,
+    keep_single_seeds: bool = False,
+) -> list[SampleRequest]:
     """Prompt-major per-sample requests: prompt i's samples j = 0..n_i-1, seeded derive_seed(seed_i, first + i, j).
 
     n, seed: one value for every prompt, or one per prompt (a server request may carry a sampling_params
@@ -187,4 +196,3 @@ class Engine(Protocol):
 
     def health(self) -> bool:
         """True when the engine answers and can generate."""
-

@@ -12,6 +12,7 @@ Sequences are right-padded, so causal attention never lets padding reach a real 
 Golden (SFT) rows travel beside it in megaopd.data.GoldenBatch; the micro-batches of the scoring passes
 and the training step are cut from both by megaopd.batching.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,9 +58,11 @@ class TokenScores:
         where = {r: i for i, r in enumerate(self.rows)}
         missing = [int(r) for r in batch_rows.tolist() if int(r) not in where]
         if missing:
-            raise KeyError(f"rows {missing[:8]} are not held on this rank (it holds {len(self.rows)} rows, the ones "
-                           f"its actor data-parallel replica trains): build micro-batches from the same RowOwners "
-                           f"the scores were routed with (batching.shares.row_owners)")
+            raise KeyError(
+                f"rows {missing[:8]} are not held on this rank (it holds {len(self.rows)} rows, the ones "
+                f"its actor data-parallel replica trains): build micro-batches from the same RowOwners "
+                f"the scores were routed with (batching.shares.row_owners)"
+            )
         return torch.tensor([where[int(r)] for r in batch_rows.tolist()], dtype=torch.long)
 
     def topk_support(self, k: int) -> "TokenScores | None":
@@ -75,8 +78,9 @@ class TokenScores:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: list[int] | None = None) -> "TokenScores":
         """fn of every field held, as a new record (of `rows`, default: the same rows)."""
-        return TokenScores(**{f.name: fn(getattr(self, f.name)) for f in self.present()},
-                           rows=self.rows if rows is None else rows)
+        return TokenScores(
+            **{f.name: fn(getattr(self, f.name)) for f in self.present()}, rows=self.rows if rows is None else rows
+        )
 
     def take(self, batch_rows: list[int]) -> "TokenScores":
         """The scores of the given batch rows only (rows set to them)."""
@@ -165,9 +169,11 @@ class RolloutBatch:
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         missing = rows[~self.held_B[rows]]
         if missing.numel():
-            raise KeyError(f"{what}: rows {missing[:8].tolist()} of the rollout were not delivered to this rank (it "
-                           f"holds {int(self.held_B.sum())} of {self.size}); batching.delivery.row_users must list "
-                           f"every rank that reads a row")
+            raise KeyError(
+                f"{what}: rows {missing[:8].tolist()} of the rollout were not delivered to this rank (it "
+                f"holds {int(self.held_B.sum())} of {self.size}); batching.delivery.row_users must list "
+                f"every rank that reads a row"
+            )
 
     @property
     def targets_BT(self) -> torch.Tensor:
@@ -194,11 +200,11 @@ def build_rollout_batch(samples: list[Sample], pad_id: int, samples_per_prompt: 
         tokens_BS[b, :p] = torch.tensor(s.prompt_ids)
         if r == 0:  # an aborted request: the row stays, with nothing to learn from
             continue
-        tokens_BS[b, p:p + r] = torch.tensor(s.output_ids)
+        tokens_BS[b, p : p + r] = torch.tensor(s.output_ids)
         # Position t predicts token t + 1: the response tokens p..p+r-1 are predicted at p-1..p+r-2.
         generated = 1.0 if s.output_mask is None else _student_mask(s, b)  # trajectories: environment turns 0
-        loss_mask_BT[b, p - 1:p + r - 1] = generated
-        engine_logprobs_BT[b, p - 1:p + r - 1] = torch.tensor(s.output_logprobs, dtype=torch.float32) * generated
+        loss_mask_BT[b, p - 1 : p + r - 1] = generated
+        engine_logprobs_BT[b, p - 1 : p + r - 1] = torch.tensor(s.output_logprobs, dtype=torch.float32) * generated
     return RolloutBatch(
         tokens_BS=tokens_BS,
         loss_mask_BT=loss_mask_BT,
@@ -208,13 +214,16 @@ def build_rollout_batch(samples: list[Sample], pad_id: int, samples_per_prompt: 
         finish_reasons=[s.finish_reason for s in samples],
         group_ids_B=torch.arange(B) // samples_per_prompt,
         trajectories=[s.trajectory or TrajectoryStats(1, 0, 0) for s in samples]
-        if any(s.trajectory is not None for s in samples) else None,
+        if any(s.trajectory is not None for s in samples)
+        else None,
     )
 
 
 def _student_mask(s: Sample, b: int) -> torch.Tensor:
     """A trajectory's per-output-token student mask (float), checked against its ids and log-probs."""
     if not len(s.output_mask) == len(s.output_ids) == len(s.output_logprobs):
-        raise ValueError(f"sample {b}: output_mask ({len(s.output_mask)}), output_ids ({len(s.output_ids)}) and "
-                         f"output_logprobs ({len(s.output_logprobs)}) must be one entry per output token")
+        raise ValueError(
+            f"sample {b}: output_mask ({len(s.output_mask)}), output_ids ({len(s.output_ids)}) and "
+            f"output_logprobs ({len(s.output_logprobs)}) must be one entry per output token"
+        )
     return torch.tensor(s.output_mask, dtype=torch.float32)

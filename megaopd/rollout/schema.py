@@ -21,6 +21,7 @@ first entry: the one place that knows it. SGLang 0.5.23 also reports the id of t
 (vocab_size - 1) as 0 in input_token_logprobs (`x if x < vocab_size - 1 else 0`, a guard meant for image
 tokens' hashes); its log-prob is the sent token's, so an answered 0 is read as the id sent.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,7 +45,8 @@ def parse_version(text) -> tuple[int, int, int] | None:
 class BadRequest(ValueError):
     """A request that fails validation, answered HTTP 400 with the body SGLang 0.5.23 gives that kind of error:
     kind "value" (a bad value: top_p 0)       -> {"error": {"message": ...}};
-    kind "schema" (a request field's type)    -> {"object": "error", "message", "type": "Bad Request", ..., "code": 400};
+    kind "schema" (a request field's type)    -> {"object": "error", "message", "type": "Bad Request", ..., "code":
+    400};
     kind "text" (a sampling_params field's type or name, which 0.5.23 checks with a strict decoder)
                                               -> {"error": "<text>"}."""
 
@@ -64,22 +66,58 @@ class BadRequest(ValueError):
 
 # SGLang sampling_params keys: those the embedded engine implements, and the rest, accepted only at
 # their neutral value so a request that relies on them fails loudly instead of sampling differently.
-IMPLEMENTED = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos",
-               "n", "sampling_seed"}
-NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_new_tokens": 0,
-           "stop": None, "regex": None, "json_schema": None, "ebnf": None, "structural_tag": None,
-           "logit_bias": None, "stream_interval": None}
-IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "custom_params",
-           "return_hidden_states"}
+IMPLEMENTED = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "sampling_seed",
+}
+NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "min_new_tokens": 0,
+    "stop": None,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "stream_interval": None,
+}
+IGNORED = {
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "return_hidden_states",
+}
 
 
 def params_to_json(params: SamplingParams, seed: int | None) -> dict:
     """Every sampling parameter explicitly, for one sample (n=1); seed -> sampling_seed when given."""
-    d = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
-         "top_k": params.top_k, "min_p": params.min_p, "stop_token_ids": list(params.stop_token_ids),
-         "stop": [], "ignore_eos": params.ignore_eos, "n": 1, "repetition_penalty": 1.0,
-         "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_new_tokens": 0,
-         "skip_special_tokens": True, "no_stop_trim": False}
+    d = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "stop_token_ids": list(params.stop_token_ids),
+        "stop": [],
+        "ignore_eos": params.ignore_eos,
+        "n": 1,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "min_new_tokens": 0,
+        "skip_special_tokens": True,
+        "no_stop_trim": False,
+    }
     if seed is not None:
         d["sampling_seed"] = int(seed)
     return d
@@ -104,9 +142,15 @@ def _number(d: dict, key: str, default, kind):
     value = d.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-        raise BadRequest(f"invalid type: sampling_params.{key}={value!r}, expected "
-                         f"{'an integer' if kind is int else 'a number'}", kind="text")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and not float(value).is_integer())
+    ):
+        raise BadRequest(
+            f"invalid type: sampling_params.{key}={value!r}, expected {'an integer' if kind is int else 'a number'}",
+            kind="text",
+        )
     return kind(value)
 
 
@@ -120,8 +164,11 @@ def parse_params(d: Any, defaults: dict | None = None) -> ParsedParams:
     if d is None:
         d = {}
     if not isinstance(d, dict):
-        raise BadRequest(f"invalid type: sampling_params must be an object (or a list of objects for a batch), "
-                         f"got {type(d).__name__}", kind="text")
+        raise BadRequest(
+            f"invalid type: sampling_params must be an object (or a list of objects for a batch), "
+            f"got {type(d).__name__}",
+            kind="text",
+        )
     d = {**(defaults or {}), **d}
     unknown = set(d) - IMPLEMENTED - set(NEUTRAL) - IGNORED
     if unknown:
@@ -129,17 +176,26 @@ def parse_params(d: Any, defaults: dict | None = None) -> ParsedParams:
     for key, neutral in NEUTRAL.items():
         value = d.get(key, neutral)
         if value not in (neutral, [], "") and value is not None:
-            raise BadRequest(f"sampling_params.{key}={value!r} is not supported by megaopd serve "
-                             f"(only {neutral!r}); use a real SGLang server for it")
+            raise BadRequest(
+                f"sampling_params.{key}={value!r} is not supported by megaopd serve "
+                f"(only {neutral!r}); use a real SGLang server for it"
+            )
     p = ParsedParams(
-        max_new_tokens=_number(d, "max_new_tokens", 128, int), temperature=_number(d, "temperature", 1.0, float),
-        top_p=_number(d, "top_p", 1.0, float), top_k=_number(d, "top_k", -1, int), min_p=_number(d, "min_p", 0.0, float),
-        stop_token_ids=[], ignore_eos=bool(d.get("ignore_eos", False)), n=_number(d, "n", 1, int),
-        seed=None if d.get("sampling_seed") is None else _number(d, "sampling_seed", 0, int))
+        max_new_tokens=_number(d, "max_new_tokens", 128, int),
+        temperature=_number(d, "temperature", 1.0, float),
+        top_p=_number(d, "top_p", 1.0, float),
+        top_k=_number(d, "top_k", -1, int),
+        min_p=_number(d, "min_p", 0.0, float),
+        stop_token_ids=[],
+        ignore_eos=bool(d.get("ignore_eos", False)),
+        n=_number(d, "n", 1, int),
+        seed=None if d.get("sampling_seed") is None else _number(d, "sampling_seed", 0, int),
+    )
     stop_ids = d.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids):
-        raise BadRequest(f"invalid type: sampling_params.stop_token_ids={stop_ids!r}, expected a list of "
-                         "integers", kind="text")
+        raise BadRequest(
+            f"invalid type: sampling_params.stop_token_ids={stop_ids!r}, expected a list of integers", kind="text"
+        )
     p.stop_token_ids = list(stop_ids)
     if p.temperature < 0.0:
         raise BadRequest(f"temperature must be a non-negative finite number, got {_num(p.temperature)}.")
@@ -180,9 +236,13 @@ def sample_from_json(prompt_ids: list[int], entry: dict) -> Sample:
         raise ValueError("the /generate response has no output_token_logprobs; send return_logprob=true")
     if len(lps) != len(output_ids):
         raise ValueError(f"{len(lps)} output_token_logprobs for {len(output_ids)} output_ids")
-    return Sample(prompt_ids=list(prompt_ids), output_ids=output_ids,
-                  output_logprobs=[float(x[0]) for x in lps], finish_reason=kind,
-                  weight_version=meta.get("weight_version"))
+    return Sample(
+        prompt_ids=list(prompt_ids),
+        output_ids=output_ids,
+        output_logprobs=[float(x[0]) for x in lps],
+        finish_reason=kind,
+        weight_version=meta.get("weight_version"),
+    )
 
 
 @dataclass
@@ -207,13 +267,20 @@ def prefill_request(seqs: list[list[int]], firsts: list[int], topk: int = 0) -> 
         raise ValueError(f"prefill_request: {len(seqs)} sequences but {len(firsts)} first positions")
     bad = [(len(s), f) for s, f in zip(seqs, firsts) if not 1 <= f <= len(s)]
     if bad:
-        raise ValueError(f"prefill_request: first positions must be in [1, len(seq)] (token 0 has no prefix to "
-                         f"be scored from); got (len, first) {bad[:4]}")
+        raise ValueError(
+            f"prefill_request: first positions must be in [1, len(seq)] (token 0 has no prefix to "
+            f"be scored from); got (len, first) {bad[:4]}"
+        )
     if topk < 0:
         raise ValueError(f"prefill_request: topk={topk} must be >= 0")
     sp = dict(params_to_json(SamplingParams(temperature=1.0), seed=None), max_new_tokens=0)
-    body = {"input_ids": [list(s) for s in seqs], "sampling_params": [dict(sp) for _ in seqs],
-            "return_logprob": True, "logprob_start_len": [f - 1 for f in firsts], "stream": False}
+    body = {
+        "input_ids": [list(s) for s in seqs],
+        "sampling_params": [dict(sp) for _ in seqs],
+        "return_logprob": True,
+        "logprob_start_len": [f - 1 for f in firsts],
+        "stream": False,
+    }
     if topk:
         body["top_logprobs_num"] = topk
     return body
@@ -229,15 +296,19 @@ def prefill_scores_from_json(entry: Any, seq: list[int], first: int, topk: int =
         raise ValueError(f"an answer has no meta_info.input_token_logprobs ({e})") from None
     n = len(seq) - first
     if not isinstance(lps, list) or len(lps) != n + 1:
-        raise ValueError(f"input_token_logprobs has {len(lps) if isinstance(lps, list) else lps!r} entries for "
-                         f"the {n} tokens scored plus the one at logprob_start_len={first - 1} "
-                         f"(sequence of {len(seq)})")
+        raise ValueError(
+            f"input_token_logprobs has {len(lps) if isinstance(lps, list) else lps!r} entries for "
+            f"the {n} tokens scored plus the one at logprob_start_len={first - 1} "
+            f"(sequence of {len(seq)})"
+        )
     lps = lps[1:]  # the entry at logprob_start_len: [null, id, null] on SGLang (nothing before it is scored)
     got = [int(e[1]) for e in lps]
     if not all(a == b or a == 0 for a, b in zip(got, seq[first:])):  # SGLang names the last vocabulary id 0
         i = next(i for i, (a, b) in enumerate(zip(got, seq[first:])) if a not in (b, 0))
-        raise ValueError(f"input_token_logprobs names other token ids than the sequence sent: at token {first + i} "
-                         f"of {len(seq)}, sent {list(seq[first + i:first + i + 4])}, answered {got[i:i + 4]}")
+        raise ValueError(
+            f"input_token_logprobs names other token ids than the sequence sent: at token {first + i} "
+            f"of {len(seq)}, sent {list(seq[first + i : first + i + 4])}, answered {got[i : i + 4]}"
+        )
     if any(e[0] is None for e in lps):
         raise ValueError("input_token_logprobs has a null log-prob after logprob_start_len")
     out = PrefillScores(logprobs=[float(e[0]) for e in lps])
@@ -246,8 +317,9 @@ def prefill_scores_from_json(entry: Any, seq: list[int], first: int, topk: int =
             raise ValueError(f"input_top_logprobs is missing or has a wrong length for top_logprobs_num={topk}")
         tops = tops[1:]
         if any(t is None or len(t) < topk for t in tops):
-            raise ValueError(f"input_top_logprobs has fewer than top_logprobs_num={topk} entries at some of the "
-                             f"{n} positions scored")
+            raise ValueError(
+                f"input_top_logprobs has fewer than top_logprobs_num={topk} entries at some of the {n} positions scored"
+            )
         ranked = [sorted(t, key=lambda e: -float(e[0]))[:topk] for t in tops]  # most likely first
         out.top_ids = [[int(e[1]) for e in t] for t in ranked]
         out.top_logprobs = [[float(e[0]) for e in t] for t in ranked]

@@ -23,6 +23,7 @@ A trajectory ends on the environment's final answer (finish "stop", its reward),
 both truncations finish "length", as a long single-turn response does. Sampling is seeded per trajectory
 and turn (derive_seed), so a resumed run makes the same trajectories.
 """
+
 from __future__ import annotations
 
 import threading
@@ -44,8 +45,10 @@ class ToolTurns:
 
     def __init__(self, tokenizer, tools: list[dict] | None = None):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"multi-turn rollouts need the student tokenizer's chat template to render tool turns; "
-                             f"{getattr(tokenizer, 'name_or_path', '?')} has none")
+            raise ValueError(
+                f"multi-turn rollouts need the student tokenizer's chat template to render tool turns; "
+                f"{getattr(tokenizer, 'name_or_path', '?')} has none"
+            )
         self.tokenizer, self.tools = tokenizer, tools or None
         self.turn_end = turn_end_token(tokenizer)
 
@@ -53,14 +56,17 @@ class ToolTurns:
         """The environment turn's text for these tool results (one tool message each)."""
         messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
         messages += [{"role": "tool", "content": o} for o in observations]
-        rendered = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                      add_generation_prompt=True)
+        rendered = self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=True
+        )
         at = rendered.find(_MARK)
         end = rendered.find(self.turn_end, at + len(_MARK)) if at >= 0 else -1
         if end < 0:
-            raise ValueError(f"the chat template of {getattr(self.tokenizer, 'name_or_path', '?')} does not close an "
-                             f"assistant turn with {self.turn_end!r}: cannot place tool turns after it")
-        return rendered[end + len(self.turn_end):]
+            raise ValueError(
+                f"the chat template of {getattr(self.tokenizer, 'name_or_path', '?')} does not close an "
+                f"assistant turn with {self.turn_end!r}: cannot place tool turns after it"
+            )
+        return rendered[end + len(self.turn_end) :]
 
     def ids(self, observations: list[str]) -> list[int]:
         """Token ids of text(observations): tokenized on its own, as it follows a special token (the turn
@@ -88,13 +94,27 @@ class _Trajectory:
     weight_version: str | None = None
 
     def sample(self) -> Sample:
-        return Sample(list(self.prompt_ids), self.ids, self.logprobs, self.finish or "length",
-                      weight_version=self.weight_version, output_mask=self.mask, trajectory=self.stats)
+        return Sample(
+            list(self.prompt_ids),
+            self.ids,
+            self.logprobs,
+            self.finish or "length",
+            weight_version=self.weight_version,
+            output_mask=self.mask,
+            trajectory=self.stats,
+        )
 
 
-def generate_trajectories(engine: Engine, examples: list, prompts: list[list[int]], params: SamplingParams,
-                          env_cfg: EnvConfig, turns: ToolTurns, limits: TrajectoryLimits,
-                          decode) -> list[Sample]:
+def generate_trajectories(
+    engine: Engine,
+    examples: list,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    env_cfg: EnvConfig,
+    turns: ToolTurns,
+    limits: TrajectoryLimits,
+    decode,
+) -> list[Sample]:
     """params.n trajectories per example, prompt-major (as Engine.generate returns samples). prompts: each
     example's prompt ids; decode(ids) -> the text the environment reads (special tokens kept)."""
     trajs = []
@@ -113,8 +133,9 @@ def generate_trajectories(engine: Engine, examples: list, prompts: list[list[int
     return [t.sample() for t in trajs]
 
 
-def _generate_turn(engine: Engine, active: list[_Trajectory], params: SamplingParams, turn: int,
-                   max_tokens: int) -> None:
+def _generate_turn(
+    engine: Engine, active: list[_Trajectory], params: SamplingParams, turn: int, max_tokens: int
+) -> None:
     """One assistant turn of every active trajectory, continuing from its token ids: one engine call per
     token budget (what is left of max_trajectory_tokens, at most max_new_tokens). Seeds: the engine derives
     request k's from (the turn's seed, k), a pure function of the step's seed and of which trajectories are
@@ -124,8 +145,9 @@ def _generate_turn(engine: Engine, active: list[_Trajectory], params: SamplingPa
         groups.setdefault(min(params.max_new_tokens, max_tokens - len(t.ids)), []).append(t)
     for budget, group in sorted(groups.items()):
         seed = None if params.seed is None else derive_seed(params.seed, turn, budget)
-        samples = engine.generate([t.prompt_ids + t.ids for t in group],
-                                  replace(params, n=1, max_new_tokens=budget, seed=seed))
+        samples = engine.generate(
+            [t.prompt_ids + t.ids for t in group], replace(params, n=1, max_new_tokens=budget, seed=seed)
+        )
         for t, s in zip(group, samples):
             t.ids += s.output_ids
             t.mask += [1] * len(s.output_ids)
@@ -144,7 +166,7 @@ def _environment_turn(t: _Trajectory, turn: int, limits: TrajectoryLimits, turns
     turn and one more token) is truncated without it."""
     if t.finish:
         return
-    last = t.ids[len(t.ids) - _last_turn_len(t):]
+    last = t.ids[len(t.ids) - _last_turn_len(t) :]
     result = t.env.step(decode(last))
     t.stats.tool_calls += result.tool_calls
     t.stats.tool_errors += result.tool_errors
@@ -184,17 +206,26 @@ class MultiTurn:
 
     def generate(self, engine: Engine, examples: list, params: SamplingParams) -> list[Sample]:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        return generate_trajectories(engine, examples, [ex.prompt_ids for ex in examples], params, self.env_cfg,
-                                     self.turns, self.limits, decode)
+        return generate_trajectories(
+            engine, examples, [ex.prompt_ids for ex in examples], params, self.env_cfg, self.turns, self.limits, decode
+        )
 
     def texts_and_rewards(self, samples: list[Sample]) -> tuple[list[str], list[float]]:
-        texts = [self.tokenizer.decode([i for i, m in zip(s.output_ids, s.output_mask) if m], skip_special_tokens=True)
-                 for s in samples]
+        texts = [
+            self.tokenizer.decode([i for i, m in zip(s.output_ids, s.output_mask) if m], skip_special_tokens=True)
+            for s in samples
+        ]
         return texts, [s.trajectory.reward for s in samples]
 
 
-def generate_rows(engine: Engine, examples: list, params: SamplingParams, multi_turn: MultiTurn | None,
-                  parts: int = 1, on_part: Callable[[int, list, list[Sample]], None] | None = None) -> list[Sample]:
+def generate_rows(
+    engine: Engine,
+    examples: list,
+    params: SamplingParams,
+    multi_turn: MultiTurn | None,
+    parts: int = 1,
+    on_part: Callable[[int, list, list[Sample]], None] | None = None,
+) -> list[Sample]:
     """The step's rows: n single-turn responses per prompt (the default), or n trajectories per data row.
 
     parts > 1 with on_part (single-turn): the prompts go to the engine as `parts` concurrent requests of
@@ -211,13 +242,14 @@ def generate_rows(engine: Engine, examples: list, params: SamplingParams, multi_
 
     def run(k: int, a: int) -> None:
         try:
-            out[k] = engine.generate(prompts[a:a + size], params, first_prompt_index=a)
-            on_part(a * params.n, examples[a:a + size], out[k])
+            out[k] = engine.generate(prompts[a : a + size], params, first_prompt_index=a)
+            on_part(a * params.n, examples[a : a + size], out[k])
         except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
             out[k] = e
 
-    threads = [threading.Thread(target=run, args=(k, a), daemon=True, name=f"megaopd-part-{a}")
-               for k, a in enumerate(starts)]
+    threads = [
+        threading.Thread(target=run, args=(k, a), daemon=True, name=f"megaopd-part-{a}") for k, a in enumerate(starts)
+    ]
     for t in threads:
         t.start()
     for t in threads:

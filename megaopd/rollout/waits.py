@@ -22,6 +22,7 @@ connection errors that follow end the request).
 rank0_waits is rank0_computes for rank 0's waits on engines: an abandoned wait reaches every rank, so they
 all leave the step at the same point (the trainer then checkpoints and exits).
 """
+
 from __future__ import annotations
 
 import threading
@@ -87,8 +88,13 @@ class _Life:
             self.running = False
 
 
-def wait(attempt: Callable[[], T], what: str, stop: Callable[[], bool] | None = None, stall_timeout_s: float = 0.0,
-         probe: Callable[[], None] | None = None) -> T:
+def wait(
+    attempt: Callable[[], T],
+    what: str,
+    stop: Callable[[], bool] | None = None,
+    stall_timeout_s: float = 0.0,
+    probe: Callable[[], None] | None = None,
+) -> T:
     """attempt() in a daemon thread; its result, or what it raised. Meanwhile, every SLICE_S: WaitAbandoned once
     stop() is true; Silence once neither attempt() nor probe() (which returns on any answer from the engine,
     raises on none; run every stall_timeout_s / 3, at most every 5 s) has answered for stall_timeout_s

@@ -9,6 +9,7 @@ Wire format of one update:
 Buckets bound the bytes in flight: the trainer's tensors are grouped, in order, into lists of at most
 `bucket_bytes` (one HTTP request each).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Iterator, Sequence
@@ -16,10 +17,21 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-    "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "double": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
 
 
@@ -50,20 +62,23 @@ def bucket_nbytes(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
     return total
 
 
-def unflatten_bucket(flat: torch.Tensor, names: Sequence[str], dtypes: Sequence[torch.dtype],
-                     shapes: Sequence[Sequence[int]]) -> list[tuple[str, torch.Tensor]]:
+def unflatten_bucket(
+    flat: torch.Tensor, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> list[tuple[str, torch.Tensor]]:
     """Views into `flat` (uint8) for each (name, dtype, shape), in order; inverse of flatten_bucket."""
     out, offset = [], 0
     for name, dtype, shape in zip(names, dtypes, shapes):
         n = bucket_nbytes([dtype], [shape])
-        out.append((name, flat[offset:offset + n].view(dtype).reshape(tuple(int(s) for s in shape))))
+        out.append((name, flat[offset : offset + n].view(dtype).reshape(tuple(int(s) for s in shape))))
         offset += n
     if offset != flat.numel():
         raise ValueError(f"bucket holds {flat.numel()} bytes but the metadata describes {offset}")
     return out
 
 
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Groups tensors, in order, into lists of at most `bucket_bytes` (a larger tensor gets its own bucket)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0

@@ -14,12 +14,16 @@ SGLang / `megaopd serve`: prefill scoring over several servers with retries), te
 in-job or served, and the routing of each sample to its teacher). The training step runs its
 micro-batches through the same runner (megaopd.trainer).
 """
+
 from megaopd.scoring.parity import ParityBounds, ParityReport, bounds_for, check_engine_parity, parity_report
 
 # The runner and the passes import megatron (seconds, and its warnings): loaded on first use, so that
 # `megaopd logprobs` can refuse a bad input before paying for it.
-_LAZY = {"PipelineRunner": "megaopd.scoring.runner", "score_sequences": "megaopd.scoring.passes",
-         "score_tokens": "megaopd.scoring.passes"}
+_LAZY = {
+    "PipelineRunner": "megaopd.scoring.runner",
+    "score_sequences": "megaopd.scoring.passes",
+    "score_tokens": "megaopd.scoring.passes",
+}
 
 
 def __getattr__(name: str):
@@ -30,5 +34,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'megaopd.scoring' has no attribute {name!r}")
 
 
-__all__ = ["ParityBounds", "ParityReport", "PipelineRunner", "bounds_for", "check_engine_parity", "parity_report",
-           "score_sequences", "score_tokens"]
+__all__ = [
+    "ParityBounds",
+    "ParityReport",
+    "PipelineRunner",
+    "bounds_for",
+    "check_engine_parity",
+    "parity_report",
+    "score_sequences",
+    "score_tokens",
+]

@@ -9,6 +9,7 @@ it starts tp*pp gloo workers; under torchrun it uses the job's ranks. Log-probs 
 logits with TP all-reduces (megaopd.scoring, the trainer's own pass); no rank holds full-vocabulary logits.
 Inputs are checked first; a bad input exits 2 with one line naming it.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def read_sequences(path: str, vocab_size: int) -> list[list[int]]:
                 raise InputError(f"{path}:{lineno}: not JSON ({e.msg})") from None
             ids = row.get("input_ids") if isinstance(row, dict) else None
             if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
-                raise InputError(f"{path}:{lineno}: expected {{\"input_ids\": [int, ...]}} with at least one id")
+                raise InputError(f'{path}:{lineno}: expected {{"input_ids": [int, ...]}} with at least one id')
             bad = [i for i in ids if not 0 <= i < vocab_size]
             if bad:
                 raise InputError(f"{path}:{lineno}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")

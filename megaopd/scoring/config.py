@@ -1,5 +1,6 @@
 """scoring: the job config's section of one teacher, in the job (an InJobTeacher: a model in its own layout)
 or served (a RemoteTeacher: its servers), from which trainer/roles.py builds the job's TeacherSet."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,7 +8,6 @@ from typing import List
 
 from megaopd.models.config import ModelConfig
 from megaopd.rollout.config import check_env_name
-
 
 TEACHER_ENGINES = ("megatron", "remote")
 
@@ -42,15 +42,19 @@ class TeacherConfig(ModelConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.engine not in TEACHER_ENGINES:
-            raise ValueError(f"teacher engine={self.engine!r}: choose megatron (in the job) or remote (SGLang "
-                             f"servers at teacher.urls)")
+            raise ValueError(
+                f"teacher engine={self.engine!r}: choose megatron (in the job) or remote (SGLang "
+                f"servers at teacher.urls)"
+            )
         if self.engine == "remote":
             bad = [u for u in self.urls if not str(u).startswith(("http://", "https://"))]
             if bad:
                 raise ValueError(f"teacher urls {bad}: each must start with http:// or https://")
         elif self.urls:
-            raise ValueError(f"teacher urls={list(self.urls)} are set but engine={self.engine!r}: set "
-                             f"engine=remote to score with those servers, or drop the urls")
+            raise ValueError(
+                f"teacher urls={list(self.urls)} are set but engine={self.engine!r}: set "
+                f"engine=remote to score with those servers, or drop the urls"
+            )
         check_env_name("teacher api_key_env", self.api_key_env)
         if self.rows_per_request < 1 or self.request_timeout_s <= 0 or self.retries < 0:
             raise ValueError("teacher rows_per_request must be >= 1, request_timeout_s > 0, retries >= 0")

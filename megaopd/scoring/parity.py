@@ -16,6 +16,7 @@ them token by token. The statistics, and what they mean:
   gives mean gaps of 0.3 to several nats and a correlation that falls well below 0.9: that is what the
   bounds (rollout.parity_mean_tolerance, parity_p99_tolerance, parity_min_correlation) catch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,10 @@ class ParityReport:
     """Pearson correlation of the engine's and the actor's log-probs (1.0 when either is constant)."""
 
     def line(self) -> str:
-        return (f"{self.num_tokens} tokens, |engine - actor| log-prob mean {self.mean_abs:.2e}, p99 "
-                f"{self.p99_abs:.2e}, max {self.max_abs:.2e}; correlation {self.correlation:.4f}")
+        return (
+            f"{self.num_tokens} tokens, |engine - actor| log-prob mean {self.mean_abs:.2e}, p99 "
+            f"{self.p99_abs:.2e}, max {self.max_abs:.2e}; correlation {self.correlation:.4f}"
+        )
 
     def violations(self, bounds: ParityBounds) -> list[str]:
         out = []
@@ -61,8 +64,8 @@ class ParityReport:
 
 def parity_report(engine: list[list[float]], actor: list[list[float]]) -> ParityReport:
     """Statistics of the per-token gap; engine[b] and actor[b] are one probe sequence's log-probs."""
-    e = torch.tensor([v for row, a in zip(engine, actor) for v in row[:len(a)]], dtype=torch.float64)
-    a = torch.tensor([v for row, ar in zip(actor, engine) for v in row[:len(ar)]], dtype=torch.float64)
+    e = torch.tensor([v for row, a in zip(engine, actor) for v in row[: len(a)]], dtype=torch.float64)
+    a = torch.tensor([v for row, ar in zip(actor, engine) for v in row[: len(ar)]], dtype=torch.float64)
     if e.numel() == 0:
         return ParityReport(0, 0.0, 0.0, 0.0, 1.0)
     gap = (e - a).abs()
@@ -79,24 +82,28 @@ def bounds_for(dtype: str, max_abs: float, mean_abs: float, p99_abs: float, min_
     return ParityBounds(mean_abs=mean_abs, p99_abs=p99_abs, min_correlation=min_correlation)
 
 
-def check_engine_parity(engine, score_actor, probe: list[list[int]], bounds: ParityBounds, step: int,
-                        console) -> None:
+def check_engine_parity(engine, score_actor, probe: list[list[int]], bounds: ParityBounds, step: int, console) -> None:
     """The probe after a sync (collective): rank 0's engine scores `probe` (its prompt log-probs), every rank
     runs score_actor(probe) (the actor's log-probs of the same tokens), and a RuntimeError names the
     statistics out of `bounds`. Engines without prompt log-probs skip it, saying so on the console."""
     from megaopd.rollout.waits import rank0_waits  # a preemption signal gives rank 0's wait up on every rank
 
-    engine_lp = rank0_waits(lambda: [engine.prompt_logprobs(p)[1:] for p in probe]
-                               if hasattr(engine, "prompt_logprobs") else None)
+    engine_lp = rank0_waits(
+        lambda: [engine.prompt_logprobs(p)[1:] for p in probe] if hasattr(engine, "prompt_logprobs") else None
+    )
     if engine_lp is None:
-        console("parity check skipped: these engines expose no prompt log-probs; every step's "
-                "sync/logprob_gap_* still compares engine and actor log-probs")
+        console(
+            "parity check skipped: these engines expose no prompt log-probs; every step's "
+            "sync/logprob_gap_* still compares engine and actor log-probs"
+        )
         return
     report = parity_report(engine_lp, score_actor(probe))
     problems = report.violations(bounds)
     console(f"weight-sync parity at step {step}: {report.line()}")
     if problems:
-        raise RuntimeError(f"engine and actor log-probs disagree after the weight sync at step {step}: "
-                           f"{'; '.join(problems)} ({report.line()}). The sync or the engine's model is broken: "
-                           f"check the HF <-> Megatron mapping and the engine's dtype (rollout.parity_* set the "
-                           f"bounds)")
+        raise RuntimeError(
+            f"engine and actor log-probs disagree after the weight sync at step {step}: "
+            f"{'; '.join(problems)} ({report.line()}). The sync or the engine's model is broken: "
+            f"check the HF <-> Megatron mapping and the engine's dtype (rollout.parity_* set the "
+            f"bounds)"
+        )

@@ -16,6 +16,7 @@ live on the group's device (megaopd.parallel.dist.device(): the local GPU under 
 
 Shape legend: B rows, S padded sequence length, T = S - 1 positions, K top-k size, v vocab shard.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,15 +24,27 @@ from dataclasses import dataclass
 import torch
 
 from megaopd import ops
-from megaopd.ops.head import LogitsHead, tokenwise
-from megaopd.batching.micro_batches import (ScoringBatches, ScoringMicroBatch, packed_scoring_micro_batches,
-                                            scoring_micro_batches)
+from megaopd.batching.micro_batches import (
+    ScoringBatches,
+    ScoringMicroBatch,
+    packed_scoring_micro_batches,
+    scoring_micro_batches,
+)
 from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.packing import PackedRow
-from megaopd.parallel.dist import device as group_device, global_rank, holds_results
+from megaopd.ops.head import LogitsHead, tokenwise
+from megaopd.parallel.dist import device as group_device
+from megaopd.parallel.dist import global_rank, holds_results
 from megaopd.rollout.records import AT_IDS_LOGPROBS, ENTROPY, LOGPROBS, TOPK_IDS, TOPK_LOGPROBS, TokenScores
-from megaopd.scoring.routing import (PassOutputs, ScoringPlan, keep_owned, plan_scoring, route_at_ids,
-                                     scorer_layout, send_to_owners)
+from megaopd.scoring.routing import (
+    PassOutputs,
+    ScoringPlan,
+    keep_owned,
+    plan_scoring,
+    route_at_ids,
+    scorer_layout,
+    send_to_owners,
+)
 from megaopd.scoring.runner import PipelineRunner
 
 
@@ -48,15 +61,27 @@ class ScoreRequest:
 
     def outputs(self, at_ids_BTK: torch.Tensor | None) -> PassOutputs:
         """The score fields the pass yields (log-probs at given ids when it is given some)."""
-        wanted = {LOGPROBS: True, ENTROPY: self.entropy, TOPK_IDS: self.topk > 0, TOPK_LOGPROBS: self.topk > 0,
-                  AT_IDS_LOGPROBS: at_ids_BTK is not None}
-        return PassOutputs(tuple(f for f, want in wanted.items() if want), self.topk,
-                           0 if at_ids_BTK is None else at_ids_BTK.shape[-1])
+        wanted = {
+            LOGPROBS: True,
+            ENTROPY: self.entropy,
+            TOPK_IDS: self.topk > 0,
+            TOPK_LOGPROBS: self.topk > 0,
+            AT_IDS_LOGPROBS: at_ids_BTK is not None,
+        }
+        return PassOutputs(
+            tuple(f for f, want in wanted.items() if want), self.topk, 0 if at_ids_BTK is None else at_ids_BTK.shape[-1]
+        )
 
 
-def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, batches: ScoringBatches, request: ScoreRequest,
-                 at_ids_BTK: torch.Tensor | None = None, owners: RowOwners | None = None,
-                 layout: WorldLayout | None = None) -> TokenScores:
+def score_tokens(
+    runner: PipelineRunner,
+    tokens_BS: torch.Tensor,
+    batches: ScoringBatches,
+    request: ScoreRequest,
+    at_ids_BTK: torch.Tensor | None = None,
+    owners: RowOwners | None = None,
+    layout: WorldLayout | None = None,
+) -> TokenScores:
     """Log-probs of tokens_BS[:, 1:] (and what `request` adds), each row's landing on the ranks that own it.
 
     owners: which actor DP replica keeps each row (None: every rank keeps every row, RowOwners.replicated).
@@ -67,8 +92,10 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, batches: Scori
     device = group_device()
     owners = owners if owners is not None else RowOwners.replicated(tokens_BS.shape[0], global_rank())
     if len(owners.owner_B) != tokens_BS.shape[0]:
-        raise ValueError(f"owners cover {len(owners.owner_B)} rows, the batch has {tokens_BS.shape[0]}: pass "
-                         f"owners.subset(rows) for a sub-batch")
+        raise ValueError(
+            f"owners cover {len(owners.owner_B)} rows, the batch has {tokens_BS.shape[0]}: pass "
+            f"owners.subset(rows) for a sub-batch"
+        )
     scorers = layout if layout is not None else scorer_layout(runner.pgs, device)
     owner_layout = owners.world_layout(device)
     plan = plan_scoring(tokens_BS, batches, runner, owners, scorers, owner_layout)
@@ -85,22 +112,39 @@ def score_tokens(runner: PipelineRunner, tokens_BS: torch.Tensor, batches: Scori
     return send_to_owners(local, plan, outputs, owners, scorers, owner_layout, speaks, device)
 
 
-def plan_micro_batches(tokens_BS: torch.Tensor, at_ids_BTK: torch.Tensor | None, plan: ScoringPlan,
-                   batches: ScoringBatches, runner: PipelineRunner) -> list[ScoringMicroBatch]:
+def plan_micro_batches(
+    tokens_BS: torch.Tensor,
+    at_ids_BTK: torch.Tensor | None,
+    plan: ScoringPlan,
+    batches: ScoringBatches,
+    runner: PipelineRunner,
+) -> list[ScoringMicroBatch]:
     """This rank's rows of the pass (plan.rows) in micro-batches: packed by the token budget (uniform under
     PP, lengths a multiple of the runner's), or batches.micro_batch_size padded rows."""
     rows = plan.rows
     if plan.packed:
-        return packed_scoring_micro_batches(tokens_BS[rows], at_ids_BTK, [plan.lengths[i] for i in rows],
-                                            batches.max_tokens, uniform=runner.pgs.pp.size() > 1,
-                                            multiple=runner.seq_multiple)
+        return packed_scoring_micro_batches(
+            tokens_BS[rows],
+            at_ids_BTK,
+            [plan.lengths[i] for i in rows],
+            batches.max_tokens,
+            uniform=runner.pgs.pp.size() > 1,
+            multiple=runner.seq_multiple,
+        )
     return scoring_micro_batches(tokens_BS[rows], at_ids_BTK, batches.micro_batch_size)
 
 
-def forward_scores(runner: PipelineRunner, mbs: list[ScoringMicroBatch], request: ScoreRequest,
-                   outputs: PassOutputs, num_rows: int, T: int) -> TokenScores | None:
+def forward_scores(
+    runner: PipelineRunner,
+    mbs: list[ScoringMicroBatch],
+    request: ScoreRequest,
+    outputs: PassOutputs,
+    num_rows: int,
+    T: int,
+) -> TokenScores | None:
     """The micro-batches through the model: on the last pipeline stage the scores of this rank's rows
     [num_rows, T, ...] in row order; None on the other stages and without micro-batches."""
+
     def step_fn(mb: ScoringMicroBatch, logits_BSv, _partner):
         return torch.zeros((), device=logits_BSv.device), _scores_of(mb, logits_BSv, request, runner.pgs.tp, T)
 
@@ -115,8 +159,9 @@ def forward_scores(runner: PipelineRunner, mbs: list[ScoringMicroBatch], request
     return TokenScores(**out)
 
 
-def _scores_of(mb: ScoringMicroBatch, logits_BSv: torch.Tensor | LogitsHead, request: ScoreRequest, tp_group,
-               T: int) -> TokenScores:
+def _scores_of(
+    mb: ScoringMicroBatch, logits_BSv: torch.Tensor | LogitsHead, request: ScoreRequest, tp_group, T: int
+) -> TokenScores:
     """One micro-batch's scores, [b, T, ...] (packed: one row per sequence, zero past each length)."""
     # The ops read the model's logits as they are (bf16 on a GPU) and upcast one 128 MiB chunk of tokens
     # at a time: a .float() here would make a full-vocabulary float32 copy of the micro-batch (2x the
@@ -133,7 +178,9 @@ def _scores_of(mb: ScoringMicroBatch, logits_BSv: torch.Tensor | LogitsHead, req
 
     def per_token(z, targets, at):
         entropy = ops.vocab_parallel_entropy(z, tp_group, t) if request.entropy else None
-        topk_logprobs, topk_ids = ops.vocab_parallel_topk(z, request.topk, tp_group, t) if request.topk else (None, None)
+        topk_logprobs, topk_ids = (
+            ops.vocab_parallel_topk(z, request.topk, tp_group, t) if request.topk else (None, None)
+        )
         at_logprobs = None
         if at is not None:
             lse = ops.vocab_parallel_logsumexp(z, tp_group, t)
@@ -141,8 +188,13 @@ def _scores_of(mb: ScoringMicroBatch, logits_BSv: torch.Tensor | LogitsHead, req
         return ops.vocab_parallel_logprobs(z, targets, tp_group, t), entropy, topk_logprobs, topk_ids, at_logprobs
 
     logprobs, entropy, topk_logprobs, topk_ids, at_logprobs = tokenwise(per_token, logits_BSv, targets_BS, at_ids)
-    out = TokenScores(logprobs_BT=logprobs, entropy_BT=entropy, topk_logprobs_BTK=topk_logprobs,
-                      topk_ids_BTK=topk_ids.int() if topk_ids is not None else None, at_ids_logprobs_BTK=at_logprobs)
+    out = TokenScores(
+        logprobs_BT=logprobs,
+        entropy_BT=entropy,
+        topk_logprobs_BTK=topk_logprobs,
+        topk_ids_BTK=topk_ids.int() if topk_ids is not None else None,
+        at_ids_logprobs_BTK=at_logprobs,
+    )
     out = out.map(lambda x: x[:, :-1])
     if mb.packed is not None:  # back to one row per sequence: [n_seqs, T, ...], zero past each length
         out = out.map(lambda x: _unpack(mb.packed, x, T))
@@ -154,12 +206,18 @@ def _unpack(row: PackedRow, y_1T: torch.Tensor, T: int) -> torch.Tensor:
     parts = row.unpack(y_1T)
     out = y_1T.new_zeros((len(parts), T, *y_1T.shape[2:]))
     for i, p in enumerate(parts):
-        out[i, :p.shape[0]] = p
+        out[i, : p.shape[0]] = p
     return out
 
 
-def score_sequences(runner: PipelineRunner, sequences: list[list[int]], micro_batch_size: int = 4,
-                    pad_id: int = 0, temperature: float = 1.0, layout: WorldLayout | None = None) -> list[list[float]]:
+def score_sequences(
+    runner: PipelineRunner,
+    sequences: list[list[int]],
+    micro_batch_size: int = 4,
+    pad_id: int = 0,
+    temperature: float = 1.0,
+    layout: WorldLayout | None = None,
+) -> list[list[float]]:
     """log p(x_{i+1} | x_0..x_i) of each sequence (len - 1 values each), right-padded to one length (causal
     attention keeps real positions unaffected). Collective; the lists on every rank."""
     if not sequences:
@@ -167,7 +225,8 @@ def score_sequences(runner: PipelineRunner, sequences: list[list[int]], micro_ba
     S = max(len(x) for x in sequences)
     tokens_BS = torch.full((len(sequences), S), pad_id, dtype=torch.long)
     for b, x in enumerate(sequences):
-        tokens_BS[b, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
-    logprobs_BT = score_tokens(runner, tokens_BS, ScoringBatches(micro_batch_size), ScoreRequest(temperature),
-                               layout=layout).logprobs_BT
-    return [logprobs_BT[b, :len(x) - 1].tolist() for b, x in enumerate(sequences)]
+        tokens_BS[b, : len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+    logprobs_BT = score_tokens(
+        runner, tokens_BS, ScoringBatches(micro_batch_size), ScoreRequest(temperature), layout=layout
+    ).logprobs_BT
+    return [logprobs_BT[b, : len(x) - 1].tolist() for b, x in enumerate(sequences)]

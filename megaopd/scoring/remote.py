@@ -21,20 +21,22 @@ What a served teacher cannot give (the config refuses the first two at start-up,
 Servers: one thread per server takes requests from a shared queue, so a fast server takes more (the rollout
 pool's loop, megaopd.rollout.pool.spread_jobs). A request whose server fails (no answer after its retries, a
 5xx, a malformed answer) goes back on the queue for another server, and that server takes no more requests in
-this call; when no server is left the call raises RemoteTeacherError naming the teacher, the servers and their errors. A 4xx answer is our bug (a bad
+this call; when no server is left the call raises RemoteTeacherError naming the teacher, the servers and their
+errors. A 4xx answer is our bug (a bad
 request) and fails at once. A server that answers nothing (not even GET /health) for stall_timeout_s fails its
 request at once (EngineStalledError: megaopd.rollout.waits), and a stop request (the trainer's preemption
 flag) gives the whole call up with WaitAbandoned.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 import torch
 
-from megaopd.rollout.records import TokenScores
 from megaopd.rollout.client import EngineRequestError, HttpEngine, HttpEngineConfig
 from megaopd.rollout.pool import SpreadError, spread_jobs
+from megaopd.rollout.records import TokenScores
 from megaopd.rollout.schema import PrefillScores
 
 
@@ -45,9 +47,18 @@ class RemoteTeacherError(RuntimeError):
 class RemoteTeacher:
     """Scores responses on SGLang-compatible servers; safe to run in a background thread."""
 
-    def __init__(self, name: str, urls: Sequence[str], rows_per_request: int = 8, timeout_s: float = 600.0,
-                 retries: int = 1, backoff_s: float = 0.5, stall_timeout_s: float = 30.0,
-                 stop: Callable[[], bool] | None = None, api_key_env: str = "MEGAOPD_API_KEY"):
+    def __init__(
+        self,
+        name: str,
+        urls: Sequence[str],
+        rows_per_request: int = 8,
+        timeout_s: float = 600.0,
+        retries: int = 1,
+        backoff_s: float = 0.5,
+        stall_timeout_s: float = 30.0,
+        stop: Callable[[], bool] | None = None,
+        api_key_env: str = "MEGAOPD_API_KEY",
+    ):
         """stall_timeout_s: a server's longest silence (HttpEngineConfig.stall_timeout_s; the trainer passes
         rollout.stall_timeout_s); stop: every wait is given up once it is true (PreemptionFlag.signalled)."""
         if not urls:
@@ -55,10 +66,21 @@ class RemoteTeacher:
         self.name = name
         self.rows_per_request = rows_per_request
         # api_key_env: the variable holding the servers' key (teacher.api_key_env); HttpEngine sends it.
-        self.servers = [HttpEngine(HttpEngineConfig(url=u, generate_timeout_s=timeout_s, retries=retries,
-                                                    backoff_s=backoff_s, stall_timeout_s=stall_timeout_s, api_key_env=api_key_env,
-                                                    name=f"teacher {name!r} urls[{i}]"), stop=stop)
-                        for i, u in enumerate(urls)]
+        self.servers = [
+            HttpEngine(
+                HttpEngineConfig(
+                    url=u,
+                    generate_timeout_s=timeout_s,
+                    retries=retries,
+                    backoff_s=backoff_s,
+                    stall_timeout_s=stall_timeout_s,
+                    api_key_env=api_key_env,
+                    name=f"teacher {name!r} urls[{i}]",
+                ),
+                stop=stop,
+            )
+            for i, u in enumerate(urls)
+        ]
         self.timeout_s = timeout_s
         self.last_reused = 0
         """Rows the last score() took from `scored` instead of asking (rank 0's scoring thread reads it)."""
@@ -67,9 +89,15 @@ class RemoteTeacher:
         return f"RemoteTeacher({self.name!r}, {[s.url for s in self.servers]})"
 
     # ------------------------------------------------------------------------------------------ public
-    def score(self, tokens_BS: torch.Tensor, prompt_lens_B: torch.Tensor, response_lens_B: torch.Tensor,
-              topk: int = 0, rows: Sequence[int] | None = None,
-              scored: dict[int, tuple[list[int], PrefillScores]] | None = None) -> TokenScores:
+    def score(
+        self,
+        tokens_BS: torch.Tensor,
+        prompt_lens_B: torch.Tensor,
+        response_lens_B: torch.Tensor,
+        topk: int = 0,
+        rows: Sequence[int] | None = None,
+        scored: dict[int, tuple[list[int], PrefillScores]] | None = None,
+    ) -> TokenScores:
         """TokenScores [B, T(, K)] of the response tokens of `rows` (default: every row); other positions and
         rows are 0. Log-probs at temperature 1 (the config refuses other rollout temperatures). scored: rows
         score_sequences already scored while the batch generated (row -> (its sequence, scores)); a row is
@@ -77,7 +105,7 @@ class RemoteTeacher:
         B, S = tokens_BS.shape
         T = S - 1
         rows = [b for b in (range(B) if rows is None else rows) if int(response_lens_B[b]) > 0]
-        seqs = {b: tokens_BS[b, :int(prompt_lens_B[b]) + int(response_lens_B[b])].tolist() for b in rows}
+        seqs = {b: tokens_BS[b, : int(prompt_lens_B[b]) + int(response_lens_B[b])].tolist() for b in rows}
         per_row = {b: sc for b, (seq, sc) in (scored or {}).items() if b in seqs and seq == seqs[b]}
         self.last_reused = len(per_row)
         todo = [b for b in rows if b not in per_row]
@@ -87,45 +115,61 @@ class RemoteTeacher:
         top_BTK = torch.zeros(B, T, topk) if topk else None
         for b, row in per_row.items():
             p, r = int(prompt_lens_B[b]), int(response_lens_B[b])
-            logprobs_BT[b, p - 1:p - 1 + r] = torch.tensor(row.logprobs, dtype=torch.float32)
+            logprobs_BT[b, p - 1 : p - 1 + r] = torch.tensor(row.logprobs, dtype=torch.float32)
             if topk:
-                ids_BTK[b, p - 1:p - 1 + r] = torch.tensor(row.top_ids, dtype=torch.int32)
-                top_BTK[b, p - 1:p - 1 + r] = torch.tensor(row.top_logprobs, dtype=torch.float32)
+                ids_BTK[b, p - 1 : p - 1 + r] = torch.tensor(row.top_ids, dtype=torch.int32)
+                top_BTK[b, p - 1 : p - 1 + r] = torch.tensor(row.top_logprobs, dtype=torch.float32)
         return TokenScores(logprobs_BT=logprobs_BT, topk_ids_BTK=ids_BTK, topk_logprobs_BTK=top_BTK)
 
-    def score_sequences(self, rows: list[int], seqs: list[list[int]], firsts: list[int],
-                        topk: int = 0) -> dict[int, tuple[list[int], PrefillScores]]:
+    def score_sequences(
+        self, rows: list[int], seqs: list[list[int]], firsts: list[int], topk: int = 0
+    ) -> dict[int, tuple[list[int], PrefillScores]]:
         """Row -> (sequence, scores of its tokens from index first on): what score() takes as `scored`."""
         keep = [i for i, (seq, first) in enumerate(zip(seqs, firsts)) if len(seq) > first]
         out = self._score_rows([rows[i] for i in keep], [seqs[i] for i in keep], [firsts[i] for i in keep], topk)
         return {rows[i]: (seqs[i], out[rows[i]]) for i in keep}
 
     # ----------------------------------------------------------------------------------------- private
-    def _score_rows(self, rows: list[int], seqs: list[list[int]], firsts: list[int], topk: int) -> dict[int, PrefillScores]:
+    def _score_rows(
+        self, rows: list[int], seqs: list[list[int]], firsts: list[int], topk: int
+    ) -> dict[int, PrefillScores]:
         """Row rows[i]'s scores of seqs[i]'s tokens from firsts[i] on, spread over the servers."""
         if not rows:
             return {}
         step = self.rows_per_request
-        requests = [(rows[i:i + step], seqs[i:i + step], firsts[i:i + step]) for i in range(0, len(rows), step)]
+        requests = [(rows[i : i + step], seqs[i : i + step], firsts[i : i + step]) for i in range(0, len(rows), step)]
         try:
-            outs = spread_jobs(self.servers, requests,
-                               lambda server, req: RemoteTeacher._request(server, *req, topk),
-                               timeout_s=self.timeout_s * (len(requests) + 1),
-                               refuse=(EngineRequestError,),  # the server refused what we sent: another one would too
-                               label=lambda server: server.url, name=f"megaopd-teacher-{self.name}")
+            outs = spread_jobs(
+                self.servers,
+                requests,
+                lambda server, req: RemoteTeacher._request(server, *req, topk),
+                timeout_s=self.timeout_s * (len(requests) + 1),
+                refuse=(EngineRequestError,),  # the server refused what we sent: another one would too
+                label=lambda server: server.url,
+                name=f"megaopd-teacher-{self.name}",
+            )
         except SpreadError as e:
             if e.timed_out:
-                raise RemoteTeacherError(f"teacher {self.name!r}: scoring did not finish "
-                                         f"({e.done}/{e.total} requests done)") from None
-            fatal = [f"{f.worker} refused the scoring request: {f.error}" if f.refused else
-                     f"every server failed ({len(self.servers)}): " + " | ".join(f.errors) for f in e.failures]
-            raise RemoteTeacherError(f"teacher {self.name!r} could not score the step's responses: "
-                                     + "; ".join(fatal) + ". Check that the teacher's servers (teacher.urls) run "
-                                     "and serve the teacher's model") from None
+                raise RemoteTeacherError(
+                    f"teacher {self.name!r}: scoring did not finish ({e.done}/{e.total} requests done)"
+                ) from None
+            fatal = [
+                f"{f.worker} refused the scoring request: {f.error}"
+                if f.refused
+                else f"every server failed ({len(self.servers)}): " + " | ".join(f.errors)
+                for f in e.failures
+            ]
+            raise RemoteTeacherError(
+                f"teacher {self.name!r} could not score the step's responses: "
+                + "; ".join(fatal)
+                + ". Check that the teacher's servers (teacher.urls) run "
+                "and serve the teacher's model"
+            ) from None
         return {b: row for out in outs for b, row in out.items()}
 
     @staticmethod
-    def _request(server: HttpEngine, rows: list[int], seqs: list[list[int]], firsts: list[int],
-                 topk: int) -> dict[int, PrefillScores]:
+    def _request(
+        server: HttpEngine, rows: list[int], seqs: list[list[int]], firsts: list[int], topk: int
+    ) -> dict[int, PrefillScores]:
         """One request: row rows[i]'s scores of seqs[i]'s tokens from firsts[i] on (entry j: token firsts[i] + j)."""
         return dict(zip(rows, server.score_prefill(seqs, firsts, topk)))

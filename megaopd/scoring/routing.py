@@ -15,6 +15,7 @@ replica; ids to score at travel the other way first. Collective over the world.
 
 Shape legend: B rows, S padded sequence length, T = S - 1 positions, K top-k size.
 """
+
 from __future__ import annotations
 
 import math
@@ -82,8 +83,14 @@ def scorer_layout(pgs: ProcessGroupCollection, device: torch.device) -> WorldLay
     return WorldLayout.gather(pgs.dp.rank(), holds_results(pgs), device)
 
 
-def plan_scoring(tokens_BS: torch.Tensor, batches: ScoringBatches, runner: PipelineRunner, owners: RowOwners,
-                 scorers: WorldLayout, owner_layout: WorldLayout) -> ScoringPlan:
+def plan_scoring(
+    tokens_BS: torch.Tensor,
+    batches: ScoringBatches,
+    runner: PipelineRunner,
+    owners: RowOwners,
+    scorers: WorldLayout,
+    owner_layout: WorldLayout,
+) -> ScoringPlan:
     """The pass's plan: aligned layouts score the owned rows; otherwise packed shares are balanced by
     tokens and attention cost, padded ones contiguous."""
     pgs = runner.pgs
@@ -97,7 +104,9 @@ def plan_scoring(tokens_BS: torch.Tensor, batches: ScoringBatches, runner: Pipel
 
 def is_aligned(dp_size: int, owners: RowOwners, scorers: WorldLayout, owner_layout: WorldLayout) -> bool:
     """The scoring model's data-parallel replicas are the owners' (same ranks, same replica numbers)."""
-    return dp_size == owners.dp_size and all(s.dp_rank == o.dp_rank for s, o in zip(scorers.places, owner_layout.places))
+    return dp_size == owners.dp_size and all(
+        s.dp_rank == o.dp_rank for s, o in zip(scorers.places, owner_layout.places)
+    )
 
 
 def scoring_shares(lengths: list[int], dp_size: int, packed: bool, aligned_owners: RowOwners | None) -> list[list[int]]:
@@ -111,8 +120,14 @@ def scoring_shares(lengths: list[int], dp_size: int, packed: bool, aligned_owner
     return [list(dp_rows(len(lengths), d, dp_size)) for d in range(dp_size)]
 
 
-def route_at_ids(at_ids_BTK: torch.Tensor, plan: ScoringPlan, owners: RowOwners, scorers: WorldLayout,
-                 owner_layout: WorldLayout, device: torch.device) -> torch.Tensor:
+def route_at_ids(
+    at_ids_BTK: torch.Tensor,
+    plan: ScoringPlan,
+    owners: RowOwners,
+    scorers: WorldLayout,
+    owner_layout: WorldLayout,
+    device: torch.device,
+) -> torch.Tensor:
     """The owners' ids to score at (this rank's owned rows, owners.rows() order) -> every rank of the replica
     that scores each row: [len(plan.rows), T, K] int32 in share order."""
     K, T = at_ids_BTK.shape[-1], plan.T
@@ -129,8 +144,15 @@ def route_at_ids(at_ids_BTK: torch.Tensor, plan: ScoringPlan, owners: RowOwners,
     return scatter_received(unpack_columns(values, [K], [torch.int32])[0], received, plan.positions, plan.rows, T)
 
 
-def keep_owned(local: TokenScores | None, plan: ScoringPlan, outputs: PassOutputs, owners: RowOwners,
-               pp_group, device: torch.device, ran: bool) -> TokenScores:
+def keep_owned(
+    local: TokenScores | None,
+    plan: ScoringPlan,
+    outputs: PassOutputs,
+    owners: RowOwners,
+    pp_group,
+    device: torch.device,
+    ran: bool,
+) -> TokenScores:
     """Aligned layouts: the scores stay on the replica that computed them. Every TP rank has them; under PP
     the last stage's, broadcast over the PP group (ran: this rank had micro-batches, as every rank of its
     PP group). Positions past each row's real ones are 0. CPU tensors."""
@@ -147,8 +169,16 @@ def keep_owned(local: TokenScores | None, plan: ScoringPlan, outputs: PassOutput
     return TokenScores(**out, rows=owners.rows())
 
 
-def send_to_owners(local: TokenScores | None, plan: ScoringPlan, outputs: PassOutputs, owners: RowOwners,
-                   scorers: WorldLayout, owner_layout: WorldLayout, speaks: bool, device: torch.device) -> TokenScores:
+def send_to_owners(
+    local: TokenScores | None,
+    plan: ScoringPlan,
+    outputs: PassOutputs,
+    owners: RowOwners,
+    scorers: WorldLayout,
+    owner_layout: WorldLayout,
+    speaks: bool,
+    device: torch.device,
+) -> TokenScores:
     """Another layout: one all_to_all from each share's speaker to the owning replicas' ranks, the real
     positions only (float32 and int32 columns bit for bit). The owned rows' scores, CPU tensors."""
     held = [plan.shares[p.dp_rank] if p.speaks else [] for p in scorers.places]
@@ -157,13 +187,16 @@ def send_to_owners(local: TokenScores | None, plan: ScoringPlan, outputs: PassOu
     payload = None
     if speaks and plan.rows:
         valid = valid_positions([plan.positions[b] for b in plan.rows], plan.T).to(device)
-        payload = pack_columns([getattr(local, f.name).to(device)[valid].reshape(-1, w)
-                                for f, w in zip(outputs.fields, widths)])
+        payload = pack_columns(
+            [getattr(local, f.name).to(device)[valid].reshape(-1, w) for f, w in zip(outputs.fields, widths)]
+        )
     received, values = route_rows(payload, held, dests, plan.positions, sum(widths), device)
     mine = owners.rows()
     columns = unpack_columns(values, widths, [f.dtype for f in outputs.fields])
-    out = {f.name: scatter_received(col.reshape(-1, *outputs.trailing(f)), received, plan.positions, mine, plan.T)
-           for f, col in zip(outputs.fields, columns)}
+    out = {
+        f.name: scatter_received(col.reshape(-1, *outputs.trailing(f)), received, plan.positions, mine, plan.T)
+        for f, col in zip(outputs.fields, columns)
+    }
     return TokenScores(**out, rows=mine)
 
 

@@ -27,6 +27,7 @@ vocabulary shard of the output weight, padding masked per chunk) in place of the
 per-token op reads them through ops.head.tokenwise, which makes the logits `logits_chunk_tokens` tokens at
 a time in forward and again in backward. 0 keeps the model's output layer (whole [b, s, V/TP] logits).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -103,8 +104,14 @@ class _LockstepPair(torch.nn.Module):
 
 
 class PipelineRunner:
-    def __init__(self, model: torch.nn.Module, pg_collection: ProcessGroupCollection, vocab_size: int,
-                 partner: torch.nn.Module | None = None, logits_chunk_tokens: int = 0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pg_collection: ProcessGroupCollection,
+        vocab_size: int,
+        partner: torch.nn.Module | None = None,
+        logits_chunk_tokens: int = 0,
+    ):
         if logits_chunk_tokens < 0:
             raise ValueError(f"logits_chunk_tokens={logits_chunk_tokens} must be >= 0 (0: whole logits)")
         self.logits_chunk_tokens = logits_chunk_tokens
@@ -136,12 +143,16 @@ class PipelineRunner:
         if packed:
             S = max(mb.tokens_BS.shape[1] for mb in micro_batches)
         if (not packed or self.pgs.pp.size() > 1) and any(tuple(mb.tokens_BS.shape) != (b, S) for mb in micro_batches):
-            raise ValueError("all micro-batches of one run must have the same [b, S] shape (pad them; packed rows "
-                             "to one token count when PP > 1: pipeline buffers are fixed-size)")
+            raise ValueError(
+                "all micro-batches of one run must have the same [b, S] shape (pad them; packed rows "
+                "to one token count when PP > 1: pipeline buffers are fixed-size)"
+            )
         if any(mb.tokens_BS.shape[1] % self.seq_multiple for mb in micro_batches):
-            raise ValueError(f"sequence parallelism splits tokens over TP={self.seq_multiple}: micro-batch lengths "
-                             f"must be multiples of it; use trainer.pack_sequences=true (packed rows are padded to "
-                             f"it) or sequence_parallel=false")
+            raise ValueError(
+                f"sequence parallelism splits tokens over TP={self.seq_multiple}: micro-batch lengths "
+                f"must be multiples of it; use trainer.pack_sequences=true (packed rows are padded to "
+                f"it) or sequence_parallel=false"
+            )
         module = self.model if self.partner is None else _LockstepPair(self.model, self.partner)
         paired = self.partner is not None
         device = next(self.model.parameters()).device
@@ -150,8 +161,12 @@ class PipelineRunner:
         def forward_step(data_iterator, model):
             mb = next(data_iterator).to(device)
             if packed:
-                output = model(mb.tokens_BS, mb.packed.position_ids().to(device), None,
-                               packed_seq_params=_packed_seq_params(mb.packed, device))
+                output = model(
+                    mb.tokens_BS,
+                    mb.packed.position_ids().to(device),
+                    None,
+                    packed_seq_params=_packed_seq_params(mb.packed, device),
+                )
             else:
                 position_ids = torch.arange(S, device=device).unsqueeze(0).expand(b, S)
                 output = model(mb.tokens_BS, position_ids, None)  # causal mask from the layer spec
@@ -173,15 +188,22 @@ class PipelineRunner:
 
             return output, loss_func
 
-        deferred = defer_output_layer(self.model, self.partner) if self.logits_chunk_tokens else contextlib.nullcontext()
+        deferred = (
+            defer_output_layer(self.model, self.partner) if self.logits_chunk_tokens else contextlib.nullcontext()
+        )
         with deferred:
             results = self._schedule(
-                module, forward_step_func=forward_step, data_iterator=data, num_microbatches=len(micro_batches),
-                seq_length=S, micro_batch_size=2 * b if paired else b, forward_only=forward_only)
+                module,
+                forward_step_func=forward_step,
+                data_iterator=data,
+                num_microbatches=len(micro_batches),
+                seq_length=S,
+                micro_batch_size=2 * b if paired else b,
+                forward_only=forward_only,
+            )
         if not self.is_last_stage:
             return None
         return [r["result"] for r in results]
-
 
     def _head(self, model, hidden_BSH) -> LogitsHead | None:
         if hidden_BSH is None:
@@ -192,12 +214,12 @@ class PipelineRunner:
 def _packed_seq_params(row, device: torch.device) -> PackedSeqParams:
     """megatron's THD parameters of a packed row (self-attention: the same boundaries for q and kv)."""
     cu = row.cu_seqlens.to(device)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=row.max_seqlen,
-                           max_seqlen_kv=row.max_seqlen)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen
+    )
 
 
-def broadcast_from_last_stage(value: torch.Tensor | None, shape, dtype, pp_group,
-                              device: torch.device) -> torch.Tensor:
+def broadcast_from_last_stage(value: torch.Tensor | None, shape, dtype, pp_group, device: torch.device) -> torch.Tensor:
     """The last pipeline stage's tensor, on every rank of the PP group (allocated on `device`, the
     group's device: CUDA under NCCL)."""
     if pp_group.size() == 1:

@@ -13,6 +13,7 @@ the last stage). `finish` then routes every row's real positions to its owners i
 teacher in another layout does after a whole-batch pass (routing.send_to_owners): the same values, only the
 time they are computed moves. Collective over the world, every call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ import torch
 from megaopd.batching.micro_batches import ScoringBatches
 from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.packing import row_lengths
-from megaopd.parallel.dist import device as group_device, holds_results
+from megaopd.parallel.dist import device as group_device
+from megaopd.parallel.dist import holds_results
 from megaopd.rollout.records import TokenScores
 from megaopd.scoring.passes import ScoreRequest, forward_scores, plan_micro_batches
 from megaopd.scoring.routing import ScoringPlan, scoring_shares, send_to_owners
@@ -77,8 +79,9 @@ class StreamedPass:
         plan = ScoringPlan(self.shares, pgs.dp.rank(), False, self.packed, lengths, [min(n, S) - 1 for n in lengths], T)
         local = None
         if self.local:  # parts padded to the batch's T, in the order their rows were scored (plan.rows)
-            local = TokenScores(**{f.name: torch.cat([_pad_T(getattr(p, f.name), T) for p in self.local])
-                                   for f in outputs.fields})
+            local = TokenScores(
+                **{f.name: torch.cat([_pad_T(getattr(p, f.name), T) for p in self.local]) for f in outputs.fields}
+            )
         speaks = holds_results(pgs)
         return send_to_owners(local, plan, outputs, owners, self.layout, owner_layout, speaks, device)
 

@@ -15,6 +15,7 @@ results are written into one TokenScores of this rank's owned rows (RowOwners: t
 trains), row by row: the losses see one record, whoever scored it. A field is kept only when every teacher
 produced it (entropy: in-job teachers only).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,11 +34,10 @@ from megaopd.batching.packing import row_lengths
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, rank0_computes
 from megaopd.parallel.exchange import pack_columns, route_rows, scatter_received, unpack_columns
-from megaopd.rollout.records import (LOGPROBS, SCORE_FIELDS, TOPK_IDS, TOPK_LOGPROBS, RolloutBatch,
-                                     TokenScores)
+from megaopd.rollout.records import LOGPROBS, SCORE_FIELDS, TOPK_IDS, TOPK_LOGPROBS, RolloutBatch, TokenScores
 from megaopd.scoring.passes import ScoreRequest, score_tokens
-from megaopd.scoring.routing import is_aligned, scorer_layout, scoring_shares
 from megaopd.scoring.remote import RemoteTeacher
+from megaopd.scoring.routing import is_aligned, scorer_layout, scoring_shares
 from megaopd.scoring.runner import PipelineRunner
 
 
@@ -102,8 +102,9 @@ class TeacherSet:
         self._streamed: dict[int, StreamedScores] = {}
         self._streamed_lock = threading.Lock()
 
-    def stream_part(self, step: int, first_row: int, examples: Sequence, samples: Sequence,
-                    samples_per_prompt: int, topk: int) -> None:
+    def stream_part(
+        self, step: int, first_row: int, examples: Sequence, samples: Sequence, samples_per_prompt: int, topk: int
+    ) -> None:
         """Rank 0, from the thread that generated the part: the served teachers start scoring rows first_row..
         of step `step`'s batch (samples: prompt-major, n per prompt, of the part's data rows `examples`). A
         part that fails is not an error here: start_remote scores its rows again, and raises if the servers
@@ -123,8 +124,12 @@ class TeacherSet:
                 try:
                     out = t.score_sequences(batch_rows, seqs, firsts, topk)
                 except Exception as e:  # noqa: BLE001 - scored again (and a lasting error raised) by start_remote
-                    print(f"[teacher {t.name}] scoring rows {batch_rows[0]}..{batch_rows[-1]} while generating failed "
-                          f"({e}); they are scored after generation", file=sys.stderr, flush=True)
+                    print(
+                        f"[teacher {t.name}] scoring rows {batch_rows[0]}..{batch_rows[-1]} while generating failed "
+                        f"({e}); they are scored after generation",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return
                 with streamed.lock:
                     streamed.results.setdefault(t.name, {}).update(out)
@@ -155,8 +160,9 @@ class TeacherSet:
         for i, name in enumerate(prompt_teachers):
             if not name:
                 if len(self.teachers) > 1:
-                    raise ValueError(f"prompt {i} names no teacher and the job has several {self.names}: set "
-                                     f"data.sources[].teacher")
+                    raise ValueError(
+                        f"prompt {i} names no teacher and the job has several {self.names}: set data.sources[].teacher"
+                    )
                 name = self.names[0]
             if name not in rows:
                 raise ValueError(f"prompt {i} routes to teacher {name!r}, not among {self.names}")
@@ -164,8 +170,14 @@ class TeacherSet:
         return rows
 
     # ------------------------------------------------------------------------------------------ scoring
-    def start_remote(self, batch: RolloutBatch, rows_of: dict[str, list[int]], topk: int, rank: int,
-                     streamed: StreamedScores | None = None) -> PendingRemote:
+    def start_remote(
+        self,
+        batch: RolloutBatch,
+        rows_of: dict[str, list[int]],
+        topk: int,
+        rank: int,
+        streamed: StreamedScores | None = None,
+    ) -> PendingRemote:
         """Rank 0: starts the served teachers' scoring in a background thread (they wait on HTTP, so the
         actor's pass runs meanwhile); every other rank gets an empty PendingRemote. streamed: the rows
         already scored while the batch generated (take_streamed); only the others are asked for."""
@@ -179,8 +191,14 @@ class TeacherSet:
             try:
                 done = streamed.join() if streamed is not None else {}
                 for t in remote:
-                    pending.results[t.name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B,
-                                                      topk=topk, rows=rows_of[t.name], scored=done.get(t.name))
+                    pending.results[t.name] = t.score(
+                        batch.tokens_BS,
+                        batch.prompt_lens_B,
+                        batch.response_lens_B,
+                        topk=topk,
+                        rows=rows_of[t.name],
+                        scored=done.get(t.name),
+                    )
                     # rows with a response (the ones scored), and of them the ones scored while generating
                     pending.rows += sum(1 for b in rows_of[t.name] if int(batch.response_lens_B[b]) > 0)
                     pending.streamed_rows += t.last_reused
@@ -192,8 +210,14 @@ class TeacherSet:
         pending.thread.start()
         return pending
 
-    def scorer_shares(self, batch: RolloutBatch, rows_of: dict[str, list[int]], batches: ScoringBatches,
-                      owners: RowOwners, skip: Collection[str] = ()) -> list[tuple[list[list[int]], WorldLayout]]:
+    def scorer_shares(
+        self,
+        batch: RolloutBatch,
+        rows_of: dict[str, list[int]],
+        batches: ScoringBatches,
+        owners: RowOwners,
+        skip: Collection[str] = (),
+    ) -> list[tuple[list[list[int]], WorldLayout]]:
         """Per in-job teacher in a layout other than the owners', the batch rows each of its DP replicas scores
         in `score` and its layout: who besides the owners reads each row's tokens (batching.delivery). Pure
         given the layouts (a teacher without a gathered layout gathers it: collective). skip: teachers that
@@ -215,10 +239,18 @@ class TeacherSet:
             out.append(([[rows[i] for i in share] for share in shares], layout))
         return out
 
-    def score(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
-              batches: ScoringBatches, request: ScoreRequest, at_ids: TokenScores | None = None,
-              on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None,
-              owners: RowOwners | None = None, streamed: dict[str, TokenScores] | None = None) -> TokenScores:
+    def score(
+        self,
+        batch: RolloutBatch,
+        rows_of: dict[str, list[int]],
+        pending: PendingRemote,
+        batches: ScoringBatches,
+        request: ScoreRequest,
+        at_ids: TokenScores | None = None,
+        on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None,
+        owners: RowOwners | None = None,
+        streamed: dict[str, TokenScores] | None = None,
+    ) -> TokenScores:
         """The teacher scores of this rank's owned rows (owners.rows(); None: every row), each row from its
         routed teacher. Collective over the world (in-job teachers' passes, each routing its rows to their
         owners, then rank 0's served teachers' results routed to their owners the same way). batches: the
@@ -241,8 +273,15 @@ class TeacherSet:
                 sub_at = at_ids.topk_ids_BTK[at_ids.index([rows[i] for i in sub.rows()])]
             with on_device(t.model, t.offload):
                 # Rows are independent (right padding, causal attention): a teacher scores its rows only.
-                part = score_tokens(t.runner, batch.tokens_BS[idx], batches.subset(idx), request, at_ids_BTK=sub_at,
-                                    owners=sub, layout=t.layout)
+                part = score_tokens(
+                    t.runner,
+                    batch.tokens_BS[idx],
+                    batches.subset(idx),
+                    request,
+                    at_ids_BTK=sub_at,
+                    owners=sub,
+                    layout=t.layout,
+                )
             part.rows = [rows[i] for i in part.rows]  # sub-batch rows -> batch rows
             parts[name] = part
         parts.update(self._route_remote(batch, rows_of, pending, owners))
@@ -251,6 +290,7 @@ class TeacherSet:
     def wait_remote(self, pending: PendingRemote) -> None:
         """Rank 0 joins the thread; its error (if any) is raised on every rank. Collective (a small object
         broadcast); the scores stay on rank 0."""
+
         def collect():
             if pending.thread is not None:
                 pending.thread.join()
@@ -260,14 +300,18 @@ class TeacherSet:
         if error is not None:
             raise error
 
-    def _route_remote(self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote,
-                      owners: RowOwners) -> dict[str, TokenScores]:
+    def _route_remote(
+        self, batch: RolloutBatch, rows_of: dict[str, list[int]], pending: PendingRemote, owners: RowOwners
+    ) -> dict[str, TokenScores]:
         """The served teachers' scores, held by rank 0, sent to each row's owners (every rank of the owning
         actor replica): one all_to_all (exchange.route_rows) of the response positions only, log-probs and
         top-K log-probs float32, top-K ids int32 bit for bit. Per served teacher, the TokenScores of this
         rank's owned rows it scored. Collective over the world."""
-        served = {name: rows_of[name] for name, t in self.teachers.items()
-                  if isinstance(t, RemoteTeacher) and rows_of.get(name)}
+        served = {
+            name: rows_of[name]
+            for name, t in self.teachers.items()
+            if isinstance(t, RemoteTeacher) and rows_of.get(name)
+        }
         if not served:  # the same on every rank (routing is a pure function of the batch): nothing to wait for
             return {}
         self.wait_remote(pending)
@@ -290,7 +334,7 @@ class TeacherSet:
             for b in held_rows:
                 scores, span = pending.results[teacher_of[b]], spans[b]
                 for col, f, w in zip(cols, fields, widths):
-                    col.append(getattr(scores, f.name)[b, span.start:span.stop].reshape(-1, w).to(f.dtype))
+                    col.append(getattr(scores, f.name)[b, span.start : span.stop].reshape(-1, w).to(f.dtype))
             payload = pack_columns([torch.cat(c) for c in cols]).to(device)
         held = [held_rows] + [[] for _ in range(len(layout.places) - 1)]
         counts, starts = [len(sp) for sp in spans], [sp.start for sp in spans]
@@ -300,9 +344,10 @@ class TeacherSet:
         out = {}
         for name, rows in served.items():
             kept = [b for b in rows if b in mine]
-            dense = {f.name: scatter_received(c, received, counts, kept, T, starts).reshape(len(kept), T,
-                                                                                           *f.trailing(K, 0))
-                     for f, c in zip(fields, columns)}
+            dense = {
+                f.name: scatter_received(c, received, counts, kept, T, starts).reshape(len(kept), T, *f.trailing(K, 0))
+                for f, c in zip(fields, columns)
+            }
             out[name] = TokenScores(**dense, rows=kept)
         return out
 
@@ -312,8 +357,11 @@ class TeacherSet:
         out = TokenScores(logprobs_BT=torch.zeros(len(mine), T), rows=list(mine))
         where = {b: i for i, b in enumerate(mine)}
         # Log-probs always; any other field only when every teacher produced it.
-        keep = [f for f in SCORE_FIELDS
-                if f is LOGPROBS or (parts and all(getattr(p, f.name) is not None for p in parts.values()))]
+        keep = [
+            f
+            for f in SCORE_FIELDS
+            if f is LOGPROBS or (parts and all(getattr(p, f.name) is not None for p in parts.values()))
+        ]
         for part in parts.values():
             dst = torch.tensor([where[b] for b in part.rows], dtype=torch.long)
             for f in keep:
@@ -338,12 +386,15 @@ def teacher_metric_sums(batch: RolloutBatch, rows_of: dict[str, list[int]]) -> d
         out[f"{name}/count"] = float(mask.sum())
         out[f"{name}/teacher_sum"] = float(q[mask].sum())
         if batch.actor is not None:
-            out[f"{name}/advantage_sum"] = float((q - batch.actor.logprobs_BT[batch.actor.index(rows)].double())[mask].sum())
+            out[f"{name}/advantage_sum"] = float(
+                (q - batch.actor.logprobs_BT[batch.actor.index(rows)].double())[mask].sum()
+            )
     return out
 
 
-def teacher_metrics_from_sums(c: dict[str, float], rows_of: dict[str, list[int]], batch_size: int,
-                              prefix: str = "rollout") -> dict[str, float]:
+def teacher_metrics_from_sums(
+    c: dict[str, float], rows_of: dict[str, list[int]], batch_size: int, prefix: str = "rollout"
+) -> dict[str, float]:
     """Per teacher (jobs with several): token-means over its rows' responses of the teacher log-prob and
     the advantage log q - log pi_old, and its share of the batch's samples. Keys
     {prefix}/teacher_logprob_mean/<name>, {prefix}/advantage_mean/<name>, {prefix}/teacher_share/<name>."""
@@ -362,4 +413,3 @@ def teacher_metrics_from_sums(c: dict[str, float], rows_of: dict[str, list[int]]
 def teacher_metrics(batch: RolloutBatch, rows_of: dict[str, list[int]], prefix: str = "rollout") -> dict[str, float]:
     """teacher_metrics_from_sums of this rank's rows alone (a rank that holds the whole batch)."""
     return teacher_metrics_from_sums(teacher_metric_sums(batch, rows_of), rows_of, batch.size, prefix)
-

@@ -11,6 +11,7 @@ endpoint but /health* (SGLang leaves /health and /health_generate open for liven
 answers 401 {"error": "Unauthorized"} without it. megaopd's clients read the key from the environment
 variable API_KEY_ENV (or the one rollout.api_key_env / teacher.api_key_env names), never from a config file.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -37,8 +38,10 @@ def check_key(key: str | None) -> None:
     if key is None:
         return
     if not key or not key.isascii() or not key.isprintable() or key != key.strip():
-        raise ValueError("the API key must be non-empty printable ASCII without leading or trailing spaces "
-                         f"(it travels as `Authorization: Bearer <key>`); set --api-key or {API_KEY_ENV} to such a key")
+        raise ValueError(
+            "the API key must be non-empty printable ASCII without leading or trailing spaces "
+            f"(it travels as `Authorization: Bearer <key>`); set --api-key or {API_KEY_ENV} to such a key"
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -53,9 +56,11 @@ def check_bind(host: str, api_key: str | None) -> None:
     """ValueError unless `host` is loopback or a key is set: without a key anyone who reaches the port can
     replace the weights, load any folder the server may read, and pause generation."""
     if api_key is None and not is_loopback(host):
-        raise ValueError(f"--host {host} without an API key would let anyone on the network replace the weights: "
-                         f"set {API_KEY_ENV}=<key> (or --api-key <key>) and give the trainer the same key, or bind "
-                         "127.0.0.1")
+        raise ValueError(
+            f"--host {host} without an API key would let anyone on the network replace the weights: "
+            f"set {API_KEY_ENV}=<key> (or --api-key <key>) and give the trainer the same key, or bind "
+            "127.0.0.1"
+        )
 
 
 def authorized(header: str | None, key: str | None) -> bool:
@@ -64,8 +69,7 @@ def authorized(header: str | None, key: str | None) -> bool:
         return True
     scheme, _, token = (header or "").partition(" ")
     # Compared as bytes: compare_digest refuses non-ASCII str, and a header may hold any latin-1 text.
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1", "replace"),
-                                                              key.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1", "replace"), key.encode())
 
 
 def resolve(host: str) -> set[str]:
@@ -83,8 +87,10 @@ class WeightRoots:
         """The resolved path; AccessDenied unless it lies under a root."""
         real = os.path.realpath(path)
         if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in self.roots):
-            raise AccessDenied(f"model_path {path!r} is outside the folders this server may load weights from "
-                               f"({', '.join(self.roots)}); start megaopd serve with --allowed-weight-root <folder>")
+            raise AccessDenied(
+                f"model_path {path!r} is outside the folders this server may load weights from "
+                f"({', '.join(self.roots)}); start megaopd serve with --allowed-weight-root <folder>"
+            )
         return real
 
 
@@ -98,8 +104,10 @@ class SyncHosts:
             try:
                 self.ips |= resolve(h)
             except OSError as e:
-                raise ValueError(f"--allowed-sync-host {h}: cannot resolve it ({e}); give a name or address of "
-                                 "the trainer's rank 0 (rollout.weight_sync_address)") from None
+                raise ValueError(
+                    f"--allowed-sync-host {h}: cannot resolve it ({e}); give a name or address of "
+                    "the trainer's rank 0 (rollout.weight_sync_address)"
+                ) from None
         self.loopback = any(ipaddress.ip_address(ip).is_loopback for ip in self.ips)
 
     def check(self, address: str) -> str:
@@ -111,7 +119,9 @@ class SyncHosts:
             ips = set()
         ok = ips and all(ip in self.ips or (self.loopback and ipaddress.ip_address(ip).is_loopback) for ip in ips)
         if not ok:
-            raise AccessDenied(f"master_address {address!r} is not an allowed weight-sync host ({', '.join(self.hosts)}"
-                               f"); start megaopd serve with --allowed-sync-host {address} (the trainer's "
-                               "rollout.weight_sync_address)")
+            raise AccessDenied(
+                f"master_address {address!r} is not an allowed weight-sync host ({', '.join(self.hosts)}"
+                f"); start megaopd serve with --allowed-sync-host {address} (the trainer's "
+                "rollout.weight_sync_address)"
+            )
         return min(ips, key=lambda ip: (ipaddress.ip_address(ip).version, ip))  # IPv4 first, as a name would

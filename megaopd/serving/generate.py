@@ -15,6 +15,7 @@ infinite temperature / top_p / min_p (JSON parsers read NaN, Infinity and 1e999)
 64 bits, more than MAX_ENTRIES samples in one request, and a prompt longer than the model's context (a
 generated row is bounded by prompt + max_new_tokens in ModelRunner.check_row; a prefill-scored one here).
 """
+
 from __future__ import annotations
 
 import math
@@ -100,8 +101,10 @@ def parse_generate(engine: ModelRunner, req: Any) -> GenerateRequest:
     for p in params:
         check_values(p)
     if sum(p.n for p in params) > MAX_ENTRIES:
-        raise BadRequest(f"the request asks for {sum(p.n for p in params)} samples (prompts x n); megaopd serve "
-                         f"takes at most {MAX_ENTRIES} per request: split it")
+        raise BadRequest(
+            f"the request asks for {sum(p.n for p in params)} samples (prompts x n); megaopd serve "
+            f"takes at most {MAX_ENTRIES} per request: split it"
+        )
     context = _context(engine)
     long = [len(p) for p in prompts if context is not None and len(p) > context]
     if long:
@@ -114,14 +117,19 @@ def parse_generate(engine: ModelRunner, req: Any) -> GenerateRequest:
     rids = rids if isinstance(rids, list) else [rids] * n
     top_num, at_ids = _prefill_options(req, n)
     for i, p in enumerate(params):
-        if (top_num[i] or at_ids[i]) and (p.max_new_tokens > 0 or start_len[i] is None or start_len[i] < 0
-                                          or not return_logprob[i]):
-            raise BadRequest("megaopd serve returns top_logprobs_num / token_ids_logprob for input (prompt) "
-                             "positions only: send max_new_tokens=0, return_logprob=true and "
-                             "logprob_start_len >= 0 (prefill scoring), or use a real SGLang server")
+        if (top_num[i] or at_ids[i]) and (
+            p.max_new_tokens > 0 or start_len[i] is None or start_len[i] < 0 or not return_logprob[i]
+        ):
+            raise BadRequest(
+                "megaopd serve returns top_logprobs_num / token_ids_logprob for input (prompt) "
+                "positions only: send max_new_tokens=0, return_logprob=true and "
+                "logprob_start_len >= 0 (prefill scoring), or use a real SGLang server"
+            )
         if return_logprob[i] and start_len[i] is not None and start_len[i] > len(prompts[i]):
-            raise BadRequest(f"logprob_start_len={start_len[i]} is higher than the number of input tokens "
-                             f"({len(prompts[i])}). Please use a smaller logprob_start_len.")
+            raise BadRequest(
+                f"logprob_start_len={start_len[i]} is higher than the number of input tokens "
+                f"({len(prompts[i])}). Please use a smaller logprob_start_len."
+            )
     return GenerateRequest(prompts, single, params, return_logprob, start_len, rids, top_num, at_ids)
 
 
@@ -143,8 +151,9 @@ def _context(engine: ModelRunner) -> int | None:
 def expand(engine: ModelRunner, gen: GenerateRequest) -> list[Entry]:
     """Prompt i's samples as consecutive entries (prompt-major), each a row the runner can run."""
     entries = []
-    for s in expand_samples(gen.prompts, [p.n for p in gen.params], [p.seed for p in gen.params],
-                            keep_single_seeds=True):
+    for s in expand_samples(
+        gen.prompts, [p.n for p in gen.params], [p.seed for p in gen.params], keep_single_seeds=True
+    ):
         i, p = s.prompt_index, gen.params[s.prompt_index]
         row = row_request(s, p, engine.eos_ids)
         if p.max_new_tokens > 0:
@@ -158,8 +167,9 @@ def expand(engine: ModelRunner, gen: GenerateRequest) -> list[Entry]:
     return entries
 
 
-def answer(engine: ModelRunner, gen: GenerateRequest, entries: list[Entry], results: list[RowResult],
-           latency: float) -> Any:
+def answer(
+    engine: ModelRunner, gen: GenerateRequest, entries: list[Entry], results: list[RowResult], latency: float
+) -> Any:
     """The JSON answer; results: one per entry with max_new_tokens > 0, in entry order."""
     it = iter(results)
     out = []
@@ -168,8 +178,9 @@ def answer(engine: ModelRunner, gen: GenerateRequest, entries: list[Entry], resu
         meta = _meta(e.rid, res, e.row, latency)
         if gen.return_logprob[e.prompt]:
             start = gen.start_len[e.prompt] if gen.start_len[e.prompt] is not None else -1
-            meta.update(_logprobs_meta(engine, e.row.prompt_ids, res, start, gen.top_num[e.prompt],
-                                       gen.at_ids[e.prompt]))
+            meta.update(
+                _logprobs_meta(engine, e.row.prompt_ids, res, start, gen.top_num[e.prompt], gen.at_ids[e.prompt])
+            )
         out.append({"text": engine.decode(res.output_ids), "output_ids": res.output_ids, "meta_info": meta})
     return out[0] if gen.single and len(out) == 1 else out
 
@@ -187,8 +198,12 @@ def _prompts(engine: ModelRunner, req: dict) -> tuple[list[list[int]], bool]:
     ids = req["input_ids"]
     if isinstance(ids, list) and ids and all(_is_int(t) for t in ids):
         return [list(ids)], True
-    if (isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids)
-            and all(_is_int(t) for p in ids for t in p)):
+    if (
+        isinstance(ids, list)
+        and ids
+        and all(isinstance(p, list) for p in ids)
+        and all(_is_int(t) for p in ids for t in p)
+    ):
         if any(len(p) == 0 for p in ids):
             raise BadRequest("input_ids has an empty prompt")
         return [list(p) for p in ids], False
@@ -201,15 +216,20 @@ def _prefill_options(req: dict, n: int) -> tuple[list[int], list[list[int] | Non
     top = req.get("top_logprobs_num") or 0
     top = top if isinstance(top, list) else [top] * n
     if len(top) != n or not all(_is_int(k) and k >= 0 for k in top):
-        raise BadRequest(f"top_logprobs_num must be a non-negative integer (or one per prompt), got "
-                         f"{req.get('top_logprobs_num')!r}", kind="schema")
+        raise BadRequest(
+            f"top_logprobs_num must be a non-negative integer (or one per prompt), got {req.get('top_logprobs_num')!r}",
+            kind="schema",
+        )
     ids = req.get("token_ids_logprob")
     if ids is None or ids == []:
         per = [None] * n
     elif isinstance(ids, list) and all(_is_int(t) for t in ids):
         per = [list(ids)] * n
-    elif isinstance(ids, list) and len(ids) == n and all(x is None or (isinstance(x, list) and all(_is_int(t) for t in x))
-                                                         for x in ids):
+    elif (
+        isinstance(ids, list)
+        and len(ids) == n
+        and all(x is None or (isinstance(x, list) and all(_is_int(t) for t in x)) for x in ids)
+    ):
         per = [list(x) if x else None for x in ids]
     else:
         raise BadRequest("token_ids_logprob must be a list of token ids, or one such list per prompt", kind="schema")
@@ -220,15 +240,26 @@ def _meta(rid: str, res: RowResult, row: RowRequest, latency: float) -> dict:
     """SGLang 0.5.23's meta_info of one entry, every field it sends (those megaopd has no notion of at their
     neutral values: no retractions, no reasoning parser, no prefix cache, one data-parallel rank)."""
     n = len(res.output_ids)
-    return {"id": rid, "finish_reason": finish_reason_json(res.finish_reason, res.matched, row.max_new_tokens),
-            "prompt_tokens": len(row.prompt_ids), "completion_tokens": n, "cached_tokens": 0,
-            "cached_tokens_details": None, "weight_version": res.weight_version,
-            "weight_versions": [{"version": res.weight_version, "start": 0, "end": n}], "num_retractions": 0,
-            "reasoning_tokens": 0, "dp_rank": None, "e2e_latency": latency, "response_sent_to_client_ts": time.time()}
+    return {
+        "id": rid,
+        "finish_reason": finish_reason_json(res.finish_reason, res.matched, row.max_new_tokens),
+        "prompt_tokens": len(row.prompt_ids),
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "cached_tokens_details": None,
+        "weight_version": res.weight_version,
+        "weight_versions": [{"version": res.weight_version, "start": 0, "end": n}],
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
+        "dp_rank": None,
+        "e2e_latency": latency,
+        "response_sent_to_client_ts": time.time(),
+    }
 
 
-def _logprobs_meta(engine: ModelRunner, prompt_ids: list[int], res: RowResult, start: int, top_num: int,
-                   at_ids: list[int] | None) -> dict:
+def _logprobs_meta(
+    engine: ModelRunner, prompt_ids: list[int], res: RowResult, start: int, top_num: int, at_ids: list[int] | None
+) -> dict:
     """The log-prob fields of a return_logprob answer, as SGLang 0.5.23 sends them.
 
     output_token_logprobs: [logprob, id, null] per output token. input_token_logprobs (always present;
@@ -239,8 +270,11 @@ def _logprobs_meta(engine: ModelRunner, prompt_ids: list[int], res: RowResult, s
     output_token_ids_logprobs with one entry, the distribution after the prompt (SGLang computes it even
     with max_new_tokens 0). Temperature 1, as SGLang's input log-probs.
     """
-    meta = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(res.logprobs, res.output_ids)],
-            "output_token_logprobs_length": len(res.output_ids), "input_token_logprobs": []}
+    meta = {
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(res.logprobs, res.output_ids)],
+        "output_token_logprobs_length": len(res.output_ids),
+        "input_token_logprobs": [],
+    }
     if start < 0:
         return meta
     if any(not 0 <= int(t) < engine.vocab_size for t in prompt_ids):
@@ -251,17 +285,20 @@ def _logprobs_meta(engine: ModelRunner, prompt_ids: list[int], res: RowResult, s
     scores = engine.prompt_scores(prompt_ids, top_num, at_ids, first=min(start + 1, L))
     if n_in:
         meta["input_token_logprobs"] = [[None, prompt_ids[start], None]] + [
-            [lp, t, None] for lp, t in zip(scores.logprobs, prompt_ids[start + 1:])]
+            [lp, t, None] for lp, t in zip(scores.logprobs, prompt_ids[start + 1 :])
+        ]
 
     def split(rows_KV):  # distributions predicting tokens start+1..L-1, then the one after the prompt
-        return ([None] + rows_KV[:n_in - 1]) if n_in else [], rows_KV[-1:]
+        return ([None] + rows_KV[: n_in - 1]) if n_in else [], rows_KV[-1:]
 
     if top_num:
         meta["input_top_logprobs"], meta["output_top_logprobs"] = split(
-            [[[lp, t, None] for lp, t in zip(v, i)] for v, i in zip(scores.top_logprobs, scores.top_ids)])
+            [[[lp, t, None] for lp, t in zip(v, i)] for v, i in zip(scores.top_logprobs, scores.top_ids)]
+        )
     if at_ids:
         meta["input_token_ids_logprobs"], meta["output_token_ids_logprobs"] = split(
-            [[[lp, t, None] for lp, t in zip(v, at_ids)] for v in scores.at_ids_logprobs])
+            [[[lp, t, None] for lp, t in zip(v, at_ids)] for v in scores.at_ids_logprobs]
+        )
     return meta
 
 

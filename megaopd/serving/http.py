@@ -19,6 +19,7 @@ Before any endpoint runs (in this order, each refusal answered and the connectio
   - every socket read and write times out after socket_timeout_s, so a client that stops sending (a
     Content-Length larger than what it sends) frees its thread instead of holding it forever.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,7 +92,9 @@ def require(req: Any, keys) -> None:
         raise BadRequest(f"missing required field(s) {missing}", kind="schema")
 
 
-def make_handler(routes: dict[tuple[str, str], Route], limits: HttpLimits = HttpLimits()) -> type[BaseHTTPRequestHandler]:
+def make_handler(
+    routes: dict[tuple[str, str], Route], limits: HttpLimits = HttpLimits()
+) -> type[BaseHTTPRequestHandler]:
     """A request handler class serving `routes` ((method, path) -> endpoint) under `limits`."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -139,13 +142,18 @@ def make_handler(routes: dict[tuple[str, str], Route], limits: HttpLimits = Http
                 return 0
             text = values.pop().strip()
             if values or not re.fullmatch(r"[0-9]{1,20}", text):
-                raise _Refused(400, f"Content-Length {self.headers.get('Content-Length')!r} must be one "
-                                    "non-negative integer")
+                raise _Refused(
+                    400, f"Content-Length {self.headers.get('Content-Length')!r} must be one non-negative integer"
+                )
             length = int(text)
             if length > limits.max_body_bytes:
-                raise _Refused(413, f"the request body of {length} bytes is over this server's limit of "
-                                    f"{limits.max_body_bytes} bytes (megaopd serve --max-body-mb); send fewer "
-                                    "rows per request", drain=length)
+                raise _Refused(
+                    413,
+                    f"the request body of {length} bytes is over this server's limit of "
+                    f"{limits.max_body_bytes} bytes (megaopd serve --max-body-mb); send fewer "
+                    "rows per request",
+                    drain=length,
+                )
             return length
 
         def _dispatch(self, method: str):
@@ -155,8 +163,7 @@ def make_handler(routes: dict[tuple[str, str], Route], limits: HttpLimits = Http
             except _Refused as e:
                 length, refused = e.drain, e
             # The key first: a client without it learns nothing, not even the limits.
-            if not path.startswith(OPEN_PREFIXES) and not authorized(self.headers.get("Authorization"),
-                                                                     limits.api_key):
+            if not path.startswith(OPEN_PREFIXES) and not authorized(self.headers.get("Authorization"), limits.api_key):
                 return self._refuse(401, {"error": "Unauthorized"}, length, {"WWW-Authenticate": "Bearer"})
             if refused is not None:
                 return self._refuse(refused.status, refused.body(), refused.drain)

@@ -13,6 +13,7 @@ hold; /abort_request {"abort_all": true} aborts without holding. While a run is 
 so a weight update loads between two decode steps instead of waiting for the batch to finish (the
 runner's StepControl hook: megaopd.engine.runner).
 """
+
 from __future__ import annotations
 
 import queue
@@ -151,5 +152,5 @@ class Scheduler:
                     continue
                 i = 0
                 for job in group:
-                    job.future.set_result(results[i:i + len(job.rows)])
+                    job.future.set_result(results[i : i + len(job.rows)])
                     i += len(job.rows)

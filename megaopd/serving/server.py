@@ -45,6 +45,7 @@ binds loopback only. Bodies over max_body_bytes answer 413, sockets time out, we
 allowed folders and groups form only with allowed hosts (403), NaN / inf weights and sampling values
 are refused (400). docs/engines.md "Running megaopd serve safely".
 """
+
 from __future__ import annotations
 
 import logging
@@ -108,8 +109,10 @@ class ServeConfig:
         if parse_version(self.sglang_version) is None:
             raise ValueError(f"sglang_version={self.sglang_version!r}: give x.y.z, e.g. 0.5.23 or 0.5.2")
         if self.max_body_bytes < 1 or self.socket_timeout_s <= 0 or self.listen_backlog < 1:
-            raise ValueError(f"max_body_bytes={self.max_body_bytes}, socket_timeout_s={self.socket_timeout_s} and "
-                             f"listen_backlog={self.listen_backlog} must all be positive")
+            raise ValueError(
+                f"max_body_bytes={self.max_body_bytes}, socket_timeout_s={self.socket_timeout_s} and "
+                f"listen_backlog={self.listen_backlog} must all be positive"
+            )
         check_key(self.api_key)
         check_bind(self.host, self.api_key)
 
@@ -119,8 +122,13 @@ class ServeConfig:
         return parse_version(self.sglang_version) >= WEIGHT_UPDATE_SESSION_SINCE
 
     def engine_config(self) -> EmbeddedEngineConfig:
-        return EmbeddedEngineConfig(hf_dir=self.hf_dir, device=self.device, dtype=self.dtype,
-                                    max_batch_size=self.max_batch_size, release_weights=self.release_weights)
+        return EmbeddedEngineConfig(
+            hf_dir=self.hf_dir,
+            device=self.device,
+            dtype=self.dtype,
+            max_batch_size=self.max_batch_size,
+            release_weights=self.release_weights,
+        )
 
 
 class RolloutServer:
@@ -131,13 +139,19 @@ class RolloutServer:
         self.engine: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
         self.load_error: str | None = None
-        self.weights = WeightUpdates(self._engine, config.group_timeout_s, config.weight_update_sessions,
-                                     WeightRoots([config.hf_dir, *config.allowed_weight_roots]),
-                                     SyncHosts(["127.0.0.1", *config.allowed_sync_hosts]))
-        limits = HttpLimits(api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                            socket_timeout_s=config.socket_timeout_s)
-        self.httpd = HttpServer((config.host, config.port), make_handler(self._routes(), limits),
-                                backlog=config.listen_backlog)
+        self.weights = WeightUpdates(
+            self._engine,
+            config.group_timeout_s,
+            config.weight_update_sessions,
+            WeightRoots([config.hf_dir, *config.allowed_weight_roots]),
+            SyncHosts(["127.0.0.1", *config.allowed_sync_hosts]),
+        )
+        limits = HttpLimits(
+            api_key=config.api_key, max_body_bytes=config.max_body_bytes, socket_timeout_s=config.socket_timeout_s
+        )
+        self.httpd = HttpServer(
+            (config.host, config.port), make_handler(self._routes(), limits), backlog=config.listen_backlog
+        )
         self.port = self.httpd.server_address[1]
         self._thread: threading.Thread | None = None
         if engine is not None:
@@ -205,13 +219,18 @@ class RolloutServer:
             ("POST", "/update_weights_from_disk"): _with_success(w.update_from_disk),
             ("POST", "/update_weights_from_tensor"): _with_success(w.update_from_tensor),
             ("POST", "/destroy_weights_update_group"): _with_success(w.destroy_group),
-            ("GET", "/flush_cache"): self._flush, ("POST", "/flush_cache"): self._flush,
-            ("GET", "/health"): self._health, ("GET", "/health_generate"): self._health_generate,
-            ("GET", "/get_model_info"): self._model_info, ("GET", "/model_info"): self._model_info,
-            ("GET", "/get_server_info"): self._server_info, ("GET", "/server_info"): self._server_info,
+            ("GET", "/flush_cache"): self._flush,
+            ("POST", "/flush_cache"): self._flush,
+            ("GET", "/health"): self._health,
+            ("GET", "/health_generate"): self._health_generate,
+            ("GET", "/get_model_info"): self._model_info,
+            ("GET", "/model_info"): self._model_info,
+            ("GET", "/get_server_info"): self._server_info,
+            ("GET", "/server_info"): self._server_info,
             ("POST", "/release_memory_occupation"): self._release,
             ("POST", "/resume_memory_occupation"): self._resume,
-            ("POST", "/pause_generation"): self._pause, ("POST", "/continue_generation"): self._continue,
+            ("POST", "/pause_generation"): self._pause,
+            ("POST", "/continue_generation"): self._continue,
             ("POST", "/abort_request"): self._abort,
         }
         if self.config.weight_update_sessions:  # older SGLang has neither endpoint (404)
@@ -228,8 +247,10 @@ class RolloutServer:
 
     def _flush(self, _req):
         if self._engine().flush_cache():
-            return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                         "waiting requests, the operation will not be performed.)\n")
+            return 200, (
+                "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                "waiting requests, the operation will not be performed.)\n"
+            )
         return 400, "Cache not flushed: requests are running; retry when idle.\n"
 
     def _health(self, _req):
@@ -243,10 +264,19 @@ class RolloutServer:
 
     def _server_info(self, _req):
         engine, config = self._engine(), self.config
-        return 200, {"model_path": config.hf_dir, "tp_size": 1, "dp_size": 1, "pp_size": 1,
-                     "weight_version": engine.weight_version, "max_running_requests": config.max_batch_size,
-                     "host": config.host, "port": self.port, "version": config.sglang_version, "megaopd_serve": True,
-                     "internal_states": [{"running": engine.running, "paused": self.scheduler.pauses.paused}]}
+        return 200, {
+            "model_path": config.hf_dir,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "weight_version": engine.weight_version,
+            "max_running_requests": config.max_batch_size,
+            "host": config.host,
+            "port": self.port,
+            "version": config.sglang_version,
+            "megaopd_serve": True,
+            "internal_states": [{"running": engine.running, "paused": self.scheduler.pauses.paused}],
+        }
 
     def _release(self, req):
         tags = _tags(req)
@@ -280,10 +310,13 @@ class RolloutServer:
 
 def _with_success(fn) -> Route:
     """An endpoint answering {"success", ...}: HTTP 200 when it succeeded, else 400 (as SGLang)."""
+
     def run(req):
         res = fn(req)
         return (200 if res["success"] else 400), res
+
     return run
+
 
 def _tags(req: Any):
     """The memory tags of a release / resume body (null or absent: all), checked as SGLang would."""

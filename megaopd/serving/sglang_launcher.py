@@ -21,6 +21,7 @@ GPU attention backend (FlashInfer, FA3 or Triton) and its batch-invariant kernel
 measured 25-45% slower rollouts (34% on average, its announcement of 2025-09). The embedded engine and
 `megaopd serve` reproduce seeded samples without it.
 """
+
 from __future__ import annotations
 
 import os
@@ -86,8 +87,10 @@ class SGLangLaunchConfig:
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device!r}: choose cuda or cpu")
         if self.deterministic and self.device == "cpu":
-            raise ValueError("deterministic=True needs a GPU attention backend (FlashInfer, FA3 or Triton); "
-                             "SGLang's CPU engine cannot run --enable-deterministic-inference")
+            raise ValueError(
+                "deterministic=True needs a GPU attention backend (FlashInfer, FA3 or Triton); "
+                "SGLang's CPU engine cannot run --enable-deterministic-inference"
+            )
 
     @property
     def url(self) -> str:
@@ -97,8 +100,19 @@ class SGLangLaunchConfig:
 
 def sglang_command(cfg: SGLangLaunchConfig) -> list[str]:
     """The launch_server argv for `cfg`."""
-    cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--tp-size", str(cfg.tp_size),
-           "--host", cfg.host, "--port", str(cfg.port)]
+    cmd = [
+        cfg.python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        cfg.model_path,
+        "--tp-size",
+        str(cfg.tp_size),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+    ]
     if cfg.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     if cfg.enable_memory_saver:
@@ -119,8 +133,18 @@ def sglang_command(cfg: SGLangLaunchConfig) -> list[str]:
         cmd += ["--api-key", cfg.api_key]
     if cfg.device == "cpu":
         # --sleep-on-idle: the scheduler otherwise polls its sockets in a busy loop, a whole CPU core per server.
-        cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-                "--grammar-backend", "none", "--disable-cuda-graph", "--sleep-on-idle"]
+        cmd += [
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--sampling-backend",
+            "pytorch",
+            "--grammar-backend",
+            "none",
+            "--disable-cuda-graph",
+            "--sleep-on-idle",
+        ]
         if cfg.dtype is None:
             cmd += ["--dtype", "float32"]
     return cmd + list(cfg.extra_args)
@@ -137,8 +161,13 @@ def launch_config(rollout, model_path: str, **kwargs) -> SGLangLaunchConfig:
     the rest from kwargs."""
     if "api_key" not in kwargs:
         kwargs["api_key"] = os.environ.get(rollout.api_key_env) or None if rollout.api_key_env else None
-    return SGLangLaunchConfig(model_path=model_path, tp_size=rollout.engine_tp, deterministic=rollout.deterministic,
-                              enable_memory_saver=rollout.colocated, **kwargs)
+    return SGLangLaunchConfig(
+        model_path=model_path,
+        tp_size=rollout.engine_tp,
+        deterministic=rollout.deterministic,
+        enable_memory_saver=rollout.colocated,
+        **kwargs,
+    )
 
 
 class ServerStartError(RuntimeError):
@@ -169,8 +198,15 @@ class ServerProcess:
         return server
 
     @classmethod
-    def start(cls, command: list[str], url: str, startup_timeout_s: float = 900.0, log_path: str | None = None,
-              env: dict[str, str] | None = None, die_with_parent: bool = False) -> "ServerProcess":
+    def start(
+        cls,
+        command: list[str],
+        url: str,
+        startup_timeout_s: float = 900.0,
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+        die_with_parent: bool = False,
+    ) -> "ServerProcess":
         """Runs `command` in its own process group, logging to `log_path` (a temp file by default).
         die_with_parent (Linux): the server gets SIGTERM when this process dies, even by SIGKILL, so a killed
         test session leaves no server behind (SGLang then stops its own workers)."""
@@ -181,9 +217,14 @@ class ServerProcess:
             os.close(fd)
         log = open(log_path, "ab")
         try:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, **(env or {})},
-                                    preexec_fn=_term_when_parent_dies if die_with_parent else None)
+            proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+                preexec_fn=_term_when_parent_dies if die_with_parent else None,
+            )
         finally:
             log.close()
         server = cls(url, proc, log_path)
@@ -198,8 +239,10 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise ServerStartError(f"server exited with code {self.proc.returncode} before answering "
-                                       f"{self.url}/health; command: {shlex.join(self.proc.args)}\n{self.log_tail()}")
+                raise ServerStartError(
+                    f"server exited with code {self.proc.returncode} before answering "
+                    f"{self.url}/health; command: {shlex.join(self.proc.args)}\n{self.log_tail()}"
+                )
             if is_healthy(self.url, timeout_s=min(5.0, max(0.1, deadline - time.monotonic()))):
                 return
             time.sleep(0.25)
@@ -240,9 +283,21 @@ def _term_when_parent_dies() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def megaopd_serve_command(hf_dir: str, port: int, host: str = "127.0.0.1", extra_args: list[str] | None = None,
-                          python: str = sys.executable) -> list[str]:
+def megaopd_serve_command(
+    hf_dir: str, port: int, host: str = "127.0.0.1", extra_args: list[str] | None = None, python: str = sys.executable
+) -> list[str]:
     """The same kind of command for the embedded server (CPU stand-in for SGLang). Its key travels in the
     environment, not the command line: ServerProcess.start(..., env={"MEGAOPD_API_KEY": key})."""
-    return [python, "-m", "megaopd.cli", "serve", "--hf-dir", hf_dir, "--port", str(port), "--host", host,
-            *(extra_args or [])]
+    return [
+        python,
+        "-m",
+        "megaopd.cli",
+        "serve",
+        "--hf-dir",
+        hf_dir,
+        "--port",
+        str(port),
+        "--host",
+        host,
+        *(extra_args or []),
+    ]

@@ -14,6 +14,7 @@ hosts (loopback and each --allowed-sync-host). Weights holding NaN or inf are no
 that arrive by the zero-copy path are already in the model when they are checked, so the update fails and
 /generate is refused (HTTP 400 naming the tensors) until they are loaded again with finite values.
 """
+
 from __future__ import annotations
 
 import base64
@@ -39,8 +40,14 @@ _FAILED = "Failed to update weights: "  # the client reads this prefix as "recei
 class WeightUpdates:
     """The weight-update endpoints over one runner: the groups this server joined, and the open session."""
 
-    def __init__(self, engine: Callable[[], ModelRunner], group_timeout_s: float, sessions: bool,
-                 roots: WeightRoots, hosts: SyncHosts):
+    def __init__(
+        self,
+        engine: Callable[[], ModelRunner],
+        group_timeout_s: float,
+        sessions: bool,
+        roots: WeightRoots,
+        hosts: SyncHosts,
+    ):
         self._engine = engine
         """The runner, or HttpError 503 while it loads."""
         self.roots, self.hosts = roots, hosts
@@ -72,12 +79,15 @@ class WeightUpdates:
             raise BadRequest(f"weight update group {name!r} already exists; destroy it first")
         port, offset, world = int(req["master_port"]), int(req["rank_offset"]), int(req["world_size"])
         if not (0 < port < 65536 and 0 < offset < world):
-            raise BadRequest(f"master_port={port} must be in 1..65535 and rank_offset={offset} in 1..world_size-1 "
-                             f"(world_size={world}: the trainer is rank 0)")
+            raise BadRequest(
+                f"master_port={port} must be in 1..65535 and rank_offset={offset} in 1..world_size-1 "
+                f"(world_size={world}: the trainer is rank 0)"
+            )
         address = _allowed(self.hosts.check, str(req["master_address"]))
         try:
-            pg = dist_group.init_custom_process_group(backend, address, port, offset, world, name,
-                                                      timeout_s=self.group_timeout_s)
+            pg = dist_group.init_custom_process_group(
+                backend, address, port, offset, world, name, timeout_s=self.group_timeout_s
+            )
         except Exception as e:  # noqa: BLE001 - returned to the caller as SGLang does
             return {"success": False, "message": f"Failed to init group: {type(e).__name__}: {e}"}
         self.groups[name] = pg
@@ -97,8 +107,11 @@ class WeightUpdates:
         if fmt not in (None, "flattened_bucket"):
             raise BadRequest(f"load_format {fmt!r}: megaopd serve takes null or 'flattened_bucket'")
         if name not in self.groups:
-            return {"success": False, "message": f"Failed to receive weights: Group {name} not in "
-                                                 f"{list(self.groups)}. Please call `init_weights_update_group` first."}
+            return {
+                "success": False,
+                "message": f"Failed to receive weights: Group {name} not in "
+                f"{list(self.groups)}. Please call `init_weights_update_group` first.",
+            }
         try:
             torch_dtypes = [wire.parse_dtype(d) for d in dtypes]
         except ValueError as e:
@@ -115,13 +128,17 @@ class WeightUpdates:
                 for work in [dist_group.broadcast(t, pg, async_op=True) for t in targets]:
                     work.wait()
                 bad.extend(n for n, t in zip(names, targets) if not finite(t))
+
             bad: list[str] = []
             try:
                 if engine.receive_weights_in_place(list(zip(names, shapes, torch_dtypes)), fill, version):
                     self.nonfinite.difference_update(names)
                     self.nonfinite.update(bad)
-                    return {"success": False, "message": _FAILED + _nonfinite_message(bad, loaded=True)} if bad \
+                    return (
+                        {"success": False, "message": _FAILED + _nonfinite_message(bad, loaded=True)}
+                        if bad
                         else dict(_LOADED)
+                    )
             except EngineReleasedError as e:
                 self._receive_scratch(pg, None, names, torch_dtypes, shapes, device)  # keep the group in step
                 return {"success": False, "message": _FAILED + str(e)}
@@ -176,8 +193,11 @@ class WeightUpdates:
         refused = self._session_refusal("update_weights_from_tensor")
         if refused:
             return refused
-        return {"success": False, "message": "megaopd serve does not load CUDA IPC handles "
-                                             "(/update_weights_from_tensor needs SGLang on the trainer's GPUs)"}
+        return {
+            "success": False,
+            "message": "megaopd serve does not load CUDA IPC handles "
+            "(/update_weights_from_tensor needs SGLang on the trainer's GPUs)",
+        }
 
     def update_from_disk(self, req: dict) -> dict:
         from safetensors.torch import load_file
@@ -190,15 +210,21 @@ class WeightUpdates:
         real = _allowed(self.roots.check, path)
         files = sorted(f for f in os.listdir(real) if f.endswith(".safetensors")) if os.path.isdir(real) else []
         if not files:
-            return {"success": False, "message": f"Failed to get weights iterator: Cannot find any model weights "
-                                                 f"with `{path}`.", "num_paused_requests": 0}
+            return {
+                "success": False,
+                "message": f"Failed to get weights iterator: Cannot find any model weights with `{path}`.",
+                "num_paused_requests": 0,
+            }
         tensors = {}
         for f in files:  # each file checked too: a symlink inside an allowed folder may point out of it
             tensors.update(load_file(_allowed(self.roots.check, os.path.join(real, f))))
         bad = [n for n, t in tensors.items() if not finite(t)]
         if bad:
-            return {"success": False, "message": _FAILED + _nonfinite_message(bad, loaded=False),
-                    "num_paused_requests": 0}
+            return {
+                "success": False,
+                "message": _FAILED + _nonfinite_message(bad, loaded=False),
+                "num_paused_requests": 0,
+            }
         try:
             engine.update_weights(tensors.items(), weight_version=req.get("weight_version"))
         except WeightMismatchError as e:
@@ -214,8 +240,10 @@ class WeightUpdates:
     def _session_refusal(self, what: str) -> dict | None:
         """SGLang 0.5.2x's answer to an update outside a session (None: go on)."""
         if self.sessions and self.session is None:
-            return {"success": False, "message": f"{what} must run between begin_weight_update() and "
-                                                 "end_weight_update()"}
+            return {
+                "success": False,
+                "message": f"{what} must run between begin_weight_update() and end_weight_update()",
+            }
         return None
 
     def begin_weight_update(self, req: Any) -> dict:
@@ -224,16 +252,20 @@ class WeightUpdates:
             raise BadRequest(f"selector={selector!r}: Input should be 'target', 'draft' or 'all'", kind="schema")
         with self._session_lock:
             if self.session is not None:
-                return {"success": False, "message": "a weight-update session is already open; call "
-                                                     "end_weight_update() first"}
+                return {
+                    "success": False,
+                    "message": "a weight-update session is already open; call end_weight_update() first",
+                }
             self.session = selector
         return {"success": True, "message": "Success"}
 
     def end_weight_update(self, _req: Any) -> dict:
         with self._session_lock:
             if self.session is None:
-                return {"success": False, "message": "no weight-update session is open; call "
-                                                     "begin_weight_update() first"}
+                return {
+                    "success": False,
+                    "message": "no weight-update session is open; call begin_weight_update() first",
+                }
             self.session = None
         return {"success": True, "message": "Success"}
 
@@ -247,8 +279,10 @@ def finite(t: torch.Tensor) -> bool:
 def _nonfinite_message(names: list[str], loaded: bool) -> str:
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     if loaded:
-        return (f"non-finite values (NaN/inf) in {shown}: loaded by the zero-copy path, so /generate is refused "
-                "until they are loaded again with finite values")
+        return (
+            f"non-finite values (NaN/inf) in {shown}: loaded by the zero-copy path, so /generate is refused "
+            "until they are loaded again with finite values"
+        )
     return f"non-finite values (NaN/inf) in {shown}: nothing was loaded"
 
 

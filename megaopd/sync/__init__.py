@@ -15,6 +15,7 @@ What both ends of SGLang's update protocol share lives below this package, so th
 (serving/) can speak it too: the bucket wire format in megaopd.rollout.weight_wire, the standalone
 process group in megaopd.parallel.custom_group.
 """
+
 from megaopd.sync.weight_sync import SyncStats, WeightSync, choose_transport
 
 __all__ = ["WeightSync", "SyncStats", "choose_transport"]

@@ -26,6 +26,7 @@ On a CPU machine the transport cannot run for real (CUDA IPC needs GPUs; SGLang'
 nothing but has no handles to open); the payloads it builds are unit-tested (tests/sync/test_transports.py),
 SGLang 0.5.23 accepts their format (tests/e2e/sglang), and the GPU check script runs it.
 """
+
 from __future__ import annotations
 
 import base64
@@ -40,11 +41,10 @@ import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
 from torch.multiprocessing import reductions
 
+from megaopd.rollout import weight_wire as wire
 from megaopd.rollout.client import EngineError, HttpEngine
 from megaopd.rollout.waits import WaitAbandoned
-from megaopd.rollout import weight_wire as wire
 from megaopd.sync.distributed import weight_update_sessions
-
 
 _DEVICE_ARG = 6
 """Index of the CUDA device in the arguments torch's reduce_tensor gives a CUDA tensor (SGLang's patch
@@ -58,7 +58,7 @@ def _reduce_tensor_by_uuid(tensor: torch.Tensor):
     rebuild, args = reductions.reduce_tensor(tensor)
     if tensor.is_cuda:
         uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
-        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1:])
+        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1 :])
     return rebuild, args
 
 
@@ -70,8 +70,10 @@ class _IpcPickler(ForkingPickler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.dispatch_table = {cls: (_reduce_tensor_by_uuid if fn is reductions.reduce_tensor else fn)
-                               for cls, fn in self.dispatch_table.items()}
+        self.dispatch_table = {
+            cls: (_reduce_tensor_by_uuid if fn is reductions.reduce_tensor else fn)
+            for cls, fn in self.dispatch_table.items()
+        }
 
 
 def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
@@ -90,8 +92,12 @@ def deserialize_named_tensors(text: str) -> list[tuple[str, torch.Tensor]]:
 
 def tensor_request(serialized_per_tp_rank: list[str], flush_cache: bool, weight_version: str | None) -> dict:
     """The /update_weights_from_tensor body: one serialized list per engine TP rank, in TP rank order."""
-    return {"serialized_named_tensors": list(serialized_per_tp_rank), "load_format": None,
-            "flush_cache": bool(flush_cache), "weight_version": weight_version}
+    return {
+        "serialized_named_tensors": list(serialized_per_tp_rank),
+        "load_format": None,
+        "flush_cache": bool(flush_cache),
+        "weight_version": weight_version,
+    }
 
 
 @dataclass(frozen=True)
@@ -120,13 +126,17 @@ def feeder_ranks(engine_gpus: Sequence[tuple[int, int]], layout: IpcLayout) -> l
     for i, (base, tp) in enumerate(engine_gpus):
         node = i // layout.engines_per_node
         if base < 0 or base + tp > layout.local_world_size:
-            raise ValueError(f"colocated engine {i}: GPUs {base}..{base + tp - 1} (base_gpu_id {base}, tp {tp}) "
-                             f"are not all among the node's {layout.local_world_size} trainer GPUs")
+            raise ValueError(
+                f"colocated engine {i}: GPUs {base}..{base + tp - 1} (base_gpu_id {base}, tp {tp}) "
+                f"are not all among the node's {layout.local_world_size} trainer GPUs"
+            )
         ranks = [node * layout.local_world_size + base + r for r in range(tp)]
         if ranks[-1] >= layout.world_size:
-            raise ValueError(f"colocated engine {i} would sit on node {node}, but the trainer has only "
-                             f"{layout.world_size // layout.local_world_size} node(s): list one engine per "
-                             "trainer node in rollout.urls, or set rollout.colocated=false")
+            raise ValueError(
+                f"colocated engine {i} would sit on node {node}, but the trainer has only "
+                f"{layout.world_size // layout.local_world_size} node(s): list one engine per "
+                "trainer node in rollout.urls, or set rollout.colocated=false"
+            )
         feeders.append(ranks)
     return feeders
 
@@ -137,8 +147,15 @@ class CudaIpcTransport:
     name = "cuda_ipc"
     all_ranks = True
 
-    def __init__(self, engines: list[HttpEngine] | None, feeders: list[list[int]], rank: int, group=None,
-                 bucket_bytes: int = 512 << 20, device: torch.device | None = None):
+    def __init__(
+        self,
+        engines: list[HttpEngine] | None,
+        feeders: list[list[int]],
+        rank: int,
+        group=None,
+        bucket_bytes: int = 512 << 20,
+        device: torch.device | None = None,
+    ):
         """engines: the engines on rank 0, None elsewhere. feeders: feeder_ranks(...) (the same on all
         ranks). device: where a feeder's tensors must live for a handle to mean anything (its GPU)."""
         self.engines = list(engines) if engines is not None else None
@@ -146,7 +163,9 @@ class CudaIpcTransport:
         self.rank, self.group, self.bucket_bytes = rank, group, bucket_bytes
         self.my_slots = [(i, r) for i, ranks in enumerate(self.feeders) for r, g in enumerate(ranks) if g == rank]
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
         self.device = device
         if rank == 0 and (self.engines is None or len(self.engines) != len(self.feeders)):
             raise ValueError(f"CudaIpcTransport on rank 0 needs the {len(self.feeders)} engine(s) the feeders name")
@@ -165,16 +184,21 @@ class CudaIpcTransport:
             missing = [g for g in ranks if payloads[g] is None]
             if missing:
                 raise RuntimeError(f"engine {i}: trainer ranks {missing} sent no tensors (feeder map out of step)")
-            bodies.append(tensor_request([payloads[g] for g in ranks], flush_cache=last,
-                                         weight_version=weight_version if last else None))
+            bodies.append(
+                tensor_request(
+                    [payloads[g] for g in ranks], flush_cache=last, weight_version=weight_version if last else None
+                )
+            )
         return bodies
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
         if self.device.type != "cuda":
             # A CPU tensor pickles as a file descriptor shared through this process's resource sharer, which
             # the engine cannot authenticate to: SGLang 0.5.23's server exits on such a payload (seen on CPU).
-            raise ValueError(f"the cuda_ipc transport sends CUDA tensors only (device {self.device}): colocated "
-                             "engines need the trainer on GPUs; set rollout.colocated=false (a weight-update group)")
+            raise ValueError(
+                f"the cuda_ipc transport sends CUDA tensors only (device {self.device}): colocated "
+                "engines need the trainer on GPUs; set rollout.colocated=false (a weight-update group)"
+            )
         world = dist.get_world_size(self.group)
         sessions = weight_update_sessions(self.engines) if self.rank == 0 else None
         abandoned = None  # rank 0: a wait given up (preemption signal); every rank learns it at the next bucket
@@ -198,8 +222,13 @@ class CudaIpcTransport:
                 if self.rank == 0 and abandoned is None:
                     for engine, body in zip(self.engines, self.requests(gathered, following is None, weight_version)):
                         try:
-                            out = engine.request("POST", "/update_weights_from_tensor", body, retries=0,
-                                                 timeout_s=engine.config.generate_timeout_s)
+                            out = engine.request(
+                                "POST",
+                                "/update_weights_from_tensor",
+                                body,
+                                retries=0,
+                                timeout_s=engine.config.generate_timeout_s,
+                            )
                             if isinstance(out, dict) and out.get("success") is False:
                                 errors.append(f"{engine.url}: {out.get('message')}")
                         except EngineError as e:

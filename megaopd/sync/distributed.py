@@ -32,6 +32,7 @@ rendezvous and the broadcast, which cannot tell, are abandoned with it), and a s
 preemption flag) ends them with WaitAbandoned; the cleanups that follow (destroying the group, closing the
 sessions) are best effort and skip an engine that is gone.
 """
+
 from __future__ import annotations
 
 import threading
@@ -41,11 +42,12 @@ from typing import Any, Iterable
 
 import torch
 
+from megaopd.parallel import custom_group as dist_group
 from megaopd.parallel.dist import find_free_port
+from megaopd.rollout import weight_wire as wire
 from megaopd.rollout.client import EngineError, EngineStalledError, HttpEngine
 from megaopd.rollout.waits import WaitAbandoned
-from megaopd.rollout import weight_wire as wire
-from megaopd.parallel import custom_group as dist_group
+
 
 @dataclass
 class DistributedUpdateConfig:
@@ -85,7 +87,9 @@ class DistributedWeightUpdater:
         self.engines = list(engines)
         self.config = config or DistributedUpdateConfig()
         self.backend = self.config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        )
         self.load_format = self.config.load_format
         if self.load_format == "auto":
             self.load_format = "flattened_bucket" if self.backend == "nccl" else None
@@ -132,9 +136,17 @@ class DistributedWeightUpdater:
         # it, and SGLang refuses a second group of the same name ("already been created"): drop it first. One
         # run owns an engine's weights, so a group of this name there can only be a dead run's.
         self._destroy_on_engines()
-        bodies = [{"master_address": self.config.master_address, "master_port": port, "rank_offset": off,
-                   "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
-                  for off in offsets]
+        bodies = [
+            {
+                "master_address": self.config.master_address,
+                "master_port": port,
+                "rank_offset": off,
+                "world_size": self.world_size,
+                "group_name": self.group_name,
+                "backend": self.backend,
+            }
+            for off in offsets
+        ]
         calls = self._post_all("/init_weights_update_group", bodies)
         pg = self._host_group(port, calls)
         errors = _join(calls, self.config.timeout_s)
@@ -160,9 +172,15 @@ class DistributedWeightUpdater:
             try:
                 if self.device.type == "cuda":  # a new thread starts on device 0; nccl binds the current one
                     torch.cuda.set_device(self.device)
-                pg = dist_group.init_custom_process_group(self.backend, self.config.master_address, port, 0,
-                                                          self.world_size, self.group_name,
-                                                          timeout_s=self.config.timeout_s)
+                pg = dist_group.init_custom_process_group(
+                    self.backend,
+                    self.config.master_address,
+                    port,
+                    0,
+                    self.world_size,
+                    self.group_name,
+                    timeout_s=self.config.timeout_s,
+                )
             except Exception as e:  # noqa: BLE001 - raised below, with what the engines said
                 out["error"] = e
                 return
@@ -179,8 +197,10 @@ class DistributedWeightUpdater:
             if formed is not None:
                 dist_group.destroy_custom_process_group(formed)
 
-        where = (f"weight-update group {self.group_name!r} on {self.config.master_address}:{port} "
-                 f"(world size {self.world_size})")
+        where = (
+            f"weight-update group {self.group_name!r} on {self.config.master_address}:{port} "
+            f"(world size {self.world_size})"
+        )
         hosting = threading.Thread(target=host, daemon=True, name="megaopd-weight-group")
         hosting.start()
         while hosting.is_alive():
@@ -196,8 +216,9 @@ class DistributedWeightUpdater:
                 raise _refusal(f"{where} cannot form: engines refused to join: {errors}", errors, calls)
         if "error" in out:
             errors = _finished_errors(calls)
-            raise EngineError(f"{where} did not form: {out['error']}"
-                              + (f"; engines said: {errors}" if errors else "")) from out["error"]
+            raise EngineError(
+                f"{where} did not form: {out['error']}" + (f"; engines said: {errors}" if errors else "")
+            ) from out["error"]
         return out["pg"]
 
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
@@ -228,11 +249,16 @@ class DistributedWeightUpdater:
             following = next(bucket_iter, None)
             last = following is None
             names = [n for n, _ in bucket]
-            body = {"names": names, "dtypes": [wire.dtype_name(t.dtype) for t in tensors],
-                    "shapes": [list(t.shape) for t in tensors], "group_name": self.group_name,
-                    "flush_cache": self.config.flush_cache and last, "load_format": self.load_format,
-                    # The version flips with the last bucket, so it never names half-loaded weights.
-                    "weight_version": weight_version if last else None}
+            body = {
+                "names": names,
+                "dtypes": [wire.dtype_name(t.dtype) for t in tensors],
+                "shapes": [list(t.shape) for t in tensors],
+                "group_name": self.group_name,
+                "flush_cache": self.config.flush_cache and last,
+                "load_format": self.load_format,
+                # The version flips with the last bucket, so it never names half-loaded weights.
+                "weight_version": weight_version if last else None,
+            }
             calls = self._post_all("/update_weights_from_distributed", [body] * len(self.engines))
             if flattened:
                 works = [dist_group.broadcast(flat, self.pg, async_op=True)]
@@ -249,15 +275,19 @@ class DistributedWeightUpdater:
                 # Refused before receiving (unknown group, bad request): a small broadcast may have
                 # completed into socket buffers, but the group is out of step now.
                 self._abandon()
-                raise EngineError(f"weight update refused (bucket {k}): {errors}; "
-                                  "the weight-update group is abandoned, connect() again")
+                raise EngineError(
+                    f"weight update refused (bucket {k}): {errors}; "
+                    "the weight-update group is abandoned, connect() again"
+                )
             if errors:
                 # The engines received the bucket and refused to load it (names/shapes): the group is
                 # still in step, so go on and report every refused bucket at the end.
                 refused.append(f"bucket {k} ({len(names)} tensors): " + "; ".join(errors))
         if refused:
-            raise EngineError(f"weight update refused for {len(refused)} of {k} bucket(s) (each "
-                              "refused bucket loaded nothing; accepted ones were loaded):\n" + "\n".join(refused))
+            raise EngineError(
+                f"weight update refused for {len(refused)} of {k} bucket(s) (each "
+                "refused bucket loaded nothing; accepted ones were loaded):\n" + "\n".join(refused)
+            )
 
     def _wait_broadcast(self, works, calls) -> None:
         # Poll instead of work.wait(): an engine that refused before receiving leaves the broadcast
@@ -269,8 +299,10 @@ class DistributedWeightUpdater:
             if errors:
                 self._abandon()
                 _raise_gone(calls)
-                raise EngineError(f"weight update refused before the broadcast completed: {errors}; "
-                                  "the weight-update group is abandoned, connect() again")
+                raise EngineError(
+                    f"weight update refused before the broadcast completed: {errors}; "
+                    "the weight-update group is abandoned, connect() again"
+                )
             if time.monotonic() > deadline:
                 self._abandon()
                 raise EngineError(f"weight broadcast did not complete in {self.config.timeout_s:.0f}s")
@@ -282,8 +314,10 @@ class DistributedWeightUpdater:
         except RuntimeError as e:  # a peer closed the group (engine died or dropped it)
             self._abandon()
             errors = _join(calls, min(self.config.timeout_s, 10.0))
-            raise EngineError(f"weight broadcast failed: {e}; engines said: {errors}; "
-                              "the weight-update group is abandoned, connect() again") from e
+            raise EngineError(
+                f"weight broadcast failed: {e}; engines said: {errors}; "
+                "the weight-update group is abandoned, connect() again"
+            ) from e
 
     def _abandon(self) -> None:
         # A broadcast is left pending on the group: keep the object alive (destroying it under a pending
@@ -295,8 +329,9 @@ class DistributedWeightUpdater:
     def _destroy_on_engines(self) -> None:
         for e in self.engines:
             try:
-                e.request("POST", "/destroy_weights_update_group", {"group_name": self.group_name}, retries=0,
-                          timeout_s=10.0)
+                e.request(
+                    "POST", "/destroy_weights_update_group", {"group_name": self.group_name}, retries=0, timeout_s=10.0
+                )
             except (EngineError, WaitAbandoned):  # best effort: the engine may be gone, or we are leaving
                 pass
 

@@ -5,6 +5,7 @@
 The embedded engine copies each full HF-named tensor into its model by name (update_weights: all or
 nothing, names and shapes checked first). No bytes leave the process and no group is formed.
 """
+
 from __future__ import annotations
 
 from typing import Iterable

@@ -10,7 +10,8 @@ push() is collective over `group` (default: torch's default group) and the actor
        ranks take part (cuda_ipc) and which ranks feed which engine GPU;
     2. colocated engines: every rank empties its CUDA cache (the trainer's cached blocks would leave
        the engines too little memory), then rank 0 resumes "weights" on the engines that released them;
-    3. gather (megaopd.models.gather: over TP, over EP for a MoE actor's experts, then PP) and send (the transports); ranks that send nothing drain the gather;
+    3. gather (megaopd.models.gather: over TP, over EP for a MoE actor's experts, then PP) and send (the transports);
+    ranks that send nothing drain the gather;
     4. colocated engines: rank 0 resumes "kv_cache" and "cuda_graph" where released (SGLang's order
        after training: weights first, then the KV cache, so the two never compete for memory);
     5. a barrier (an all-reduce of "abandoned"): no rank runs ahead while the engines still load.
@@ -21,6 +22,7 @@ A preemption signal during a push: rank 0's waits on the engines end with WaitAb
 stop callback, megaopd.rollout.waits); rank 0 still drains the gather (the other ranks are in it), and
 the barrier tells every rank, which all raise WaitAbandoned together: the trainer then checkpoints.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +35,8 @@ import torch.distributed as dist
 
 from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.parallel.dist import device
-from megaopd.rollout.waits import WaitAbandoned
 from megaopd.rollout.config import RolloutConfig
+from megaopd.rollout.waits import WaitAbandoned
 from megaopd.sync.cuda_ipc import CudaIpcTransport, IpcLayout, feeder_ranks
 from megaopd.sync.distributed import DistGroupTransport, DistributedUpdateConfig
 from megaopd.sync.in_process import InProcessTransport
@@ -51,8 +53,10 @@ def choose_transport(accepted: Iterable[str], colocated: bool) -> str:
         if name in accepted:
             return name
     want = "cuda_ipc (rollout.colocated=true)" if colocated else "dist_group (rollout.colocated=false)"
-    raise ValueError(f"engine accepts weight transports {list(accepted)}, none of {list(order)}: it needs {want}; "
-                     "fix rollout.colocated or the engine")
+    raise ValueError(
+        f"engine accepts weight transports {list(accepted)}, none of {list(order)}: it needs {want}; "
+        "fix rollout.colocated or the engine"
+    )
 
 
 @dataclass
@@ -76,8 +80,15 @@ class SyncStats:
 
 
 class WeightSync:
-    def __init__(self, engine, rollout: RolloutConfig, rank: int, group=None, local_world_size: int | None = None,
-                 engines_per_node: int = 1):
+    def __init__(
+        self,
+        engine,
+        rollout: RolloutConfig,
+        rank: int,
+        group=None,
+        local_world_size: int | None = None,
+        engines_per_node: int = 1,
+    ):
         """engine: the rollout engine (or pool) on rank 0, None on the other ranks. group: the trainer's
         ranks that push together (None: torch's default group). Only colocated engines use the rest:
         local_world_size, trainer ranks per node (default: torchrun's LOCAL_WORLD_SIZE, else the visible
@@ -100,8 +111,9 @@ class WeightSync:
 
     def _layout(self) -> IpcLayout:
         local = self.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(torch.cuda.device_count(), 1)
-        return IpcLayout(local_world_size=local, world_size=dist.get_world_size(self.group),
-                         engines_per_node=self.engines_per_node)
+        return IpcLayout(
+            local_world_size=local, world_size=dist.get_world_size(self.group), engines_per_node=self.engines_per_node
+        )
 
     def _make_plan(self) -> None:
         """Collective: rank 0 decides, every rank builds its transports from the decision."""
@@ -118,16 +130,30 @@ class WeightSync:
         bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
         for name in self.plan.transports:
             if name == "cuda_ipc":
-                self.transports.append(CudaIpcTransport(by_transport.get("cuda_ipc"), self.plan.feeders, self.rank,
-                                                        self.group, bucket_bytes=bucket_bytes))
+                self.transports.append(
+                    CudaIpcTransport(
+                        by_transport.get("cuda_ipc"),
+                        self.plan.feeders,
+                        self.rank,
+                        self.group,
+                        bucket_bytes=bucket_bytes,
+                    )
+                )
             elif self.rank != 0:
                 continue  # rank-0-only transports
             elif name == "in_process":
                 self.transports.append(InProcessTransport(by_transport[name]))
             else:
-                self.transports.append(DistGroupTransport(by_transport[name], DistributedUpdateConfig(
-                    master_address=self.rollout.weight_sync_address, bucket_bytes=bucket_bytes,
-                    timeout_s=self.rollout.request_timeout_s)))
+                self.transports.append(
+                    DistGroupTransport(
+                        by_transport[name],
+                        DistributedUpdateConfig(
+                            master_address=self.rollout.weight_sync_address,
+                            bucket_bytes=bucket_bytes,
+                            timeout_s=self.rollout.request_timeout_s,
+                        ),
+                    )
+                )
 
     # ----------------------------------------------------------------------------------------- push
     def push(self, model: torch.nn.Module, hf_cfg, pgs, weight_version: str | None) -> SyncStats | None:
@@ -153,8 +179,9 @@ class WeightSync:
         flag = torch.tensor([float(abandoned)], device=device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # the barrier, and rank 0's news
         if flag.item() > 0:
-            raise WaitAbandoned(f"weight sync of version {weight_version}: abandoned, a stop was requested "
-                                "(preemption signal)")
+            raise WaitAbandoned(
+                f"weight sync of version {weight_version}: abandoned, a stop was requested (preemption signal)"
+            )
         if self.rank != 0:
             return None
         return SyncStats(time.perf_counter() - t0, counted.tensors, counted.bytes, list(self.plan.transports))

@@ -21,6 +21,7 @@ folders with a manifest (docs/run_folder.md).
 The trainer's small state travels as Stateful components (torchtitan's pattern): save and resume get the
 same {key: object} mapping, so each key is named in one place and each object says what it keeps.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,7 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 
 from megaopd.models import compat
-from megaopd.models.checkpoint import (load_model_checkpoint, save_model_checkpoint, saved_ep,
-                                       write_checkpoint_manifest)
+from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint, saved_ep, write_checkpoint_manifest
 from megaopd.models.safe_load import load_safely
 from megaopd.trainer.run_folder import LATEST, StepFolder, checkpoints_dir, step_folders
 
@@ -49,23 +49,31 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def trainer_state(step: int, world_size: int, layout: dict, components: Mapping[str, Stateful],
-                  meta: Mapping[str, object]) -> dict:
+def trainer_state(
+    step: int, world_size: int, layout: dict, components: Mapping[str, Stateful], meta: Mapping[str, object]
+) -> dict:
     """trainer_state.json's contents: step, world size and layout (read back on resume), then each component's
     state_dict() under its key, then `meta` (for people and tools; never read back)."""
     clash = ({"step", "world_size", "layout"} | set(components)) & set(meta)
     if clash:
         raise ValueError(f"checkpoint metadata keys {sorted(clash)} would overwrite saved state")
-    return {"step": step, "world_size": world_size, "layout": layout,
-            **{key: c.state_dict() for key, c in components.items()}, **meta}
+    return {
+        "step": step,
+        "world_size": world_size,
+        "layout": layout,
+        **{key: c.state_dict() for key, c in components.items()},
+        **meta,
+    }
 
 
 def restore_components(state: dict, components: Mapping[str, Stateful], path: str) -> int:
     """Loads each component from its key of trainer_state.json's contents; returns the saved step."""
     missing = [key for key in components if key not in state]
     if missing:
-        raise ValueError(f"{path}/trainer_state.json has no state for {missing}: it was written by another "
-                         f"version of megaopd; start a new run.dir")
+        raise ValueError(
+            f"{path}/trainer_state.json has no state for {missing}: it was written by another "
+            f"version of megaopd; start a new run.dir"
+        )
     for key, c in components.items():
         c.load_state_dict(state[key])
     return int(state["step"])
@@ -80,8 +88,11 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _optimizer_sd(model, optimizer, pgs, is_loading: bool) -> dict:
-    return {"optimizer": optimizer.sharded_state_dict(compat.sharded_state_dict(model, pgs), is_loading=is_loading,
-                                                      metadata=dict(OPTIMIZER_METADATA))}
+    return {
+        "optimizer": optimizer.sharded_state_dict(
+            compat.sharded_state_dict(model, pgs), is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA)
+        )
+    }
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -91,8 +102,18 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, components: Mapping[str, Stateful],
-                    meta: Mapping[str, object], hf_cfg, hf_side_dir: str, keep: int = 2) -> str:
+def save_checkpoint(
+    run_dir: str,
+    step: int,
+    model,
+    optimizer,
+    pgs,
+    components: Mapping[str, Stateful],
+    meta: Mapping[str, object],
+    hf_cfg,
+    hf_side_dir: str,
+    keep: int = 2,
+) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory. components: the Stateful objects
     load_checkpoint restores (rank 0's are saved: they are the same on every rank); meta: what
     trainer_state.json records for people and tools. hf_cfg / hf_side_dir: the student's architecture and
@@ -106,8 +127,7 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, pgs, components: 
         os.makedirs(os.path.join(tmp, "optimizer"))
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    save_model_checkpoint(model, tmp, hf_cfg, pgs, hf_side_dir=hf_side_dir, extra_meta={"step": step},
-                          manifest=False)
+    save_model_checkpoint(model, tmp, hf_cfg, pgs, hf_side_dir=hf_side_dir, extra_meta={"step": step}, manifest=False)
     dist_checkpointing.save(_optimizer_sd(model, optimizer, pgs, is_loading=False), os.path.join(tmp, "optimizer"))
     save_file(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.safetensors"))
     dist.barrier()
@@ -156,8 +176,9 @@ def _sizes_match(run_dir: str, folder: StepFolder) -> bool:
     return True
 
 
-def load_checkpoint(path: str, model, optimizer, pgs, components: Mapping[str, Stateful],
-                    restore_rng: bool = True) -> int:
+def load_checkpoint(
+    path: str, model, optimizer, pgs, components: Mapping[str, Stateful], restore_rng: bool = True
+) -> int:
     """Collective. Loads weights, optimizer state and every component in place; returns the saved step.
     `path` comes from run_folder.resume_point, which verified its manifest: the pickles are read restricted."""
     with open(os.path.join(path, "trainer_state.json")) as f:

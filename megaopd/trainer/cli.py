@@ -16,6 +16,7 @@ then the config now running, and RUN/configs/step_NNNNNN.yaml keeps the config o
 An error raised in a rank ends the command with one line naming the rank and the exception, exit 1; its
 traceback goes to RUN/logs/rank_R.err.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,9 @@ def _prepare_run_dir(cfg: MegaOPDConfig) -> list[str]:
     latest, step = (None, 0) if cfg.run.start_over else _resume_point(cfg.run.dir)  # start_over: nothing resumed
     lines = []
     if latest is not None and os.path.isfile(stored):
-        changes = config_changes(OmegaConf.to_container(OmegaConf.load(stored)),
-                                 OmegaConf.to_container(OmegaConf.create(text)))
+        changes = config_changes(
+            OmegaConf.to_container(OmegaConf.load(stored)), OmegaConf.to_container(OmegaConf.create(text))
+        )
         refused = unappliable(changes, cfg, latest)
         if refused:
             raise ValueError(refusal(cfg.run.dir, step, refused))
@@ -124,8 +126,12 @@ def _print_summary(cfg: MegaOPDConfig, summary: RunSummary) -> None:
     lines = [f"run {cfg.run.dir}: {summary.start_step} -> {summary.end_step} steps"]
     if before is not None and after is not None:
         lines.append(f"  validation accuracy   {before:.3f} -> {after:.3f}")
-    for key, label in (("rollout/truncation_rate", "truncation rate"), ("rollout/repetition_rate", "repetition rate"),
-                       ("val/truncation_rate", "val truncation rate"), ("val/repetition_rate", "val repetition rate")):
+    for key, label in (
+        ("rollout/truncation_rate", "truncation rate"),
+        ("rollout/repetition_rate", "repetition rate"),
+        ("val/truncation_rate", "val truncation rate"),
+        ("val/repetition_rate", "val repetition rate"),
+    ):
         if last.get(key) is not None:
             lines.append(f"  {label:<21} {last[key]:.3f}")
     if summary.step_time_mean is not None:
@@ -147,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     from megaopd.parallel.launch import run_on_ranks, under_launcher
 
     if under_launcher() and int(os.environ["WORLD_SIZE"]) != cfg.run.world_size:
-        print(f"megaopd train: the launcher started {os.environ['WORLD_SIZE']} ranks but run.world_size="
-              f"{cfg.run.world_size}; pass run.world_size={os.environ['WORLD_SIZE']}", file=sys.stderr)
+        print(
+            f"megaopd train: the launcher started {os.environ['WORLD_SIZE']} ranks but run.world_size="
+            f"{cfg.run.world_size}; pass run.world_size={os.environ['WORLD_SIZE']}",
+            file=sys.stderr,
+        )
         return 2
     import torch
 
@@ -168,8 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     from megaopd.parallel.launch import WorkerError, one_line
 
     try:
-        results = run_on_ranks(run_worker, cfg.run.world_size, args=(cfg,), timeout=7 * 24 * 3600,
-                               forward_signals=(signal.SIGTERM, signal.SIGUSR1))
+        results = run_on_ranks(
+            run_worker,
+            cfg.run.world_size,
+            args=(cfg,),
+            timeout=7 * 24 * 3600,
+            forward_signals=(signal.SIGTERM, signal.SIGUSR1),
+        )
     except WorkerError as e:  # a spawned rank raised: its traceback came with the error
         return _rank_failed(cfg, e.rank, e.summary, e.details)
     except Exception as e:  # noqa: BLE001 - this process is the rank (torchrun / srun, or world size 1)

@@ -1,5 +1,6 @@
 """trainer: the job config's sections of the step loop: optimizer and schedule, step counts and intervals,
 logging, the run folder, validation. Only dataclasses (no torch, no megatron): `megaopd config` loads them."""
+
 from __future__ import annotations
 
 import math
@@ -92,8 +93,15 @@ class TrainerConfig:
     optimizer step either way."""
 
     def __post_init__(self):
-        for name in ("max_steps", "prompts_per_step", "samples_per_prompt", "mini_batches_per_step",
-                     "micro_batch_size", "save_interval", "max_tokens_per_micro_batch"):
+        for name in (
+            "max_steps",
+            "prompts_per_step",
+            "samples_per_prompt",
+            "mini_batches_per_step",
+            "micro_batch_size",
+            "save_interval",
+            "max_tokens_per_micro_batch",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be at least 1")
         if self.logits_chunk_tokens < 0:

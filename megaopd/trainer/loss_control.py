@@ -8,6 +8,7 @@
 With controller=fixed it is the configured loss and observe does nothing, so fixed runs log and
 checkpoint exactly what they did before.
 """
+
 from __future__ import annotations
 
 from megaopd.losses import LossConfig, build_controller, build_loss_from
@@ -19,9 +20,13 @@ def controller_signals(signals: RolloutSignals) -> ControllerSignals:
     """The controller's view of a step's rollouts: without a teacher there is no advantage split, so the
     gap and the repetitive share are 0."""
     gap = 0.0 if signals.adv_regular_mean is None else signals.adv_repetitive_mean - signals.adv_regular_mean
-    return ControllerSignals(truncation_rate=signals.truncation_rate, repetition_rate=signals.repetition_rate,
-                             adv_gap=gap, repetitive_share=signals.repetitive_token_share or 0.0,
-                             reward=signals.reward_mean)
+    return ControllerSignals(
+        truncation_rate=signals.truncation_rate,
+        repetition_rate=signals.repetition_rate,
+        adv_gap=gap,
+        repetitive_share=signals.repetitive_token_share or 0.0,
+        reward=signals.reward_mean,
+    )
 
 
 class ControlledLoss:
@@ -46,12 +51,21 @@ class ControlledLoss:
         Returns controller/* metrics: the weights this step trained with, and the pressure."""
         if self.controller is None:
             return {}
-        used = {"controller/sft_weight": self.controller.state.sft_weight,
-                "controller/ref_kl_weight": self.controller.state.ref_kl_weight}
+        used = {
+            "controller/sft_weight": self.controller.state.sft_weight,
+            "controller/ref_kl_weight": self.controller.state.ref_kl_weight,
+        }
         change = self.controller.observe(step, controller_signals(signals))
         used["controller/pressure"] = self.controller.last_pressure
         if change is not None and run_log is not None:
-            run_log.event(step, "loss_controller", change.message, action=change.decision.action,
-                          sft_weight=change.after[0], ref_kl_weight=change.after[1],
-                          pressure=change.decision.pressure, reason=change.decision.reason)
+            run_log.event(
+                step,
+                "loss_controller",
+                change.message,
+                action=change.decision.action,
+                sft_weight=change.after[0],
+                ref_kl_weight=change.after[1],
+                pressure=change.decision.pressure,
+                reason=change.decision.reason,
+            )
         return used

@@ -8,6 +8,7 @@ or, with trainer.skip_nonfinite, skips that optimizer update.
 Every rank decides on the same flags, so every rank stops (or skips) together: the rank holding the loss
 (the last pipeline stage) and the one holding a bad gradient shard need not be the same.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,9 @@ def _grads_finite(ddp) -> bool:
 def describe(bad: NonFinite, results: list[dict], rows: list, dp_rank: int) -> str:
     """Collective (all ranks, only after a NonFinite): the terms and rows of every rank, in one line. rows:
     the step's rows this rank's replica trained in the mini-batch (ints, or "golden N" for SFT rows)."""
-    terms = sorted({f"{k}={float(v)}" for m in results for k, v in m.items()
-                    if _is_term(k) and not math.isfinite(float(v))})
+    terms = sorted(
+        {f"{k}={float(v)}" for m in results for k, v in m.items() if _is_term(k) and not math.isfinite(float(v))}
+    )
     mine = {"terms": terms, "rows": rows if terms else [], "dp": dp_rank}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

@@ -18,6 +18,7 @@ both scaling factors 1 (a sum), as for the dense parameters. get_megatron_optimi
 parameters an optimizer of their own over the same groups, and the gradient norm spans both
 (tests/trainer/test_qwen3.py: the same gradient and norm at EP=1 and EP=2).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,15 +38,16 @@ def wrap_for_training(model: torch.nn.Module, pgs, use_distributed_optimizer: bo
     config.calculate_per_token_loss = True
     ddp = DistributedDataParallel(
         config,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                      use_distributed_optimizer=use_distributed_optimizer),
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
+        ),
         module=model,
     )
     # The schedule passes the module it ran, which may be the actor with its reference in lockstep:
     # the gradients to finalize are always the actor's.
-    config.finalize_model_grads_func = (
-        lambda models, num_tokens=None, pg_collection=None, force_all_reduce=False:
-        finalize_model_grads([ddp], None, pg_collection=pgs, force_all_reduce=force_all_reduce))
+    config.finalize_model_grads_func = lambda models, num_tokens=None, pg_collection=None, force_all_reduce=False: (
+        finalize_model_grads([ddp], None, pg_collection=pgs, force_all_reduce=force_all_reduce)
+    )
     return ddp
 
 
@@ -59,18 +61,28 @@ def _check_expert_groups(pgs) -> None:
         return
     global_ranks = dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group())
     if dist.get_process_group_ranks(expt_dp) != global_ranks:
-        raise ValueError(f"the actor's expert data-parallel group {dist.get_process_group_ranks(expt_dp)} is not "
-                         f"megatron's {global_ranks}: build the actor's groups with "
-                         "megaopd.parallel.groups.initialize_actor_layout(Layout(tp, pp, ep)) at the student's ep")
+        raise ValueError(
+            f"the actor's expert data-parallel group {dist.get_process_group_ranks(expt_dp)} is not "
+            f"megatron's {global_ranks}: build the actor's groups with "
+            "megaopd.parallel.groups.initialize_actor_layout(Layout(tp, pp, ep)) at the student's ep"
+        )
 
 
 def build_optimizer(ddp: DistributedDataParallel, cfg: OptimizerConfig, max_steps: int):
     """Megatron Adam(W) over the actor and its warmup + decay schedule (steps = optimizer steps)."""
     mcfg = ddp.config
     opt_cfg = MegatronOptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
-        bf16=mcfg.bf16, fp16=mcfg.fp16, params_dtype=mcfg.params_dtype,
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=mcfg.bf16,
+        fp16=mcfg.fp16,
+        params_dtype=mcfg.params_dtype,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp], use_gloo_process_groups=False)
@@ -97,10 +109,20 @@ class ConfigSchedule(OptimizerParamScheduler):
         warmup = cfg.warmup_steps
         decay_steps = max(max_steps, warmup + 1)
         super().__init__(
-            optimizer, init_lr=cfg.lr / warmup if warmup else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
-            lr_warmup_steps=max(warmup - 1, 0), lr_decay_steps=decay_steps, lr_decay_style=cfg.decay_style,
-            start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay_steps,
-            wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+            optimizer,
+            init_lr=cfg.lr / warmup if warmup else cfg.lr,
+            max_lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            lr_warmup_steps=max(warmup - 1, 0),
+            lr_decay_steps=decay_steps,
+            lr_decay_style=cfg.decay_style,
+            start_wd=cfg.weight_decay,
+            end_wd=cfg.weight_decay,
+            wd_incr_steps=decay_steps,
+            wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
+        )
 
     def current_lr(self) -> float:
         """The lr the next optimizer step uses (what train/lr logs: read before step())."""

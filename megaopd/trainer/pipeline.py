@@ -21,6 +21,7 @@ every collective that carries rank 0's engine work here (rank0_waits, the weight
 WaitAbandoned on every rank at the same point, and abandon() puts the step's batch back, so the checkpoint the
 trainer writes next keeps the cursor before it (the step in flight is not trained, and is drawn again on resume).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,9 +50,18 @@ class Received:
 
 
 class RolloutPipeline:
-    def __init__(self, cfg, loader, timer, stop_ids, rank: int, push: Callable[[], None],
-                 parity: Callable[[], None], multi_turn: MultiTurn | None = None,
-                 on_part: Callable[[int, int, list, list[Sample]], None] | None = None):
+    def __init__(
+        self,
+        cfg,
+        loader,
+        timer,
+        stop_ids,
+        rank: int,
+        push: Callable[[], None],
+        parity: Callable[[], None],
+        multi_turn: MultiTurn | None = None,
+        on_part: Callable[[int, int, list, list[Sample]], None] | None = None,
+    ):
         """push: the weight sync (collective); parity: the engine/actor parity check (collective); multi_turn:
         the environment loop when rollouts are trajectories (env.name set); on_part(step, first_row, examples,
         samples): rank 0, as each of rollout.stream_parts parts of a batch finishes generating (served
@@ -101,16 +111,24 @@ class RolloutPipeline:
     # ---------------------------------------------------------------------------------------- samples
     def params(self, step: int) -> SamplingParams:
         r, t = self.cfg.rollout, self.cfg.trainer
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                              n=t.samples_per_prompt, stop_token_ids=self.stop_ids, seed=t.seed * 1_000_003 + step)
+        return SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            n=t.samples_per_prompt,
+            stop_token_ids=self.stop_ids,
+            seed=t.seed * 1_000_003 + step,
+        )
 
     def _generate(self, step: int, examples: list, on_part: Callable | None = None) -> list[Sample]:
         """Rank 0: the engine's samples or trajectories of step `step` (then, colocated, its memory goes back to
         the actor). on_part(first_row, examples, samples): instead of the served teachers' own."""
         if on_part is None and self.on_part is not None:
             on_part = functools.partial(self.on_part, step)
-        samples = generate_rows(self.engine, examples, self.params(step), self.multi_turn,
-                                self.cfg.rollout.stream_parts, on_part)
+        samples = generate_rows(
+            self.engine, examples, self.params(step), self.multi_turn, self.cfg.rollout.stream_parts, on_part
+        )
         if self.cfg.rollout.colocated:
             self.engine.release_memory()  # the actor trains on these GPUs next
         return samples
@@ -119,9 +137,11 @@ class RolloutPipeline:
         """Collective: the samples of step `step` (generated now, or taken from ahead) on rank 0, None on the
         other ranks (batching.delivery sends each its rows), and the versions and metrics on every rank."""
         if not self.depth:
+
             def generate() -> Received:
                 samples = self._generate(step, examples)
                 return Received(samples, [self.engine_version] * len(samples), {})
+
             got = self._received(generate)
             self.versions_B, self.metrics = got.first_versions, got.metrics
             return got.samples
@@ -155,6 +175,7 @@ class RolloutPipeline:
         B = len(examples) * self.cfg.trainer.samples_per_prompt
         parts = _Parts(step, B)
         if self.rank == 0:
+
             def on_part(first_row, part_examples, samples):
                 if self.on_part is not None:  # the served teachers' streaming too
                     self.on_part(step, first_row, part_examples, samples)
@@ -165,6 +186,7 @@ class RolloutPipeline:
                     parts.queue.put(("done", self._generate(step, examples, on_part)))
                 except BaseException as e:  # noqa: BLE001 - raised on every rank below
                     parts.queue.put(("error", e))
+
             threading.Thread(target=run, daemon=True, name=f"megaopd-stream-{step}").start()
         seen = yielded = 0
         while seen < B:
@@ -188,6 +210,7 @@ class RolloutPipeline:
         def on_rank0():
             got = kept["got"] = make()
             return dataclasses.replace(got, samples=None)
+
         got = rank0_waits(on_rank0)
         return kept.get("got", got)
 
@@ -197,8 +220,16 @@ class RolloutPipeline:
         st = staleness(taken, step, self.max_staleness)
         samples, dropped, regenerated = self._handle_stale(taken, st.stale_B, step)
         st = staleness(taken, step, self.max_staleness) if regenerated else st  # the regenerated ones are fresh
-        metrics = overlap_metrics(st, [len(s.output_ids) for s in samples], step, self.max_staleness, taken.waited_s,
-                                  self.ahead.read_idle(), dropped, regenerated)
+        metrics = overlap_metrics(
+            st,
+            [len(s.output_ids) for s in samples],
+            step,
+            self.max_staleness,
+            taken.waited_s,
+            self.ahead.read_idle(),
+            dropped,
+            regenerated,
+        )
         metrics["pipeline/generate_s"] = taken.generate_s
         return Received(samples, st.first_B, metrics)
 
@@ -248,8 +279,11 @@ class RolloutPipeline:
         with self.timer("sync") if timed else contextlib.nullcontext():
             # Rank 0 only (the others are in push): a pause given up still goes on to push(), whose requests then
             # end at once and whose barrier tells every rank (WaitAbandoned everywhere, together).
-            paused = pause and _given_up(lambda: [t.pause(self.cfg.rollout.sync_pause)
-                                                  for t in self.engine.weight_targets()]) is None
+            paused = (
+                pause
+                and _given_up(lambda: [t.pause(self.cfg.rollout.sync_pause) for t in self.engine.weight_targets()])
+                is None
+            )
             try:
                 self.push()
             finally:
@@ -328,5 +362,8 @@ class _Parts:
             if kind == "error":
                 return value
             self.all = value
-        return None if len(self.all) == self.rows else RuntimeError(
-            f"step {self.step}: the engines returned {len(self.all)} of the batch's {self.rows} rows")
+        return (
+            None
+            if len(self.all) == self.rows
+            else RuntimeError(f"step {self.step}: the engines returned {len(self.all)} of the batch's {self.rows} rows")
+        )

@@ -6,7 +6,8 @@ every rank stops after the same step even when the signal reached only some of t
 the engines does not wait for them to finish: `signalled` is the engines' stop callback (HttpEngine's,
 megaopd.rollout.waits), so rank 0's waits (rollout, served scoring, weight sync) end within a fraction of a
 second with WaitAbandoned, every rank learns it at the collective that carries rank 0's engine work, and the
-trainer checkpoints the last complete step (the step in flight is dropped and drawn again on resume). The flag tensor lives
+trainer checkpoints the last complete step (the step in flight is dropped and drawn again on resume). The flag tensor
+lives
 on the default group's device (`megaopd.parallel.dist.device()`: the rank's GPU under NCCL, which refuses
 CPU tensors; the CPU under gloo).
 
@@ -14,6 +15,7 @@ A real preemption SIGTERMs the engines too, so once a signal is in, anything tha
 fail: `engine_call_after_signal` turns such a failure into a logged skip, so the checkpoint is still written.
 The checkpoint itself never talks to an engine. Lead time: docs/cluster.md ("Preemption").
 """
+
 from __future__ import annotations
 
 import signal
@@ -66,6 +68,8 @@ class PreemptionFlag:
         except Exception as e:  # noqa: BLE001 - any transport error of a dead engine
             if self.received is None:
                 raise
-            log(f"{what} failed after signal {signal.Signals(self.received).name} ({type(e).__name__}: {e}); "
-                f"the engines are likely gone: skipping it and checkpointing")
+            log(
+                f"{what} failed after signal {signal.Signals(self.received).name} ({type(e).__name__}: {e}); "
+                f"the engines are likely gone: skipping it and checkpointing"
+            )
             return None

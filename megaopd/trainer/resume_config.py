@@ -15,6 +15,7 @@ plain optimizer's state and the model reshard to any TP/PP/EP, trainer/checkpoin
 the optimizer's lr, schedule and Adam settings (optim.ConfigSchedule makes the config win over the saved
 schedule), max_steps, intervals, loss weights, rollout, data and logging settings.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,24 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "vocab_size", "num_experts", "num_local_experts", "moe_intermediate_size",
-              "tie_word_embeddings")
+SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+    "tie_word_embeddings",
+)
 """config.json keys that set the shapes of a checkpoint's tensors."""
-_MODEL_KEYS = re.compile(r"^(student\.(path|dtype)|reference\.path|teachers\[\d+\]\.(path|name|engine)"
-                         r"|teachers|optimizer\.use_distributed_optimizer|loss\.controller)$")
+_MODEL_KEYS = re.compile(
+    r"^(student\.(path|dtype)|reference\.path|teachers\[\d+\]\.(path|name|engine)"
+    r"|teachers|optimizer\.use_distributed_optimizer|loss\.controller)$"
+)
 _LAYOUT_KEYS = re.compile(r"^student\.(tp|pp|ep)$")
 IGNORED = ("run.dir",)
 """Keys whose change says nothing about the run (a run folder may be moved)."""
@@ -75,16 +88,25 @@ def config_changes(old: dict, new: dict) -> list[Change]:
     """Every dotted key whose value differs between two resolved configs (as RUN/config.yaml holds them)."""
     a, b = _flatten(old), _flatten(new)
     keys = [k for k in b if k not in IGNORED] + [k for k in a if k not in b and k not in IGNORED]
-    return [Change(k, a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in keys
-            if not _same(k, a.get(k, _ABSENT), b.get(k, _ABSENT))]
+    return [
+        Change(k, a.get(k, _ABSENT), b.get(k, _ABSENT))
+        for k in keys
+        if not _same(k, a.get(k, _ABSENT), b.get(k, _ABSENT))
+    ]
 
 
 def _same(key: str, old: Any, new: Any) -> bool:
     """Equal values; a folder named relatively once and absolutely the next time is the same folder."""
     if old == new:
         return True
-    return (key.endswith(".path") and isinstance(old, str) and isinstance(new, str) and bool(old) and bool(new)
-            and os.path.realpath(old) == os.path.realpath(new))
+    return (
+        key.endswith(".path")
+        and isinstance(old, str)
+        and isinstance(new, str)
+        and bool(old)
+        and bool(new)
+        and os.path.realpath(old) == os.path.realpath(new)
+    )
 
 
 def _shape_changes(student_path: str, checkpoint_dir: str) -> list[str]:
@@ -98,19 +120,29 @@ def _shape_changes(student_path: str, checkpoint_dir: str) -> list[str]:
             saved = json.load(f)
     except FileNotFoundError:
         return []
-    return [f"{student_path}/config.json {k} {saved.get(k)} -> {now.get(k)}" for k in SHAPE_KEYS
-            if k in now or k in saved if now.get(k) != saved.get(k)]
+    return [
+        f"{student_path}/config.json {k} {saved.get(k)} -> {now.get(k)}"
+        for k in SHAPE_KEYS
+        if k in now or k in saved
+        if now.get(k) != saved.get(k)
+    ]
 
 
 def unappliable(changes: list[Change], cfg, checkpoint_dir: str) -> list[str]:
     """The changes a resume from `checkpoint_dir` cannot apply, each as `key old -> new`."""
-    refused = [c for c in changes if _MODEL_KEYS.match(c.key)
-               or (_LAYOUT_KEYS.match(c.key) and cfg.optimizer.use_distributed_optimizer)]
-    return [f"{c.key} {_fmt(c.old)} -> {_fmt(c.new)}" for c in refused] + _shape_changes(cfg.student.path,
-                                                                                         checkpoint_dir)
+    refused = [
+        c
+        for c in changes
+        if _MODEL_KEYS.match(c.key) or (_LAYOUT_KEYS.match(c.key) and cfg.optimizer.use_distributed_optimizer)
+    ]
+    return [f"{c.key} {_fmt(c.old)} -> {_fmt(c.new)}" for c in refused] + _shape_changes(
+        cfg.student.path, checkpoint_dir
+    )
 
 
 def refusal(run_dir: str, step: int, refused: list[str]) -> str:
-    return (f"cannot resume {run_dir} (checkpoint at step {step}) with {'; '.join(refused)}: the checkpoint was "
-            f"made of the old models and layout, so these cannot apply to it; start a new run.dir (e.g. "
-            f"student.path=CHECKPOINT to start from its weights), or revert these keys to resume")
+    return (
+        f"cannot resume {run_dir} (checkpoint at step {step}) with {'; '.join(refused)}: the checkpoint was "
+        f"made of the old models and layout, so these cannot apply to it; start a new run.dir (e.g. "
+        f"student.path=CHECKPOINT to start from its weights), or revert these keys to resume"
+    )

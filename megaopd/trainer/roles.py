@@ -6,6 +6,7 @@
 A role's path is an HF directory (loaded through the one HF <-> Megatron mapping) or a megaopd Megatron
 checkpoint (dist_checkpointing, any saved layout).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,14 +46,24 @@ class RoleModel:
     path: str
 
 
-def load_role_model(section: ModelConfig, pgs: ProcessGroupCollection, trainable: bool,
-                    path: str | None = None) -> RoleModel:
+def load_role_model(
+    section: ModelConfig, pgs: ProcessGroupCollection, trainable: bool, path: str | None = None
+) -> RoleModel:
     path = path or section.path
     hf = read_hf_config(path)
     memory = activation_memory_overrides(section.recompute, section.recompute_num_layers, section.sequence_parallel)
     # A trained MoE router gets the HF config's load-balancing loss; a frozen one none.
-    model = build_gpt_model(hf, section.tp, section.pp, pg_collection=pgs, dtype=section.dtype, init_weights=False,
-                            config_overrides=memory, ep=section.ep, train_router=trainable)
+    model = build_gpt_model(
+        hf,
+        section.tp,
+        section.pp,
+        pg_collection=pgs,
+        dtype=section.dtype,
+        init_weights=False,
+        config_overrides=memory,
+        ep=section.ep,
+        train_router=trainable,
+    )
     if is_megatron_checkpoint(path):
         load_model_checkpoint(model, path, pgs)
     else:
@@ -96,8 +107,10 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds, stop: Callable[[], bool] 
     student_layout = Layout(cfg.student.tp, cfg.student.pp, cfg.student.ep)
     layouts = [Layout(t.tp, t.pp, t.ep) for t in cfg.teachers]
     if needs.teacher_logits and (layouts != [student_layout] or needs.reference):
-        raise ValueError("gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
-                         "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss")
+        raise ValueError(
+            "gkd needs the teacher's full logits in the student's vocab sharding: set teacher.tp/pp "
+            "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss"
+        )
     actor_pgs = initialize_actor_layout(student_layout, seed=cfg.trainer.seed)
     actor = load_role_model(cfg.student, actor_pgs, trainable=True)
     # In-job teachers, each in its own layout (groups shared between equal layouts); served ones are HTTP.
@@ -113,8 +126,9 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds, stop: Callable[[], bool] 
     teacher = next(iter(in_job.values())) if len(in_job) == 1 else None  # gkd's partner (one teacher)
     partner, partner_offload = None, False
     if needs.reference:
-        partner = load_role_model(cfg.student, actor_pgs, trainable=False,
-                                  path=cfg.reference.path or cfg.student.path).model
+        partner = load_role_model(
+            cfg.student, actor_pgs, trainable=False, path=cfg.reference.path or cfg.student.path
+        ).model
         partner_offload = cfg.reference.offload_between_uses
         _park(partner, partner_offload)
     elif needs.teacher_logits:
@@ -123,26 +137,50 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds, stop: Callable[[], bool] 
     # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
     # masked, so its top-K never proposes a token the student cannot produce.
     chunk = cfg.trainer.logits_chunk_tokens  # the fused output layer in every pass (0: whole logits)
-    runners = {n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size), logits_chunk_tokens=chunk)
-               for n, m in in_job.items()}
+    runners = {
+        n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size), logits_chunk_tokens=chunk)
+        for n, m in in_job.items()
+    }
     # Where each global rank sits in every model's layout: fixed for the run, so gathered once here, not by
     # every step's passes (collectives in the same order on every rank: owners, actor, in-job teachers).
-    owner_layout = WorldLayout.gather(actor_pgs.dp.rank(), actor_pgs.tp.rank() == 0 and actor_pgs.pp.rank() == 0,
-                                      device())
+    owner_layout = WorldLayout.gather(
+        actor_pgs.dp.rank(), actor_pgs.tp.rank() == 0 and actor_pgs.pp.rank() == 0, device()
+    )
     actor_layout = scorer_layout(actor_pgs, device())
     members = []
     for t in cfg.teachers:
         if t.engine == "megatron":
             m = in_job[t.name]
-            members.append(InJobTeacher(t.name, runners[t.name], m.model, t.offload_between_uses,
-                                        layout=scorer_layout(m.pgs, device())))
+            members.append(
+                InJobTeacher(
+                    t.name, runners[t.name], m.model, t.offload_between_uses, layout=scorer_layout(m.pgs, device())
+                )
+            )
         else:
-            members.append(RemoteTeacher(t.name, t.urls, rows_per_request=t.rows_per_request,
-                                         timeout_s=t.request_timeout_s, retries=t.retries,
-                                         stall_timeout_s=cfg.rollout.stall_timeout_s, stop=stop, api_key_env=t.api_key_env))
+            members.append(
+                RemoteTeacher(
+                    t.name,
+                    t.urls,
+                    rows_per_request=t.rows_per_request,
+                    timeout_s=t.request_timeout_s,
+                    retries=t.retries,
+                    stall_timeout_s=cfg.rollout.stall_timeout_s,
+                    stop=stop,
+                    api_key_env=t.api_key_env,
+                )
+            )
     teacher_runner = runners[next(iter(in_job))] if teacher is not None else None
-    return Models(actor, teacher, partner, partner_offload, PipelineRunner(actor.model, actor_pgs, vocab_size, logits_chunk_tokens=chunk),
-                  actor_layout, owner_layout, teacher_runner, TeacherSet(members) if members else None)
+    return Models(
+        actor,
+        teacher,
+        partner,
+        partner_offload,
+        PipelineRunner(actor.model, actor_pgs, vocab_size, logits_chunk_tokens=chunk),
+        actor_layout,
+        owner_layout,
+        teacher_runner,
+        TeacherSet(members) if members else None,
+    )
 
 
 def _park(model: torch.nn.Module, offload: bool) -> None:
@@ -167,8 +205,9 @@ def on_gpu_while_used(model: torch.nn.Module | None, offload: bool):
         torch.cuda.empty_cache()
 
 
-def check_same_tokenizer(student, teacher, student_path: str, teacher_path: str,
-                         stop_ids: Sequence[int] = ()) -> VocabReport:
+def check_same_tokenizer(
+    student, teacher, student_path: str, teacher_path: str, stop_ids: Sequence[int] = ()
+) -> VocabReport:
     """OPD scores the student's tokens with the teacher: both must map text to the same ids. Special tokens
     may differ in name (the paper's pairs do); see megaopd.data.vocab.compare_vocab, which this calls.
     Returns its VocabReport (log report.log_lines(); add report.mask_ids to the loss's masked ids);

@@ -10,6 +10,7 @@ pointer is written again. A pointer naming a step that does not verify is an err
 newest step that does. Existing steps are never trained over from step 0: run.start_over=true moves them
 (and the pointer) to checkpoints/old_<time>/, and nothing here deletes a step.
 """
+
 from __future__ import annotations
 
 import json
@@ -135,15 +136,21 @@ def resume_point(run_dir: str, start_over: bool = False) -> ResumePoint:
         why = "is missing" if named is None else f"names {named!r}, which is missing or unfinished"
         chosen, skipped = _newest_verified(run_dir, folders)
         if chosen is None:
-            raise RunFolderError(f"{_rel(run_dir, LATEST)} {why} and no step folder verifies "
-                                 f"({'; '.join(skipped + unreadable)[:600]}); restore the files, or set "
-                                 f"run.start_over=true (the old steps are moved to checkpoints/old_<time>/)")
-        point.notes.append(f"{_rel(run_dir, LATEST)} {why}: resuming from the newest complete step, "
-                           f"{_rel(run_dir, chosen.name)} (step {chosen.step})")
+            raise RunFolderError(
+                f"{_rel(run_dir, LATEST)} {why} and no step folder verifies "
+                f"({'; '.join(skipped + unreadable)[:600]}); restore the files, or set "
+                f"run.start_over=true (the old steps are moved to checkpoints/old_<time>/)"
+            )
+        point.notes.append(
+            f"{_rel(run_dir, LATEST)} {why}: resuming from the newest complete step, "
+            f"{_rel(run_dir, chosen.name)} (step {chosen.step})"
+        )
     point.path, point.step = os.path.join(checkpoints_dir(run_dir), chosen.name), chosen.step
     if chosen.manifest is None:
-        point.notes.append(f"{point.path} has no manifest (an older megaopd wrote it): resuming from it "
-                           f"unverified, its pickles through the restricted reader")
+        point.notes.append(
+            f"{point.path} has no manifest (an older megaopd wrote it): resuming from it "
+            f"unverified, its pickles through the restricted reader"
+        )
     newer = [f.name for f in folders if f.step > chosen.step] + unreadable
     if newer:
         aside = _move_aside(run_dir, newer)
@@ -165,11 +172,15 @@ def _newest_verified(run_dir: str, folders: list[StepFolder]) -> tuple[StepFolde
 def _fallback_advice(run_dir: str, folders: list[StepFolder], bad: str) -> str:
     older, _ = _newest_verified(run_dir, [f for f in folders if f.name != bad])
     if older is None:
-        return ("No other step verifies: restore the file, or set run.start_over=true (the old steps are moved "
-                "to checkpoints/old_<time>/)")
-    return (f"The newest step that verifies is {_rel(run_dir, older.name)} (step {older.step}): restore the file, "
-            f"or resume from it by writing {older.name} into {_rel(run_dir, LATEST)} (the newer steps are then "
-            f"moved aside, not deleted)")
+        return (
+            "No other step verifies: restore the file, or set run.start_over=true (the old steps are moved "
+            "to checkpoints/old_<time>/)"
+        )
+    return (
+        f"The newest step that verifies is {_rel(run_dir, older.name)} (step {older.step}): restore the file, "
+        f"or resume from it by writing {older.name} into {_rel(run_dir, LATEST)} (the newer steps are then "
+        f"moved aside, not deleted)"
+    )
 
 
 def _start_over(run_dir: str, folders: list[StepFolder], unreadable: list[str]) -> ResumePoint:

@@ -14,6 +14,7 @@ the "step" metric, the x-axis of every chart, rather than W&B's internal step: a
 earlier checkpoint logs steps again and W&B would drop them. The W&B run id is kept in
 RUN/wandb_run_id, so a resumed run continues the same W&B run.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,17 @@ from dataclasses import dataclass, field
 
 # The keys of the console line, in order, with their short labels (docs/architecture.md, "The step line").
 _CONSOLE_KEYS = [
-    ("loss/total", "loss"), ("rollout/truncation_rate", "trunc"), ("rollout/repetition_rate", "rep"),
-    ("rollout/response_length_mean", "len"), ("rollout/advantage_mean", "adv"),
-    ("pipeline/staleness_max", "lag"), ("sync/logprob_gap_max", "gap"), ("train/grad_norm", "gnorm"),
-    ("val/accuracy", "val_acc"), ("val/answers_found", "val_found"), ("time/step", "s/step"),
+    ("loss/total", "loss"),
+    ("rollout/truncation_rate", "trunc"),
+    ("rollout/repetition_rate", "rep"),
+    ("rollout/response_length_mean", "len"),
+    ("rollout/advantage_mean", "adv"),
+    ("pipeline/staleness_max", "lag"),
+    ("sync/logprob_gap_max", "gap"),
+    ("train/grad_norm", "gnorm"),
+    ("val/accuracy", "val_acc"),
+    ("val/answers_found", "val_found"),
+    ("time/step", "s/step"),
 ]
 _LOGPROB_GAP = "sync/logprob_gap_max"
 
@@ -63,8 +71,10 @@ class WandbSink:
         try:
             import wandb
         except ImportError as e:
-            raise RuntimeError("logging.wandb.project is set but wandb is not installed: pip install "
-                               "'megaopd[wandb]' (or set logging.wandb.mode=disabled)") from e
+            raise RuntimeError(
+                "logging.wandb.project is set but wandb is not installed: pip install "
+                "'megaopd[wandb]' (or set logging.wandb.mode=disabled)"
+            ) from e
         self._wandb = wandb
         id_file = os.path.join(run_dir, "wandb_run_id")
         run_id = open(id_file).read().strip() if os.path.exists(id_file) else uuid.uuid4().hex[:12]
@@ -72,9 +82,16 @@ class WandbSink:
             f.write(run_id + "\n")
         # console="off": W&B would otherwise wrap this process's stdout/stderr (the console lines are
         # already in metrics.jsonl); no system-metrics sampler thread beside the training loop.
-        self.run = wandb.init(project=cfg.project, name=cfg.name or os.path.basename(os.path.abspath(run_dir)),
-                              mode=cfg.mode, dir=run_dir, id=run_id, resume="allow", config=config,
-                              settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+        self.run = wandb.init(
+            project=cfg.project,
+            name=cfg.name or os.path.basename(os.path.abspath(run_dir)),
+            mode=cfg.mode,
+            dir=run_dir,
+            id=run_id,
+            resume="allow",
+            config=config,
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+        )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self._events: list[list] = []
@@ -87,8 +104,13 @@ class WandbSink:
     def event(self, step: int, name: str, message: str) -> None:
         self._events.append([step, name, message])
         # W&B tables are immutable once logged: log the whole table again with the new row.
-        self.log(step, {f"event/{name}": 1, "events": self._wandb.Table(columns=["step", "event", "message"],
-                                                                          data=[list(r) for r in self._events])})
+        self.log(
+            step,
+            {
+                f"event/{name}": 1,
+                "events": self._wandb.Table(columns=["step", "event", "message"], data=[list(r) for r in self._events]),
+            },
+        )
 
     def samples(self, step: int, rows: list[dict]) -> None:
         if not rows:
@@ -101,8 +123,9 @@ class WandbSink:
         if self._eval_columns != columns:  # other benchmarks than before: start the table again
             self._eval_columns, self._eval_rows = columns, []
         self._eval_rows.append([step, *row])
-        self.log(step, {"eval/table": self._wandb.Table(columns=["step", *columns],
-                                                         data=[list(r) for r in self._eval_rows])})
+        self.log(
+            step, {"eval/table": self._wandb.Table(columns=["step", *columns], data=[list(r) for r in self._eval_rows])}
+        )
 
     def close(self) -> None:
         self.run.finish()
@@ -114,8 +137,16 @@ def _table_cell(v):
 
 
 class RunLog:
-    def __init__(self, run_dir: str, max_steps: int, tensorboard: bool = True, progress_bar: str = "auto",
-                 start_step: int = 0, wandb=None, config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        max_steps: int,
+        tensorboard: bool = True,
+        progress_bar: str = "auto",
+        start_step: int = 0,
+        wandb=None,
+        config: dict | None = None,
+    ):
         """wandb: a trainer.config.WandbConfig (logging.wandb; None or no project: no W&B); config: the
         run's resolved config as a plain dict, shown in W&B's config panel."""
         self.run_dir = run_dir

@@ -2,6 +2,7 @@
 (docs/algorithms.md section 2), the engine/actor log-prob gap, the reduction of the micro-batches'
 loss metrics over the data-parallel ranks, and the step's FLOPs and MFU (perf/*).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +14,12 @@ from megaopd.metrics import repetitive_token_mask, response_metrics, trajectory_
 from megaopd.metrics.config import MetricsConfig
 from megaopd.metrics.flops import MatmulDims, StepWork, peak_tflops, step_flops
 from megaopd.metrics.overlap import topk_overlap_counts, topk_overlap_from_counts
-from megaopd.metrics.rollout import (advantage_split_counts, advantage_split_from_counts, rollout_dynamics_counts,
-                                     rollout_dynamics_from_counts)
+from megaopd.metrics.rollout import (
+    advantage_split_counts,
+    advantage_split_from_counts,
+    rollout_dynamics_counts,
+    rollout_dynamics_from_counts,
+)
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.records import RolloutBatch
@@ -42,11 +47,19 @@ class RolloutSignals:
 
     def log(self) -> dict[str, float]:
         """The logged metric of each field (metrics.jsonl, TensorBoard, the step line)."""
-        out = {"rollout/truncation_rate": self.truncation_rate, "rollout/repetition_rate": self.repetition_rate,
-               "rollout/reward_mean": self.reward_mean}
+        out = {
+            "rollout/truncation_rate": self.truncation_rate,
+            "rollout/repetition_rate": self.repetition_rate,
+            "rollout/reward_mean": self.reward_mean,
+        }
         if self.adv_regular_mean is not None:
-            out.update({"adv/regular_mean": self.adv_regular_mean, "adv/repetitive_mean": self.adv_repetitive_mean,
-                        "adv/repetitive_token_share": self.repetitive_token_share})
+            out.update(
+                {
+                    "adv/regular_mean": self.adv_regular_mean,
+                    "adv/repetitive_mean": self.adv_repetitive_mean,
+                    "adv/repetitive_token_share": self.repetitive_token_share,
+                }
+            )
         return out
 
     def rates(self) -> dict[str, float]:
@@ -97,11 +110,23 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
         sums.update({f"split/{k}": v for k, v in advantage_split_counts(adv_BT, rep_BT, mask).items()})
         if mcfg.overlap_k:
             k = mcfg.overlap_k
-            ent = (actor.entropy_BT[a], teacher.entropy_BT[t]) if actor.entropy_BT is not None and \
-                teacher.entropy_BT is not None else (None, None)
-            sums.update({f"overlap/{k_}": v for k_, v in topk_overlap_counts(
-                actor.topk_ids_BTK[a][..., :k], actor.topk_logprobs_BTK[a][..., :k], teacher.topk_ids_BTK[t][..., :k],
-                mask, *ent).items()})
+            ent = (
+                (actor.entropy_BT[a], teacher.entropy_BT[t])
+                if actor.entropy_BT is not None and teacher.entropy_BT is not None
+                else (None, None)
+            )
+            sums.update(
+                {
+                    f"overlap/{k_}": v
+                    for k_, v in topk_overlap_counts(
+                        actor.topk_ids_BTK[a][..., :k],
+                        actor.topk_logprobs_BTK[a][..., :k],
+                        teacher.topk_ids_BTK[t][..., :k],
+                        mask,
+                        *ent,
+                    ).items()
+                }
+            )
         if len(batch.teacher_rows) > 1:  # several teachers: their metrics apart too
             sums.update({f"teacher/{k_}": v for k_, v in teacher_metric_sums(batch, batch.teacher_rows).items()})
     gap = (batch.engine_logprobs_BT[idx] - a_lp).abs()[m]
@@ -115,17 +140,26 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     out.update(rollout_dynamics_from_counts(batch.student_lens_B, _with_prefix(c, "dyn/")))
     if batch.trajectories is not None:
         tr = batch.trajectories
-        out.update(trajectory_metrics([t.turns for t in tr], [t.tool_calls for t in tr], [t.tool_errors for t in tr],
-                                      [t.truncated_by for t in tr], batch.student_lens_B.tolist(),
-                                      batch.response_lens_B.tolist()))
+        out.update(
+            trajectory_metrics(
+                [t.turns for t in tr],
+                [t.tool_calls for t in tr],
+                [t.tool_errors for t in tr],
+                [t.truncated_by for t in tr],
+                batch.student_lens_B.tolist(),
+                batch.response_lens_B.tolist(),
+            )
+        )
     n = c["dyn/tokens"]
     split = advantage_split_from_counts(_with_prefix(c, "split/")) if teacher is not None else {}
-    signals = RolloutSignals(truncation_rate=rates["rollout/truncation_rate"],
-                             repetition_rate=rates["rollout/repetition_rate"],
-                             reward_mean=float(batch.rewards_B.mean()),
-                             adv_regular_mean=split.get("adv/regular_mean"),
-                             adv_repetitive_mean=split.get("adv/repetitive_mean"),
-                             repetitive_token_share=split.get("adv/repetitive_share"))
+    signals = RolloutSignals(
+        truncation_rate=rates["rollout/truncation_rate"],
+        repetition_rate=rates["rollout/repetition_rate"],
+        reward_mean=float(batch.rewards_B.mean()),
+        adv_regular_mean=split.get("adv/regular_mean"),
+        adv_repetitive_mean=split.get("adv/repetitive_mean"),
+        repetitive_token_share=split.get("adv/repetitive_share"),
+    )
     out.update(signals.log())
     if teacher is not None:
         if mcfg.overlap_k:
@@ -139,7 +173,7 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
 
 def _with_prefix(c: dict[str, float], prefix: str) -> dict[str, float]:
     """The entries of c whose key starts with prefix, the prefix taken off."""
-    return {k[len(prefix):]: v for k, v in c.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in c.items() if k.startswith(prefix)}
 
 
 def _text_rates(batch: RolloutBatch, mcfg: MetricsConfig) -> dict[str, float]:
@@ -153,8 +187,7 @@ def _sum_over_owners(sums: dict[str, float], maximum: float, contributes: bool) 
     """Sums over the world of each key (every rank passes the same keys in the same order) and the max of
     `maximum`: one all_gather of a [len(sums) + 1] float64 vector. Non-contributing ranks count as zero."""
     values = list(sums.values()) if contributes else [0.0] * len(sums)
-    vec = torch.tensor(values + [maximum if contributes else float("-inf")], dtype=torch.float64,
-                       device=group_device())
+    vec = torch.tensor(values + [maximum if contributes else float("-inf")], dtype=torch.float64, device=group_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [torch.empty_like(vec) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, vec)
@@ -180,16 +213,22 @@ def reduce_loss_metrics(results: list[dict], is_reporter: bool) -> dict[str, flo
     for key in merged[0]:
         values = [m[key] for m in merged if key in m]
         is_share = key == "loss/total" or key.endswith("/loss")
-        name = f"loss/{key[:-len('/loss')]}" if key.endswith("/loss") else key
+        name = f"loss/{key[: -len('/loss')]}" if key.endswith("/loss") else key
         out[name] = sum(values) if is_share else sum(values) / len(values)
     return out
 
 
 def sample_rows(batch: RolloutBatch, tokenizer, n: int) -> list[dict]:
     """The first n responses of the step as RUN/samples/step_N.jsonl rows."""
-    return [{"prompt": tokenizer.decode(batch.tokens_BS[b, :int(batch.prompt_lens_B[b])].tolist()),
-             "response": batch.texts[b], "finish_reason": batch.finish_reasons[b], "reward": float(batch.rewards_B[b])}
-            for b in range(min(n, batch.size))]
+    return [
+        {
+            "prompt": tokenizer.decode(batch.tokens_BS[b, : int(batch.prompt_lens_B[b])].tolist()),
+            "response": batch.texts[b],
+            "finish_reason": batch.finish_reasons[b],
+            "reward": float(batch.rewards_B[b]),
+        }
+        for b in range(min(n, batch.size))
+    ]
 
 
 def step_work(models, needs, cfg, rollout: RolloutBatch | None, golden) -> StepWork:
@@ -201,8 +240,16 @@ def step_work(models, needs, cfg, rollout: RolloutBatch | None, golden) -> StepW
     golden_S = golden.attention_mask_BT.sum(-1).tolist() if golden is not None else []
     teacher = MatmulDims.of(models.teacher.hf) if models.teacher is not None else None
     partner = student if needs.reference else teacher if needs.teacher_logits else None
-    return StepWork(student, scored + golden_S, scored, teacher, scored if teacher is not None else [], partner,
-                    cfg.student.recompute, cfg.trainer.logits_chunk_tokens > 0)
+    return StepWork(
+        student,
+        scored + golden_S,
+        scored,
+        teacher,
+        scored if teacher is not None else [],
+        partner,
+        cfg.student.recompute,
+        cfg.trainer.logits_chunk_tokens > 0,
+    )
 
 
 def flop_metrics(work: StepWork, times: dict[str, float]) -> dict[str, float]:
@@ -214,13 +261,20 @@ def flop_metrics(work: StepWork, times: dict[str, float]) -> dict[str, float]:
     f = step_flops(work)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     # flops/*: counts, deterministic; perf/*: rates, wall-clock (the golden test skips them like time/*).
-    out = {"flops/model_train": f.model_train, "flops/hardware_train": f.hardware_train, "flops/model_step": f.model,
-           "flops/hardware_step": f.hardware}
+    out = {
+        "flops/model_train": f.model_train,
+        "flops/hardware_train": f.hardware_train,
+        "flops/model_step": f.model,
+        "flops/hardware_step": f.hardware,
+    }
     t_train, t_step = times.get("time/train"), times.get("time/step")
     if not t_train or not t_step:
         return out
-    per_gpu = {"model_train": f.model_train / t_train, "hardware_train": f.hardware_train / t_train,
-               "model_step": f.model / t_step}
+    per_gpu = {
+        "model_train": f.model_train / t_train,
+        "hardware_train": f.hardware_train / t_train,
+        "model_step": f.model / t_step,
+    }
     out.update({f"perf/{k}_tflops_per_gpu": v / world_size / 1e12 for k, v in per_gpu.items()})
     peak = peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     if peak:

@@ -15,6 +15,7 @@ whole batch is) after one all_to_all brings them its rows' tokens. Served teache
 student support) needs the actor's whole pass first, and one parked in CPU memory between uses would move
 once a part: they score after the batch, unstreamed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,25 +51,37 @@ class Streamed:
 
     def actor_scores(self, batch: RolloutBatch, owners: RowOwners, owner_layout: WorldLayout) -> TokenScores:
         """The actor's scores of this rank's owned rows."""
-        return self.actor.finish(owners, owner_layout, batch.prompt_lens_B + batch.response_lens_B,
-                                 batch.tokens_BS.shape[1])
+        return self.actor.finish(
+            owners, owner_layout, batch.prompt_lens_B + batch.response_lens_B, batch.tokens_BS.shape[1]
+        )
 
-    def teacher_scores(self, batch: RolloutBatch, owners: RowOwners,
-                       owner_layout: WorldLayout) -> dict[str, TokenScores]:
+    def teacher_scores(
+        self, batch: RolloutBatch, owners: RowOwners, owner_layout: WorldLayout
+    ) -> dict[str, TokenScores]:
         """Per streamed teacher, its scores of this rank's owned rows among those it scored (TeacherSet.score's
         parts)."""
         out = {}
         for name, stream in self.teachers.items():
-            scores = stream.finish(owners, owner_layout, batch.prompt_lens_B + batch.response_lens_B,
-                                   batch.tokens_BS.shape[1])
+            scores = stream.finish(
+                owners, owner_layout, batch.prompt_lens_B + batch.response_lens_B, batch.tokens_BS.shape[1]
+            )
             mine = set(self.rows_of[name])
             out[name] = scores.take([b for b in owners.rows() if b in mine])
         return out
 
 
-def stream_and_score(pipeline, step: int, examples: list, cfg, models, needs, actor_request: ScoreRequest,
-                     teacher_request: ScoreRequest, pad_id: int,
-                     on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None) -> Streamed:
+def stream_and_score(
+    pipeline,
+    step: int,
+    examples: list,
+    cfg,
+    models,
+    needs,
+    actor_request: ScoreRequest,
+    teacher_request: ScoreRequest,
+    pad_id: int,
+    on_device: Callable[[torch.nn.Module, bool], ContextManager] | None = None,
+) -> Streamed:
     """Collective: generates step `step`'s batch in parts (RolloutPipeline.stream) and scores each part with the
     actor and the in-job teachers as it comes (see the module docstring)."""
     on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
@@ -78,10 +91,15 @@ def stream_and_score(pipeline, step: int, examples: list, cfg, models, needs, ac
     teachers = models.teachers
     # Not streamed: a teacher scoring at the student's top-k (it needs the actor's whole pass) and one parked
     # in CPU memory between uses (it would move in and out once a part).
-    in_job = {name: tch for name, tch in (teachers.teachers.items() if teachers is not None else [])
-              if isinstance(tch, InJobTeacher) and not needs.student_topk and not tch.offload}
-    passes = {name: StreamedPass(tch.runner, teacher_request, tch.layout or scorer_layout(tch.runner.pgs, device))
-              for name, tch in in_job.items()}
+    in_job = {
+        name: tch
+        for name, tch in (teachers.teachers.items() if teachers is not None else [])
+        if isinstance(tch, InJobTeacher) and not needs.student_topk and not tch.offload
+    }
+    passes = {
+        name: StreamedPass(tch.runner, teacher_request, tch.layout or scorer_layout(tch.runner.pgs, device))
+        for name, tch in in_job.items()
+    }
     rows_of: dict[str, list[int]] = {name: [] for name in passes}
     for rows, samples in pipeline.stream(step, examples):
         part = broadcast_header(partial(build_rollout_batch, samples, pad_id, n), pad_id, n, device)
@@ -89,8 +107,13 @@ def stream_and_score(pipeline, step: int, examples: list, cfg, models, needs, ac
         routed = teachers.route([examples[r // n].teacher for r in rows[::n]], n) if passes else {}  # whole prompts
         work = [(actor, None, list(range(len(rows))))] + [(passes[m], in_job[m], routed.get(m, [])) for m in passes]
         work = [(stream, tch, idx, torch.tensor(idx, dtype=torch.long)) for stream, tch, idx in work if idx]
-        scorers = [([[idx[i] for i in share] for share in stream.part_shares(part.tokens_BS[it], batches.subset(it))],
-                    stream.layout) for stream, _, idx, it in work]
+        scorers = [
+            (
+                [[idx[i] for i in share] for share in stream.part_shares(part.tokens_BS[it], batches.subset(it))],
+                stream.layout,
+            )
+            for stream, _, idx, it in work
+        ]
         deliver_rows(part, scorer_users(len(rows), scorers), device)  # each replica its share's tokens
         for stream, tch, idx, it in work:
             with on_device(tch.model, tch.offload) if tch is not None else contextlib.nullcontext():

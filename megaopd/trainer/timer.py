@@ -13,6 +13,7 @@ run log, the benchmarks and the GPU check read. The seconds of one name add up o
 takes each name's maximum over the group's ranks (the step waits for the slowest) and starts the timer
 afresh; every rank must time the same names in the same order (the step's code path, which is collective).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -16,6 +16,7 @@ metrics reduce scalars.
 
     python -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=runs/tiny
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,9 +59,15 @@ from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.run_folder import agreed_resume_point
 from megaopd.trainer.run_log import RunLog, RunSummary, keep_rows_through
-from megaopd.trainer.step_metrics import (RolloutSignals, StepResult, flop_metrics, reduce_loss_metrics, rollout_metrics,
-                                          sample_rows,
-                                          step_work)
+from megaopd.trainer.step_metrics import (
+    RolloutSignals,
+    StepResult,
+    flop_metrics,
+    reduce_loss_metrics,
+    rollout_metrics,
+    sample_rows,
+    step_work,
+)
 from megaopd.trainer.streaming import stream_and_score
 from megaopd.trainer.timer import Timer
 from megaopd.trainer.validation import validate
@@ -96,14 +103,23 @@ class Trainer:
         teacher_tokenizer = teacher_tokenizers[0] if teachers else None  # the template of data.prompt_template
         # Rollouts stop at the template's turn end and the EOS; golden solutions end with the first of them.
         self.stop = stop_tokens(cfg.data, tok, teacher_tokenizer)
-        report = check_teacher_tokenizers(tok, cfg.student.path, teachers, teacher_tokenizers, self.stop.ids,
-                                          self._console)
+        report = check_teacher_tokenizers(
+            tok, cfg.student.path, teachers, teacher_tokenizers, self.stop.ids, self._console
+        )
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.special_ids = loss_mask_ids(tok, cfg.loss.mask_first_tokens, report)
-        self.multi_turn = MultiTurn(cfg.env, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, tok) \
-            if cfg.env.enabled else None  # trajectories with an environment's turns; None: single-turn rows
-        dataset = PromptDataset.load(cfg.data, tok, teacher_tokenizer, log=self._console if self.rank == 0 else None,
-                                     tools=self.multi_turn.tools if self.multi_turn else None)
+        self.multi_turn = (
+            MultiTurn(cfg.env, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, tok)
+            if cfg.env.enabled
+            else None
+        )  # trajectories with an environment's turns; None: single-turn rows
+        dataset = PromptDataset.load(
+            cfg.data,
+            tok,
+            teacher_tokenizer,
+            log=self._console if self.rank == 0 else None,
+            tools=self.multi_turn.tools if self.multi_turn else None,
+        )
         # Every rank draws the same global batch (rank 0 generates it; every layout takes its own rows).
         self.loader = PromptLoader(dataset, cfg.data, batch_size=cfg.trainer.prompts_per_step)
 
@@ -114,18 +130,29 @@ class Trainer:
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
         self.router_aux = RouterAuxLoss(self.actor.model)
         self.optimizer, self.scheduler = build_optimizer(
-            self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step)
-        self.train_runner = PipelineRunner(self.ddp, self.actor_pgs, self.actor.hf.vocab_size, partner=self.models.partner,
-                                           logits_chunk_tokens=cfg.trainer.logits_chunk_tokens)
+            self.ddp, cfg.optimizer, cfg.trainer.max_steps * cfg.trainer.mini_batches_per_step
+        )
+        self.train_runner = PipelineRunner(
+            self.ddp,
+            self.actor_pgs,
+            self.actor.hf.vocab_size,
+            partner=self.models.partner,
+            logits_chunk_tokens=cfg.trainer.logits_chunk_tokens,
+        )
         # What the passes score besides log-probs: the loss's top-k, and the overlap metrics' top-k and entropy.
         overlap_k = cfg.metrics.overlap_k if self.models.teachers is not None else 0
         self.actor_request = ScoreRequest(self.temperature, max(self.needs.student_topk, overlap_k), overlap_k > 0)
         self.teacher_request = ScoreRequest(self.temperature, max(self.needs.teacher_topk, overlap_k), overlap_k > 0)
         t = cfg.trainer
         self.batching = BatchingPlan(  # the training step's micro-batches (and so the rows each replica owns)
-            t.prompts_per_step, t.mini_batches_per_step, t.micro_batch_size, self.pad_id,
+            t.prompts_per_step,
+            t.mini_batches_per_step,
+            t.micro_batch_size,
+            self.pad_id,
             max_tokens=t.max_tokens_per_micro_batch if t.pack_sequences and self.train_runner.packs else None,
-            uniform=self.actor_pgs.pp.size() > 1, multiple=self.train_runner.seq_multiple)
+            uniform=self.actor_pgs.pp.size() > 1,
+            multiple=self.train_runner.seq_multiple,
+        )
 
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
@@ -133,8 +160,12 @@ class Trainer:
         self.step, self._last_metrics, self.stopping, self.timer = 0, {}, False, Timer()
         self.detector = CollapseDetector(cfg.metrics.collapse)
         # What a checkpoint keeps besides weights, optimizer and RNG: saved and restored under these keys.
-        self.stateful = {"scheduler": self.scheduler, "data": self.loader, "collapse": self.detector,
-                         **self.loss_fn.stateful}
+        self.stateful = {
+            "scheduler": self.scheduler,
+            "data": self.loader,
+            "collapse": self.detector,
+            **self.loss_fn.stateful,
+        }
         # Rank 0 picks the step folder (verified; moved aside what it skips, docs/run_folder.md); every rank loads it.
         point = agreed_resume_point(cfg.run.dir, cfg.run.start_over)
         latest = point.path
@@ -144,9 +175,15 @@ class Trainer:
         if self.rank == 0:
             # metrics.jsonl holds each step once: rows after the loaded step go to a side file before new ones.
             point.notes += keep_rows_through(cfg.run.dir, self.step if latest is not None else -1)
-            self.run_log = RunLog(cfg.run.dir, cfg.trainer.max_steps, cfg.logging.tensorboard,
-                                  cfg.logging.progress_bar, start_step=self.step, wandb=cfg.logging.wandb,
-                                  config=dataclasses.asdict(cfg))
+            self.run_log = RunLog(
+                cfg.run.dir,
+                cfg.trainer.max_steps,
+                cfg.logging.tensorboard,
+                cfg.logging.progress_bar,
+                start_step=self.step,
+                wandb=cfg.logging.wandb,
+                config=dataclasses.asdict(cfg),
+            )
             for note in point.notes:
                 self.run_log.console(note)
             if latest is not None:
@@ -162,10 +199,21 @@ class Trainer:
         self.weight_sync = None  # stays None when nothing generates (SFT without validation)
         teachers = self.models.teachers  # rollout.stream_parts: rank 0 hands finished parts to served teachers
         stream = self.rank == 0 and teachers is not None and teachers.has_remote and cfg.rollout.stream_parts > 1
-        self.pipeline = RolloutPipeline(cfg, self.loader, self.timer, self.stop.ids, self.rank, self.sync_weights,
-                                        self.check_parity, self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
-                                        functools.partial(teachers.stream_part, samples_per_prompt=cfg.trainer.samples_per_prompt,
-                                                          topk=self.teacher_request.topk) if stream else None)
+        self.pipeline = RolloutPipeline(
+            cfg,
+            self.loader,
+            self.timer,
+            self.stop.ids,
+            self.rank,
+            self.sync_weights,
+            self.check_parity,
+            self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
+            functools.partial(
+                teachers.stream_part, samples_per_prompt=cfg.trainer.samples_per_prompt, topk=self.teacher_request.topk
+            )
+            if stream
+            else None,
+        )
         self.stateful["data"] = self.pipeline  # the loader's cursor before any batch drawn ahead
         if not (self.needs.on_policy or cfg.validation.path):
             return
@@ -173,8 +221,17 @@ class Trainer:
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             export_hf(self.actor, hf_dir)  # collective; the engine is built from it
-        self.pipeline.engine = build_engine(cfg.rollout, hf_dir, cfg.generated_row_tokens(), cfg.embedded_engine_dtype(),
-                                                          stop=self.preemption.signalled) if self.rank == 0 else None
+        self.pipeline.engine = (
+            build_engine(
+                cfg.rollout,
+                hf_dir,
+                cfg.generated_row_tokens(),
+                cfg.embedded_engine_dtype(),
+                stop=self.preemption.signalled,
+            )
+            if self.rank == 0
+            else None
+        )
         self.weight_sync = WeightSync(self.pipeline.engine, cfg.rollout, self.rank)
         self.stopping = self.pipeline.first_sync(self.step)  # True: a signal ended its waits, train() just leaves
 
@@ -196,7 +253,11 @@ class Trainer:
                 break
             metrics = result.metrics
             step_times.append(metrics["time/step"])
-            if not self.stopping and cfg.eval_interval and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps):
+            if (
+                not self.stopping
+                and cfg.eval_interval
+                and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps)
+            ):
                 metrics.update(self._validate())
             self._log(metrics, result.signals)
             if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
@@ -253,31 +314,68 @@ class Trainer:
         land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
         cfg, needs, models, timer, teachers = self.cfg, self.needs, self.models, self.timer, self.models.teachers
         with timer("rollout"):  # rollout.stream_parts in sync mode: the in-job passes score each part meanwhile
-            streamed = stream_and_score(self.pipeline, self.step, examples, cfg, models, needs, self.actor_request,
-                                        self.teacher_request, self.pad_id, on_gpu_while_used) \
-                if self.pipeline.streams else None
+            streamed = (
+                stream_and_score(
+                    self.pipeline,
+                    self.step,
+                    examples,
+                    cfg,
+                    models,
+                    needs,
+                    self.actor_request,
+                    self.teacher_request,
+                    self.pad_id,
+                    on_gpu_while_used,
+                )
+                if self.pipeline.streams
+                else None
+            )
             samples = streamed.samples if streamed else self.pipeline.samples(self.step, examples)  # rank 0's
-            batch, self.owners, batches = deliver_rollout(samples, examples, golden, cfg, models, needs, self.batching,
-                                                          self.pad_id, self.pipeline.stamp, streamed)  # its rows
+            batch, self.owners, batches = deliver_rollout(
+                samples, examples, golden, cfg, models, needs, self.batching, self.pad_id, self.pipeline.stamp, streamed
+            )  # its rows
         with timer("actor_logprobs"):
             owners = self.owners
             batch.check_held(owners.rows(), "the actor's scoring pass")
             if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
-                pending = teachers.start_remote(batch, batch.teacher_rows, self.teacher_request.topk, self.rank,
-                                                streamed=teachers.take_streamed(self.step))  # rank 0's parts
-            batch.actor = streamed.actor_scores(batch, owners, models.owner_layout) if streamed else score_tokens(
-                models.actor_runner, batch.tokens_BS, batches, self.actor_request, owners=owners, layout=models.actor_layout)
+                pending = teachers.start_remote(
+                    batch,
+                    batch.teacher_rows,
+                    self.teacher_request.topk,
+                    self.rank,
+                    streamed=teachers.take_streamed(self.step),
+                )  # rank 0's parts
+            batch.actor = (
+                streamed.actor_scores(batch, owners, models.owner_layout)
+                if streamed
+                else score_tokens(
+                    models.actor_runner,
+                    batch.tokens_BS,
+                    batches,
+                    self.actor_request,
+                    owners=owners,
+                    layout=models.actor_layout,
+                )
+            )
         with timer("teacher"):
             if teachers is not None:
-                batch.teacher = teachers.score(batch, batch.teacher_rows, pending, batches, self.teacher_request,
-                                               at_ids=batch.actor.topk_support(needs.student_topk),
-                                               on_device=on_gpu_while_used, owners=owners, streamed=streamed and
-                                               streamed.teacher_scores(batch, owners, models.owner_layout))
+                batch.teacher = teachers.score(
+                    batch,
+                    batch.teacher_rows,
+                    pending,
+                    batches,
+                    self.teacher_request,
+                    at_ids=batch.actor.topk_support(needs.student_topk),
+                    on_device=on_gpu_while_used,
+                    owners=owners,
+                    streamed=streamed and streamed.teacher_scores(batch, owners, models.owner_layout),
+                )
                 if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
                     timer.add("teacher_remote", pending.seconds)
                     self.pipeline.teacher_streamed(pending)
-        batch.texts, rewards = texts_and_rewards(self.tokenizer, samples, examples, cfg.trainer.samples_per_prompt,
-                                                 self.multi_turn, cfg.metrics.reward)
+        batch.texts, rewards = texts_and_rewards(
+            self.tokenizer, samples, examples, cfg.trainer.samples_per_prompt, self.multi_turn, cfg.metrics.reward
+        )
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
         return batch
 
@@ -296,8 +394,13 @@ class Trainer:
         results, grad_norms, lrs, skipped = [], [], [], 0
         for j in range(M):
             rows, golden_rows = mini_batch_rows(B, P, M, j, golden is not None)  # row_owners' rows too
-            micro = step_micro_batches(MiniBatch(rollout, mask_BT, golden, rows, golden_rows, loss_tokens_B), pgs.dp.rank(),
-                                       pgs.dp.size(), needs, self.batching)
+            micro = step_micro_batches(
+                MiniBatch(rollout, mask_BT, golden, rows, golden_rows, loss_tokens_B),
+                pgs.dp.rank(),
+                pgs.dp.size(),
+                needs,
+                self.batching,
+            )
             self.router_aux.scale_for(micro, pgs.dp)
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -330,8 +433,11 @@ class Trainer:
         """Collective: raises one FloatingPointError naming the terms, the step and the rows, or (with
         trainer.skip_nonfinite) says that this update is skipped."""
         dp = self.actor_pgs.dp.rank()
-        mine = ([r for r in rows.tolist() if self.owners.owner_B[r] == dp] if on_policy
-                else [f"golden {r}" for r in (golden_rows.tolist() if golden_rows is not None else [])])
+        mine = (
+            [r for r in rows.tolist() if self.owners.owner_B[r] == dp]
+            if on_policy
+            else [f"golden {r}" for r in (golden_rows.tolist() if golden_rows is not None else [])]
+        )
         what = describe(bad, mini, mine, dp)
         if self.cfg.trainer.skip_nonfinite:
             self._console(f"step {self.step + 1}: {what}: update skipped (trainer.skip_nonfinite)")
@@ -339,12 +445,14 @@ class Trainer:
         raise FloatingPointError(
             f"step {self.step + 1}: {what}; the run stops before the update: check the models and the data (a "
             f"teacher or reference of another vocabulary), lower optimizer.lr, or set trainer.skip_nonfinite=true "
-            f"to skip such updates")
+            f"to skip such updates"
+        )
 
     def _loss_step(self, mb: MicroBatch, logits_BSv: torch.Tensor, partner_BSv: torch.Tensor | None):
         """The runner's step_fn: the loss of one micro-batch (already on the logits' device)."""
-        loss, metrics = self.loss_fn(mb.loss_inputs(logits_BSv, partner_BSv, self.actor_pgs.tp, self.temperature,
-                                                    self.needs))
+        loss, metrics = self.loss_fn(
+            mb.loss_inputs(logits_BSv, partner_BSv, self.actor_pgs.tp, self.temperature, self.needs)
+        )
         metrics = {k: v.detach().float() for k, v in metrics.items()}
         if "loss/total" not in metrics:  # a single loss: it is both the total and its one term
             metrics["loss/total"] = metrics[f"{self.loss_fn.name}/loss"] = loss.detach().float()
@@ -361,10 +469,20 @@ class Trainer:
         sync; raises when the statistics leave their bounds (megaopd/scoring/parity.py)."""
         probe = [list(map(int, ex.golden_ids[:64])) for ex in self.loader.batch_at_step(0)[:4]]
         r, mbs = self.cfg.rollout, self.cfg.trainer.micro_batch_size
-        score = functools.partial(score_sequences, self.models.actor_runner, micro_batch_size=mbs, pad_id=self.pad_id,
-                                  layout=self.models.actor_layout)
-        bounds = bounds_for(self.cfg.parity_dtype(), r.parity_tolerance, r.parity_mean_tolerance, r.parity_p99_tolerance,
-                            r.parity_min_correlation)
+        score = functools.partial(
+            score_sequences,
+            self.models.actor_runner,
+            micro_batch_size=mbs,
+            pad_id=self.pad_id,
+            layout=self.models.actor_layout,
+        )
+        bounds = bounds_for(
+            self.cfg.parity_dtype(),
+            r.parity_tolerance,
+            r.parity_mean_tolerance,
+            r.parity_p99_tolerance,
+            r.parity_min_correlation,
+        )
         check_engine_parity(self.pipeline.engine, score, probe, bounds, self.step, self._console)
 
     # --------------------------------------------------------------------------- logging and saving
@@ -374,7 +492,9 @@ class Trainer:
                 self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
             elif self.cfg.validation.path:
                 self.pipeline.ensure_synced(self.step)  # overlapped modes sync at batch boundaries
-            return validate(self.pipeline.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
+            return validate(
+                self.pipeline.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log
+            )
         except WaitAbandoned:
             self.stopping = True
             return {}
@@ -387,8 +507,14 @@ class Trainer:
             return
         self.run_log.log_step(self.step, metrics)
         for warning in self.detector.update(self.step, signals.rates() if signals is not None else {}):
-            self.run_log.event(self.step, warning.event, warning.message, loud=warning.is_collapse,
-                               metric=warning.metric, value=warning.value)
+            self.run_log.event(
+                self.step,
+                warning.event,
+                warning.message,
+                loud=warning.is_collapse,
+                metric=warning.metric,
+                value=warning.value,
+            )
 
     def _console(self, line: str) -> None:
         if self.rank == 0 and self.run_log is not None:
@@ -397,10 +523,22 @@ class Trainer:
             print(line, flush=True)  # before the run log exists (start-up): the Slurm log sees it at once
 
     def save(self) -> None:
-        meta = {"weight_version": str(self.step), "student": self.cfg.student.path,  # for people: never read back
-                "teachers": {t.name: t.path or t.urls for t in self.cfg.teachers}}
-        path = save_checkpoint(self.cfg.run.dir, self.step, self.actor.model, self.optimizer, self.actor_pgs,
-                               self.stateful, meta, self.actor.hf, hf_side_dir=tokenizer_dir(self.actor.path))
+        meta = {
+            "weight_version": str(self.step),
+            "student": self.cfg.student.path,  # for people: never read back
+            "teachers": {t.name: t.path or t.urls for t in self.cfg.teachers},
+        }
+        path = save_checkpoint(
+            self.cfg.run.dir,
+            self.step,
+            self.actor.model,
+            self.optimizer,
+            self.actor_pgs,
+            self.stateful,
+            meta,
+            self.actor.hf,
+            hf_side_dir=tokenizer_dir(self.actor.path),
+        )
         self._saved = self.step
         if self.rank == 0:
             self.run_log.event(self.step, "checkpoint", path)
@@ -409,8 +547,9 @@ class Trainer:
 def export_hf(actor, out_dir: str) -> None:
     """The student's current weights (`actor`: its RoleModel) as an HF directory (safetensors + config +
     tokenizer); collective: every rank takes part in each gather over TP (and EP) and PP."""
-    tensors = gather_hf_weights(model_state(actor.model), actor.hf, actor.pgs.tp, actor.pgs.pp,
-                                ep_group=expert_group(actor.pgs))  # a stream: one tensor at a time
+    tensors = gather_hf_weights(
+        model_state(actor.model), actor.hf, actor.pgs.tp, actor.pgs.pp, ep_group=expert_group(actor.pgs)
+    )  # a stream: one tensor at a time
     if dist.get_rank() == 0:
         save_hf_dir(out_dir, tensors, side_files_from=actor.path)
     else:
@@ -419,8 +558,9 @@ def export_hf(actor, out_dir: str) -> None:
     dist.barrier()
 
 
-def deliver_rollout(samples, examples, golden, cfg: MegaOPDConfig, models, needs, plan: BatchingPlan, pad_id: int,
-                    stamp, streamed=None) -> tuple[RolloutBatch, RowOwners, ScoringBatches]:
+def deliver_rollout(
+    samples, examples, golden, cfg: MegaOPDConfig, models, needs, plan: BatchingPlan, pad_id: int, stamp, streamed=None
+) -> tuple[RolloutBatch, RowOwners, ScoringBatches]:
     """Collective: rank 0's samples as every rank's record, holding the rows the rank trains or scores
     (batching.delivery: the per-row header to every rank, then each row's tokens to its users), the rows'
     owners (row_owners: the DP partition the micro-batches take) and the scoring passes' cut. stamp: the
@@ -430,15 +570,24 @@ def deliver_rollout(samples, examples, golden, cfg: MegaOPDConfig, models, needs
     batch = broadcast_header(lambda: build_rollout_batch(samples, pad_id, n), pad_id, n, device)  # built on rank 0
     stamp(batch)
     pgs = models.actor.pgs
-    owners = RowOwners(tuple(row_owners(batch, golden, pgs.dp.size(), needs, plan)), pgs.dp.rank(), pgs.dp.size(),
-                       sends=models.owner_layout.places[dist.get_rank()].speaks, layout=models.owner_layout)
-    batches = ScoringBatches(t.micro_batch_size, t.max_tokens_per_micro_batch if t.pack_sequences else None,
-                             batch.prompt_lens_B + batch.response_lens_B)
+    owners = RowOwners(
+        tuple(row_owners(batch, golden, pgs.dp.size(), needs, plan)),
+        pgs.dp.rank(),
+        pgs.dp.size(),
+        sends=models.owner_layout.places[dist.get_rank()].speaks,
+        layout=models.owner_layout,
+    )
+    batches = ScoringBatches(
+        t.micro_batch_size,
+        t.max_tokens_per_micro_batch if t.pack_sequences else None,
+        batch.prompt_lens_B + batch.response_lens_B,
+    )
     scorers = []
     if models.teachers is not None:
         batch.teacher_rows = models.teachers.route([ex.teacher for ex in examples], n)
-        scorers = models.teachers.scorer_shares(batch, batch.teacher_rows, batches, owners,
-                                                skip=streamed.teachers if streamed is not None else ())
+        scorers = models.teachers.scorer_shares(
+            batch, batch.teacher_rows, batches, owners, skip=streamed.teachers if streamed is not None else ()
+        )
     deliver_rows(batch, row_users(owners, models.owner_layout, scorers), device)
     return batch, owners, batches
 

@@ -4,6 +4,7 @@ every rank receives the metrics (the loop logs and decides on them in lockstep).
 the rewards extract them (metrics.reward.extract); val/answers_found says how many responses had one, and
 a validation where almost none did logs a one-line `few_answers` warning.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,12 +36,21 @@ def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[i
     vcfg = cfg.validation
     bench = load_benchmark_file(vcfg.path, name="val", samples=vcfg.samples)
     result = evaluate(
-        engine, tokenizer, [bench],
-        EvalConfig(samples=vcfg.samples, temperature=vcfg.temperature, max_new_tokens=vcfg.max_new_tokens,
-                   limit=vcfg.max_problems or None, repetition=cfg.metrics.repetition, stop_token_ids=stop_ids,
-                   reward=cfg.metrics.reward),
+        engine,
+        tokenizer,
+        [bench],
+        EvalConfig(
+            samples=vcfg.samples,
+            temperature=vcfg.temperature,
+            max_new_tokens=vcfg.max_new_tokens,
+            limit=vcfg.max_problems or None,
+            repetition=cfg.metrics.repetition,
+            stop_token_ids=stop_ids,
+            reward=cfg.metrics.reward,
+        ),
         out_dir=os.path.join(cfg.run.dir, "eval", f"step_{step:06d}"),
-        prompt_fn=lambda problem: render_and_encode(problem, cfg.data, tokenizer)[1])
+        prompt_fn=lambda problem: render_and_encode(problem, cfg.data, tokenizer)[1],
+    )
     if run_log is not None:
         run_log.evaluation(step, result)
     _warn_if_few_answers(result, step, run_log)
@@ -54,8 +64,9 @@ def _warn_if_few_answers(result, step: int, run_log) -> None:
     if warning is None:
         return
     if run_log is not None:
-        run_log.event(step, "few_answers", warning, loud=True, answers_found=result.answers_found,
-                      responses=result.responses)
+        run_log.event(
+            step, "few_answers", warning, loud=True, answers_found=result.answers_found, responses=result.responses
+        )
     else:
         logging.getLogger(__name__).warning("step %d: %s", step, warning)
 
@@ -74,13 +85,28 @@ def _evaluate_with_tools(engine, tokenizer, cfg: MegaOPDConfig, stop_ids: list[i
 
     vcfg, r = cfg.validation, cfg.rollout
     multi_turn = MultiTurn(cfg.env, r.max_turns, r.max_trajectory_tokens, tokenizer)
-    problems = load_benchmark_file(vcfg.path, name="val").problems[:vcfg.max_problems or None]
-    examples = [SimpleNamespace(problem=p.problem, answer=p.answer, prompt_ids=encode_prompt(
-        render_prompt(p.problem, cfg.data, tokenizer, tools=multi_turn.tools), cfg.data, tokenizer)) for p in problems]
-    samples = multi_turn.generate(engine, examples, SamplingParams(
-        temperature=vcfg.temperature, max_new_tokens=vcfg.max_new_tokens, stop_token_ids=stop_ids, n=1, seed=0))
+    problems = load_benchmark_file(vcfg.path, name="val").problems[: vcfg.max_problems or None]
+    examples = [
+        SimpleNamespace(
+            problem=p.problem,
+            answer=p.answer,
+            prompt_ids=encode_prompt(
+                render_prompt(p.problem, cfg.data, tokenizer, tools=multi_turn.tools), cfg.data, tokenizer
+            ),
+        )
+        for p in problems
+    ]
+    samples = multi_turn.generate(
+        engine,
+        examples,
+        SamplingParams(
+            temperature=vcfg.temperature, max_new_tokens=vcfg.max_new_tokens, stop_token_ids=stop_ids, n=1, seed=0
+        ),
+    )
     n = max(len(samples), 1)
-    return {"val/accuracy": sum(s.trajectory.reward for s in samples) / n,
-            "val/tool_call_rate": sum(s.trajectory.tool_calls > 0 for s in samples) / n,
-            "val/turns_mean": sum(s.trajectory.turns for s in samples) / n,
-            "val/truncation_rate": sum(s.finish_reason == "length" for s in samples) / n}
+    return {
+        "val/accuracy": sum(s.trajectory.reward for s in samples) / n,
+        "val/tool_call_rate": sum(s.trajectory.tool_calls > 0 for s in samples) / n,
+        "val/turns_mean": sum(s.trajectory.turns for s in samples) / n,
+        "val/truncation_rate": sum(s.finish_reason == "length" for s in samples) / n,
+    }

@@ -1,4 +1,5 @@
 """Spawned workers of the delivery test (module level, importable by spawned processes)."""
+
 from __future__ import annotations
 
 import random
@@ -22,11 +23,16 @@ def full_batch():
     for b in range(8):
         p, r = rng.randint(2, 6), (0 if b == 3 else rng.randint(1, 9))
         mask = [1] * r if b % 2 else [int(i % 3 != 1) for i in range(r)]
-        samples.append(Sample(prompt_ids=[rng.randrange(100, 2**20) for _ in range(p)],
-                              output_ids=[rng.randrange(100, 2**20) for _ in range(r)],
-                              output_logprobs=[-rng.random() * m for m in mask],
-                              finish_reason=("abort" if r == 0 else ("stop", "length")[b % 2]), output_mask=mask,
-                              trajectory=TrajectoryStats(1 + b % 3, b % 2, int(b % 4 == 1), ("", "turns", "tokens")[b % 3])))
+        samples.append(
+            Sample(
+                prompt_ids=[rng.randrange(100, 2**20) for _ in range(p)],
+                output_ids=[rng.randrange(100, 2**20) for _ in range(r)],
+                output_logprobs=[-rng.random() * m for m in mask],
+                finish_reason=("abort" if r == 0 else ("stop", "length")[b % 2]),
+                output_mask=mask,
+                trajectory=TrajectoryStats(1 + b % 3, b % 2, int(b % 4 == 1), ("", "turns", "tokens")[b % 3]),
+            )
+        )
     return build_rollout_batch(samples, PAD, N)
 
 
@@ -51,8 +57,10 @@ def deliver(rank, world_size):
         refused = None
     except KeyError as e:
         refused = str(e)
+
     def bad():
         raise ValueError("sample 3: output_mask does not match")
+
     try:
         broadcast_header(bad, PAD, N, device())
         failed = None
@@ -60,16 +68,21 @@ def deliver(rank, world_size):
         failed = f"{type(e).__name__}: {e}"
     return {
         "failed": failed,
-        "held": held, "received_bytes": received, "refused": refused,
+        "held": held,
+        "received_bytes": received,
+        "refused": refused,
         "tokens": torch.equal(batch.tokens_BS[idx], full.tokens_BS[idx]),
         "mask": torch.equal(batch.loss_mask_BT[idx], full.loss_mask_BT[idx]),
         "logprobs": torch.equal(batch.engine_logprobs_BT[idx], full.engine_logprobs_BT[idx]),
         "others_empty": bool((batch.tokens_BS[others] == PAD).all() and (batch.loss_mask_BT[others] == 0).all()),
-        "header": (torch.equal(batch.prompt_lens_B, full.prompt_lens_B)
-                   and torch.equal(batch.response_lens_B, full.response_lens_B)
-                   and torch.equal(batch.student_lens_B, full.student_lens_B)
-                   and torch.equal(batch.group_ids_B, full.group_ids_B)
-                   and batch.finish_reasons == full.finish_reasons and batch.trajectories == full.trajectories
-                   and batch.tokens_BS.shape == full.tokens_BS.shape),
+        "header": (
+            torch.equal(batch.prompt_lens_B, full.prompt_lens_B)
+            and torch.equal(batch.response_lens_B, full.response_lens_B)
+            and torch.equal(batch.student_lens_B, full.student_lens_B)
+            and torch.equal(batch.group_ids_B, full.group_ids_B)
+            and batch.finish_reasons == full.finish_reasons
+            and batch.trajectories == full.trajectories
+            and batch.tokens_BS.shape == full.tokens_BS.shape
+        ),
         "real_tokens": [int(full.prompt_lens_B[b] + full.response_lens_B[b]) for b in range(8)],
     }

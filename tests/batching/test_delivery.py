@@ -5,6 +5,7 @@ rank's held rows are exactly its replica's owned rows plus the rows its teacher 
 rank 0's (ids above 2^16, float log-probs, a trajectory's environment tokens masked); the other rows stay
 padding, a read of them is refused, and the bytes received are the held rows' real tokens, 12 bytes each;
 a record rank 0 fails to build raises on every rank."""
+
 import pytest
 
 from megaopd.parallel.launch import spawn
@@ -17,9 +18,12 @@ def test_each_rank_receives_the_rows_it_trains_or_scores_and_only_those():
     for rank, r in enumerate(results):
         assert r["header"], rank
         # A record rank 0 cannot build fails every rank at once, instead of leaving the others waiting.
-        assert r["failed"] == ("ValueError: sample 3: output_mask does not match" if rank == 0 else
-                               "RuntimeError: rank 0 could not build the step's rollout record from the engines' "
-                               "samples: its error is in rank 0's log")
+        assert r["failed"] == (
+            "ValueError: sample 3: output_mask does not match"
+            if rank == 0
+            else "RuntimeError: rank 0 could not build the step's rollout record from the engines' "
+            "samples: its error is in rank 0's log"
+        )
         if rank == 0:
             assert r["held"] == list(range(8)) and r["received_bytes"] == 0 and r["refused"] is None
             continue

@@ -1,5 +1,6 @@
 """Micro-batch assembly, a pure function tested without Megatron: global denominators, DP shares, golden
 rows spread over the micro-batches, GRPO group ids, and equal shapes."""
+
 import torch
 
 from megaopd.batching import fields as F
@@ -16,13 +17,20 @@ def _rollout(B=6, S=7):
     tokens = torch.randint(1, 50, (B, S), generator=g)
     mask = torch.zeros(B, S - 1)
     for b in range(B):
-        mask[b, 2:2 + b % 4 + 1] = 1  # 1..4 response tokens
+        mask[b, 2 : 2 + b % 4 + 1] = 1  # 1..4 response tokens
     lp = -torch.rand(B, S - 1, generator=g)
-    return RolloutBatch(tokens_BS=tokens, loss_mask_BT=mask, engine_logprobs_BT=lp.clone(),
-                        prompt_lens_B=torch.full((B,), 3), response_lens_B=mask.sum(-1).long(),
-                        finish_reasons=["stop"] * B, group_ids_B=torch.arange(B) // 2,
-                        actor=TokenScores(logprobs_BT=lp), teacher=TokenScores(logprobs_BT=lp - 1),
-                        rewards_B=torch.arange(B, dtype=torch.float32))
+    return RolloutBatch(
+        tokens_BS=tokens,
+        loss_mask_BT=mask,
+        engine_logprobs_BT=lp.clone(),
+        prompt_lens_B=torch.full((B,), 3),
+        response_lens_B=mask.sum(-1).long(),
+        finish_reasons=["stop"] * B,
+        group_ids_B=torch.arange(B) // 2,
+        actor=TokenScores(logprobs_BT=lp),
+        teacher=TokenScores(logprobs_BT=lp - 1),
+        rewards_B=torch.arange(B, dtype=torch.float32),
+    )
 
 
 def _golden(P=3, L=9):
@@ -38,8 +46,9 @@ def test_denominators_are_global_and_dp_shares_partition_the_rows():
     rows, grows = torch.arange(6), torch.arange(3)
     seen, golden_seen = [], []
     for dp_rank in range(2):
-        micro = assemble_micro_batches(MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows), dp_rank, 2, needs,
-                                       2, PAD)
+        micro = assemble_micro_batches(
+            MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows), dp_rank, 2, needs, 2, PAD
+        )
         for mb in micro:
             assert mb.counts.global_num_tokens == float(rollout.loss_mask_BT.sum())
             assert mb.counts.global_num_seqs == 6.0
@@ -137,14 +146,17 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
 
     B, S = 12, 9
     base = _rollout(B, S)
-    base.response_lens_B = base.loss_mask_BT.sum(-1).long() + torch.tensor([0, 3, 1, 0, 2, 0, 1, 0, 0, 2, 1, 0])  # uneven lengths
+    base.response_lens_B = base.loss_mask_BT.sum(-1).long() + torch.tensor(
+        [0, 3, 1, 0, 2, 0, 1, 0, 0, 2, 1, 0]
+    )  # uneven lengths
     row_id_BT = (torch.arange(B, dtype=torch.float32) + 1).unsqueeze(1).expand(B, S - 1).contiguous()
     golden = _golden(P=6, L=5)
     for pack in (False, True):
         for rewards in (False, True):
             for M in (1, 2):
-                plan = BatchingPlan(prompts_per_step=6, mini_batches=M, micro_batch_size=2, pad_id=PAD,
-                                    max_tokens=16 if pack else None)
+                plan = BatchingPlan(
+                    prompts_per_step=6, mini_batches=M, micro_batch_size=2, pad_id=PAD, max_tokens=16 if pack else None
+                )
                 needs = LossNeeds(old_logprobs=True, golden=True, rewards=rewards)
                 for dp in (1, 2, 3):
                     owner = row_owners(base, golden, dp, needs, plan)
@@ -155,8 +167,9 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
                         trained = []
                         for j in range(M):
                             rows, grows = mini_batch_rows(B, 6, M, j, True)
-                            micro = step_micro_batches(MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows),
-                                                       d, dp, needs, plan)
+                            micro = step_micro_batches(
+                                MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows), d, dp, needs, plan
+                            )
                             got = _trained_rows(micro)
                             assert set(got) <= set(rows.tolist())
                             trained += got
@@ -185,14 +198,21 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
     assert {f.name for f in F.FIELDS} <= {f.name for f in dataclasses.fields(LossInputs)}
     K = 2
     rollout = _rollout()
-    scores = TokenScores(rollout.actor.logprobs_BT, topk_ids_BTK=torch.zeros(6, 6, 3, dtype=torch.int32),
-                         topk_logprobs_BTK=torch.zeros(6, 6, 3), at_ids_logprobs_BTK=torch.zeros(6, 6, K))
+    scores = TokenScores(
+        rollout.actor.logprobs_BT,
+        topk_ids_BTK=torch.zeros(6, 6, 3, dtype=torch.int32),
+        topk_logprobs_BTK=torch.zeros(6, 6, 3),
+        at_ids_logprobs_BTK=torch.zeros(6, 6, K),
+    )
     rollout = dataclasses.replace(rollout, actor=scores, teacher=scores)
-    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, teacher_topk=K, student_topk=K, rewards=True,
-                      engine_logprobs=True)
+    needs = LossNeeds(
+        old_logprobs=True, teacher_logprobs=True, teacher_topk=K, student_topk=K, rewards=True, engine_logprobs=True
+    )
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
-    padded, packed = assemble_micro_batches(mini, 0, 1, needs, 4, PAD), assemble_packed_micro_batches(mini, 0, 1,
-                                                                                                        needs, 20, PAD)
+    padded, packed = (
+        assemble_micro_batches(mini, 0, 1, needs, 4, PAD),
+        assemble_packed_micro_batches(mini, 0, 1, needs, 20, PAD),
+    )
     for micro in (padded, packed):
         assert set(micro[0].inputs) == set(F.FIELDS)
         for f, x in micro[0].inputs.items():

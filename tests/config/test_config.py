@@ -1,4 +1,5 @@
 """Config loading and start-up validation: each error is one clear message naming the key and the fix."""
+
 import json
 import os
 
@@ -11,9 +12,18 @@ from megaopd.config.schema import MegaOPDConfig
 def _hf_dir(tmp_path, name, heads=6, kv=2, layers=4, vocab=200):
     d = tmp_path / name
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_attention_heads": heads,
-        "num_key_value_heads": kv, "num_hidden_layers": layers, "vocab_size": vocab}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen2",
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv,
+                "num_hidden_layers": layers,
+                "vocab_size": vocab,
+            }
+        )
+    )
     return str(d)
 
 
@@ -26,20 +36,25 @@ def models(tmp_path):
 
 def _load(models, *overrides, preset=None):
     s, t, data = models
-    return load_config(MegaOPDConfig, preset, [f"student.path={s}", f"teacher.path={t}",
-                                                f"data.sources=[{{path: {data}}}]", *overrides])
+    return load_config(
+        MegaOPDConfig,
+        preset,
+        [f"student.path={s}", f"teacher.path={t}", f"data.sources=[{{path: {data}}}]", *overrides],
+    )
 
 
 def test_valid_config_with_overrides(models):
-    cfg = _load(models, "run.world_size=4", "student.tp=2", "teacher.tp=4", "trainer.max_steps=3",
-                "reference.tp=2")
+    cfg = _load(models, "run.world_size=4", "student.tp=2", "teacher.tp=4", "trainer.max_steps=3", "reference.tp=2")
     assert cfg.trainer.max_steps == 3 and cfg.teachers[0].tp == 4 and cfg.run.world_size == 4
 
 
 def test_removed_key_is_one_clear_error(models, tmp_path):
     """A key megaopd no longer reads is refused with the reason, wherever it is set."""
-    with pytest.raises(ConfigError, match=r"^trainer.log_interval was removed \(it was never read.*\): delete it "
-                                          r"from the command-line overrides$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer.log_interval was removed \(it was never read.*\): delete it "
+        r"from the command-line overrides$",
+    ):
         _load(models, "trainer.log_interval=5")
     preset = tmp_path / "old.yaml"
     preset.write_text("trainer:\n  max_steps: 7\n  log_interval: 10\n")
@@ -65,18 +80,24 @@ def test_preset_then_override(models, tmp_path):
     assert (cfg.trainer.max_steps, cfg.trainer.eval_interval, cfg.optimizer.lr) == (7, 5, 2e-6)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["run.world_size=2", "student.tp=4"], "student.tp=4 does not divide the 6 attention heads"),
-    (["run.world_size=3", "student.tp=3", "reference.tp=3"], "student.tp=3 does not divide the 2 query (KV) groups"),
-    (["run.world_size=3", "student.pp=3"], "student.pp=3 does not divide the 4 layers"),
-    (["run.world_size=3", "teacher.tp=2"], "run.world_size=3 is not a multiple of teacher.tp*teacher.pp=2"),
-    (["run.world_size=2", "student.tp=2"], "reference must share the student's layout"),
-    (["trainer.max_step=3"], "unknown config key 'trainer.max_step'"),
-    (["trainer.max_steps=three"], "bad value for 'trainer.max_steps'"),
-    (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
-    (["trainer.max_steps"], "is not of the form key=value"),
-    (["rollout.engine_dtype=fp8"], "rollout.engine_dtype='fp8': choose auto, float32, bfloat16, float16"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["run.world_size=2", "student.tp=4"], "student.tp=4 does not divide the 6 attention heads"),
+        (
+            ["run.world_size=3", "student.tp=3", "reference.tp=3"],
+            "student.tp=3 does not divide the 2 query (KV) groups",
+        ),
+        (["run.world_size=3", "student.pp=3"], "student.pp=3 does not divide the 4 layers"),
+        (["run.world_size=3", "teacher.tp=2"], "run.world_size=3 is not a multiple of teacher.tp*teacher.pp=2"),
+        (["run.world_size=2", "student.tp=2"], "reference must share the student's layout"),
+        (["trainer.max_step=3"], "unknown config key 'trainer.max_step'"),
+        (["trainer.max_steps=three"], "bad value for 'trainer.max_steps'"),
+        (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
+        (["trainer.max_steps"], "is not of the form key=value"),
+        (["rollout.engine_dtype=fp8"], "rollout.engine_dtype='fp8': choose auto, float32, bfloat16, float16"),
+    ],
+)
 def test_validation_errors(models, overrides, message):
     with pytest.raises(ConfigError) as e:
         _load(models, *overrides)
@@ -108,8 +129,11 @@ def test_model_paths_expand_home_and_variables(models, monkeypatch):
     name = os.path.basename(s)
     monkeypatch.setenv("HOME", os.path.dirname(s))
     monkeypatch.setenv("MEGAOPD_TEST_MODELS", os.path.dirname(t))
-    cfg = load_config(MegaOPDConfig, None, [f"student.path=~/{name}", "teacher.path=$MEGAOPD_TEST_MODELS/teacher",
-                                             f"data.sources=[{{path: {data}}}]"])
+    cfg = load_config(
+        MegaOPDConfig,
+        None,
+        [f"student.path=~/{name}", "teacher.path=$MEGAOPD_TEST_MODELS/teacher", f"data.sources=[{{path: {data}}}]"],
+    )
     assert (cfg.student.path, cfg.teachers[0].path) == (s, t)
 
 
@@ -130,10 +154,19 @@ def moe_models(tmp_path):
     data.write_text(json.dumps({"problem": "1+1?", "answer": "2", "golden": "1+1=2. \\boxed{2}"}) + "\n")
     teacher = tmp_path / "teacher"
     teacher.mkdir()
-    (teacher / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_attention_heads": 4,
-        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 200,
-        "num_local_experts": 8}))  # as transformers 5 saves it (released configs say num_experts)
+    (teacher / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 200,
+                "num_local_experts": 8,
+            }
+        )
+    )  # as transformers 5 saves it (released configs say num_experts)
     return _hf_dir(tmp_path, "student"), str(teacher), str(data)
 
 
@@ -142,13 +175,19 @@ def test_teacher_expert_parallel_layout(moe_models):
     assert cfg.teachers[0].ep == 4 and cfg.student.ep == 1
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["run.world_size=2", "student.ep=2", "reference.ep=2"], "student.ep=2 but"),
-    (["run.world_size=2", "student.ep=2", "reference.ep=2"], "has no experts: expert parallelism is for MoE models"),
-    (["run.world_size=3", "teacher.ep=3"], "teacher.ep=3 does not divide the 8 experts"),
-    (["run.world_size=4", "teacher.tp=2", "teacher.ep=4"], "teacher.ep=4 does not divide the data-parallel size 2"),
-    (["run.world_size=2", "reference.ep=2"], "reference.tp/pp/ep=(1, 1, 2) differ from student.tp/pp/ep=(1, 1, 1)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["run.world_size=2", "student.ep=2", "reference.ep=2"], "student.ep=2 but"),
+        (
+            ["run.world_size=2", "student.ep=2", "reference.ep=2"],
+            "has no experts: expert parallelism is for MoE models",
+        ),
+        (["run.world_size=3", "teacher.ep=3"], "teacher.ep=3 does not divide the 8 experts"),
+        (["run.world_size=4", "teacher.tp=2", "teacher.ep=4"], "teacher.ep=4 does not divide the data-parallel size 2"),
+        (["run.world_size=2", "reference.ep=2"], "reference.tp/pp/ep=(1, 1, 2) differ from student.tp/pp/ep=(1, 1, 1)"),
+    ],
+)
 def test_expert_parallel_errors(moe_models, overrides, message):
     with pytest.raises(ConfigError) as e:
         _load(moe_models, *overrides)

@@ -3,6 +3,7 @@
 One process, a tiny Qwen2 in float32 on CPU: the loss and every parameter's gradient with recomputation
 equal those without it (megatron recomputes the same ops in backward; dropout is 0).
 """
+
 import pytest
 import torch
 
@@ -23,8 +24,12 @@ def test_overrides_map_to_megatron_keys():
     assert activation_memory_overrides() == {"sequence_parallel": False}
     assert activation_memory_overrides("selective")["recompute_granularity"] == "selective"
     full = activation_memory_overrides("full", 2, True)
-    assert full == {"sequence_parallel": True, "recompute_granularity": "full", "recompute_method": "uniform",
-                    "recompute_num_layers": 2}
+    assert full == {
+        "sequence_parallel": True,
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 2,
+    }
 
 
 @pytest.mark.slow
@@ -39,8 +44,10 @@ def test_recompute_gives_same_loss_and_gradients(tmp_path, monkeypatch):
     # The recomputed forward runs inside autograd's backward, where the CPU layer's cuda->cpu device mode
     # does not reach; megatron's unfused softmax builds its causal mask with device="cuda" there.
     import megatron.core.fusions.fused_softmax as fused_softmax
-    monkeypatch.setattr(fused_softmax, "get_default_causal_mask",
-                        lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool())
+
+    monkeypatch.setattr(
+        fused_softmax, "get_default_causal_mask", lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+    )
     from megaopd.models.builder import activation_memory_overrides, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.presets import make_hf_model
@@ -57,11 +64,12 @@ def test_recompute_gives_same_loss_and_gradients(tmp_path, monkeypatch):
         results = {}
         for mode in ("none", "selective", "full"):
             torch.manual_seed(3)
-            model = build_gpt_model(cfg, 1, 1, pg_collection=pgs,
-                                    config_overrides=activation_memory_overrides(mode)).train()
+            model = build_gpt_model(
+                cfg, 1, 1, pg_collection=pgs, config_overrides=activation_memory_overrides(mode)
+            ).train()
             assert model.config.recompute_granularity == (None if mode == "none" else mode)
             logits = model(ids, pos, None)
-            loss = torch.log_softmax(logits.float(), -1)[..., :cfg.vocab_size].mean()
+            loss = torch.log_softmax(logits.float(), -1)[..., : cfg.vocab_size].mean()
             loss.backward()
             results[mode] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
         ref_loss, ref_grads = results["none"]

@@ -1,5 +1,6 @@
 """examples/paper presets resolve to the paper's settings (read from `megaopd config` output), and the
 context extension writes the same RoPE change into every folder of a model (tools/extend_context.py)."""
+
 import json
 import os
 import shutil
@@ -11,8 +12,12 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
-DIRS = {"Qwen2.5-Math-7B": "qwen2.5-math-7b", "Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
-        "OpenThinker3-7B": "openthinker3-7b", "DeepSeek-R1-Distill-Qwen-7B": "r1-distill-qwen-7b"}
+DIRS = {
+    "Qwen2.5-Math-7B": "qwen2.5-math-7b",
+    "Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+    "OpenThinker3-7B": "openthinker3-7b",
+    "DeepSeek-R1-Distill-Qwen-7B": "r1-distill-qwen-7b",
+}
 
 
 def _run(*args, env_extra=None):
@@ -29,13 +34,20 @@ def cluster_env(tmp_path):
     (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2", "golden": "2"}) + "\n")
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "math500.jsonl").write_text(json.dumps({"id": "1", "problem": "1+1?", "answer": "2"}) + "\n")
-    return {"MODELS_DIR": str(models), "TRAIN_DATA": str(tmp_path / "train.jsonl"), "BENCH_DIR": str(tmp_path / "bench")}
+    return {
+        "MODELS_DIR": str(models),
+        "TRAIN_DATA": str(tmp_path / "train.jsonl"),
+        "BENCH_DIR": str(tmp_path / "bench"),
+    }
 
 
-@pytest.mark.parametrize("preset,student,teacher,tp", [
-    ("stable_opd_7b", "Qwen2.5-Math-7B", "OpenThinker3-7B", 2),
-    ("stable_opd_1p5b", "Qwen2.5-Math-1.5B", "DeepSeek-R1-Distill-Qwen-7B", 1),
-])
+@pytest.mark.parametrize(
+    "preset,student,teacher,tp",
+    [
+        ("stable_opd_7b", "Qwen2.5-Math-7B", "OpenThinker3-7B", 2),
+        ("stable_opd_1p5b", "Qwen2.5-Math-1.5B", "DeepSeek-R1-Distill-Qwen-7B", 1),
+    ],
+)
 def test_paper_presets_resolve_to_the_papers_settings(cluster_env, preset, student, teacher, tp):
     path = f"examples/paper/{preset}.yaml"
     # Unextended Qwen2.5-Math (4096 positions): refused with the fix, never silently edited.
@@ -58,8 +70,9 @@ def test_paper_presets_resolve_to_the_papers_settings(cluster_env, preset, stude
     assert cfg["loss"]["config"] == {"sft_weight": 0.1, "ref_kl_weight": 0.01}
     assert cfg["student"]["path"] == os.path.join(cluster_env["MODELS_DIR"], student)
     # The preset's `teacher:` is resolved into the one teacher list, named "teacher".
-    assert [(t["name"], t["path"]) for t in cfg["teachers"]] == [("teacher", os.path.join(cluster_env["MODELS_DIR"],
-                                                                                            teacher))]
+    assert [(t["name"], t["path"]) for t in cfg["teachers"]] == [
+        ("teacher", os.path.join(cluster_env["MODELS_DIR"], teacher))
+    ]
     assert cfg["student"]["tp"] == cfg["reference"]["tp"] == tp and cfg["student"]["dtype"] == "bfloat16"
     assert cfg["reference"]["offload_between_uses"] and cfg["teachers"][0]["offload_between_uses"]
     # The layout the comments were sized with fits the H200.

@@ -11,6 +11,7 @@ Hand computation for Qwen2.5-7B (fixtures/qwen2.5-math-7b/config.json, the real 
   Adam fp32 master + m + v = 12 B/param = 45,694,924,800 B, /4 with the distributed optimizer at
   8 GPUs (DP = 8/2 = 4) = 11,423,731,200 B.
 """
+
 import json
 import os
 import subprocess
@@ -20,8 +21,16 @@ import pytest
 
 from megaopd.config.plan import build_plan, explain_overflow
 from megaopd.config.plan_shape import StepRows, train_shape
-from megaopd.config.plan_sizes import (OPS_CHUNK_BYTES, OPS_CHUNKS_LIVE, RoleLayout, activation_bytes,
-                                       embedded_engine_footprint, hidden_bytes, logits_bytes, params_per_rank)
+from megaopd.config.plan_sizes import (
+    OPS_CHUNK_BYTES,
+    OPS_CHUNKS_LIVE,
+    RoleLayout,
+    activation_bytes,
+    embedded_engine_footprint,
+    hidden_bytes,
+    logits_bytes,
+    params_per_rank,
+)
 from megaopd.models.hf_config import read_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,9 +44,18 @@ def _role(path, tp=2, dtype="bfloat16", **kw):
 
 
 def _plan(student, **kw):
-    args = dict(world_size=8, micro_batch_rows=1, seq_len=4096, use_distributed_optimizer=True, colocated=False,
-                gpu_memory_gb=141, engine_memory_fraction=0.5, engine_released_gb=3, reserved_gb=5,
-                flash_attention=True)
+    args = dict(
+        world_size=8,
+        micro_batch_rows=1,
+        seq_len=4096,
+        use_distributed_optimizer=True,
+        colocated=False,
+        gpu_memory_gb=141,
+        engine_memory_fraction=0.5,
+        engine_released_gb=3,
+        reserved_gb=5,
+        flash_attention=True,
+    )
     args.update(kw)
     return build_plan(student, None, None, **args)
 
@@ -70,7 +88,8 @@ def test_7b_activations_by_hand_and_the_issue_estimate():
     assert 50e9 < 28 * per_layer < 150e9
     sp = _role(Q7B, sequence_parallel=True)
     assert activation_bytes(sp, 8, 4096, True) == pytest.approx(
-        28 * 2 * 32768 * ((6 * 3584 + 2 * 512 + 5 * 18944) / 2 + 4 * 128))
+        28 * 2 * 32768 * ((6 * 3584 + 2 * 512 + 5 * 18944) / 2 + 4 * 128)
+    )
     full = _role(Q7B, recompute="full")
     assert activation_bytes(full, 8, 4096, True) == pytest.approx(28 * 2 * 32768 * 3584 + per_layer)
     # vocab-parallel logits: 32768 tokens x 152064/2 x 2 B
@@ -91,10 +110,21 @@ def test_layer_activations_match_what_megatron_saves(tmp_path):
     from megaopd.parallel.dist import init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
-    dims = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
-            "intermediate_size": 176, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "vocab_size": 512, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    dims = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }
     (tmp_path / "config.json").write_text(json.dumps(dims))
     cfg = read_hf_config(str(tmp_path))
     init_distributed()
@@ -117,11 +147,20 @@ def test_layer_activations_match_what_megatron_saves(tmp_path):
             saved[key] = (where[-1], t.untyped_storage().nbytes())
         return t
 
-    hidden = model.embedding(input_ids=torch.randint(0, 512, (1, tokens)),
-                             position_ids=torch.cat([torch.arange(n) for n in lens])[None]).detach().requires_grad_()
+    hidden = (
+        model.embedding(
+            input_ids=torch.randint(0, 512, (1, tokens)), position_ids=torch.cat([torch.arange(n) for n in lens])[None]
+        )
+        .detach()
+        .requires_grad_()
+    )
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(hidden_states=hidden, attention_mask=None, rotary_pos_emb=model.rotary_pos_emb(40, packed_seq=True),
-              packed_seq_params=packed)
+        layer(
+            hidden_states=hidden,
+            attention_mask=None,
+            rotary_pos_emb=model.rotary_pos_emb(40, packed_seq=True),
+            packed_seq_params=packed,
+        )
 
     def measured(*modules):
         return sum(n for m, n in saved.values() if m in modules) / (2 * tokens)  # bf16 elements per token
@@ -154,10 +193,22 @@ def test_packed_micro_batch_is_the_token_budget():
     assert L / 2**30 == pytest.approx(4.64, abs=0.01)
     chunks = OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES
     for rows in (1, 8):  # micro_batch_size is not read on the packed path
-        plan = build_plan(student, reference, None, world_size=1, micro_batch_rows=rows, seq_len=384,
-                          use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80,
-                          engine_memory_fraction=0.5, engine_released_gb=3, reserved_gb=5, flash_attention=True,
-                          packed_tokens=tokens)
+        plan = build_plan(
+            student,
+            reference,
+            None,
+            world_size=1,
+            micro_batch_rows=rows,
+            seq_len=384,
+            use_distributed_optimizer=True,
+            colocated=False,
+            gpu_memory_gb=80,
+            engine_memory_fraction=0.5,
+            engine_released_gb=3,
+            reserved_gb=5,
+            flash_attention=True,
+            packed_tokens=tokens,
+        )
         # training: the student's logits and the reference's, whose memory then takes the student's gradient
         # (2L), plus the ops' float32 chunks; no float32 or concatenated copy of the logits
         assert _item(plan, "student logits").train == L + chunks
@@ -176,15 +227,40 @@ def test_packed_micro_batch_is_the_token_budget():
     assert train_shape(StepRows(rollout_tokens=9216, group=4, max_tokens=16384, **rows), 1).tokens == 4 * 9216
     assert train_shape(StepRows(rollout_tokens=9216, group=1, max_tokens=4096, **rows), 1).tokens == 9216
     # no reference (opd alone): the logits and a gradient buffer of their own
-    alone = build_plan(student, None, None, world_size=1, micro_batch_rows=1, seq_len=384,
-                       use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80, engine_memory_fraction=0.5,
-                       engine_released_gb=3, reserved_gb=5, flash_attention=True, packed_tokens=tokens)
+    alone = build_plan(
+        student,
+        None,
+        None,
+        world_size=1,
+        micro_batch_rows=1,
+        seq_len=384,
+        use_distributed_optimizer=True,
+        colocated=False,
+        gpu_memory_gb=80,
+        engine_memory_fraction=0.5,
+        engine_released_gb=3,
+        reserved_gb=5,
+        flash_attention=True,
+        packed_tokens=tokens,
+    )
     assert _item(alone, "student logits").train == 2 * L + chunks
     # padded rows (pack_sequences=false, 8 x 384): the loss's logits[:, :-1] of several rows is copied by the
     # ops, for each model (benchmarks/memory.py "train, padded": 4.5L)
-    padded = build_plan(student, reference, None, world_size=1, micro_batch_rows=8, seq_len=384,
-                        use_distributed_optimizer=True, colocated=False, gpu_memory_gb=80, engine_memory_fraction=0.5,
-                        engine_released_gb=3, reserved_gb=5, flash_attention=True)
+    padded = build_plan(
+        student,
+        reference,
+        None,
+        world_size=1,
+        micro_batch_rows=8,
+        seq_len=384,
+        use_distributed_optimizer=True,
+        colocated=False,
+        gpu_memory_gb=80,
+        engine_memory_fraction=0.5,
+        engine_released_gb=3,
+        reserved_gb=5,
+        flash_attention=True,
+    )
     L8 = 8 * 384 * V * 2
     assert _item(padded, "student logits").train == 2 * L8 + chunks
     assert _item(padded, "reference logits").train == 2 * L8
@@ -203,11 +279,29 @@ def test_fused_output_layer_and_what_nvidia_smi_shows_by_hand():
     # 1.5B: 28 layers, 2 KV heads of 128; the whole model in float32, tied embeddings (one vocabulary matrix)
     assert engine.kv_cache == 2 * 28 * 2 * 128 * 4 * 64 * 384 + 4 * 64 * V
     assert engine.weights == 4 * params_per_rank(student.hf, 1, 1)
-    kw = dict(world_size=1, micro_batch_rows=1, seq_len=384, use_distributed_optimizer=True, colocated=False,
-              gpu_memory_gb=80, engine_memory_fraction=0.5, engine_released_gb=3, reserved_gb=0,
-              flash_attention=True, packed_tokens=tokens)
-    plan = build_plan(student, reference, None, logits_chunk_tokens=1024, cuda_context_gb=0.6, allocator_reserve=0.1,
-                      embedded_engine=engine, **kw)
+    kw = dict(
+        world_size=1,
+        micro_batch_rows=1,
+        seq_len=384,
+        use_distributed_optimizer=True,
+        colocated=False,
+        gpu_memory_gb=80,
+        engine_memory_fraction=0.5,
+        engine_released_gb=3,
+        reserved_gb=0,
+        flash_attention=True,
+        packed_tokens=tokens,
+    )
+    plan = build_plan(
+        student,
+        reference,
+        None,
+        logits_chunk_tokens=1024,
+        cuda_context_gb=0.6,
+        allocator_reserve=0.1,
+        embedded_engine=engine,
+        **kw,
+    )
     lc, hid = 1024 * V * 2, tokens * h * 2
     assert hidden_bytes(student, tokens) == hid
     assert _item(plan, "student logits (fused").train == lc + OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES + 6 * V * h + 3 * hid
@@ -217,10 +311,18 @@ def test_fused_output_layer_and_what_nvidia_smi_shows_by_hand():
     assert _item(plan, "embedded engine").train == engine.weights + engine.kv_cache
     assert _item(plan, "CUDA context").train == 0.6e9
     assert plan.total("train") == pytest.approx(1.1 * plan.allocated("train"))
-    whole = build_plan(student, reference, None, cuda_context_gb=0.6, allocator_reserve=0.1, embedded_engine=engine, **kw)
+    whole = build_plan(
+        student, reference, None, cuda_context_gb=0.6, allocator_reserve=0.1, embedded_engine=engine, **kw
+    )
     assert whole.allocated("train") - plan.allocated("train") > 7e9  # 2L (10 GB) less, 2.6 GB of chunks etc. more
-    colocated = build_plan(student, reference, None, logits_chunk_tokens=1024,
-                           embedded_engine=embedded_engine_footprint(student.hf, "float32", 64, 384, True), **kw)
+    colocated = build_plan(
+        student,
+        reference,
+        None,
+        logits_chunk_tokens=1024,
+        embedded_engine=embedded_engine_footprint(student.hf, "float32", 64, 384, True),
+        **kw,
+    )
     assert _item(colocated, "embedded engine").train == 0.0  # weights offloaded, KV cache released
 
 
@@ -229,9 +331,15 @@ def test_gpu_check_shape_names_the_budget_and_recompute():
     micro-batches): recompute=none ran out of memory there; the plan refuses it naming what to lower, and
     passes recompute=full or a smaller token budget."""
     yaml_path = os.path.join(ROOT, "scripts", "gpu_check", "stable_opd_gpu.yaml")
-    common = [f"student.path={Q15B}", f"teacher.path={Q15B}", "trainer.prompts_per_step=16",
-              "trainer.samples_per_prompt=4", "rollout.max_new_tokens=256", "plan.gpu_memory_gb=80",
-              "rollout.engine_dtype=auto"]  # as the GPU check's trainer bench runs it (the YAML pins float32)
+    common = [
+        f"student.path={Q15B}",
+        f"teacher.path={Q15B}",
+        "trainer.prompts_per_step=16",
+        "trainer.samples_per_prompt=4",
+        "rollout.max_new_tokens=256",
+        "plan.gpu_memory_gb=80",
+        "rollout.engine_dtype=auto",
+    ]  # as the GPU check's trainer bench runs it (the YAML pins float32)
     bad = _cli("plan", yaml_path, *common, "student.recompute=none")
     assert bad.returncode == 1, bad.stdout + bad.stderr
     # 64 rollout rows and 16 golden rows of 384 tokens (the budgets): 42 of them fill the 16384-token budget
@@ -257,13 +365,18 @@ def _write_preset(tmp_path, **sections):
 
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"problem": "1+1?", "answer": "2", "golden": "2"}) + "\n")
-    cfg = {"run": {"world_size": 8}, "student": {"path": Q7B, "tp": 2, "dtype": "bfloat16"},
-           "reference": {"tp": 2, "dtype": "bfloat16"},
-           "teacher": {"path": os.path.join(FIXTURES, "openthinker3-7b"), "tp": 2, "dtype": "bfloat16"},
-           "data": {"sources": [{"path": str(data)}], "max_prompt_len": 1024, "max_golden_len": 3072},
-           "rollout": {"max_new_tokens": 3072}, "loss": {"name": "stable_opd"},
-           # rows of the paper's 9216 tokens, planned without extending the fixture's 4096 positions
-           "plan": {"max_tokens": 9216}, "trainer": {"micro_batch_size": 1}}
+    cfg = {
+        "run": {"world_size": 8},
+        "student": {"path": Q7B, "tp": 2, "dtype": "bfloat16"},
+        "reference": {"tp": 2, "dtype": "bfloat16"},
+        "teacher": {"path": os.path.join(FIXTURES, "openthinker3-7b"), "tp": 2, "dtype": "bfloat16"},
+        "data": {"sources": [{"path": str(data)}], "max_prompt_len": 1024, "max_golden_len": 3072},
+        "rollout": {"max_new_tokens": 3072},
+        "loss": {"name": "stable_opd"},
+        # rows of the paper's 9216 tokens, planned without extending the fixture's 4096 positions
+        "plan": {"max_tokens": 9216},
+        "trainer": {"micro_batch_size": 1},
+    }
     for k, v in sections.items():
         cfg.setdefault(k, {}).update(v)
     path = tmp_path / "p.yaml"
@@ -273,8 +386,9 @@ def _write_preset(tmp_path, **sections):
 
 def _cli(*args):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "megaopd.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "megaopd.cli", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
 
 
 def test_plan_command_exit_status(tmp_path):
@@ -307,15 +421,25 @@ def test_plan_counts_the_jobs_rows_not_the_token_budget(monkeypatch):
     from megaopd.config.plan import plan_for
 
     monkeypatch.chdir(ROOT)
-    small = ("run.world_size=1", "student.tp=1", "reference.tp=1", "trainer.prompts_per_step=2",
-             "trainer.samples_per_prompt=1", "data.max_prompt_len=50", "rollout.max_new_tokens=50", "plan.device=cpu")
+    small = (
+        "run.world_size=1",
+        "student.tp=1",
+        "reference.tp=1",
+        "trainer.prompts_per_step=2",
+        "trainer.samples_per_prompt=1",
+        "data.max_prompt_len=50",
+        "rollout.max_new_tokens=50",
+        "plan.device=cpu",
+    )
     plan = plan_for(_load("opd.yaml", *small))
     acts = _item(plan, "student activations")
     assert "200 tokens packed" in acts.name and "16384" not in plan.notes[0]
     student = RoleLayout("student", read_hf_config(os.path.join(TINY, "models", "student")), 1, 1, "float32", cpu=True)
     assert acts.train == activation_bytes(student, 1, 200, True, attn_seq=100)
-    assert "100 tokens packed" in _item(plan_for(_load("opd.yaml", *small, "trainer.mini_batches_per_step=2")),
-                                        "student activations").name
+    assert (
+        "100 tokens packed"
+        in _item(plan_for(_load("opd.yaml", *small, "trainer.mini_batches_per_step=2")), "student activations").name
+    )
     dp2 = plan_for(_load("opd.yaml", *small, "run.world_size=2"))  # tp 1 at world 2: each replica 1 row
     assert "100 tokens packed" in _item(dp2, "student activations").name
     # The rows fill the budget: 128 rows of 256 tokens and 32 golden rows of 384 (stable_opd) at world 2, TP 2.
@@ -373,16 +497,40 @@ def test_rows_are_shared_and_packed_as_the_trainer_does():
     shares are balanced, padded micro-batches carry their share of the golden rows."""
     from megaopd.config.plan_shape import score_shape
 
-    r = StepRows(rollout_rows=128, rollout_tokens=256, golden_rows=32, golden_tokens=384, group=1, mini_batches=1,
-                 max_tokens=16384, micro_batch_size=8)
+    r = StepRows(
+        rollout_rows=128,
+        rollout_tokens=256,
+        golden_rows=32,
+        golden_tokens=384,
+        group=1,
+        mini_batches=1,
+        max_tokens=16384,
+        micro_batch_size=8,
+    )
     assert train_shape(r, 1).tokens == 16384  # 32 x 384 + 16 x 256 fill it exactly
     assert train_shape(r, 4).tokens == (128 * 256 + 32 * 384) // 4  # 11264: a quarter each, under the budget
     assert score_shape(r, 2).tokens == 64 * 256 and score_shape(r, 1).tokens == 64 * 256  # budget-bound
-    groups = StepRows(rollout_rows=8, rollout_tokens=300, golden_rows=0, golden_tokens=0, group=4, mini_batches=1,
-                      max_tokens=1000, micro_batch_size=8)
+    groups = StepRows(
+        rollout_rows=8,
+        rollout_tokens=300,
+        golden_rows=0,
+        golden_tokens=0,
+        group=4,
+        mini_batches=1,
+        max_tokens=1000,
+        micro_batch_size=8,
+    )
     assert train_shape(groups, 1).tokens == 1200  # a group of 4 x 300 is one unit, over the budget
-    padded = StepRows(rollout_rows=64, rollout_tokens=384, golden_rows=16, golden_tokens=512, group=1,
-                      mini_batches=2, max_tokens=0, micro_batch_size=8)
+    padded = StepRows(
+        rollout_rows=64,
+        rollout_tokens=384,
+        golden_rows=16,
+        golden_tokens=512,
+        group=1,
+        mini_batches=2,
+        max_tokens=0,
+        micro_batch_size=8,
+    )
     shape = train_shape(padded, 2)  # 16 rows and 4 golden rows per rank: 2 micro-batches of 8 + 2, 512 wide
     assert (shape.rows, shape.tokens, shape.packed) == (10, 512, False)
 
@@ -404,10 +552,18 @@ def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
     hf_dir = tmp_path / "m"
-    Qwen2Config(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2,
-                num_hidden_layers=4, vocab_size=8192, max_position_embeddings=1024).save_pretrained(hf_dir)
-    (hf_dir / "config.json").write_text(json.dumps({**json.loads((hf_dir / "config.json").read_text()),
-                                                    "architectures": ["Qwen2ForCausalLM"]}))
+    Qwen2Config(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        vocab_size=8192,
+        max_position_embeddings=1024,
+    ).save_pretrained(hf_dir)
+    (hf_dir / "config.json").write_text(
+        json.dumps({**json.loads((hf_dir / "config.json").read_text()), "architectures": ["Qwen2ForCausalLM"]})
+    )
     cfg = read_hf_config(str(hf_dir))
     rows, seq = 4, 512
     role = RoleLayout("student", cfg, 1, 1, "float32")
@@ -453,10 +609,12 @@ def test_plan_vs_measured_finds_the_rank_processes():
 
     from benchmarks.plan_vs_measured import _rank_processes, _status_kib
 
-    code = ("import multiprocessing as mp, time\n"
-            "if __name__ == '__main__':\n"
-            "    ps = [mp.get_context('spawn').Process(target=time.sleep, args=(5,)) for _ in range(2)]\n"
-            "    [p.start() for p in ps]; [p.join() for p in ps]\n")
+    code = (
+        "import multiprocessing as mp, time\n"
+        "if __name__ == '__main__':\n"
+        "    ps = [mp.get_context('spawn').Process(target=time.sleep, args=(5,)) for _ in range(2)]\n"
+        "    [p.start() for p in ps]; [p.join() for p in ps]\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code])
     launcher = psutil.Process(proc.pid)
     try:

@@ -1,5 +1,6 @@
 """Teacher sections: engine megatron|remote, urls, the teachers list and data.sources[].teacher routing,
 with one clear error for what a served teacher cannot do."""
+
 import os
 
 import pytest
@@ -33,19 +34,28 @@ def test_defaults_and_remote():
     assert [s.teacher for s in two.data.sources] == ["arith", "algebra"]
 
 
-@pytest.mark.parametrize("preset, overrides, message", [
-    ("stable_opd.yaml", REMOTE + ["rollout.temperature=0.7"], "SGLang scores .* at temperature 1 only"),
-    ("lsm_student_topk.yaml", REMOTE, "cannot score the teacher at the student's top-k"),
-    ("gkd.yaml", ["teacher.engine=remote", "teacher.urls=[http://h:1]", "teacher.tp=1", "student.tp=1",
-                  "reference.tp=1"], "cannot give the full logits"),
-    ("stable_opd.yaml", ["teacher.engine=remote"], "has no urls"),
-    ("stable_opd.yaml", ["teacher.urls=[http://h:1]"], "set engine=remote"),
-    ("stable_opd.yaml", ["teacher.engine=sglang"], "choose megatron"),
-    ("two_teachers.yaml", ["teacher.path=examples/tiny/models/teacher"], "both `teacher` and `teachers`"),
-    ("two_teachers.yaml", ["data.sources=[{path: examples/tiny/data/algebra.jsonl}]"], "names no teacher"),
-    ("two_teachers.yaml", ["data.sources=[{path: examples/tiny/data/algebra.jsonl, teacher: code}]"],
-     "not among the teachers"),
-])
+@pytest.mark.parametrize(
+    "preset, overrides, message",
+    [
+        ("stable_opd.yaml", REMOTE + ["rollout.temperature=0.7"], "SGLang scores .* at temperature 1 only"),
+        ("lsm_student_topk.yaml", REMOTE, "cannot score the teacher at the student's top-k"),
+        (
+            "gkd.yaml",
+            ["teacher.engine=remote", "teacher.urls=[http://h:1]", "teacher.tp=1", "student.tp=1", "reference.tp=1"],
+            "cannot give the full logits",
+        ),
+        ("stable_opd.yaml", ["teacher.engine=remote"], "has no urls"),
+        ("stable_opd.yaml", ["teacher.urls=[http://h:1]"], "set engine=remote"),
+        ("stable_opd.yaml", ["teacher.engine=sglang"], "choose megatron"),
+        ("two_teachers.yaml", ["teacher.path=examples/tiny/models/teacher"], "both `teacher` and `teachers`"),
+        ("two_teachers.yaml", ["data.sources=[{path: examples/tiny/data/algebra.jsonl}]"], "names no teacher"),
+        (
+            "two_teachers.yaml",
+            ["data.sources=[{path: examples/tiny/data/algebra.jsonl, teacher: code}]"],
+            "not among the teachers",
+        ),
+    ],
+)
 def test_refusals_are_one_clear_line(preset, overrides, message):
     with pytest.raises(ConfigError, match=message):
         _load(preset, overrides)

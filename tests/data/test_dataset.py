@@ -1,4 +1,5 @@
 """DataConfig validation and the trainer-facing PromptDataset/PromptLoader on the tiny data."""
+
 import os
 
 import pytest
@@ -24,17 +25,24 @@ def test_config_errors_name_the_path_and_fix(tmp_path):
 
 
 def test_omegaconf_structured_round_trip():
-    cfg = OmegaConf.merge(OmegaConf.structured(DataConfig),
-                          OmegaConf.create({"sources": [{"path": "examples/tiny/data/opd.jsonl", "weight": 2}],
-                                            "max_prompt_len": 128}))
+    cfg = OmegaConf.merge(
+        OmegaConf.structured(DataConfig),
+        OmegaConf.create({"sources": [{"path": "examples/tiny/data/opd.jsonl", "weight": 2}], "max_prompt_len": 128}),
+    )
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj.sources[0], SourceConfig) and obj.sources[0].weight == 2 and obj.max_prompt_len == 128
 
 
 def test_tiny_sources_mix_and_resume(tok):
-    cfg = DataConfig(sources=[SourceConfig(path="examples/tiny/data/opd.jsonl", weight=3, max_rows=60),
-                              SourceConfig(path="examples/tiny/data/sft.jsonl", weight=1, max_rows=20)],
-                     max_prompt_len=128, max_golden_len=160, seed=5)
+    cfg = DataConfig(
+        sources=[
+            SourceConfig(path="examples/tiny/data/opd.jsonl", weight=3, max_rows=60),
+            SourceConfig(path="examples/tiny/data/sft.jsonl", weight=1, max_rows=20),
+        ],
+        max_prompt_len=128,
+        max_golden_len=160,
+        seed=5,
+    )
     data = PromptDataset.load(cfg, tok, log=None)
     assert data.names == ["opd", "sft"] and data.sizes == [60, 20]
     assert data.reports[0].rows == 60 and data.reports[0].kept == 60
@@ -48,8 +56,7 @@ def test_tiny_sources_mix_and_resume(tok):
     nxt = [loaders[1].next_batch() for _ in range(4)]
     again = PromptLoader(data, cfg, batch_size=8, dp_rank=1, dp_size=2)
     again.load_state_dict(state)
-    assert [[e.uid for e in b] for b in (again.next_batch() for _ in range(4))] == \
-        [[e.uid for e in b] for b in nxt]
+    assert [[e.uid for e in b] for b in (again.next_batch() for _ in range(4))] == [[e.uid for e in b] for b in nxt]
     assert [e.uid for e in again.batch_at_step(3)] == [e.uid for e in nxt[0]]
     r0, r1 = loaders[0].batch_at_step(0), loaders[1].batch_at_step(0)
     assert len(r0) == len(r1) == 4 and not {e.uid for e in r0} & {e.uid for e in r1}

@@ -1,4 +1,5 @@
 """OpenR1-Math schema loading (parquet and jsonl), the golden filter, the split, malformed rows, errors."""
+
 import json
 import os
 from collections import Counter
@@ -6,8 +7,16 @@ from collections import Counter
 import pytest
 
 from megaopd.data.config import DataConfig, FilterConfig, SourceConfig
-from megaopd.data.openr1 import (DataError, LoadReport, load_records, prepare_splits, record_from_row,
-                                 split_records, split_sizes, token_counter)
+from megaopd.data.openr1 import (
+    DataError,
+    LoadReport,
+    load_records,
+    prepare_splits,
+    record_from_row,
+    split_records,
+    split_sizes,
+    token_counter,
+)
 from tests.data.conftest import raw_row, write_jsonl, write_parquet
 
 GOOD = "<think>\n2 + 2 = 4\n</think>\nThe answer is \\boxed{4}."
@@ -18,11 +27,11 @@ LONG = "<think>\n" + "2 + 2 = 4\n" * 40 + "</think>\nThe answer is \\boxed{4}." 
 def hand_rows():
     return [
         raw_row(0, [GOOD], [True]),
-        raw_row(1, [WRONG, GOOD], [False, True]),          # golden is the second generation
-        raw_row(2, [WRONG], [False]),                       # no verified generation
-        raw_row(3, [LONG], [True]),                         # only generation too long
-        raw_row(4, [LONG, GOOD], [True, True]),             # first too long -> second
-        raw_row(5, [GOOD], [True], complete=[False]),       # incomplete reasoning
+        raw_row(1, [WRONG, GOOD], [False, True]),  # golden is the second generation
+        raw_row(2, [WRONG], [False]),  # no verified generation
+        raw_row(3, [LONG], [True]),  # only generation too long
+        raw_row(4, [LONG, GOOD], [True, True]),  # first too long -> second
+        raw_row(5, [GOOD], [True], complete=[False]),  # incomplete reasoning
     ]
 
 
@@ -52,13 +61,22 @@ def test_filter_rules_on_hand_made_rows(tok):
     assert pick(raw_row(2, [WRONG], [False])) == (None, "no verified generation")
     assert pick(raw_row(3, [LONG], [True]))[1] == "no verified generation within 100 tokens"
     # The paper's filter alone (no completeness rule) keeps an incomplete-but-correct trace.
-    assert pick(raw_row(5, [GOOD], [True], complete=[False]),
-                FilterConfig(max_generation_tokens=100, require_complete=False))[0].golden == GOOD
+    assert (
+        pick(
+            raw_row(5, [GOOD], [True], complete=[False]),
+            FilterConfig(max_generation_tokens=100, require_complete=False),
+        )[0].golden
+        == GOOD
+    )
     # No length limit: the long trace is kept.
     assert pick(raw_row(3, [LONG], [True]), FilterConfig(max_generation_tokens=0))[0].golden == LONG
     # shortest picks the shorter of two correct traces.
-    assert pick(raw_row(4, [LONG, GOOD], [True, True]),
-                FilterConfig(max_generation_tokens=0, golden_choice="shortest"))[0].golden == GOOD
+    assert (
+        pick(raw_row(4, [LONG, GOOD], [True, True]), FilterConfig(max_generation_tokens=0, golden_choice="shortest"))[
+            0
+        ].golden
+        == GOOD
+    )
 
 
 def test_math_verify_runs_when_the_column_is_missing_or_reverify(tok):
@@ -71,23 +89,31 @@ def test_math_verify_runs_when_the_column_is_missing_or_reverify(tok):
 
 
 def test_malformed_rows_are_skipped_and_counted(tmp_path, tok):
-    rows = [raw_row(0, [GOOD], [True]),
-            {"answer": "4", "generations": [GOOD]},                                  # missing problem
-            raw_row(2, [GOOD], [True], answer=None),                                 # missing answer
-            raw_row(3, "not a list", [True]),                                        # bad generations
-            raw_row(4, [GOOD, GOOD], [True]),                                        # length mismatch
-            raw_row(5, [GOOD], ["yes"]),                                             # non-boolean
-            raw_row(6, [GOOD], [True], answer=4)]                                    # numeric answer: fine
+    rows = [
+        raw_row(0, [GOOD], [True]),
+        {"answer": "4", "generations": [GOOD]},  # missing problem
+        raw_row(2, [GOOD], [True], answer=None),  # missing answer
+        raw_row(3, "not a list", [True]),  # bad generations
+        raw_row(4, [GOOD, GOOD], [True]),  # length mismatch
+        raw_row(5, [GOOD], ["yes"]),  # non-boolean
+        raw_row(6, [GOOD], [True], answer=4),
+    ]  # numeric answer: fine
     path = write_jsonl(tmp_path / "bad.jsonl", rows, raw_lines=["{not json", "[1, 2]"])
     report = LoadReport("bad")
     recs = load_records([path], FilterConfig(), token_counter(tok), report)
     assert [r.uuid for r in recs] == ["u0", "u6"] and recs[1].answer == "4"
     assert report.rows == 9 and report.kept == 2
-    assert report.skipped == Counter({
-        "missing problem": 1, "missing answer": 1, "generations is not a list of strings": 1,
-        "correctness_math_verify is not a list as long as generations": 1,
-        "correctness_math_verify holds non-boolean values": 1, "invalid json (Expecting property name "
-        "enclosed in double quotes)": 1, "row is not a json object": 1})
+    assert report.skipped == Counter(
+        {
+            "missing problem": 1,
+            "missing answer": 1,
+            "generations is not a list of strings": 1,
+            "correctness_math_verify is not a list as long as generations": 1,
+            "correctness_math_verify holds non-boolean values": 1,
+            "invalid json (Expecting property name enclosed in double quotes)": 1,
+            "row is not a json object": 1,
+        }
+    )
     assert report.first_skipped["missing problem"] == f"{path}:2"
     assert "missing problem x1" in report.summary()
 
@@ -105,11 +131,14 @@ def test_prompt_only_and_prepared_rows():
     rec, _ = record_from_row({"problem": "p", "answer": "1"}, FilterConfig(), None, c)
     assert rec.golden is None and rec.uuid  # stable content id
     assert record_from_row({"problem": "p", "answer": "1"}, FilterConfig(), None, c)[0].uuid == rec.uuid
-    rec, _ = record_from_row({"uuid": "a", "problem": "p", "answer": "1", "golden": GOOD, "golden_tokens": 9},
-                             FilterConfig(), None, c)
+    rec, _ = record_from_row(
+        {"uuid": "a", "problem": "p", "answer": "1", "golden": GOOD, "golden_tokens": 9}, FilterConfig(), None, c
+    )
     assert rec.golden == GOOD and rec.golden_tokens == 9
-    assert record_from_row({"problem": "p", "answer": "1", "golden": 3}, FilterConfig(), None, c)[1] == \
-        "golden is not a string"
+    assert (
+        record_from_row({"problem": "p", "answer": "1", "golden": 3}, FilterConfig(), None, c)[1]
+        == "golden is not a string"
+    )
 
 
 def test_split_is_deterministic_and_proportional():
@@ -129,13 +158,22 @@ def test_split_is_deterministic_and_proportional():
 
 def test_prepare_tool_writes_splits_and_manifest(tmp_path, tok):
     import tools.prepare_openr1_math as prep
-    rows = [raw_row(i, [WRONG, GOOD] if i % 3 else [WRONG], [False, True] if i % 3 else [False])
-            for i in range(30)]
+
+    rows = [raw_row(i, [WRONG, GOOD] if i % 3 else [WRONG], [False, True] if i % 3 else [False]) for i in range(30)]
     src = write_parquet(tmp_path / "train-00000-of-00001.parquet", rows)
     out = tmp_path / "out"
-    args = ["--input", str(tmp_path), "--out", str(out), "--tokenizer", os.path.join(
-        os.path.dirname(__file__), "..", "..", "examples", "tiny", "tokenizer"), "--format", "jsonl",
-        "--sizes", "sft=33000,opd=13000"]
+    args = [
+        "--input",
+        str(tmp_path),
+        "--out",
+        str(out),
+        "--tokenizer",
+        os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny", "tokenizer"),
+        "--format",
+        "jsonl",
+        "--sizes",
+        "sft=33000,opd=13000",
+    ]
     assert prep.main(args) == 0
     sft = [json.loads(x) for x in open(out / "sft.jsonl")]
     opd = [json.loads(x) for x in open(out / "opd.jsonl")]

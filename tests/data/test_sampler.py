@@ -1,4 +1,5 @@
 """The prompt order: deterministic per step, identical after a state_dict round trip, sharded over DP."""
+
 from collections import Counter
 
 import pytest

@@ -1,5 +1,6 @@
 """Rollout stop ids and the goldens' last token (data.special_tokens), with a tokenizer whose EOS is not
 its chat template's turn end (Qwen2.5-Math base: EOS <|endoftext|>, turns closed by <|im_end|>)."""
+
 import pytest
 
 from megaopd.data import DataConfig, PromptDataset, SourceConfig
@@ -19,8 +20,10 @@ def test_stop_ids_are_the_turn_end_then_the_eos_when_they_differ():
     stop = stop_tokens(DataConfig(), tok)
     assert stop.ids == (im_end, eot) and stop.golden_id == im_end
     assert rollout_stop_ids(DataConfig(), tok) == [im_end, eot]
-    assert stop.log_line() == (f"[data] rollouts stop at <|im_end|>={im_end}, <|endoftext|>={eot}; golden "
-                               f"solutions end with <|im_end|>={im_end}")
+    assert stop.log_line() == (
+        f"[data] rollouts stop at <|im_end|>={im_end}, <|endoftext|>={eot}; golden "
+        f"solutions end with <|im_end|>={im_end}"
+    )
     # plain: no chat markup, the EOS is both the golden's end and the only stop.
     assert stop_tokens(DataConfig(prompt_template="plain"), tok).ids == (eot,)
 
@@ -46,8 +49,9 @@ def test_teacher_template_goldens_end_with_the_teachers_turn_end(tmp_path):
 
 def test_dataset_carries_the_stop_ids_its_goldens_end_with(tmp_path):
     tok = qwen_math_base()
-    path = write_jsonl(tmp_path / "g.jsonl", [{"problem": "Solve 3x + 5 = 20.", "answer": "5", "golden": GOLDEN,
-                                                "uuid": "a"}])
+    path = write_jsonl(
+        tmp_path / "g.jsonl", [{"problem": "Solve 3x + 5 = 20.", "answer": "5", "golden": GOLDEN, "uuid": "a"}]
+    )
     lines = []
     data = PromptDataset.load(DataConfig(sources=[SourceConfig(path=path)]), tok, log=lines.append)
     assert data.stop == stop_tokens(DataConfig(), tok) and lines[0] == data.stop.log_line()

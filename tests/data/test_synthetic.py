@@ -1,4 +1,5 @@
 """The tiny synthetic data: deterministic, every answer verified by math-verify, files reproducible."""
+
 import json
 import os
 import random
@@ -44,20 +45,25 @@ def test_committed_tiny_data_has_verified_answers():
     for name, n in (("sft", 4000), ("opd", 2000), ("val", 200)):
         rows = [json.loads(x) for x in open(os.path.join(TINY_DATA, f"{name}.jsonl"))]
         assert len(rows) == n
-        for r in rows[:: 25]:  # a sample: the full set is verified by --check's rebuild
+        for r in rows[::25]:  # a sample: the full set is verified by --check's rebuild
             gold = parse("\\boxed{" + r["answer"] + "}")
             assert [bool(verify(gold, parse(g))) for g in r["generations"]] == r["correctness_math_verify"]
 
 
 def test_build_tiny_data_check_passes():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_tiny_data.py"), "--check"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "build_tiny_data.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr + out.stdout
 
 
 def test_check_mode_detects_a_changed_file(tmp_path):
     sys.path.insert(0, ROOT)
     import tools.build_tiny_data as build
+
     args = ["--data-dir", str(tmp_path / "d"), "--tokenizer-dir", str(tmp_path / "t"), "--sizes", "sft=20,val=5"]
     assert build.main(args) == 0
     assert build.main(args + ["--check"]) == 0

@@ -1,4 +1,5 @@
 """Prompt templates (student, teacher-aligned, plain) and the golden ids/loss mask."""
+
 import pytest
 import torch
 

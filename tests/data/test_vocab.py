@@ -1,13 +1,14 @@
 """The student/teacher vocabulary check (data.vocab) on tiny tokenizers mimicking the paper's pairs:
 Qwen2.5-Math base + OpenThinker3 (EOS differs), + DeepSeek-R1-Distill-Qwen (special ids renamed), and a
 genuinely different vocabulary (refused)."""
+
 import pytest
 import torch
 
 from megaopd.data.config import DataConfig
 from megaopd.data.special_tokens import stop_tokens
 from megaopd.data.vocab import VocabMismatchError, compare_vocab, loss_mask_ids, resolve_token_names
-from tests.data.tiny_vocab import make_tokenizer, openthinker, other_family, qwen_math_base, r1_distill, QWEN_ADDED
+from tests.data.tiny_vocab import QWEN_ADDED, make_tokenizer, openthinker, other_family, qwen_math_base, r1_distill
 
 
 def _ids(tok, *names):
@@ -79,6 +80,7 @@ def test_a_different_regular_vocabulary_is_refused_naming_tokens():
 
 def test_same_vocab_map_but_other_normalizer_is_refused_by_the_probe_texts():
     from tokenizers import normalizers
+
     student, teacher = qwen_math_base(), qwen_math_base()
     teacher.backend_tokenizer.normalizer = normalizers.Lowercase()
     with pytest.raises(VocabMismatchError, match="encodes to student"):
@@ -87,6 +89,7 @@ def test_same_vocab_map_but_other_normalizer_is_refused_by_the_probe_texts():
 
 def test_loss_mask_ids_feed_the_first_occurrence_masking():
     from megaopd.losses import mask_first_occurrences
+
     student, teacher = qwen_math_base(), r1_distill()
     stop = stop_tokens(DataConfig(), student)
     report = compare_vocab(student, teacher, stop_ids=stop.ids)
@@ -104,6 +107,7 @@ def test_loss_mask_ids_feed_the_first_occurrence_masking():
 
 def test_roles_check_same_tokenizer_is_the_thin_wrapper():
     from megaopd.trainer.roles import check_same_tokenizer
+
     report = check_same_tokenizer(qwen_math_base(), r1_distill(), "s", "t")
     assert report.mask_ids
     with pytest.raises(ValueError, match="does not match the student's"):
@@ -113,6 +117,7 @@ def test_roles_check_same_tokenizer_is_the_thin_wrapper():
 def test_teacher_prompt_own_renders_the_teachers_template_for_the_teacher_only():
     from megaopd.data.openr1 import GoldenRecord
     from megaopd.data.tokenize import build_examples
+
     student, teacher = qwen_math_base(), r1_distill()
     rec = GoldenRecord("a", "Solve 3x + 5 = 20.", "5", golden="x = 5.")
     ex = build_examples([rec], "s", DataConfig(teacher_prompt="own"), student, teacher)[0][0]
@@ -126,11 +131,16 @@ def test_teacher_prompt_own_renders_the_teachers_template_for_the_teacher_only()
         DataConfig(teacher_prompt="mine")
     # A teacher prompt over the budget skips the row like a student prompt over it.
     from tests.data.tiny_vocab import R1_ADDED, R1_TEMPLATE
-    wordy = make_tokenizer(R1_ADDED, "<｜end▁of▁sentence｜>", "A careful mathematician checks every step twice, "
-                           "then answers within \\boxed{}. " * 3 + R1_TEMPLATE)
+
+    wordy = make_tokenizer(
+        R1_ADDED,
+        "<｜end▁of▁sentence｜>",
+        "A careful mathematician checks every step twice, then answers within \\boxed{}. " * 3 + R1_TEMPLATE,
+    )
     ex = build_examples([rec], "s", DataConfig(teacher_prompt="own"), student, wordy)[0][0]
     n = len(ex.teacher_prompt_ids)
     assert len(ex.prompt_ids) < n
-    kept, skipped, _ = build_examples([rec], "s", DataConfig(teacher_prompt="own", max_prompt_len=n - 1),
-                                      student, wordy)
+    kept, skipped, _ = build_examples(
+        [rec], "s", DataConfig(teacher_prompt="own", max_prompt_len=n - 1), student, wordy
+    )
     assert kept == [] and skipped == {f"prompt over max_prompt_len={n - 1} tokens": 1}

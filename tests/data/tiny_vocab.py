@@ -1,6 +1,7 @@
 """Tiny tokenizers mimicking the paper's student/teacher pairs: one regular byte-level BPE vocabulary, then
 added tokens at the same ids under each model's names (Qwen2.5 base/Math, Qwen2.5-Instruct derivatives
 such as OpenThinker3, DeepSeek-R1-Distill-Qwen), plus a genuinely different vocabulary."""
+
 import functools
 
 CORPUS = [
@@ -12,24 +13,42 @@ OTHER_CORPUS = ["zebra quartz jumps over lazy fox; zebra zebra quartz 0 1 2 3 4 
 """Another corpus: the BPE trained on it is a genuinely different regular vocabulary."""
 
 # Qwen2.5 names of ids N..N+6 (151643.. in the real tokenizer) and DeepSeek-R1-Distill-Qwen's.
-QWEN_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-              "<|box_start|>", "<|box_end|>"]
-R1_ADDED = ["<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜begin▁of▁sentence｜>", "<|EOT|>",
-            "<think>", "</think>"]
+QWEN_ADDED = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+]
+R1_ADDED = [
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜begin▁of▁sentence｜>",
+    "<|EOT|>",
+    "<think>",
+    "</think>",
+]
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-R1_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-               "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
-               "{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+R1_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
+)
 
 
 @functools.lru_cache(maxsize=None)
 def _bpe_json(other: bool) -> str:
     from tokenizers import ByteLevelBPETokenizer
+
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(OTHER_CORPUS if other else CORPUS, vocab_size=300, min_frequency=1,
-                            show_progress=False)
+    bpe.train_from_iterator(OTHER_CORPUS if other else CORPUS, vocab_size=300, min_frequency=1, show_progress=False)
     return bpe._tokenizer.to_str()
 
 
@@ -37,11 +56,13 @@ def make_tokenizer(added, eos, template=None, bos=None, other_vocab=False):
     """A PreTrainedTokenizerFast: the shared (or the other) regular vocabulary, then `added` in order."""
     from tokenizers import AddedToken, Tokenizer
     from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer.from_str(_bpe_json(other_vocab))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
     kwargs = {"bos_token": bos} if bos else {}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=added[0],
-                                   chat_template=template, **kwargs)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=eos, pad_token=added[0], chat_template=template, **kwargs
+    )
 
 
 def qwen_math_base():

@@ -1,4 +1,6 @@
-"""Tiny random Qwen2 HF models for the engine, serving and rollout tests: built from a config, saved into a tmp dir, no download."""
+"""Tiny random Qwen2 HF models for the engine, serving and rollout tests: built from a config, saved into a tmp "
+"dir, no download."""
+
 from __future__ import annotations
 
 import functools
@@ -12,10 +14,20 @@ EOS = 2
 def tiny_qwen2_config(**overrides):
     from transformers import Qwen2Config
 
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              tie_word_embeddings=False, eos_token_id=EOS, bos_token_id=1, pad_token_id=0,
-              rope_theta=10000.0)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        pad_token_id=0,
+        rope_theta=10000.0,
+    )
     kw.update(overrides)
     return Qwen2Config(**kw)
 
@@ -62,4 +74,4 @@ def hf_logprobs(path_or_model, prompt: list[int], output: list[int], temperature
     t = temperature if temperature >= 1e-6 else 1.0
     lp = torch.log_softmax(logits / t, dim=-1)
     P = len(prompt)
-    return lp[P - 1:P - 1 + len(output)].gather(-1, torch.tensor(output).unsqueeze(-1)).squeeze(-1)
+    return lp[P - 1 : P - 1 + len(output)].gather(-1, torch.tensor(output).unsqueeze(-1)).squeeze(-1)

@@ -1,6 +1,7 @@
 """The engine's attention (megaopd.engine.attention): a decode step's queries packed onto the KV heads give the
 attention of every query head over its own KV head, in float64 against the formula with the keys repeated;
 everything else is transformers' SDPA as it is; the runner's model uses it."""
+
 import math
 import types
 
@@ -25,7 +26,7 @@ def test_packed_decode_equals_repeated_keys(heads, kv_heads):
     A, L, D = 5, 37, 16
     q = torch.randn(A, heads, 1, D, generator=g, dtype=torch.float64)
     cache = torch.randn(A + 2, kv_heads, L + 20, D, generator=g, dtype=torch.float64)
-    k, v = cache[:A, :, :L], cache[2:, :, 3:L + 3]  # strided views of a slot cache, as decode reads them
+    k, v = cache[:A, :, :L], cache[2:, :, 3 : L + 3]  # strided views of a slot cache, as decode reads them
     lengths = torch.tensor([1, 5, 37, 20, 9])
     mask = (torch.arange(L)[None, :] < lengths[:, None])[:, None, None, :]
     module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
@@ -57,8 +58,16 @@ def _sliding_models(tmp_path):
     windows of 8 tokens: shorter than the rows below, so a lost window shows."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-              num_key_value_heads=2, max_position_embeddings=512, sliding_window=8)
+    kw = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=8,
+    )
     torch.manual_seed(0)
     qwen = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, max_window_layers=1, **kw))
     mistral = MistralForCausalLM(MistralConfig(**kw))
@@ -82,8 +91,9 @@ def test_sliding_windows_and_eager_masks_match_hf(tmp_path, attn):
     rows = [RowRequest(prompt_ids=[3, 4, 5 + i] * (i + 2), max_new_tokens=12 + 3 * i, seed=i) for i in range(4)]
     prompt = list(range(1, 40))
     for d in _sliding_models(tmp_path):
-        engine = ModelRunner(EmbeddedEngineConfig(hf_dir=d, max_batch_size=3, load_tokenizer=False,
-                                                  attn_implementation=attn))
+        engine = ModelRunner(
+            EmbeddedEngineConfig(hf_dir=d, max_batch_size=3, load_tokenizer=False, attn_implementation=attn)
+        )
         for r, out in zip(rows, engine.run(rows)):
             ref = hf_logprobs(d, list(r.prompt_ids), out.output_ids, 1.0)
             assert (ref - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() < 1e-5, d
@@ -95,19 +105,33 @@ def test_sliding_windows_and_eager_masks_match_hf(tmp_path, attn):
 def test_layer_windows_follow_the_models_own_masks():
     """Without layer_types a model slides where its own code does: Mistral with a window, not Llama with a
     stray sliding_window in its config, nor Qwen2 with use_sliding_window=False."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from megaopd.engine.forward import layer_windows
 
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-              num_key_value_heads=1)
+    kw = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     llama_cfg = LlamaConfig(**kw)
     llama_cfg.sliding_window = 8
     assert layer_windows(LlamaForCausalLM(llama_cfg)) == {"full_attention": None}
     assert layer_windows(MistralForCausalLM(MistralConfig(sliding_window=8, **kw))) == {"sliding_attention": 8}
     assert layer_windows(MistralForCausalLM(MistralConfig(sliding_window=None, **kw))) == {"full_attention": None}
-    assert layer_windows(Qwen2ForCausalLM(Qwen2Config(sliding_window=8, use_sliding_window=False, **kw))) == \
-        {"full_attention": None}
+    assert layer_windows(Qwen2ForCausalLM(Qwen2Config(sliding_window=8, use_sliding_window=False, **kw))) == {
+        "full_attention": None
+    }
 
 
 def test_only_sdpa_or_eager(tiny_dir):

@@ -1,5 +1,6 @@
 """CUDA-graph decode (megaopd.engine.graphs): the batch sizes and length buckets everywhere; on a GPU, the
 replayed steps give the eager steps' tokens and log-probs (skipped without CUDA)."""
+
 import pytest
 import torch
 
@@ -21,8 +22,12 @@ def test_graph_decode_equals_eager(tiny_dir):
     from megaopd.engine.rows import RowRequest
     from megaopd.engine.runner import ModelRunner
 
-    rows = [RowRequest(prompt_ids=[3 + i, 5, 9][: 1 + i % 3], max_new_tokens=5 + 7 * (i % 3), seed=i,
-                       stop_ids=frozenset({2})) for i in range(11)]
+    rows = [
+        RowRequest(
+            prompt_ids=[3 + i, 5, 9][: 1 + i % 3], max_new_tokens=5 + 7 * (i % 3), seed=i, stop_ids=frozenset({2})
+        )
+        for i in range(11)
+    ]
     kw = dict(hf_dir=tiny_dir, device="cuda", max_batch_size=4, load_tokenizer=False)
     eager = ModelRunner(EmbeddedEngineConfig(cuda_graph_bs=[], **kw)).run(rows)
     runner = ModelRunner(EmbeddedEngineConfig(**kw))

@@ -1,5 +1,6 @@
 """The model runner loads a Qwen3-MoE model's per-expert HF names into transformers 5's fused expert
 tensors: after loading another model's checkpoint tensors, its log-probs equal that model's own HF forward."""
+
 import pytest
 import torch
 
@@ -57,8 +58,7 @@ def test_update_with_per_expert_tensors_equals_hf_forward(moe_dirs):
 
 
 def test_discarded_fused_experts_stay_stale_until_every_expert_is_loaded(moe_dirs):
-    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=moe_dirs[0], load_tokenizer=False,
-                                                 release_weights="discard"))
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=moe_dirs[0], load_tokenizer=False, release_weights="discard"))
     weights = HFWeights(moe_dirs[1])
     engine.release_memory()
     engine.resume_memory()

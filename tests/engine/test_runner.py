@@ -1,5 +1,6 @@
 """The model runner, driven through the trainer's EmbeddedEngine, against an independent HF forward:
 lengths, stops, log-probs, seeds, weight loads, memory release."""
+
 import pytest
 import torch
 
@@ -34,8 +35,12 @@ def test_max_new_tokens_and_length(engine):
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, 20), (0.0, 1.0, -1), (1.3, 1.0, 5)])
 def test_logprobs_match_independent_hf_forward(engine, tiny_dir, temperature, top_p, top_k):
     # Left-padded prompts of different lengths, n samples sharing a prefill, rows leaving the batch.
-    samples = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=12, temperature=temperature, top_p=top_p,
-                                                      top_k=top_k, seed=11, stop_token_ids=[7, 13]))
+    samples = engine.generate(
+        PROMPTS,
+        SamplingParams(
+            n=3, max_new_tokens=12, temperature=temperature, top_p=top_p, top_k=top_k, seed=11, stop_token_ids=[7, 13]
+        ),
+    )
     assert max_logprob_gap(tiny_dir, samples, temperature) < 1e-5  # float32 round-off
 
 
@@ -59,14 +64,16 @@ def test_stop_token_id(engine):
     free = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))[0]
     stop_id = free.output_ids[5]
     first = free.output_ids.index(stop_id)
-    stopped = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0,
-                                                          stop_token_ids=[stop_id]))[0]
+    stopped = engine.generate(
+        PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=[stop_id])
+    )[0]
     assert stopped.finish_reason == "stop"
     end = min(first, free.output_ids.index(EOS) if EOS in free.output_ids else first)  # EOS stops too
-    assert stopped.output_ids == free.output_ids[:end + 1]
+    assert stopped.output_ids == free.output_ids[: end + 1]
     # SGLang 0.5.23: ignore_eos ignores stop_token_ids as well (seen against its server, tests/e2e/sglang).
-    ignored = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True,
-                                                          stop_token_ids=[stop_id]))[0]
+    ignored = engine.generate(
+        PROMPTS[:1], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id])
+    )[0]
     assert ignored.output_ids == free.output_ids and ignored.finish_reason == "length"
 
 
@@ -164,16 +171,22 @@ def test_bad_prompts(engine):
         engine.generate([[1] * 10], SamplingParams(max_new_tokens=600))
 
 
-
 def test_continuous_batching_rows_match_alone(eos_dir):
     """More rows than slots, mixed budgets, some ending on EOS: each row's tokens and log-probs are those
     it gets alone (a finished row's slot goes to a waiting row; a row's draws are its own)."""
     from megaopd.engine.rows import RowRequest
 
     eng = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=eos_dir, max_batch_size=3))
-    rows = [RowRequest(prompt_ids=[3 + i, 5, 7 + 2 * i][: 1 + i % 3], max_new_tokens=4 + 5 * (i % 4),
-                       stop_ids=frozenset({EOS}) if i % 2 else frozenset(), seed=100 + i,
-                       top_p=0.9 if i == 5 else 1.0) for i in range(10)]
+    rows = [
+        RowRequest(
+            prompt_ids=[3 + i, 5, 7 + 2 * i][: 1 + i % 3],
+            max_new_tokens=4 + 5 * (i % 4),
+            stop_ids=frozenset({EOS}) if i % 2 else frozenset(),
+            seed=100 + i,
+            top_p=0.9 if i == 5 else 1.0,
+        )
+        for i in range(10)
+    ]
     together = eng.run(rows)
     assert len(together) == 10 and eng._cache.slots == 3
     for r, t in zip(rows, together):
@@ -190,8 +203,10 @@ def test_sync_every_keeps_results(tiny_dir):
     """Reading the finished flags every 5 steps (the CUDA default is 8) gives the same rows as every step."""
     from megaopd.engine.rows import RowRequest
 
-    rows = [RowRequest(prompt_ids=[4, 9, i + 3], max_new_tokens=3 + 4 * i, stop_ids=frozenset({EOS, 11}),
-                       seed=i) for i in range(7)]
+    rows = [
+        RowRequest(prompt_ids=[4, 9, i + 3], max_new_tokens=3 + 4 * i, stop_ids=frozenset({EOS, 11}), seed=i)
+        for i in range(7)
+    ]
     a = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4)).run(rows)
     b = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4, sync_every=5)).run(rows)
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
@@ -206,8 +221,9 @@ def test_retract_after_every_row_finished_between_harvests(tiny_dir):
     from megaopd.engine.decode import decode_rows
     from megaopd.engine.rows import RowRequest
 
-    rows = [RowRequest(prompt_ids=[4, 9, i + 3], max_new_tokens=2 + i, stop_ids=frozenset({EOS}), seed=i)
-            for i in range(3)]
+    rows = [
+        RowRequest(prompt_ids=[4, 9, i + 3], max_new_tokens=2 + i, stop_ids=frozenset({EOS}), seed=i) for i in range(3)
+    ]
     eng = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4, sync_every=16))
     plain = eng.run(rows)
     retracted = decode_rows(eng._decoder(rows), rows, "v", lambda: "retract", sync_every=16)
@@ -264,8 +280,9 @@ def test_admit_min_batches_admissions_and_keeps_rows(tiny_dir, monkeypatch):
     for admit in (1, 3):
         prefills.clear()
         # sync_every=1 (the CPU's): on CUDA's 8, rows finish between harvests in fours and both values admit alike
-        results[admit] = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4, admit_min=admit,
-                                                             sync_every=1)).run(rows)
+        results[admit] = EmbeddedEngine(
+            EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=4, admit_min=admit, sync_every=1)
+        ).run(rows)
         counts = list(prefills)
         assert sum(counts) == len(rows)
         if admit == 3:  # every admission but the last (the rows left) fills >= 3 slots, and there are fewer

@@ -3,8 +3,14 @@
 import pytest
 import torch
 
-from megaopd.engine.sampling import (filtered_probs, keep_mask, needs_filter, row_uniforms, sample_tokens,
-                                     scaled_logprobs)
+from megaopd.engine.sampling import (
+    filtered_probs,
+    keep_mask,
+    needs_filter,
+    row_uniforms,
+    sample_tokens,
+    scaled_logprobs,
+)
 
 # Fixed logits over 8 tokens; softmax at T=1 is about [.43 .21 .16 .08 .06 .03 .02 .01].
 LOGITS = torch.tensor([2.0, 1.3, 1.0, 0.3, 0.0, -0.7, -1.0, -1.7])
@@ -24,15 +30,23 @@ def draw(logits, n, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0):
     B = n
     logits_BV = logits.expand(B, -1).clone()
     # Row b draws its token index b of seed `seed`: n independent draws.
-    ids, lps = sample_tokens(logits_BV, torch.full((B,), temperature), torch.full((B,), top_p),
-                             torch.full((B,), top_k, dtype=torch.long), torch.full((B,), seed), torch.arange(B),
-                             torch.full((B,), min_p), filters=needs_filter(top_p, top_k, min_p, 8))
+    ids, lps = sample_tokens(
+        logits_BV,
+        torch.full((B,), temperature),
+        torch.full((B,), top_p),
+        torch.full((B,), top_k, dtype=torch.long),
+        torch.full((B,), seed),
+        torch.arange(B),
+        torch.full((B,), min_p),
+        filters=needs_filter(top_p, top_k, min_p, 8),
+    )
     return ids, lps
 
 
 def expected_probs(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0):
-    return filtered_probs(LOGITS[None], torch.tensor([temperature]), torch.tensor([top_p]),
-                          torch.tensor([top_k]), torch.tensor([min_p]))[0]
+    return filtered_probs(
+        LOGITS[None], torch.tensor([temperature]), torch.tensor([top_p]), torch.tensor([top_k]), torch.tensor([min_p])
+    )[0]
 
 
 def test_keep_mask_sets():
@@ -62,8 +76,17 @@ def test_keep_mask_unsorted_logits():
     assert sorted(perm[keep].tolist()) == [0, 1]
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(top_k=3), dict(top_p=0.7), dict(temperature=0.5, top_p=0.9),
-                                dict(temperature=2.0, top_k=5), dict(min_p=0.2)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(top_k=3),
+        dict(top_p=0.7),
+        dict(temperature=0.5, top_p=0.9),
+        dict(temperature=2.0, top_k=5),
+        dict(min_p=0.2),
+    ],
+)
 def test_sample_frequencies_match_filtered_distribution(kw):
     probs = expected_probs(**kw)
     ids, _ = draw(LOGITS, 6000, seed=1234, **kw)
@@ -118,8 +141,10 @@ def test_row_uniforms_are_uniform_and_keyed():
     assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
     counts = torch.histc(u.float(), bins=20, min=0.0, max=1.0)
     assert chi2_pvalue(counts.long(), torch.full((20,), 0.05)) > 1e-3
-    assert row_uniforms(torch.tensor([5]), torch.tensor([3])).item() == \
-        row_uniforms(torch.tensor([5, 6]), torch.tensor([3, 3]))[0].item()
+    assert (
+        row_uniforms(torch.tensor([5]), torch.tensor([3])).item()
+        == row_uniforms(torch.tensor([5, 6]), torch.tensor([3, 3]))[0].item()
+    )
     assert len(set(row_uniforms(torch.tensor([1, 2, 1]), torch.tensor([0, 0, 1])).tolist())) == 3
 
 

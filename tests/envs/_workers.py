@@ -1,4 +1,5 @@
 """Spawned workers of the multi-turn trainer tests (module level, importable by spawned processes)."""
+
 from __future__ import annotations
 
 
@@ -39,9 +40,17 @@ def multi_turn_rollout(rank, world_size, cfg):
         trainer.run_log.close()
     if rank != 0:
         return None
-    return {"tokens": batch.tokens_BS, "mask": batch.loss_mask_BT, "prompt_lens": batch.prompt_lens_B,
-            "response_lens": batch.response_lens_B, "engine": batch.engine_logprobs_BT, "actor": actor,
-            "teacher": teacher, "metrics": metrics, "turns": [t.turns for t in batch.trajectories]}
+    return {
+        "tokens": batch.tokens_BS,
+        "mask": batch.loss_mask_BT,
+        "prompt_lens": batch.prompt_lens_B,
+        "response_lens": batch.response_lens_B,
+        "engine": batch.engine_logprobs_BT,
+        "actor": actor,
+        "teacher": teacher,
+        "metrics": metrics,
+        "turns": [t.turns for t in batch.trajectories],
+    }
 
 
 def run_presets_always_answering(rank, world_size, cfgs):

@@ -2,6 +2,7 @@
 resumes and reaches the uninterrupted run's step-2 metrics, trajectory metrics included (trajectories are
 seeded per step, turn and request). Every environment answers every turn (always_answers/sitecustomize.py),
 so the trajectories are multi-turn."""
+
 import json
 import os
 import signal
@@ -15,16 +16,42 @@ from tests.trainer.tiny_models import ROOT
 
 PRESET = os.path.join(ROOT, "examples", "tiny", "agentic.yaml")
 HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "always_answers")
-KEYS = ("loss/total", "loss/opd", "loss/sft", "loss/ref_kl", "train/grad_norm", "rollout/response_length_mean",
-        "rollout/student_logprob_mean", "rollout/teacher_logprob_mean", "rollout/reward_mean", "traj/turns_mean",
-        "traj/tool_calls_mean", "traj/env_token_share", "traj/truncated_turns_rate", "traj/truncated_tokens_rate")
+KEYS = (
+    "loss/total",
+    "loss/opd",
+    "loss/sft",
+    "loss/ref_kl",
+    "train/grad_norm",
+    "rollout/response_length_mean",
+    "rollout/student_logprob_mean",
+    "rollout/teacher_logprob_mean",
+    "rollout/reward_mean",
+    "traj/turns_mean",
+    "traj/tool_calls_mean",
+    "traj/env_token_share",
+    "traj/truncated_turns_rate",
+    "traj/truncated_tokens_rate",
+)
 
 
 def _cmd(run_dir):
-    return [sys.executable, "-m", "megaopd.cli", "train", PRESET, f"run.dir={run_dir}", "trainer.max_steps=2",
-            "trainer.save_interval=1", "trainer.prompts_per_step=2", "trainer.samples_per_prompt=2",
-            "trainer.micro_batch_size=4", "trainer.eval_interval=0", "rollout.max_turns=2",
-            "logging.tensorboard=false", "logging.progress_bar=off"]
+    return [
+        sys.executable,
+        "-m",
+        "megaopd.cli",
+        "train",
+        PRESET,
+        f"run.dir={run_dir}",
+        "trainer.max_steps=2",
+        "trainer.save_interval=1",
+        "trainer.prompts_per_step=2",
+        "trainer.samples_per_prompt=2",
+        "trainer.micro_batch_size=4",
+        "trainer.eval_interval=0",
+        "rollout.max_turns=2",
+        "logging.tensorboard=false",
+        "logging.progress_bar=off",
+    ]
 
 
 def _step(run_dir, step):
@@ -38,8 +65,15 @@ def test_agentic_run_resumes_after_sigkill_with_the_same_metrics(tmp_path):
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
     quiet = dict(cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
     subprocess.run(_cmd(full), check=True, **quiet)
-    proc = subprocess.Popen(_cmd(killed), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _cmd(killed),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     assert _wait_for(lambda: _checkpointed(killed, 1), 600, proc)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, mid-run, no chance to save
     proc.wait()

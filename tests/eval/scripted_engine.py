@@ -2,6 +2,7 @@
 
 Generation itself is tested with the real embedded engine (megaopd.rollout.embedded).
 """
+
 from __future__ import annotations
 
 from megaopd.rollout.protocol import Sample, SamplingParams

@@ -9,7 +9,13 @@ from megaopd.eval.benchmarks import convert_rows, write_benchmark_file
 def test_registry_defaults_match_paper():
     assert list(BENCHMARKS) == ["math500", "minerva", "olympiadbench", "amc", "aime24", "aime25"]
     assert {n: s.samples for n, s in BENCHMARKS.items()} == {
-        "math500": 1, "minerva": 1, "olympiadbench": 1, "amc": 32, "aime24": 32, "aime25": 32}
+        "math500": 1,
+        "minerva": 1,
+        "olympiadbench": 1,
+        "amc": 32,
+        "aime24": 32,
+        "aime25": 32,
+    }
 
 
 def test_load_and_errors(tmp_path):
@@ -38,7 +44,10 @@ def test_resolve_order_and_samples(tmp_path):
     write_benchmark_file([{"id": "1", "problem": "p", "answer": "1"}], str(extra))
     got = resolve_benchmarks([str(extra), "aime24", "math500"], str(tmp_path))
     assert [(b.name, b.samples, b.metric_name) for b in got] == [
-        ("math500", 1, "pass@1"), ("aime24", 32, "avg@32"), ("mine", 1, "pass@1")]
+        ("math500", 1, "pass@1"),
+        ("aime24", 32, "avg@32"),
+        ("mine", 1, "pass@1"),
+    ]
     assert [b.samples for b in resolve_benchmarks(["aime24", "math500"], str(tmp_path), samples=4)] == [4, 4]
     with pytest.raises(ValueError, match="unknown benchmark 'gsm8k'"):
         resolve_benchmarks(["gsm8k"], str(tmp_path))
@@ -46,10 +55,19 @@ def test_resolve_order_and_samples(tmp_path):
 
 def test_convert_release_schemas():
     # MATH-500: problem, solution, answer, subject, level, unique_id
-    math500 = [{"problem": "P", "solution": "... \\boxed{\\frac{1}{2}}", "answer": "\\frac{1}{2}",
-                "subject": "Algebra", "level": 3, "unique_id": "test/algebra/1.json"}]
+    math500 = [
+        {
+            "problem": "P",
+            "solution": "... \\boxed{\\frac{1}{2}}",
+            "answer": "\\frac{1}{2}",
+            "subject": "Algebra",
+            "level": 3,
+            "unique_id": "test/algebra/1.json",
+        }
+    ]
     assert convert_rows(math500, "math500") == [
-        {"id": "math500-test/algebra/1.json", "problem": "P", "answer": "\\frac{1}{2}"}]
+        {"id": "math500-test/algebra/1.json", "problem": "P", "answer": "\\frac{1}{2}"}
+    ]
     # Minerva (Qwen2.5-Math release): problem + solution with a box, no answer column
     minerva = [{"problem": "Q", "solution": "so \\boxed{3 \\times 10^{8}} m/s", "idx": 0}]
     assert convert_rows(minerva, "minerva")[0]["answer"] == "3 \\times 10^{8}"

@@ -6,6 +6,7 @@ and started again generates exactly the missing samples and gives the uninterrup
 last line is cut off; other settings in the same folder are refused.
 Slow: the CLI against two `megaopd serve` processes vs the embedded CLI; SIGKILL halfway and restart.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,9 +49,13 @@ def two_servers():
     from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.serving.server import RolloutServer, ServeConfig
 
-    servers = [RolloutServer(ServeConfig(hf_dir=STUDENT, port=0),
-                             engine=EmbeddedEngine(EmbeddedEngineConfig(hf_dir=STUDENT, max_batch_size=16))).start()
-               for _ in range(2)]
+    servers = [
+        RolloutServer(
+            ServeConfig(hf_dir=STUDENT, port=0),
+            engine=EmbeddedEngine(EmbeddedEngineConfig(hf_dir=STUDENT, max_batch_size=16)),
+        ).start()
+        for _ in range(2)
+    ]
     yield [s.url for s in servers]
     for s in servers:
         s.shutdown()
@@ -126,14 +131,21 @@ def test_torn_last_line_is_cut_and_regenerated(tok, embedded, tmp_path):
 def test_other_settings_in_the_same_folder_are_refused(tok, embedded, tmp_path):
     evaluate(embedded, tok, [VAL], EvalConfig(batch_size=4, **{**CFG, "limit": 1}), out_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"temperature: 0.6 -> 1.0.*another --out folder"):
-        evaluate(embedded, tok, [VAL], EvalConfig(batch_size=4, **{**CFG, "limit": 1, "temperature": 1.0}),
-                 out_dir=str(tmp_path))
+        evaluate(
+            embedded,
+            tok,
+            [VAL],
+            EvalConfig(batch_size=4, **{**CFG, "limit": 1, "temperature": 1.0}),
+            out_dir=str(tmp_path),
+        )
     with pytest.raises(ValueError, match="2 samples"):  # k is part of every sample's seed
-        evaluate(embedded, tok, [VAL], EvalConfig(batch_size=4, **{**CFG, "limit": 1, "samples": 3}),
-                 out_dir=str(tmp_path))
+        evaluate(
+            embedded, tok, [VAL], EvalConfig(batch_size=4, **{**CFG, "limit": 1, "samples": 3}), out_dir=str(tmp_path)
+        )
     # A different --limit is the same evaluation: more problems extend it.
-    store = GenerationStore(str(tmp_path), {"temperature": 0.6, "top_p": 1.0, "max_new_tokens": 64, "seed": 3,
-                                            "use_chat_template": True})
+    store = GenerationStore(
+        str(tmp_path), {"temperature": 0.6, "top_p": 1.0, "max_new_tokens": 64, "seed": 3, "use_chat_template": True}
+    )
     assert len(store.done("val")) == 2
     store.close()
 
@@ -151,8 +163,7 @@ def test_parse_urls_errors():
 # Slow: the command line against `megaopd serve` processes
 # ------------------------------------------------------------------------------------------------------
 def _env():
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
 
 
 def _free_port():
@@ -164,9 +175,15 @@ def _free_port():
 @pytest.fixture(scope="module")
 def served_processes():
     ports = [_free_port(), _free_port()]
-    procs = [subprocess.Popen([sys.executable, "-m", "megaopd.cli", "serve", "--hf-dir", STUDENT, "--port", str(p),
-                               "--num-threads", "1"], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for p in ports]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "megaopd.cli", "serve", "--hf-dir", STUDENT, "--port", str(p), "--num-threads", "1"],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p in ports
+    ]
     yield [f"http://127.0.0.1:{p}" for p in ports]
     for p in procs:
         p.terminate()
@@ -175,20 +192,45 @@ def served_processes():
 
 
 def _eval_cmd(out, *extra):
-    return [sys.executable, "-m", "megaopd.cli", "eval", "--ckpt", STUDENT, "--benchmarks", VAL, "--limit", "24",
-            "--samples", "2", "--max-new-tokens", "64", "--out", str(out), "--label", "student", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "megaopd.cli",
+        "eval",
+        "--ckpt",
+        STUDENT,
+        "--benchmarks",
+        VAL,
+        "--limit",
+        "24",
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "64",
+        "--out",
+        str(out),
+        "--label",
+        "student",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
 def test_cli_engines_equals_embedded_and_kill_restart(served_processes, tmp_path):
-    emb = subprocess.run(_eval_cmd(tmp_path / "emb", "--batch-size", "8"), env=_env(), capture_output=True,
-                         text=True, timeout=600)
+    emb = subprocess.run(
+        _eval_cmd(tmp_path / "emb", "--batch-size", "8"), env=_env(), capture_output=True, text=True, timeout=600
+    )
     assert emb.returncode == 0, emb.stderr
     urls = ",".join(served_processes)
     # --engines, killed (SIGKILL, no clean-up) once at least a third of the samples are on disk.
     out = tmp_path / "pool"
-    proc = subprocess.Popen(_eval_cmd(out, "--engines", urls, "--engine-wait", "120", "--batch-size", "4"),
-                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _eval_cmd(out, "--engines", urls, "--engine-wait", "120", "--batch-size", "4"),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     gens = out / "generations.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -200,8 +242,13 @@ def test_cli_engines_equals_embedded_and_kill_restart(served_processes, tmp_path
     proc.wait()
     killed_at = gens.read_text().count("\n")
     assert 16 <= killed_at < 48
-    r = subprocess.run(_eval_cmd(out, "--engines", urls, "--engine-wait", "120"), env=_env(), capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        _eval_cmd(out, "--engines", urls, "--engine-wait", "120"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert (out / "results.md").read_text() == (tmp_path / "emb" / "results.md").read_text()
     assert "| student |" in r.stdout

@@ -1,5 +1,6 @@
 """slurm/eval_7b.sh (DRY_RUN=1: the commands each checkpoint gets) and the combined table
 (megaopd.eval.table), which the script writes after evaluating every checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def dry_run(env_extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_", "ENGINE_")) and k not in ("GPUS_PER_NODE", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_", "ENGINE_")) and k not in ("GPUS_PER_NODE", "MASTER_PORT")
+    }
     env.update({"DRY_RUN": "1", "DRY_RUN_NODES": "gpu1", **env_extra})
-    return subprocess.run(["bash", os.path.join(ROOT, "slurm", "eval_7b.sh")], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        ["bash", os.path.join(ROOT, "slurm", "eval_7b.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    )
 
 
 def flag(line, name):
@@ -43,7 +53,7 @@ def ckpts(tmp_path):
 def test_dry_run_several_checkpoints_one_table(ckpts, tmp_path):
     r = dry_run(ckpts)
     assert r.returncode == 0, r.stderr
-    batch = [x[len("[batch] "):] for x in r.stdout.splitlines() if x.startswith("[batch] ")]
+    batch = [x[len("[batch] ") :] for x in r.stdout.splitlines() if x.startswith("[batch] ")]
     evals = [x for x in batch if " megaopd.cli eval " in x]
     out = ckpts["EVAL_OUT"]
     # A row per checkpoint, in order; the unfinished step_000030.tmp is no checkpoint.
@@ -65,12 +75,16 @@ def test_dry_run_several_checkpoints_one_table(ckpts, tmp_path):
     assert not any("--enable-memory-saver" in x for x in servers)  # the servers own their GPUs
     assert flag(evals[0], "--engines") == ",".join(f"http://gpu1:{30000 + 10 * i}" for i in range(4))
     assert flag(evals[2], "--engines").startswith("http://gpu1:30200,")
-    kinds = ["server" if "launch_server" in x else "eval" if " megaopd.cli eval " in x else "stop"
-             for x in batch if "launch_server" in x or " megaopd.cli eval " in x or x.startswith("stop-engines")]
+    kinds = [
+        "server" if "launch_server" in x else "eval" if " megaopd.cli eval " in x else "stop"
+        for x in batch
+        if "launch_server" in x or " megaopd.cli eval " in x or x.startswith("stop-engines")
+    ]
     assert kinds == (["server"] * 4 + ["eval", "stop"]) * 3
     (table,) = [x for x in batch if "megaopd.eval.table" in x]
-    assert table.split("megaopd.eval.table ")[1] == (f"{out}/base-hf {out}/run-step_000010 {out}/run-step_000020 "
-                                                      f"--out {out}")
+    assert table.split("megaopd.eval.table ")[1] == (
+        f"{out}/base-hf {out}/run-step_000010 {out}/run-step_000020 --out {out}"
+    )
 
 
 def test_dry_run_tp_groups_and_errors(ckpts):
@@ -95,8 +109,9 @@ def write_result(path, label, accs):
 
 
 def test_combined_table_in_paper_order(tmp_path, capsys):
-    write_result(tmp_path / "a", "step_10", [("aime24", "AIME24", 0.1), ("math500", "MATH-500", 0.5),
-                                             ("extra", "extra", 0.3)])
+    write_result(
+        tmp_path / "a", "step_10", [("aime24", "AIME24", 0.1), ("math500", "MATH-500", 0.5), ("extra", "extra", 0.3)]
+    )
     write_result(tmp_path / "b", "step_20", [("math500", "MATH-500", 0.625), ("minerva", "Minerva", 0.25)])
     assert table_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "t")]) == 0
     md = (tmp_path / "t" / "results.md").read_text()

@@ -1,10 +1,11 @@
 """evaluate(): scoring arithmetic with scripted responses, table format, end-to-end with a tiny model."""
+
 import json
 import os
 
 import pytest
 
-from megaopd.eval import EvalConfig, PROMPT_SUFFIX, any_at_k, evaluate, mean_at_k, prompt_text
+from megaopd.eval import PROMPT_SUFFIX, EvalConfig, any_at_k, evaluate, mean_at_k, prompt_text
 from megaopd.eval.benchmarks import Benchmark, Problem, write_benchmark_file
 from megaopd.metrics import RepetitionConfig
 from tests.eval.scripted_engine import ScriptedEngine
@@ -36,9 +37,16 @@ def test_scripted_avg_at_k_rates_and_files(tok, tmp_path):
     many = Benchmark("many", [Problem("m1", "p", "10"), Problem("m2", "q", "7")], samples=4)
     loop = "\\boxed{10} " + "again " * 100  # long and compressible: repetitive with L = 200
     texts = [
-        "so \\boxed{0.5}", "no box: 3",  # half: 1, 0 -> pass@1 = 0.5
-        "\\boxed{10}", "\\boxed{10.0}", "\\boxed{11}", loop,  # m1: 1, 1, 0, 1
-        "\\boxed{7", "\\boxed{}", "\\boxed{7}", "\\boxed{ 7 }",  # m2: 0, 0, 1, 1
+        "so \\boxed{0.5}",
+        "no box: 3",  # half: 1, 0 -> pass@1 = 0.5
+        "\\boxed{10}",
+        "\\boxed{10.0}",
+        "\\boxed{11}",
+        loop,  # m1: 1, 1, 0, 1
+        "\\boxed{7",
+        "\\boxed{}",
+        "\\boxed{7}",
+        "\\boxed{ 7 }",  # m2: 0, 0, 1, 1
     ]
     reasons = ["stop", "length", "stop", "stop", "stop", "length", "length", "stop", "stop", "stop"]
     eng = ScriptedEngine(tok, texts, reasons)
@@ -51,7 +59,10 @@ def test_scripted_avg_at_k_rates_and_files(tok, tmp_path):
     assert res.average == pytest.approx((0.5 + 0.625) / 2)
     # batch_size counts sequences, one per (problem, sample) unit u = i * k + j, whose index is first + position.
     assert [(n, p.n, p.temperature, p.seed, first) for n, p, first in eng.calls] == [
-        (2, 1, 0.6, 0, 0), (4, 1, 0.6, 0, 0), (4, 1, 0.6, 0, 4)]
+        (2, 1, 0.6, 0, 0),
+        (4, 1, 0.6, 0, 0),
+        (4, 1, 0.6, 0, 4),
+    ]
     assert eng.calls[0][1].stop_token_ids == [tok.eos_token_id]
     metrics = res.to_metrics("val")
     assert metrics["val/accuracy"] == pytest.approx(0.5625)
@@ -79,7 +90,9 @@ def test_paper_column_order(tok, tmp_path):
     for name in ("aime25", "minerva", "math500"):
         write_benchmark_file([{"id": "1", "problem": "p", "answer": "1"}], str(tmp_path / f"{name}.jsonl"))
     eng = ScriptedEngine(tok, ["\\boxed{1}"] * 6)
-    res = evaluate(eng, tok, ["aime25", "minerva", "math500"], EvalConfig(samples=2, max_new_tokens=8), data_dir=str(tmp_path))
+    res = evaluate(
+        eng, tok, ["aime25", "minerva", "math500"], EvalConfig(samples=2, max_new_tokens=8), data_dir=str(tmp_path)
+    )
     assert res.markdown().splitlines()[0] == "| Model | MATH-500 | Minerva | AIME25 | Avg |"
     assert [b.metric for b in res.benchmarks] == ["avg@2"] * 3
 
@@ -95,8 +108,13 @@ def test_end_to_end_tiny_model(tiny_hf_dir, tiny_bench, tmp_path):
     cfg = EvalConfig(samples=2, max_new_tokens=12, batch_size=4, limit=2)
     res = evaluate(eng, tok, [tiny_bench], cfg, out_dir=str(tmp_path))
     # Seeded per (problem, sample): one prompt per call gives the same generations as two per call.
-    evaluate(eng, tok, [tiny_bench], EvalConfig(samples=2, max_new_tokens=12, batch_size=2, limit=2),
-                    out_dir=str(tmp_path / "b1"))
+    evaluate(
+        eng,
+        tok,
+        [tiny_bench],
+        EvalConfig(samples=2, max_new_tokens=12, batch_size=2, limit=2),
+        out_dir=str(tmp_path / "b1"),
+    )
     assert (tmp_path / "generations.jsonl").read_text() == (tmp_path / "b1" / "generations.jsonl").read_text()
     (b,) = res.benchmarks
     assert (b.name, b.n_problems, b.samples, b.metric) == ("tiny", 2, 2, "avg@2")
@@ -111,8 +129,23 @@ def test_cli_end_to_end(tiny_hf_dir, tiny_bench, tmp_path, capsys):
     from megaopd.cli import main as cli_main
 
     out = tmp_path / "out"
-    rc = cli_main(["eval", "--ckpt", tiny_hf_dir, "--benchmarks", tiny_bench, "--max-new-tokens", "8",
-                   "--samples", "1", "--out", str(out), "--label", "tiny"])
+    rc = cli_main(
+        [
+            "eval",
+            "--ckpt",
+            tiny_hf_dir,
+            "--benchmarks",
+            tiny_bench,
+            "--max-new-tokens",
+            "8",
+            "--samples",
+            "1",
+            "--out",
+            str(out),
+            "--label",
+            "tiny",
+        ]
+    )
     assert rc == 0
     assert "| Model | tiny | Avg |" in capsys.readouterr().out
     assert all(os.path.exists(out / f) for f in ("results.md", "results.json", "generations.jsonl"))
@@ -182,8 +215,14 @@ def test_answers_found_warning_and_rescore_with_another_extraction(tok, tmp_path
     assert (metrics["val/answers_found"], metrics["val/answers_found_count"]) == (0.0, 0.0)
 
     idle = ScriptedEngine(tok, [])  # nothing to generate: a call would pop from an empty script
-    num = evaluate(idle, tok, [bench], EvalConfig(max_new_tokens=16, reward=RewardConfig(extract="number")),
-                   out_dir=str(tmp_path), label="smol")
+    num = evaluate(
+        idle,
+        tok,
+        [bench],
+        EvalConfig(max_new_tokens=16, reward=RewardConfig(extract="number")),
+        out_dir=str(tmp_path),
+        label="smol",
+    )
     assert idle.calls == []
     b = num.benchmarks[0]
     assert (b.answers_found, b.accuracy, b.pass_at_k) == (3, 0.5, 1.0)
@@ -203,9 +242,21 @@ def test_answers_found_warning_and_rescore_with_another_extraction(tok, tmp_path
 def test_records_written_before_the_extraction_field_read_as_boxed():
     from megaopd.eval.generations import GenerationRecord
 
-    old = {"benchmark": "b", "index": 0, "id": "x", "sample": 0, "samples": 1, "problem": "p", "answer": "1",
-           "response": "\\boxed{1}", "extracted": "1", "correct": True, "finish_reason": "stop",
-           "response_tokens": 3, "repetitive": False}
+    old = {
+        "benchmark": "b",
+        "index": 0,
+        "id": "x",
+        "sample": 0,
+        "samples": 1,
+        "problem": "p",
+        "answer": "1",
+        "response": "\\boxed{1}",
+        "extracted": "1",
+        "correct": True,
+        "finish_reason": "stop",
+        "response_tokens": 3,
+        "repetitive": False,
+    }
     assert GenerationRecord.from_dict(old).extract == "boxed"
     with pytest.raises(ValueError, match="record lacks \\['correct'\\]"):
         GenerationRecord.from_dict({k: v for k, v in old.items() if k != "correct"})
@@ -215,8 +266,19 @@ def test_cli_extract_flag_reports_answers_found(tiny_hf_dir, tiny_bench, tmp_pat
     from megaopd.cli import main as cli_main
 
     out = tmp_path / "out"
-    args = ["eval", "--ckpt", tiny_hf_dir, "--benchmarks", tiny_bench, "--max-new-tokens", "8", "--samples", "1",
-            "--out", str(out)]
+    args = [
+        "eval",
+        "--ckpt",
+        tiny_hf_dir,
+        "--benchmarks",
+        tiny_bench,
+        "--max-new-tokens",
+        "8",
+        "--samples",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert cli_main(args) == 0
     got = capsys.readouterr()
     # The random tiny model never closes a \boxed{}: 0 found, and one warning line naming the fix.

@@ -1,6 +1,7 @@
 """One extraction setting, honoured everywhere: the trainer's rollout rewards (texts_and_rewards) and its
 validation (val/accuracy, val/answers_found and the few_answers warning) read metrics.reward.extract, as
 `megaopd eval` reads --extract (tests/eval/test_evaluate.py). Real tokenizer, one gloo rank, scripted texts."""
+
 import json
 import os
 import tempfile
@@ -45,10 +46,18 @@ def tok():
 
 def _config(tmp_path, extract: str | None) -> MegaOPDConfig:
     val = tmp_path / "val.jsonl"
-    val.write_text("".join(json.dumps({"id": str(i), "problem": f"problem {i}", "answer": g}) + "\n"
-                           for i, g in enumerate(GOLDS)))
-    overrides = [f"run.dir={tmp_path / 'run'}", f"validation.path={val}", "validation.max_problems=0",
-                 "validation.max_new_tokens=16", "run.world_size=1", "student.tp=1", "reference.tp=1"]
+    val.write_text(
+        "".join(json.dumps({"id": str(i), "problem": f"problem {i}", "answer": g}) + "\n" for i, g in enumerate(GOLDS))
+    )
+    overrides = [
+        f"run.dir={tmp_path / 'run'}",
+        f"validation.path={val}",
+        "validation.max_problems=0",
+        "validation.max_new_tokens=16",
+        "run.world_size=1",
+        "student.tp=1",
+        "reference.tp=1",
+    ]
     if extract:
         overrides.append(f"metrics.reward.extract={extract}")
     return load_config(MegaOPDConfig, os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml"), overrides)

@@ -1,4 +1,5 @@
 """tools/prepare_benchmarks.py on local files in the releases' layouts."""
+
 import importlib.util
 import json
 import os
@@ -12,7 +13,9 @@ from megaopd.eval import load_benchmark_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # tools/ is scripts, not a package: load the file by path.
-_spec = importlib.util.spec_from_file_location("prepare_benchmarks", os.path.join(ROOT, "tools", "prepare_benchmarks.py"))
+_spec = importlib.util.spec_from_file_location(
+    "prepare_benchmarks", os.path.join(ROOT, "tools", "prepare_benchmarks.py")
+)
 _mod = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_mod)
 main = _mod.main
@@ -32,7 +35,10 @@ def test_prepare_jsonl_and_parquet(tmp_path):
 def test_prepare_missing_column_message(tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text(json.dumps({"question": "Q", "label": 3}) + "\n")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "prepare_benchmarks.py"), "--out", str(tmp_path), f"amc={src}"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "prepare_benchmarks.py"), "--out", str(tmp_path), f"amc={src}"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert "no answer column" in r.stderr and "found question, label" in r.stderr

@@ -1,6 +1,7 @@
 """The README's first command: `megaopd train examples/tiny/stable_opd.yaml` (what `make demo` runs) goes to
 completion on CPU at student TP=2 on 2 processes, and the student's validation accuracy ends clearly above
 where it started (measured 0.285 -> 0.370 on the 200 validation problems; examples/tiny/README.md)."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,13 @@ def test_tiny_stable_opd_raises_validation_accuracy(tmp_path):
     else:
         run = tmp_path / "demo"
         preset = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
-        r = subprocess.run([sys.executable, "-m", "megaopd.cli", "train", preset, f"run.dir={run}",
-                            "logging.tensorboard=false"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+        r = subprocess.run(
+            [sys.executable, "-m", "megaopd.cli", "train", preset, f"run.dir={run}", "logging.tensorboard=false"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         stdout = r.stdout
     summary = json.loads((run / "summary.json").read_text())

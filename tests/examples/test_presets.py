@@ -14,6 +14,7 @@ Beside this file: test_paper_presets.py and test_qwen3_presets.py check what tho
 real models' sizes (`megaopd config`, `megaopd plan`), which no tiny run can; test_demo.py trains the demo for
 its full 40 steps and checks it learns. This file is the only one that trains every preset as shipped.
 """
+
 from __future__ import annotations
 
 import glob
@@ -31,8 +32,9 @@ from tests.trainer.tiny_models import ROOT, make_tiny_qwen3_pair
 EXAMPLES = os.path.join(ROOT, "examples")
 TINY_DATA = os.path.join(EXAMPLES, "tiny", "data")
 TINY_MODELS = os.path.join(EXAMPLES, "tiny", "models")
-PRESETS = sorted(os.path.relpath(p, EXAMPLES) for p in glob.glob(os.path.join(EXAMPLES, "**", "*.yaml"),
-                                                                  recursive=True))
+PRESETS = sorted(
+    os.path.relpath(p, EXAMPLES) for p in glob.glob(os.path.join(EXAMPLES, "**", "*.yaml"), recursive=True)
+)
 
 # Every case: two steps into the test's own folder (the preset's run.dir would resume an earlier run), no
 # TensorBoard files (nothing reads them here).
@@ -148,12 +150,16 @@ def preset_overrides(preset: str, run: str, qwen3_models: str | None) -> list[st
     """The command-line overrides of one case: EVERY, the preset's family, the preset's own."""
     family = preset.split(os.sep)[0]
     if family not in FAMILIES:
-        raise AssertionError(f"examples/{preset}: no override table for the folder {family!r}: add one to "
-                             f"FAMILIES in {__file__}")
+        raise AssertionError(
+            f"examples/{preset}: no override table for the folder {family!r}: add one to FAMILIES in {__file__}"
+        )
     table = {**EVERY, **FAMILIES[family], **PRESET.get(preset, {})}
     models = qwen3_models if family == "qwen3" else TINY_MODELS
-    return [f"{key}={value.format(run=run, models=models, data=TINY_DATA)}" for key, value in table.items()
-            if value is not None]
+    return [
+        f"{key}={value.format(run=run, models=models, data=TINY_DATA)}"
+        for key, value in table.items()
+        if value is not None
+    ]
 
 
 def _steps(run_dir: str) -> dict[int, dict]:
@@ -167,11 +173,18 @@ def _steps(run_dir: str) -> dict[int, dict]:
 def test_preset_trains_two_steps(preset, tmp_path, request):
     qwen3 = request.getfixturevalue("qwen3_models") if preset.startswith("qwen3") else None
     run = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "megaopd.cli", "train", os.path.join(EXAMPLES, preset),
-           *preset_overrides(preset, run, qwen3)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megaopd.cli",
+        "train",
+        os.path.join(EXAMPLES, preset),
+        *preset_overrides(preset, run, qwen3),
+    ]
     t0 = time.time()
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT}
+    )
     print(f"{preset}: {time.time() - t0:.1f} s")
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     steps = _steps(run)

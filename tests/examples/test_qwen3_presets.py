@@ -2,6 +2,7 @@
 (Qwen3-8B-Base, Qwen3-32B, Qwen3-30B-A3B; public config.json values): TP divides heads and KV groups, the
 MoE teacher's EP=8 divides its 128 experts and the data-parallel size; `megaopd plan` counts the MoE
 teacher's experts per EP rank (16 of 128 per layer: 5.17B parameters per GPU, by hand)."""
+
 import json
 import os
 
@@ -13,19 +14,55 @@ from megaopd.config.schema import MegaOPDConfig
 from tests.examples.test_tiny_models import ROOT
 
 # Only the fields validation reads (huggingface.co/Qwen/<name>/blob/main/config.json).
-_COMMON = dict(head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=False,
-               attention_bias=False, hidden_act="silu")
+_COMMON = dict(
+    head_dim=128,
+    vocab_size=151936,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    hidden_act="silu",
+)
 DIMS = {
-    "Qwen3-8B-Base": dict(_COMMON, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=36,
-                          hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                          max_position_embeddings=32768),
-    "Qwen3-32B": dict(_COMMON, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=64,
-                      hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
-                      max_position_embeddings=40960),
-    "Qwen3-30B-A3B": dict(_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=48,
-                          hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
-                          max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
-                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "Qwen3-8B-Base": dict(
+        _COMMON,
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        num_hidden_layers=36,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+    ),
+    "Qwen3-32B": dict(
+        _COMMON,
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        num_hidden_layers=64,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=40960,
+    ),
+    "Qwen3-30B-A3B": dict(
+        _COMMON,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_hidden_layers=48,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
 }
 
 

@@ -4,6 +4,7 @@ They load in transformers with the sizes their manifest documents and the preset
 KV groups divisible by TP=2); the teacher solves more of the validation set than the student with the
 embedded engine + megaopd.eval; and `tools/build_tiny_models.py --check` passes.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = os.path.join(ROOT, "examples", "tiny", "models")
 VAL = os.path.join(ROOT, "examples", "tiny", "data", "val.jsonl")
+
 
 def manifest() -> dict:
     with open(os.path.join(MODELS, "manifest.json")) as f:
@@ -36,9 +38,14 @@ def test_models_load_with_documented_sizes(role):
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert sum(p.numel() for p in model.parameters()) == rec["parameters"]
     spec = manifest()["specs"][role]
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.intermediate_size, cfg.vocab_size) == (spec["hidden"], spec["layers"], spec["heads"],
-                                                       spec["kv_heads"], spec["ffn"], 256)
+    assert (
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    ) == (spec["hidden"], spec["layers"], spec["heads"], spec["kv_heads"], spec["ffn"], 256)
     assert cfg.num_attention_heads % 2 == 0 and cfg.num_key_value_heads % 2 == 0  # TP=2
     gen = transformers.GenerationConfig.from_pretrained(d)
     assert (gen.eos_token_id, gen.pad_token_id) == (2, 0)
@@ -55,16 +62,20 @@ def test_teacher_beats_student_on_val_subset():
 
     from megaopd.engine.config import EmbeddedEngineConfig
     from megaopd.eval.evaluate import EvalConfig, evaluate
-    from megaopd.rollout.embedded import EmbeddedEngine
     from megaopd.models.hf_io import load_tokenizer
+    from megaopd.rollout.embedded import EmbeddedEngine
 
     torch.set_num_threads(2)
     acc = {}
     for role in ("teacher", "student"):
         d = os.path.join(MODELS, role)
         engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=d, device="cpu"))
-        result = evaluate(engine, load_tokenizer(d), [VAL],
-                          EvalConfig(samples=1, temperature=0.6, max_new_tokens=128, limit=64, seed=0))
+        result = evaluate(
+            engine,
+            load_tokenizer(d),
+            [VAL],
+            EvalConfig(samples=1, temperature=0.6, max_new_tokens=128, limit=64, seed=0),
+        )
         acc[role] = result.average
     # 64 problems, the manifest's subset: at 32 one standard error of the difference is ~0.12, and a change of
     # the engine's draws alone moved the margin from above 0.1 to 0.094 (0.50 vs 0.41).
@@ -75,7 +86,12 @@ def test_teacher_beats_student_on_val_subset():
 @pytest.mark.slow
 def test_build_check_passes():
     """Rebuilds the random inits, reruns a prefix of each SFT and re-evaluates the committed weights."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_tiny_models.py"), "--check"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "build_tiny_models.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "tiny models check passed" in proc.stdout

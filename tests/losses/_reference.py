@@ -4,6 +4,7 @@ full vocabulary (no megaopd code), plus the deterministic test batches shared by
 Loops over sequences and positions are deliberate: they are the formulas read literally, independent of
 the vectorized code under test.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,9 @@ K_STUDENT = 4
 
 
 # ------------------------------------------------------------------------------------------------ batches
-def make_batch(seed: int, scale: float = 3.0, shift: float = 0.0, temperature: float = 1.0,
-               packed: bool = False) -> dict:
+def make_batch(
+    seed: int, scale: float = 3.0, shift: float = 0.0, temperature: float = 1.0, packed: bool = False
+) -> dict:
     """Full-vocabulary float64 tensors for one micro-batch: B=4 rows of T=9 with ragged responses."""
     g = torch.Generator().manual_seed(seed)
     B, T = 4, 9
@@ -30,7 +32,7 @@ def make_batch(seed: int, scale: float = 3.0, shift: float = 0.0, temperature: f
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = torch.zeros(B, T)
     for b, (start, length) in enumerate([(2, 7), (1, 3), (3, 5), (0, 1)]):  # ragged responses + padding
-        mask[b, start:start + length] = 1
+        mask[b, start : start + length] = 1
     mask[0, 4] = 0  # a hole inside a response (e.g. a masked special token)
     if packed:
         # Row 0 holds two sequences (positions 0-3 and 4-8); rows 1-3 are sequences 2-4.
@@ -48,19 +50,32 @@ def make_batch(seed: int, scale: float = 3.0, shift: float = 0.0, temperature: f
     t_topk_lp, t_topk_ids = teacher_lp_full.topk(K_TEACHER, dim=-1)
     t_topk_mask = torch.ones(B, T, K_TEACHER, dtype=torch.bool)
     t_topk_mask[1, :, -2:] = False  # fewer valid support entries on some tokens
-    t_topk_mask[2, 4, 1:] = False   # a support of one token: KL 0
+    t_topk_mask[2, 4, 1:] = False  # a support of one token: KL 0
     s_topk_ids = F.log_softmax(logits / tau, -1).topk(K_STUDENT, dim=-1).indices
     ref_logits = logits + 0.5 * scale * randn(B, T, V)
     golden_logits = randn(2, 6, V) * scale + shift
     golden_ids = torch.randint(0, V, (2, 6), generator=g)
     golden_mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.float32)
     return dict(
-        logits=logits, ids=ids, mask=mask, seq_ids=seq_ids, temperature=temperature,
-        old_lp=old_lp, teacher_lp=teacher_lp_full.gather(-1, ids[..., None])[..., 0],
-        teacher_logits=teacher_logits, t_topk_ids=t_topk_ids, t_topk_lp=t_topk_lp, t_topk_mask=t_topk_mask,
-        s_topk_ids=s_topk_ids, s_topk_teacher_lp=teacher_lp_full.gather(-1, s_topk_ids),
-        ref_logits=ref_logits, rewards=rewards, groups=groups,
-        golden_logits=golden_logits, golden_ids=golden_ids, golden_mask=golden_mask,
+        logits=logits,
+        ids=ids,
+        mask=mask,
+        seq_ids=seq_ids,
+        temperature=temperature,
+        old_lp=old_lp,
+        teacher_lp=teacher_lp_full.gather(-1, ids[..., None])[..., 0],
+        teacher_logits=teacher_logits,
+        t_topk_ids=t_topk_ids,
+        t_topk_lp=t_topk_lp,
+        t_topk_mask=t_topk_mask,
+        s_topk_ids=s_topk_ids,
+        s_topk_teacher_lp=teacher_lp_full.gather(-1, s_topk_ids),
+        ref_logits=ref_logits,
+        rewards=rewards,
+        groups=groups,
+        golden_logits=golden_logits,
+        golden_ids=golden_ids,
+        golden_mask=golden_mask,
     )
 
 
@@ -75,10 +90,18 @@ CASES = [
     ("opd", "base", "opd", {}),
     ("opd", "large", "opd", {}),
     ("opd", "packed", "opd", {}),
-    ("opd_is_gamma", "base", "opd", dict(policy_loss="importance_sampling", gamma=0.9, advantage_scale=0.5,
-                                         aggregation="seq-mean-token-mean")),
-    ("opd_is_gamma", "packed", "opd", dict(policy_loss="importance_sampling", gamma=0.9, advantage_scale=0.5,
-                                           aggregation="seq-mean-token-mean")),
+    (
+        "opd_is_gamma",
+        "base",
+        "opd",
+        dict(policy_loss="importance_sampling", gamma=0.9, advantage_scale=0.5, aggregation="seq-mean-token-mean"),
+    ),
+    (
+        "opd_is_gamma",
+        "packed",
+        "opd",
+        dict(policy_loss="importance_sampling", gamma=0.9, advantage_scale=0.5, aggregation="seq-mean-token-mean"),
+    ),
     ("opd_gamma1_seqsum", "large", "opd", dict(gamma=1.0, eps_high=0.28, aggregation="seq-mean-token-sum")),
     ("ref_kl_full", "base", "ref_kl", {}),
     ("ref_kl_full", "large", "ref_kl", {}),
@@ -103,9 +126,19 @@ CASES = [
     ("dr_grpo", "base", "grpo", dict(std_normalize=False, aggregation="seq-mean-token-mean")),
     ("stable_opd", "base", "stable_opd", dict(sft_weight=0.5, ref_kl_weight=0.3)),
     ("stable_opd", "large", "stable_opd", dict(sft_weight=0.5, ref_kl_weight=0.3)),
-    ("weighted_sum", "base", "weighted_sum", dict(terms=[
-        dict(name="opd"), dict(name="lsm", weight=0.5, config=dict(k=K_TEACHER)),
-        dict(name="gkd", weight=0.25), dict(name="ref_kl", weight=0.1, config=dict(estimator="k3"))])),
+    (
+        "weighted_sum",
+        "base",
+        "weighted_sum",
+        dict(
+            terms=[
+                dict(name="opd"),
+                dict(name="lsm", weight=0.5, config=dict(k=K_TEACHER)),
+                dict(name="gkd", weight=0.25),
+                dict(name="ref_kl", weight=0.1, config=dict(estimator="k3")),
+            ]
+        ),
+    ),
 ]
 
 
@@ -177,8 +210,14 @@ def reference_loss(batch: dict, logits, name: str, cfg: dict):
         logp = ref_logprobs(logits, ids, tau)
         r = torch.where(mask.bool(), batch["teacher_lp"] - batch["old_lp"], torch.zeros_like(logp))
         adv = cfg.get("advantage_scale", 1.0) * ref_discounted(r, seq_ids, cfg.get("gamma", 0.0))
-        loss, _ = _pg(logp, batch["old_lp"], adv, cfg.get("policy_loss", "ppo_clip"),
-                      cfg.get("eps_low", 0.2), cfg.get("eps_high", 0.2))
+        loss, _ = _pg(
+            logp,
+            batch["old_lp"],
+            adv,
+            cfg.get("policy_loss", "ppo_clip"),
+            cfg.get("eps_low", 0.2),
+            cfg.get("eps_high", 0.2),
+        )
         return ref_aggregate(loss, mask, seq_ids, agg)
     if name == "grpo":
         logp = ref_logprobs(logits, ids, tau)
@@ -198,7 +237,7 @@ def reference_loss(batch: dict, logits, name: str, cfg: dict):
             kl = (lp.exp() * (lp - lr)).sum(-1)
         else:
             log_rho = ref_logprobs(logits, ids, tau) - ref_logprobs(batch["ref_logits"], ids, tau)
-            kl = {"k1": log_rho, "k2": log_rho ** 2 / 2, "k3": torch.exp(-log_rho) - 1 + log_rho}[est]
+            kl = {"k1": log_rho, "k2": log_rho**2 / 2, "k3": torch.exp(-log_rho) - 1 + log_rho}[est]
         return ref_aggregate(kl, mask, seq_ids, agg)
     if name == "lsm":
         support = cfg.get("support", "teacher_topk")
@@ -229,12 +268,15 @@ def reference_loss(batch: dict, logits, name: str, cfg: dict):
         jsd = beta * (lq.exp() * (lq - log_m)).sum(-1) + (1 - beta) * (lp.exp() * (lp - log_m)).sum(-1)
         return ref_aggregate(jsd, mask, seq_ids, agg)
     if name == "stable_opd":
-        return (reference_loss(batch, logits, "opd", cfg.get("opd", {}))
-                + cfg.get("sft_weight", 0.1) * reference_loss(batch, logits, "sft", cfg.get("sft", {}))
-                + cfg.get("ref_kl_weight", 0.01) * reference_loss(batch, logits, "ref_kl", cfg.get("ref_kl", {})))
+        return (
+            reference_loss(batch, logits, "opd", cfg.get("opd", {}))
+            + cfg.get("sft_weight", 0.1) * reference_loss(batch, logits, "sft", cfg.get("sft", {}))
+            + cfg.get("ref_kl_weight", 0.01) * reference_loss(batch, logits, "ref_kl", cfg.get("ref_kl", {}))
+        )
     if name == "weighted_sum":
-        return sum(t.get("weight", 1.0) * reference_loss(batch, logits, t["name"], t.get("config", {}))
-                   for t in cfg["terms"])
+        return sum(
+            t.get("weight", 1.0) * reference_loss(batch, logits, t["name"], t.get("config", {})) for t in cfg["terms"]
+        )
     raise KeyError(name)
 
 
@@ -245,8 +287,11 @@ def reference_value_and_grads(batch: dict, name: str, cfg: dict):
     loss = reference_loss(dict(batch, golden_logits_leaf=golden), logits, name, cfg)
     g_logits, g_golden = torch.autograd.grad(loss, [logits, golden], allow_unused=True)
     zero = torch.zeros_like
-    return (float(loss.detach()), g_logits if g_logits is not None else zero(logits),
-            g_golden if g_golden is not None else zero(golden))
+    return (
+        float(loss.detach()),
+        g_logits if g_logits is not None else zero(logits),
+        g_golden if g_golden is not None else zero(golden),
+    )
 
 
 def reference_first_occurrence_mask(ids, mask, special, seq_ids=None):

@@ -1,5 +1,6 @@
 """Code under test, run on vocab shards: in-process (group=None) or in spawned gloo workers (module-level
 functions so that spawned processes can import them)."""
+
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,7 @@ from tests.losses import _reference as R
 
 def shard(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     v = x.shape[-1] // world
-    return x[..., rank * v:(rank + 1) * v].contiguous()
+    return x[..., rank * v : (rank + 1) * v].contiguous()
 
 
 def build_inputs(batch: dict, group, rank: int, world: int, dtype: torch.dtype, **overrides):
@@ -20,16 +21,26 @@ def build_inputs(batch: dict, group, rank: int, world: int, dtype: torch.dtype, 
     logits = shard(batch["logits"], rank, world).to(dtype).requires_grad_(True)
     golden = shard(batch["golden_logits"], rank, world).to(dtype).requires_grad_(True)
     fields = dict(
-        logits_BTv=logits, token_ids_BT=batch["ids"], loss_mask_BT=batch["mask"], tp_group=group,
-        temperature=batch["temperature"], seq_ids_BT=batch["seq_ids"],
-        old_logprobs_BT=batch["old_lp"].to(dtype), teacher_logprobs_BT=batch["teacher_lp"].to(dtype),
-        teacher_topk_ids_BTK=batch["t_topk_ids"], teacher_topk_logprobs_BTK=batch["t_topk_lp"].to(dtype),
+        logits_BTv=logits,
+        token_ids_BT=batch["ids"],
+        loss_mask_BT=batch["mask"],
+        tp_group=group,
+        temperature=batch["temperature"],
+        seq_ids_BT=batch["seq_ids"],
+        old_logprobs_BT=batch["old_lp"].to(dtype),
+        teacher_logprobs_BT=batch["teacher_lp"].to(dtype),
+        teacher_topk_ids_BTK=batch["t_topk_ids"],
+        teacher_topk_logprobs_BTK=batch["t_topk_lp"].to(dtype),
         teacher_topk_mask_BTK=batch["t_topk_mask"],
-        student_topk_ids_BTK=batch["s_topk_ids"], student_topk_teacher_logprobs_BTK=batch["s_topk_teacher_lp"].to(dtype),
+        student_topk_ids_BTK=batch["s_topk_ids"],
+        student_topk_teacher_logprobs_BTK=batch["s_topk_teacher_lp"].to(dtype),
         teacher_logits_BTv=shard(batch["teacher_logits"], rank, world).to(dtype),
         ref_logits_BTv=shard(batch["ref_logits"], rank, world).to(dtype),
-        rewards_S=batch["rewards"].to(dtype), group_ids_S=batch["groups"],
-        golden_logits_BTv=golden, golden_ids_BT=batch["golden_ids"], golden_mask_BT=batch["golden_mask"],
+        rewards_S=batch["rewards"].to(dtype),
+        group_ids_S=batch["groups"],
+        golden_logits_BTv=golden,
+        golden_ids_BT=batch["golden_ids"],
+        golden_mask_BT=batch["golden_mask"],
     )
     fields.update(overrides)
     return LossInputs(**fields), logits, golden
@@ -52,7 +63,8 @@ def run_cases(group, rank: int, world: int, dtype_name: str = "float32") -> dict
             float(loss.detach()),
             logits.grad.double() if logits.grad is not None else torch.zeros_like(logits, dtype=torch.float64),
             golden.grad.double() if golden.grad is not None else None,
-            {k: float(v) for k, v in metrics.items()})
+            {k: float(v) for k, v in metrics.items()},
+        )
     for batch_name, batch in batches.items():
         logits = shard(batch["logits"], rank, world).to(dtype)
         ids = student_topk_support(logits, R.K_STUDENT, group=group, temperature=batch["temperature"])
@@ -82,7 +94,10 @@ def _picklable(obj):
 
 # -------------------------------------------------------------------------------- aggregation (DP, micro-batches)
 AGG_LOSSES = [
-    ("opd", {}), ("sft", {}), ("lsm", dict(k=R.K_TEACHER)), ("grpo", {}),
+    ("opd", {}),
+    ("sft", {}),
+    ("lsm", dict(k=R.K_TEACHER)),
+    ("grpo", {}),
     ("stable_opd", dict(sft_weight=0.5, ref_kl_weight=0.3)),
 ]
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -115,8 +130,22 @@ def _agg_batch():
 
 def _rows(batch, rows, golden_rows):
     out = dict(batch)
-    for key in ("ids", "mask", "old_lp", "teacher_lp", "t_topk_ids", "t_topk_lp", "t_topk_mask", "s_topk_ids",
-                "s_topk_teacher_lp", "teacher_logits", "ref_logits", "rewards", "groups", "features"):
+    for key in (
+        "ids",
+        "mask",
+        "old_lp",
+        "teacher_lp",
+        "t_topk_ids",
+        "t_topk_lp",
+        "t_topk_mask",
+        "s_topk_ids",
+        "s_topk_teacher_lp",
+        "teacher_logits",
+        "ref_logits",
+        "rewards",
+        "groups",
+        "features",
+    ):
         out[key] = batch[key][rows]
     for key in ("golden_ids", "golden_mask", "golden_features"):
         out[key] = batch[key][golden_rows]
@@ -132,12 +161,23 @@ def _w_grad(part, name, cfg, counts=None):
     golden = part["golden_features"] @ W
     counts = counts or {}
     inputs = LossInputs(
-        logits_BTv=logits, token_ids_BT=part["ids"], loss_mask_BT=part["mask"], temperature=part["temperature"],
-        old_logprobs_BT=part["old_lp"], teacher_logprobs_BT=part["teacher_lp"],
-        teacher_topk_ids_BTK=part["t_topk_ids"], teacher_topk_logprobs_BTK=part["t_topk_lp"],
-        teacher_topk_mask_BTK=part["t_topk_mask"], ref_logits_BTv=part["ref_logits"],
-        rewards_S=part["rewards"], group_ids_S=part["groups"],
-        golden_logits_BTv=golden, golden_ids_BT=part["golden_ids"], golden_mask_BT=part["golden_mask"], **counts)
+        logits_BTv=logits,
+        token_ids_BT=part["ids"],
+        loss_mask_BT=part["mask"],
+        temperature=part["temperature"],
+        old_logprobs_BT=part["old_lp"],
+        teacher_logprobs_BT=part["teacher_lp"],
+        teacher_topk_ids_BTK=part["t_topk_ids"],
+        teacher_topk_logprobs_BTK=part["t_topk_lp"],
+        teacher_topk_mask_BTK=part["t_topk_mask"],
+        ref_logits_BTv=part["ref_logits"],
+        rewards_S=part["rewards"],
+        group_ids_S=part["groups"],
+        golden_logits_BTv=golden,
+        golden_ids_BT=part["golden_ids"],
+        golden_mask_BT=part["golden_mask"],
+        **counts,
+    )
     loss, _ = build_loss(name, cfg)(inputs)
     loss.backward()
     return W.grad, float(loss)
@@ -151,8 +191,7 @@ def _global_counts(parts):
         n, s = local_counts(p["mask"])
         gn, gs = local_counts(p["golden_mask"])
         tok, seq, gtok, gseq = tok + n, seq + s, gtok + gn, gseq + gs
-    return dict(global_num_tokens=tok, global_num_seqs=seq, global_num_golden_tokens=gtok,
-                global_num_golden_seqs=gseq)
+    return dict(global_num_tokens=tok, global_num_seqs=seq, global_num_golden_tokens=gtok, global_num_golden_seqs=gseq)
 
 
 # Splits by whole prompt groups (grpo needs whole groups; seq-mean needs whole sequences).
@@ -171,8 +210,11 @@ def micro_batch_diffs() -> dict:
             parts = [_rows(batch, rows, grows) for rows, grows in MICRO_SPLITS]
             counts = _global_counts(parts)
             grads, losses = zip(*[_w_grad(p, name, c, counts) for p in parts])
-            out[(name, mode)] = (float((sum(grads) - full_grad).abs().max()), sum(losses) - full_loss,
-                                 float(full_grad.abs().max()))
+            out[(name, mode)] = (
+                float((sum(grads) - full_grad).abs().max()),
+                sum(losses) - full_loss,
+                float(full_grad.abs().max()),
+            )
     return out
 
 
@@ -189,9 +231,17 @@ def dp_aggregation_diffs(rank: int, world: int) -> dict:
             rows, grows = DP_SPLITS[rank]
             part = _rows(batch, rows, grows)
             counts = all_reduce_counts([*local_counts(part["mask"]), *local_counts(part["golden_mask"])])
-            grad, _ = _w_grad(part, name, c, dict(zip(
-                ["global_num_tokens", "global_num_seqs", "global_num_golden_tokens", "global_num_golden_seqs"],
-                counts)))
+            grad, _ = _w_grad(
+                part,
+                name,
+                c,
+                dict(
+                    zip(
+                        ["global_num_tokens", "global_num_seqs", "global_num_golden_tokens", "global_num_golden_seqs"],
+                        counts,
+                    )
+                ),
+            )
             # Gradients are SUMMED over DP ranks (megatron DDP: calculate_per_token_loss=True, or average
             # and multiply the loss by the DP size): the global count already is the whole step's.
             dist.all_reduce(grad)

@@ -1,13 +1,13 @@
 """Stable-OPD's adaptive controller (megaopd/losses/controller.py) on synthetic metric traces: a rise, a
 fall, noise, a plateau; its bounds; and a resume from its checkpointed state continuing the same trajectory."""
+
 import json
 import random
 
 import pytest
 
 from megaopd.losses import LossConfig, build_loss
-from megaopd.losses.controller import (AdaptiveConfig, ControllerSignals, WeightController, build_controlled_loss,
-                                       slope)
+from megaopd.losses.controller import AdaptiveConfig, ControllerSignals, WeightController, build_controlled_loss, slope
 from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.step_metrics import RolloutSignals
 
@@ -48,7 +48,7 @@ def test_after_a_fall_the_weights_come_down_slowly_after_the_cooldown():
     assert top == pytest.approx((0.3, 0.05))
     after = weights[10:]
     # While the window still sees the drop as a falling trend / remembers the burst, and during the cooldown: held.
-    assert all(w == top for w in after[:CFG.cooldown - 1])
+    assert all(w == top for w in after[: CFG.cooldown - 1])
     downs = [i for i in range(1, len(after)) if after[i][0] < after[i - 1][0]]
     assert downs, "the weights never came down"
     steps = [after[i - 1][0] - after[i][0] for i in downs]
@@ -101,7 +101,7 @@ def test_a_falling_reward_raises_the_weights():
     assert 4 <= first <= 6
     assert weights[first + 3] == pytest.approx((0.3, 0.05))
     ctl = WeightController(CFG, build_loss("stable_opd", {"sft_weight": 0.0, "ref_kl_weight": 0.0}))
-    changes = [ctl.observe(i, ControllerSignals(0.0, 0.0, reward=r)) for i, r in enumerate(trace[:first + 1])]
+    changes = [ctl.observe(i, ControllerSignals(0.0, 0.0, reward=r)) for i, r in enumerate(trace[: first + 1])]
     assert changes[first] is not None and changes[first].decision.reason.startswith("reward_drop=")
 
 
@@ -135,18 +135,25 @@ def test_bounds_floors_and_start_values():
 
 def test_needs_are_those_at_the_ceilings():
     """Starting at lambda = beta = 0 still loads golden data and the reference, so a raise has them."""
-    loss = ControlledLoss(LossConfig(name="stable_opd", config={"sft_weight": 0.0, "ref_kl_weight": 0.0},
-                                     controller="adaptive"))
+    loss = ControlledLoss(
+        LossConfig(name="stable_opd", config={"sft_weight": 0.0, "ref_kl_weight": 0.0}, controller="adaptive")
+    )
     assert loss.needs.golden and loss.needs.reference
     fixed = ControlledLoss(LossConfig(name="stable_opd", config={"sft_weight": 0.0, "ref_kl_weight": 0.0}))
     assert not fixed.needs.golden and not fixed.needs.reference
-    assert fixed.stateful == {} and fixed.observe(1, RolloutSignals(truncation_rate=1.0, repetition_rate=0.0, reward_mean=0.0)) == {}
+    assert (
+        fixed.stateful == {}
+        and fixed.observe(1, RolloutSignals(truncation_rate=1.0, repetition_rate=0.0, reward_mean=0.0)) == {}
+    )
 
 
 def test_resume_from_a_checkpoint_continues_the_same_trajectory():
     rng = random.Random(2)
-    trace = [(0.0, 0.0)] * 5 + [(min(1.0, 0.03 * i + rng.uniform(0, 0.05)), 0.0) for i in range(20)] + \
-            [(rng.uniform(0, 0.02), 0.0) for _ in range(40)]
+    trace = (
+        [(0.0, 0.0)] * 5
+        + [(min(1.0, 0.03 * i + rng.uniform(0, 0.05)), 0.0) for i in range(20)]
+        + [(rng.uniform(0, 0.02), 0.0) for _ in range(40)]
+    )
     # with rewards: the window and its peak are part of what a resume must carry (a fall after the cut)
     trace = [(t, r, 0.0, 0.0, 0.4 if i < 20 else 0.2) for i, (t, r) in enumerate(trace)]
     straight, _ = run(trace)

@@ -6,6 +6,7 @@ data parallelism; metrics; configs.
     pytest tests/losses -x              # all (about a minute on 2 cores)
     pytest tests/losses -x -m "not slow"
 """
+
 from __future__ import annotations
 
 import functools
@@ -66,8 +67,10 @@ def _check(results_by_rank: list[dict], dtype: str):
                 failures.append(f"{key}: loss {rank_loss} vs reference {ref_loss}")
         for what, got, want in (("grad", grad, ref_grad), ("golden grad", golden, ref_golden)):
             if not torch.allclose(got, want, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, float(want.abs().max()))):
-                failures.append(f"{key}: {what} max diff {float((got - want).abs().max()):.3g} "
-                                f"(max |ref| {float(want.abs().max()):.3g})")
+                failures.append(
+                    f"{key}: {what} max diff {float((got - want).abs().max()):.3g} "
+                    f"(max |ref| {float(want.abs().max()):.3g})"
+                )
         # Metrics are replicated over TP ranks (they come from full-vocabulary quantities).
         for name, value in results_by_rank[0][key][3].items():
             for r in results_by_rank[1:]:
@@ -119,11 +122,17 @@ def test_opd_metrics_match_hand_computation():
     clipped = ((ratio > 1.2) & (adv > 0)) | ((ratio < 0.8) & (adv < 0))
     lp_full = torch.log_softmax(batch["logits"], -1)
     entropy = -(lp_full.exp() * lp_full).sum(-1)
-    want = {"opd/advantage_mean": adv[on].mean(), "opd/reward_mean": adv[on].mean(),
-            "opd/ratio_mean": ratio[on].mean(), "opd/ratio_max": ratio[on].max(),
-            "opd/clip_frac": clipped[on].double().mean(), "opd/entropy": entropy[on].mean(),
-            "opd/student_logprob_mean": logp[on].mean(), "opd/teacher_logprob_mean": batch["teacher_lp"][on].mean(),
-            "opd/num_tokens": on.sum()}
+    want = {
+        "opd/advantage_mean": adv[on].mean(),
+        "opd/reward_mean": adv[on].mean(),
+        "opd/ratio_mean": ratio[on].mean(),
+        "opd/ratio_max": ratio[on].max(),
+        "opd/clip_frac": clipped[on].double().mean(),
+        "opd/entropy": entropy[on].mean(),
+        "opd/student_logprob_mean": logp[on].mean(),
+        "opd/teacher_logprob_mean": batch["teacher_lp"][on].mean(),
+        "opd/num_tokens": on.sum(),
+    }
     assert 0 < float(want["opd/clip_frac"]) < 1, "the batch should exercise the clip"
     for name, value in want.items():
         assert math.isclose(float(m[name]), float(value), rel_tol=2e-6, abs_tol=1e-7), name  # float32 ops
@@ -134,9 +143,15 @@ def test_weighted_sum_metrics_are_namespaced_by_label():
 
     batch = _batches()["base"]
     inputs, _, _ = W.build_inputs(batch, None, 0, 1, torch.float64)
-    loss_fn = build_loss("weighted_sum", {"terms": [
-        {"name": "lsm", "config": {"k": 5}, "label": "lsm_teacher"},
-        {"name": "lsm", "weight": 0.5, "config": {"support": "student_topk", "k": 4}, "label": "lsm_student"}]})
+    loss_fn = build_loss(
+        "weighted_sum",
+        {
+            "terms": [
+                {"name": "lsm", "config": {"k": 5}, "label": "lsm_teacher"},
+                {"name": "lsm", "weight": 0.5, "config": {"support": "student_topk", "k": 4}, "label": "lsm_student"},
+            ]
+        },
+    )
     loss, m = loss_fn(inputs)
     assert {"lsm_teacher/kl", "lsm_student/kl", "lsm_teacher/loss", "lsm_student/loss", "loss/total"} <= set(m)
     assert math.isclose(float(loss), float(m["lsm_teacher/loss"] + 0.5 * m["lsm_student/loss"]), rel_tol=1e-12)
@@ -146,8 +161,7 @@ def test_stable_opd_zero_weights_need_no_golden_or_reference_inputs():
     from megaopd.losses import build_loss
 
     batch = _batches()["base"]
-    inputs, logits, _ = W.build_inputs(batch, None, 0, 1, torch.float64, golden_logits_BTv=None,
-                                       ref_logits_BTv=None)
+    inputs, logits, _ = W.build_inputs(batch, None, 0, 1, torch.float64, golden_logits_BTv=None, ref_logits_BTv=None)
     loss, m = build_loss("stable_opd", {"sft_weight": 0.0, "ref_kl_weight": 0.0})(inputs)
     opd, _ = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64)[0])
     assert float(loss) == pytest.approx(float(opd), rel=1e-12) and "sft/loss" not in m
@@ -190,44 +204,56 @@ def test_aggregation_handles_nan_at_masked_positions_and_empty_masks():
 def test_first_occurrence_masking():
     from megaopd.losses import mask_first_occurrences
 
-    ids = torch.tensor([[5, 1, 7, 1, 7, 2],
-                        [1, 1, 9, 7, 0, 0],
-                        [3, 3, 3, 3, 3, 3]])
-    mask = torch.tensor([[0, 1, 1, 1, 1, 1],   # position 0 (prompt) holds a 5: not a response token
-                         [1, 1, 1, 1, 0, 0],
-                         [1, 1, 1, 1, 1, 1]], dtype=torch.float32)
+    ids = torch.tensor([[5, 1, 7, 1, 7, 2], [1, 1, 9, 7, 0, 0], [3, 3, 3, 3, 3, 3]])
+    mask = torch.tensor(
+        [
+            [0, 1, 1, 1, 1, 1],  # position 0 (prompt) holds a 5: not a response token
+            [1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1, 1],
+        ],
+        dtype=torch.float32,
+    )
     got = mask_first_occurrences(ids, mask, [1, 7, 5])
-    want = torch.tensor([[0, 0, 0, 1, 1, 1],
-                         [0, 1, 1, 0, 0, 0],
-                         [1, 1, 1, 1, 1, 1]], dtype=torch.float32)
+    want = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.float32)
     assert torch.equal(got, want) and got.dtype == mask.dtype
     assert torch.equal(mask_first_occurrences(ids, mask, []), mask)
     # Packed rows: the first occurrence is per sequence, not per row.
     seq = torch.tensor([[0, 0, 0, 1, 1, 1], [2, 2, 3, 3, 3, 3], [4, 4, 4, 5, 5, 5]])
     for special in ([1], [7], [1, 7], [3], [3, 9, 0]):
-        assert torch.equal(mask_first_occurrences(ids, mask, special, seq),
-                           R.reference_first_occurrence_mask(ids, mask, set(special), seq)), special
+        assert torch.equal(
+            mask_first_occurrences(ids, mask, special, seq),
+            R.reference_first_occurrence_mask(ids, mask, set(special), seq),
+        ), special
     g = torch.Generator().manual_seed(1)
     for _ in range(20):
         ids = torch.randint(0, 4, (3, 12), generator=g)
         mask = (torch.rand(3, 12, generator=g) > 0.3).long()
         seq = torch.sort(torch.randint(0, 3, (3, 12), generator=g), dim=1).values + torch.arange(3)[:, None] * 3
-        assert torch.equal(mask_first_occurrences(ids, mask, [0, 2], seq),
-                           R.reference_first_occurrence_mask(ids, mask, {0, 2}, seq))
-        assert torch.equal(mask_first_occurrences(ids, mask, [0, 2]),
-                           R.reference_first_occurrence_mask(ids, mask, {0, 2}))
+        assert torch.equal(
+            mask_first_occurrences(ids, mask, [0, 2], seq), R.reference_first_occurrence_mask(ids, mask, {0, 2}, seq)
+        )
+        assert torch.equal(
+            mask_first_occurrences(ids, mask, [0, 2]), R.reference_first_occurrence_mask(ids, mask, {0, 2})
+        )
 
 
 def test_configs_reject_bad_values_with_the_fix():
     from megaopd.losses import LossConfig, build_loss, build_loss_from
 
     for name, cfg, match in [
-        ("opd", {"policy_loss": "ppo"}, "policy_loss"), ("opd", {"eps_low": 1.0}, "eps_low"),
-        ("opd", {"gamma": 2.0}, "gamma"), ("opd", {"aggregation": "mean"}, "aggregation"),
-        ("opd", {"eps": 0.2}, "accepted: policy_loss"), ("ref_kl", {"estimator": "k4"}, "estimator"),
-        ("lsm", {"support": "both"}, "support"), ("lsm", {"k": 0}, "k=0"), ("gkd", {"beta": 1.0}, "beta"),
-        ("grpo", {"eps": 0.0}, "eps"), ("stable_opd", {"sft_weight": -1.0}, "sft_weight"),
-        ("stable_opd", {"opd": {"eps_high": -1}}, "eps_high"), ("weighted_sum", {"terms": []}, "no terms"),
+        ("opd", {"policy_loss": "ppo"}, "policy_loss"),
+        ("opd", {"eps_low": 1.0}, "eps_low"),
+        ("opd", {"gamma": 2.0}, "gamma"),
+        ("opd", {"aggregation": "mean"}, "aggregation"),
+        ("opd", {"eps": 0.2}, "accepted: policy_loss"),
+        ("ref_kl", {"estimator": "k4"}, "estimator"),
+        ("lsm", {"support": "both"}, "support"),
+        ("lsm", {"k": 0}, "k=0"),
+        ("gkd", {"beta": 1.0}, "beta"),
+        ("grpo", {"eps": 0.0}, "eps"),
+        ("stable_opd", {"sft_weight": -1.0}, "sft_weight"),
+        ("stable_opd", {"opd": {"eps_high": -1}}, "eps_high"),
+        ("weighted_sum", {"terms": []}, "no terms"),
         ("weighted_sum", {"terms": [{"name": "nope"}]}, "unknown loss 'nope'"),
         ("weighted_sum", {"terms": [{"name": "opd"}, {"name": "opd"}]}, "label"),
         ("nope", {}, "registered losses"),

@@ -1,5 +1,6 @@
 """loss.off_policy_correction (losses/off_policy.py) against float64 references written from its docstring:
 the weights themselves, and the opd / grpo losses' values and gradients with each correction."""
+
 import math
 
 import pytest
@@ -60,8 +61,9 @@ def test_opd_with_each_correction_matches_float64_reference(method):
     batch = R.make_batch(seed=1)
     engine_lp = _engine_lp(batch)
     C = 1.5
-    loss_fn = build_loss_from(LossConfig(name="opd", config={"log_entropy": False}, off_policy_correction=method,
-                                         off_policy_clip=C))
+    loss_fn = build_loss_from(
+        LossConfig(name="opd", config={"log_entropy": False}, off_policy_correction=method, off_policy_clip=C)
+    )
     assert loss_fn.needs.engine_logprobs == (method in ("tis", "mis"))
     inputs, logits, _ = W.build_inputs(batch, None, 0, 1, torch.float64, engine_logprobs_BT=engine_lp)
     loss, metrics = loss_fn(inputs)
@@ -103,7 +105,9 @@ def test_stable_opd_and_grpo_take_the_correction_through_their_terms():
     inputs, _, _ = W.build_inputs(batch, None, 0, 1, torch.float64, engine_logprobs_BT=engine_lp)
     plain = float(build_loss_from(LossConfig(name="grpo"))(inputs)[0].detach())
     inputs, _, _ = W.build_inputs(batch, None, 0, 1, torch.float64, engine_logprobs_BT=engine_lp)
-    tis = float(build_loss_from(LossConfig(name="grpo", off_policy_correction="tis", off_policy_clip=1e9))(inputs)[0].detach())
+    tis = float(
+        build_loss_from(LossConfig(name="grpo", off_policy_correction="tis", off_policy_clip=1e9))(inputs)[0].detach()
+    )
     assert tis != pytest.approx(plain)  # the importance weights reach grpo's tokens
 
 

@@ -1,5 +1,6 @@
 """The trainer logs what the collapse detector raised under the event it names: a high truncation rate at
 step 1 (a short token budget, no baseline yet) is a quiet collapse_no_baseline note, not a loud warning."""
+
 import json
 from types import SimpleNamespace
 

@@ -1,5 +1,6 @@
 """Answer extraction (metrics.reward.extract): each mode on the kinds of response real models give, through
 math-verify in-process and through the helper process; the found-count warning; the job config's key."""
+
 import pytest
 
 from megaopd.config import load_config

@@ -1,5 +1,6 @@
 """megaopd.metrics.flops against FLOPs counted by hand for Qwen2.5-1.5B (tests/config/fixtures): h=1536,
 12 heads of 128, 2 KV heads, FFN 8960, 28 layers, vocab 151936 (tied: the output layer counts once)."""
+
 import os
 
 import pytest

@@ -1,4 +1,5 @@
 """Top-k overlap and the collapse detector against hand computations."""
+
 import math
 
 import pytest
@@ -74,7 +75,12 @@ def test_no_collapse_warning_before_a_baseline():
     det = CollapseDetector(CollapseConfig())  # min_history 3, level truncation 0.5
     (note,) = det.update(1, {"truncation_rate": 0.9, "repetition_rate": 0.0})
     assert (note.reason, note.is_collapse, note.event, note.baseline, note.history) == (
-        "no_baseline", False, "collapse_no_baseline", None, 0)
+        "no_baseline",
+        False,
+        "collapse_no_baseline",
+        None,
+        0,
+    )
     assert "no baseline yet (0 earlier steps)" in note.message and "rollout.max_new_tokens" in note.message
     assert not note.message.startswith("collapse warning")
     for step in range(2, 7):  # high from the start and staying there: nothing more, baseline or not
@@ -98,7 +104,11 @@ def test_no_baseline_note_of_a_metric_without_a_hint():
 
 def test_warnings_saved_before_the_no_baseline_fields_load():
     det = CollapseDetector()
-    det.load_state_dict({"history": {"truncation_rate": [0.1, 0.2]}, "alarmed": {"truncation_rate": True},
-                         "warnings": [{"step": 4, "metric": "truncation_rate", "value": 0.7, "baseline": 0.1,
-                                       "reason": "level"}]})
+    det.load_state_dict(
+        {
+            "history": {"truncation_rate": [0.1, 0.2]},
+            "alarmed": {"truncation_rate": True},
+            "warnings": [{"step": 4, "metric": "truncation_rate", "value": 0.7, "baseline": 0.1, "reason": "level"}],
+        }
+    )
     assert det.warnings[0].is_collapse and det.warnings[0].history == 0 and det.alarmed

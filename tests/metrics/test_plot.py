@@ -1,4 +1,5 @@
 """`megaopd plot`: figures exist, are not blank, and missing keys are skipped."""
+
 import json
 import os
 
@@ -26,7 +27,9 @@ def _write_run(path, n_steps, collapse, keys=None):
                 "train/note": "text values are ignored",
             }
             if s % 5 == 0:
-                row.update({"val/accuracy": 0.3 - 0.2 * x * collapse, "val/truncation_rate": 0.1, "val/repetition_rate": 0.0})
+                row.update(
+                    {"val/accuracy": 0.3 - 0.2 * x * collapse, "val/truncation_rate": 0.1, "val/repetition_rate": 0.0}
+                )
             if keys is not None:
                 row = {k: v for k, v in row.items() if k in keys or k == "step"}
             f.write(json.dumps(row) + "\n")
@@ -63,8 +66,10 @@ def test_plot_errors_and_reader(tmp_path):
     run = tmp_path / "empty"
     _write_run(run, 3, collapse=False, keys=set())
     assert cli_main(["plot", str(run)]) == 1
-    (run / "metrics.jsonl").write_text('{"step": 1, "a": 1}\n{"step": 1, "a": 2, "b": NaN}\nnot json\n{"a": 3}\n'
-                                       '{"step": 1, "event": "checkpoint", "message": "x", "value": 5}\n')
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "a": 1}\n{"step": 1, "a": 2, "b": NaN}\nnot json\n{"a": 3}\n'
+        '{"step": 1, "event": "checkpoint", "message": "x", "value": 5}\n'
+    )
     # The trainer's event records (checkpoints, warnings) must not replace the step's metrics.
     assert read_metrics(str(run / "metrics.jsonl")) == {1: {"step": 1.0, "a": 2.0}}
 

@@ -1,4 +1,5 @@
 """math-verify reward: correct, wrong, equivalent forms, malformed input, timeouts, threads."""
+
 import os
 import signal
 import threading

@@ -1,4 +1,5 @@
 """Rollout metrics against hand computations."""
+
 import random
 import string
 import zlib

@@ -1,6 +1,7 @@
 """The console step line names the engine/actor log-prob gap for what it measures: `gap` where the engine
 held the trained weights (a sync check), `drift` beside `lag=N` where the rollouts lag by design
 (rollout.mode one_step_off / async), so the intended one-version lag no longer reads like a failed sync."""
+
 import json
 
 from megaopd.trainer.run_log import RunLog, step_line

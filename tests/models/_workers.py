@@ -2,14 +2,19 @@
 
 One spawn of 4 gloo workers checks every layout, so the ~10 s start-up of megatron is paid once.
 """
+
 import torch
 import torch.distributed as dist
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (tp, pp)
 MOE_LAYOUTS = tuple((tp, pp, 1) for tp, pp in LAYOUTS) + ((1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4))  # (tp, pp, ep)
 # Checkpoints written at an actor layout (tp, pp, ep) and read back at TP=1 PP=1 EP=1.
-CKPT_LAYOUTS = {"tiny-qwen2": (2, 2, 1), "tiny-qwen2-tied": (2, 2, 1), "tiny-qwen3": (2, 2, 1),
-                "tiny-qwen3-moe": (2, 1, 2)}
+CKPT_LAYOUTS = {
+    "tiny-qwen2": (2, 2, 1),
+    "tiny-qwen2-tied": (2, 2, 1),
+    "tiny-qwen3": (2, 2, 1),
+    "tiny-qwen3-moe": (2, 1, 2),
+}
 
 
 def _gather_tp(shard, group):
@@ -32,7 +37,8 @@ def _run_model(model, cfg, pgs, ids):
     # Two micro-batches of 2 sequences: the pipeline schedule interleaves them across stages.
     with torch.no_grad():
         out = PipelineRunner(model, pgs, cfg.vocab_size).run(
-            [ScoringMicroBatch(ids[:2]), ScoringMicroBatch(ids[2:])], on_logits, forward_only=True)
+            [ScoringMicroBatch(ids[:2]), ScoringMicroBatch(ids[2:])], on_logits, forward_only=True
+        )
     if not out:
         return None, None
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
@@ -43,8 +49,7 @@ def _build_loaded(cfg, hf_dir, tp, pp, pgs, ep=1):
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import load_hf_weights
 
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, init_weights=False, ep=ep,
-                            train_router=False).eval()
+    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, init_weights=False, ep=ep, train_router=False).eval()
     st = StageInfo.of(pgs)
     load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp, pgs.ep.rank(), ep)
     return model
@@ -89,11 +94,13 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
             if ep == 1:
                 exported = dict(gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp))
             else:  # this stage's tensors at TP x EP; the test unites the stages' names
-                exported = dict(gather_stage_hf_weights(model_state(model), cfg, pgs.tp, pgs.ep,
-                                                        pgs.pp.rank(), pp))
+                exported = dict(gather_stage_hf_weights(model_state(model), cfg, pgs.tp, pgs.ep, pgs.pp.rank(), pp))
             res[key + ("exported",)] = sorted(exported)
-            bad = [n for n in exported if n not in hf or exported[n].dtype != hf[n].dtype
-                   or not torch.equal(exported[n], hf[n])]
+            bad = [
+                n
+                for n in exported
+                if n not in hf or exported[n].dtype != hf[n].dtype or not torch.equal(exported[n], hf[n])
+            ]
             if ep == 1:
                 bad += [n for n in hf if n not in exported]
             res[key + ("roundtrip_mismatches",)] = bad + sorted(set(exported) - set(hf_shapes(cfg)))
@@ -111,8 +118,9 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
         hf = HFWeights(bf16_hf_dir)
         load_hf_weights(model, hf, cfg, st.tp_rank, 2, st.pp_rank, 2)
         exported = dict(gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp))
-        res[("bf16", "roundtrip_mismatches")] = [n for n in hf if exported[n].dtype != torch.bfloat16
-                                                 or not torch.equal(exported[n], hf[n])]
+        res[("bf16", "roundtrip_mismatches")] = [
+            n for n in hf if exported[n].dtype != torch.bfloat16 or not torch.equal(exported[n], hf[n])
+        ]
 
     # Checkpoints written by an actor layout (TP=2 PP=2, or TP=2 EP=2 for the MoE), read back at 1/1/1.
     for name, (tp, pp, ep) in CKPT_LAYOUTS.items():
@@ -143,10 +151,10 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
 def packed_vs_alone(rank, world_size, models, lengths):
     """Per layout (tp, pp) in PACKED_LAYOUTS and model: logits of sequences of very uneven lengths packed
     into one THD row vs each sequence run alone (padded path, b = 1); max |difference| on the last stage."""
+    from megaopd.batching.micro_batches import ScoringMicroBatch
     from megaopd.batching.packing import PackedRow, Segment
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
-    from megaopd.batching.micro_batches import ScoringMicroBatch
     from megaopd.scoring.runner import PipelineRunner
 
     res = {}
@@ -175,7 +183,7 @@ def packed_vs_alone(rank, world_size, models, lengths):
             diff = 0.0
             for i, s in enumerate(seqs):
                 o = row.offsets[i]
-                diff = max(diff, float((packed[0][0, o:o + s.shape[1]] - alone[i][0][0]).abs().max()))
+                diff = max(diff, float((packed[0][0, o : o + s.shape[1]] - alone[i][0][0]).abs().max()))
             res[(name, tp, pp)] = diff
     return res
 

@@ -3,6 +3,7 @@
 Each entry of `hf_models`: the HF directory, a batch of token ids (two micro-batches of 2 x 9), and the
 float32 transformers logits / log-probs of that batch, which every megatron layout must reproduce.
 """
+
 import pytest
 import torch
 

@@ -2,6 +2,7 @@
 and a run folder's resume point, pruning and metrics.jsonl never lose or repeat work (megaopd.trainer.run_folder,
 trainer.checkpoint._prune, trainer.run_log.keep_rows_through). Quick: real files and real torch DCP metadata,
 no model; the end-to-end versions (converter, model paths, resume) are tests/trainer/test_run_folder_faults.py."""
+
 import json
 import os
 import pickle
@@ -105,9 +106,11 @@ def test_payload_in_common_pt_is_refused_even_when_the_environment_turns_weights
 # ------------------------------------------------------------------------------------------------ run folders
 def _step(run, n, step=None, files=None):
     """A complete step folder (manifest recording `step`, default n) in run/checkpoints/step_{n:06d}."""
-    return _folder(os.path.join(run, "checkpoints", f"step_{n:06d}"),
-                   files or {"model/__0_0.distcp": bytes([n]) * 64, "trainer_state.json": b"{}"},
-                   step=n if step is None else step)
+    return _folder(
+        os.path.join(run, "checkpoints", f"step_{n:06d}"),
+        files or {"model/__0_0.distcp": bytes([n]) * 64, "trainer_state.json": b"{}"},
+        step=n if step is None else step,
+    )
 
 
 def _pointer(run, name):
@@ -128,7 +131,12 @@ def test_lost_pointer_resumes_from_newest_complete_step_by_recorded_step(tmp_pat
     assert any("latest is missing: resuming from the newest complete step" in n for n in point.notes)
     assert open(os.path.join(run, "checkpoints", "latest")).read() == "step_000003"  # healed
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [
-        "latest", "step_000002", "step_000003", "step_000004.tmp", "step_000009"]  # nothing removed
+        "latest",
+        "step_000002",
+        "step_000003",
+        "step_000004.tmp",
+        "step_000009",
+    ]  # nothing removed
 
 
 def test_pointer_to_a_missing_step_falls_back_and_moves_unverified_newer_steps_aside(tmp_path):
@@ -188,8 +196,12 @@ def test_prune_keeps_newest_by_recorded_step_and_never_what_was_just_written(tmp
     legacy = os.path.join(run, "checkpoints", "step_000000")
     os.makedirs(legacy)  # no manifest: not known complete, never deleted by pruning
     _prune(run, keep=2, just_written="step_000007")
-    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_000000", "step_000002", "step_000003",
-                                                                     "step_000007"]
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [
+        "step_000000",
+        "step_000002",
+        "step_000003",
+        "step_000007",
+    ]
 
 
 def test_metrics_rows_after_the_loaded_step_move_to_a_side_file(tmp_path):

@@ -1,5 +1,6 @@
 """megaopd._megatron_import: megatron-core imported without building inductor wrappers or importing wandb,
 and with nothing else changed."""
+
 import subprocess
 import sys
 

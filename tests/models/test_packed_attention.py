@@ -8,6 +8,7 @@ RoPE positions restart at 0 in each. Qwen2 (GQA, QKV bias) and Qwen3 (per-head q
 
     pytest tests/models/test_packed_attention.py -x
 """
+
 import pytest
 
 from megaopd.parallel.launch import spawn
@@ -47,9 +48,9 @@ def test_packed_row_layout():
     assert row.cu_seqlens.tolist() == [0, 3, 5, 7] and row.max_seqlen == 3 and row.num_seqs == 3
     assert row.position_ids().tolist() == [[0, 1, 2, 0, 1, 0, 1]]
     assert row.seq_ids().tolist() == [[0, 0, 0, 1, 1, 2]]
-    x = torch.arange(12.).reshape(3, 4)
-    assert row.per_token(x, 0, -1).tolist() == [[8., 9., -1, -1, -1, -1]]
-    assert row.per_token(x, 1, -1).tolist() == [[-1, -1, -1, 0., -1, -1]]
+    x = torch.arange(12.0).reshape(3, 4)
+    assert row.per_token(x, 0, -1).tolist() == [[8.0, 9.0, -1, -1, -1, -1]]
+    assert row.per_token(x, 1, -1).tolist() == [[-1, -1, -1, 0.0, -1, -1]]
     bins = pack_by_budget([5, 3, 4, 2, 9], 9)
     assert sorted(i for b in bins for i in b) == [0, 1, 2, 3, 4] and bins == pack_by_budget([5, 3, 4, 2, 9], 9)
     shares = balanced_partition([[8], [1], [1], [6], [2], [2]], 2)
@@ -69,10 +70,18 @@ def test_padded_fused_attention_equals_megatrons(one_torch_thread):
 
     init_distributed()
     pgs = initialize_actor_layout(Layout(1, 1))
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                            attention_dropout=0.0, apply_query_key_layer_scaling=True, params_dtype=torch.float32)
-    attn = PackedDotProductAttention(cfg, layer_number=2, attn_mask_type=AttnMaskType.causal,
-                                     attention_type="self", pg_collection=pgs).eval()
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        attention_dropout=0.0,
+        apply_query_key_layer_scaling=True,
+        params_dtype=torch.float32,
+    )
+    attn = PackedDotProductAttention(
+        cfg, layer_number=2, attn_mask_type=AttnMaskType.causal, attention_type="self", pg_collection=pgs
+    ).eval()
     g = torch.Generator().manual_seed(0)
     s, b = 11, 3
     q = torch.randn(s, b, 4, 8, generator=g)
@@ -100,11 +109,16 @@ def test_causal_by_length_equals_each_sequence_alone(one_torch_thread, gqa):
         bounds.append(bounds[-1] + n)
     g = torch.Generator().manual_seed(0)
     hq, hk, d = 4, 2 if gqa else 4, 8
-    q, k, v = (torch.randn(bounds[-1], h, d, generator=g, dtype=torch.float64).requires_grad_()
-               for h in (hq, hk, hk))
-    want = torch.cat([F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)), is_causal=True,
-                                                     scale=0.3, enable_gqa=gqa).transpose(0, 1)
-                      for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
+    q, k, v = (torch.randn(bounds[-1], h, d, generator=g, dtype=torch.float64).requires_grad_() for h in (hq, hk, hk))
+    want = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                *(x[s:e].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=0.3, enable_gqa=gqa
+            ).transpose(0, 1)
+            for s, e in zip(bounds[:-1], bounds[1:])
+            if e > s
+        ]
+    )
     upstream = torch.randn(want.shape, generator=g, dtype=torch.float64)
     want_grads = torch.autograd.grad(want, (q, k, v), upstream)
     # a cap of two 30-token sequences cuts 30, 29 | 24, 23; the last sequence (10, batched with

@@ -8,6 +8,7 @@ checkpoints (TP=2 PP=2; TP=2 EP=2 for the MoE) load at TP=1 PP=1 EP=1. One spawn
 
     pytest tests/models/test_parity.py -x
 """
+
 import pytest
 
 from megaopd.parallel.launch import spawn

@@ -4,6 +4,7 @@ subprocesses (slow), and their input checks one by one (fast: they fail before m
     pytest tests/models/test_tools.py -x             # everything (~2-3 min on 2 cores)
     pytest tests/models/test_tools.py -x -m "not slow"
 """
+
 import filecmp
 import json
 import os
@@ -78,7 +79,10 @@ def test_roundtrip_tp2_pp2_bit_exact_and_logprobs_at_tp1(hf_models, tmp_path):
     assert (meta["tp"], meta["pp"], meta["dtype"]) == (2, 2, "float32")
     _ok([sys.executable, TO_HF, "--ckpt", ckpt, "--out", back])
 
-    src, dst = load_file(os.path.join(m["hf_dir"], "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    src, dst = (
+        load_file(os.path.join(m["hf_dir"], "model.safetensors")),
+        load_file(os.path.join(back, "model.safetensors")),
+    )
     assert src.keys() == dst.keys()
     for n in src:
         assert src[n].dtype == dst[n].dtype and torch.equal(src[n], dst[n]), n
@@ -102,7 +106,10 @@ def test_roundtrip_untied_qwen2_tp2(hf_models, tmp_path):
     ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
     _ok([sys.executable, TO_MEGATRON, "--hf-dir", m["hf_dir"], "--out", ckpt, "--tp", "2", "--pp", "1"])
     _ok([sys.executable, TO_HF, "--ckpt", ckpt, "--out", back])
-    src, dst = load_file(os.path.join(m["hf_dir"], "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    src, dst = (
+        load_file(os.path.join(m["hf_dir"], "model.safetensors")),
+        load_file(os.path.join(back, "model.safetensors")),
+    )
     assert src.keys() == dst.keys() and "lm_head.weight" in dst
     assert all(torch.equal(src[n], dst[n]) for n in src)
 
@@ -119,7 +126,10 @@ def test_roundtrip_qwen3_bit_exact(hf_models, tmp_path, name, layout):
     ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
     _ok([sys.executable, TO_MEGATRON, "--hf-dir", m["hf_dir"], "--out", ckpt, "--tp", tp, "--pp", pp, "--ep", ep])
     _ok([sys.executable, TO_HF, "--ckpt", ckpt, "--out", back])
-    src, dst = load_file(os.path.join(m["hf_dir"], "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    src, dst = (
+        load_file(os.path.join(m["hf_dir"], "model.safetensors")),
+        load_file(os.path.join(back, "model.safetensors")),
+    )
     assert src.keys() == dst.keys()
     assert all(src[n].dtype == dst[n].dtype and torch.equal(src[n], dst[n]) for n in src)
     if name == "tiny-qwen3-moe":
@@ -141,6 +151,7 @@ def test_logprobs_from_hf_dir_at_tp2(hf_models, tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 # Input checks: one clear line, exit code 2, before any expensive start-up.
+
 
 def _load_tool(path):
     import importlib.util
@@ -166,8 +177,10 @@ def bad_dirs(hf_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     good = hf_models["tiny-qwen2"]["hf_dir"]
     made = {}
-    for name, patch in {"gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
-                        "more_layers": {"num_hidden_layers": 6}}.items():
+    for name, patch in {
+        "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+        "more_layers": {"num_hidden_layers": 6},
+    }.items():
         d = root / name
         shutil.copytree(good, d)
         raw = json.load(open(d / "config.json"))
@@ -188,17 +201,20 @@ def bad_dirs(hf_models, tmp_path_factory):
     return made
 
 
-@pytest.mark.parametrize("case,args,match", [
-    ("missing_dir", ["--hf-dir", "/nonexistent/model", "--tp", "1"], "does not exist"),
-    ("no_config", ["--hf-dir", "{no_config}"], "no HF config"),
-    ("unsupported", ["--hf-dir", "{gpt2}"], "unsupported architecture 'GPT2LMHeadModel'"),
-    ("heads", ["--hf-dir", "{good}", "--tp", "4"], "tp=4 does not divide num_attention_heads=6"),
-    ("groups", ["--hf-dir", "{good}", "--tp", "3"], "tp=3 does not divide the 2 key/value heads"),
-    ("layers", ["--hf-dir", "{good}", "--pp", "3"], "pp=3 does not divide num_hidden_layers=4"),
-    ("pickle", ["--hf-dir", "{pickle_only}"], "pickle weights"),
-    ("mismatch", ["--hf-dir", "{more_layers}"], "safetensors lack"),
-    ("out_not_empty", ["--hf-dir", "{good}", "--out", "{nonempty}"], "not empty"),
-])
+@pytest.mark.parametrize(
+    "case,args,match",
+    [
+        ("missing_dir", ["--hf-dir", "/nonexistent/model", "--tp", "1"], "does not exist"),
+        ("no_config", ["--hf-dir", "{no_config}"], "no HF config"),
+        ("unsupported", ["--hf-dir", "{gpt2}"], "unsupported architecture 'GPT2LMHeadModel'"),
+        ("heads", ["--hf-dir", "{good}", "--tp", "4"], "tp=4 does not divide num_attention_heads=6"),
+        ("groups", ["--hf-dir", "{good}", "--tp", "3"], "tp=3 does not divide the 2 key/value heads"),
+        ("layers", ["--hf-dir", "{good}", "--pp", "3"], "pp=3 does not divide num_hidden_layers=4"),
+        ("pickle", ["--hf-dir", "{pickle_only}"], "pickle weights"),
+        ("mismatch", ["--hf-dir", "{more_layers}"], "safetensors lack"),
+        ("out_not_empty", ["--hf-dir", "{good}", "--out", "{nonempty}"], "not empty"),
+    ],
+)
 def test_convert_hf_to_megatron_input_errors(case, args, match, bad_dirs, hf_models, tmp_path, capsys):
     fill = {**bad_dirs, "good": hf_models["tiny-qwen2"]["hf_dir"]}
     argv = [a.format(**fill) for a in args]
@@ -211,8 +227,12 @@ def test_convert_hf_to_megatron_input_errors(case, args, match, bad_dirs, hf_mod
 def test_convert_megatron_to_hf_input_errors(hf_models, tmp_path, capsys):
     main = _load_tool(TO_HF)
     _expect_error(main, ["--ckpt", "/nonexistent/ckpt", "--out", str(tmp_path / "o")], "does not exist", capsys)
-    _expect_error(main, ["--ckpt", hf_models["tiny-qwen2"]["hf_dir"], "--out", str(tmp_path / "o")],
-                  "not a megaopd Megatron checkpoint", capsys)
+    _expect_error(
+        main,
+        ["--ckpt", hf_models["tiny-qwen2"]["hf_dir"], "--out", str(tmp_path / "o")],
+        "not a megaopd Megatron checkpoint",
+        capsys,
+    )
     _expect_error(main, ["--out", str(tmp_path / "o")], "the following arguments are required: --ckpt", capsys)
 
 
@@ -237,10 +257,15 @@ def test_logprobs_input_errors(hf_models, tmp_path, capsys):
     good = tmp_path / "good.jsonl"
     good.write_text('{"input_ids": [1, 2, 3]}\n')
     _expect_error(main, ["--ckpt", "/nonexistent", "--input", str(good), "--output", out], "does not exist", capsys)
-    _expect_error(main, ["--ckpt", hf, "--tp", "4", "--input", str(good), "--output", out],
-                  "tp=4 does not divide", capsys)
-    _expect_error(main, ["--ckpt", str(tmp_path), "--input", str(good), "--output", out],
-                  "neither a megaopd Megatron checkpoint nor an HF directory", capsys)
+    _expect_error(
+        main, ["--ckpt", hf, "--tp", "4", "--input", str(good), "--output", out], "tp=4 does not divide", capsys
+    )
+    _expect_error(
+        main,
+        ["--ckpt", str(tmp_path), "--input", str(good), "--output", out],
+        "neither a megaopd Megatron checkpoint nor an HF directory",
+        capsys,
+    )
     assert not os.path.exists(out)
 
 
@@ -248,9 +273,11 @@ def test_logprobs_input_errors(hf_models, tmp_path, capsys):
 def test_errors_exit_fast_as_real_processes(hf_models, tmp_path):
     """The real entry points: exit code 2, one stderr line, no megatron start-up (a few seconds at most)."""
     hf = hf_models["tiny-qwen2"]["hf_dir"]
-    for cmd in ([sys.executable, TO_MEGATRON, "--hf-dir", hf, "--out", str(tmp_path / "o"), "--tp", "4"],
-                [sys.executable, TO_HF, "--ckpt", hf, "--out", str(tmp_path / "o")],
-                LOGPROBS + ["--ckpt", hf, "--input", str(tmp_path / "missing.jsonl"), "--output", "x"]):
+    for cmd in (
+        [sys.executable, TO_MEGATRON, "--hf-dir", hf, "--out", str(tmp_path / "o"), "--tp", "4"],
+        [sys.executable, TO_HF, "--ckpt", hf, "--out", str(tmp_path / "o")],
+        LOGPROBS + ["--ckpt", hf, "--input", str(tmp_path / "missing.jsonl"), "--output", "x"],
+    ):
         t0 = time.monotonic()
         p = _run(cmd, timeout=120)
         assert p.returncode == 2, p.stderr

@@ -2,6 +2,7 @@
 
 Regression: padding at the dtype's lowest value overflowed to -inf once divided by a temperature below 1,
 and 0 * -inf made entropy, KL and their gradients NaN."""
+
 import pytest
 import torch
 

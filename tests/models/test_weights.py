@@ -1,14 +1,14 @@
 """The HF <-> Megatron mapping as pure functions (no process group, no megatron import).
 
-    pytest tests/models/test_weights.py -x
+pytest tests/models/test_weights.py -x
 """
+
 import pytest
 import torch
 
 from megaopd.models.hf_config import padded_vocab_size, read_hf_config
 from megaopd.models.presets import preset_config
-from megaopd.models.weights import (FC1, QKV, VOCAB, hf_shapes, merge_shards, shard_hf_weights, shard_tensor,
-                                    stage_rules)
+from megaopd.models.weights import FC1, QKV, VOCAB, hf_shapes, merge_shards, shard_hf_weights, shard_tensor, stage_rules
 
 
 def _cfg(name):
@@ -20,9 +20,19 @@ def _random_hf(cfg, seed=0):
     return {n: torch.randn(s, generator=g) for n, s in hf_shapes(cfg).items()}
 
 
-@pytest.mark.parametrize("name,ep", [("tiny-qwen2", 1), ("tiny-qwen2-tied", 1), ("tiny-llama", 1), ("tiny-qwen3", 1),
-                                     ("tiny-qwen3-tied", 1), ("tiny-qwen3-moe", 1), ("tiny-qwen3-moe", 2),
-                                     ("tiny-qwen3-moe", 8)])
+@pytest.mark.parametrize(
+    "name,ep",
+    [
+        ("tiny-qwen2", 1),
+        ("tiny-qwen2-tied", 1),
+        ("tiny-llama", 1),
+        ("tiny-qwen3", 1),
+        ("tiny-qwen3-tied", 1),
+        ("tiny-qwen3-moe", 1),
+        ("tiny-qwen3-moe", 2),
+        ("tiny-qwen3-moe", 8),
+    ],
+)
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_shard_then_merge_is_identity(name, ep, tp, pp):
     cfg = _cfg(name)
@@ -48,10 +58,10 @@ def test_qkv_is_interleaved_by_query_group():
     q, k, v = (hf[n] for n in rule.hf)
     d, nq = 16, 3
     full = shard_tensor(rule, [q, k, v], cfg, 0, 1)
-    expected = torch.cat([q[0:nq * d], k[0:d], v[0:d], q[nq * d:2 * nq * d], k[d:2 * d], v[d:2 * d]])
+    expected = torch.cat([q[0 : nq * d], k[0:d], v[0:d], q[nq * d : 2 * nq * d], k[d : 2 * d], v[d : 2 * d]])
     assert torch.equal(full, expected)
     # TP=2: each rank holds one whole query group.
-    assert torch.equal(shard_tensor(rule, [q, k, v], cfg, 1, 2), expected[(nq + 2) * d:])
+    assert torch.equal(shard_tensor(rule, [q, k, v], cfg, 1, 2), expected[(nq + 2) * d :])
 
 
 def test_fc1_is_gate_then_up_per_rank():
@@ -68,7 +78,7 @@ def test_vocab_padding_rows_are_zero_and_trimmed():
     w = torch.randn(300, 96)
     shards = [shard_tensor(rule, [w], cfg, r, 2) for r in range(2)]
     assert all(s.shape == (padded_vocab_size(300, 2) // 2, 96) for s in shards)
-    assert torch.count_nonzero(shards[1][300 - 256:]) == 0
+    assert torch.count_nonzero(shards[1][300 - 256 :]) == 0
     assert torch.equal(merge_shards(rule, shards, cfg)[0], w)
 
 

@@ -9,6 +9,7 @@ checks one against the other. The same functions serve TP=1 in-process and TP=2/
 Gradients: every differentiable output `out` gets its own random weights w (same shape); we compare the
 gradient of sum(w * out) w.r.t. the logits shard with the reference gradient's columns of that shard.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,7 +67,7 @@ def make_inputs(case: Case, world_size: int) -> dict:
             full = torch.randn(T, V_FULL, generator=g, dtype=torch.float64)
         full = case.offset + case.scale * full
         if case.pad_columns:
-            full[:, V_FULL - case.pad_columns:] = PAD_LOGIT
+            full[:, V_FULL - case.pad_columns :] = PAD_LOGIT
         return full.to(dtype).reshape(*case.lead, V_FULL)
 
     inputs = {"p": logits(), "q": logits()}
@@ -79,27 +80,33 @@ def make_inputs(case: Case, world_size: int) -> dict:
     mask[:, 0] = True
     mask[0] = False
     inputs["support_ids"] = torch.where(mask, perm, torch.full_like(perm, -1)).reshape(*case.lead, SUPPORT_K)
-    ref = torch.log_softmax(torch.randn(T, V_FULL, generator=g, dtype=torch.float64) * 2, -1).gather(1, perm.clamp(min=0))
-    inputs["support_ref"] = torch.where(mask, ref, torch.full_like(ref, float("nan"))).float().reshape(
-        *case.lead, SUPPORT_K)
+    ref = torch.log_softmax(torch.randn(T, V_FULL, generator=g, dtype=torch.float64) * 2, -1).gather(
+        1, perm.clamp(min=0)
+    )
+    inputs["support_ref"] = (
+        torch.where(mask, ref, torch.full_like(ref, float("nan"))).float().reshape(*case.lead, SUPPORT_K)
+    )
     inputs["support_mask"] = mask.reshape(*case.lead, SUPPORT_K)
-    inputs["weights"] = {name: torch.randn(case.lead, generator=g, dtype=torch.float64)
-                         for name in differentiable_outputs()}
+    inputs["weights"] = {
+        name: torch.randn(case.lead, generator=g, dtype=torch.float64) for name in differentiable_outputs()
+    }
     # The fused op's weights come from their own stream, so the draws above are as they always were.
     gf = torch.Generator().manual_seed(2000 + case.seed)
-    inputs["fused_weights"] = {name: torch.randn(case.lead, generator=gf, dtype=torch.float64)
-                               for name in ("logprobs", "kl")}
+    inputs["fused_weights"] = {
+        name: torch.randn(case.lead, generator=gf, dtype=torch.float64) for name in ("logprobs", "kl")
+    }
     return inputs
 
 
 def differentiable_outputs() -> list[str]:
-    return (["logprobs", "logsumexp", "entropy", "kl", "kl_frozen_q", "gather", "support_kl"]
-            + [f"jsd_{b}" for b in JSD_BETAS])
+    return ["logprobs", "logsumexp", "entropy", "kl", "kl_frozen_q", "gather", "support_kl"] + [
+        f"jsd_{b}" for b in JSD_BETAS
+    ]
 
 
 def _shard(x, rank, world_size):
     v = x.shape[-1] // world_size
-    return x[..., rank * v:(rank + 1) * v]
+    return x[..., rank * v : (rank + 1) * v]
 
 
 def run_case(case: Case, rank: int, world_size: int, group, impl: str = "torch") -> dict:
@@ -138,12 +145,21 @@ def run_case(case: Case, rank: int, world_size: int, group, impl: str = "torch")
     p = leaf("p")
     record("gather", ops.vocab_parallel_gather(p, inp["gather_ids"], group=group, impl=impl).sum(-1), p)
     p = leaf("p")
-    record("support_kl", ops.vocab_parallel_support_kl(p, inp["support_ids"], inp["support_ref"],
-                                                       support_mask=inp["support_mask"], **kw), p)
+    record(
+        "support_kl",
+        ops.vocab_parallel_support_kl(
+            p, inp["support_ids"], inp["support_ref"], support_mask=inp["support_mask"], **kw
+        ),
+        p,
+    )
     for k in TOPK_KS:
         logprobs, ids = ops.vocab_parallel_topk(_shard(inp["p"], rank, world_size), k, **ckw)
-        out[f"topk_{k}"] = {"value": logprobs.double(), "ids": ids, "dtype": logprobs.dtype,
-                            "requires_grad": logprobs.requires_grad}
+        out[f"topk_{k}"] = {
+            "value": logprobs.double(),
+            "ids": ids,
+            "dtype": logprobs.dtype,
+            "requires_grad": logprobs.requires_grad,
+        }
     out["fused"] = _run_fused(inp, rank, world_size, ckw)
     return out
 
@@ -153,9 +169,11 @@ FUSED_LOSSES = ("both", "logprobs_only", "kl_only")  # which outputs the loss re
 
 def _fused_losses(logprobs, kl, weights):
     w_lp, w_kl = weights["logprobs"], weights["kl"]
-    return {"both": (logprobs.double() * w_lp).sum() + (kl.double() * w_kl).sum(),
-            "logprobs_only": (logprobs.double() * w_lp).sum(),
-            "kl_only": (kl.double() * w_kl).sum()}
+    return {
+        "both": (logprobs.double() * w_lp).sum() + (kl.double() * w_kl).sum(),
+        "logprobs_only": (logprobs.double() * w_lp).sum(),
+        "kl_only": (kl.double() * w_kl).sum(),
+    }
 
 
 def _run_fused(inp, rank, world_size, ckw) -> dict:
@@ -168,21 +186,25 @@ def _run_fused(inp, rank, world_size, ckw) -> dict:
         for loss_name in FUSED_LOSSES:
             p = _shard(inp["p"], rank, world_size).clone().requires_grad_()
             if impl == "fused":
-                logprobs, kl, entropy = ops.vocab_parallel_logprobs_kl(p, inp["ids"], q, with_entropy=True,
-                                                                       **ckw)
+                logprobs, kl, entropy = ops.vocab_parallel_logprobs_kl(p, inp["ids"], q, with_entropy=True, **ckw)
             else:
                 logprobs = ops.vocab_parallel_logprobs(p, inp["ids"], **ckw)
                 kl = ops.vocab_parallel_kl(p, q, **ckw)
                 entropy = ops.vocab_parallel_entropy(p.detach(), **ckw)
             (grad,) = torch.autograd.grad(_fused_losses(logprobs, kl, inp["fused_weights"])[loss_name], p)
             res[(impl, loss_name)] = {
-                "logprobs": logprobs.detach().double(), "kl": kl.detach().double(),
-                "entropy": entropy.double(), "grad_p": grad.double(),
-                "dtypes": (logprobs.dtype, kl.dtype, entropy.dtype), "entropy_requires_grad": entropy.requires_grad}
+                "logprobs": logprobs.detach().double(),
+                "kl": kl.detach().double(),
+                "entropy": entropy.double(),
+                "grad_p": grad.double(),
+                "dtypes": (logprobs.dtype, kl.dtype, entropy.dtype),
+                "entropy_requires_grad": entropy.requires_grad,
+            }
     return res
 
 
 # ---- float64 reference, from the formulas on the full vocabulary --------------------------------------
+
 
 def reference(case: Case, world_size: int) -> dict:
     inp = make_inputs(case, world_size)
@@ -216,8 +238,7 @@ def reference(case: Case, world_size: int) -> dict:
 
     out = {}
     for name, value in values.items():
-        grads = torch.autograd.grad((value * inp["weights"][name]).sum(), [p, q], retain_graph=True,
-                                    allow_unused=True)
+        grads = torch.autograd.grad((value * inp["weights"][name]).sum(), [p, q], retain_graph=True, allow_unused=True)
         out[name] = {"value": value.detach(), "grad_p": grads[0], "grad_q": grads[1]}
     out["fused"] = _reference_fused(inp, tau)
     for k in TOPK_KS:
@@ -239,8 +260,7 @@ def _reference_fused(inp, tau) -> dict:
         kl = (logp.exp() * (logp - logq)).sum(-1)
         entropy = -(logp.exp() * logp).sum(-1)
         (grad,) = torch.autograd.grad(_fused_losses(logprobs, kl, inp["fused_weights"])[loss_name], p)
-        out[loss_name] = {"logprobs": logprobs.detach(), "kl": kl.detach(), "entropy": entropy.detach(),
-                          "grad_p": grad}
+        out[loss_name] = {"logprobs": logprobs.detach(), "kl": kl.detach(), "entropy": entropy.detach(), "grad_p": grad}
     return out
 
 
@@ -266,6 +286,7 @@ def _reference_support_kl(logp, inp):
 
 # ---- comparison ---------------------------------------------------------------------------------------
 
+
 def tolerances(case: Case, world_size: int, weights: str = "weights") -> tuple[float, float, float]:
     """(rtol, rtol_grad, atol) for |got - want| <= atol + rtol * max(|want|, scale).
 
@@ -277,8 +298,9 @@ def tolerances(case: Case, world_size: int, weights: str = "weights") -> tuple[f
     inp = make_inputs(case, world_size)
     # Padding columns carry no probability: the spread is that of the real vocabulary.
     real = slice(0, V_FULL - case.pad_columns)
-    spread = max(float((x[..., real].double().amax(-1) - x[..., real].double().amin(-1)).max())
-                 for x in (inp["p"], inp["q"]))
+    spread = max(
+        float((x[..., real].double().amax(-1) - x[..., real].double().amin(-1)).max()) for x in (inp["p"], inp["q"])
+    )
     max_w = max(float(w.abs().max()) for w in inp[weights].values())
     atol = 1e-7 + 2.0**-23 * spread / case.temperature * max_w
     return 4e-6, (1e-2 if case.dtype == "bfloat16" else 4e-6), atol
@@ -298,8 +320,10 @@ def compare(case: Case, world_size: int, results_by_rank: list[dict], ref: dict)
         else:
             err = (got - want).abs()
             if (err > atol + rtol * want.abs().clamp(min=scale)).any():
-                errors.append(f"{case.name} TP={world_size} {what}: max err {err.max().item():.3g} "
-                              f"(ref max {want.abs().max().item():.3g})")
+                errors.append(
+                    f"{case.name} TP={world_size} {what}: max err {err.max().item():.3g} "
+                    f"(ref max {want.abs().max().item():.3g})"
+                )
 
     for name in differentiable_outputs():
         want = ref[name]
@@ -327,13 +351,13 @@ def compare(case: Case, world_size: int, results_by_rank: list[dict], ref: dict)
             # Valid whatever the tie-breaking: distinct ids whose log-probs are the returned values.
             if (ids.sort(dim=-1).values.diff(dim=-1) == 0).any():
                 errors.append(f"{case.name} TP={world_size} topk_{k}: repeated ids")
-            close(f"topk_{k} logp at ids (rank {rank})", want["logp"].gather(-1, ids), got["value"], rtol_v,
-                  scale=0.0)
+            close(f"topk_{k} logp at ids (rank {rank})", want["logp"].gather(-1, ids), got["value"], rtol_v, scale=0.0)
             # float32 random logits have no ties within a shard, so the order is fully determined:
             # across shards (the `ties` case) the lower global id first.
             if case.dtype == "float32" and not torch.equal(ids, want["ids"]):
-                errors.append(f"{case.name} TP={world_size} topk_{k} (rank {rank}): ids {ids.tolist()} "
-                              f"!= {want['ids'].tolist()}")
+                errors.append(
+                    f"{case.name} TP={world_size} topk_{k} (rank {rank}): ids {ids.tolist()} != {want['ids'].tolist()}"
+                )
     # Fused log-probs + KL (+ entropy): against the float64 reference, and against the unfused ops.
     atol = tolerances(case, world_size, "fused_weights")[2]
     for loss_name in FUSED_LOSSES:
@@ -343,19 +367,26 @@ def compare(case: Case, world_size: int, results_by_rank: list[dict], ref: dict)
                 got = res["fused"][(impl, loss_name)]
                 what = f"{impl} {loss_name}"
                 if impl == "fused" and (got["dtypes"] != (torch.float32,) * 3 or got["entropy_requires_grad"]):
-                    errors.append(f"{case.name} {what}: dtypes {got['dtypes']}, entropy requires grad "
-                                  f"{got['entropy_requires_grad']}; expected float32 and a no-grad entropy")
+                    errors.append(
+                        f"{case.name} {what}: dtypes {got['dtypes']}, entropy requires grad "
+                        f"{got['entropy_requires_grad']}; expected float32 and a no-grad entropy"
+                    )
                 for out in ("logprobs", "kl", "entropy"):
                     close(f"{what} {out} (rank {rank})", got[out], want[out], rtol_v, scale=0.0, atol=atol)
                     if not torch.equal(got[out], results_by_rank[0]["fused"][(impl, loss_name)][out]):
                         errors.append(f"{case.name} TP={world_size} {what} {out}: ranks disagree")
             got_g = torch.cat([res["fused"][(impl, loss_name)]["grad_p"] for res in results_by_rank], dim=-1)
-            close(f"{what} grad_p", got_g, want["grad_p"], rtol_g, scale=want["grad_p"].abs().max().item(),
-                  atol=atol)
+            close(f"{what} grad_p", got_g, want["grad_p"], rtol_g, scale=want["grad_p"].abs().max().item(), atol=atol)
         for rank, res in enumerate(results_by_rank):  # fused == unfused, to the same tolerance
             fused, unfused = res["fused"][("fused", loss_name)], res["fused"][("unfused", loss_name)]
             for out in ("logprobs", "kl", "entropy", "grad_p"):
                 scale = unfused[out].abs().max().item() if out == "grad_p" else 0.0
-                close(f"fused vs unfused {loss_name} {out} (rank {rank})", fused[out], unfused[out],
-                      rtol_g if out == "grad_p" else rtol_v, scale=scale, atol=atol)
+                close(
+                    f"fused vs unfused {loss_name} {out} (rank {rank})",
+                    fused[out],
+                    unfused[out],
+                    rtol_g if out == "grad_p" else rtol_v,
+                    scale=scale,
+                    atol=atol,
+                )
     return errors

@@ -1,5 +1,6 @@
 """The fused output layer (megaopd.ops.head) on one set of inputs: run on a rank's vocabulary shard, and the
 float64 full-vocabulary formula it must equal (module level so that spawned gloo workers can import it)."""
+
 import io
 
 import torch
@@ -14,10 +15,16 @@ B, S, H, V_REAL, V_PADDED, K, CHUNK, TAU, BETA = 2, 7, 8, 37, 40, 3, 4, 0.7, 0.3
 def inputs() -> dict:
     g = torch.Generator().manual_seed(0)
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
-    return {"hidden": r(B, S, H) * 2, "weight": r(V_PADDED, H), "ref_hidden": r(B, S, H) * 2,
-            "ref_weight": r(V_PADDED, H), "ids": torch.randint(0, V_REAL, (B, S), generator=g),
-            "support": torch.rand(B, S, V_REAL, generator=g).argsort(-1)[..., :K], "support_ref": -r(B, S, K).abs(),
-            "w": r(5, B, S)}
+    return {
+        "hidden": r(B, S, H) * 2,
+        "weight": r(V_PADDED, H),
+        "ref_hidden": r(B, S, H) * 2,
+        "ref_weight": r(V_PADDED, H),
+        "ids": torch.randint(0, V_REAL, (B, S), generator=g),
+        "support": torch.rand(B, S, V_REAL, generator=g).argsort(-1)[..., :K],
+        "support_ref": -r(B, S, K).abs(),
+        "w": r(5, B, S),
+    }
 
 
 def run(rank: int, world_size: int, group, chunk_tokens: int | None = CHUNK) -> dict:
@@ -34,9 +41,13 @@ def run(rank: int, world_size: int, group, chunk_tokens: int | None = CHUNK) -> 
     kw = dict(group=group, temperature=TAU)
     logprobs, kl, entropy = tokenwise(
         lambda z, ids, q: ops.vocab_parallel_logprobs_kl(z, ids, q, with_entropy=True, overwrite_q=True, **kw),
-        head, inp["ids"], ref.detach())
-    support_kl = tokenwise(lambda z, ids, lq: ops.vocab_parallel_support_kl(z, ids, lq, **kw),
-                           head, inp["support"], inp["support_ref"])
+        head,
+        inp["ids"],
+        ref.detach(),
+    )
+    support_kl = tokenwise(
+        lambda z, ids, lq: ops.vocab_parallel_support_kl(z, ids, lq, **kw), head, inp["support"], inp["support_ref"]
+    )
     jsd = tokenwise(lambda z, q: ops.vocab_parallel_jsd(z, q, BETA, **kw), head, ref.detach())
     topk_lp, topk_ids = tokenwise(lambda z: ops.vocab_parallel_topk(z, K, **kw), head.detach())
     w = inp["w"]
@@ -45,9 +56,17 @@ def run(rank: int, world_size: int, group, chunk_tokens: int | None = CHUNK) -> 
     grad_hidden = hidden.grad.clone()
     if group is not None:  # megatron's TP region op sums the ranks' partial input gradients
         dist.all_reduce(grad_hidden, group=group)
-    return {"logprobs": logprobs.detach(), "kl": kl.detach(), "entropy": entropy, "support_kl": support_kl.detach(),
-            "jsd": jsd.detach(), "topk_logprobs": topk_lp, "topk_ids": topk_ids, "grad_hidden": grad_hidden,
-            "grad_weight": weight.grad}
+    return {
+        "logprobs": logprobs.detach(),
+        "kl": kl.detach(),
+        "entropy": entropy,
+        "support_kl": support_kl.detach(),
+        "jsd": jsd.detach(),
+        "topk_logprobs": topk_lp,
+        "topk_ids": topk_ids,
+        "grad_hidden": grad_hidden,
+        "grad_weight": weight.grad,
+    }
 
 
 def reference() -> dict:
@@ -75,9 +94,17 @@ def reference() -> dict:
     w = inp["w"]
     loss = (w[0] * logprobs + w[1] * kl + w[2] * support_kl + w[3] * jsd).sum()
     loss.backward()
-    return {"logprobs": logprobs.detach(), "kl": kl.detach(), "entropy": entropy.detach(),
-            "support_kl": support_kl.detach(), "jsd": jsd.detach(), "topk_logprobs": topk_logprobs.detach(),
-            "topk_ids": topk_ids, "grad_hidden": hidden.grad, "grad_weight": weight.grad}
+    return {
+        "logprobs": logprobs.detach(),
+        "kl": kl.detach(),
+        "entropy": entropy.detach(),
+        "support_kl": support_kl.detach(),
+        "jsd": jsd.detach(),
+        "topk_logprobs": topk_logprobs.detach(),
+        "topk_ids": topk_ids,
+        "grad_hidden": hidden.grad,
+        "grad_weight": weight.grad,
+    }
 
 
 def worker(rank, world_size):

@@ -4,6 +4,7 @@ Triton decides when it is first imported whether its kernels (and its own tl.* h
 in the test process megatron-core has usually imported it already; a fresh process with the variable set is
 the reliable way to interpret. Every function returns a list of mismatch messages (empty: all good).
 """
+
 from __future__ import annotations
 
 import math
@@ -14,9 +15,9 @@ from tests.ops import _cases
 
 # (block, splits, dtype, logit scale, temperature): forced launch configurations at V=3000, 3 tokens
 LAUNCH_CONFIGS = {
-    "one_split": (1024, 1, "float32", 3.0, 1.0),           # 3 blocks per row, the last one a tail
+    "one_split": (1024, 1, "float32", 3.0, 1.0),  # 3 blocks per row, the last one a tail
     "splits_bf16_padded": (256, 5, "bfloat16", 5.0, 1.3),  # 4 splits of 3 blocks; the last is all padding
-    "extreme": (128, 7, "float32", 1e4, 0.8),              # logits ~1e4, 6 splits of 4 blocks, tails
+    "extreme": (128, 7, "float32", 1e4, 0.8),  # logits ~1e4, 6 splits of 4 blocks, tails
 }
 
 
@@ -24,20 +25,24 @@ def run(rank, world_size, case_names, configs, interface=False):
     """{check name: errors}; case checks at this world size, the others only at TP=1."""
     import os
 
-    from megaopd.ops import _kernels
     from triton.runtime.interpreter import InterpretedFunction
+
+    from megaopd.ops import _kernels
+
     if os.environ.get("TRITON_INTERPRET") != "1" or not isinstance(_kernels.stats_kernel, InterpretedFunction):
         raise RuntimeError("the Triton checks need TRITON_INTERPRET=1 in the worker's environment")
     import numpy as np
     import torch.distributed as dist
+
     np.seterr(invalid="ignore")  # the interpreter's numpy meets 0 * -inf in masked-off lanes (discarded)
     group = dist.new_group(ranks=list(range(world_size))) if world_size > 1 else None
     out = {}
     for case in _cases.CASES:
         if case.name in case_names:
             got = _cases.run_case(case, rank, world_size, group, impl="triton")
-            out[f"case {case.name}"] = [got] if world_size > 1 else _cases.compare(
-                case, 1, [got], _cases.reference(case, 1))
+            out[f"case {case.name}"] = (
+                [got] if world_size > 1 else _cases.compare(case, 1, [got], _cases.reference(case, 1))
+            )
     for name in configs:
         out[f"launch {name}"] = check_launch_config(*LAUNCH_CONFIGS[name])
     if interface:
@@ -53,9 +58,12 @@ def _reference(p, q, ids, w, tau, beta):
     kl = lambda a, b: (a.exp() * (a - b)).sum(-1)  # noqa: E731
     logprobs = lp.gather(-1, ids[:, None])[:, 0]
     log_m = torch.logaddexp(math.log(beta) + lq, math.log(1 - beta) + lp)
-    values = {"fused": (logprobs * w[0]).sum() + (kl(lp, lq.detach()) * w[1]).sum(),
-              "entropy": -(lp.exp() * lp).sum(-1), "kl": kl(lp, lq),
-              "jsd": beta * kl(lq, log_m) + (1 - beta) * kl(lp, log_m)}
+    values = {
+        "fused": (logprobs * w[0]).sum() + (kl(lp, lq.detach()) * w[1]).sum(),
+        "entropy": -(lp.exp() * lp).sum(-1),
+        "kl": kl(lp, lq),
+        "jsd": beta * kl(lq, log_m) + (1 - beta) * kl(lp, log_m),
+    }
     out = {}
     for name, v in values.items():
         loss = v if v.dim() == 0 else (v * w[2]).sum()
@@ -66,14 +74,17 @@ def _reference(p, q, ids, w, tau, beta):
 
 def _triton_results(p, q, ids, w, tau, beta):
     from megaopd import ops
+
     out = {}
     pp = p.clone().requires_grad_()
     logprobs, kl, _ = ops.vocab_parallel_logprobs_kl(pp, ids, q, temperature=tau, impl="triton")
     loss = (logprobs.double() * w[0]).sum() + (kl.double() * w[1]).sum()
     out["fused"] = (loss.detach(), torch.autograd.grad(loss, pp)[0], None)
-    for name, fn in (("entropy", lambda a, b: ops.vocab_parallel_entropy(a, temperature=tau, impl="triton")),
-                     ("kl", lambda a, b: ops.vocab_parallel_kl(a, b, temperature=tau, impl="triton")),
-                     ("jsd", lambda a, b: ops.vocab_parallel_jsd(a, b, beta, temperature=tau, impl="triton"))):
+    for name, fn in (
+        ("entropy", lambda a, b: ops.vocab_parallel_entropy(a, temperature=tau, impl="triton")),
+        ("kl", lambda a, b: ops.vocab_parallel_kl(a, b, temperature=tau, impl="triton")),
+        ("jsd", lambda a, b: ops.vocab_parallel_jsd(a, b, beta, temperature=tau, impl="triton")),
+    ):
         pp, qq = p.clone().requires_grad_(), q.clone().requires_grad_()
         v = fn(pp, qq)
         grads = torch.autograd.grad((v.double() * w[2]).sum(), [pp, qq], allow_unused=True)
@@ -81,16 +92,16 @@ def _triton_results(p, q, ids, w, tau, beta):
     return out
 
 
-
 def check_launch_config(block, splits, dtype, scale, tau) -> list[str]:
     from megaopd.ops import _triton
+
     _triton.FORCE_LAUNCH = (block, splits, 4, 1)  # warps and stages: the interpreter ignores both
     try:
         T, V, pad, beta = 3, 3000, 800 if dtype == "bfloat16" else 0, 0.4
         g = torch.Generator().manual_seed(block)
         p, q = (scale * torch.randn(2, T, V, generator=g, dtype=torch.float64)).to(getattr(torch, dtype))
         if pad:
-            p[:, V - pad:] = q[:, V - pad:] = _cases.PAD_LOGIT
+            p[:, V - pad :] = q[:, V - pad :] = _cases.PAD_LOGIT
         ids = torch.randint(0, V - pad, (T,), generator=g)
         w = torch.randn(3, T, generator=g, dtype=torch.float64)
         ref = _reference(p, q, ids, w, tau, beta)
@@ -120,6 +131,7 @@ def check_overwrite_q_and_strided_rows() -> list[str]:
     """Strided rows (megatron's [s, b, V] logits, one sequence: row stride b*V) are read in place, and give
     what contiguous logits give; under overwrite_q the fused backward writes into q's memory, in its dtype."""
     from megaopd import ops
+
     g = torch.Generator().manual_seed(3)
     full = (3 * torch.randn(5, 2, 40, generator=g)).to(torch.bfloat16).requires_grad_()
     q = (3 * torch.randn(5, 40, generator=g)).to(torch.bfloat16)
@@ -152,11 +164,16 @@ def compile_for_gpu(arch: int = 90, dtype: str = "bf16") -> list[str]:
     cp.async, which the interpreter never runs)."""
     from megaopd.ops import _kernels as K
     from megaopd.ops._gpu_build import build
+
     errors = []
-    specs = [(K.stats_kernel, dict(HAS_Q=q, WITH_XEXP=x, WITH_DIFF=q, BLOCK=4096))
-             for q, x in ((False, False), (False, True), (True, False), (True, True))]
-    specs += [(K.grad_kernel, dict(MODE=m, WRITE_P=True, WRITE_Q=q, HAS_ONEHOT=m < 2, BLOCK=4096))
-              for m, q in ((0, False), (1, False), (1, True), (2, True))]
+    specs = [
+        (K.stats_kernel, dict(HAS_Q=q, WITH_XEXP=x, WITH_DIFF=q, BLOCK=4096))
+        for q, x in ((False, False), (False, True), (True, False), (True, True))
+    ]
+    specs += [
+        (K.grad_kernel, dict(MODE=m, WRITE_P=True, WRITE_Q=q, HAS_ONEHOT=m < 2, BLOCK=4096))
+        for m, q in ((0, False), (1, False), (1, True), (2, True))
+    ]
     specs += [(K.jsd_kernel, dict(BLOCK=4096))]
     for fn, consts in specs:
         for stages in (1, 3):

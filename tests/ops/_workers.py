@@ -1,4 +1,5 @@
 """Worker functions for tests/ops (module level so that spawned processes can import them)."""
+
 import io
 
 import torch
@@ -19,8 +20,9 @@ def run_all_cases(rank, world_size):
         # Two TP groups of 2 in one job ([0, 1] and [2, 3]): the ops must use the rank within the group
         # they are given, not the global rank. Every rank creates both groups (new_group is collective).
         subgroups = [dist.new_group(ranks=[0, 1]), dist.new_group(ranks=[2, 3])]
-        results["subgroups"] = {case.name: _cases.run_case(case, rank % 2, 2, subgroups[rank // 2])
-                                for case in _cases.CASES[:2]}
+        results["subgroups"] = {
+            case.name: _cases.run_case(case, rank % 2, 2, subgroups[rank // 2]) for case in _cases.CASES[:2]
+        }
     buffer = io.BytesIO()
     torch.save(results, buffer)
     return buffer.getvalue()
@@ -28,4 +30,3 @@ def run_all_cases(rank, world_size):
 
 def load(payload: bytes):
     return torch.load(io.BytesIO(payload), weights_only=True)
-

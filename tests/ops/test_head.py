@@ -3,6 +3,7 @@ backward recomputing each chunk. Values and gradients (hidden states and the wei
 step's fused log-probs + reference KL + entropy, the LSM support KL, the GKD JSD and the scoring passes'
 top-k, against the float64 full-vocabulary formula, at TP=1 (in process) and TP=2 (gloo workers), and
 chunked == materialized on the same shard."""
+
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ def _assert_matches(got: dict, want: dict, world_size: int, rank: int | None = N
     for name, value in want.items():
         if name == "grad_weight" and rank is not None:
             v = cases.V_PADDED // world_size
-            value = value[rank * v:(rank + 1) * v]
+            value = value[rank * v : (rank + 1) * v]
         g = got[name]
         if name == "topk_ids":
             assert torch.equal(g.long(), value), name
@@ -40,7 +41,7 @@ def test_tp1_chunked_equals_materialized():
 
 def test_padding_columns_get_no_gradient_and_no_mass():
     out = cases.run(0, 1, None)
-    assert torch.count_nonzero(out["grad_weight"][cases.V_REAL:]) == 0
+    assert torch.count_nonzero(out["grad_weight"][cases.V_REAL :]) == 0
     assert (out["topk_ids"] < cases.V_REAL).all()
 
 

@@ -4,6 +4,7 @@ unfused ops (LossInputs.fuse_reference=False). The float64 references of the los
 
     pytest tests/ops/test_loss_routing.py -x
 """
+
 import pytest
 import torch
 
@@ -19,10 +20,18 @@ def _inputs(fuse, dtype=torch.float32):
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = (torch.rand(B, T, generator=g) < 0.8).float()
     return LossInputs(
-        logits_BTv=logits, token_ids_BT=ids, loss_mask_BT=mask, temperature=0.9, fuse_reference=fuse,
-        old_logprobs_BT=-torch.rand(B, T, generator=g) * 4, teacher_logprobs_BT=-torch.rand(B, T, generator=g) * 4,
+        logits_BTv=logits,
+        token_ids_BT=ids,
+        loss_mask_BT=mask,
+        temperature=0.9,
+        fuse_reference=fuse,
+        old_logprobs_BT=-torch.rand(B, T, generator=g) * 4,
+        teacher_logprobs_BT=-torch.rand(B, T, generator=g) * 4,
         ref_logits_BTv=(logits.detach().float() + torch.randn(B, T, V, generator=g)).to(dtype),
-        golden_logits_BTv=logits, golden_ids_BT=ids, golden_mask_BT=mask)
+        golden_logits_BTv=logits,
+        golden_ids_BT=ids,
+        golden_mask_BT=mask,
+    )
 
 
 CONFIGS = [

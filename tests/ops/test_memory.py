@@ -9,6 +9,7 @@ Two single-process checks per differentiable op:
 
     pytest tests/ops/test_memory.py -x
 """
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -36,8 +37,12 @@ OPS = {  # name -> (fn(p, q, ids, support, ref), number of differentiable logits
     "jsd": (lambda p, q, ids, s, r: ops.vocab_parallel_jsd(p, q, 0.5, chunk_size=CHUNK), 2),
     "support_kl": (lambda p, q, ids, s, r: ops.vocab_parallel_support_kl(p, s, r), 1),
     # Fused log-probs + KL to a frozen q (+ entropy): ONE gradient buffer for both differentiable outputs.
-    "logprobs_kl": (lambda p, q, ids, s, r: sum(ops.vocab_parallel_logprobs_kl(
-        p, ids, q.detach(), chunk_size=CHUNK, with_entropy=True)), 1),
+    "logprobs_kl": (
+        lambda p, q, ids, s, r: sum(
+            ops.vocab_parallel_logprobs_kl(p, ids, q.detach(), chunk_size=CHUNK, with_entropy=True)
+        ),
+        1,
+    ),
 }
 
 
@@ -72,8 +77,8 @@ def test_peak_allocations_are_chunks_and_gradients(name):
     if name == "support_kl":  # only the student gets a gradient: q is unused
         num_grads = 1
     assert large == [grad_bytes] * num_grads, (
-        f"{name}: allocations above chunk size {large}; expected only {num_grads} gradient(s) of "
-        f"{grad_bytes} bytes")
+        f"{name}: allocations above chunk size {large}; expected only {num_grads} gradient(s) of {grad_bytes} bytes"
+    )
 
 
 def test_forward_without_grad_allocates_only_chunks():

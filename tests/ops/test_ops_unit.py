@@ -3,6 +3,7 @@ identities between the ops, limits, edge cases, extreme magnitudes and argument 
 
     pytest tests/ops/test_ops_unit.py -x
 """
+
 import pytest
 import torch
 
@@ -30,10 +31,15 @@ def test_group_none_never_touches_torch_distributed(monkeypatch):
         monkeypatch.setattr(dist, name, refuse)
     p, q = _logits(3, 10, seed=9).requires_grad_(), _logits(3, 10, seed=10)
     ids = torch.tensor([1, 2, 3])
-    total = (ops.vocab_parallel_logprobs(p, ids) + ops.vocab_parallel_entropy(p) + ops.vocab_parallel_kl(p, q)
-             + ops.vocab_parallel_jsd(p, q, 0.5) + ops.vocab_parallel_logsumexp(p)
-             + ops.vocab_parallel_support_kl(p, ids[:, None].expand(3, 2), torch.zeros(3, 2))
-             + sum(x for x in ops.vocab_parallel_logprobs_kl(p, ids, q, with_entropy=True)))
+    total = (
+        ops.vocab_parallel_logprobs(p, ids)
+        + ops.vocab_parallel_entropy(p)
+        + ops.vocab_parallel_kl(p, q)
+        + ops.vocab_parallel_jsd(p, q, 0.5)
+        + ops.vocab_parallel_logsumexp(p)
+        + ops.vocab_parallel_support_kl(p, ids[:, None].expand(3, 2), torch.zeros(3, 2))
+        + sum(x for x in ops.vocab_parallel_logprobs_kl(p, ids, q, with_entropy=True))
+    )
     total.sum().backward()
     ops.vocab_parallel_topk(p, 4)
 
@@ -45,8 +51,12 @@ def test_jsd_tends_to_the_kls_its_limits_return():
     forward_kl, reverse_kl = ops.vocab_parallel_jsd(p, q, 0.0), ops.vocab_parallel_jsd(p, q, 1.0)
     errors = []
     for eps in (1e-2, 1e-3, 1e-4):
-        errors.append(max(float(((ops.vocab_parallel_jsd(p, q, eps) / eps - forward_kl) / forward_kl).abs().max()),
-                          float(((ops.vocab_parallel_jsd(p, q, 1 - eps) / eps - reverse_kl) / reverse_kl).abs().max())))
+        errors.append(
+            max(
+                float(((ops.vocab_parallel_jsd(p, q, eps) / eps - forward_kl) / forward_kl).abs().max()),
+                float(((ops.vocab_parallel_jsd(p, q, 1 - eps) / eps - reverse_kl) / reverse_kl).abs().max()),
+            )
+        )
     assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-2, errors
     torch.testing.assert_close(ops.vocab_parallel_jsd(p, q, 0.0), ops.vocab_parallel_kl(q, p))
     torch.testing.assert_close(ops.vocab_parallel_jsd(p, q, 1.0), ops.vocab_parallel_kl(p, q))
@@ -59,8 +69,8 @@ def test_support_kl_over_the_whole_vocabulary_is_the_full_kl():
     kl_s = ops.vocab_parallel_support_kl(p, support, ref, temperature=0.9)
     kl_f = ops.vocab_parallel_kl(p, q, temperature=0.9)
     torch.testing.assert_close(kl_s, kl_f, rtol=1e-5, atol=1e-6)
-    g_s, = torch.autograd.grad(kl_s.sum(), p)
-    g_f, = torch.autograd.grad(kl_f.sum(), p)
+    (g_s,) = torch.autograd.grad(kl_s.sum(), p)
+    (g_f,) = torch.autograd.grad(kl_f.sum(), p)
     torch.testing.assert_close(g_s, g_f, rtol=1e-4, atol=1e-6)
 
 
@@ -71,7 +81,7 @@ def test_support_kl_gradient_only_at_support_ids_and_empty_support_is_zero():
     ref = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, -4.0], [-1.0, float("nan"), -2.0], [float("nan")] * 3])
     kl = ops.vocab_parallel_support_kl(p, ids, ref, support_mask=mask)
     assert torch.isfinite(kl).all() and kl[3] == 0
-    grad, = torch.autograd.grad(kl.sum(), p)
+    (grad,) = torch.autograd.grad(kl.sum(), p)
     assert torch.isfinite(grad).all()
     touched = torch.zeros_like(grad, dtype=torch.bool)
     touched[torch.arange(4)[:, None].expand_as(ids)[mask], ids[mask]] = True
@@ -122,8 +132,9 @@ def test_noncontiguous_and_empty_inputs():
     out.sum().backward()
     assert empty.grad.shape == empty.shape
     empty.grad = None
-    lp, kl, ent = ops.vocab_parallel_logprobs_kl(empty, torch.zeros(0, 3, dtype=torch.long), empty.detach(),
-                                                 with_entropy=True)
+    lp, kl, ent = ops.vocab_parallel_logprobs_kl(
+        empty, torch.zeros(0, 3, dtype=torch.long), empty.detach(), with_entropy=True
+    )
     assert lp.shape == kl.shape == ent.shape == (0, 3)
     (lp.sum() + kl.sum()).backward()
     assert empty.grad.shape == empty.shape
@@ -160,10 +171,15 @@ def test_fused_logprobs_kl_outputs_and_gradient_dtype(dtype):
     ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(0))
     lp, kl, ent = ops.vocab_parallel_logprobs_kl(p, ids, q, temperature=1.2, chunk_size=3)
     assert ent is None and lp.dtype == kl.dtype == torch.float32 and lp.shape == kl.shape == (2, 7)
-    grad, = torch.autograd.grad((lp * 0.7 + kl * 1.3).sum(), p)
+    (grad,) = torch.autograd.grad((lp * 0.7 + kl * 1.3).sum(), p)
     assert grad.dtype == dtype
-    want, = torch.autograd.grad((ops.vocab_parallel_logprobs(p, ids, temperature=1.2) * 0.7
-                                 + ops.vocab_parallel_kl(p, q, temperature=1.2) * 1.3).sum(), p)
+    (want,) = torch.autograd.grad(
+        (
+            ops.vocab_parallel_logprobs(p, ids, temperature=1.2) * 0.7
+            + ops.vocab_parallel_kl(p, q, temperature=1.2) * 1.3
+        ).sum(),
+        p,
+    )
     # bf16: the unfused gradients are rounded to bf16 twice (each op's, then their sum), the fused once.
     tol = {} if dtype == torch.float32 else dict(rtol=0.0, atol=2**-7 * float(want.abs().max()))
     torch.testing.assert_close(grad, want, **tol)

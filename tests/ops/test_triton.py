@@ -7,10 +7,13 @@ run in spawned workers with TRITON_INTERPRET=1 (tests/ops/_triton_checks.py says
 
     pytest tests/ops/test_triton.py        # skipped when triton is not installed
 """
+
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="megaopd.ops' Triton path needs triton (scripts/install.sh installs triton==3.7.1)")
+pytest.importorskip(
+    "triton", reason="megaopd.ops' Triton path needs triton (scripts/install.sh installs triton==3.7.1)"
+)
 
 from megaopd import ops  # noqa: E402
 from megaopd.parallel.launch import spawn  # noqa: E402
@@ -30,8 +33,9 @@ INTERPRET = {"TRITON_INTERPRET": "1"}
 @pytest.fixture(scope="module")
 def quick():
     """One worker for every quick check (a process start costs seconds here)."""
-    (out,) = spawn(_triton_checks.run, world_size=1, timeout=600, env=INTERPRET,
-                   args=(QUICK_CASES, QUICK_CONFIGS, True))
+    (out,) = spawn(
+        _triton_checks.run, world_size=1, timeout=600, env=INTERPRET, args=(QUICK_CASES, QUICK_CONFIGS, True)
+    )
     return out
 
 
@@ -68,6 +72,7 @@ def test_overwrite_q_and_strided_rows(quick):
 
 def test_impl_choice(monkeypatch):
     from megaopd.ops import _common
+
     x = torch.randn(2, 8)
     assert _common.resolve_impl("auto", x) == "torch"  # CPU: the torch path, interpreter or not
     with pytest.raises(ValueError, match="impl must be one of"):
@@ -88,6 +93,7 @@ def test_kernels_compile_for_an_h100(monkeypatch, tmp_path):
     from triton.runtime.interpreter import InterpretedFunction
 
     from megaopd.ops import _kernels
+
     if isinstance(_kernels.stats_kernel, InterpretedFunction):
         pytest.skip("TRITON_INTERPRET=1 in the test process: the kernels were defined interpreted")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, not from an earlier cache

@@ -4,6 +4,7 @@ logits, top-k ids including ties across shards, masked supports; see tests/ops/_
 
     pytest tests/ops -x            # add -m "not slow" to skip the spawned TP=2/4 runs
 """
+
 import pytest
 
 from megaopd.parallel.launch import spawn
@@ -32,6 +33,7 @@ def test_tp_sharded_matches_float64_reference(world_size):
         for ranks in ([0, 1], [2, 3]):
             errors = []
             for case in _cases.CASES[:2]:
-                errors += _cases.compare(case, 2, [results[r]["subgroups"][case.name] for r in ranks],
-                                         _cases.reference(case, 2))
+                errors += _cases.compare(
+                    case, 2, [results[r]["subgroups"][case.name] for r in ranks], _cases.reference(case, 2)
+                )
             assert not errors, f"TP group {ranks}:\n" + "\n".join(errors)

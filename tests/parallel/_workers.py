@@ -1,4 +1,5 @@
 """Worker functions for tests/parallel (module level so spawned processes can import them)."""
+
 import torch
 import torch.distributed as dist
 
@@ -9,16 +10,31 @@ def _tiny_gpt(pg_collection=None, tp=1, pp=1, vocab=96):
     from megatron.core.transformer import TransformerConfig
 
     cfg = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        attention_dropout=0.0, hidden_dropout=0.0, normalization="RMSNorm", gated_linear_unit=True,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
         add_bias_linear=False,
     )
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
     torch.manual_seed(0)
-    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=vocab,
-                    max_sequence_length=32, position_embedding_type="rope", **kwargs)
+    return GPTModel(
+        cfg,
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=vocab,
+        max_sequence_length=32,
+        position_embedding_type="rope",
+        **kwargs,
+    )
 
 
 def _full_logits(model, tp_group):
@@ -74,10 +90,13 @@ def teacher_reads_no_global_state(rank, world_size):
     def poisoned(name):
         def getter(*a, **k):
             callers = [f.name for f in traceback.extract_stack()]
-            if name == "get_tensor_model_parallel_group" and \
-                    "linear_with_grad_accumulation_and_async_allreduce" in callers:
+            if (
+                name == "get_tensor_model_parallel_group"
+                and "linear_with_grad_accumulation_and_async_allreduce" in callers
+            ):
                 return wrong_group
             raise AssertionError(f"teacher code read parallel_state.{name}")
+
         return getter
 
     for name in dir(parallel_state):
@@ -118,9 +137,11 @@ def moe_router_aux_loss(rank, world_size, hf_dir):
         grads[train_router] = (router, expert is not None and bool(expert.abs().sum() > 0))
         aux_on = model.config.moe_aux_loss_coeff
         grads[(train_router, "coeff")] = aux_on
-    return {"router_grad_diff": float((grads[True][0] - grads[False][0]).abs().max()),
-            "experts_have_grad": grads[True][1] and grads[False][1],
-            "coeff": (grads[(True, "coeff")], grads[(False, "coeff")])}
+    return {
+        "router_grad_diff": float((grads[True][0] - grads[False][0]).abs().max()),
+        "experts_have_grad": grads[True][1] and grads[False][1],
+        "coeff": (grads[(True, "coeff")], grads[(False, "coeff")]),
+    }
 
 
 def teacher_moe_ep2_beside_dense_actor(rank, world_size, hf_dir):

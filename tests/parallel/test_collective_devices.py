@@ -7,15 +7,30 @@ its device. Tensors made *_like another, or moved with .to(device), inherit it. 
 (broadcast_object_list, all_gather_object) pickle and are placed by torch itself; they are not checked.
 The GPU check (scripts/gpu_check.sh) runs the same code under NCCL.
 """
+
 import ast
 import os
 
 import megaopd
 
 ROOT = os.path.dirname(megaopd.__file__)
-COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-               "reduce", "gather", "scatter"}
+COLLECTIVES = {
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "reduce",
+    "gather",
+    "scatter",
+}
 FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "as_tensor"}
 
 
@@ -52,6 +67,8 @@ def test_tensors_of_collectives_name_their_device():
                     continue
                 for c in calls:
                     if _is_factory(c) and not any(k.arg == "device" for k in c.keywords):
-                        offenders.append(f"{os.path.relpath(path, ROOT)}:{c.lineno} {fn.name}: torch.{c.func.attr}(...) "
-                                         f"without device=")
+                        offenders.append(
+                            f"{os.path.relpath(path, ROOT)}:{c.lineno} {fn.name}: torch.{c.func.attr}(...) "
+                            f"without device="
+                        )
     assert not offenders, "\n".join(offenders)

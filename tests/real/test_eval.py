@@ -3,6 +3,7 @@ model's chat template: it writes its table, results and generations, and says ho
 This model answers in words and never writes \\boxed{} (issue 44): read with the last-number extraction it has
 answers, read with the paper's boxed rule (the same responses re-scored, not generated again) it has none, and
 eval says so. Accuracy is reported, not asserted."""
+
 from __future__ import annotations
 
 import json
@@ -21,12 +22,35 @@ PROBLEMS = 4
 
 
 def _eval(smollm2: str, out, extract: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megaopd.cli", "eval", "--ckpt", smollm2, "--benchmarks", BENCH,
-           "--limit", str(PROBLEMS), "--samples", "1", "--temperature", "0", "--max-new-tokens", "48",
-           "--extract", extract, "--out", str(out), "--label", "smollm2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megaopd.cli",
+        "eval",
+        "--ckpt",
+        smollm2,
+        "--benchmarks",
+        BENCH,
+        "--limit",
+        str(PROBLEMS),
+        "--samples",
+        "1",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "48",
+        "--extract",
+        extract,
+        "--out",
+        str(out),
+        "--label",
+        "smollm2",
+    ]
     env = {**os.environ, "PYTHONPATH": reference.ROOT, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=reference.ROOT, check=False)
-    assert p.returncode == 0, f"megaopd eval --extract {extract} exited {p.returncode}:\n{(p.stdout + p.stderr)[-6000:]}"
+    assert p.returncode == 0, (
+        f"megaopd eval --extract {extract} exited {p.returncode}:\n{(p.stdout + p.stderr)[-6000:]}"
+    )
     return p
 
 
@@ -47,6 +71,8 @@ def test_eval_reports_answers_found(smollm2, tmp_path):
     boxed = _eval(smollm2, out, "boxed")  # the same responses, re-scored
     assert f"answers found: 0 of {PROBLEMS} (extract=boxed)" in boxed.stdout, boxed.stdout[-2000:]
     assert "megaopd eval: warning: 0 of" in boxed.stderr, boxed.stderr[-2000:]
-    print(f"megaopd eval, SmolLM2-135M-Instruct on {PROBLEMS} problems: accuracy {number['average']:.2f} with "
-          f"extract=number ({number['answers_found']} of {PROBLEMS} found), 0 of {PROBLEMS} found with extract=boxed; "
-          f"responses: {[g['response'][:80] for g in gens]}")
+    print(
+        f"megaopd eval, SmolLM2-135M-Instruct on {PROBLEMS} problems: accuracy {number['average']:.2f} with "
+        f"extract=number ({number['answers_found']} of {PROBLEMS} found), 0 of {PROBLEMS} found with extract=boxed; "
+        f"responses: {[g['response'][:80] for g in gens]}"
+    )

@@ -2,6 +2,7 @@
 and reference, the full SmolLM2-135M-Instruct as teacher, on arithmetic word problems (tests/real/data) rendered
 with the real chat template; rollouts stop at <|im_end|>. The shipped preset (examples/tiny/stable_opd.yaml:
 its loss and weights) with models, data and budgets overridden: world 1, 2 prompts x 2 samples, 40 new tokens."""
+
 from __future__ import annotations
 
 import json
@@ -21,13 +22,28 @@ PRESET = os.path.join(reference.ROOT, "examples", "tiny", "stable_opd.yaml")
 
 
 def overrides(student: str, teacher: str, run_dir: str) -> list[str]:
-    return [f"run.dir={run_dir}", "run.world_size=1",
-            f"student.path={student}", "student.tp=1", "reference.tp=1", f"teacher.path={teacher}", "teacher.tp=1",
-            "trainer.max_steps=2", "trainer.prompts_per_step=2", "trainer.samples_per_prompt=2",
-            "trainer.micro_batch_size=4", "trainer.save_interval=2", "trainer.eval_interval=0",
-            "rollout.max_new_tokens=40", "rollout.max_batch_size=4",
-            f"data.sources=[{{path: {DATA}}}]", "data.max_prompt_len=256", "data.max_golden_len=128",
-            "logging.tensorboard=false", "logging.samples_per_step=1"]
+    return [
+        f"run.dir={run_dir}",
+        "run.world_size=1",
+        f"student.path={student}",
+        "student.tp=1",
+        "reference.tp=1",
+        f"teacher.path={teacher}",
+        "teacher.tp=1",
+        "trainer.max_steps=2",
+        "trainer.prompts_per_step=2",
+        "trainer.samples_per_prompt=2",
+        "trainer.micro_batch_size=4",
+        "trainer.save_interval=2",
+        "trainer.eval_interval=0",
+        "rollout.max_new_tokens=40",
+        "rollout.max_batch_size=4",
+        f"data.sources=[{{path: {DATA}}}]",
+        "data.max_prompt_len=256",
+        "data.max_golden_len=128",
+        "logging.tensorboard=false",
+        "logging.samples_per_step=1",
+    ]
 
 
 def test_two_stable_opd_steps(smollm2, smollm2_student, tmp_path):
@@ -49,6 +65,12 @@ def test_two_stable_opd_steps(smollm2, smollm2_student, tmp_path):
         # responses, so its mean log-prob is a real number, and the student's own engine agrees with it
         assert math.isfinite(m["rollout/teacher_logprob_mean"]) and m["sync/logprob_gap_max"] < 1e-3, m
     assert (run / "checkpoints" / "latest").exists()
-    print("stable_opd on SmolLM2: " + "; ".join(
-        f"step {s}: loss {m['loss/total']:.4f}, sft {m['loss/sft']:.3f}, response {m['rollout/response_length_mean']:.1f} "
-        f"tokens, {m['time/step']:.1f} s" for s, m in sorted(steps.items())))
+    print(
+        "stable_opd on SmolLM2: "
+        + "; ".join(
+            f"step {s}: loss {m['loss/total']:.4f}, sft {m['loss/sft']:.3f}, response "
+            f"{m['rollout/response_length_mean']:.1f} "
+            f"tokens, {m['time/step']:.1f} s"
+            for s, m in sorted(steps.items())
+        )
+    )

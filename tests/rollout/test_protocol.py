@@ -1,4 +1,5 @@
 """The protocol's own rules: per-sample seeds and SamplingParams validation."""
+
 import math
 
 import pytest

@@ -1,5 +1,6 @@
 """spread_jobs, the one request-spreading loop of the rollout pool and the served teachers: results in job
 order whoever ran them, a failed worker's job moves on, max_attempts, a refused job fails at once, timeouts."""
+
 import time
 
 import pytest
@@ -46,13 +47,24 @@ def test_every_worker_failing_is_one_failure_with_each_error():
 
 def test_max_attempts_and_refused():
     with pytest.raises(SpreadError) as e:
-        spread_jobs([Worker("a"), Worker("b"), Worker("c")], [0], call=lambda w, j: (_ for _ in ()).throw(
-            ConnectionError("down")), timeout_s=10, max_attempts=1)
+        spread_jobs(
+            [Worker("a"), Worker("b"), Worker("c")],
+            [0],
+            call=lambda w, j: (_ for _ in ()).throw(ConnectionError("down")),
+            timeout_s=10,
+            max_attempts=1,
+        )
     assert e.value.failures[0].attempts == 1  # c was never asked
 
     with pytest.raises(SpreadError) as e:
-        spread_jobs([Worker("a"), Worker("b")], [0], call=lambda w, j: (_ for _ in ()).throw(ValueError("bad")),
-                    timeout_s=10, refuse=(ValueError,), label=lambda w: f"<{w.name}>")
+        spread_jobs(
+            [Worker("a"), Worker("b")],
+            [0],
+            call=lambda w, j: (_ for _ in ()).throw(ValueError("bad")),
+            timeout_s=10,
+            refuse=(ValueError,),
+            label=lambda w: f"<{w.name}>",
+        )
     f = e.value.failures[0]
     assert f.refused and f.attempts == 1 and f.worker in ("<a>", "<b>") and str(f.error) == "bad"
 

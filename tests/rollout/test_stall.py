@@ -1,6 +1,7 @@
 """The client's waits against real sockets: a server that accepts and never answers is a stall, named in one
 error within stall_timeout_s (not retried); one that is slow but answers GET /health is not; a stop request
 (the trainer's preemption flag) gives any wait up at once."""
+
 import json
 import socket
 import threading
@@ -151,8 +152,10 @@ def test_a_stop_ends_a_pool_wait_without_trying_the_other_engines(silent):
 def test_the_weight_update_group_does_not_wait_for_a_silent_engine(silent):
     from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
 
-    updater = DistributedWeightUpdater([HttpEngine(HttpEngineConfig(url=silent.url, stall_timeout_s=1.0))],
-                                       DistributedUpdateConfig(backend="gloo", timeout_s=600))
+    updater = DistributedWeightUpdater(
+        [HttpEngine(HttpEngineConfig(url=silent.url, stall_timeout_s=1.0))],
+        DistributedUpdateConfig(backend="gloo", timeout_s=600),
+    )
     t0 = time.monotonic()
     with pytest.raises(EngineStalledError, match="made no progress|has not answered since it stalled"):
         updater.connect()  # was: the rendezvous' and the POST's 600 s

@@ -1,6 +1,7 @@
 """rollout.stream_parts: a batch generated as concurrent parts (megaopd.rollout.trajectories.generate_rows)
 against `megaopd serve` is the batch one request gives, sample for sample, and each part is handed on once,
 with its first batch row, as it returns."""
+
 import os
 import threading
 
@@ -48,7 +49,7 @@ def test_parts_give_the_samples_of_one_request(one_torch_thread):
     assert [g[0] for g in got] == [0, 6, 12]  # parts of 3, 3 and 1 prompts, n = 2 rows each
     for first_row, prompts, samples in got:
         assert [s.prompt_ids for s in samples] == [p for p in prompts for _ in range(2)]
-        assert [s.output_ids for s in samples] == [s.output_ids for s in whole[first_row:first_row + len(samples)]]
+        assert [s.output_ids for s in samples] == [s.output_ids for s in whole[first_row : first_row + len(samples)]]
 
 
 def test_stream_parts_needs_remote_engines():

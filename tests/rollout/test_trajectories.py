@@ -4,6 +4,7 @@ are the ids the chat template renders for tool messages (Qwen2.5's <tool_respons
 continues from the trajectory's ids, truncation by turns vs tokens, error observations counted; with the
 real embedded engine, the engine's log-prob of every generated token equals a float64 HF forward of the
 whole trajectory."""
+
 import os
 from types import SimpleNamespace
 
@@ -36,7 +37,8 @@ QWEN25_TOOLS = (
     "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
     "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +58,11 @@ class ScriptedEngine:
         out = []
         for p in prompts:
             ids, reason = self.outputs.pop(0)
-            ids = ids[:params.max_new_tokens]
+            ids = ids[: params.max_new_tokens]
             self.requests.append((list(p), params))
-            out.append(Sample(list(p), list(ids), [-0.5] * len(ids), reason if len(ids) else "length",
-                              weight_version="7"))
+            out.append(
+                Sample(list(p), list(ids), [-0.5] * len(ids), reason if len(ids) else "length", weight_version="7")
+            )
         return out
 
 
@@ -85,8 +88,9 @@ def test_trained_ids_are_the_engines_own_and_tool_turns_are_the_templates(tiny_t
     for ids in (turn1[:-1], turn2[:-1]):  # the point of the test: these ids do not survive decode -> encode
         assert tok(tok.decode(ids), add_special_tokens=False)["input_ids"] != ids
     engine = ScriptedEngine([(turn1, "stop"), (turn2, "stop")])
-    prompt = tok("<|im_start|>user\nCompute 12 * 7.<|im_end|>\n<|im_start|>assistant\n",
-                 add_special_tokens=False)["input_ids"]
+    prompt = tok("<|im_start|>user\nCompute 12 * 7.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+        "input_ids"
+    ]
     ex = SimpleNamespace(prompt_ids=prompt, answer="84", problem="Compute 12 * 7.")
     mt, (s,) = _run(engine, tok, [ex])
     env_ids = mt.turns.ids(["84"])
@@ -95,17 +99,26 @@ def test_trained_ids_are_the_engines_own_and_tool_turns_are_the_templates(tiny_t
     assert s.output_mask == [1] * len(turn1) + [0] * len(env_ids) + [1] * len(turn2)
     assert engine.requests[1][0] == prompt + turn1 + env_ids  # turn 2 continued from the trajectory's ids
     assert s.output_logprobs == [-0.5] * len(turn1) + [0.0] * len(env_ids) + [-0.5] * len(turn2)
-    assert (s.finish_reason, s.trajectory.turns, s.trajectory.tool_calls, s.trajectory.tool_errors,
-            s.trajectory.reward, s.trajectory.truncated_by) == ("stop", 2, 1, 0, 1.0, "")
+    assert (
+        s.finish_reason,
+        s.trajectory.turns,
+        s.trajectory.tool_calls,
+        s.trajectory.tool_errors,
+        s.trajectory.reward,
+        s.trajectory.truncated_by,
+    ) == ("stop", 2, 1, 0, 1.0, "")
     batch = build_rollout_batch([s], 0, 1)
     P = len(prompt)
     on = batch.loss_mask_BT[0].bool()
     assert batch.tokens_BS[0, 1:][on].tolist() == turn1 + turn2  # what is trained: exactly the engine's ids
     assert batch.tokens_BS[0, P:].tolist() == s.output_ids
     # The sequence is the one the chat template renders for the whole conversation (inference's view).
-    conversation = [{"role": "user", "content": "Compute 12 * 7."},
-                    {"role": "assistant", "content": tok.decode(turn1[:-1])}, {"role": "tool", "content": "84"},
-                    {"role": "assistant", "content": tok.decode(turn2[:-1])}]
+    conversation = [
+        {"role": "user", "content": "Compute 12 * 7."},
+        {"role": "assistant", "content": tok.decode(turn1[:-1])},
+        {"role": "tool", "content": "84"},
+        {"role": "assistant", "content": tok.decode(turn2[:-1])},
+    ]
     assert tok.decode(prompt + s.output_ids) + "\n" == tok.apply_chat_template(conversation, tokenize=False)
     texts, rewards = mt.texts_and_rewards([s])
     assert rewards == [1.0]
@@ -134,8 +147,10 @@ def test_n_trajectories_per_row_are_prompt_major_and_seeded_per_turn(tiny_tok):
     tok, end = tiny_tok, tiny_tok.convert_tokens_to_ids("<|im_end|>")
     done = tok("\\boxed{1}", add_special_tokens=False)["input_ids"] + [end]
     call = tok(CALC, add_special_tokens=False)["input_ids"] + [end]
-    exs = [SimpleNamespace(prompt_ids=[5, 6], answer="1", problem="a"),
-           SimpleNamespace(prompt_ids=[8], answer="2", problem="b")]
+    exs = [
+        SimpleNamespace(prompt_ids=[5, 6], answer="1", problem="a"),
+        SimpleNamespace(prompt_ids=[8], answer="2", problem="b"),
+    ]
     engine = ScriptedEngine([(done, "stop"), (call, "stop"), (done, "stop"), (done, "stop"), (done, "stop")])
     _, samples = _run(engine, tok, exs, n=2)
     assert [s.prompt_ids for s in samples] == [[5, 6], [5, 6], [8], [8]]
@@ -150,7 +165,8 @@ def test_qwen25_tool_turns_and_tools_in_the_prompt():
     turns = TR.ToolTurns(tok, [CALCULATOR_TOOL])
     assert turns.text(["84", "Error: division by zero"]) == (
         "\n<|im_start|>user\n<tool_response>\n84\n</tool_response>\n<tool_response>\nError: division by zero\n"
-        "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     prompt = render_prompt("Compute 12 * 7.", DataConfig(), tok, tools=[CALCULATOR_TOOL])
     assert '"name": "calculator"' in prompt and prompt.endswith("<|im_start|>assistant\n")
 
@@ -176,8 +192,9 @@ def test_embedded_engine_logprobs_of_every_generated_token_match_a_float64_hf_fo
     monkeypatch.setattr(TR, "build_environment", lambda cfg: Chatty())
     student = os.path.join(TINY, "models", "student")
     engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=student, max_batch_size=4))
-    prompt = tiny_tok("<|im_start|>user\nCompute 3 + 4.<|im_end|>\n<|im_start|>assistant\n",
-                      add_special_tokens=False)["input_ids"]
+    prompt = tiny_tok("<|im_start|>user\nCompute 3 + 4.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+        "input_ids"
+    ]
     ex = SimpleNamespace(prompt_ids=prompt, answer="7", problem="Compute 3 + 4.")
     mt = TR.MultiTurn(EnvConfig(name="calculator"), 2, 800, tiny_tok)
     end = tiny_tok.convert_tokens_to_ids("<|im_end|>")
@@ -186,7 +203,7 @@ def test_embedded_engine_logprobs_of_every_generated_token_match_a_float64_hf_fo
     model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float64).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + s.output_ids])).logits[0]
-    lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0]
+    lp = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0]
     on = torch.tensor(s.output_mask).bool()
     got = torch.tensor(s.output_logprobs, dtype=torch.float64)
     assert (got[on] - lp[on]).abs().max() < 1e-4, (got[on] - lp[on]).abs().max()
@@ -203,7 +220,11 @@ def test_validation_with_an_environment_is_pass_at_1_with_tools(tiny_tok, tmp_pa
     end = tiny_tok.convert_tokens_to_ids("<|im_end|>")
     ids = lambda text: tiny_tok(text, add_special_tokens=False)["input_ids"] + [end]  # noqa: E731
     engine = ScriptedEngine([(ids(CALC), "stop"), (ids("\\boxed{5}"), "stop"), (ids("\\boxed{84}"), "stop")])
-    cfg = SimpleNamespace(env=EnvConfig(name="calculator"), rollout=RolloutConfig(max_turns=3), data=DC(),
-                          validation=SimpleNamespace(path=str(val), max_problems=0, temperature=0.6, max_new_tokens=64))
+    cfg = SimpleNamespace(
+        env=EnvConfig(name="calculator"),
+        rollout=RolloutConfig(max_turns=3),
+        data=DC(),
+        validation=SimpleNamespace(path=str(val), max_problems=0, temperature=0.6, max_new_tokens=64),
+    )
     m = _evaluate(engine, tiny_tok, cfg, 0, [end], None)
     assert m == {"val/accuracy": 0.5, "val/tool_call_rate": 0.5, "val/turns_mean": 1.5, "val/truncation_rate": 0.0}

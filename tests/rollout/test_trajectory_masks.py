@@ -3,6 +3,7 @@ scored with the rest of the trajectory but get exactly zero gradient and zero we
 every metric. Proof by perturbation: two batches that differ only at environment positions (their token
 ids, the logits there, every score there) give bit-identical losses and metrics, the same gradient at the
 student's positions, and exactly 0 gradient at the environment's."""
+
 import torch
 
 from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches, assemble_packed_micro_batches
@@ -16,11 +17,15 @@ V, K, PAD = 16, 4, 0
 # Two trajectories: prompt, student turn, environment turn, student turn (the second cut short).
 MASKS = [[1, 1, 1, 0, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1]]
 PROMPTS = [[3, 4, 5], [6, 7]]
-LOSS = {"terms": [
-    {"name": "opd"}, {"name": "ref_kl", "weight": 0.1},
-    {"name": "lsm", "weight": 0.5, "config": {"k": K}, "label": "lsm_teacher"},
-    {"name": "lsm", "weight": 0.5, "config": {"k": 2, "support": "student_topk"}, "label": "lsm_student"},
-    {"name": "grpo", "weight": 0.3}]}
+LOSS = {
+    "terms": [
+        {"name": "opd"},
+        {"name": "ref_kl", "weight": 0.1},
+        {"name": "lsm", "weight": 0.5, "config": {"k": K}, "label": "lsm_teacher"},
+        {"name": "lsm", "weight": 0.5, "config": {"k": 2, "support": "student_topk"}, "label": "lsm_student"},
+        {"name": "grpo", "weight": 0.3},
+    ]
+}
 
 
 def _samples(env_seed: int) -> list[Sample]:
@@ -28,8 +33,10 @@ def _samples(env_seed: int) -> list[Sample]:
     e = torch.Generator().manual_seed(env_seed)  # what differs between the variants: environment tokens
     out = []
     for p, m in zip(PROMPTS, MASKS):
-        ids = [int(torch.randint(1, V, (1,), generator=g)) if on else int(torch.randint(1, V, (1,), generator=e))
-               for on in m]
+        ids = [
+            int(torch.randint(1, V, (1,), generator=g)) if on else int(torch.randint(1, V, (1,), generator=e))
+            for on in m
+        ]
         lps = [-float(torch.rand(1, generator=g)) if on else 0.0 for on in m]
         out.append(Sample(p, ids, lps, "stop", output_mask=m, trajectory=TrajectoryStats(2, 1, 0)))
     return out
@@ -43,26 +50,32 @@ def _scored(env_seed: int):
     on = batch.loss_mask_BT.bool()
 
     def field(*shape, ids=False):
-        mk = (lambda gen: torch.randint(0, V, (B, T, *shape), generator=gen, dtype=torch.int32)) if ids else \
-            (lambda gen: -3 * torch.rand(B, T, *shape, generator=gen))
+        mk = (
+            (lambda gen: torch.randint(0, V, (B, T, *shape), generator=gen, dtype=torch.int32))
+            if ids
+            else (lambda gen: -3 * torch.rand(B, T, *shape, generator=gen))
+        )
         a, b = mk(g), mk(e)
         return torch.where(on.reshape(B, T, *[1] * len(shape)), a, b)
 
     batch.actor = TokenScores(field(), topk_ids_BTK=field(K, ids=True), topk_logprobs_BTK=field(K))
-    batch.teacher = TokenScores(field(), topk_ids_BTK=field(K, ids=True), topk_logprobs_BTK=field(K),
-                                at_ids_logprobs_BTK=field(2))
+    batch.teacher = TokenScores(
+        field(), topk_ids_BTK=field(K, ids=True), topk_logprobs_BTK=field(K), at_ids_logprobs_BTK=field(2)
+    )
     batch.rewards_B = torch.tensor([1.0, 0.0])
     batch.texts = ["a", "b"]
     return batch
-
 
 
 def _run(env_seed: int, packed: bool):
     batch = _scored(env_seed)
     needs = build_loss("weighted_sum", LOSS).needs
     mini = MiniBatch(batch, batch.loss_mask_BT, None, torch.arange(batch.size), None)
-    micro = (assemble_packed_micro_batches(mini, 0, 1, needs, 64, PAD) if packed
-             else assemble_micro_batches(mini, 0, 1, needs, 2, PAD))
+    micro = (
+        assemble_packed_micro_batches(mini, 0, 1, needs, 64, PAD)
+        if packed
+        else assemble_micro_batches(mini, 0, 1, needs, 2, PAD)
+    )
     loss_fn = build_loss("weighted_sum", LOSS)
     results = []
     for i, mb in enumerate(micro):
@@ -81,8 +94,10 @@ def _run(env_seed: int, packed: bool):
 def test_build_rollout_batch_masks_environment_turns():
     batch = build_rollout_batch(_samples(5), PAD, 1)
     for b, (p, m) in enumerate(zip(PROMPTS, MASKS)):
-        assert batch.loss_mask_BT[b, len(p) - 1:len(p) - 1 + len(m)].tolist() == [float(x) for x in m]
-        assert batch.loss_mask_BT[b, :len(p) - 1].sum() == 0 and batch.loss_mask_BT[b, len(p) - 1 + len(m):].sum() == 0
+        assert batch.loss_mask_BT[b, len(p) - 1 : len(p) - 1 + len(m)].tolist() == [float(x) for x in m]
+        assert (
+            batch.loss_mask_BT[b, : len(p) - 1].sum() == 0 and batch.loss_mask_BT[b, len(p) - 1 + len(m) :].sum() == 0
+        )
         env = batch.loss_mask_BT[b] == 0
         assert batch.engine_logprobs_BT[b][env].eq(0).all()
     assert batch.response_lens_B.tolist() == [8, 6] and batch.student_lens_B.tolist() == [5, 4]

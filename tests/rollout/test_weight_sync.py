@@ -1,6 +1,7 @@
 """A `megaopd serve` process and a trainer (this process, rank 0) syncing weights over a gloo group;
 attaching to a started server; the pool's failover and timeouts (the launcher's own tests:
 tests/serving/test_sglang_launcher.py)."""
+
 import socket
 import time
 
@@ -22,12 +23,13 @@ PARAMS = SamplingParams(n=2, max_new_tokens=10, temperature=1.0, seed=21)
 
 
 def gap(model, samples):
-    return max((hf_logprobs(model, s.prompt_ids, s.output_ids, 1.0)
-                - torch.tensor(s.output_logprobs, dtype=torch.float64)).abs().max().item() for s in samples)
-
-
-
-
+    return max(
+        (hf_logprobs(model, s.prompt_ids, s.output_ids, 1.0) - torch.tensor(s.output_logprobs, dtype=torch.float64))
+        .abs()
+        .max()
+        .item()
+        for s in samples
+    )
 
 
 def test_client_timeouts_and_retries():
@@ -36,8 +38,11 @@ def test_client_timeouts_and_retries():
     sock.bind(("127.0.0.1", 0))
     sock.listen(8)
     try:
-        client = HttpEngine(HttpEngineConfig(url=f"http://127.0.0.1:{sock.getsockname()[1]}", control_timeout_s=0.3,
-                                             retries=2, backoff_s=0.05))
+        client = HttpEngine(
+            HttpEngineConfig(
+                url=f"http://127.0.0.1:{sock.getsockname()[1]}", control_timeout_s=0.3, retries=2, backoff_s=0.05
+            )
+        )
         t0 = time.monotonic()
         with pytest.raises(EngineUnavailableError, match="after 3 attempt"):
             client.model_info()
@@ -91,8 +96,9 @@ def served(tiny_dir):
     """`megaopd serve` in its own process, started through the launcher (the SGLang start path)."""
     port = find_free_port()
     url = f"http://127.0.0.1:{port}"
-    with ServerProcess.start(megaopd_serve_command(tiny_dir, port, extra_args=["--num-threads", "1"]), url=url,
-                             startup_timeout_s=120) as server:
+    with ServerProcess.start(
+        megaopd_serve_command(tiny_dir, port, extra_args=["--num-threads", "1"]), url=url, startup_timeout_s=120
+    ) as server:
         yield server
 
 
@@ -103,8 +109,9 @@ def test_attach_and_generate(served, tiny_dir):
     client = HttpEngine(served.url)
     assert client.health() and client.health_generate()
     local = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
-    assert ([s.output_ids for s in client.generate(PROMPTS, PARAMS)]
-            == [s.output_ids for s in local.generate(PROMPTS, PARAMS)])
+    assert [s.output_ids for s in client.generate(PROMPTS, PARAMS)] == [
+        s.output_ids for s in local.generate(PROMPTS, PARAMS)
+    ]
 
 
 @pytest.mark.slow
@@ -118,8 +125,9 @@ def test_distributed_weight_update_from_trainer(served, tiny_dir):
     new = random_state_dict(tiny_dir, seed=99)
     new_model = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     new_model.load_state_dict(new)
-    updater = DistributedWeightUpdater([client], DistributedUpdateConfig(
-        bucket_bytes=40_000, timeout_s=120, load_format="flattened_bucket"))
+    updater = DistributedWeightUpdater(
+        [client], DistributedUpdateConfig(bucket_bytes=40_000, timeout_s=120, load_format="flattened_bucket")
+    )
     updater.connect()
     try:
         updater.update(new.items(), weight_version="step-1")  # several flattened buckets
@@ -128,12 +136,20 @@ def test_distributed_weight_update_from_trainer(served, tiny_dir):
         assert gap(new_model, after) < 1e-4  # engine == the trainer's new weights
         assert gap(tiny_dir, after) > 1e-2  # ...and no longer the old ones
         pre_sync_lp = [hf_logprobs(tiny_dir, s.prompt_ids, s.output_ids, 1.0) for s in after]
-        assert max((a - torch.tensor(s.output_logprobs, dtype=torch.float64)).abs().max().item()
-                   for a, s in zip(pre_sync_lp, after)) > 1e-2
+        assert (
+            max(
+                (a - torch.tensor(s.output_logprobs, dtype=torch.float64)).abs().max().item()
+                for a, s in zip(pre_sync_lp, after)
+            )
+            > 1e-2
+        )
 
         # Mismatched names and shapes: the engine lists them all, loads nothing, and the group lives on.
-        bad = [("model.norm.weight", torch.zeros(64)), ("lm_head.weight", torch.zeros(128, 63)),
-               ("model.layers.7.mlp.up_proj.weight", torch.zeros(128, 64))]
+        bad = [
+            ("model.norm.weight", torch.zeros(64)),
+            ("lm_head.weight", torch.zeros(128, 63)),
+            ("model.layers.7.mlp.up_proj.weight", torch.zeros(128, 64)),
+        ]
         with pytest.raises(EngineError) as err:
             updater.update(bad, weight_version="bad")
         msg = str(err.value)
@@ -178,8 +194,9 @@ def test_an_engine_that_refuses_the_group_ends_the_wait_at_once(served, monkeypa
     from megaopd.sync import distributed
 
     real = distributed.dist_group.init_custom_process_group
-    monkeypatch.setattr(distributed.dist_group, "init_custom_process_group",
-                        lambda backend, *args, **kw: real("gloo", *args, **kw))  # this rank hosts with gloo
+    monkeypatch.setattr(
+        distributed.dist_group, "init_custom_process_group", lambda backend, *args, **kw: real("gloo", *args, **kw)
+    )  # this rank hosts with gloo
     updater = DistributedWeightUpdater([HttpEngine(served.url)], DistributedUpdateConfig(timeout_s=60))
     updater.backend = "nccl"  # what the engines are asked for
     t0 = time.monotonic()
@@ -207,21 +224,21 @@ def test_a_name_taken_in_the_engines_process_is_tried_again_under_another(tiny_d
     import subprocess
     import sys
 
+    from torch.distributed.distributed_c10d import _world
+
     from megaopd.parallel import custom_group
     from megaopd.serving.server import RolloutServer, ServeConfig
 
-    from torch.distributed.distributed_c10d import _world
-
     held = None  # an earlier test's abandoned group may hold the name here already
     if "weight_update_group" not in _world.pg_names.values():
-        held = custom_group.init_custom_process_group("gloo", "127.0.0.1", find_free_port(), 0, 1,
-                                                      "weight_update_group")
+        held = custom_group.init_custom_process_group(
+            "gloo", "127.0.0.1", find_free_port(), 0, 1, "weight_update_group"
+        )
     config = ServeConfig(hf_dir=tiny_dir, port=0)
     server = RolloutServer(config, engine=EmbeddedEngine(config.engine_config())).start()
     try:
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-c", _TRAINER, server.url], capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run([sys.executable, "-c", _TRAINER, server.url], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.split()[-1].startswith("weight_update_group_")
         assert time.monotonic() - t0 < 40

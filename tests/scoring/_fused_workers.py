@@ -1,5 +1,6 @@
 """Spawned worker of tests/scoring/test_fused_output_layer.py: the fused output layer (PipelineRunner
 logits_chunk_tokens > 0) against the model's own output layer, through the runner, DDP and the losses."""
+
 from __future__ import annotations
 
 import torch
@@ -22,10 +23,22 @@ def compare(rank, world_size, tied):
     from megaopd.trainer.optim import wrap_for_training
 
     torch.manual_seed(0)
-    hf = read_hf_config({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": VOCAB,
-                         "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-                         "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": tied})
+    hf = read_hf_config(
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "vocab_size": VOCAB,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": tied,
+        }
+    )
     pgs = initialize_actor_layout(Layout(world_size, 1), seed=1)
     actor = build_gpt_model(hf, world_size, 1, pg_collection=pgs).train()
     reference = build_gpt_model(hf, world_size, 1, pg_collection=pgs).eval().requires_grad_(False)
@@ -36,9 +49,13 @@ def compare(rank, world_size, tied):
     T = S - 1
     tokens = torch.randint(3, VOCAB, (B, S), generator=g)
     mask = (torch.arange(T) >= 4).float().expand(B, T)
-    mb = MicroBatch(tokens_BS=tokens, loss_mask_BT=mask, golden_mask_BT=1 - mask,
-                    counts=StepCounts(float(mask.sum()), B, float((1 - mask).sum()), B),
-                    inputs={OLD_LOGPROBS: -torch.rand(B, T, generator=g), TEACHER_LOGPROBS: -torch.rand(B, T, generator=g)})
+    mb = MicroBatch(
+        tokens_BS=tokens,
+        loss_mask_BT=mask,
+        golden_mask_BT=1 - mask,
+        counts=StepCounts(float(mask.sum()), B, float((1 - mask).sum()), B),
+        inputs={OLD_LOGPROBS: -torch.rand(B, T, generator=g), TEACHER_LOGPROBS: -torch.rand(B, T, generator=g)},
+    )
 
     def step_fn(m, logits, partner):
         loss, _ = loss_fn(m.loss_inputs(logits, partner, pgs.tp, 0.8, loss_fn.needs))
@@ -49,7 +66,8 @@ def compare(rank, world_size, tied):
     for chunk in (0, CHUNK):
         ddp.zero_grad_buffer()
         loss = PipelineRunner(ddp, pgs, VOCAB, partner=reference, logits_chunk_tokens=chunk).run(
-            [mb], step_fn, forward_only=False)[0]
+            [mb], step_fn, forward_only=False
+        )[0]
         grads = {n: p.main_grad.clone() for n, p in actor.named_parameters()}
         runner = PipelineRunner(actor, pgs, VOCAB, logits_chunk_tokens=chunk)
         request = ScoreRequest(0.8, topk=TOPK, entropy=True)

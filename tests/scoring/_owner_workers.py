@@ -1,4 +1,5 @@
 """Spawned worker of tests/scoring/test_owners.py: scores routed to the rows' owners vs HF float64."""
+
 from __future__ import annotations
 
 import torch
@@ -52,9 +53,14 @@ def owned_scores(rank, world_size, student_dir, teacher_dir, actor_tp, teacher_l
 
     def errors(scores, ref_BTV, at_ids=None):
         ref = ref_BTV[mine]
-        out = {"rows": scores.rows, "shapes": {k: tuple(getattr(scores, k).shape) for k in
-                                               ("logprobs_BT", "entropy_BT", "topk_ids_BTK", "topk_logprobs_BTK")},
-               "ids_dtype": str(scores.topk_ids_BTK.dtype)}
+        out = {
+            "rows": scores.rows,
+            "shapes": {
+                k: tuple(getattr(scores, k).shape)
+                for k in ("logprobs_BT", "entropy_BT", "topk_ids_BTK", "topk_logprobs_BTK")
+            },
+            "ids_dtype": str(scores.topk_ids_BTK.dtype),
+        }
         lp = ref.gather(-1, tokens[mine, 1:].unsqueeze(-1)).squeeze(-1)
         out["logprobs"] = float((scores.logprobs_BT.double() - lp)[valid].abs().max())
         ent = -(ref.exp() * ref).sum(-1)
@@ -75,12 +81,16 @@ def owned_scores(rank, world_size, student_dir, teacher_dir, actor_tp, teacher_l
     for tp, pp in teacher_layouts:
         tpgs = pgs if (tp, pp) == (actor_tp, 1) else build_process_groups(Layout(tp, pp))
         teacher = load_role_model(ModelConfig(path=teacher_dir, tp=tp, pp=pp), tpgs, trainable=False)
-        t = score_tokens(PipelineRunner(teacher.model, tpgs, V), tokens, batches, request, at_ids_BTK=a.topk_ids_BTK,
-                         owners=owners)
+        t = score_tokens(
+            PipelineRunner(teacher.model, tpgs, V), tokens, batches, request, at_ids_BTK=a.topk_ids_BTK, owners=owners
+        )
         res[f"teacher_tp{tp}_pp{pp}"] = errors(t, t_ref, a.topk_ids_BTK)
     # No owners (`megaopd logprobs`, the parity probe): every rank gets every row.
     everyone = score_tokens(PipelineRunner(teacher.model, tpgs, V), tokens, batches, ScoreRequest(1.0))
     lp = t_ref.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     all_valid = torch.arange(T).unsqueeze(0) < (lengths - 1).unsqueeze(1)
-    res["everyone"] = {"rows": everyone.rows, "logprobs": float((everyone.logprobs_BT.double() - lp)[all_valid].abs().max())}
+    res["everyone"] = {
+        "rows": everyone.rows,
+        "logprobs": float((everyone.logprobs_BT.double() - lp)[all_valid].abs().max()),
+    }
     return res

@@ -1,4 +1,5 @@
 """Spawned workers of tests/scoring/test_remote_teacher.py (module level: imported by name)."""
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,7 @@ def _batch(seed: int = 0, B: int = 6, vocab: int = 256):
     mask = torch.zeros(B, S - 1)
     for b in range(B):
         p, r = int(prompt_lens[b]), int(response_lens[b])
-        mask[b, p - 1:p - 1 + r] = 1
+        mask[b, p - 1 : p - 1 + r] = 1
     return tokens, prompt_lens, response_lens, mask
 
 
@@ -68,8 +69,14 @@ def served_owned_rows(rank, world_size, urls, topk):
     scores = teachers.score(batch, rows_of, pending, batches, request, owners=owners)
     dead = TeacherSet([RemoteTeacher("a", ["http://127.0.0.1:9"], retries=0)])
     try:
-        dead.score(batch, {"a": list(range(B))}, dead.start_remote(batch, {"a": list(range(B))}, topk, rank), batches,
-                   request, owners=owners)
+        dead.score(
+            batch,
+            {"a": list(range(B))},
+            dead.start_remote(batch, {"a": list(range(B))}, topk, rank),
+            batches,
+            request,
+            owners=owners,
+        )
         error = None
     except Exception as e:  # noqa: BLE001 - the test reads it
         error = f"{type(e).__name__}: {e}"

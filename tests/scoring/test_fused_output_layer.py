@@ -2,6 +2,7 @@
 gives the model's own output layer's numbers through the pipeline runner: Stable-OPD gradients of every
 parameter (DDP main_grad; tied and untied embeddings) and every score of a scoring pass (padded and packed
 rows), at TP=1 and TP=2 (gloo). The op-level float64 checks are tests/ops/test_head.py."""
+
 import pytest
 
 from megaopd.parallel.launch import spawn

@@ -1,5 +1,6 @@
 """The weight-sync parity statistics: a tight float32 bound; in bf16, statistics that pass a correct
 sync (bf16 rounding of the logits) and fail a broken one (weights of another model)."""
+
 import torch
 
 from megaopd.scoring import bounds_for, parity_report

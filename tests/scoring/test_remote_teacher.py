@@ -1,6 +1,7 @@
 """A teacher served by `megaopd serve` (SGLang's prefill scoring) vs transformers in float64 and vs the
 in-job Megatron teacher on the same weights; retries when a server dies mid-step; one clear error when
 none is left; the TeacherSet's routing and merge."""
+
 import os
 import signal
 import subprocess
@@ -11,8 +12,8 @@ import urllib.request
 import pytest
 import torch
 
-from megaopd.serving.server import RolloutServer, ServeConfig
 from megaopd.scoring.remote import RemoteTeacher, RemoteTeacherError
+from megaopd.serving.server import RolloutServer, ServeConfig
 from tests.scoring._remote_workers import _batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,24 +42,36 @@ def _hf_reference(tokens_BS, prompt_lens, response_lens, topk):
 
     model = AutoModelForCausalLM.from_pretrained(TEACHER, dtype=torch.float64).eval()
     B, S = tokens_BS.shape
-    lp_BT, ids_BTK, top_BTK = torch.zeros(B, S - 1, dtype=torch.float64), torch.zeros(B, S - 1, topk, dtype=torch.long), \
-        torch.zeros(B, S - 1, topk, dtype=torch.float64)
+    lp_BT, ids_BTK, top_BTK = (
+        torch.zeros(B, S - 1, dtype=torch.float64),
+        torch.zeros(B, S - 1, topk, dtype=torch.long),
+        torch.zeros(B, S - 1, topk, dtype=torch.float64),
+    )
     with torch.no_grad():
         for b in range(B):
             n = int(prompt_lens[b] + response_lens[b])
-            lp = torch.log_softmax(model(input_ids=tokens_BS[b:b + 1, :n]).logits[0, :-1], -1)
-            lp_BT[b, :n - 1] = lp.gather(-1, tokens_BS[b, 1:n, None])[:, 0]
-            top_BTK[b, :n - 1], ids_BTK[b, :n - 1] = lp.topk(topk, -1)
+            lp = torch.log_softmax(model(input_ids=tokens_BS[b : b + 1, :n]).logits[0, :-1], -1)
+            lp_BT[b, : n - 1] = lp.gather(-1, tokens_BS[b, 1:n, None])[:, 0]
+            top_BTK[b, : n - 1], ids_BTK[b, : n - 1] = lp.topk(topk, -1)
     return lp_BT, ids_BTK, top_BTK
 
 
 def test_prefill_scoring_schema(server):
     """SGLang's shapes: entry j of input_token_logprobs / input_top_logprobs is about token start + j;
     the first prompt token has none (null); token_ids_logprob gives the fixed ids' log-probs."""
-    body = {"input_ids": [5, 9, 17, 33, 4], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-            "logprob_start_len": 0, "top_logprobs_num": 3, "token_ids_logprob": [7, 11]}
-    req = urllib.request.Request(server.url + "/generate", data=__import__("json").dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "input_ids": [5, 9, 17, 33, 4],
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+        "token_ids_logprob": [7, 11],
+    }
+    req = urllib.request.Request(
+        server.url + "/generate",
+        data=__import__("json").dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     out = __import__("json").loads(urllib.request.urlopen(req).read())
     meta = out["meta_info"]
     assert out["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
@@ -72,8 +85,11 @@ def test_prefill_scoring_schema(server):
     # SGLang 0.5.23: the entry AT logprob_start_len is null for every start, not only 0 (nothing before it is
     # scored); the one distribution after the prompt comes as output_top_logprobs even with max_new_tokens 0.
     body2 = dict(body, logprob_start_len=2)
-    req = urllib.request.Request(server.url + "/generate", data=__import__("json").dumps(body2).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        server.url + "/generate",
+        data=__import__("json").dumps(body2).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     meta2 = __import__("json").loads(urllib.request.urlopen(req).read())["meta_info"]
     assert meta2["input_token_logprobs"] == [[None, 17, None]] + meta["input_token_logprobs"][3:]
     assert meta2["input_top_logprobs"] == [None] + meta["input_top_logprobs"][3:]
@@ -100,11 +116,14 @@ def test_in_job_teacher_equals_served_teacher(server):
     from megaopd.parallel.launch import spawn
     from tests.scoring import _remote_workers
 
-    in_job, remote, mask = spawn(_remote_workers.in_job_vs_remote, 1, args=(TEACHER, [server.url], K),
-                                 timeout=600)[0]
+    in_job, remote, mask = spawn(_remote_workers.in_job_vs_remote, 1, args=(TEACHER, [server.url], K), timeout=600)[0]
     m = mask.bool()
-    print("in-job vs served: max |d log q|", float((in_job.logprobs_BT[m] - remote.logprobs_BT[m]).abs().max()),
-          "max |d top-K log q|", float((in_job.topk_logprobs_BTK[m] - remote.topk_logprobs_BTK[m]).abs().max()))
+    print(
+        "in-job vs served: max |d log q|",
+        float((in_job.logprobs_BT[m] - remote.logprobs_BT[m]).abs().max()),
+        "max |d top-K log q|",
+        float((in_job.topk_logprobs_BTK[m] - remote.topk_logprobs_BTK[m]).abs().max()),
+    )
     assert (in_job.logprobs_BT[m] - remote.logprobs_BT[m]).abs().max() < 2.6e-5  # two implementations' bounds below
     assert torch.equal(in_job.topk_ids_BTK[m], remote.topk_ids_BTK[m])
     # The served numbers are the server's float32 values exactly (JSON carries them losslessly); what remains
@@ -116,8 +135,13 @@ def test_in_job_teacher_equals_served_teacher(server):
 
 def _serve_process(port_file):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "megaopd.cli", "serve", "--hf-dir", TEACHER, "--port", "0"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megaopd.cli", "serve", "--hf-dir", TEACHER, "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     url = None
     while time.monotonic() < deadline and url is None:
@@ -168,8 +192,8 @@ def test_no_server_left_is_one_clear_error():
 def test_teacher_set_routes_rows_and_merges():
     """Each row's scores are its routed teacher's scored alone (two served teachers here; the trainer test
     covers in-job ones)."""
-    from megaopd.rollout.records import build_rollout_batch
     from megaopd.rollout.protocol import Sample
+    from megaopd.rollout.records import build_rollout_batch
     from megaopd.scoring.teachers import TeacherSet, teacher_metrics
 
     class Fixed:  # a stand-in RemoteTeacher whose log-probs are its name's constant (routing only)
@@ -180,11 +204,13 @@ def test_teacher_set_routes_rows_and_merges():
     ts.teachers = {"a": Fixed("a", -1.0), "b": Fixed("b", -2.0)}
     rows = ts.route(["a", "b", "a"], 2)
     assert rows == {"a": [0, 1, 4, 5], "b": [2, 3]}
-    samples = [Sample([1, 2, 3], [4, 5], [-.1, -.2], "stop") for _ in range(6)]
+    samples = [Sample([1, 2, 3], [4, 5], [-0.1, -0.2], "stop") for _ in range(6)]
     batch = build_rollout_batch(samples, 0, 2)
     from megaopd.rollout.records import TokenScores
-    parts = {n: TokenScores(logprobs_BT=torch.full((len(rows[n]), 4), t.value), rows=rows[n])
-             for n, t in ts.teachers.items()}
+
+    parts = {
+        n: TokenScores(logprobs_BT=torch.full((len(rows[n]), 4), t.value), rows=rows[n]) for n, t in ts.teachers.items()
+    }
     merged = ts._merge(batch, list(range(6)), parts)  # this rank holds every row
     assert merged.rows == list(range(6))
     owned = {n: p.take([b for b in rows[n] if b in (1, 2)]) for n, p in parts.items()}  # a rank owning rows 1, 2
@@ -210,9 +236,13 @@ def test_served_scores_reach_only_their_owners(server):
     alone = {}  # each teacher's rows scored alone, the same requests (2 rows each) as in the TeacherSet
     for name in ("a", "b"):
         rows = [b for b in range(B) if w.ROUTE[b // 2] == name]
-        alone[name] = (rows, RemoteTeacher(name, [server.url], rows_per_request=2).score(tokens, p, r, topk=K,
-                                                                                             rows=rows))
-    served = {f: torch.zeros_like(getattr(alone["a"][1], f)) for f in ("logprobs_BT", "topk_ids_BTK", "topk_logprobs_BTK")}
+        alone[name] = (
+            rows,
+            RemoteTeacher(name, [server.url], rows_per_request=2).score(tokens, p, r, topk=K, rows=rows),
+        )
+    served = {
+        f: torch.zeros_like(getattr(alone["a"][1], f)) for f in ("logprobs_BT", "topk_ids_BTK", "topk_logprobs_BTK")
+    }
     for rows, scores in alone.values():
         for f, x in served.items():
             x[rows] = getattr(scores, f)[rows]
@@ -235,7 +265,7 @@ def test_rows_scored_while_generating_are_not_asked_again_unless_changed(server,
     tokens, p, r, _ = _batch()
     teacher = RemoteTeacher("t", [server.url], rows_per_request=2)
     whole = teacher.score(tokens, p, r, topk=K)
-    seqs = [tokens[b, :int(p[b] + r[b])].tolist() for b in range(len(p))]
+    seqs = [tokens[b, : int(p[b] + r[b])].tolist() for b in range(len(p))]
     streamed = teacher.score_sequences([0, 1, 2, 3], seqs[:4], [int(x) for x in p[:4]], K)
     assert sorted(streamed) == [0, 2, 3]  # row 1 has no response: nothing to score
     streamed[3] = (streamed[3][0][:-1] + [streamed[3][0][-1] + 1], streamed[3][1])  # row 3 changed since
@@ -261,13 +291,20 @@ def test_parts_streamed_to_the_teacher_set_are_its_remote_scores(server):
 
     tokens, p, r, _ = _batch()
     r[1] = 3  # every row has a response here
-    samples = [Sample(tokens[b, :int(p[b])].tolist(), tokens[b, int(p[b]):int(p[b] + r[b])].tolist(),
-                      [-0.5] * int(r[b]), "stop") for b in range(6)]
+    samples = [
+        Sample(
+            tokens[b, : int(p[b])].tolist(),
+            tokens[b, int(p[b]) : int(p[b] + r[b])].tolist(),
+            [-0.5] * int(r[b]),
+            "stop",
+        )
+        for b in range(6)
+    ]
     batch = build_rollout_batch(samples, 0, 2)
     ts = TeacherSet([RemoteTeacher("t", [server.url], rows_per_request=2)])
     rows_of = ts.route(["", "", ""], 2)
     for first in (0, 2, 4):  # three parts of one prompt (n = 2) each
-        ts.stream_part(7, first, [Ex()], samples[first:first + 2], samples_per_prompt=2, topk=K)
+        ts.stream_part(7, first, [Ex()], samples[first : first + 2], samples_per_prompt=2, topk=K)
     ts.stream_part(6, 0, [Ex()], samples[:2], samples_per_prompt=2, topk=K)  # a batch never trained
     streamed = ts.take_streamed(7)
     assert ts.take_streamed(6) is None and ts.take_streamed(8) is None

@@ -1,6 +1,7 @@
 """scripts/install.sh: its options are checked before anything is installed, and an environment that
 already holds this checkout's megaopd is left alone (a second `make test` costs about a second).
 Fresh installs are exercised by CI's clean clone (.ci/run: `make demo` first)."""
+
 import os
 import subprocess
 import sys
@@ -10,8 +11,7 @@ SCRIPT = os.path.join(ROOT, "scripts", "install.sh")
 
 
 def _run(**env):
-    return subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **env})
+    return subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=600, env={**os.environ, **env})
 
 
 def test_unknown_torch_build_is_refused_before_installing():

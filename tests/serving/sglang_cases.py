@@ -6,6 +6,7 @@ requests to `megaopd serve` and to SGLang itself, so a fact here that SGLang sto
 
 Bodies use token ids of the tiny models (vocabulary >= 128); `{tmp}` in a path is a fresh empty folder.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,42 +42,84 @@ REFUSALS = [
     Refusal("top_p_zero", "/generate", _gen(sampling_params={"top_p": 0.0}), "value", "top_p"),
     Refusal("top_k_zero", "/generate", _gen(sampling_params={"top_k": 0}), "value", "top_k"),
     Refusal("negative_temperature", "/generate", _gen(sampling_params={"temperature": -1}), "value", "temperature"),
-    Refusal("negative_max_new_tokens", "/generate", _gen(sampling_params={"max_new_tokens": -1}), "value",
-            "max_new_tokens"),
+    Refusal(
+        "negative_max_new_tokens", "/generate", _gen(sampling_params={"max_new_tokens": -1}), "value", "max_new_tokens"
+    ),
     Refusal("min_p_above_one", "/generate", _gen(sampling_params={"min_p": 2}), "value", "min_p"),
     Refusal("longer_than_context", "/generate", _gen(sampling_params={"max_new_tokens": 100000}), "value", "512"),
-    Refusal("logprob_start_past_prompt", "/generate", _gen(return_logprob=True, logprob_start_len=5), "value",
-            "logprob_start_len"),
+    Refusal(
+        "logprob_start_past_prompt",
+        "/generate",
+        _gen(return_logprob=True, logprob_start_len=5),
+        "value",
+        "logprob_start_len",
+    ),
     Refusal("input_ids_text", "/generate", {"input_ids": "5 6"}, "schema", "input_ids"),
-    Refusal("max_new_tokens_string", "/generate", _gen(sampling_params={"max_new_tokens": "8"}), "text",
-            "invalid type"),
+    Refusal(
+        "max_new_tokens_string", "/generate", _gen(sampling_params={"max_new_tokens": "8"}), "text", "invalid type"
+    ),
     Refusal("unknown_sampling_param", "/generate", _gen(sampling_params={"bogus": 1}), "text", "bogus"),
-    Refusal("stop_token_ids_string", "/generate", _gen(sampling_params={"stop_token_ids": "x"}), "text",
-            "invalid type"),
+    Refusal(
+        "stop_token_ids_string", "/generate", _gen(sampling_params={"stop_token_ids": "x"}), "text", "invalid type"
+    ),
     Refusal("malformed_json", "/generate", None, "schema", "JSON decode error", raw=b"{not json"),
     Refusal("get_generate", "/generate", None, "detail", "Method Not Allowed", status=405, method="GET"),
     Refusal("unknown_route", "/nope", None, "detail", "Not Found", status=404, method="GET"),
-    Refusal("update_outside_session", "/update_weights_from_distributed",
-            {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "none"},
-            "success", "begin_weight_update"),
-    Refusal("update_unknown_group", "/update_weights_from_distributed",
-            {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "none"},
-            "success", "init_weights_update_group", session=True),
-    Refusal("update_missing_fields", "/update_weights_from_distributed", {"names": ["model.norm.weight"]},
-            "schema", "dtypes"),
-    Refusal("init_group_missing_fields", "/init_weights_update_group", {"master_address": "127.0.0.1"},
-            "schema", "master_port"),
+    Refusal(
+        "update_outside_session",
+        "/update_weights_from_distributed",
+        {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "none"},
+        "success",
+        "begin_weight_update",
+    ),
+    Refusal(
+        "update_unknown_group",
+        "/update_weights_from_distributed",
+        {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "none"},
+        "success",
+        "init_weights_update_group",
+        session=True,
+    ),
+    Refusal(
+        "update_missing_fields",
+        "/update_weights_from_distributed",
+        {"names": ["model.norm.weight"]},
+        "schema",
+        "dtypes",
+    ),
+    Refusal(
+        "init_group_missing_fields",
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1"},
+        "schema",
+        "master_port",
+    ),
     Refusal("begin_twice", "/begin_weight_update", {"selector": "all"}, "success", "already open", session=True),
     Refusal("end_without_session", "/end_weight_update", {}, "success", "begin_weight_update"),
-    Refusal("begin_bad_selector", "/begin_weight_update", {"selector": "bogus"}, "schema",
-            "Input should be 'target', 'draft' or 'all'"),
-    Refusal("tensor_payload_not_base64", "/update_weights_from_tensor",
-            {"serialized_named_tensors": ["not base64!"], "load_format": None, "flush_cache": True}, "schema",
-            "base64"),
-    Refusal("destroy_unknown_group", "/destroy_weights_update_group", {"group_name": "nope"}, "success",
-            "does not exist"),
-    Refusal("disk_without_weights", "/update_weights_from_disk", {"model_path": "{tmp}"}, "success",
-            "Cannot find any model weights"),
+    Refusal(
+        "begin_bad_selector",
+        "/begin_weight_update",
+        {"selector": "bogus"},
+        "schema",
+        "Input should be 'target', 'draft' or 'all'",
+    ),
+    Refusal(
+        "tensor_payload_not_base64",
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": ["not base64!"], "load_format": None, "flush_cache": True},
+        "schema",
+        "base64",
+    ),
+    Refusal(
+        "destroy_unknown_group", "/destroy_weights_update_group", {"group_name": "nope"}, "success", "does not exist"
+    ),
+    Refusal(
+        "disk_without_weights",
+        "/update_weights_from_disk",
+        {"model_path": "{tmp}"},
+        "success",
+        "Cannot find any model weights",
+    ),
     Refusal("pause_bad_mode", "/pause_generation", {"mode": "later"}, "schema", "Input should be"),
 ]
 
@@ -100,33 +143,90 @@ class Difference:
 
 
 DIFFERENCES = [
-    Difference("repetition_penalty", _gen(sampling_params={"repetition_penalty": 1.1, "max_new_tokens": 2}),
-               "repetition_penalty", 200, "a penalty megaopd serve does not implement (refused, not ignored)"),
-    Difference("stop_strings", _gen(sampling_params={"stop": ["x"], "max_new_tokens": 2}), "stop", 200,
-               "stop strings: megaopd serve stops on token ids only"),
-    Difference("stream", _gen(stream=True, sampling_params={"max_new_tokens": 2}), "stream", 200,
-               "streaming: megaopd serve answers whole responses only"),
-    Difference("n_zero", _gen(sampling_params={"n": 0, "max_new_tokens": 2}), "n must be", 200,
-               "SGLang samples one response for n=0"),
-    Difference("text_and_input_ids", _gen(text="hi", sampling_params={"max_new_tokens": 2}), "exactly one", 200,
-               "SGLang silently uses input_ids when text is given too"),
-    Difference("negative_top_logprobs_num", _gen(return_logprob=True, top_logprobs_num=-1,
-                                                 sampling_params={"max_new_tokens": 2}),
-               "top_logprobs_num", 200, "SGLang ignores a negative top_logprobs_num"),
-    Difference("sampling_params_list_too_short", {"input_ids": [[5], [6]], "sampling_params": [{}]},
-               "list of 1 for 2", 500, "SGLang fails inside (HTTP 500, a retryable status for clients)"),
-    Difference("id_outside_vocabulary", _gen(input_ids=[5, 100000], sampling_params={"max_new_tokens": 2}),
-               "vocabulary", None, "SGLang 0.5.23 on a CPU: IndexError in the embedding kills the scheduler and "
-               "the server exits (megaopd's token ids always come from the model's tokenizer)"),
-    Difference("resume_unreleased_tag", {"tags": ["weights"]}, "not released", None,
-               "SGLang 0.5.23 raises KeyError in the scheduler and the server exits; megaopd's clients refuse "
-               "this before sending it", path="/resume_memory_occupation"),
+    Difference(
+        "repetition_penalty",
+        _gen(sampling_params={"repetition_penalty": 1.1, "max_new_tokens": 2}),
+        "repetition_penalty",
+        200,
+        "a penalty megaopd serve does not implement (refused, not ignored)",
+    ),
+    Difference(
+        "stop_strings",
+        _gen(sampling_params={"stop": ["x"], "max_new_tokens": 2}),
+        "stop",
+        200,
+        "stop strings: megaopd serve stops on token ids only",
+    ),
+    Difference(
+        "stream",
+        _gen(stream=True, sampling_params={"max_new_tokens": 2}),
+        "stream",
+        200,
+        "streaming: megaopd serve answers whole responses only",
+    ),
+    Difference(
+        "n_zero",
+        _gen(sampling_params={"n": 0, "max_new_tokens": 2}),
+        "n must be",
+        200,
+        "SGLang samples one response for n=0",
+    ),
+    Difference(
+        "text_and_input_ids",
+        _gen(text="hi", sampling_params={"max_new_tokens": 2}),
+        "exactly one",
+        200,
+        "SGLang silently uses input_ids when text is given too",
+    ),
+    Difference(
+        "negative_top_logprobs_num",
+        _gen(return_logprob=True, top_logprobs_num=-1, sampling_params={"max_new_tokens": 2}),
+        "top_logprobs_num",
+        200,
+        "SGLang ignores a negative top_logprobs_num",
+    ),
+    Difference(
+        "sampling_params_list_too_short",
+        {"input_ids": [[5], [6]], "sampling_params": [{}]},
+        "list of 1 for 2",
+        500,
+        "SGLang fails inside (HTTP 500, a retryable status for clients)",
+    ),
+    Difference(
+        "id_outside_vocabulary",
+        _gen(input_ids=[5, 100000], sampling_params={"max_new_tokens": 2}),
+        "vocabulary",
+        None,
+        "SGLang 0.5.23 on a CPU: IndexError in the embedding kills the scheduler and "
+        "the server exits (megaopd's token ids always come from the model's tokenizer)",
+    ),
+    Difference(
+        "resume_unreleased_tag",
+        {"tags": ["weights"]},
+        "not released",
+        None,
+        "SGLang 0.5.23 raises KeyError in the scheduler and the server exits; megaopd's clients refuse "
+        "this before sending it",
+        path="/resume_memory_occupation",
+    ),
 ]
 
 # meta_info of SGLang 0.5.23's /generate answers, by what the request asked for: every key, both servers.
-META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_details",
-             "weight_version", "weight_versions", "num_retractions", "reasoning_tokens", "dp_rank", "e2e_latency",
-             "response_sent_to_client_ts"}
+META_KEYS = {
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "cached_tokens_details",
+    "weight_version",
+    "weight_versions",
+    "num_retractions",
+    "reasoning_tokens",
+    "dp_rank",
+    "e2e_latency",
+    "response_sent_to_client_ts",
+}
 LOGPROB_KEYS = {"output_token_logprobs", "output_token_logprobs_length", "input_token_logprobs"}
 TOP_KEYS = {"input_top_logprobs", "output_top_logprobs"}
 IDS_KEYS = {"input_token_ids_logprobs", "output_token_ids_logprobs"}
@@ -154,8 +254,10 @@ def assert_same_shape(ours, theirs, path="$"):
         return
     if isinstance(b, dict):
         assert isinstance(a, dict), f"{path}: {a} is not an object"
-        assert set(ours) == set(theirs), (f"{path}: keys differ: only ours {sorted(set(ours) - set(theirs))}, "
-                                          f"only theirs {sorted(set(theirs) - set(ours))}")
+        assert set(ours) == set(theirs), (
+            f"{path}: keys differ: only ours {sorted(set(ours) - set(theirs))}, "
+            f"only theirs {sorted(set(theirs) - set(ours))}"
+        )
         for k in theirs:
             assert_same_shape(ours[k], theirs[k], f"{path}.{k}")
     elif isinstance(b, list):

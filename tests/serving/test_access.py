@@ -1,5 +1,6 @@
 """`megaopd serve` trusts nothing handed in: its key, its bind, its request limits, sampling values, the folders
 and hosts weight updates may reach, and weights holding NaN (issue 43). A real server on loopback."""
+
 import json
 import os
 import socket
@@ -60,16 +61,27 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def keyed(tiny_dir, root):
     engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir, max_batch_size=8))
-    config = ServeConfig(hf_dir=tiny_dir, port=0, api_key=KEY, max_body_bytes=1 << 20, socket_timeout_s=1.5,
-                         allowed_weight_roots=[str(root)])
+    config = ServeConfig(
+        hf_dir=tiny_dir,
+        port=0,
+        api_key=KEY,
+        max_body_bytes=1 << 20,
+        socket_timeout_s=1.5,
+        allowed_weight_roots=[str(root)],
+    )
     srv = RolloutServer(config, engine=engine).start()
     yield srv
     srv.shutdown()
 
 
 def greedy(url, key=KEY):
-    status, out = call(url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 4, "ignore_eos": True}}, key=key)
+    status, out = call(
+        url,
+        "POST",
+        "/generate",
+        {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}},
+        key=key,
+    )
     assert status == 200, out
     return out["output_ids"]
 
@@ -116,7 +128,8 @@ def test_the_client_sends_the_key_from_its_variable(keyed, monkeypatch):
     # The served teacher's path (prefill scoring) with the key from teacher.api_key_env.
     tokens = torch.tensor([PROMPT + [8, 9, 10]])
     scores = RemoteTeacher("t", [keyed.url], api_key_env="ENGINE_KEY_FOR_TEST").score(
-        tokens, torch.tensor([3]), torch.tensor([3]), topk=2)
+        tokens, torch.tensor([3]), torch.tensor([3]), topk=2
+    )
     assert scores.logprobs_BT[0, 2:5].abs().sum() > 0
 
 
@@ -144,8 +157,9 @@ def test_key_settings_are_checked_before_anything_loads(tiny_dir, monkeypatch, c
     cfg = launch_config(RolloutConfig(engine="remote", urls=["http://h:1"]), "/ckpt/hf", python="py")
     assert sglang_command(cfg)[-2:] == ["--api-key", KEY] and KEY not in repr(cfg)
     assert "--api-key" not in sglang_command(SGLangLaunchConfig(model_path="m"))
-    assert "--api-key" not in sglang_command(launch_config(RolloutConfig(engine="remote", urls=["http://h:1"],
-                                                                         api_key_env=""), "m"))
+    assert "--api-key" not in sglang_command(
+        launch_config(RolloutConfig(engine="remote", urls=["http://h:1"], api_key_env=""), "m")
+    )
     with pytest.raises(ValueError, match="must name an environment variable"):
         RolloutConfig(engine="remote", urls=["http://h:1"], api_key_env="sk-0123 key")
     with pytest.raises(ValueError, match="must name an environment variable"):
@@ -201,9 +215,18 @@ def test_a_burst_of_connections_is_queued_not_reset(keyed):
     assert results == [b"HTTP/1.1 200 OK"] * n, [r for r in results if r != b"HTTP/1.1 200 OK"][:5]
 
 
-@pytest.mark.parametrize("raw_value,field", [("NaN", "temperature"), ("Infinity", "temperature"),
-                                             ("-Infinity", "temperature"), ("1e999", "temperature"),
-                                             ("NaN", "top_p"), ("NaN", "min_p"), ("Infinity", "min_p")])
+@pytest.mark.parametrize(
+    "raw_value,field",
+    [
+        ("NaN", "temperature"),
+        ("Infinity", "temperature"),
+        ("-Infinity", "temperature"),
+        ("1e999", "temperature"),
+        ("NaN", "top_p"),
+        ("NaN", "min_p"),
+        ("Infinity", "min_p"),
+    ],
+)
 def test_nonfinite_sampling_values(keyed, raw_value, field):
     """Python's JSON reads NaN / Infinity / 1e999; a NaN temperature sampled id 255 of a 128-id vocabulary."""
     raw = ('{"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "%s": %s}}' % (field, raw_value)).encode()
@@ -213,9 +236,14 @@ def test_nonfinite_sampling_values(keyed, raw_value, field):
 
 def test_out_of_range_requests(keyed):
     url = keyed.url
-    for sp, field in (({"sampling_seed": 2 ** 80}, "sampling_seed"), ({"n": 10 ** 9}, "samples"),
-                      ({"max_new_tokens": 10 ** 30}, "max_new_tokens")):
-        status, out = call(url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, **sp}})
+    for sp, field in (
+        ({"sampling_seed": 2**80}, "sampling_seed"),
+        ({"n": 10**9}, "samples"),
+        ({"max_new_tokens": 10**30}, "max_new_tokens"),
+    ):
+        status, out = call(
+            url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, **sp}}
+        )
         assert status == 400 and field in json.dumps(out), (sp, out)
     # Prefill scoring is bounded by the model's context (512 tokens in the tiny model), as generation is.
     body = {"return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}}
@@ -237,8 +265,15 @@ def test_weights_load_only_from_allowed_folders(keyed, root, tiny_dir, tmp_path)
     file_link = root / "one"
     file_link.mkdir()
     (file_link / "model.safetensors").symlink_to(outside / "model.safetensors")
-    for path in ("../../..", f"{root}/../../../..", str(outside), str(link), f"{tiny_dir}/../{outside.name}", "/",
-                 str(file_link)):
+    for path in (
+        "../../..",
+        f"{root}/../../../..",
+        str(outside),
+        str(link),
+        f"{tiny_dir}/../{outside.name}",
+        "/",
+        str(file_link),
+    ):
         status, out = call(url, "POST", "/update_weights_from_disk", {"model_path": path})
         assert status == 403 and not out["success"] and "--allowed-weight-root" in out["message"], (path, out)
     before = greedy(url)
@@ -276,8 +311,9 @@ def test_groups_form_only_with_allowed_hosts(keyed):
         t0 = time.monotonic()
         status, out = call(keyed.url, "POST", "/init_weights_update_group", {**body, "master_address": address})
         assert status == 403 and "--allowed-sync-host" in out["message"] and time.monotonic() - t0 < 5, out
-    status, out = call(keyed.url, "POST", "/init_weights_update_group",
-                       {**body, "master_address": "127.0.0.1", "rank_offset": 2})
+    status, out = call(
+        keyed.url, "POST", "/init_weights_update_group", {**body, "master_address": "127.0.0.1", "rank_offset": 2}
+    )
     assert status == 400 and "rank_offset" in out["error"]["message"], out
     hosts = SyncHosts(["127.0.0.1", "192.0.2.1"])
     assert hosts.check("192.0.2.1") == "192.0.2.1" and hosts.check("localhost") == "127.0.0.1"
@@ -320,8 +356,14 @@ def test_nan_weights_over_the_group_are_refused(tiny_dir, tmp_path):
     try:
         before = greedy(server.url)
         env = {**os.environ, "MEGAOPD_API_KEY": KEY}
-        proc = subprocess.Popen([sys.executable, "-c", _TRAINER, server.url, os.path.join(tiny_dir, "model.safetensors")],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _TRAINER, server.url, os.path.join(tiny_dir, "model.safetensors")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         line = proc.stdout.readline()
         assert line.startswith("REFUSED") and "non-finite" in line and "model.norm.weight" in line, line
         # Between the refused update and the fix: generation is refused, naming the tensor.
@@ -356,11 +398,27 @@ def test_a_tiny_run_sends_the_key_to_its_keyed_servers(tmp_path, monkeypatch, on
             config = ServeConfig(hf_dir=os.path.join(tiny, "models", model), port=0, api_key=key)
             servers.append(RolloutServer(config, engine=EmbeddedEngine(config.engine_config())).start())
         run = tmp_path / "run"
-        cfg = load_config(MegaOPDConfig, os.path.join(tiny, "stable_opd.yaml"), golden_overrides(str(run)) + [
-            "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", "trainer.max_steps=1",
-            "trainer.prompts_per_step=4", "trainer.micro_batch_size=4", "rollout.max_new_tokens=16",
-            "rollout.engine=remote", f"rollout.urls=[{servers[0].url}]", "rollout.api_key_env=ROLLOUT_KEY_FOR_TEST",
-            "teacher.engine=remote", f"teacher.urls=[{servers[1].url}]", "teacher.api_key_env=TEACHER_KEY_FOR_TEST"])
+        cfg = load_config(
+            MegaOPDConfig,
+            os.path.join(tiny, "stable_opd.yaml"),
+            golden_overrides(str(run))
+            + [
+                "run.world_size=1",
+                "student.tp=1",
+                "reference.tp=1",
+                "teacher.tp=1",
+                "trainer.max_steps=1",
+                "trainer.prompts_per_step=4",
+                "trainer.micro_batch_size=4",
+                "rollout.max_new_tokens=16",
+                "rollout.engine=remote",
+                f"rollout.urls=[{servers[0].url}]",
+                "rollout.api_key_env=ROLLOUT_KEY_FOR_TEST",
+                "teacher.engine=remote",
+                f"teacher.urls=[{servers[1].url}]",
+                "teacher.api_key_env=TEACHER_KEY_FOR_TEST",
+            ],
+        )
         spawn(_workers.run_presets, 1, args=([cfg],), timeout=600)
     finally:
         for s in servers:
@@ -382,9 +440,17 @@ def test_the_command_line_reads_the_key_from_the_environment(tiny_dir, tmp_path)
 
     port = find_free_port()
     log = str(tmp_path / "serve.log")
-    cmd = megaopd_serve_command(tiny_dir, port, host="0.0.0.0", extra_args=["--num-threads", "1", "--log-level", "DEBUG"])
-    with ServerProcess.start(cmd, url=f"http://127.0.0.1:{port}", startup_timeout_s=120, log_path=log,
-                             env={"MEGAOPD_API_KEY": KEY}, die_with_parent=True) as server:
+    cmd = megaopd_serve_command(
+        tiny_dir, port, host="0.0.0.0", extra_args=["--num-threads", "1", "--log-level", "DEBUG"]
+    )
+    with ServerProcess.start(
+        cmd,
+        url=f"http://127.0.0.1:{port}",
+        startup_timeout_s=120,
+        log_path=log,
+        env={"MEGAOPD_API_KEY": KEY},
+        die_with_parent=True,
+    ) as server:
         assert call(server.url, "GET", "/get_model_info", key=None)[0] == 401
         assert len(greedy(server.url)) == 4
         assert call(server.url, "GET", "/get_model_info", key="wrong")[0] == 401

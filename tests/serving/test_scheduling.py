@@ -1,6 +1,7 @@
 """The scheduler's pause / retract / abort over a real model runner: a weight update loads between two
 decode steps of a held batch, a retract re-prefills the running rows under the new weights, an abort
 ends them."""
+
 import time
 
 import torch

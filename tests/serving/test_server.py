@@ -1,4 +1,5 @@
 """`megaopd serve` over loopback: SGLang schemas, errors, control endpoints, client, weight updates."""
+
 import json
 import urllib.error
 import urllib.request
@@ -11,8 +12,15 @@ from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.serving.server import RolloutServer, ServeConfig
 from tests.engine._models import EOS, hf_logprobs
-from tests.serving.sglang_cases import (DIFFERENCES, REFUSALS, assert_same_shape, call, error_kind, error_message,
-                                        send_refusal)
+from tests.serving.sglang_cases import (
+    DIFFERENCES,
+    REFUSALS,
+    assert_same_shape,
+    call,
+    error_kind,
+    error_message,
+    send_refusal,
+)
 
 # --- Answers of a real SGLang 0.5.23 server (CPU, 2026-11) to such requests (ids of the tiny student); ours
 # --- must have the same keys and types at every level (sglang_cases.assert_same_shape).
@@ -96,12 +104,22 @@ def test_generate_matches_sglang_schema(server, tiny_dir):
         assert meta["finish_reason"] == {"type": "stop", "matched": EOS} and out["output_ids"][-1] == EOS
 
     # Logprobs, stop on a stop id, the prompt's log-probs (logprob_start_len=0).
-    status, free = post(server.url, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
-        "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}})
+    status, free = post(
+        server.url,
+        "/generate",
+        {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}},
+    )
     stop_id = free["output_ids"][2]
-    status, out = post(server.url, "/generate", {
-        "input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 0,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop_id]}})
+    status, out = post(
+        server.url,
+        "/generate",
+        {
+            "input_ids": [5, 6, 7],
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6, "stop_token_ids": [stop_id]},
+        },
+    )
     assert status == 200
     assert_same_shape(dict(out["meta_info"], finish_reason=None), SGLANG_LOGPROB_RESPONSE_META)  # a stop here
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
@@ -117,10 +135,18 @@ def test_generate_matches_sglang_schema(server, tiny_dir):
 
 
 def test_batch_and_n(server):
-    status, out = post(server.url, "/generate", {
-        "input_ids": [[5, 6], [7, 8, 9]], "return_logprob": True,
-        "sampling_params": [{"max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 1},
-                            {"max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 2}]})
+    status, out = post(
+        server.url,
+        "/generate",
+        {
+            "input_ids": [[5, 6], [7, 8, 9]],
+            "return_logprob": True,
+            "sampling_params": [
+                {"max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 1},
+                {"max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 2},
+            ],
+        },
+    )
     assert status == 200 and isinstance(out, list) and len(out) == 2
     assert [len(o["output_ids"]) for o in out] == [3, 5]
     assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 3]
@@ -131,8 +157,9 @@ def test_batch_and_n(server):
     assert isinstance(a, list) and len(a) == 4
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
     assert len({tuple(o["output_ids"]) for o in a}) > 1
-    status, one = post(server.url, "/generate", {"input_ids": [5, 6], "rid": "abc",
-                                                 "sampling_params": {"max_new_tokens": 2}})
+    status, one = post(
+        server.url, "/generate", {"input_ids": [5, 6], "rid": "abc", "sampling_params": {"max_new_tokens": 2}}
+    )
     assert one["meta_info"]["id"] == "abc"
     # max_new_tokens 0 (SGLang allows it, for prompt scoring).
     status, zero = post(server.url, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 0}})
@@ -204,9 +231,11 @@ def test_two_prompts_in_one_n_request_get_their_own_seeds(server, tiny_dir):
     """An n > 1 request with two prompts: sample j of prompt i draws derive_seed(seed, i, j). Before the
     one request expansion (rollout/protocol.expand_samples) the server used prompt index 0 for every
     prompt, so identical prompts got identical samples: prompt 1 repeated prompt 0's stream."""
-    body = {"input_ids": [[5, 6, 7], [5, 6, 7]], "return_logprob": True,
-            "sampling_params": {"n": 2, "max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 3,
-                                "ignore_eos": True}}
+    body = {
+        "input_ids": [[5, 6, 7], [5, 6, 7]],
+        "return_logprob": True,
+        "sampling_params": {"n": 2, "max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 3, "ignore_eos": True},
+    }
     status, out = post(server.url, "/generate", body)
     assert status == 200 and len(out) == 4  # prompt-major: p0s0, p0s1, p1s0, p1s1
     ids = [e["output_ids"] for e in out]
@@ -214,8 +243,9 @@ def test_two_prompts_in_one_n_request_get_their_own_seeds(server, tiny_dir):
     assert ids[0] != ids[2] and ids[1] != ids[3]  # ...and so do the two prompts' streams
     # The same expansion as the embedded engine's (and the client's): equal samples for equal seeds.
     local = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_dir))
-    want = local.generate([[5, 6, 7], [5, 6, 7]], SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3,
-                                                                  ignore_eos=True))
+    want = local.generate(
+        [[5, 6, 7], [5, 6, 7]], SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    )
     assert ids == [s.output_ids for s in want]
 
 
@@ -227,19 +257,31 @@ def test_prefill_parsing_reads_sglangs_answers():
     seq = [5, 9, 17, 33, 4]
     body = prefill_request([seq], [3], topk=2)
     assert body["logprob_start_len"] == [2] and body["sampling_params"][0]["max_new_tokens"] == 0
-    answer = {"meta_info": {  # SGLang 0.5.23, logprob_start_len 2, top_logprobs_num 2 (cut from 3)
-        "input_token_logprobs": [[None, 17, None], [-8.874113082885742, 33, None], [-10.857186317443848, 4, None]],
-        "input_top_logprobs": [None, [[-0.14435583353042603, 196, None], [-3.968883991241455, 254, None]],
-                               [[-1.2047711610794067, 196, None], [-1.310813069343567, 254, None]]]}}
+    answer = {
+        "meta_info": {  # SGLang 0.5.23, logprob_start_len 2, top_logprobs_num 2 (cut from 3)
+            "input_token_logprobs": [[None, 17, None], [-8.874113082885742, 33, None], [-10.857186317443848, 4, None]],
+            "input_top_logprobs": [
+                None,
+                [[-0.14435583353042603, 196, None], [-3.968883991241455, 254, None]],
+                [[-1.2047711610794067, 196, None], [-1.310813069343567, 254, None]],
+            ],
+        }
+    }
     scores = prefill_scores_from_json(answer, seq, 3, topk=2)
     assert scores.logprobs == [-8.874113082885742, -10.857186317443848]
     assert scores.top_ids == [[196, 254], [196, 254]]
-    last = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-9.52465534210205, 0, None],
-                                                   [-1.6511369943618774, 150, None]]}}
+    last = {
+        "meta_info": {
+            "input_token_logprobs": [[None, 5, None], [-9.52465534210205, 0, None], [-1.6511369943618774, 150, None]]
+        }
+    }
     assert prefill_scores_from_json(last, [5, 255, 150], 1).logprobs == [-9.52465534210205, -1.6511369943618774]
     with pytest.raises(ValueError, match="at token 2 of 3, sent \\[150\\], answered \\[151\\]"):
-        prefill_scores_from_json({"meta_info": {"input_token_logprobs": [[None, 5, None], [-1.0, 255, None],
-                                                                         [-1.0, 151, None]]}}, [5, 255, 150], 1)
+        prefill_scores_from_json(
+            {"meta_info": {"input_token_logprobs": [[None, 5, None], [-1.0, 255, None], [-1.0, 151, None]]}},
+            [5, 255, 150],
+            1,
+        )
     with pytest.raises(ValueError, match="3 entries for the 1 tokens scored"):  # an answer from another start
         prefill_scores_from_json(last, [5, 255, 150], 2)
     with pytest.raises(ValueError, match="first positions"):

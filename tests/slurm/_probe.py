@@ -7,6 +7,7 @@ with what it saw (ranks, node rank, master address, the sum, the environment com
 usr1: after the all_reduce, waits for SIGUSR1 (as the trainer does for a checkpoint), then exits 0; a
 requeued run (OUT_DIR/checkpointed exists) reports "resumed" and exits at once.
 """
+
 import json
 import os
 import signal
@@ -28,10 +29,16 @@ def main() -> int:
     dist.all_reduce(total)
     run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     report = {
-        "rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
-        "node_rank": int(os.environ["GROUP_RANK"]), "master_addr": os.environ["MASTER_ADDR"],
-        "master_port": os.environ["MASTER_PORT"], "sum": total.item(), "run": run,
-        "job_id": os.environ.get("SLURM_JOB_ID"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "rank": rank,
+        "world_size": world,
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "node_rank": int(os.environ["GROUP_RANK"]),
+        "master_addr": os.environ["MASTER_ADDR"],
+        "master_port": os.environ["MASTER_PORT"],
+        "sum": total.item(),
+        "run": run,
+        "job_id": os.environ.get("SLURM_JOB_ID"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
     }
     marker = os.path.join(out, "checkpointed")

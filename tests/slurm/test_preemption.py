@@ -1,5 +1,6 @@
 """PreemptionFlag: the flag's collective runs on the default group's device, and after a signal an engine
 call that fails (a SIGTERMed engine) is skipped so the checkpoint is still written."""
+
 import os
 import signal
 
@@ -30,6 +31,7 @@ def test_flag_tensor_lives_on_the_group_device(monkeypatch):
 def test_engine_failure_after_signal_is_not_fatal():
     flag = preemption.PreemptionFlag(signals=(signal.SIGUSR1,))
     try:
+
         def dead_engine():
             raise ConnectionRefusedError("engine at http://node1:30000 refused")
 

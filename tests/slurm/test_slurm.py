@@ -8,6 +8,7 @@ or neither Slurm nor apt-get is there): sbatch --wait of a job that goes common.
 torchrun_node.sh -> torchrun --nproc-per-node=2 -> a gloo all_reduce; the time-limit signal path
 (USR1 to the batch shell -> ranks -> exit 0 -> requeue -> resume); and slurm/tiny_cpu.sh end to end.
 """
+
 from __future__ import annotations
 
 import glob
@@ -23,8 +24,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLURM = os.path.join(ROOT, "slurm")
-SBATCH_SCRIPTS = ["stable_opd_7b.sh", "stable_opd_1p5b.sh", "opd_7b.sh", "sft_cold_start_7b.sh", "eval_7b.sh",
-                  "convert_7b.sh", "tiny_cpu.sh"]
+SBATCH_SCRIPTS = [
+    "stable_opd_7b.sh",
+    "stable_opd_1p5b.sh",
+    "opd_7b.sh",
+    "sft_cold_start_7b.sh",
+    "eval_7b.sh",
+    "convert_7b.sh",
+    "tiny_cpu.sh",
+]
 GPU_SCRIPTS = ["stable_opd_7b.sh", "stable_opd_1p5b.sh", "opd_7b.sh", "sft_cold_start_7b.sh", "eval_7b.sh"]
 MODEL_DIRS = ["Qwen2.5-Math-7B", "Qwen2.5-Math-1.5B", "OpenThinker3-7B", "DeepSeek-R1-Distill-Qwen-7B"]
 
@@ -52,8 +60,13 @@ def sbatch_headers(script):
 def test_sbatch_headers(script):
     h = sbatch_headers(script)
     name = script[:-3]
-    for expected in (f"--job-name={name}", "--ntasks-per-node=1", "--output=logs/%x-%j.out", "--requeue",
-                     "--open-mode=append"):
+    for expected in (
+        f"--job-name={name}",
+        "--ntasks-per-node=1",
+        "--output=logs/%x-%j.out",
+        "--requeue",
+        "--open-mode=append",
+    ):
         assert expected in h, (script, expected, h)
     assert any(re.fullmatch(r"--nodes=\d+", x) for x in h)
     assert any(re.fullmatch(r"--cpus-per-task=\d+", x) for x in h)
@@ -82,36 +95,65 @@ def inputs(tmp_path):
     (tmp_path / "preset.yaml").touch()
     (tmp_path / "bench").mkdir()
     (tmp_path / "ckpt").mkdir()
-    return {"MODELS_DIR": str(models), "TRAIN_DATA": str(tmp_path / "train.parquet"),
-            "CONFIG": str(tmp_path / "preset.yaml"), "OUTPUT_ROOT": str(tmp_path / "runs"),
-            "BENCH_DIR": str(tmp_path / "bench"), "CKPT": str(tmp_path / "ckpt"),
-            "CKPT_ROOT": str(tmp_path / "converted")}
+    return {
+        "MODELS_DIR": str(models),
+        "TRAIN_DATA": str(tmp_path / "train.parquet"),
+        "CONFIG": str(tmp_path / "preset.yaml"),
+        "OUTPUT_ROOT": str(tmp_path / "runs"),
+        "BENCH_DIR": str(tmp_path / "bench"),
+        "CKPT": str(tmp_path / "ckpt"),
+        "CKPT_ROOT": str(tmp_path / "converted"),
+    }
 
 
 # A job must not inherit the launch variables of whatever process runs the tests (a distributed test in
 # the same pytest process, or a torchrun around it): they would pin its rendezvous port. Nor the thread count a
 # pytest-xdist worker sets (tests/conftest.py): the scripts compute their own, and a test checks it.
-LAUNCHER_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "OMP_THREAD_LIMIT"}
+LAUNCHER_VARS = {
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "OMP_NUM_THREADS",
+    "OMP_THREAD_LIMIT",
+}
 
 
 def run_script(script, env_extra, *args, nodes="node1 node2", dry=True):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_")) and k not in LAUNCHER_VARS}
-    for k in ("MODELS_DIR", "TRAIN_DATA", "CONFIG", "OUTPUT_ROOT", "RUN_DIR", "ENGINE_NODES", "TEACHER",
-              "GPUS_PER_NODE", "NPROC_PER_NODE", "MASTER_PORT", "STUDENT_HF_DIR", "TEACHER_HF_DIR"):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_")) and k not in LAUNCHER_VARS
+    }
+    for k in (
+        "MODELS_DIR",
+        "TRAIN_DATA",
+        "CONFIG",
+        "OUTPUT_ROOT",
+        "RUN_DIR",
+        "ENGINE_NODES",
+        "TEACHER",
+        "GPUS_PER_NODE",
+        "NPROC_PER_NODE",
+        "MASTER_PORT",
+        "STUDENT_HF_DIR",
+        "TEACHER_HF_DIR",
+    ):
         env.pop(k, None)
     if dry:
         env["DRY_RUN"] = "1"
         if nodes:
             env["DRY_RUN_NODES"] = nodes
     env.update(env_extra)
-    return subprocess.run(["bash", os.path.join(SLURM, script), *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        ["bash", os.path.join(SLURM, script), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
 
 
 def lines_on(out: str, where: str) -> list[str]:
     prefix = f"[{where}] "
-    return [x[len(prefix):] for x in out.splitlines() if x.startswith(prefix)]
+    return [x[len(prefix) :] for x in out.splitlines() if x.startswith(prefix)]
 
 
 def torchrun_lines(out, node):
@@ -149,11 +191,19 @@ def test_dry_run_two_nodes_colocated(inputs):
     # so no size-dependent override is passed unless its variable is set.
     for absent in ("trainer.prompts_per_step=", "rollout.temperature=", "optimizer.lr=", "rollout.max_new_tokens="):
         assert absent not in train, absent
-    for kv in ("run.world_size=8", "student.tp=2", "student.pp=1", "teacher.tp=2",
-               "reference.tp=2", "rollout.engine=remote", "student.dtype=bfloat16",
-               f"run.dir={inputs['OUTPUT_ROOT']}/stable_opd_7b",
-               f"student.path={inputs['MODELS_DIR']}/Qwen2.5-Math-7B",
-               f"teacher.path={inputs['MODELS_DIR']}/OpenThinker3-7B", "trainer.max_steps=7"):
+    for kv in (
+        "run.world_size=8",
+        "student.tp=2",
+        "student.pp=1",
+        "teacher.tp=2",
+        "reference.tp=2",
+        "rollout.engine=remote",
+        "student.dtype=bfloat16",
+        f"run.dir={inputs['OUTPUT_ROOT']}/stable_opd_7b",
+        f"student.path={inputs['MODELS_DIR']}/Qwen2.5-Math-7B",
+        f"teacher.path={inputs['MODELS_DIR']}/OpenThinker3-7B",
+        "trainer.max_steps=7",
+    ):
         assert f" {kv}" in train, kv
     assert f"'data.sources=[{{path: {inputs['TRAIN_DATA']}, weight: 1.0}}]'" in train
     # Colocated engines: one SGLang server per GPU on every training node, memory saver on.
@@ -205,8 +255,11 @@ def test_dry_run_engine_nodes(inputs):
 
 def test_dry_run_three_nodes_one_engine_node(inputs):
     defaults = {k: v for k, v in inputs.items() if k != "CONFIG"}  # the job's own preset
-    r = run_script("opd_7b.sh", {**defaults, "ENGINE_NODES": "1", "ENGINE_TP": "2", "TEACHER": "r1-distill-qwen-7b",
-                                 "MASTER_PORT": "31234"}, nodes="a b c")
+    r = run_script(
+        "opd_7b.sh",
+        {**defaults, "ENGINE_NODES": "1", "ENGINE_TP": "2", "TEACHER": "r1-distill-qwen-7b", "MASTER_PORT": "31234"},
+        nodes="a b c",
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
     ranks = {n: torchrun_lines(out, n) for n in "abc"}
@@ -223,8 +276,11 @@ def test_dry_run_three_nodes_one_engine_node(inputs):
 
 def test_dry_run_tiny_cpu(tmp_path):
     (tmp_path / "p.yaml").touch()
-    r = run_script("tiny_cpu.sh", {"RUN_DIR": str(tmp_path / "run"), "CONFIG": str(tmp_path / "p.yaml"),
-                                   "MAX_STEPS": "2"}, nodes="cpu1")
+    r = run_script(
+        "tiny_cpu.sh",
+        {"RUN_DIR": str(tmp_path / "run"), "CONFIG": str(tmp_path / "p.yaml"), "MAX_STEPS": "2"},
+        nodes="cpu1",
+    )
     assert r.returncode == 0, r.stderr
     (line,) = torchrun_lines(r.stdout, "cpu1")
     assert flag(line, "--nproc-per-node") == "2" and flag(line, "--nnodes") == "1"
@@ -232,8 +288,15 @@ def test_dry_run_tiny_cpu(tmp_path):
     assert "sglang" not in r.stdout  # the tiny job generates inside the trainer
 
 
-@pytest.mark.parametrize("script,preset", [("stable_opd_7b.sh", "stable_opd_7b"), ("stable_opd_1p5b.sh", "stable_opd_1p5b"),
-                                           ("opd_7b.sh", "opd_7b"), ("sft_cold_start_7b.sh", "sft_cold_start_7b")])
+@pytest.mark.parametrize(
+    "script,preset",
+    [
+        ("stable_opd_7b.sh", "stable_opd_7b"),
+        ("stable_opd_1p5b.sh", "stable_opd_1p5b"),
+        ("opd_7b.sh", "opd_7b"),
+        ("sft_cold_start_7b.sh", "sft_cold_start_7b"),
+    ],
+)
 def test_paper_jobs_run_their_paper_preset_by_default(inputs, script, preset):
     defaults = {k: v for k, v in inputs.items() if k != "CONFIG"}
     r = run_script(script, {**defaults, "LR": "2e-6", "SIGNAL_LEAD_S": "600"})
@@ -270,12 +333,15 @@ def test_dry_run_other_scripts(script, inputs):
         assert f"--out {inputs['CKPT_ROOT']}/OpenThinker3-7B-tp2-pp1" in node1
 
 
-@pytest.mark.parametrize("drop,message", [
-    ("TRAIN_DATA", "TRAIN_DATA is not set"),
-    ("MODELS_DIR", "STUDENT_HF_DIR is not set"),
-    ("OUTPUT_ROOT", "OUTPUT_ROOT is not set"),
-    ("CONFIG", "does not exist"),  # the default preset path, absent in this stand-in setup or not
-])
+@pytest.mark.parametrize(
+    "drop,message",
+    [
+        ("TRAIN_DATA", "TRAIN_DATA is not set"),
+        ("MODELS_DIR", "STUDENT_HF_DIR is not set"),
+        ("OUTPUT_ROOT", "OUTPUT_ROOT is not set"),
+        ("CONFIG", "does not exist"),  # the default preset path, absent in this stand-in setup or not
+    ],
+)
 def test_missing_input_is_one_clear_error(inputs, drop, message):
     env = dict(inputs)
     del env[drop]
@@ -326,8 +392,10 @@ def slurm_cluster():
     Only with consent: it installs slurm-wlm and munge with apt and leaves munged, slurmctld and slurmd
     running, so these tests skip unless MEGAOPD_SLURM_TESTS=1 (CI sets it; `make test-e2e` passes it on)."""
     if os.environ.get("MEGAOPD_SLURM_TESTS") != "1":
-        pytest.skip("real-Slurm tests: set MEGAOPD_SLURM_TESTS=1 to let them install slurm-wlm + munge (apt) "
-                    "and start munged/slurmctld/slurmd on this machine (scripts/slurm_local.sh; CI sets it)")
+        pytest.skip(
+            "real-Slurm tests: set MEGAOPD_SLURM_TESTS=1 to let them install slurm-wlm + munge (apt) "
+            "and start munged/slurmctld/slurmd on this machine (scripts/slurm_local.sh; CI sets it)"
+        )
     if os.geteuid() != 0:  # a cluster someone else runs, or none
         if not _node_ready():
             pytest.skip("the local Slurm cluster needs root (scripts/slurm_local.sh starts munged, slurmctld, slurmd)")
@@ -341,8 +409,9 @@ def slurm_cluster():
     # Run every time, also when the cluster is up: then it takes a second, and it restarts the daemons when the
     # config it writes differs from the one they run (another CPU count, an older checkout's config).
     t0 = time.time()
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_local.sh")], capture_output=True,
-                       text=True, timeout=900)
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "slurm_local.sh")], capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     print(f"local Slurm cluster up in {time.time() - t0:.0f} s")
     return True
@@ -383,21 +452,25 @@ class Jobs:
     def sbatch(self, script, env_extra, *args, wait=True, timeout=600):
         """Submits; with wait, returns (job id, exit code) once the job ended. Polls scontrol every 0.5 s
         rather than `sbatch --wait`, whose growing poll interval adds ~20 s to every short job."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DRY_RUN")) and k not in LAUNCHER_VARS}
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DRY_RUN")) and k not in LAUNCHER_VARS
+        }
         # The job runs in this test's Python environment, as a user's does after `source .venv/bin/activate`
         # (sbatch exports the submitting environment): its torchrun and python first on PATH.
         bin_dir = os.path.dirname(sys.executable)
         env.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), PYTHON=sys.executable)
         env.update(env_extra, MEGAOPD_ROOT=ROOT)
-        r = subprocess.run(["sbatch", "--parsable", *args, script], capture_output=True, text=True, env=env,
-                           cwd=ROOT, timeout=60)
+        r = subprocess.run(
+            ["sbatch", "--parsable", *args, script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+        )
         assert r.returncode == 0, r.stderr
         job_id = r.stdout.strip().split(";")[0]
         self.ids.append(job_id)
         if not wait:
             return job_id, None
-        state = wait_for_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
-                               timeout)
+        state = wait_for_state(
+            job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"), timeout
+        )
         if "JobState=COMPLETED" in state:
             return job_id, 0
         m = re.search(r"ExitCode=(\d+):(\d+)", state)
@@ -444,8 +517,9 @@ def write_probe(tmp_path, mode):
 
 
 def read_reports(out):
-    return sorted((json.load(open(p)) for p in glob.glob(str(out / "rank*-run*.json"))),
-                  key=lambda r: (r["run"], r["rank"]))
+    return sorted(
+        (json.load(open(p)) for p in glob.glob(str(out / "rank*-run*.json"))), key=lambda r: (r["run"], r["rank"])
+    )
 
 
 @pytest.mark.slow
@@ -584,8 +658,13 @@ def test_engines_start_wait_and_stop(jobs, tmp_path):
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     urls = [f"http://{host}:{port}", f"http://{host}:{port + 10}"]
     assert (out / "overrides.txt").read_text().split() == [
-        "rollout.engine=remote", f"rollout.urls=[{','.join(urls)}]", "rollout.engine_tp=1",
-        f"rollout.weight_sync_address={host}", "rollout.colocated=true", "plan.engine_memory_fraction=0.5"]
+        "rollout.engine=remote",
+        f"rollout.urls=[{','.join(urls)}]",
+        "rollout.engine_tp=1",
+        f"rollout.weight_sync_address={host}",
+        "rollout.colocated=true",
+        "plan.engine_memory_fraction=0.5",
+    ]
     assert (out / "model_info.txt").read_text().count("model_path") == 2
     assert [r["sum"] for r in read_reports(out)] == [3.0, 3.0]
     for u in urls:
@@ -601,8 +680,12 @@ def test_engines_start_wait_and_stop(jobs, tmp_path):
 def test_tiny_cpu_job_end_to_end(tmp_path, request):
     jobs = request.getfixturevalue("jobs")  # starts the cluster only when the test can run
     run = tmp_path / "run"
-    job_id, rc = jobs.sbatch(os.path.join(SLURM, "tiny_cpu.sh"), {"RUN_DIR": str(run), "MAX_STEPS": "2"},
-                             f"--output={tmp_path}/job.out", timeout=840)
+    job_id, rc = jobs.sbatch(
+        os.path.join(SLURM, "tiny_cpu.sh"),
+        {"RUN_DIR": str(run), "MAX_STEPS": "2"},
+        f"--output={tmp_path}/job.out",
+        timeout=840,
+    )
     log = (tmp_path / "job.out").read_text()
     assert rc == 0, log[-4000:]
     metrics = run / "metrics.jsonl"

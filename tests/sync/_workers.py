@@ -1,4 +1,5 @@
 """Spawned workers for tests/sync: a Megatron actor pushing its weights into a rollout engine."""
+
 from __future__ import annotations
 
 import torch
@@ -49,12 +50,13 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     S = max(len(p) for p in PROBE)
     tokens = torch.zeros(len(PROBE), S, dtype=torch.long)
     for b, p in enumerate(PROBE):
-        tokens[b, :len(p)] = torch.tensor(p)
-    actor_lp = score_tokens(PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, ScoringBatches(2),
-                            ScoreRequest(1.0)).logprobs_BT
+        tokens[b, : len(p)] = torch.tensor(p)
+    actor_lp = score_tokens(
+        PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, ScoringBatches(2), ScoreRequest(1.0)
+    ).logprobs_BT
 
     def gap(engine_lp):
-        return max(abs(e - a) for b, lp in enumerate(engine_lp) for e, a in zip(lp, actor_lp[b, :len(lp)].tolist()))
+        return max(abs(e - a) for b, lp in enumerate(engine_lp) for e, a in zip(lp, actor_lp[b, : len(lp)].tolist()))
 
     sync.close()
     if rank == 0:
@@ -114,13 +116,14 @@ def push_and_record(rank, world_size, hf_dir):
         engine.release_memory()  # as the trainer does after generating
     sync.push(actor.model, actor.hf, pgs, weight_version="v1")
     tokens = torch.tensor([PROBE[0]])
-    actor_lp = score_tokens(PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, ScoringBatches(1),
-                            ScoreRequest(1.0)).logprobs_BT
+    actor_lp = score_tokens(
+        PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, ScoringBatches(1), ScoreRequest(1.0)
+    ).logprobs_BT
     if rank != 0:
         return None
     out["after_release"] = engine.calls
     engine_lp = engine.engine.prompt_logprobs(PROBE[0])[1:]
-    out["gap"] = max(abs(e - a) for e, a in zip(engine_lp, actor_lp[0, :len(engine_lp)].tolist()))
+    out["gap"] = max(abs(e - a) for e, a in zip(engine_lp, actor_lp[0, : len(engine_lp)].tolist()))
     return out
 
 
@@ -150,8 +153,9 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     weights = HFWeights(hf_dir)
     perturbed = {n: weights[n] + 0.05 * torch.randn(weights[n].shape, generator=gen) for n in sorted(weights.keys())}
     st = StageInfo.of(pgs)
-    load_hf_weights(actor.model, perturbed, actor.hf, st.tp_rank, tp, st.pp_rank, pp,
-                    pgs.ep.rank() if ep > 1 else 0, ep)
+    load_hf_weights(
+        actor.model, perturbed, actor.hf, st.tp_rank, tp, st.pp_rank, pp, pgs.ep.rank() if ep > 1 else 0, ep
+    )
     gathered = list(gather_hf_weights(model_state(actor.model), actor.hf, pgs.tp, pgs.pp, ep_group=expert_group(pgs)))
     mismatches = [n for n, t in gathered if not torch.equal(t, perturbed[n])]
     names_ok = sorted(n for n, _ in gathered) == sorted(perturbed) and len(gathered) == len(perturbed)
@@ -165,6 +169,10 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     if rank != 0:
         return None
     save_hf_dir(out_dir, sorted(perturbed.items()), side_files_from=hf_dir)
-    return {"mismatches": sorted({n for m, _ in everyone for n in m}), "names_ok": all(ok for _, ok in everyone),
-            "perturbed_dir": out_dir, "engine_lp": engine.prompt_logprobs(PROBE[0])[1:],
-            "weight_version": engine.weight_version}
+    return {
+        "mismatches": sorted({n for m, _ in everyone for n in m}),
+        "names_ok": all(ok for _, ok in everyone),
+        "perturbed_dir": out_dir,
+        "engine_lp": engine.prompt_logprobs(PROBE[0])[1:],
+        "weight_version": engine.weight_version,
+    }

@@ -16,8 +16,9 @@ def test_megatron_actor_syncs_into_server(tmp_path):
     student, _ = make_tiny_pair(str(tmp_path / "models"))
     port = find_free_port()
     url = f"http://127.0.0.1:{port}"
-    with ServerProcess.start(megaopd_serve_command(student, port, extra_args=["--num-threads", "1"]), url=url,
-                             startup_timeout_s=300):
+    with ServerProcess.start(
+        megaopd_serve_command(student, port, extra_args=["--num-threads", "1"]), url=url, startup_timeout_s=300
+    ):
         for seed, (tp, pp) in enumerate([(2, 1), (1, 2)], start=1):
             before, after = spawn(_workers.actor_to_server, 2, args=(student, url, tp, pp, seed), timeout=600)[0]
             assert after < 1e-4, (tp, pp, after)

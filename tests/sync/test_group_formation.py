@@ -1,6 +1,7 @@
 """How DistributedWeightUpdater.connect ends when the weight-update group cannot form: this process hosts rank 0
 of a real gloo rendezvous, and the engines' answers to /init_weights_update_group are stood in for (the calls
 to a real `megaopd serve`: tests/rollout/test_weight_sync.py)."""
+
 import subprocess
 import sys
 import threading
@@ -76,16 +77,21 @@ def test_a_refusal_that_arrives_after_the_group_formed_is_tried_again(monkeypatc
     from torch.distributed.distributed_c10d import _world
 
     real = distributed.dist_group.init_custom_process_group
-    monkeypatch.setattr(distributed.dist_group, "init_custom_process_group",
-                        lambda backend, addr, port, rank, world, name, timeout_s: real("gloo", addr, port, 0, 1, name,
-                                                                                       timeout_s=timeout_s))
+    monkeypatch.setattr(
+        distributed.dist_group,
+        "init_custom_process_group",
+        lambda backend, addr, port, rank, world, name, timeout_s: real(
+            "gloo", addr, port, 0, 1, name, timeout_s=timeout_s
+        ),
+    )
     updater, tried = _updater(monkeypatch, [[_Answer("http://a", TAKEN, after_s=0.5)], [_Answer("http://a", None)]])
     updater.connect()
     try:
         assert tried == ["weight_update_group", "weight_update_group_1"]
         assert updater.group_name == "weight_update_group_1"
-        assert sorted(n for n in _world.pg_names.values() if n.startswith("weight_update_group")) == \
-            ["weight_update_group_1"]
+        assert sorted(n for n in _world.pg_names.values() if n.startswith("weight_update_group")) == [
+            "weight_update_group_1"
+        ]
     finally:
         updater.close()
 

@@ -2,6 +2,7 @@
 collected over PP) and at TP=2 syncs into the embedded engine: the gather over
 TP and EP returns every HF tensor bit-exactly on every rank, and the engine, which keeps transformers 5's
 fused expert tensors, then scores like an independent HF forward of the actor's weights (< 1e-4)."""
+
 import pytest
 import torch
 
@@ -16,8 +17,9 @@ from tests.sync import _workers
 def test_moe_actor_syncs_into_embedded_engine(tmp_path, world, tp, pp, ep):
     hf_dir = str(tmp_path / "moe")
     make_hf_model("tiny-qwen3-moe", hf_dir, seed=0)
-    out = spawn(_workers.moe_actor_to_embedded, world, args=(hf_dir, str(tmp_path / "perturbed"), tp, pp, ep),
-                timeout=600)[0]
+    out = spawn(
+        _workers.moe_actor_to_embedded, world, args=(hf_dir, str(tmp_path / "perturbed"), tp, pp, ep), timeout=600
+    )[0]
     assert out["mismatches"] == [] and out["names_ok"]
     assert out["weight_version"] == "moe"
     probe = _workers.PROBE[0]

@@ -2,6 +2,7 @@
 need GPUs), SGLang's weight-update sessions against `megaopd serve` acting as an old and a new server,
 and the memory order of WeightSync.push (weights resumed before the sync, the KV cache after, nothing
 that was never released)."""
+
 import pytest
 import torch
 
@@ -15,8 +16,7 @@ from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool
 from megaopd.serving.server import RolloutServer, ServeConfig
 from megaopd.sync import choose_transport
-from megaopd.sync.cuda_ipc import (CudaIpcTransport, IpcLayout, deserialize_named_tensors, feeder_ranks,
-                                   tensor_request)
+from megaopd.sync.cuda_ipc import CudaIpcTransport, IpcLayout, deserialize_named_tensors, feeder_ranks, tensor_request
 from megaopd.sync.distributed import weight_update_sessions
 from tests.engine._models import build_tiny_qwen2
 from tests.sync import _workers
@@ -154,8 +154,7 @@ def test_weight_sync_memory_order(tiny_dir):
     resumed; after a release, weights are resumed before the load and the KV cache / CUDA graphs after."""
     calls = spawn(_workers.push_and_record, 2, args=(tiny_dir,), timeout=600)[0]
     assert calls["startup"] == ["update_weights(v0)"]
-    assert calls["after_release"] == ["resume(['weights'])", "update_weights(v1)",
-                                      "resume(['kv_cache', 'cuda_graph'])"]
+    assert calls["after_release"] == ["resume(['weights'])", "update_weights(v1)", "resume(['kv_cache', 'cuda_graph'])"]
     assert calls["gap"] < 1e-4  # the engine now holds the actor's weights
 
 

@@ -1,4 +1,5 @@
 """Spawned worker of the streaming pipeline test (module level, importable by spawned processes)."""
+
 from __future__ import annotations
 
 import os
@@ -34,9 +35,16 @@ def stream(rank, world_size, prompts, fail_at, consumer_sleep=0.0):
     from megaopd.trainer.pipeline import RolloutPipeline
     from megaopd.trainer.timer import Timer
 
-    cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), [
-        "rollout.engine=remote", "rollout.urls=[http://127.0.0.1:9]", "rollout.stream_parts=3",
-        "trainer.samples_per_prompt=2"])
+    cfg = load_config(
+        MegaOPDConfig,
+        os.path.join(TINY, "stable_opd.yaml"),
+        [
+            "rollout.engine=remote",
+            "rollout.urls=[http://127.0.0.1:9]",
+            "rollout.stream_parts=3",
+            "trainer.samples_per_prompt=2",
+        ],
+    )
     pipeline = RolloutPipeline(cfg, None, Timer(), [0], rank, push=lambda: None, parity=lambda: None)
     pipeline.engine = FakeEngine(fail_at)
     examples = [Ex(i) for i in range(prompts)]
@@ -47,5 +55,9 @@ def stream(rank, world_size, prompts, fail_at, consumer_sleep=0.0):
             time.sleep(consumer_sleep)  # a slow scoring pass: the parts that arrive meanwhile come together
     except RuntimeError as e:
         return {"error": str(e), "parts": parts}
-    return {"parts": parts, "all": [s.output_ids for s in pipeline.streamed_samples], "streams": pipeline.streams,
-            "versions": pipeline.versions_B}
+    return {
+        "parts": parts,
+        "all": [s.output_ids for s in pipeline.streamed_samples],
+        "streams": pipeline.streams,
+        "versions": pipeline.versions_B,
+    }

@@ -1,4 +1,5 @@
 """Spawned workers of the trainer tests (module level, importable by spawned processes)."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,11 @@ def one_step_gradients(rank, world_size, cfg):
     """Runs one training step of `cfg` and returns the actor's gradient as full HF-named tensors
     (gathered over TP/EP/PP) together with the step's loss (rank 0)."""
     out = one_step_gradients_and_metrics(rank, world_size, cfg)
-    return None if out is None else {"grads": out["grads"], "grad_norm": out["grad_norm"],
-                                     "loss": out["metrics"].get("loss/total")}
+    return (
+        None
+        if out is None
+        else {"grads": out["grads"], "grad_norm": out["grad_norm"], "loss": out["metrics"].get("loss/total")}
+    )
 
 
 def run_presets(rank, world_size, cfgs):
@@ -44,20 +48,27 @@ def two_teachers_rollout(rank, world_size, cfg):
     alone = {}
     for name, t in trainer.models.teachers.teachers.items():
         if isinstance(t, InJobTeacher):
-            alone[name] = score_tokens(t.runner, tokens_BS, ScoringBatches(cfg.trainer.micro_batch_size),
-                                       ScoreRequest(1.0)).logprobs_BT
+            alone[name] = score_tokens(
+                t.runner, tokens_BS, ScoringBatches(cfg.trainer.micro_batch_size), ScoreRequest(1.0)
+            ).logprobs_BT
         elif rank == 0:
             alone[name] = t.score(batch.tokens_BS, batch.prompt_lens_B, batch.response_lens_B).logprobs_BT
     if trainer.run_log is not None:
         trainer.run_log.close()
     from megaopd.trainer.step_metrics import rollout_metrics
+
     metrics = rollout_metrics(batch, cfg.metrics, contributes=trainer.owners.sends).log  # collective
     teacher = whole_batch(batch.teacher.logprobs_BT, batch.teacher.rows, batch.size, trainer.owners.sends)
     if rank != 0:
         return None
-    return {"teacher": teacher, "rows": batch.teacher_rows, "alone": alone,
-            "mask": batch.loss_mask_BT, "sources": [ex.source for ex in examples],
-            "metrics": metrics}
+    return {
+        "teacher": teacher,
+        "rows": batch.teacher_rows,
+        "alone": alone,
+        "mask": batch.loss_mask_BT,
+        "sources": [ex.source for ex in examples],
+        "metrics": metrics,
+    }
 
 
 def whole_batch(x_BT, rows, num_rows, contributes):
@@ -87,11 +98,13 @@ def one_step_everything(rank, world_size, cfg):
         batch = original_rollout(self, examples, golden)
         mask = batch.loss_mask_BT.bool()
         sends = self.owners.sends
-        captured["actor_logprobs"] = torch.where(mask, whole_batch(batch.actor.logprobs_BT, batch.actor.rows,
-                                                                   batch.size, sends), 0.0)
+        captured["actor_logprobs"] = torch.where(
+            mask, whole_batch(batch.actor.logprobs_BT, batch.actor.rows, batch.size, sends), 0.0
+        )
         if batch.teacher is not None:
-            captured["teacher_logprobs"] = torch.where(mask, whole_batch(batch.teacher.logprobs_BT, batch.teacher.rows,
-                                                                         batch.size, sends), 0.0)
+            captured["teacher_logprobs"] = torch.where(
+                mask, whole_batch(batch.teacher.logprobs_BT, batch.teacher.rows, batch.size, sends), 0.0
+            )
         return batch
 
     trainer_module.Trainer._rollout = capturing_rollout
@@ -120,9 +133,16 @@ def one_step_gradients_and_metrics(rank, world_size, cfg):
         for name, p in trainer.actor.model.named_parameters():
             g = getattr(p, "main_grad", None)
             grads[name] = (g if g is not None else p.grad).detach().clone().float()
-        captured["grads"] = {n: t.clone() for n, t in gather_hf_weights(
-            grads, trainer.actor.hf, trainer.actor_pgs.tp, trainer.actor_pgs.pp,
-            ep_group=expert_group(trainer.actor_pgs))}
+        captured["grads"] = {
+            n: t.clone()
+            for n, t in gather_hf_weights(
+                grads,
+                trainer.actor.hf,
+                trainer.actor_pgs.tp,
+                trainer.actor_pgs.pp,
+                ep_group=expert_group(trainer.actor_pgs),
+            )
+        }
         result = original_step()
         captured["grad_norm"] = result[1]
         return result
@@ -133,5 +153,8 @@ def one_step_gradients_and_metrics(rank, world_size, cfg):
         trainer.run_log.close()
     if rank != 0:
         return None
-    return {"grads": captured["grads"], "grad_norm": captured["grad_norm"],
-            "metrics": {k: float(v) for k, v in metrics.items() if not k.startswith("time")}}
+    return {
+        "grads": captured["grads"],
+        "grad_norm": captured["grad_norm"],
+        "metrics": {k: float(v) for k, v in metrics.items() if not k.startswith("time")},
+    }

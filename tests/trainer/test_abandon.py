@@ -1,6 +1,7 @@
 """A preemption signal during the pipeline's waits on the engines (megaopd.trainer.pipeline): the wait given up
 on rank 0 is raised at the collective (WaitAbandoned), the step's batch is put back so the checkpoint's data
 cursor is from before it, and an async sync whose pause was given up still pushes (the other ranks are in it)."""
+
 import pytest
 
 from megaopd.rollout.waits import WaitAbandoned

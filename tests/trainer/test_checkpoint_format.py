@@ -2,6 +2,7 @@
 test can save one; its first save on an H100 failed under megatron-core 0.16's default layout
 ('fully_sharded_model_space': "ShardedTensor.flattened_range is not supported"). This pins what
 trainer/checkpoint.py asks for, on save and on load alike; the GPU check (part c) saves and resumes it."""
+
 from megaopd.trainer import checkpoint
 
 
@@ -19,8 +20,10 @@ def test_distributed_optimizer_layout_is_dp_reshardable(monkeypatch):
     opt = _Recorder()
     checkpoint._optimizer_sd(None, opt, None, is_loading=False)
     checkpoint._optimizer_sd(None, opt, None, is_loading=True)
-    assert opt.calls == [(False, {"distrib_optim_sharding_type": "dp_reshardable"}),
-                         (True, {"distrib_optim_sharding_type": "dp_reshardable"})]
+    assert opt.calls == [
+        (False, {"distrib_optim_sharding_type": "dp_reshardable"}),
+        (True, {"distrib_optim_sharding_type": "dp_reshardable"}),
+    ]
 
 
 class _Counter:
@@ -41,8 +44,9 @@ def test_components_round_trip_under_their_keys():
 
     import pytest
 
-    saved = checkpoint.trainer_state(7, 2, {"tp": 1, "pp": 1, "ep": 1}, {"data": _Counter(3), "collapse": _Counter(5)},
-                                     {"weight_version": "7"})
+    saved = checkpoint.trainer_state(
+        7, 2, {"tp": 1, "pp": 1, "ep": 1}, {"data": _Counter(3), "collapse": _Counter(5)}, {"weight_version": "7"}
+    )
     # The JSON layout of older checkpoints: step, world size, layout, one key per component, then metadata.
     assert list(saved) == ["step", "world_size", "layout", "data", "collapse", "weight_version"]
     state = json.loads(json.dumps(saved))

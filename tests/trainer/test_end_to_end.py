@@ -1,5 +1,6 @@
 """End-to-end runs of `megaopd train` on tiny random models: every algorithm preset at TP=2, resume after
 SIGKILL, preemption by a signal to every process, and the start-up errors a user meets first."""
+
 import json
 import math
 import os
@@ -52,7 +53,11 @@ def test_every_algorithm_preset_runs_at_tp2(tiny_models, tmp_path):
     student, teacher = tiny_models
     cfgs = []
     for name in PRESETS:
-        overrides = tiny_overrides(tmp_path, student, teacher, name) + ["run.world_size=2", "student.tp=2", "reference.tp=2"]
+        overrides = tiny_overrides(tmp_path, student, teacher, name) + [
+            "run.world_size=2",
+            "student.tp=2",
+            "reference.tp=2",
+        ]
         overrides = [o for o in overrides if not o.startswith("loss.mask_first_tokens")]
         if name in ("sft", "grpo"):
             overrides = [o for o in overrides if not o.startswith("teacher.path")]
@@ -80,12 +85,33 @@ def test_every_algorithm_preset_runs_at_tp2(tiny_models, tmp_path):
         assert (run / "checkpoints" / "latest").exists(), name
         assert (run / "hf" / "config.json").exists(), name
         assert len(_steps(str(run))) >= 2, name
-    required = ["rollout/truncation_rate", "rollout/repetition_rate", "rollout/response_length_mean",
-                "rollout/student_logprob_mean", "rollout/teacher_logprob_mean", "rollout/advantage_mean",
-                "adv/regular_mean", "adv/repetitive_mean", "adv/repetitive_token_share", "overlap/ratio",
-                "overlap/mass", "overlap/entropy_gap", "sync/logprob_gap_mean", "sync/logprob_gap_max",
-                "loss/total", "loss/opd", "loss/sft", "loss/ref_kl", "train/grad_norm", "train/lr", "time/rollout",
-                "time/teacher", "time/train", "time/sync", "time/step"]
+    required = [
+        "rollout/truncation_rate",
+        "rollout/repetition_rate",
+        "rollout/response_length_mean",
+        "rollout/student_logprob_mean",
+        "rollout/teacher_logprob_mean",
+        "rollout/advantage_mean",
+        "adv/regular_mean",
+        "adv/repetitive_mean",
+        "adv/repetitive_token_share",
+        "overlap/ratio",
+        "overlap/mass",
+        "overlap/entropy_gap",
+        "sync/logprob_gap_mean",
+        "sync/logprob_gap_max",
+        "loss/total",
+        "loss/opd",
+        "loss/sft",
+        "loss/ref_kl",
+        "train/grad_norm",
+        "train/lr",
+        "time/rollout",
+        "time/teacher",
+        "time/train",
+        "time/sync",
+        "time/step",
+    ]
     stable = _steps(str(tmp_path / "stable_opd"))[2]
     assert not [k for k in required if k not in stable], [k for k in required if k not in stable]
     val = _steps(str(tmp_path / "sft"))
@@ -111,23 +137,52 @@ def _checkpointed(run_dir, step):
 @pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(tiny_models, tmp_path):
     student, teacher = tiny_models
-    common = tiny_overrides(tmp_path, student, teacher, "x")[:2] + [
-        o for o in tiny_overrides(tmp_path, student, teacher, "x")[3:]] + [
-        "trainer.max_steps=4", "trainer.save_interval=2", "run.world_size=2", "student.tp=2", "reference.tp=2"]
+    common = (
+        tiny_overrides(tmp_path, student, teacher, "x")[:2]
+        + [o for o in tiny_overrides(tmp_path, student, teacher, "x")[3:]]
+        + ["trainer.max_steps=4", "trainer.save_interval=2", "run.world_size=2", "student.tp=2", "reference.tp=2"]
+    )
     env = dict(os.environ, PYTHONPATH=ROOT)
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    subprocess.run(_train_cmd(_preset("stable_opd"), common + [f"run.dir={full}"]), check=True, cwd=ROOT, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
-    proc = subprocess.Popen(_train_cmd(_preset("stable_opd"), common + [f"run.dir={killed}"]), cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    subprocess.run(
+        _train_cmd(_preset("stable_opd"), common + [f"run.dir={full}"]),
+        check=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=900,
+    )
+    proc = subprocess.Popen(
+        _train_cmd(_preset("stable_opd"), common + [f"run.dir={killed}"]),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     assert _wait_for(lambda: _checkpointed(killed, 2), 600, proc)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers, mid-run, no chance to save
     proc.wait()
-    subprocess.run(_train_cmd(_preset("stable_opd"), common + [f"run.dir={killed}"]), check=True, cwd=ROOT, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+    subprocess.run(
+        _train_cmd(_preset("stable_opd"), common + [f"run.dir={killed}"]),
+        check=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=900,
+    )
     a, b = _steps(full)[4], _steps(killed)[4]
-    for key in ("loss/total", "rollout/response_length_mean", "rollout/student_logprob_mean",
-                "rollout/teacher_logprob_mean", "train/grad_norm", "loss/ref_kl"):
+    for key in (
+        "loss/total",
+        "rollout/response_length_mean",
+        "rollout/student_logprob_mean",
+        "rollout/teacher_logprob_mean",
+        "train/grad_norm",
+        "loss/ref_kl",
+    ):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
     # A training checkpoint is a model checkpoint: the converter turns the last one into exactly the
@@ -135,12 +190,31 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny_models, tmp_path):
     from safetensors.torch import load_file
 
     out = str(tmp_path / "converted")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_megatron_to_hf.py"), "--ckpt",
-                    os.path.join(killed, "checkpoints", "step_000004"), "--out", out], check=True, cwd=ROOT, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
-    converted = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(os.path.join(out, f)).items()}
-    exported = {k: v for f in os.listdir(os.path.join(killed, "hf")) if f.endswith(".safetensors")
-                for k, v in load_file(os.path.join(killed, "hf", f)).items()}
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "convert_megatron_to_hf.py"),
+            "--ckpt",
+            os.path.join(killed, "checkpoints", "step_000004"),
+            "--out",
+            out,
+        ],
+        check=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=600,
+    )
+    converted = {
+        k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(os.path.join(out, f)).items()
+    }
+    exported = {
+        k: v
+        for f in os.listdir(os.path.join(killed, "hf"))
+        if f.endswith(".safetensors")
+        for k, v in load_file(os.path.join(killed, "hf", f)).items()
+    }
     assert converted.keys() == exported.keys()
     assert all((converted[k] == exported[k]).all() for k in converted)
 
@@ -154,18 +228,36 @@ def test_preemption_signal_to_every_process_saves_exits_zero_and_resumes(tiny_mo
     student, teacher = tiny_models
     run = str(tmp_path / "preempted")
     overrides = tiny_overrides(tmp_path, student, teacher, "preempted") + [
-        "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", "trainer.save_interval=1"]
+        "run.world_size=1",
+        "student.tp=1",
+        "reference.tp=1",
+        "teacher.tp=1",
+        "trainer.save_interval=1",
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen(_train_cmd(_preset("stable_opd"), overrides + ["trainer.max_steps=50"]), cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _train_cmd(_preset("stable_opd"), overrides + ["trainer.max_steps=50"]),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     assert _wait_for(lambda: _checkpointed(run, 1), 600, proc)
     os.killpg(proc.pid, signal.SIGUSR1)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     saved = [r["step"] for r in _records(run) if r.get("event") == "checkpoint"]
     assert "preemption signal received" in out and saved[-1] < 50, out[-2000:]
-    resumed = subprocess.run(_train_cmd(_preset("stable_opd"), overrides + [f"trainer.max_steps={saved[-1] + 1}"]),
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        _train_cmd(_preset("stable_opd"), overrides + [f"trainer.max_steps={saved[-1] + 1}"]),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert max(_steps(run)) == saved[-1] + 1
@@ -173,8 +265,14 @@ def test_preemption_signal_to_every_process_saves_exits_zero_and_resumes(tiny_mo
 
 def _cli_error(args, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-m", "megaopd.cli", "train", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "megaopd.cli", "train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return r.returncode, r.stderr
 
 
@@ -185,8 +283,10 @@ def test_missing_teacher_path_is_one_clear_line(tiny_models, tmp_path):
     code, err = _cli_error([_preset("stable_opd"), *overrides], tmp_path)
     assert code == 2
     lines = [x for x in err.strip().splitlines() if x.startswith("megaopd train:")]
-    assert lines == ["megaopd train: teacher.path='/no/such/teacher' does not exist: fix the path or convert the "
-                     "model first (tools/convert_hf_to_megatron.py)"], err[-2000:]
+    assert lines == [
+        "megaopd train: teacher.path='/no/such/teacher' does not exist: fix the path or convert the "
+        "model first (tools/convert_hf_to_megatron.py)"
+    ], err[-2000:]
 
 
 @pytest.mark.slow
@@ -200,14 +300,26 @@ def test_tokenizer_mismatch_and_bad_data_stop_before_models_load(tiny_models, tm
         if f.startswith("tokenizer") or f == "chat_template.jinja":
             os.remove(other / f)
     make_tokenizer(256, str(other))  # same vocabulary size, different token-to-id map
-    overrides = tiny_overrides(tmp_path, student, str(other), "mismatch") + ["run.world_size=1", "student.tp=1",
-                                                                            "reference.tp=1"]
+    overrides = tiny_overrides(tmp_path, student, str(other), "mismatch") + [
+        "run.world_size=1",
+        "student.tp=1",
+        "reference.tp=1",
+    ]
     code, err = _cli_error([_preset("stable_opd"), *overrides], tmp_path)
     assert code != 0 and "does not match the student's" in err and "pick a teacher of the student's family" in err
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": 3}\nnot json\n{"answer": "1"}\n')
     overrides = [o for o in tiny_overrides(tmp_path, student, teacher, "baddata") if not o.startswith("data.sources")]
-    code, err = _cli_error([_preset("stable_opd"), *overrides, f"data.sources=[{{path: {bad}}}]",
-                            "run.world_size=1", "student.tp=1", "reference.tp=1"], tmp_path)
+    code, err = _cli_error(
+        [
+            _preset("stable_opd"),
+            *overrides,
+            f"data.sources=[{{path: {bad}}}]",
+            "run.world_size=1",
+            "student.tp=1",
+            "reference.tp=1",
+        ],
+        tmp_path,
+    )
     assert code != 0 and str(bad) in err and "tools/build_tiny_data.py" in err, err[-2000:]

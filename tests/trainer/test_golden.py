@@ -10,6 +10,7 @@ behaviour regenerates them with
 
 and says why in its commit. Wall-clock metrics (time, time/*, the rates perf/*) are not compared.
 """
+
 import json
 import math
 import os
@@ -47,11 +48,25 @@ SIGNED_ABS = REL * 0.01
 
 
 def golden_overrides(run_dir: str) -> list[str]:
-    return [f"run.dir={run_dir}", "run.world_size=2", "student.tp=2", "reference.tp=2", "teacher.tp=1",
-            "trainer.max_steps=5", "trainer.prompts_per_step=8", "trainer.samples_per_prompt=2",
-            "trainer.micro_batch_size=4", "trainer.save_interval=1000", "trainer.eval_interval=0",
-            "trainer.seed=1234", "rollout.max_new_tokens=48", "validation.path=''", "logging.tensorboard=false",
-            "logging.progress_bar=off", "trainer.pack_sequences=false"]
+    return [
+        f"run.dir={run_dir}",
+        "run.world_size=2",
+        "student.tp=2",
+        "reference.tp=2",
+        "teacher.tp=1",
+        "trainer.max_steps=5",
+        "trainer.prompts_per_step=8",
+        "trainer.samples_per_prompt=2",
+        "trainer.micro_batch_size=4",
+        "trainer.save_interval=1000",
+        "trainer.eval_interval=0",
+        "trainer.seed=1234",
+        "rollout.max_new_tokens=48",
+        "validation.path=''",
+        "logging.tensorboard=false",
+        "logging.progress_bar=off",
+        "trainer.pack_sequences=false",
+    ]
 
 
 def _step_metrics(run_dir: str) -> dict[str, dict[str, float]]:
@@ -61,8 +76,11 @@ def _step_metrics(run_dir: str) -> dict[str, dict[str, float]]:
             r = json.loads(line)
             if "event" in r:
                 continue
-            out[str(r["step"])] = {k: v for k, v in r.items()
-                                   if isinstance(v, (int, float)) and not k.startswith(("time", "perf/")) and k != "step"}
+            out[str(r["step"])] = {
+                k: v
+                for k, v in r.items()
+                if isinstance(v, (int, float)) and not k.startswith(("time", "perf/")) and k != "step"
+            }
     return out
 
 
@@ -73,8 +91,14 @@ def _deviation(got: float, want: float, key: str = "") -> float:
 
 @pytest.mark.slow
 def test_golden_metrics(tmp_path):
-    cfgs = [load_config(MegaOPDConfig, os.path.join(ROOT, "examples", "tiny", f"{name}.yaml"),
-                        golden_overrides(str(tmp_path / name))) for name in PRESETS]
+    cfgs = [
+        load_config(
+            MegaOPDConfig,
+            os.path.join(ROOT, "examples", "tiny", f"{name}.yaml"),
+            golden_overrides(str(tmp_path / name)),
+        )
+        for name in PRESETS
+    ]
     spawn(_workers.run_presets, 2, args=(cfgs,), timeout=1500)
     update = os.environ.get("MEGAOPD_UPDATE_GOLDEN") == "1"
     worst = []  # (deviation in tolerances, preset, step, key, got, want)
@@ -99,8 +123,10 @@ def test_golden_metrics(tmp_path):
                 worst.append((_deviation(got[step][key], value, key), name, step, key, got[step][key], value))
     worst.sort(reverse=True)
     rel = max((abs(g - w) / abs(w) for _, _, _, _, g, w in worst if w), default=0.0)
-    print(f"golden metrics: {len(worst)} compared, largest relative difference {rel:.2e}, "
-          f"largest in units of the tolerance {worst[0][0] if worst else 0:.3f}")
+    print(
+        f"golden metrics: {len(worst)} compared, largest relative difference {rel:.2e}, "
+        f"largest in units of the tolerance {worst[0][0] if worst else 0:.3f}"
+    )
     bad = [w for w in worst if not w[0] <= 1]
     assert not bad, f"{len(bad)} of {len(worst)} golden metrics differ; worst: {bad[:5]}"
 
@@ -116,8 +142,11 @@ STEP_WIDE = ("loss/", "rollout/", "adv/", "overlap/", "train/")
 @pytest.mark.slow
 def test_packed_stable_opd_matches_padded(tmp_path):
     overrides = [o for o in golden_overrides(str(tmp_path / "packed")) if o != "trainer.pack_sequences=false"]
-    cfg = load_config(MegaOPDConfig, os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml"),
-                      overrides + ["trainer.pack_sequences=true", "trainer.max_tokens_per_micro_batch=256"])
+    cfg = load_config(
+        MegaOPDConfig,
+        os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml"),
+        overrides + ["trainer.pack_sequences=true", "trainer.max_tokens_per_micro_batch=256"],
+    )
     spawn(_workers.run_presets, 2, args=([cfg],), timeout=1500)
     got = _step_metrics(str(tmp_path / "packed"))
     with open(os.path.join(GOLDEN_DIR, "stable_opd.json")) as f:
@@ -126,5 +155,9 @@ def test_packed_stable_opd_matches_padded(tmp_path):
     for step, metrics in want.items():
         for key, value in metrics.items():
             if key.startswith(STEP_WIDE):
-                assert math.isclose(got[step][key], value, rel_tol=PACKED_REL, abs_tol=1e-6), \
-                    (step, key, got[step][key], value)
+                assert math.isclose(got[step][key], value, rel_tol=PACKED_REL, abs_tol=1e-6), (
+                    step,
+                    key,
+                    got[step][key],
+                    value,
+                )

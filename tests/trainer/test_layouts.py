@@ -1,6 +1,7 @@
 """One training step of Stable-OPD (OPD + golden SFT + exact reference KL in lockstep) gives the same
 actor gradient, gathered to HF names, in every parallel layout: TP=1, TP=2, PP=2, and DP=2 with the
 teacher at TP=2 over the same ranks (its own process groups)."""
+
 import os
 
 import pytest
@@ -20,12 +21,24 @@ LAYOUTS = {
 
 
 def tiny_overrides(tmp_path, student, teacher, name):
-    return [f"student.path={student}", f"teacher.path={teacher}", f"run.dir={tmp_path / name}",
-            "trainer.max_steps=2", "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2",
-            "trainer.micro_batch_size=2", "trainer.eval_interval=0", "optimizer.lr=1e-4",
-            "rollout.max_new_tokens=16", f"data.sources=[{{path: {os.path.join(DATA, 'opd.jsonl')}, max_rows: 32}}]",
-            "data.max_prompt_len=128", "data.max_golden_len=128", "metrics.repetition.window_chars=50",
-            "loss.mask_first_tokens=['<think>', '<|im_end|>']", "logging.tensorboard=false"]
+    return [
+        f"student.path={student}",
+        f"teacher.path={teacher}",
+        f"run.dir={tmp_path / name}",
+        "trainer.max_steps=2",
+        "trainer.prompts_per_step=4",
+        "trainer.samples_per_prompt=2",
+        "trainer.micro_batch_size=2",
+        "trainer.eval_interval=0",
+        "optimizer.lr=1e-4",
+        "rollout.max_new_tokens=16",
+        f"data.sources=[{{path: {os.path.join(DATA, 'opd.jsonl')}, max_rows: 32}}]",
+        "data.max_prompt_len=128",
+        "data.max_golden_len=128",
+        "metrics.repetition.window_chars=50",
+        "loss.mask_first_tokens=['<think>', '<|im_end|>']",
+        "logging.tensorboard=false",
+    ]
 
 
 @pytest.mark.slow
@@ -33,8 +46,9 @@ def test_gradient_equal_across_layouts(tmp_path):
     student, teacher = make_tiny_pair(str(tmp_path / "models"))
     results = {}
     for name, (world, layout) in LAYOUTS.items():
-        cfg = load_config(MegaOPDConfig, None, tiny_overrides(tmp_path, student, teacher, name)
-                          + [f"run.world_size={world}", *layout])
+        cfg = load_config(
+            MegaOPDConfig, None, tiny_overrides(tmp_path, student, teacher, name) + [f"run.world_size={world}", *layout]
+        )
         results[name] = spawn(_workers.one_step_gradients, world, args=(cfg,))[0]
     ref = results["tp1"]
     assert ref["grad_norm"] > 0

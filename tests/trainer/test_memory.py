@@ -5,6 +5,7 @@ float32 copy, a masked copy of the vocabulary padding), 4.01L (padded scoring) a
 concatenated lockstep logits, a separate gradient buffer); now 1.04L, 2.01L and 2.21L: the model's own
 output is 1L (2L for padded rows: megatron's [S, b] -> [b, S] copy), the training step's 2L (the student's
 logits and the reference's, which take the gradient)."""
+
 import pytest
 
 from benchmarks.memory import measure

@@ -2,6 +2,7 @@
 thread): three Stable-OPD steps on the tiny models (one trainer process), the parity probe after every
 sync, each batch generated under the previous step's weights; then a resume from the step-2 checkpoint,
 whose in-flight batch is regenerated under the checkpoint's weights (lag 0) and then lags one version again."""
+
 import json
 import os
 
@@ -34,12 +35,28 @@ def _metrics(run_dir):
 def test_one_step_off_against_megaopd_serve_and_resume(tmp_path, one_torch_thread):
     server = _serve()
     run = str(tmp_path / "run")
-    one_process = ["run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1",
-                   "trainer.prompts_per_step=4", "trainer.micro_batch_size=4", "rollout.max_new_tokens=24"]
+    one_process = [
+        "run.world_size=1",
+        "student.tp=1",
+        "reference.tp=1",
+        "teacher.tp=1",
+        "trainer.prompts_per_step=4",
+        "trainer.micro_batch_size=4",
+        "rollout.max_new_tokens=24",
+    ]
     urls = server.url
-    base = golden_overrides(run) + one_process + [
-        "rollout.engine=remote", f"rollout.urls=[{server.url}]", "rollout.mode=one_step_off",
-        "rollout.parity_interval=1", "loss.off_policy_correction=tis", "trainer.save_interval=2"]
+    base = (
+        golden_overrides(run)
+        + one_process
+        + [
+            "rollout.engine=remote",
+            f"rollout.urls=[{server.url}]",
+            "rollout.mode=one_step_off",
+            "rollout.parity_interval=1",
+            "loss.off_policy_correction=tis",
+            "trainer.save_interval=2",
+        ]
+    )
     try:
         cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), base + ["trainer.max_steps=3"])
         spawn(_workers.run_presets, 1, args=([cfg],), timeout=600)
@@ -73,10 +90,25 @@ def test_async_pauses_in_flight_requests_for_syncs_against_megaopd_serve(tmp_pat
     server = _serve()
     run = str(tmp_path / "run")
     try:
-        cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), golden_overrides(run) + [
-            "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", "trainer.prompts_per_step=4",
-            "trainer.micro_batch_size=4", "rollout.max_new_tokens=24", "rollout.engine=remote",
-            f"rollout.urls=[{server.url}]", "rollout.mode=async", "rollout.max_staleness=2", "trainer.max_steps=3"])
+        cfg = load_config(
+            MegaOPDConfig,
+            os.path.join(TINY, "stable_opd.yaml"),
+            golden_overrides(run)
+            + [
+                "run.world_size=1",
+                "student.tp=1",
+                "reference.tp=1",
+                "teacher.tp=1",
+                "trainer.prompts_per_step=4",
+                "trainer.micro_batch_size=4",
+                "rollout.max_new_tokens=24",
+                "rollout.engine=remote",
+                f"rollout.urls=[{server.url}]",
+                "rollout.mode=async",
+                "rollout.max_staleness=2",
+                "trainer.max_steps=3",
+            ],
+        )
         spawn(_workers.run_presets, 1, args=([cfg],), timeout=600)
     finally:
         server.shutdown()
@@ -97,20 +129,40 @@ def test_with_frozen_weights_every_mode_trains_on_sync_batches(tmp_path, one_tor
         server = _serve()
         run = str(tmp_path / mode)
         try:
-            cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), golden_overrides(run) + [
-                "run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1", "trainer.prompts_per_step=4",
-                "trainer.micro_batch_size=4", "rollout.max_new_tokens=24", "rollout.engine=remote",
-                f"rollout.urls=[{server.url}]", f"rollout.mode={mode}", "optimizer.lr=1e-30", "trainer.max_steps=3",
-                "loss.off_policy_correction=none",  # the same loss in every mode (auto is tis where rollouts lag)
-                f"rollout.max_staleness={2 if mode == 'async' else 1}"])
+            cfg = load_config(
+                MegaOPDConfig,
+                os.path.join(TINY, "stable_opd.yaml"),
+                golden_overrides(run)
+                + [
+                    "run.world_size=1",
+                    "student.tp=1",
+                    "reference.tp=1",
+                    "teacher.tp=1",
+                    "trainer.prompts_per_step=4",
+                    "trainer.micro_batch_size=4",
+                    "rollout.max_new_tokens=24",
+                    "rollout.engine=remote",
+                    f"rollout.urls=[{server.url}]",
+                    f"rollout.mode={mode}",
+                    "optimizer.lr=1e-30",
+                    "trainer.max_steps=3",
+                    "loss.off_policy_correction=none",  # the same loss in every mode (auto is tis where rollouts lag)
+                    f"rollout.max_staleness={2 if mode == 'async' else 1}",
+                ],
+            )
             spawn(_workers.run_presets, 1, args=([cfg],), timeout=600)
         finally:
             server.shutdown()
         steps, _ = _metrics(run)
-        logged[mode] = {s: {k: v for k, v in r.items() if isinstance(v, (int, float))
-                            and not k.startswith(("time", "perf/", "pipeline/", "flops/", "train/lr",
-                                                  "sync/logprob_gap"))}  # engine rounding in other batches
-                        for s, r in steps.items()}
+        logged[mode] = {
+            s: {
+                k: v
+                for k, v in r.items()
+                if isinstance(v, (int, float))
+                and not k.startswith(("time", "perf/", "pipeline/", "flops/", "train/lr", "sync/logprob_gap"))
+            }  # engine rounding in other batches
+            for s, r in steps.items()
+        }
     assert sorted(logged["sync"]) == [1, 2, 3]
     for mode in ("one_step_off", "async"):
         for s, want in logged["sync"].items():

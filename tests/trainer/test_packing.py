@@ -7,6 +7,7 @@ packed beside on-policy rows, and the DP shares are balanced by token count.
 
     pytest tests/trainer/test_packing.py -x
 """
+
 import pytest
 
 from megaopd.config import load_config
@@ -33,8 +34,11 @@ def test_packed_equals_padded(tmp_path):
     student, teacher = make_tiny_pair(str(tmp_path / "models"))
 
     def run(name, world, extra):
-        cfg = load_config(MegaOPDConfig, None, tiny_overrides(tmp_path, student, teacher, name) + UNEVEN
-                          + [f"run.world_size={world}", *extra])
+        cfg = load_config(
+            MegaOPDConfig,
+            None,
+            tiny_overrides(tmp_path, student, teacher, name) + UNEVEN + [f"run.world_size={world}", *extra],
+        )
         return spawn(_workers.one_step_everything, world, args=(cfg,))[0]
 
     ref = run("padded_tp1", 1, ["trainer.pack_sequences=false"])

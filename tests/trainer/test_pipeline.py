@@ -1,6 +1,7 @@
 """rollout.mode (megaopd.trainer.pipeline, megaopd.rollout.overlap) with a scripted engine in one process:
 which weights generate each batch, that the next batch generates while the trainer trains, where syncs
 and pauses land, the checkpoint's data cursor and resume, and too-stale samples dropped or regenerated."""
+
 import os
 import tempfile
 import threading
@@ -107,7 +108,7 @@ def _run(p, trainer, steps, start=0, train_s=0.0):
 def test_sync_mode_generates_now_under_the_current_weights():
     p, engine, trainer = _pipeline("sync")
     for step in range(3):
-        (prompt, versions, metrics, _), = _run(p, trainer, 1, start=step)
+        ((prompt, versions, metrics, _),) = _run(p, trainer, 1, start=step)
         assert prompt == step and versions == [step] * 2 and metrics == {}
         trainer["step"] = step + 1
         p.after_step(step + 1)  # the trainer's end-of-step sync

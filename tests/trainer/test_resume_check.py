@@ -2,6 +2,7 @@
 config.yaml before writing anything (trainer/resume_config.py, trainer/cli.py _prepare_run_dir), and
 issue 43 item 7: an error raised in a rank that runs in this process ends in one line naming the rank.
 The end-to-end resume (the new lr really used) is tests/trainer/test_resume_config.py."""
+
 import json
 import os
 import shutil
@@ -50,6 +51,7 @@ def _step_folder(run, n):
 
 def _looked_up(run):
     """cli._resume_point of `run`, checking that it changed nothing there (names, sizes, bytes)."""
+
     def listing():
         return sorted((str(p.relative_to(run)), None if p.is_dir() else p.read_bytes()) for p in run.rglob("*"))
 
@@ -90,45 +92,76 @@ def test_a_start_over_compares_nothing(tmp_path):
 
 
 def test_applicable_changes_are_listed_one_line_each_and_kept(resumable):
-    lines = cli._prepare_run_dir(_cfg(resumable, "optimizer.lr=1e-2", "trainer.max_steps=80",
-                                      "loss.config.sft_weight=0.2", "rollout.top_p=0.9", "student.tp=1",
-                                      "reference.tp=1"))
-    assert sorted(lines) == sorted([
-        "config changed at step 40: optimizer.lr 0.0005 -> 0.01",
-        "config changed at step 40: trainer.max_steps 40 -> 80",
-        "config changed at step 40: loss.config.sft_weight 0.1 -> 0.2",
-        "config changed at step 40: rollout.top_p 1 -> 0.9",
-        "config changed at step 40: student.tp 2 -> 1",  # the plain optimizer's checkpoint reshards
-        "config changed at step 40: reference.tp 2 -> 1"])
+    lines = cli._prepare_run_dir(
+        _cfg(
+            resumable,
+            "optimizer.lr=1e-2",
+            "trainer.max_steps=80",
+            "loss.config.sft_weight=0.2",
+            "rollout.top_p=0.9",
+            "student.tp=1",
+            "reference.tp=1",
+        )
+    )
+    assert sorted(lines) == sorted(
+        [
+            "config changed at step 40: optimizer.lr 0.0005 -> 0.01",
+            "config changed at step 40: trainer.max_steps 40 -> 80",
+            "config changed at step 40: loss.config.sft_weight 0.1 -> 0.2",
+            "config changed at step 40: rollout.top_p 1 -> 0.9",
+            "config changed at step 40: student.tp 2 -> 1",  # the plain optimizer's checkpoint reshards
+            "config changed at step 40: reference.tp 2 -> 1",
+        ]
+    )
     assert "lr: 0.01" in (resumable / "config.yaml").read_text()
     assert sorted(os.listdir(resumable / "configs")) == ["step_000000.yaml", "step_000040.yaml"]
     # the same start again: nothing new to keep; another config at the same step: kept beside it
-    cli._prepare_run_dir(_cfg(resumable, "optimizer.lr=1e-2", "trainer.max_steps=80", "loss.config.sft_weight=0.2",
-                              "rollout.top_p=0.9", "student.tp=1", "reference.tp=1"))
+    cli._prepare_run_dir(
+        _cfg(
+            resumable,
+            "optimizer.lr=1e-2",
+            "trainer.max_steps=80",
+            "loss.config.sft_weight=0.2",
+            "rollout.top_p=0.9",
+            "student.tp=1",
+            "reference.tp=1",
+        )
+    )
     cli._prepare_run_dir(_cfg(resumable, "optimizer.lr=2e-2"))
     # the same folder named absolutely is no change
     assert cli._prepare_run_dir(_cfg(resumable, "optimizer.lr=2e-2", f"student.path={TINY}/student")) == []
-    assert sorted(os.listdir(resumable / "configs")) == ["step_000000.yaml", "step_000040.1.yaml", "step_000040.2.yaml",
-                                                            "step_000040.yaml"]
+    assert sorted(os.listdir(resumable / "configs")) == [
+        "step_000000.yaml",
+        "step_000040.1.yaml",
+        "step_000040.2.yaml",
+        "step_000040.yaml",
+    ]
 
 
-@pytest.mark.parametrize("overrides, named", [
-    ([f"student.path={TINY}/teacher"], f"student.path examples/tiny/models/student -> {TINY}/teacher; "
-                                       f"{TINY}/teacher/config.json hidden_size 96 -> 128; {TINY}/teacher/config.json "
-                                       f"intermediate_size 256 -> 384; {TINY}/teacher/config.json num_hidden_layers 3 -> 4"),
-    (["student.dtype=bfloat16"], "student.dtype float32 -> bfloat16"),
-    ([f"teacher.path={TINY}/student"], f"teachers[0].path examples/tiny/models/teacher -> {TINY}/student:"),
-    (["loss.controller=adaptive"], "loss.controller fixed -> adaptive"),
-    (["optimizer.use_distributed_optimizer=true"], "optimizer.use_distributed_optimizer False -> True"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (
+            [f"student.path={TINY}/teacher"],
+            f"student.path examples/tiny/models/student -> {TINY}/teacher; "
+            f"{TINY}/teacher/config.json hidden_size 96 -> 128; {TINY}/teacher/config.json "
+            f"intermediate_size 256 -> 384; {TINY}/teacher/config.json num_hidden_layers 3 -> 4",
+        ),
+        (["student.dtype=bfloat16"], "student.dtype float32 -> bfloat16"),
+        ([f"teacher.path={TINY}/student"], f"teachers[0].path examples/tiny/models/teacher -> {TINY}/student:"),
+        (["loss.controller=adaptive"], "loss.controller fixed -> adaptive"),
+        (["optimizer.use_distributed_optimizer=true"], "optimizer.use_distributed_optimizer False -> True"),
+    ],
+)
 def test_changes_the_checkpoint_cannot_take_are_refused_before_anything_is_written(resumable, overrides, named):
     before = (resumable / "config.yaml").read_text()
     with pytest.raises(ValueError) as e:
         cli._prepare_run_dir(_cfg(resumable, *overrides))
     msg = str(e.value)
     assert msg.startswith(f"cannot resume {resumable} (checkpoint at step 40) with {named}") and "\n" not in msg
-    assert msg.endswith("start a new run.dir (e.g. student.path=CHECKPOINT to start from its weights), or revert "
-                        "these keys to resume")
+    assert msg.endswith(
+        "start a new run.dir (e.g. student.path=CHECKPOINT to start from its weights), or revert these keys to resume"
+    )
     assert (resumable / "config.yaml").read_text() == before
     assert os.listdir(resumable / "configs") == ["step_000000.yaml"]
 
@@ -139,8 +172,9 @@ def test_layout_changes_are_refused_with_the_distributed_optimizer(tmp_path):
     cfg = _cfg(tmp_path, "optimizer.use_distributed_optimizer=true")
     assert unappliable(config_changes(old, new), cfg, str(tmp_path)) == ["student.tp 2 -> 1"]
     cfg = _cfg(tmp_path)
-    assert unappliable(config_changes(old, {**new, "optimizer": {"use_distributed_optimizer": False}}), cfg,
-                       str(tmp_path)) == ["optimizer.use_distributed_optimizer True -> False"]
+    assert unappliable(
+        config_changes(old, {**new, "optimizer": {"use_distributed_optimizer": False}}), cfg, str(tmp_path)
+    ) == ["optimizer.use_distributed_optimizer True -> False"]
 
 
 def test_an_error_in_an_in_process_rank_is_one_line(tmp_path, monkeypatch, capsys):
@@ -151,6 +185,8 @@ def test_an_error_in_an_in_process_rank_is_one_line(tmp_path, monkeypatch, capsy
     run = tmp_path / "run"
     assert cli.main([PRESET, f"run.dir={run}", "run.world_size=1", "student.tp=1", "reference.tp=1"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == (f"megaopd train: rank 0 failed: ValueError: a check that only a rank can make failed: fix X "
-                   f"(traceback: {run}/logs/rank_0.err)")
+    assert err == (
+        f"megaopd train: rank 0 failed: ValueError: a check that only a rank can make failed: fix X "
+        f"(traceback: {run}/logs/rank_0.err)"
+    )
     assert "Traceback" in (run / "logs" / "rank_0.err").read_text()

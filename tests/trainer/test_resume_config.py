@@ -4,6 +4,7 @@ in one line before the run folder is touched; a non-finite loss stops the run wi
 the term, the step and the rows (the traceback in RUN/logs), or is skipped and counted with
 trainer.skip_nonfinite. Issue 44 item 4: the first warmup step trains at a non-zero lr, and train/lr is the
 lr the step used."""
+
 import json
 import os
 import subprocess
@@ -22,14 +23,33 @@ def tiny_models(tmp_path_factory):
 
 
 def _train(run_dir, student, *overrides, world=1):
-    cmd = [sys.executable, "-m", "megaopd.cli", "train", os.path.join(ROOT, "examples", "tiny", "sft.yaml"),
-           f"run.dir={run_dir}", f"student.path={student}", f"run.world_size={world}", "student.tp=1",
-           "reference.tp=1", "trainer.max_steps=2", "trainer.save_interval=2", "trainer.eval_interval=0",
-           "trainer.prompts_per_step=4", "trainer.micro_batch_size=2", "data.max_golden_len=64",
-           f"data.sources=[{{path: {os.path.join(DATA, 'sft.jsonl')}, max_rows: 32}}]", "validation.max_new_tokens=8",
-           "rollout.max_new_tokens=8", "logging.tensorboard=false", "logging.progress_bar=off", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-                          timeout=900)
+    cmd = [
+        sys.executable,
+        "-m",
+        "megaopd.cli",
+        "train",
+        os.path.join(ROOT, "examples", "tiny", "sft.yaml"),
+        f"run.dir={run_dir}",
+        f"student.path={student}",
+        f"run.world_size={world}",
+        "student.tp=1",
+        "reference.tp=1",
+        "trainer.max_steps=2",
+        "trainer.save_interval=2",
+        "trainer.eval_interval=0",
+        "trainer.prompts_per_step=4",
+        "trainer.micro_batch_size=2",
+        "data.max_golden_len=64",
+        f"data.sources=[{{path: {os.path.join(DATA, 'sft.jsonl')}, max_rows: 32}}]",
+        "validation.max_new_tokens=8",
+        "rollout.max_new_tokens=8",
+        "logging.tensorboard=false",
+        "logging.progress_bar=off",
+        *overrides,
+    ]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=900
+    )
 
 
 def _steps(run_dir):
@@ -62,7 +82,8 @@ def test_resume_applies_a_new_lr_and_refuses_another_model(tiny_models, tmp_path
         f"megaopd train: cannot resume {run} (checkpoint at step 3) with student.path {student} -> {teacher}; "
         f"{teacher}/config.json hidden_size 64 -> 96; {teacher}/config.json intermediate_size 128 -> 192: the "
         f"checkpoint was made of the old models and layout, so these cannot apply to it; start a new run.dir (e.g. "
-        f"student.path=CHECKPOINT to start from its weights), or revert these keys to resume")
+        f"student.path=CHECKPOINT to start from its weights), or revert these keys to resume"
+    )
     with open(os.path.join(run, "config.yaml")) as f:
         assert f.read() == stored  # untouched: the record still says what the checkpoint is
     assert sorted(os.listdir(os.path.join(run, "configs"))) == ["step_000000.yaml", "step_000002.yaml"]
@@ -86,8 +107,14 @@ def test_nonfinite_loss_stops_the_run_in_one_line_or_is_skipped(tiny_models, tmp
     assert 2 not in _steps(run)  # the step stopped before its update and its log line
 
     run = str(tmp_path / "skip")
-    out = _train(run, student, "optimizer.lr=1e30", "optimizer.warmup_steps=0", "trainer.max_steps=3",
-                 "trainer.skip_nonfinite=true")
+    out = _train(
+        run,
+        student,
+        "optimizer.lr=1e30",
+        "optimizer.warmup_steps=0",
+        "trainer.max_steps=3",
+        "trainer.skip_nonfinite=true",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     steps = _steps(run)
     assert [steps[s]["train/skipped_nonfinite"] for s in (1, 2, 3)] == [0, 1, 1]

@@ -3,6 +3,7 @@ a lost `latest`, flipped and truncated shards, and pickle payloads in a checkpoi
 `model/.metadata`, megatron's `common.pt`) read by the converter, a model path and a resume. Each failed on
 the main of 2026-11-28 (the payload ran; the run restarted at step 0 and pruned its new step; a flipped byte
 went unnoticed; a truncated shard gave a bare EOFError). docs/run_folder.md says what a run folder promises."""
+
 import json
 import os
 import pickle
@@ -29,22 +30,38 @@ class Payload:
 
 
 def _train(overrides, env=None, timeout=900):
-    return subprocess.run([sys.executable, "-m", "megaopd.cli", "train", PRESET, *overrides], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "megaopd.cli", "train", PRESET, *overrides],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _convert(ckpt, out, env=None):
-    return subprocess.run([sys.executable, CONVERTER, "--ckpt", ckpt, "--out", out], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, CONVERTER, "--ckpt", ckpt, "--out", out],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _overrides(tmp_path, models, run_dir, steps):
     student, teacher = models
     return [o for o in tiny_overrides(tmp_path, student, teacher, "x") if not o.startswith("run.dir")] + [
-        f"run.dir={run_dir}", f"trainer.max_steps={steps}", "trainer.save_interval=1", "run.world_size=1",
-        "student.tp=1", "reference.tp=1", "teacher.tp=1"]
+        f"run.dir={run_dir}",
+        f"trainer.max_steps={steps}",
+        "trainer.save_interval=1",
+        "run.world_size=1",
+        "student.tp=1",
+        "reference.tp=1",
+        "teacher.tp=1",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +165,11 @@ def test_payload_in_checkpoint_pickles_is_not_run_by_the_converter(trained, tmp_
 @pytest.mark.slow
 def test_payload_in_metadata_is_not_run_by_a_model_path_or_a_resume(trained, tmp_path):
     marker = str(tmp_path / "pwned")
-    step = _with_payload(shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"),
-                                         str(tmp_path / "handed_in")), "model/.metadata", marker)
+    step = _with_payload(
+        shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"), str(tmp_path / "handed_in")),
+        "model/.metadata",
+        marker,
+    )
     r = _train(_overrides(tmp_path, trained[0], str(tmp_path / "fresh"), 1) + [f"student.path={step}"])
     assert not os.path.exists(marker)
     assert r.returncode != 0 and "model/.metadata pickles posix.system" in r.stdout + r.stderr, r.stderr[-3000:]

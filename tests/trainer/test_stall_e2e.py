@@ -6,6 +6,7 @@ blocks preemption"):
   - SIGTERM during that stall (Slurm's preemption) is honoured within seconds: the last complete step is
     checkpointed and the trainer exits 0 (two ranks: rank 0's abandoned wait reaches the other through the
     rollout's broadcast)."""
+
 import json
 import os
 import signal
@@ -34,9 +35,22 @@ def served(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "megaopd.cli", "serve", "--hf-dir",
-                             os.path.join(TINY, "models", "student"), "--port", str(port), "--num-threads", "1"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megaopd.cli",
+            "serve",
+            "--hf-dir",
+            os.path.join(TINY, "models", "student"),
+            "--port",
+            str(port),
+            "--num-threads",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -60,13 +74,29 @@ def served(tmp_path):
 
 def _train(tmp_path, url, overrides):
     run = str(tmp_path / "run")
-    args = [f"run.dir={run}", "rollout.engine=remote", f"rollout.urls=[{url}]", "trainer.max_steps=50",
-            "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2", "trainer.micro_batch_size=4",
-            "rollout.max_new_tokens=16", "trainer.save_interval=1000", "trainer.eval_interval=0", "validation.path=''",
-            "logging.tensorboard=false", "logging.progress_bar=off", "trainer.pack_sequences=false"] + overrides
+    args = [
+        f"run.dir={run}",
+        "rollout.engine=remote",
+        f"rollout.urls=[{url}]",
+        "trainer.max_steps=50",
+        "trainer.prompts_per_step=4",
+        "trainer.samples_per_prompt=2",
+        "trainer.micro_batch_size=4",
+        "rollout.max_new_tokens=16",
+        "trainer.save_interval=1000",
+        "trainer.eval_interval=0",
+        "validation.path=''",
+        "logging.tensorboard=false",
+        "logging.progress_bar=off",
+        "trainer.pack_sequences=false",
+    ] + overrides
     out = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "megaopd.cli", "train", os.path.join(TINY, "stable_opd.yaml"), *args],
-                            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megaopd.cli", "train", os.path.join(TINY, "stable_opd.yaml"), *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return proc, run, out
 
 
@@ -97,8 +127,9 @@ def _stop(proc):
 def test_a_stopped_engine_ends_the_step_with_one_error_naming_it(tmp_path, served):
     server, url = served
     stall = 3.0
-    proc, run, out = _train(tmp_path, url, ["run.world_size=1", "student.tp=1", "reference.tp=1",
-                                            f"rollout.stall_timeout_s={stall}"])
+    proc, run, out = _train(
+        tmp_path, url, ["run.world_size=1", "student.tp=1", "reference.tp=1", f"rollout.stall_timeout_s={stall}"]
+    )
     try:
         _after_step_one(proc, run, tmp_path)
         server.send_signal(signal.SIGSTOP)

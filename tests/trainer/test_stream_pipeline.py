@@ -3,6 +3,7 @@ batch is handed on once, with its batch rows, in the order the engine returns th
 while the last was scored, together); the whole batch is kept
 for the record; a batch too small to split comes back as one part; a part whose generation fails raises its
 error (on every rank: it is broadcast) instead of leaving the loop waiting. A fake engine in one gloo process."""
+
 import pytest
 
 from megaopd.parallel.launch import spawn

@@ -1,6 +1,7 @@
 """Teachers served by `megaopd serve` and several teachers per job, through the real trainer: a tiny
 Stable-OPD step with the served teacher equals the in-job one's; with two teachers (one in the job, one
 served, different weights) every sample's teacher log-probs are those of its routed teacher alone."""
+
 import json
 import math
 import os
@@ -30,10 +31,12 @@ def test_served_teacher_step_matches_in_job_step(tmp_path):
     server = _serve(os.path.join(TINY, "models", "teacher"))
     try:
         base = golden_overrides("") + ["trainer.max_steps=1"]
-        cfgs = [load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"),
-                            base + [f"run.dir={tmp_path / name}"] + extra)
-                for name, extra in (("in_job", []),
-                                    ("served", ["teacher.engine=remote", f"teacher.urls=[{server.url}]"]))]
+        cfgs = [
+            load_config(
+                MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), base + [f"run.dir={tmp_path / name}"] + extra
+            )
+            for name, extra in (("in_job", []), ("served", ["teacher.engine=remote", f"teacher.urls=[{server.url}]"]))
+        ]
         spawn(_workers.run_presets, 2, args=(cfgs,), timeout=1200)
     finally:
         server.shutdown()
@@ -58,9 +61,16 @@ def test_two_teachers_each_sample_scored_by_its_teacher(tmp_path):
     serve` (another model of the same vocabulary, so a mis-routed row shows)."""
     server = _serve(os.path.join(TINY, "models", "student"))
     try:
-        cfg = load_config(MegaOPDConfig, os.path.join(TINY, "two_teachers.yaml"), golden_overrides(str(tmp_path)) + [
-            "teachers=[{name: arith, path: examples/tiny/models/teacher, tp: 1}, {name: algebra, engine: remote, "
-            f"urls: ['{server.url}'], path: examples/tiny/models/student}}]", "trainer.max_steps=1"])
+        cfg = load_config(
+            MegaOPDConfig,
+            os.path.join(TINY, "two_teachers.yaml"),
+            golden_overrides(str(tmp_path))
+            + [
+                "teachers=[{name: arith, path: examples/tiny/models/teacher, tp: 1}, {name: algebra, engine: remote, "
+                f"urls: ['{server.url}'], path: examples/tiny/models/student}}]",
+                "trainer.max_steps=1",
+            ],
+        )
         out = spawn(_workers.two_teachers_rollout, 2, args=(cfg,), timeout=1200)[0]
     finally:
         server.shutdown()
@@ -86,8 +96,13 @@ def _runs_by_parts(tmp_path, world: int, overrides: list[str], timeout: float) -
     runs = {}
     for parts in (1, 3):
         run = str(tmp_path / f"parts_{parts}")
-        cfg = load_config(MegaOPDConfig, os.path.join(TINY, "stable_opd.yaml"), golden_overrides(run) + [
-            f"run.world_size={world}", "trainer.max_steps=2", f"rollout.stream_parts={parts}"] + overrides)
+        cfg = load_config(
+            MegaOPDConfig,
+            os.path.join(TINY, "stable_opd.yaml"),
+            golden_overrides(run)
+            + [f"run.world_size={world}", "trainer.max_steps=2", f"rollout.stream_parts={parts}"]
+            + overrides,
+        )
         spawn(_workers.run_presets, world, args=([cfg],), timeout=timeout)
         with open(os.path.join(run, "metrics.jsonl")) as f:
             runs[parts] = {r["step"]: r for r in map(json.loads, f) if "event" not in r}
@@ -108,9 +123,20 @@ def test_teacher_scores_streamed_while_generating_equal_scores_after(tmp_path, o
     the teacher as it returns from the engine; the steps log what one request and scoring after it log."""
     engine, teacher = _serve(os.path.join(TINY, "models", "student")), _serve(os.path.join(TINY, "models", "teacher"))
     try:
-        runs = _runs_by_parts(tmp_path, 1, ["student.tp=1", "reference.tp=1", "teacher.tp=1", "rollout.engine=remote",
-                                            f"rollout.urls=[{engine.url}]", "teacher.engine=remote",
-                                            f"teacher.urls=[{teacher.url}]"], timeout=600)
+        runs = _runs_by_parts(
+            tmp_path,
+            1,
+            [
+                "student.tp=1",
+                "reference.tp=1",
+                "teacher.tp=1",
+                "rollout.engine=remote",
+                f"rollout.urls=[{engine.url}]",
+                "teacher.engine=remote",
+                f"teacher.urls=[{teacher.url}]",
+            ],
+            timeout=600,
+        )
     finally:
         engine.shutdown()
         teacher.shutdown()
@@ -127,8 +153,12 @@ def test_in_job_passes_streamed_while_generating_equal_scores_after(tmp_path, on
     and route the scores to their owners once the batch is in; the steps log what scoring after logs."""
     engine = _serve(os.path.join(TINY, "models", "student"))
     try:
-        runs = _runs_by_parts(tmp_path, 2, ["student.tp=1", "reference.tp=1", "teacher.tp=2", "rollout.engine=remote",
-                                            f"rollout.urls=[{engine.url}]"], timeout=900)
+        runs = _runs_by_parts(
+            tmp_path,
+            2,
+            ["student.tp=1", "reference.tp=1", "teacher.tp=2", "rollout.engine=remote", f"rollout.urls=[{engine.url}]"],
+            timeout=900,
+        )
     finally:
         engine.shutdown()
     for step in (1, 2):

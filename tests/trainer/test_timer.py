@@ -1,4 +1,5 @@
 """trainer/timer.py: named, nested phase timings; max over ranks; the metric names the run log reads."""
+
 import time
 
 import pytest

@@ -1,4 +1,5 @@
 """Spawned trainer workers of tests/e2e/sglang/test_trainer.py (module level: imported by name)."""
+
 from __future__ import annotations
 
 

@@ -8,6 +8,7 @@ One server per model and kind for the whole session (starting SGLang takes 15-60
 runs when it is missing (about 4 minutes and 2.7 GB, then cached): the tests never skip for want of it.
 Tests that change a server's weights put the checkpoint's back (Served.restore_weights) before they end.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,13 @@ import pytest
 import torch
 
 from megaopd.parallel.dist import find_free_port
-from megaopd.serving.sglang_launcher import (SGLangLaunchConfig, ServerProcess, megaopd_serve_command,
-                                             sglang_command, sglang_env)
+from megaopd.serving.sglang_launcher import (
+    ServerProcess,
+    SGLangLaunchConfig,
+    megaopd_serve_command,
+    sglang_command,
+    sglang_env,
+)
 from tests.serving.sglang_cases import call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -55,8 +61,12 @@ class Served:
     def restore_weights(self) -> None:
         """Loads the checkpoint's weights again (/update_weights_from_disk: both servers speak it), so the
         next test sees the model it expects."""
-        status, out = call(self.url, "POST", "/update_weights_from_disk",
-                           {"model_path": self.hf_dir, "weight_version": "default", "flush_cache": True})
+        status, out = call(
+            self.url,
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": self.hf_dir, "weight_version": "default", "flush_cache": True},
+        )
         assert status == 200 and out["success"], (self.kind, status, out)
 
     def log_tail(self, n_bytes: int = 4000) -> str:
@@ -68,8 +78,13 @@ def sglang_python() -> str:
     """The SGLang venv's python, installed (or reused) by scripts/install_sglang.sh."""
     if os.environ.get("MEGAOPD_SGLANG_TESTS") == "0":
         pytest.skip("MEGAOPD_SGLANG_TESTS=0: the real-SGLang tier is opted out")
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_sglang.sh")], cwd=ROOT, capture_output=True,
-                       text=True, timeout=1800)
+    r = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "install_sglang.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if r.returncode != 0:
         pytest.fail(f"scripts/install_sglang.sh failed ({r.returncode}):\n{r.stderr[-4000:]}", pytrace=False)
     return os.path.join(r.stdout.strip().splitlines()[-1], "bin", "python")
@@ -77,13 +92,15 @@ def sglang_python() -> str:
 
 def _start_sglang(python: str, hf_dir: str, log_dir) -> Served:
     port = find_free_port()
-    cfg = SGLangLaunchConfig(model_path=hf_dir, port=port, device="cpu", python=python, max_total_tokens=KV_TOKENS,
-                             random_seed=0)
+    cfg = SGLangLaunchConfig(
+        model_path=hf_dir, port=port, device="cpu", python=python, max_total_tokens=KV_TOKENS, random_seed=0
+    )
     # The stand-ins for sgl_kernel and torchvision, and one intra-op thread (a shared 2-core machine).
     env = {**sglang_env(cfg), "PYTHONPATH": STUBS, "OMP_NUM_THREADS": "1"}
     log = str(log_dir / f"sglang-{os.path.basename(hf_dir)}-{port}.log")
-    process = ServerProcess.start(sglang_command(cfg), url=cfg.url, startup_timeout_s=600, log_path=log, env=env,
-                                  die_with_parent=True)
+    process = ServerProcess.start(
+        sglang_command(cfg), url=cfg.url, startup_timeout_s=600, log_path=log, env=env, die_with_parent=True
+    )
     return Served("sglang", cfg.url, hf_dir, process)
 
 
@@ -108,8 +125,14 @@ def megaopd_student(tmp_path_factory):
     log = str(tmp_path_factory.mktemp("megaopd_logs") / f"megaopd-serve-{port}.log")
     # --allowed-weight-root: the refusal cases load from fresh pytest folders (tests/serving/sglang_cases.py).
     extra = ["--num-threads", "1", "--allowed-weight-root", str(tmp_path_factory.getbasetemp())]
-    process = ServerProcess.start(megaopd_serve_command(STUDENT, port, extra_args=extra), url=url,
-                                  startup_timeout_s=300, log_path=log, env={"PYTHONPATH": ROOT}, die_with_parent=True)
+    process = ServerProcess.start(
+        megaopd_serve_command(STUDENT, port, extra_args=extra),
+        url=url,
+        startup_timeout_s=300,
+        log_path=log,
+        env={"PYTHONPATH": ROOT},
+        die_with_parent=True,
+    )
     yield Served("megaopd", url, STUDENT, process)
     process.stop()
 

@@ -6,8 +6,8 @@ Every /generate answer is compared key by key with SGLang's answer to the same r
 tests/serving/sglang_cases.py. What SGLang's CPU build cannot do (CUDA IPC, NCCL, tp > 1, the memory saver,
 deterministic inference) is a test of its own below that says so; docs/engines.md lists them.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
@@ -17,8 +17,19 @@ from megaopd.rollout.client import EngineError, HttpEngine
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.sync.distributed import DistributedUpdateConfig, DistributedWeightUpdater
 from tests.e2e.sglang.conftest import STUDENT, gap, reference_logprobs
-from tests.serving.sglang_cases import (DIFFERENCES, IDS_KEYS, LOGPROB_KEYS, META_KEYS, REFUSALS, TOP_KEYS,
-                                        assert_same_shape, call, error_kind, error_message, send_refusal)
+from tests.serving.sglang_cases import (
+    DIFFERENCES,
+    IDS_KEYS,
+    LOGPROB_KEYS,
+    META_KEYS,
+    REFUSALS,
+    TOP_KEYS,
+    assert_same_shape,
+    call,
+    error_kind,
+    error_message,
+    send_refusal,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,26 +59,33 @@ def test_generate_with_logprobs_and_stop(server, sglang_answer, hf_model):
     assert set(free["meta_info"]) == META_KEYS  # no log-probs asked: none sent
     stop_id = free["output_ids"][3]
     # ignore_eos ignores stop_token_ids too (SGLang 0.5.23): the response runs to its budget.
-    ignored = generate(server, {"input_ids": PROMPT, "sampling_params": dict(greedy, stop_token_ids=[stop_id])},
-                       sglang_answer)
+    ignored = generate(
+        server, {"input_ids": PROMPT, "sampling_params": dict(greedy, stop_token_ids=[stop_id])}, sglang_answer
+    )
     assert ignored["output_ids"] == free["output_ids"] and ignored["meta_info"]["finish_reason"]["type"] == "length"
-    body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": dict(greedy, ignore_eos=False, stop_token_ids=[stop_id])}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": dict(greedy, ignore_eos=False, stop_token_ids=[stop_id]),
+    }
     out = generate(server, body, sglang_answer)
     meta = out["meta_info"]
     assert set(meta) == META_KEYS | LOGPROB_KEYS
     end = next(i for i, t in enumerate(free["output_ids"]) if t == stop_id or t in read_eos_ids(STUDENT))
     matched = free["output_ids"][end]
     assert meta["finish_reason"] == {"type": "stop", "matched": matched}
-    assert out["output_ids"] == free["output_ids"][:end + 1]
+    assert out["output_ids"] == free["output_ids"][: end + 1]
     lp = reference_logprobs(hf_model, PROMPT + out["output_ids"])
     P, ids = len(PROMPT), PROMPT + out["output_ids"]
     assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
-    out_gap = gap([e[0] for e in meta["output_token_logprobs"]],
-                  lp[P - 1:len(ids) - 1].gather(-1, torch.tensor(ids[P:])[:, None])[:, 0])
+    out_gap = gap(
+        [e[0] for e in meta["output_token_logprobs"]],
+        lp[P - 1 : len(ids) - 1].gather(-1, torch.tensor(ids[P:])[:, None])[:, 0],
+    )
     inp = meta["input_token_logprobs"]
     assert inp[0] == [None, PROMPT[0], None] and [t for _, t, _ in inp] == PROMPT
-    in_gap = gap([e[0] for e in inp[1:]], lp[:P - 1].gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0])
+    in_gap = gap([e[0] for e in inp[1:]], lp[: P - 1].gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0])
     print(f"{server.kind}: max |log-prob - transformers| output {out_gap:.2e} input {in_gap:.2e}")
     assert out_gap < TOL and in_gap < TOL
 
@@ -75,19 +93,30 @@ def test_generate_with_logprobs_and_stop(server, sglang_answer, hf_model):
 def test_both_servers_agree(megaopd_student, sglang_student):
     """The same greedy continuation and the same log-probs from both servers (float32 each, two attention
     implementations): the numbers the tier reports as the gap between SGLang and megaopd serve."""
-    body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
+    }
     ours, theirs = (call(s.url, "POST", "/generate", body)[1] for s in (megaopd_student, sglang_student))
     assert ours["output_ids"] == theirs["output_ids"]
     seq = PROMPT + ours["output_ids"]
-    prefill = {"input_ids": seq, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 4,
-               "sampling_params": {"max_new_tokens": 0}}
+    prefill = {
+        "input_ids": seq,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 4,
+        "sampling_params": {"max_new_tokens": 0},
+    }
     ours_top, theirs_top = (call(s.url, "POST", "/generate", prefill)[1] for s in (megaopd_student, sglang_student))
     worst = {}
     for key in ("output_token_logprobs", "input_token_logprobs"):
         a, b = ([e[0] for e in x["meta_info"][key] if e[0] is not None] for x in (ours, theirs))
         worst[key] = gap(a, torch.tensor(b, dtype=torch.float64))
-    a, b = ([[e[1], e[0]] for t in x["meta_info"]["input_top_logprobs"] if t for e in t] for x in (ours_top, theirs_top))
+    a, b = (
+        [[e[1], e[0]] for t in x["meta_info"]["input_top_logprobs"] if t for e in t] for x in (ours_top, theirs_top)
+    )
     assert [i for i, _ in a] == [i for i, _ in b]
     worst["input_top_logprobs"] = gap([v for _, v in a], torch.tensor([v for _, v in b], dtype=torch.float64))
     print(f"max |megaopd serve - SGLang| log-prob: {worst}")
@@ -108,7 +137,7 @@ def test_client_generate_at_a_temperature(server, hf_model):
         ids = s.prompt_ids + s.output_ids
         with torch.no_grad():
             logits = hf_model(input_ids=torch.tensor([ids])).logits[0]
-        lp = torch.log_softmax(logits / 0.7, dim=-1)[len(s.prompt_ids) - 1:len(ids) - 1]
+        lp = torch.log_softmax(logits / 0.7, dim=-1)[len(s.prompt_ids) - 1 : len(ids) - 1]
         worst = max(worst, gap(s.output_logprobs, lp.gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0]))
     print(f"{server.kind}: max |log-prob - transformers| at T=0.7: {worst:.2e}")
     assert worst < TOL
@@ -119,8 +148,11 @@ def test_n_and_batches(server, sglang_answer):
     body = {"input_ids": PROMPT, "sampling_params": {"n": 3, "max_new_tokens": 6, "ignore_eos": True}}
     out = generate(server, body, sglang_answer)
     assert isinstance(out, list) and len(out) == 3 and len({o["meta_info"]["id"] for o in out}) == 3
-    body = {"input_ids": [PROMPT, PROMPT[:2]], "return_logprob": True,
-            "sampling_params": [{"max_new_tokens": 2, "ignore_eos": True}, {"max_new_tokens": 4, "ignore_eos": True}]}
+    body = {
+        "input_ids": [PROMPT, PROMPT[:2]],
+        "return_logprob": True,
+        "sampling_params": [{"max_new_tokens": 2, "ignore_eos": True}, {"max_new_tokens": 4, "ignore_eos": True}],
+    }
     out = generate(server, body, sglang_answer)
     assert [len(o["output_ids"]) for o in out] == [2, 4]
     assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(PROMPT), 2]
@@ -132,8 +164,14 @@ def test_prefill_scoring(server, sglang_answer, hf_model, start):
     """max_new_tokens 0 with top-K and token_ids_logprob: entries about tokens start.., null AT start (any start),
     and one output distribution (the one after the prompt)."""
     at_ids = [7, 11]
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-            "logprob_start_len": start, "top_logprobs_num": 3, "token_ids_logprob": at_ids}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": start,
+        "top_logprobs_num": 3,
+        "token_ids_logprob": at_ids,
+    }
     out = generate(server, body, sglang_answer)
     meta = out["meta_info"]
     assert out["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
@@ -144,9 +182,9 @@ def test_prefill_scoring(server, sglang_answer, hf_model, start):
     if n:
         assert inp[0] == [None, PROMPT[start], None] and top[0] is None and at[0] is None
     lp = reference_logprobs(hf_model, PROMPT)
-    rows = lp[start:len(PROMPT) - 1]  # the distributions predicting tokens start + 1..
+    rows = lp[start : len(PROMPT) - 1]  # the distributions predicting tokens start + 1..
     assert [e[1] for e in inp] == PROMPT[start:]
-    assert gap([e[0] for e in inp[1:]], rows.gather(-1, torch.tensor(PROMPT[start + 1:])[:, None])[:, 0]) < TOL
+    assert gap([e[0] for e in inp[1:]], rows.gather(-1, torch.tensor(PROMPT[start + 1 :])[:, None])[:, 0]) < TOL
     dist_rows = list(range(start, len(PROMPT) - 1)) + [len(PROMPT) - 1]  # then the one after the prompt
     for r, entry in zip(dist_rows, top[1:] + meta["output_top_logprobs"], strict=True):
         vals, ids = lp[r].topk(3)
@@ -162,14 +200,17 @@ def test_client_prefill_scores(server, hf_model):
     seqs, firsts = [PROMPT, PROMPT[:4] + [99, 100]], [4, 1]
     scores = client.score_prefill(seqs, firsts, topk=5)
     for seq, first, s in zip(seqs, firsts, scores):
-        lp = reference_logprobs(hf_model, seq)[first - 1:len(seq) - 1]
+        lp = reference_logprobs(hf_model, seq)[first - 1 : len(seq) - 1]
         assert len(s.logprobs) == len(seq) - first
         assert gap(s.logprobs, lp.gather(-1, torch.tensor(seq[first:])[:, None])[:, 0]) < TOL
         vals, ids = lp.topk(5, dim=-1)
         assert s.top_ids == ids.tolist() and gap(sum(s.top_logprobs, []), vals.flatten()) < TOL
     lps = client.prompt_logprobs(PROMPT)
     assert lps[0] is None and len(lps) == len(PROMPT)
-    assert gap(lps[1:], reference_logprobs(hf_model, PROMPT)[:-1].gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0]) < TOL
+    assert (
+        gap(lps[1:], reference_logprobs(hf_model, PROMPT)[:-1].gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0])
+        < TOL
+    )
 
 
 def test_last_vocabulary_id_is_named_zero_by_sglang(server, hf_model):
@@ -177,8 +218,12 @@ def test_last_vocabulary_id_is_named_zero_by_sglang(server, hf_model):
     input_token_logprobs; the log-prob is still that token's. megaopd serve names it; the client reads both."""
     last = hf_model.config.vocab_size - 1
     seq = [5, last, 150]
-    status, out = call(server.url, "POST", "/generate", {"input_ids": seq, "sampling_params": {"max_new_tokens": 0},
-                                                         "return_logprob": True, "logprob_start_len": 0})
+    status, out = call(
+        server.url,
+        "POST",
+        "/generate",
+        {"input_ids": seq, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0},
+    )
     ids = [e[1] for e in out["meta_info"]["input_token_logprobs"]]
     assert ids == ([5, 0, 150] if server.kind == "sglang" else seq)
     ref = reference_logprobs(hf_model, seq)[:-1].gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
@@ -204,8 +249,9 @@ def test_weight_update_over_gloo(server):
 
     try:
         for version, fmt in (("v-tensor", None), ("v-bucket", "flattened_bucket")):
-            updater = DistributedWeightUpdater([client], DistributedUpdateConfig(timeout_s=120, load_format=fmt,
-                                                                                 bucket_bytes=64_000))
+            updater = DistributedWeightUpdater(
+                [client], DistributedUpdateConfig(timeout_s=120, load_format=fmt, bucket_bytes=64_000)
+            )
             updater.connect()
             try:
                 updater.update(((k, v.float()) for k, v in new.items()), weight_version=version)
@@ -238,7 +284,9 @@ def test_pause_and_continue(server, mode):
     finally:
         status, out = call(server.url, "POST", "/continue_generation", {})  # never leave a shared server paused
     assert status == 200 and out == {"message": "Generation continued successfully.", "status": "ok"}
-    assert call(server.url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})[0] == 200
+    assert (
+        call(server.url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})[0] == 200
+    )
 
 
 def test_release_and_resume_memory(server):
@@ -292,12 +340,15 @@ def test_deliberate_differences(server, case):
 def test_seeded_samples_repeat(server):
     """The embedded engine's promise: the same seed gives the same samples."""
     if server.kind == "sglang":
-        pytest.skip("SGLang honours sampling_seed only with --enable-deterministic-inference, which needs a GPU "
-                    "attention backend (FlashInfer, FA3, Triton): verified only on GPUs (docs/engines.md)")
+        pytest.skip(
+            "SGLang honours sampling_seed only with --enable-deterministic-inference, which needs a GPU "
+            "attention backend (FlashInfer, FA3, Triton): verified only on GPUs (docs/engines.md)"
+        )
     client = HttpEngine(server.url)
     params = SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=11, ignore_eos=True)
-    assert [s.output_ids for s in client.generate([PROMPT], params)] == \
-        [s.output_ids for s in client.generate([PROMPT], params)]
+    assert [s.output_ids for s in client.generate([PROMPT], params)] == [
+        s.output_ids for s in client.generate([PROMPT], params)
+    ]
 
 
 # ---------------------------------------------------------------------------------------- verified only on GPUs
@@ -305,8 +356,10 @@ GPU_ONLY = "SGLang's CPU build cannot do this; verified only on GPUs (docs/engin
 
 
 def test_cuda_ipc_weight_update_needs_gpus():
-    pytest.skip("CUDA IPC (/update_weights_from_tensor from colocated trainer ranks) needs CUDA tensors; a CPU "
-                "tensor's payload is a file descriptor SGLang cannot open, and its server exits. " + GPU_ONLY)
+    pytest.skip(
+        "CUDA IPC (/update_weights_from_tensor from colocated trainer ranks) needs CUDA tensors; a CPU "
+        "tensor's payload is a file descriptor SGLang cannot open, and its server exits. " + GPU_ONLY
+    )
 
 
 def test_nccl_weight_group_needs_gpus():
@@ -314,13 +367,17 @@ def test_nccl_weight_group_needs_gpus():
 
 
 def test_engine_tp2_needs_gpus():
-    pytest.skip("tp > 1 engines: SGLang's CPU engine shards through sgl-kernel's shared-memory all-reduce, whose "
-                "CPU build is not on PyPI (an import-only stand-in here). " + GPU_ONLY)
+    pytest.skip(
+        "tp > 1 engines: SGLang's CPU engine shards through sgl-kernel's shared-memory all-reduce, whose "
+        "CPU build is not on PyPI (an import-only stand-in here). " + GPU_ONLY
+    )
 
 
 def test_memory_saver_needs_gpus():
-    pytest.skip("--enable-memory-saver (torch_memory_saver) intercepts CUDA allocations: on a CPU release/resume "
-                "answer 200 and free nothing. " + GPU_ONLY)
+    pytest.skip(
+        "--enable-memory-saver (torch_memory_saver) intercepts CUDA allocations: on a CPU release/resume "
+        "answer 200 and free nothing. " + GPU_ONLY
+    )
 
 
 def test_deterministic_inference_needs_gpus():

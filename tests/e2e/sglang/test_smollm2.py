@@ -5,6 +5,7 @@ same checks `megaopd serve` passes in tests/real/test_serve.py.
 Here rather than in tests/real: it needs this group's SGLang venv (the sglang_python fixture), and the xdist
 group "sglang" runs SGLang servers one after another. `make test-real` runs it with tests/real.
 """
+
 from __future__ import annotations
 
 import pytest

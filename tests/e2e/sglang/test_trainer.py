@@ -8,6 +8,7 @@
 The runs are the golden runs' settings (tests/trainer/test_golden.py: student TP=2 on 2 gloo workers,
 8 prompts x 2 samples of up to 48 tokens) cut to two steps.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,10 +53,18 @@ def _requests(served, path: str) -> int:
 
 
 def test_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path):
-    before = {p: _requests(sglang_student, p) for p in ("/begin_weight_update", "/end_weight_update",
-                                                       "/update_weights_from_distributed", "/init_weights_update_group")}
-    cfg = _config(tmp_path / "run", "rollout.engine=remote", f"rollout.urls=[{sglang_student.url}]",
-                  "rollout.parity_interval=1")
+    before = {
+        p: _requests(sglang_student, p)
+        for p in (
+            "/begin_weight_update",
+            "/end_weight_update",
+            "/update_weights_from_distributed",
+            "/init_weights_update_group",
+        )
+    }
+    cfg = _config(
+        tmp_path / "run", "rollout.engine=remote", f"rollout.urls=[{sglang_student.url}]", "rollout.parity_interval=1"
+    )
     try:
         # check_parity runs after the start-up sync and after every step's: a gap out of bounds raises here.
         spawn(trainer_workers.run_presets, 2, args=([cfg],), timeout=1200)
@@ -81,9 +90,15 @@ def test_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path):
 
 
 def test_stable_opd_with_teacher_on_sglang(sglang_teacher, tmp_path):
-    cfgs = [_config(tmp_path / "in_job"),
-            _config(tmp_path / "served", "teacher.engine=remote", f"teacher.urls=[{sglang_teacher.url}]",
-                    f"teacher.path={TEACHER}")]
+    cfgs = [
+        _config(tmp_path / "in_job"),
+        _config(
+            tmp_path / "served",
+            "teacher.engine=remote",
+            f"teacher.urls=[{sglang_teacher.url}]",
+            f"teacher.path={TEACHER}",
+        ),
+    ]
     in_job, served = spawn(_workers.train_capturing_teacher, 2, args=(cfgs,), timeout=1500)[0]
     assert len(in_job["steps"]) == len(served["steps"]) == STEPS
     worst = 0.0
@@ -110,9 +125,16 @@ def test_multi_turn_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path)
     the actor's recomputation over the whole trajectory."""
     from tests.envs import _workers as env_workers
 
-    cfg = _config(tmp_path / "run", "rollout.engine=remote", f"rollout.urls=[{sglang_student.url}]",
-                  "env.name=calculator", "rollout.max_turns=2", "rollout.max_new_tokens=160",
-                  "rollout.max_trajectory_tokens=360", "trainer.prompts_per_step=4")
+    cfg = _config(
+        tmp_path / "run",
+        "rollout.engine=remote",
+        f"rollout.urls=[{sglang_student.url}]",
+        "env.name=calculator",
+        "rollout.max_turns=2",
+        "rollout.max_new_tokens=160",
+        "rollout.max_trajectory_tokens=360",
+        "trainer.prompts_per_step=4",
+    )
     try:
         spawn(env_workers.run_presets_always_answering, 2, args=([cfg],), timeout=1200)
     finally:
