@@ -99,8 +99,7 @@ def test_a_refusal_that_arrives_after_the_group_formed_is_tried_again(monkeypatc
 _RANK_1 = """
 import sys
 from megaopd.parallel import custom_group
-pg = custom_group.init_custom_process_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, "weight_update_group",
-                                            timeout_s=60)
+pg = custom_group.init_custom_process_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], timeout_s=60)
 print("joined", flush=True)
 """
 
@@ -119,9 +118,13 @@ def test_a_group_that_forms_after_connect_gave_up_is_destroyed(monkeypatch):
         updater.connect()
     hosting = [t for t in set(threading.enumerate()) - before if t.name == "megaopd-weight-group"]
     assert len(hosting) == 1
-    joined = subprocess.run([sys.executable, "-c", _RANK_1, str(port)], capture_output=True, text=True, timeout=90)
+    # The name connect() chose: "weight_update_group", or a numbered one when a group of that name is still
+    # registered in this process (an earlier test's in the same pytest worker).
+    joined = subprocess.run(
+        [sys.executable, "-c", _RANK_1, str(port), updater.group_name], capture_output=True, text=True, timeout=90
+    )
     assert joined.returncode == 0 and "joined" in joined.stdout, joined.stderr[-2000:]
     hosting[0].join(30)
     assert not hosting[0].is_alive() and len(updater._late) == 1
     updater.close()
-    assert "weight_update_group" not in _world.pg_names.values()
+    assert updater.group_name not in _world.pg_names.values()
