@@ -124,10 +124,9 @@ def draw(res: dict, path: str) -> None:
         ax.bar([i - w / 2 for i in x], before, w, label="pruned student, before", color="#bbbbbb")
         ax.bar([i + w / 2 for i in x], after, w, label="after training", color="#3a6ea5")
         for i, (v0, v) in enumerate(zip(before, after)):
-            n = 60
-            fmt = (lambda x: f"{x:.3f}") if key == "nll" else (lambda x: f"{round(x * n)}/{n}")  # noqa: E731
-            ax.annotate(fmt(v0), (i - w / 2, v0), ha="center", va="bottom", fontsize=8)
-            ax.annotate(fmt(v), (i + w / 2, v), ha="center", va="bottom", fontsize=8)
+            for value, at in ((v0, i - w / 2), (v, i + w / 2)):
+                label = f"{value:.3f}" if key == "nll" else f"{round(value * 60)}/60"  # 60 validation problems
+                ax.annotate(label, (at, value), ha="center", va="bottom", fontsize=8)
         teacher = res["evals"].get("teacher/number", {}).get("accuracy") if key == "acc" else res["teacher_nll"]
         if teacher is not None:
             ax.axhline(teacher, color="#c0504d", ls="--", lw=1, label="full model (teacher)")
@@ -142,7 +141,8 @@ def draw(res: dict, path: str) -> None:
     ax_t.set_title("seconds per step (shared, loaded 2-core CPU)", fontsize=10)
     ax_t.legend(fontsize=8)
     fig.suptitle(
-        "SmolLM2-135M-Instruct without layers 16-19, taught by the full model: 6 steps x 4 prompts per arm (arms that finished)",
+        "SmolLM2-135M-Instruct without layers 16-19, taught by the full model: "
+        "6 steps x 4 prompts per arm (arms that finished)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -162,7 +162,8 @@ def main() -> None:
     print(table(res))
     for name, e in res["evals"].items():
         print(
-            f"megaopd eval {name}: accuracy {e['accuracy']:.3f}, answers found: {e['answers_found']} of {e['responses']}"
+            f"megaopd eval {name}: accuracy {e['accuracy']:.3f}, "
+            f"answers found: {e['answers_found']} of {e['responses']}"
         )
     draw(res, FIGURE)
     print(f"figure: {FIGURE}")
