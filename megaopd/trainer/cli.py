@@ -96,14 +96,14 @@ def _rank_failed(cfg: MegaOPDConfig, rank: int | None, summary: str, details: st
     return 1
 
 
-def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> dict | None:
+def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> RunSummary | None:
     """One rank of `megaopd train` (a spawned worker, or the torchrun / srun process itself).
 
     The trainer (megatron-core, transformers: ~11 s of imports on a 2-core CPU) is imported here, in the rank,
     not at the top: the process that only launches the ranks would otherwise import it too, before they start.
     The preemption flag comes first: a SIGTERM or USR1 during those imports and the models' builds (minutes at
-    7B) is then kept for the first step's check, where before the flag a rank under torchrun ignored it (it
-    inherits torchrun's ignored USR1) and one spawned here died of it.
+    7B) is then kept for the first step's check. Without the flag a rank under torchrun would ignore the signal
+    (it inherits torchrun's ignored USR1) and one spawned here would die of it.
     """
     from megaopd.trainer.preemption import PreemptionFlag
 
