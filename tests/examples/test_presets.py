@@ -86,29 +86,6 @@ FAMILIES = {
         # All 500 MATH problems -> 8 of the tiny validation set.
         "validation.max_problems": "8",
     },
-    # Qwen3 presets (Qwen3-8B-Base student, Qwen3-32B or Qwen3-30B-A3B teacher, 2 nodes x 4 H200): as paper, with
-    # tiny random Qwen3 models (per-head q/k norm; the MoE teacher 8 experts, top 2) over the tiny tokenizer.
-    "qwen3": {
-        "student.path": "{models}/student",
-        "teacher.path": "{models}/teacher",
-        "data.sources": "[{{path: {data}/opd.jsonl, weight: 1.0, max_rows: 64}}]",
-        "validation.path": "{data}/val.jsonl",
-        "run.world_size": "2",
-        "rollout.engine": "embedded",
-        "student.sequence_parallel": "false",
-        "reference.sequence_parallel": "false",
-        "teacher.sequence_parallel": "false",
-        "student.dtype": "float32",
-        "reference.dtype": "float32",
-        "teacher.dtype": "float32",
-        "optimizer.use_distributed_optimizer": "false",
-        "data.max_prompt_len": "128",
-        "data.max_golden_len": "256",
-        "rollout.max_new_tokens": "64",
-        "validation.max_new_tokens": "64",
-        "trainer.prompts_per_step": "2",
-        "validation.max_problems": "8",
-    },
     # Real-model presets (examples/real: SmolLM2-135M-Instruct, layers 16-19 removed, from the full model; world
     # 1, float32, embedded engine, CPU sizes already): the tiny models in place of the two SmolLM2 folders, which
     # CI's preset matrix does not fetch (tests/real trains on them). Their own arithmetic data, budgets and
@@ -121,6 +98,10 @@ FAMILIES = {
         "validation.max_problems": "8",
     },
 }
+# Qwen3 presets (Qwen3-8B-Base student, Qwen3-32B or Qwen3-30B-A3B teacher, 2 nodes x 4 H200): the paper's
+# overrides, with tiny random Qwen3 models (per-head q/k norm; the MoE teacher 8 experts, top 2) over the tiny
+# tokenizer as their {models}.
+FAMILIES["qwen3"] = FAMILIES["paper"]
 
 # Per preset, on top of its family's (None: the family's override left out).
 PRESET = {
