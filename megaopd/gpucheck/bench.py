@@ -67,20 +67,23 @@ def _measure(fn, device, reps=3):
 
 
 def bench_loss(table: Table, device, vocab: int, token_counts, dtype=torch.bfloat16) -> None:
-    from megaopd.losses import LossInputs, build_loss
+    from megaopd.losses import build_loss
 
     cfg = {"sft_weight": 0.1, "ref_kl_weight": 0.01}
     loss_fn = build_loss("stable_opd", cfg)
     dt = str(dtype).replace("torch.", "")
     for T in token_counts:
         with table.guard("bench", f"loss T={T}", dt):
-            _bench_loss_at(table, loss_fn, LossInputs, device, vocab, T, dtype, dt)
+            _bench_loss_at(table, loss_fn, device, vocab, T, dtype)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # this T's tensors died with _bench_loss_at's frame
 
 
-def _bench_loss_at(table: Table, loss_fn, LossInputs, device, vocab: int, T: int, dtype, dt: str) -> None:
+def _bench_loss_at(table: Table, loss_fn, device, vocab: int, T: int, dtype) -> None:
     """One token count: the fused loss vs the naive formula, values then time and memory."""
+    from megaopd.losses import LossInputs
+
+    dt = str(dtype).replace("torch.", "")
     g = torch.Generator(device=device).manual_seed(T)
     logits = (3 * torch.randn(1, T, vocab, device=device, generator=g)).to(dtype).requires_grad_()
     ref = (logits.detach().float() + torch.randn(1, T, vocab, device=device, generator=g)).to(dtype)
