@@ -59,6 +59,9 @@ REGIMES = {  # name -> (settings, {arm: (preset, overrides)})
             "opd": ("examples/tiny/opd.yaml", []),
             "stable_opd_fixed": ("examples/tiny/stable_opd.yaml", FIXED),
             "stable_opd_adaptive": ("examples/tiny/stable_opd.yaml", ADAPTIVE),
+            # privileged-context self-distillation: plain OPD whose teacher is the starting student shown the
+            # golden solution (examples/tiny/self_distill.yaml; ONE_THREAD puts its teacher at TP=1)
+            "self_distill": ("examples/tiny/self_distill.yaml", []),
         },
     ),
     "stress": (
@@ -152,7 +155,7 @@ def run_stats(path: str, arm: str) -> dict | None:
     def weight(key: str) -> float:  # mean over the run's steps: logged (adaptive) or configured (fixed)
         if any(f"controller/{key}" in r for r in train):
             return sum(r.get(f"controller/{key}", 0.0) for r in train) / len(train)
-        return float(overrides.get(f"loss.config.{key}", 0.0)) if arm != "opd" else 0.0
+        return float(overrides.get(f"loss.config.{key}", 0.0)) if "stable_opd" in ARMS[arm][0] else 0.0
 
     return {
         "final": val[-1][1],

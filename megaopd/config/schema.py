@@ -23,6 +23,7 @@ from megaopd.envs.config import EnvConfig
 from megaopd.losses import LossConfig, resolve_correction
 from megaopd.metrics.config import MetricsConfig
 from megaopd.models.config import ModelConfig, check_context, check_role_layout
+from megaopd.models.hf_io import tokenizer_dir
 from megaopd.rollout.config import RolloutConfig
 from megaopd.scoring.config import TeacherConfig
 from megaopd.trainer.config import LoggingConfig, OptimizerConfig, RunConfig, TrainerConfig, ValidationConfig
@@ -78,6 +79,11 @@ class MegaOPDConfig:
         names = [t.name for t in self.teachers]
         if any(not n for n in names) or len(set(names)) != len(names):
             raise ValueError(f"teachers[].name must be set and distinct, got {names}")
+        # teacher.path: reference = the student's initial weights, as the reference reads them (roles.py then
+        # shares the reference's model with the teacher when the loss loads one: no second copy).
+        self.teachers = [
+            replace(t, path=self.reference.path or self.student.path) if t.is_reference else t for t in self.teachers
+        ]
         # loss.off_policy_correction=auto becomes what the job runs (none, or tis where rollouts lag).
         self.loss.off_policy_correction = resolve_correction(self.loss, self.rollout.mode != "sync")
 
@@ -178,6 +184,7 @@ class MegaOPDConfig:
                 "teachers; use one `teacher:` section"
             )
         self._check_routing(teachers)
+        self._check_teacher_views(teachers, needs)
         check_model_vocab(self, needs)  # every model's embedding covers the student's ids, before any loads
         if self.validation.path and not os.path.isfile(self.validation.path):
             raise ValueError(
@@ -216,6 +223,49 @@ class MegaOPDConfig:
                 "trainer.prompts_per_step*samples_per_prompt must be a multiple of trainer.mini_batches_per_step"
             )
         self.data.validate()
+
+    def _check_teacher_views(self, teachers: list[TeacherConfig], needs) -> None:
+        """A teacher reading a sequence of its own (teacher.context, teacher.tokenizer=own): what it cannot be
+        combined with yet, each refused with one line."""
+        for i, t in enumerate(teachers):
+            key = "teacher" if len(teachers) == 1 and t.name == "teacher" else f"teachers[{i}] ({t.name})"
+            if t.tokenizer == "own" and t.path:
+                try:
+                    tokenizer_dir(t.path)
+                except FileNotFoundError:
+                    raise ValueError(
+                        f"{key}.tokenizer=own but {t.path} has no tokenizer (tokenizer.json / tokenizer_config.json): "
+                        f"copy the teacher's tokenizer files there, or set {key}.tokenizer=student"
+                    ) from None
+            if not (t.own_view or self.data.teacher_prompt == "own"):
+                continue
+            what = (
+                f"{key}.context"
+                if t.context
+                else f"{key}.tokenizer=own"
+                if t.tokenizer == "own"
+                else "data.teacher_prompt=own"
+            )
+            if needs.teacher_logits:
+                raise ValueError(
+                    f"{what} with loss {self.loss.name!r}: gkd runs the teacher in lockstep on the student's own "
+                    f"sequence; use a loss that reads the teacher's scores (opd, stable_opd, lsm)"
+                )
+            if self.rollout.stream_parts > 1:
+                raise ValueError(
+                    f"{what} with rollout.stream_parts={self.rollout.stream_parts}: a teacher's own view is scored "
+                    f"after the whole batch generated; set rollout.stream_parts=1"
+                )
+            if self.env.enabled:
+                raise ValueError(
+                    f"{what} with env.name={self.env.name}: a trajectory's tool turns are rendered for the "
+                    f"student's prompt; leave the teacher's context and tokenizer at their defaults"
+                )
+            if t.context and "{golden}" in t.context and not self.data.require_golden:
+                raise ValueError(
+                    f"{key}.context uses {{golden}} with data.require_golden=false: rows without a golden "
+                    f"solution would have nothing to fill it with; set data.require_golden=true"
+                )
 
     def _check_routing(self, teachers: list[TeacherConfig]) -> None:
         """Every data source names one of the teachers (several teachers), or none / the one (one teacher)."""

@@ -37,12 +37,19 @@ def render_prompt(problem: str, cfg: DataConfig, tokenizer, teacher_tokenizer=No
     """The prompt text, ending where the response begins (after the assistant header). tools: JSON schemas
     of a multi-turn environment's tools (megaopd.envs), which the chat template renders (Qwen: in the system
     turn); None: no tools."""
-    content = user_message(problem, cfg)
+    who = "teacher" if cfg.prompt_template == "teacher" else "student"
+    return render_user(
+        user_message(problem, cfg), cfg, _template_tokenizer(cfg, tokenizer, teacher_tokenizer), tools, who
+    )
+
+
+def render_user(content: str, cfg: DataConfig, tok, tools=None, who: str = "teacher") -> str:
+    """A user message rendered as a prompt by `tok`'s chat template (data.system_prompt first), ending after
+    the assistant header; data.prompt_template=plain: the text alone. The student's prompts and a teacher's
+    own context (megaopd.data.teacher_view) both go through here."""
     if cfg.prompt_template == "plain":
         return (cfg.system_prompt + "\n" if cfg.system_prompt else "") + content
-    tok = _template_tokenizer(cfg, tokenizer, teacher_tokenizer)
     if not getattr(tok, "chat_template", None):
-        who = "teacher" if cfg.prompt_template == "teacher" else "student"
         raise ValueError(
             f"the {who} tokenizer ({getattr(tok, 'name_or_path', '?')}) has no chat template: "
             f"set data.prompt_template=plain, or use a tokenizer that has one"
@@ -80,4 +87,4 @@ def render_and_encode(
     return text, encode_prompt(text, cfg, tokenizer, teacher_tokenizer)
 
 
-__all__ = ["user_message", "render_prompt", "encode_prompt", "strip_think_overlap", "render_and_encode"]
+__all__ = ["user_message", "render_prompt", "render_user", "encode_prompt", "strip_think_overlap", "render_and_encode"]

@@ -139,6 +139,10 @@ class RolloutBatch:
     """Verifiable reward per sequence [B] (float32; grpo, metrics)."""
     teacher_rows: dict[str, list[int]] = field(default_factory=dict)
     """Rows scored by each teacher, by name (increasing row order); filled with `teacher` by the trainer."""
+    teacher_prefixes: dict[str, list[list[int]]] = field(default_factory=dict)
+    """Per teacher that reads a sequence of its own (teacher.context / teacher.tokenizer), each batch row's
+    prefix in the teacher's ids [B] (empty for other teachers' rows): the teacher scores that prefix, then the
+    row's response (megaopd.scoring.views). Filled with teacher_rows by the trainer, the same on every rank."""
     weight_versions_B: torch.Tensor | None = None
     """The engine's weight version (the trainer step whose weights it held) when each row's first token was
     generated [B] (long); older than the trained weights under rollout.mode one_step_off / async. Filled by

@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
+from megaopd.data.teacher_view import TEACHER_TOKENIZERS, check_context_fields
 from megaopd.models.config import ModelConfig
 from megaopd.rollout.config import check_env_name
 
 TEACHER_ENGINES = ("megatron", "remote")
+REFERENCE = "reference"
+"""teacher.path: reference: the teacher is the reference model (the student's initial weights)."""
 
 
 @dataclass
@@ -38,6 +41,14 @@ class TeacherConfig(ModelConfig):
     """engine remote: the environment variable holding the servers' API key (SGLang / `megaopd serve`
     --api-key), sent as `Authorization: Bearer <key>`; unset or empty variable, or "": no key. The key
     itself never goes in a config (config.yaml is copied into the run folder)."""
+    context: str = ""
+    """The teacher's own prompt of each row, a template over the data row's fields {problem}, {golden},
+    {answer} and {instruction} (e.g. "{problem}\n\nA correct solution:\n{golden}\n\nSolve it again."),
+    rendered as the user message of the teacher's chat template; the teacher then scores the student's
+    response after it (privileged-context self-distillation). Empty: the student's own prompt (the default)."""
+    tokenizer: str = "student"
+    """student (the default): the teacher reads the student's token ids; own: its own tokenizer and chat
+    template from its folder (the response is re-tokenized for it and its scores mapped back)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -56,8 +67,29 @@ class TeacherConfig(ModelConfig):
                 f"engine=remote to score with those servers, or drop the urls"
             )
         check_env_name("teacher api_key_env", self.api_key_env)
+        check_context_fields("teacher", self.context)
+        if self.tokenizer not in TEACHER_TOKENIZERS:
+            raise ValueError(
+                f"teacher tokenizer={self.tokenizer!r}: choose student (the student's token ids) or own (the "
+                f"teacher's tokenizer and chat template from its folder)"
+            )
+        if self.path == REFERENCE and self.engine != "megatron":
+            raise ValueError(
+                "teacher path=reference is the reference model inside the job: it needs engine=megatron "
+                "(a served teacher's path names the HF directory of its tokenizer)"
+            )
         if self.rows_per_request < 1 or self.request_timeout_s <= 0 or self.retries < 0:
             raise ValueError("teacher rows_per_request must be >= 1, request_timeout_s > 0, retries >= 0")
+
+    @property
+    def is_reference(self) -> bool:
+        """The teacher is the reference model (teacher.path: reference)."""
+        return self.path == REFERENCE
+
+    @property
+    def own_view(self) -> bool:
+        """The teacher reads a sequence of its own: a context, or its own tokenizer (TeacherPrompt)."""
+        return bool(self.context) or self.tokenizer == "own"
 
     @property
     def configured(self) -> bool:

@@ -14,6 +14,10 @@ row's owners only (one all_to_all, parallel/exchange.py), as an in-job teacher's
 results are written into one TokenScores of this rank's owned rows (RowOwners: the rows its actor replica
 trains), row by row: the losses see one record, whoever scored it. A field is kept only when every teacher
 produced it (entropy: in-job teachers only).
+
+A teacher with a view of its own (teacher.context / tokenizer: `prompts`) scores its own sequence of each row
+(megaopd.scoring.views: its prefix of the row, then the response) and its scores are moved back to the
+student's positions before the routing and the merge: nothing downstream knows.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from megaopd.batching.micro_batches import ScoringBatches
 from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.packing import row_lengths
+from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, rank0_computes
 from megaopd.parallel.exchange import pack_columns, route_rows, scatter_received, unpack_columns
@@ -39,6 +44,7 @@ from megaopd.scoring.passes import ScoreRequest, score_tokens
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.routing import is_aligned, scorer_layout, scoring_shares
 from megaopd.scoring.runner import PipelineRunner
+from megaopd.scoring.views import view_lengths, view_rows
 
 
 @dataclass
@@ -93,12 +99,18 @@ class StreamedScores:
 class TeacherSet:
     """Named teachers and the routing of samples to them (the same object on every rank)."""
 
-    def __init__(self, teachers: Sequence[Teacher]):
+    def __init__(self, teachers: Sequence[Teacher], prompts: dict[str, TeacherPrompt] | None = None):
         if not teachers:
             raise ValueError("TeacherSet needs at least one teacher")
         self.teachers = {t.name: t for t in teachers}
         if len(self.teachers) != len(teachers):
             raise ValueError(f"teacher names must be distinct: {[t.name for t in teachers]}")
+        self.prompts = dict(prompts or {})
+        """The teachers that read a sequence of their own (teacher.context / tokenizer), by name: how each
+        makes its prefix of a row. The others score the student's own sequence."""
+        unknown = [n for n in self.prompts if n not in self.teachers]
+        if unknown:
+            raise ValueError(f"teacher prompts for {unknown}, which are not among the teachers {self.names}")
         self._streamed: dict[int, StreamedScores] = {}
         self._streamed_lock = threading.Lock()
 
@@ -169,6 +181,27 @@ class TeacherSet:
             rows[name].extend(range(i * samples_per_prompt, (i + 1) * samples_per_prompt))
         return rows
 
+    def prefixes(
+        self, examples: Sequence, samples_per_prompt: int, rows_of: dict[str, list[int]]
+    ) -> dict[str, list[list[int]]]:
+        """Per teacher with a view of its own, each batch row's prefix in its ids (a list per batch row; the
+        rows of other teachers empty): pure in the data rows, so every rank computes the same (the lengths of
+        the teachers' sequences, and so their scoring shares, follow from them)."""
+        out = {}
+        for name, prompt in self.prompts.items():
+            rows = rows_of.get(name, [])
+            if not rows:
+                continue
+            per_prompt: dict[int, list[int]] = {}
+            prefix: list[list[int]] = [[] for _ in range(len(examples) * samples_per_prompt)]
+            for b in rows:
+                i = b // samples_per_prompt
+                if i not in per_prompt:
+                    per_prompt[i] = prompt.prefix_ids(examples[i])
+                prefix[b] = per_prompt[i]
+            out[name] = prefix
+        return out
+
     # ------------------------------------------------------------------------------------------ scoring
     def start_remote(
         self,
@@ -191,14 +224,22 @@ class TeacherSet:
             try:
                 done = streamed.join() if streamed is not None else {}
                 for t in remote:
-                    pending.results[t.name] = t.score(
-                        batch.tokens_BS,
-                        batch.prompt_lens_B,
-                        batch.response_lens_B,
-                        topk=topk,
-                        rows=rows_of[t.name],
-                        scored=done.get(t.name),
-                    )
+                    prefixes = batch.teacher_prefixes.get(t.name)
+                    if prefixes is not None:  # its own sequences (never streamed: the config refuses it)
+                        rows = rows_of[t.name]
+                        view = view_rows(batch, rows, [prefixes[b] for b in rows])
+                        scores = t.score(view.tokens_BS, view.view_starts_B, view.response_lens_B, topk=topk)
+                        scores.rows = list(range(len(rows)))
+                        pending.results[t.name] = view.to_student(scores, batch.tokens_BS.shape[1] - 1)
+                    else:
+                        pending.results[t.name] = t.score(
+                            batch.tokens_BS,
+                            batch.prompt_lens_B,
+                            batch.response_lens_B,
+                            topk=topk,
+                            rows=rows_of[t.name],
+                            scored=done.get(t.name),
+                        )
                     # rows with a response (the ones scored), and of them the ones scored while generating
                     pending.rows += sum(1 for b in rows_of[t.name] if int(batch.response_lens_B[b]) > 0)
                     pending.streamed_rows += t.last_reused
@@ -233,7 +274,11 @@ class TeacherSet:
             if is_aligned(t.runner.pgs.dp.size(), sub, layout, sub.world_layout(device)):
                 continue  # it scores the owned rows, which the owners hold
             idx = torch.tensor(rows, dtype=torch.long)
-            lengths = row_lengths(batch.tokens_BS[idx], batches.subset(idx).lengths_B)
+            prefixes = batch.teacher_prefixes.get(name)
+            if prefixes is not None:  # it scores its own sequences: their lengths make its shares
+                lengths = view_lengths(batch, rows, [prefixes[b] for b in rows])
+            else:
+                lengths = row_lengths(batch.tokens_BS[idx], batches.subset(idx).lengths_B)
             packed = batches.max_tokens is not None and t.runner.packs
             shares = scoring_shares(lengths, t.runner.pgs.dp.size(), packed, None)
             out.append(([[rows[i] for i in share] for share in shares], layout))
@@ -271,18 +316,25 @@ class TeacherSet:
             sub_at = None
             if at_ids is not None:
                 sub_at = at_ids.topk_ids_BTK[at_ids.index([rows[i] for i in sub.rows()])]
+            prefixes = batch.teacher_prefixes.get(name)
+            view = None if prefixes is None else view_rows(batch, rows, [prefixes[b] for b in rows])
+            if view is not None and sub_at is not None:
+                sub_at = view.to_view(sub_at, sub.rows())
             with on_device(t.model, t.offload):
                 # Rows are independent (right padding, causal attention): a teacher scores its rows only.
                 part = score_tokens(
                     t.runner,
-                    batch.tokens_BS[idx],
-                    batches.subset(idx),
+                    batch.tokens_BS[idx] if view is None else view.tokens_BS,
+                    batches.subset(idx) if view is None else view.batches(batches),
                     request,
                     at_ids_BTK=sub_at,
                     owners=sub,
                     layout=t.layout,
                 )
-            part.rows = [rows[i] for i in part.rows]  # sub-batch rows -> batch rows
+            if view is None:
+                part.rows = [rows[i] for i in part.rows]  # sub-batch rows -> batch rows
+            else:  # its positions -> the student's, sub-batch rows -> batch rows
+                part = view.to_student(part, batch.tokens_BS.shape[1] - 1)
             parts[name] = part
         parts.update(self._route_remote(batch, rows_of, pending, owners))
         return self._merge(batch, owners.rows(), parts)
@@ -333,8 +385,9 @@ class TeacherSet:
             cols: list[list[torch.Tensor]] = [[] for _ in fields]
             for b in held_rows:
                 scores, span = pending.results[teacher_of[b]], spans[b]
+                i = b if scores.rows is None else int(scores.index([b])[0])  # a view's scores hold its rows
                 for col, f, w in zip(cols, fields, widths):
-                    col.append(getattr(scores, f.name)[b, span.start : span.stop].reshape(-1, w).to(f.dtype))
+                    col.append(getattr(scores, f.name)[i, span.start : span.stop].reshape(-1, w).to(f.dtype))
             payload = pack_columns([torch.cat(c) for c in cols]).to(device)
         held = [held_rows] + [[] for _ in range(len(layout.places) - 1)]
         counts, starts = [len(sp) for sp in spans], [sp.start for sp in spans]

@@ -17,6 +17,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd.batching.owners import WorldLayout
+from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.data.vocab import VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
 from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
@@ -100,10 +101,17 @@ class Models:
     the routing of samples to them; None when the loss reads no teacher."""
 
 
-def build_models(cfg: MegaOPDConfig, needs: LossNeeds, stop: Callable[[], bool] | None = None) -> Models:
+def build_models(
+    cfg: MegaOPDConfig,
+    needs: LossNeeds,
+    stop: Callable[[], bool] | None = None,
+    prompts: dict[str, TeacherPrompt] | None = None,
+) -> Models:
     """Actor in the student layout (which also initializes megatron's global state), teacher in its own
     layout (the actor's groups when equal), and the lockstep partner. stop: served teachers give up their
-    waits once it is true (the preemption flag)."""
+    waits once it is true (the preemption flag). prompts: the teachers that read a sequence of their own
+    (TeacherSet.prompts). A teacher that is the reference (teacher.path: reference, resolved to the
+    reference's weights) in the student's layout shares the reference's model when the loss loads one."""
     student_layout = Layout(cfg.student.tp, cfg.student.pp, cfg.student.ep)
     layouts = [Layout(t.tp, t.pp, t.ep) for t in cfg.teachers]
     if needs.teacher_logits and (layouts != [student_layout] or needs.reference):
@@ -116,21 +124,26 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds, stop: Callable[[], bool] 
     # In-job teachers, each in its own layout (groups shared between equal layouts); served ones are HTTP.
     groups = {student_layout: actor_pgs}
     in_job: dict[str, RoleModel] = {}
+    reference = None
+    if needs.reference:
+        reference = load_role_model(
+            cfg.student, actor_pgs, trainable=False, path=cfg.reference.path or cfg.student.path
+        )
+        _park(reference.model, cfg.reference.offload_between_uses)
     for t in cfg.teachers:
         if t.engine == "megatron":
             layout = Layout(t.tp, t.pp, t.ep)
             if layout not in groups:
                 groups[layout] = build_process_groups(layout)
+            if reference is not None and is_the_reference(t, cfg, layout == student_layout):
+                in_job[t.name] = reference  # the same frozen weights in the same layout: no second copy
+                continue
             in_job[t.name] = load_role_model(t, groups[layout], trainable=False)
             _park(in_job[t.name].model, t.offload_between_uses)  # one model at a time on the GPU at start-up
     teacher = next(iter(in_job.values())) if len(in_job) == 1 else None  # gkd's partner (one teacher)
     partner, partner_offload = None, False
-    if needs.reference:
-        partner = load_role_model(
-            cfg.student, actor_pgs, trainable=False, path=cfg.reference.path or cfg.student.path
-        ).model
-        partner_offload = cfg.reference.offload_between_uses
-        _park(partner, partner_offload)
+    if reference is not None:
+        partner, partner_offload = reference.model, cfg.reference.offload_between_uses
     elif needs.teacher_logits:
         partner, partner_offload = teacher.model, cfg.teachers[0].offload_between_uses
     vocab_size = actor.hf.vocab_size
@@ -179,7 +192,18 @@ def build_models(cfg: MegaOPDConfig, needs: LossNeeds, stop: Callable[[], bool] 
         actor_layout,
         owner_layout,
         teacher_runner,
-        TeacherSet(members) if members else None,
+        TeacherSet(members, prompts) if members else None,
+    )
+
+
+def is_the_reference(t, cfg: MegaOPDConfig, same_layout: bool) -> bool:
+    """Whether in-job teacher `t` is the reference model itself: the reference's weights in its layout and
+    dtype (teacher.path: reference resolves to them), so one frozen copy serves both."""
+    return (
+        same_layout
+        and t.path == (cfg.reference.path or cfg.student.path)
+        and t.dtype == cfg.student.dtype
+        and t.offload_between_uses == cfg.reference.offload_between_uses
     )
 
 

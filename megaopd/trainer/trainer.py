@@ -35,6 +35,7 @@ from megaopd.batching.plan import BatchingPlan
 from megaopd.batching.shares import mini_batch_rows, row_owners
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
+from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.data.vocab import loss_mask_ids
 from megaopd.losses import mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
@@ -106,6 +107,12 @@ class Trainer:
         report = check_teacher_tokenizers(
             tok, cfg.student.path, teachers, teacher_tokenizers, self.stop.ids, self._console
         )
+        # Teachers that read a sequence of their own: how each makes its prefix of a row (data.teacher_view).
+        self.teacher_prompts = {
+            t.name: TeacherPrompt(context=t.context, data=cfg.data, tokenizer=t_tok if t.tokenizer == "own" else tok)
+            for t, t_tok in zip(teachers, teacher_tokenizers)
+            if t.own_view or cfg.data.teacher_prompt == "own"
+        }
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.special_ids = loss_mask_ids(tok, cfg.loss.mask_first_tokens, report)
         self.multi_turn = (
@@ -125,7 +132,7 @@ class Trainer:
 
     def _load_models(self) -> None:
         cfg = self.cfg
-        self.models = build_models(cfg, self.needs, self.preemption.signalled)  # served teachers' stop
+        self.models = build_models(cfg, self.needs, self.preemption.signalled, self.teacher_prompts)  # served
         self.actor, self.actor_pgs = self.models.actor, self.models.actor.pgs
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
         self.router_aux = RouterAuxLoss(self.actor.model)
@@ -585,6 +592,7 @@ def deliver_rollout(
     scorers = []
     if models.teachers is not None:
         batch.teacher_rows = models.teachers.route([ex.teacher for ex in examples], n)
+        batch.teacher_prefixes = models.teachers.prefixes(examples, n, batch.teacher_rows)
         scorers = models.teachers.scorer_shares(
             batch, batch.teacher_rows, batches, owners, skip=streamed.teachers if streamed is not None else ()
         )
