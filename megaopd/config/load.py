@@ -21,6 +21,7 @@ import os
 from dataclasses import is_dataclass
 from typing import Sequence, Type, TypeVar
 
+import yaml
 from omegaconf import OmegaConf, StringNode
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -105,7 +106,13 @@ def _apply_override(cfg, defaults, override: str):
         _set(cfg, key, OmegaConf.select(defaults, key))
         return cfg
     key = override.split("=", 1)[0]
-    parsed = OmegaConf.from_dotlist([override])
+    try:
+        parsed = OmegaConf.from_dotlist([override])
+    except yaml.YAMLError as e:  # a value read as YAML: `{golden} ...` opens a mapping that never closes
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(
+            f"override {override!r} is not valid YAML ({first}): quote the value, e.g. '{key}=\"...\"'"
+        ) from None
     value = OmegaConf.select(parsed, key)
     node = _node(cfg, key)
     if node is not None and (

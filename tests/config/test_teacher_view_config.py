@@ -1,0 +1,58 @@
+"""teacher.context / teacher.tokenizer / teacher.path=reference at config load: what a user can get wrong is one
+clear line naming the key and the fix."""
+
+import os
+
+import pytest
+
+from megaopd.config import ConfigError, load_config
+from megaopd.config.schema import MegaOPDConfig
+from tests.trainer.tiny_models import ROOT
+
+PRESET = os.path.join(ROOT, "examples", "tiny", "self_distill.yaml")
+
+
+def _load(*overrides):
+    cfg = load_config(MegaOPDConfig, PRESET, list(overrides))
+    cfg.validate()
+    return cfg
+
+
+def test_the_preset_resolves_the_reference_and_its_context():
+    cfg = _load()
+    t = cfg.teachers[0]
+    assert t.path == cfg.student.path and t.context.startswith("{golden}") and t.tokenizer == "student"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (['teacher.context="{solution} {problem}"'], r"teacher.context names \{solution\}, which a data row does not"),
+        (["teacher.context={golden} {problem}"], r"is not valid YAML .*: quote the value"),
+        (["teacher.tokenizer=mine"], r"teacher tokenizer='mine': choose student .* or own"),
+        (["teacher.engine=remote", "teacher.urls=[http://x:1]"], r"path=reference is the reference model inside"),
+        (
+            ["rollout.engine=remote", "rollout.urls=[http://x:1]", "rollout.stream_parts=2"],
+            r"set rollout.stream_parts=1",
+        ),
+        (["loss.name=gkd", "loss.config={}"], r"gkd runs the teacher in lockstep on the student's own sequence"),
+        (["data.require_golden=false"], r"uses \{golden\} with data.require_golden=false"),
+    ],
+)
+def test_a_bad_teacher_view_is_one_line_at_load(overrides, message):
+    with pytest.raises((ConfigError, ValueError), match=message) as e:
+        _load(*overrides)
+    assert "\n" not in str(e.value).strip()
+
+
+def test_own_tokenizer_without_tokenizer_files_is_refused(tmp_path):
+    folder = tmp_path / "teacher"
+    folder.mkdir()
+    src = os.path.join(ROOT, "examples", "tiny", "models", "teacher")
+    for name in os.listdir(src):  # the weights and config, not the tokenizer
+        if not name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            os.symlink(os.path.join(src, name), folder / name)
+    with pytest.raises(
+        ValueError, match=r"teacher.tokenizer=own but .* has no tokenizer .*set teacher.tokenizer=student"
+    ):
+        _load(f"teacher.path={folder}", "teacher.tokenizer=own")
