@@ -62,6 +62,11 @@ REGIMES = {  # name -> (settings, {arm: (preset, overrides)})
             # privileged-context self-distillation: plain OPD whose teacher is the starting student shown the
             # golden solution (examples/tiny/self_distill.yaml; ONE_THREAD puts its teacher at TP=1)
             "self_distill": ("examples/tiny/self_distill.yaml", []),
+            # the same with only the final answer after the problem, not the whole golden solution
+            "self_distill_answer": (
+                "examples/tiny/self_distill.yaml",
+                ['teacher.context="{problem}\\n{instruction}\\nThe answer is {answer}."'],
+            ),
         },
     ),
     "stress": (

@@ -45,9 +45,11 @@ def test_self_teacher_reading_the_students_prompt_gives_zero_advantage(tmp_path)
     finally:
         server.shutdown()
     m = {name: _step_metrics(str(tmp_path / name)) for name in runs}
-    # Step 1: the teacher is the student (same weights, same tokens after the same prompt).
-    assert m["in_job_same"]["1"]["rollout/advantage_mean"] == 0.0
-    assert abs(m["served_same"]["1"]["rollout/advantage_mean"]) < 1e-5  # transformers vs Megatron, float32
+    # Step 1: the teacher is the student (same weights, same tokens after the same prompt): the advantages are
+    # float32 round-off, of TP=1 vs TP=2 sums (in-job; measured 1.9e-8) or transformers vs Megatron (3.8e-8).
+    # A position shifted by one token would give the -1.6 of a wrong prefix.
+    assert abs(m["in_job_same"]["1"]["rollout/advantage_mean"]) < 1e-6
+    assert abs(m["served_same"]["1"]["rollout/advantage_mean"]) < 1e-6
     # The golden solution in front of the problem moves the teacher's log-probs; both steps train.
     golden = m["in_job_golden"]
     assert abs(golden["1"]["rollout/advantage_mean"]) > 1e-3
