@@ -154,7 +154,14 @@ class MegaOPDConfig:
                 # match is the tokenizer, which the trainer compares before loading any model, and the rows must
                 # cover the student's ids (check_model_vocab, below).
                 teacher_dims = check_role_layout(key, t, world)
-                check_context(key, t.path, teacher_dims, tokens, why)
+                extra = self.data.max_golden_len if "{golden}" in t.context else 0  # its own prompt holds a golden
+                check_context(
+                    key,
+                    t.path,
+                    teacher_dims,
+                    tokens + extra,
+                    why + (f" + {key}.context's {{golden}}: data.max_golden_len={extra}" if extra else ""),
+                )
                 continue
             if not t.urls:
                 raise ValueError(f"{key}.engine=remote has no urls: set {key}.urls=[http://HOST:PORT, ...]")

@@ -37,6 +37,8 @@ def test_the_preset_resolves_the_reference_and_its_context():
         ),
         (["loss.name=gkd", "loss.config={}"], r"gkd runs the teacher in lockstep on the student's own sequence"),
         (["data.require_golden=false"], r"uses \{golden\} with data.require_golden=false"),
+        # the teacher's own rows hold the golden too: 128 + 128 + 300 > the tiny models' 512 positions
+        (["data.max_golden_len=300"], r"rows reach 556 tokens .*teacher.context's \{golden\}"),
     ],
 )
 def test_a_bad_teacher_view_is_one_line_at_load(overrides, message):
