@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from megaopd.data.config import DataConfig
-from megaopd.data.templates import render_user
+from megaopd.data.templates import render_user, user_message
 
 CONTEXT_FIELDS = ("problem", "golden", "answer", "instruction")
 TEACHER_TOKENIZERS = ("student", "own")
@@ -71,17 +71,23 @@ class TeacherPrompt:
     (system prompt, plain or templated) and the tokenizer whose chat template and ids the teacher reads."""
 
     context: str = ""
-    """teacher.context; empty: the row's prompt as the teacher reads it by default (the student's prompt ids,
-    or data.teacher_prompt=own's teacher_prompt_ids)."""
+    """teacher.context; empty: the student's user message (data.user_format)."""
     data: DataConfig
     tokenizer: Any
     """The student's tokenizer (teacher.tokenizer: student) or the teacher's own (own)."""
+    own: bool = False
+    """teacher.tokenizer=own: without a context the problem is rendered by the teacher's chat template (with
+    one, it always is: `tokenizer`'s)."""
 
     def prefix_ids(self, example: Any) -> list[int]:
         """The teacher's ids before the response for one data row (a PromptExample)."""
-        if not self.context:
+        if self.context:
+            user = render_context(self.context, example, self.data)
+        elif self.own:
+            user = user_message(example.problem, self.data)
+        else:  # the student's prompt ids, or data.teacher_prompt=own's (the problem in the teacher's template)
             return list(example.teacher_prompt_ids or example.prompt_ids)
-        text = render_user(render_context(self.context, example, self.data), self.data, self.tokenizer)
+        text = render_user(user, self.data, self.tokenizer)
         # No special tokens added: the chat template writes its own (as data.templates.encode_prompt).
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -109,7 +109,12 @@ class Trainer:
         )
         # Teachers that read a sequence of their own: how each makes its prefix of a row (data.teacher_view).
         self.teacher_prompts = {
-            t.name: TeacherPrompt(context=t.context, data=cfg.data, tokenizer=t_tok if t.tokenizer == "own" else tok)
+            t.name: TeacherPrompt(
+                context=t.context,
+                data=cfg.data,
+                tokenizer=t_tok if t.tokenizer == "own" else tok,
+                own=t.tokenizer == "own",
+            )
             for t, t_tok in zip(teachers, teacher_tokenizers)
             if t.own_view or cfg.data.teacher_prompt == "own"
         }
