@@ -110,6 +110,12 @@ class MegaOPDConfig:
         new = max(self.rollout.max_new_tokens, self.rollout.max_trajectory_tokens if self.env.enabled else 0)
         return self.data.max_prompt_len + new
 
+    def rollout_row_why(self) -> str:
+        """What rollout_row_tokens adds up (for error messages)."""
+        budget = "rollout.max_trajectory_tokens" if self.env.enabled else "rollout.max_new_tokens"
+        new = self.rollout_row_tokens() - self.data.max_prompt_len
+        return f"data.max_prompt_len={self.data.max_prompt_len} + {budget}={new}"
+
     def golden_row_tokens(self) -> int:
         """The longest golden row (prompt + golden solution) the losses that train on them read."""
         return self.data.max_prompt_len + self.data.max_golden_len
@@ -154,14 +160,18 @@ class MegaOPDConfig:
                 # match is the tokenizer, which the trainer compares before loading any model, and the rows must
                 # cover the student's ids (check_model_vocab, below).
                 teacher_dims = check_role_layout(key, t, world)
-                extra = self.data.max_golden_len if "{golden}" in t.context else 0  # its own prompt holds a golden
-                check_context(
-                    key,
-                    t.path,
-                    teacher_dims,
-                    tokens + extra,
-                    why + (f" + {key}.context's {{golden}}: data.max_golden_len={extra}" if extra else ""),
-                )
+                if "{golden}" in t.context:  # its own rows: the prompt with the golden in it, then the response
+                    golden = self.data.max_golden_len
+                    rows = self.rollout_row_tokens() + golden
+                    check_context(
+                        key,
+                        t.path,
+                        teacher_dims,
+                        rows,
+                        f"{self.rollout_row_why()} + {key}.context's {{golden}}: data.max_golden_len={golden}",
+                    )
+                else:
+                    check_context(key, t.path, teacher_dims, tokens, why)
                 continue
             if not t.urls:
                 raise ValueError(f"{key}.engine=remote has no urls: set {key}.urls=[http://HOST:PORT, ...]")

@@ -58,3 +58,14 @@ def test_own_tokenizer_without_tokenizer_files_is_refused(tmp_path):
         ValueError, match=r"teacher.tokenizer=own but .* has no tokenizer .*set teacher.tokenizer=student"
     ):
         _load(f"teacher.path={folder}", "teacher.tokenizer=own")
+
+
+def test_the_reference_teacher_shares_the_reference_model_only_when_it_is_the_same():
+    from megaopd.trainer.roles import is_the_reference
+
+    cfg = _load()
+    t = cfg.teachers[0]
+    assert is_the_reference(t, cfg, same_layout=True)
+    assert not is_the_reference(t, cfg, same_layout=False)  # another layout: a copy of its own
+    other = _load("teacher.path=examples/tiny/models/teacher")
+    assert not is_the_reference(other.teachers[0], other, same_layout=True)
