@@ -213,10 +213,12 @@ def report(out: str, seeds: list[int]) -> str:
         if arm in finals and "opd" in finals and len(finals[arm]) > 1 and len(finals["opd"]) > 1:
             (m1, se1), (m0, se0) = mean_se(finals[arm]), mean_se(finals["opd"])
             se = math.sqrt(se1**2 + se0**2)
-            verdict = "more" if m1 - m0 > 2 * se else "NOT more"
+            verdict = "NOT more than 2 standard errors"  # either way: an arm below opd is not "more"
+            if abs(m1 - m0) > 2 * se:
+                verdict = f"more than 2 standard errors {'above' if m1 > m0 else 'BELOW'} opd"
             lines.append(
                 f"- {arm} - opd: {m1 - m0:+.3f}, standard error of the difference {se:.3f} "
-                f"({(m1 - m0) / se:.1f} SE): {verdict} than 2 standard errors."
+                f"({(m1 - m0) / se:.1f} SE): {verdict}."
             )
     return "\n".join(lines)
 
