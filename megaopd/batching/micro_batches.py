@@ -223,7 +223,7 @@ def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, nee
     if rollout is not None:
         mb.tokens_BS = pad_to(rows_of(rollout.tokens_BS, pad_id), S, pad_id)
         mb.loss_mask_BT = per_token(loss_mask_BT)
-        mb.inputs = {f: _padded_input(f, k, rollout, r, mbs, g_per, T) for f, k in needed_fields(needs)}
+        mb.inputs = {f: _padded_input(f, k, rollout, r, mbs, g_per, T) for f, k in needed_fields(needs, rollout)}
     if g_per:
         mb.tokens_BS[mbs:] = pad_to(pad_rows(golden.input_ids_BT[gr], g_per, pad_id), S, pad_id)
         mb.golden_mask_BT[mbs:] = pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), T)
@@ -303,7 +303,7 @@ def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, co
     if rollout is not None:
         mb.loss_mask_BT = row.per_token(loss_mask_BT, ON_POLICY)
         layouts: dict = {}  # per holder of scores: the row's layout in the rows it holds (built once)
-        mb.inputs = {f: _packed_input(f, k, rollout, row, layouts) for f, k in needed_fields(needs)}
+        mb.inputs = {f: _packed_input(f, k, rollout, row, layouts) for f, k in needed_fields(needs, rollout)}
     if golden is not None:
         mb.golden_mask_BT = row.per_token(golden.loss_mask_BT[:, 1:], GOLDEN)
     return mb
