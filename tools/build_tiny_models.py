@@ -446,7 +446,9 @@ vocabulary, so the two teachers differ only in the tokenizer (and the embedding 
 
 def build_xtok_tokenizer(out_dir: str):
     """The other tokenizer: megaopd.data.synthetic's BPE trained on the same corpus (every split, as
-    tools/build_tiny_data.py) at XTOK_VOCAB ids, so its merges and pieces differ; then its regular ids are
+    tools/build_tiny_data.py) at XTOK_VOCAB ids and with spaces only leading a token (spaces_lead), so its
+    pieces cross the tiny tokenizer's ("d " + "to " there, " to" here) instead of merely coarsening them (a
+    larger BPE of the same corpus and pre-tokenizer holds the smaller one's merges); then its regular ids are
     reversed (4..379 -> 379..4) so that even the single characters both share get other ids (a code path that
     forgot to re-tokenize would read nonsense, not almost-right text). Special and added tokens keep the tiny
     tokenizer's names and ids 0-3 (<|endoftext|> pad, <|im_start|>, <|im_end|> eos, <|unk|>) and its chat
@@ -460,7 +462,7 @@ def build_xtok_tokenizer(out_dir: str):
     for split in ("sft", "opd", "val"):
         with open(os.path.join(DATA, f"{split}.jsonl")) as f:
             rows += [json.loads(line) for line in f if line.strip()]
-    tok = build_tokenizer(tokenizer_corpus(rows), vocab_size=XTOK_VOCAB)
+    tok = build_tokenizer(tokenizer_corpus(rows), vocab_size=XTOK_VOCAB, spaces_lead=True)
     spec = json.loads(tok.backend_tokenizer.to_str())
     added = {t["id"] for t in spec["added_tokens"]}
     regular = sorted(i for i in spec["model"]["vocab"].values() if i not in added)
