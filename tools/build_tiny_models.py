@@ -31,6 +31,20 @@ shared 2-core CPU: about 39 minutes (teacher 17 + 10 min under a load of 2-13 fr
 Committed size: 4.8 MB (fp32 safetensors: teacher 3.4 MB, student 1.4 MB).
 `--roles student` rebuilds one model and keeps the other's manifest record.
 
+The teacher with another tokenizer (issue 46, cross-tokenizer distillation), built and checked on its own:
+
+    python tools/build_tiny_models.py --xtok-tokenizer   # examples/tiny/tokenizer_xtok/ (seconds)
+    python tools/build_tiny_models.py --xtok             # examples/tiny/models/teacher_xtok/ + xtok_manifest.json
+    python tools/build_tiny_models.py --xtok --check     # tokenizer rebuilt byte-identical, files, accuracy
+
+  TEACHER_XTOK = the teacher's recipe above (sizes, both SFT stages, same train seeds: same data order) on
+  another tokenizer, examples/tiny/tokenizer_xtok: the same BPE trainer on the same corpus but 384 ids, spaces
+  only leading a token (" to", " both"; the tiny tokenizer has "d ", " to ") and its regular ids reversed, so
+  the same text gets other tokens and other ids (64 goldens: 2962 tiny tokens, 3407 teacher_xtok tokens,
+  2206 aligned spans); special tokens, their ids 0-3 and the chat template are the tiny tokenizer's. Its own
+  random init (seed 3, 0.89M parameters with the larger vocabulary). Its accuracy, SFT curve and file hashes
+  are in examples/tiny/models/xtok_manifest.json; the main manifest and --check do not read it.
+
 --check (2-5 minutes, depending on the machine's load) proves, without retraining:
   a. the committed files are the ones the manifest describes (sha256 of every file of both model dirs);
   b. this script, with the same seeds and library versions, rebuilds bit-identical random initializations

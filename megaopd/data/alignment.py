@@ -4,6 +4,7 @@ by characters, and the teacher's log-probs carried over onto the student's token
     text, s_offsets = decode_with_offsets(student_tok, response_ids)   # the text and each token's characters
     t_ids, t_offsets = retokenize(text, teacher_tok)                   # the teacher's tokens of that text
     alignment = align_by_chars(s_offsets, t_offsets)                   # spans both tokenizations agree on
+    (or the three at once: text, t_ids, alignment = align_response(student_tok, teacher_tok, response_ids))
     ... the teacher scores its prefix + t_ids: log q of each teacher token, teacher_logprobs_T ...
     values_T, spans_T = spread_span_logprobs(teacher_logprobs_T, alignment)   # per student token
 
@@ -192,6 +193,14 @@ def align_by_chars(
     return SpanAlignment(
         student_span=spans_of(student_offsets), teacher_span=spans_of(teacher_offsets), n_spans=len(cuts)
     )
+
+
+def align_response(student_tokenizer, teacher_tokenizer, ids: Sequence[int]) -> tuple[str, list[int], SpanAlignment]:
+    """The three steps for one response: (its text, the teacher's ids of that text, the alignment of the
+    student's `ids` with them): decode_with_offsets, retokenize, align_by_chars."""
+    text, s_offsets = decode_with_offsets(student_tokenizer, ids)
+    t_ids, t_offsets = retokenize(text, teacher_tokenizer)
+    return text, t_ids, align_by_chars(s_offsets, t_offsets)
 
 
 def spread_span_logprobs(
