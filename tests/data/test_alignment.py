@@ -19,6 +19,7 @@ import torch
 from megaopd.data.alignment import (
     CharSpan,
     SpanAlignment,
+    _decode_incremental,
     align_by_chars,
     decode_with_offsets,
     retokenize,
@@ -234,6 +235,7 @@ def test_random_texts_through_real_tokenizers(tokenizers, student, teacher):
         assert len(s_off) == len(ids)
         assert [o[0] for o in s_off[1:]] == [o[1] for o in s_off[:-1]]  # a partition, in order
         assert "".join(response[s:e] for s, e in s_off) == response
+        assert (response, s_off) == _decode_incremental(s_tok, ids, special_ids(s_tok))  # the fast path agrees
         regular = [i for i in ids if i not in special_ids(s_tok)]  # <|unk|> is text (it stands for some)
         assert response == s_tok.decode(regular, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         t_ids, t_off = retokenize(response, t_tok)
