@@ -216,7 +216,14 @@ def _student_text_and_offsets(tok, text: str):
 
 
 @pytest.mark.parametrize(
-    "student,teacher", [("tiny", "tiny_xtok"), ("tiny_xtok", "tiny"), ("smollm2", "tiny_xtok"), ("tiny", "smollm2")]
+    "student,teacher",
+    [
+        ("tiny", "tiny_xtok"),
+        ("tiny_xtok", "tiny"),
+        ("smollm2", "tiny_xtok"),
+        ("tiny", "smollm2"),
+        ("smollm2", "smollm2"),
+    ],
 )
 def test_random_texts_through_real_tokenizers(tokenizers, student, teacher):
     """Property check over random texts: the student's offsets partition its response text (which decodes
@@ -245,7 +252,8 @@ def test_random_texts_through_real_tokenizers(tokenizers, student, teacher):
         assert t_off[-1][1] == len(response)
         al = check_alignment(response, s_off, t_off)
         merged += len(ids) - al.n_spans
-    assert merged > 0  # the tokenizations do disagree
+    if student != teacher:
+        assert merged > 0  # the tokenizations do disagree
 
 
 def test_byte_level_partial_characters_and_specials(tokenizers):
