@@ -194,7 +194,8 @@ def align_by_chars(
     """Spans of the text both offset lists partition (decode_with_offsets' and retokenize's): the cuts are
     the positions where both a student token and a teacher token end. A non-empty token lies inside one
     span; an empty regular token belongs to the span of the character at its place (-1 at the end of the
-    text); a special token (CharSpan.special) to none. The two lists must cover the same text length."""
+    text); a special token (CharSpan.special) to none. The two lists must cover the same text length (else
+    ValueError), except that a side with no text at all aligns nothing (every token -1, no span)."""
 
     def ends(offsets) -> tuple[set[int], int]:
         cuts = {off[1] for off in offsets if off[1] > off[0] and not getattr(off, "special", False)}
@@ -202,6 +203,10 @@ def align_by_chars(
 
     s_cuts, s_len = ends(student_offsets)
     t_cuts, t_len = ends(teacher_offsets)
+    if not s_len or not t_len:  # a side with no text (an empty response; whitespace a tokenizer drops)
+        return SpanAlignment(
+            student_span=[-1] * len(student_offsets), teacher_span=[-1] * len(teacher_offsets), n_spans=0
+        )
     if s_len != t_len:
         raise ValueError(
             f"the student's tokens cover {s_len} characters and the teacher's {t_len}: both offset lists must "

@@ -164,6 +164,15 @@ def test_empty_partial_character_tokens_join_the_span_of_the_character():
     assert al.student_span == [0, -1]
 
 
+def test_an_empty_side_aligns_nothing():
+    """An empty response (only the stop token), or text the teacher's tokenizer drops: no span, no error."""
+    al = align_by_chars([CharSpan(0, 0, special=True)], [])
+    assert (al.student_span, al.teacher_span, al.n_spans) == ([-1], [], 0)
+    values, spans = spread_span_logprobs(torch.zeros(0, dtype=torch.float64), al)
+    assert values.tolist() == [0.0] and spans.tolist() == [-1]
+    assert align_by_chars(pieces_offsets(["  "]), []).student_span == [-1]
+
+
 def test_different_text_lengths_are_one_clear_error():
     with pytest.raises(ValueError, match="partition the same text"):
         align_by_chars(pieces_offsets(["ab", "c"]), pieces_offsets(["ab"]))
