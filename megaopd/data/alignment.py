@@ -23,12 +23,13 @@ span (-1).
 Spans (GOLD's merge rule, TRL's GOLD trainer / "Universal Logit Distillation" 2402.12030 follow-up): a span ends
 where BOTH tokenizations have a token boundary. Student tokens [Hel][lo][ wor][ld] and teacher tokens [Hello]
 [ w][orld] give spans "Hello" (2 student, 1 teacher token) and " world" (2 and 2). Each span is one stretch of
-text that both sides cover whole, so the sum of a side's log-probs over a span is that side's log-prob of the
-span's text given the same preceding text: the two sums are comparable exactly, token counts aside.
+text that both sides cover whole, so the sum of a side's log-probs over a span is that side's log-prob of its
+own tokens of the span's text given the same preceding text: the two sums are comparable, token counts aside
+(neither sums over the other ways its tokenizer could spell the same text; GOLD does not either).
 
 spread_span_logprobs puts the span's summed teacher log-prob on its student tokens, spread evenly (each gets
 sum / n), so that summing the student tokens of a span gives the teacher's span log-prob exactly; the loss
-(losses/policy.py, `teacher_spans_BT`) then takes span sums on both sides.
+(losses/cross_tokenizer.py, `teacher_spans_BT`) then takes span sums on both sides.
 
 Pure functions of tokenizer objects, ids and tensors; nothing is read from disk.
 
