@@ -238,6 +238,35 @@ def align_response(student_tokenizer, teacher_tokenizer, ids: Sequence[int]) -> 
     return text, t_ids, align_by_chars(s_offsets, t_offsets)
 
 
+def alignment_report(student_tokenizer, teacher_tokenizer, texts: Sequence[str] | None = None) -> list[str]:
+    """Start-up log lines for a teacher with another tokenizer: how the two vocabularies relate (regular
+    tokens of the student that spell a teacher token exactly) and how finely the two tokenizations of
+    `texts` (default: data.vocab's probe texts) align, so that a run says which mode applies and why."""
+    from megaopd.data.vocab import DEFAULT_PROBES
+
+    def spellings(tok) -> set[str]:
+        regular = [i for i in range(len(tok)) if i not in special_ids(tok)]
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None:
+            return set(backend.decode_batch([[i] for i in regular], skip_special_tokens=False))
+        return {tok.decode([i]) for i in regular}
+
+    s_spell, t_spell = spellings(student_tokenizer), spellings(teacher_tokenizer)
+    n_s = n_t = n_spans = 0
+    for text in texts if texts is not None else DEFAULT_PROBES:
+        ids = student_tokenizer.encode(text, add_special_tokens=False)
+        _, t_ids, al = align_response(student_tokenizer, teacher_tokenizer, ids)
+        n_s, n_t, n_spans = n_s + len(ids), n_t + len(t_ids), n_spans + al.n_spans
+    return [
+        f"[vocab] the teacher has another tokenizer ({len(student_tokenizer)} student ids, "
+        f"{len(teacher_tokenizer)} teacher ids; {len(s_spell & t_spell)} of the student's {len(s_spell)} regular "
+        f"token texts are teacher tokens too): responses are re-tokenized and aligned by characters",
+        f"[vocab] on {len(texts if texts is not None else DEFAULT_PROBES)} probe texts {n_s} student tokens "
+        f"and {n_t} teacher tokens make {n_spans} spans ({n_s / max(n_spans, 1):.2f} student tokens a span); "
+        f"opd and stable_opd take rewards over spans, gkd and lsm are refused (docs/algorithms.md 1.13)",
+    ]
+
+
 def spread_span_logprobs(
     teacher_logprobs_T: torch.Tensor, alignment: SpanAlignment
 ) -> tuple[torch.Tensor, torch.Tensor]:

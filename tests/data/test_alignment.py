@@ -294,3 +294,11 @@ def test_tiny_and_xtok_tokenize_the_same_text_differently(tokenizers):
     assert len(ia) != len(ib) and a.convert_tokens_to_ids("a") != b.convert_tokens_to_ids("a")
     assert (len(a), len(b)) == (256, 384)
     assert (b.eos_token, b.eos_token_id, b.pad_token_id) == (a.eos_token, a.eos_token_id, a.pad_token_id)
+
+
+def test_alignment_report_says_which_mode_and_why(tokenizers):
+    from megaopd.data.alignment import alignment_report
+
+    lines = alignment_report(tokenizers["tiny"], tokenizers["tiny_xtok"])
+    assert len(lines) == 2 and "another tokenizer (256 student ids, 384 teacher ids" in lines[0]
+    assert "spans" in lines[1] and "gkd and lsm are refused" in lines[1]
