@@ -115,6 +115,18 @@ def test_sync_mode_generates_now_under_the_current_weights():
     assert [c[2] for c in engine.calls] == [0, 1, 2] and [e[1] for e in engine.log] == [1, 2, 3]
 
 
+def test_a_batch_not_streamed_is_one_part_of_every_row():
+    """RolloutPipeline.parts: without rollout.stream_parts the step's batch is one RolloutPart, its rows the
+    whole batch, its samples samples()' own (the rollout stage takes both the same way)."""
+    for mode in ("sync", "one_step_off"):
+        p, _, trainer = _pipeline(mode)
+        examples = p.examples(0)
+        (part,) = list(p.parts(0, examples))
+        assert part.rows == [0, 1] and [s.output_ids for s in part.samples] == [
+            s.output_ids for s in _pipeline(mode)[0].samples(0, examples)
+        ]
+
+
 def test_one_step_off_trains_on_batches_one_version_old_while_the_next_generates():
     p, engine, trainer = _pipeline("one_step_off", gen_s=0.15)
     out = _run(p, trainer, 4, train_s=0.15)
