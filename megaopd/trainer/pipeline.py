@@ -60,26 +60,27 @@ class Received:
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineHooks:
+    """What the pipeline calls back at its points of the step (the trainer's, which owns the models)."""
+
+    push: Callable[[], None]
+    """The weight sync: the actor's current weights to the engines (collective)."""
+    parity: Callable[[], None]
+    """The engine/actor parity check (collective)."""
+    on_part: Callable[[int, int, list, list[Sample]], None] | None = None
+    """on_part(step, first_row, examples, samples): rank 0, as each of rollout.stream_parts parts of a batch
+    finishes generating (served teachers start scoring it: rollout_stage.served_teachers_on_part)."""
+
+
 class RolloutPipeline:
     def __init__(
-        self,
-        cfg,
-        loader,
-        timer,
-        stop_ids,
-        rank: int,
-        push: Callable[[], None],
-        parity: Callable[[], None],
-        multi_turn: MultiTurn | None = None,
-        on_part: Callable[[int, int, list, list[Sample]], None] | None = None,
+        self, cfg, loader, timer, stop_ids, rank: int, hooks: EngineHooks, multi_turn: MultiTurn | None = None
     ):
-        """push: the weight sync (collective); parity: the engine/actor parity check (collective); multi_turn:
-        the environment loop when rollouts are trajectories (env.name set); on_part(step, first_row, examples,
-        samples): rank 0, as each of rollout.stream_parts parts of a batch finishes generating (served
-        teachers start scoring it)."""
-        self.multi_turn, self.on_part = multi_turn, on_part
+        """multi_turn: the environment loop when rollouts are trajectories (env.name set)."""
+        self.multi_turn, self.on_part = multi_turn, hooks.on_part
         self.cfg, self.loader, self.timer, self.stop_ids, self.rank = cfg, loader, timer, list(stop_ids), rank
-        self.push, self.parity = push, parity
+        self.push, self.parity = hooks.push, hooks.parity
         self.mode, self.max_staleness = cfg.rollout.mode, cfg.rollout.max_staleness
         self.depth = 0 if self.mode == "sync" else self.max_staleness  # batches generated ahead
         self.engine = None

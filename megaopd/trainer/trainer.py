@@ -52,7 +52,7 @@ from megaopd.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.nonfinite import NonFinite, describe
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
-from megaopd.trainer.pipeline import RolloutPipeline
+from megaopd.trainer.pipeline import EngineHooks, RolloutPipeline
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
 from megaopd.trainer.rollout_stage import RolloutStage, StepContext, served_teachers_on_part
@@ -210,10 +210,12 @@ class Trainer:
             self.timer,
             self.stop.ids,
             self.rank,
-            self.sync_weights,
-            self.check_parity,
+            EngineHooks(
+                push=self.sync_weights,
+                parity=self.check_parity,
+                on_part=served_teachers_on_part(cfg, self.models.teachers, self.rank, self.teacher_request.topk),
+            ),
             self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
-            served_teachers_on_part(cfg, self.models.teachers, self.rank, self.teacher_request.topk),
         )
         self.rollout_stage = RolloutStage(self.pipeline, self.context)
         self.stateful["data"] = self.pipeline  # the loader's cursor before any batch drawn ahead

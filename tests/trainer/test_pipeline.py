@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.rollout.config import RolloutConfig
 from megaopd.rollout.protocol import Sample
-from megaopd.trainer.pipeline import RolloutPipeline
+from megaopd.trainer.pipeline import EngineHooks, RolloutPipeline
 from megaopd.trainer.timer import Timer
 
 URL = ["http://127.0.0.1:1"]
@@ -89,7 +89,7 @@ def _pipeline(mode="one_step_off", max_staleness=1, max_steps=6, gen_s=0.0, load
         engine.log.append(("push", trainer["step"]))
         engine.version = trainer["step"]
 
-    p = RolloutPipeline(cfg, loader or Loader(), Timer(), [0], 0, push, lambda: None)
+    p = RolloutPipeline(cfg, loader or Loader(), Timer(), [0], 0, EngineHooks(push=push, parity=lambda: None))
     p.engine = engine
     return p, engine, trainer
 
