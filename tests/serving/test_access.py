@@ -1,5 +1,5 @@
 """`megaopd serve` trusts nothing handed in: its key, its bind, its request limits, sampling values, the folders
-and hosts weight updates may reach, and weights holding NaN (issue 43). A real server on loopback."""
+and hosts weight updates may reach, and weights holding NaN. A real server on loopback."""
 
 import json
 import os
