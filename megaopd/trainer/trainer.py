@@ -48,7 +48,7 @@ from megaopd.scoring.passes import ScoreRequest, score_sequences
 from megaopd.scoring.runner import PipelineRunner
 from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
-from megaopd.trainer.checkpoint import load_checkpoint, save_checkpoint
+from megaopd.trainer.checkpoint import Checkpointer
 from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.nonfinite import NonFinite, describe
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
@@ -75,8 +75,9 @@ if TYPE_CHECKING:  # annotations only: config composes every package's section, 
 
 
 class Trainer:
-    """One rank of an OPD job. Start-up order: inputs (tokenizers, data), models, resume, engine; bad input
-    fails before anything expensive runs."""
+    """One rank of an OPD job. Start-up order: inputs (tokenizers, data), models, the step's stages, the
+    checkpointed state (registered once, every component existing), resume, engine; bad input fails before
+    anything expensive runs."""
 
     def __init__(self, cfg: MegaOPDConfig, preemption: PreemptionFlag | None = None):
         self.preemption = preemption or PreemptionFlag()  # the rank's entry installs it first (cli.run_worker)
@@ -89,6 +90,21 @@ class Trainer:
         self.temperature = cfg.rollout.temperature
         self._load_inputs()
         self._load_models()
+        self._build_stages()
+        self.checkpointer = Checkpointer(  # what a checkpoint saves and resume restores, named once
+            run_dir=cfg.run.dir,
+            model=self.actor.model,
+            optimizer=self.optimizer,
+            pgs=self.actor_pgs,
+            components={
+                "scheduler": self.scheduler,
+                "data": self.pipeline,  # the loader's cursor before any batch drawn ahead
+                "collapse": self.detector,
+                **self.loss_fn.stateful,
+            },
+            hf_cfg=self.actor.hf,
+            hf_side_dir=tokenizer_dir(self.actor.path),
+        )
         self._resume()
         self._start_engine()
 
@@ -161,23 +177,36 @@ class Trainer:
             teacher_request=self.teacher_request,
         )
 
+    def _build_stages(self) -> None:
+        """The rollout pipeline (its engine comes last, in _start_engine), the rollout stage over it, the phase
+        timer and the collapse detector."""
+        cfg = self.cfg
+        self.timer = Timer()
+        self.detector = CollapseDetector(cfg.metrics.collapse)
+        self.pipeline = RolloutPipeline(
+            cfg,
+            self.loader,
+            self.timer,
+            self.stop.ids,
+            self.rank,
+            EngineHooks(
+                push=self.sync_weights,
+                parity=self.check_parity,
+                on_part=served_teachers_on_part(cfg, self.models.teachers, self.rank, self.teacher_request.topk),
+            ),
+            self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
+        )
+        self.rollout_stage = RolloutStage(self.pipeline, self.context)
+
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
         cfg = self.cfg
-        self.step, self._last_metrics, self.stopping, self.timer = 0, {}, False, Timer()
-        self.detector = CollapseDetector(cfg.metrics.collapse)
-        # What a checkpoint keeps besides weights, optimizer and RNG: saved and restored under these keys.
-        self.stateful = {
-            "scheduler": self.scheduler,
-            "data": self.loader,
-            "collapse": self.detector,
-            **self.loss_fn.stateful,
-        }
+        self.step, self._last_metrics, self.stopping = 0, {}, False
         # Rank 0 picks the step folder (verified; moved aside what it skips, docs/run_folder.md); every rank loads it.
         point = agreed_resume_point(cfg.run.dir, cfg.run.start_over)
         latest = point.path
         if latest is not None:
-            self.step = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs, self.stateful)
+            self.step = self.checkpointer.load(latest)
         self._saved = self.step  # the step a checkpoint holds (step 0: the start itself, nothing to save)
         if self.rank == 0:
             # metrics.jsonl holds each step once: rows after the loaded step go to a side file before new ones.
@@ -204,21 +233,6 @@ class Trainer:
 
         cfg = self.cfg
         self.weight_sync = None  # stays None when nothing generates (SFT without validation)
-        self.pipeline = RolloutPipeline(
-            cfg,
-            self.loader,
-            self.timer,
-            self.stop.ids,
-            self.rank,
-            EngineHooks(
-                push=self.sync_weights,
-                parity=self.check_parity,
-                on_part=served_teachers_on_part(cfg, self.models.teachers, self.rank, self.teacher_request.topk),
-            ),
-            self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
-        )
-        self.rollout_stage = RolloutStage(self.pipeline, self.context)
-        self.stateful["data"] = self.pipeline  # the loader's cursor before any batch drawn ahead
         if not (self.needs.on_policy or cfg.validation.path):
             return
         hf_dir = cfg.student.path
@@ -503,17 +517,7 @@ class Trainer:
             "student": self.cfg.student.path,  # for people: never read back
             "teachers": {t.name: t.path or t.urls for t in self.cfg.teachers},
         }
-        path = save_checkpoint(
-            self.cfg.run.dir,
-            self.step,
-            self.actor.model,
-            self.optimizer,
-            self.actor_pgs,
-            self.stateful,
-            meta,
-            self.actor.hf,
-            hf_side_dir=tokenizer_dir(self.actor.path),
-        )
+        path = self.checkpointer.save(self.step, meta)
         self._saved = self.step
         if self.rank == 0:
             self.run_log.event(self.step, "checkpoint", path)
