@@ -31,13 +31,18 @@ import functools
 import threading
 from dataclasses import dataclass
 from queue import Queue
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.overlap import GenerateAhead, Taken, overlap_metrics, staleness
 from megaopd.rollout.protocol import Sample, SamplingParams
 from megaopd.rollout.trajectories import MultiTurn, generate_rows
 from megaopd.rollout.waits import WaitAbandoned, rank0_waits
+
+if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
+    from megaopd.config.schema import MegaOPDConfig
+    from megaopd.data import PromptLoader
+    from megaopd.trainer.timer import Timer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +80,14 @@ class EngineHooks:
 
 class RolloutPipeline:
     def __init__(
-        self, cfg, loader, timer, stop_ids, rank: int, hooks: EngineHooks, multi_turn: MultiTurn | None = None
+        self,
+        cfg: MegaOPDConfig,
+        loader: PromptLoader,
+        timer: Timer,
+        stop_ids: Sequence[int],
+        rank: int,
+        hooks: EngineHooks,
+        multi_turn: MultiTurn | None = None,
     ):
         """multi_turn: the environment loop when rollouts are trajectories (env.name set)."""
         self.multi_turn, self.on_part = multi_turn, hooks.on_part
