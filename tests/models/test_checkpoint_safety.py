@@ -169,7 +169,7 @@ def test_pointer_to_a_damaged_step_names_the_file_and_the_newest_step_that_verif
     msg = str(e.value)
     assert "\n" not in msg and shard in msg and "is 10 bytes" in msg
     assert "newest step that verifies is" in msg and "step_000001 (step 1)" in msg
-    assert "delete the pointer" not in msg  # the old message advised it: the run then started at step 0
+    assert "delete the pointer" not in msg  # advice that would start the run again at step 0
 
 
 def test_no_step_verifies_refuses_to_start_at_zero_and_start_over_moves_everything_aside(tmp_path):
