@@ -6,7 +6,7 @@ same seeds in every variant.
     python benchmarks/streaming.py [--steps 6] [--parts 1 4] [--rounds 2] [--prompts 32] [--teacher in_job]
 
 --teacher in_job: the tiny teacher inside the trainer instead: the actor's and the teacher's in-job passes
-score each part as it returns (megaopd.trainer.streaming), so "actor pass s" and "teacher wait s" are what is
+score each part as it returns (megaopd.trainer.rollout_stage), so "actor pass s" and "teacher wait s" are what is
 left after the rollout, and the rollout's time includes the passes that ran meanwhile.
 
 Per variant (fresh servers and run folder), means over the steps after the first:

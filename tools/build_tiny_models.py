@@ -31,6 +31,20 @@ shared 2-core CPU: about 39 minutes (teacher 17 + 10 min under a load of 2-13 fr
 Committed size: 4.8 MB (fp32 safetensors: teacher 3.4 MB, student 1.4 MB).
 `--roles student` rebuilds one model and keeps the other's manifest record.
 
+The teacher with another tokenizer (issue 46, cross-tokenizer distillation), built and checked on its own:
+
+    python tools/build_tiny_models.py --xtok-tokenizer   # examples/tiny/tokenizer_xtok/ (seconds)
+    python tools/build_tiny_models.py --xtok             # examples/tiny/models/teacher_xtok/ + xtok_manifest.json
+    python tools/build_tiny_models.py --xtok --check     # tokenizer rebuilt byte-identical, files, accuracy
+
+  TEACHER_XTOK = the teacher's recipe above (sizes, both SFT stages, same train seeds: same data order) on
+  another tokenizer, examples/tiny/tokenizer_xtok: the same BPE trainer on the same corpus but 384 ids, spaces
+  only leading a token (" to", " both"; the tiny tokenizer has "d ", " to ") and its regular ids reversed, so
+  the same text gets other tokens and other ids (64 goldens: 2962 tiny tokens, 3407 teacher_xtok tokens,
+  2206 aligned spans); special tokens, their ids 0-3 and the chat template are the tiny tokenizer's. Its own
+  random init (seed 3, 0.89M parameters with the larger vocabulary). Its accuracy, SFT curve and file hashes
+  are in examples/tiny/models/xtok_manifest.json; the main manifest and --check do not read it.
+
 --check (2-5 minutes, depending on the machine's load) proves, without retraining:
   a. the committed files are the ones the manifest describes (sha256 of every file of both model dirs);
   b. this script, with the same seeds and library versions, rebuilds bit-identical random initializations
@@ -154,7 +168,7 @@ def dir_hashes(d: str) -> dict[str, str]:
 
 def hf_config(spec: dict) -> dict:
     return {
-        "vocab_size": 256,
+        "vocab_size": spec.get("vocab", 256),
         "hidden_size": spec["hidden"],
         "intermediate_size": spec["ffn"],
         "num_hidden_layers": spec["layers"],
@@ -171,8 +185,9 @@ def hf_config(spec: dict) -> dict:
     }
 
 
-def build_init(spec: dict, out_dir: str) -> int:
-    """A randomly initialized Qwen2 (transformers' init, seeded) + the tiny tokenizer; returns #parameters."""
+def build_init(spec: dict, out_dir: str, tokenizer: str = TOKENIZER) -> int:
+    """A randomly initialized Qwen2 (transformers' init, seeded) + a tokenizer folder's files (default: the tiny
+    tokenizer); returns #parameters."""
     import torch
     import transformers
 
@@ -182,8 +197,8 @@ def build_init(spec: dict, out_dir: str) -> int:
     model = transformers.Qwen2ForCausalLM(config).eval()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)  # model.safetensors, config.json, generation_config.json (eos 2, pad 0)
-    for f in sorted(os.listdir(TOKENIZER)):
-        shutil.copy(os.path.join(TOKENIZER, f), out_dir)
+    for f in sorted(os.listdir(tokenizer)):
+        shutil.copy(os.path.join(tokenizer, f), out_dir)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -432,12 +447,126 @@ def check(out: str, work: str) -> list[str]:
     return problems
 
 
+# ---- the teacher with another tokenizer (issue 46: cross-tokenizer distillation) ---------------------------------
+XTOK_TOKENIZER = os.path.join(ROOT, "examples", "tiny", "tokenizer_xtok")
+XTOK_DIR = "teacher_xtok"
+XTOK_MANIFEST = "xtok_manifest.json"
+XTOK_VOCAB = 384
+"""Ids of the other tokenizer: 380 BPE pieces + 4 special + 2 added, against the tiny tokenizer's 256."""
+XTOK_SPEC: dict = {**SPECS["teacher"], "init_seed": 3, "vocab": XTOK_VOCAB}
+"""The same-vocabulary teacher's sizes and SFT stages (same data order: same train seeds); its own init and
+vocabulary, so the two teachers differ only in the tokenizer (and the embedding / output rows it implies)."""
+
+
+def build_xtok_tokenizer(out_dir: str):
+    """The other tokenizer: megaopd.data.synthetic's BPE trained on the same corpus (every split, as
+    tools/build_tiny_data.py) at XTOK_VOCAB ids and with spaces only leading a token (spaces_lead), so its
+    pieces cross the tiny tokenizer's ("d " + "to " there, " to" here) instead of merely coarsening them (a
+    larger BPE of the same corpus and pre-tokenizer holds the smaller one's merges); then its regular ids are
+    reversed (4..379 -> 379..4) so that even the single characters both share get other ids (a code path that
+    forgot to re-tokenize would read nonsense, not almost-right text). Special and added tokens keep the tiny
+    tokenizer's names and ids 0-3 (<|endoftext|> pad, <|im_start|>, <|im_end|> eos, <|unk|>) and its chat
+    template: the texts map, the tokens do not."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from megaopd.data.synthetic import build_tokenizer, save_tokenizer, tokenizer_corpus
+
+    rows = []
+    for split in ("sft", "opd", "val"):
+        with open(os.path.join(DATA, f"{split}.jsonl")) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    tok = build_tokenizer(tokenizer_corpus(rows), vocab_size=XTOK_VOCAB, spaces_lead=True)
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    added = {t["id"] for t in spec["added_tokens"]}
+    regular = sorted(i for i in spec["model"]["vocab"].values() if i not in added)
+    flip = dict(zip(regular, reversed(regular)))
+    spec["model"]["vocab"] = {t: flip.get(i, i) for t, i in spec["model"]["vocab"].items()}
+    other = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        eos_token=tok.eos_token,
+        pad_token=tok.pad_token,
+        unk_token=tok.unk_token,
+        chat_template=tok.chat_template,
+        model_max_length=tok.model_max_length,
+    )
+    save_tokenizer(other, out_dir)
+    return other
+
+
+def build_xtok(out: str, work: str) -> dict:
+    """examples/tiny/models/teacher_xtok and xtok_manifest.json: the teacher's recipe on the other tokenizer."""
+    t0 = time.time()
+    n = build_init(XTOK_SPEC, os.path.join(work, "xtok_init"), XTOK_TOKENIZER)
+    log(f"teacher_xtok: random init ({n / 1e6:.2f}M parameters, vocabulary {XTOK_VOCAB}) -> {work}/xtok_init")
+    curves, src = [], os.path.join(work, "xtok_init")
+    for i, stage in enumerate(XTOK_SPEC["stages"]):
+        log(f"teacher_xtok: megaopd SFT stage {i + 1}/{len(XTOK_SPEC['stages'])}, {stage['steps']} steps")
+        run = os.path.join(work, f"xtok_sft{i + 1}")
+        curves.append(sft(stage, src, run, stage["steps"]))
+        src = os.path.join(run, "hf")
+    dst = os.path.join(out, XTOK_DIR)
+    if os.path.isdir(dst):
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    acc = evaluate_dir(dst)
+    log(f"teacher_xtok: val accuracy {acc['accuracy']:.3f} on the first {EVAL_PROBLEMS} problems")
+    manifest = {
+        "spec": XTOK_SPEC,
+        "eval": {**EVAL, "problems": EVAL_PROBLEMS, "file": "examples/tiny/data/val.jsonl"},
+        "threads": THREADS,
+        "versions": versions(),
+        "parameters": n,
+        "sizes": model_sizes(dst),
+        "init_sha256": sha256(os.path.join(work, "xtok_init", "model.safetensors")),
+        "tokenizer": dir_hashes(XTOK_TOKENIZER),
+        "sft_nll": curves,
+        "val": acc,
+        "files": dir_hashes(dst),
+        "build_seconds": round(time.time() - t0),
+    }
+    with open(os.path.join(out, XTOK_MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    return manifest
+
+
+def check_xtok(out: str, work: str) -> list[str]:
+    """The other tokenizer rebuilds byte-identical, the committed teacher_xtok files are the manifest's, and its
+    accuracy re-evaluates within 2 problems of the manifest's."""
+    problems = []
+    fresh = os.path.join(work, "tokenizer_xtok")
+    build_xtok_tokenizer(fresh)
+    if dir_hashes(fresh) != dir_hashes(XTOK_TOKENIZER):
+        problems.append(f"{XTOK_TOKENIZER} differs from a fresh build_xtok_tokenizer")
+    path = os.path.join(out, XTOK_MANIFEST)
+    if not os.path.isfile(path):
+        return problems + [f"{path} is missing: run `python tools/build_tiny_models.py --xtok`"]
+    with open(path) as f:
+        rec = json.load(f)
+    d = os.path.join(out, XTOK_DIR)
+    if (dir_hashes(d) if os.path.isdir(d) else {}) != rec["files"]:
+        problems.append(f"{d}: committed files differ from {XTOK_MANIFEST}")
+    else:
+        acc = evaluate_dir(d)
+        solved, recorded = (round(a * EVAL_PROBLEMS) for a in (acc["accuracy"], rec["val"]["accuracy"]))
+        if abs(solved - recorded) > 2:
+            problems.append(f"teacher_xtok: val accuracy {acc['accuracy']} differs from the manifest's")
+    return problems
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT, help="where teacher/, student/ and manifest.json go")
     ap.add_argument("--work", default=None, help="scratch folder for the inits and SFT runs (default: a temp dir)")
     ap.add_argument("--check", action="store_true", help="verify the files in --out instead of building")
     ap.add_argument("--roles", default="teacher,student", help="build only these (the manifest keeps the others)")
+    ap.add_argument(
+        "--xtok",
+        action="store_true",
+        help="the teacher with another tokenizer (teacher_xtok, xtok_manifest.json) instead; with --check, check it",
+    )
+    ap.add_argument("--xtok-tokenizer", action="store_true", help="only rebuild examples/tiny/tokenizer_xtok")
     args = ap.parse_args(argv)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="tiny_models_") as tmp:
@@ -445,11 +574,18 @@ def main(argv=None) -> int:
         if os.path.isdir(work) and os.listdir(work) and args.work:
             raise SystemExit(f"--work {work} is not empty: SFT runs resume from checkpoints there; use a fresh one")
         os.makedirs(work, exist_ok=True)
+        if args.xtok_tokenizer:
+            build_xtok_tokenizer(XTOK_TOKENIZER)
+            return 0
+        if args.xtok and not args.check:
+            os.makedirs(args.out, exist_ok=True)
+            build_xtok(args.out, work)
+            return 0
         if not args.check:
             os.makedirs(args.out, exist_ok=True)
             build(args.out, work, [r for r in SPECS if r in args.roles.split(",")])
             return 0
-        problems = check(args.out, work)
+        problems = check_xtok(args.out, work) if args.xtok else check(args.out, work)
     if problems:
         print("tiny models check FAILED:\n  " + "\n  ".join(problems), flush=True)
         return 1

@@ -57,6 +57,12 @@ class TokenField:
     """One value per sequence ([R] rows padded, [num_seqs] packed) instead of one per position."""
     index: bool = False
     """Token ids: made long on the logits' device, as the gathers index with long."""
+    optional: bool = False
+    """Carried only when its holder has it (a cross-tokenizer teacher's spans); otherwise the loss reads None."""
+
+    def present(self, batch: RolloutBatch) -> bool:
+        """The holder has this field (always, unless the field is optional)."""
+        return not self.optional or self.read(self.holder(batch)) is not None
 
     def source(self, batch: RolloutBatch, k: int | None = None) -> torch.Tensor:
         """The field's tensor in its holder, cut to the first k of a top-k (k None: as it is)."""
@@ -71,6 +77,18 @@ class TokenField:
 OLD_LOGPROBS = TokenField("old_logprobs_BT", _actor, lambda s: s.logprobs_BT, torch.float32, lambda n: n.old_logprobs)
 TEACHER_LOGPROBS = TokenField(
     "teacher_logprobs_BT", _teacher, lambda s: s.logprobs_BT, torch.float32, lambda n: n.teacher_logprobs
+)
+# Spans of a cross-tokenizer teacher (rollout.records.TokenScores.spans_BT), read with its log-probs; -1 at
+# padding and golden positions, so that none joins a span.
+TEACHER_SPANS = TokenField(
+    "teacher_spans_BT",
+    _teacher,
+    lambda s: s.spans_BT,
+    torch.int32,
+    lambda n: n.teacher_logprobs,
+    pad=-1,
+    index=True,
+    optional=True,
 )
 TEACHER_TOPK_IDS = TokenField(
     "teacher_topk_ids_BTK", _teacher, lambda s: s.topk_ids_BTK, torch.int32, lambda n: n.teacher_topk, pad=0, index=True
@@ -104,6 +122,7 @@ ENGINE_LOGPROBS = TokenField(
 FIELDS: tuple[TokenField, ...] = (
     OLD_LOGPROBS,
     TEACHER_LOGPROBS,
+    TEACHER_SPANS,
     TEACHER_TOPK_IDS,
     TEACHER_TOPK_LOGPROBS,
     STUDENT_TOPK_IDS,
@@ -114,11 +133,12 @@ FIELDS: tuple[TokenField, ...] = (
 )
 
 
-def needed_fields(needs: LossNeeds) -> list[tuple[TokenField, int | None]]:
-    """The fields this loss reads, each with K to keep of a top-k (None: the whole trailing dimension)."""
+def needed_fields(needs: LossNeeds, batch: RolloutBatch | None = None) -> list[tuple[TokenField, int | None]]:
+    """The fields this loss reads, each with K to keep of a top-k (None: the whole trailing dimension); with
+    `batch`, the optional ones only where it has them."""
     out = []
     for f in FIELDS:
         want = f.needed(needs)
-        if want:
+        if want and (batch is None or f.present(batch)):
             out.append((f, want if type(want) is int else None))
     return out

@@ -177,7 +177,6 @@ def assemble_micro_batches(
     if golden is not None:
         g_local = golden_rows[list(dp_rows(len(golden_rows), dp_rank, dp_size))]
         S = max(S, golden.input_ids_BT.shape[1])
-    T = S - 1
     mbs = micro_batch_size if rollout is not None else 0
     if rollout is not None:
         n_micro = max(1, -(-len(local) // mbs))
@@ -185,17 +184,13 @@ def assemble_micro_batches(
     else:
         g_per = micro_batch_size
         n_micro = max(1, -(-len(g_local) // g_per))
+    shape = _PaddedShape(mbs=mbs, g_per=g_per, S=S)
     return [
         _one_micro_batch(
-            rollout,
-            loss_mask_BT,
-            golden,
+            mini,
             local[i * mbs : (i + 1) * mbs],
             g_local[i * g_per : (i + 1) * g_per] if g_local is not None else torch.arange(0),
-            mbs,
-            g_per,
-            S,
-            T,
+            shape,
             needs,
             counts,
             pad_id,
@@ -204,7 +199,33 @@ def assemble_micro_batches(
     ]
 
 
-def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, needs, counts, pad_id) -> MicroBatch:
+@dataclass(frozen=True, kw_only=True)
+class _PaddedShape:
+    """Every padded micro-batch of a mini-batch: mbs on-policy rows, then g_per golden rows, of S tokens."""
+
+    mbs: int
+    g_per: int
+    S: int
+
+    @property
+    def T(self) -> int:
+        """Predicted positions: position t predicts token t + 1."""
+        return self.S - 1
+
+
+def _one_micro_batch(
+    mini: MiniBatch,
+    r: torch.Tensor,
+    gr: torch.Tensor,
+    shape: _PaddedShape,
+    needs: LossNeeds,
+    counts: StepCounts,
+    pad_id: int,
+) -> MicroBatch:
+    """The micro-batch of on-policy rows r (padded to shape.mbs) and golden rows gr (padded to shape.g_per)."""
+    rollout, loss_mask_BT, golden = mini.rollout, mini.loss_mask_BT, mini.golden
+    mbs, g_per, S, T = shape.mbs, shape.g_per, shape.S, shape.T
+
     def rows_of(x, fill=0):
         """On-policy rows r of x (padded to mbs), then g_per rows of fill: [mbs + g_per, ...]."""
         x = pad_rows(x[r], mbs, fill)
@@ -223,7 +244,7 @@ def _one_micro_batch(rollout, loss_mask_BT, golden, r, gr, mbs, g_per, S, T, nee
     if rollout is not None:
         mb.tokens_BS = pad_to(rows_of(rollout.tokens_BS, pad_id), S, pad_id)
         mb.loss_mask_BT = per_token(loss_mask_BT)
-        mb.inputs = {f: _padded_input(f, k, rollout, r, mbs, g_per, T) for f, k in needed_fields(needs)}
+        mb.inputs = {f: _padded_input(f, k, rollout, r, mbs, g_per, T) for f, k in needed_fields(needs, rollout)}
     if g_per:
         mb.tokens_BS[mbs:] = pad_to(pad_rows(golden.input_ids_BT[gr], g_per, pad_id), S, pad_id)
         mb.golden_mask_BT[mbs:] = pad_to(pad_rows(golden.loss_mask_BT[gr][:, 1:], g_per), T)
@@ -273,9 +294,7 @@ def assemble_packed_micro_batches(
     # Sequence parallelism splits a row's tokens over TP: every row is padded to a multiple of `multiple`.
     return [
         _packed_micro_batch(
-            rollout,
-            loss_mask_BT,
-            golden,
+            mini,
             PackedRow(segs, round_up(largest if uniform else max(sum(s.length for s in segs), 2), multiple)),
             needs,
             counts,
@@ -285,7 +304,11 @@ def assemble_packed_micro_batches(
     ]
 
 
-def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, counts, pad_id) -> MicroBatch:
+def _packed_micro_batch(
+    mini: MiniBatch, row: PackedRow, needs: LossNeeds, counts: StepCounts, pad_id: int
+) -> MicroBatch:
+    """The micro-batch of one packed row (its segments: on-policy and golden rows of the mini-batch)."""
+    rollout, loss_mask_BT, golden = mini.rollout, mini.loss_mask_BT, mini.golden
     sources = {}
     if rollout is not None:
         sources[ON_POLICY] = rollout.tokens_BS
@@ -303,7 +326,7 @@ def _packed_micro_batch(rollout, loss_mask_BT, golden, row: PackedRow, needs, co
     if rollout is not None:
         mb.loss_mask_BT = row.per_token(loss_mask_BT, ON_POLICY)
         layouts: dict = {}  # per holder of scores: the row's layout in the rows it holds (built once)
-        mb.inputs = {f: _packed_input(f, k, rollout, row, layouts) for f, k in needed_fields(needs)}
+        mb.inputs = {f: _packed_input(f, k, rollout, row, layouts) for f, k in needed_fields(needs, rollout)}
     if golden is not None:
         mb.golden_mask_BT = row.per_token(golden.loss_mask_BT[:, 1:], GOLDEN)
     return mb

@@ -226,12 +226,19 @@ def build_plan(
             act_hint if act_hint == smaller else f"{act_hint}, or {smaller}",
         )
     )
+    case = _LogitsCase(
+        student=student,
+        reference=reference,
+        teacher=teacher,
+        train=train,
+        score=score,
+        smaller=smaller,
+        flash_attention=flash_attention,
+    )
     if logits_chunk_tokens:
-        _fused_logits_items(
-            items, student, reference, teacher, train, score, logits_chunk_tokens, smaller, flash_attention
-        )
+        _fused_logits_items(items, case, logits_chunk_tokens)
     else:
-        _whole_logits_items(items, student, reference, teacher, train, score, smaller, flash_attention)
+        _whole_logits_items(items, case)
     _model_items(items, reference, teacher, offload=not cpu)
     if colocated and not cpu:
         share = engine_memory_fraction * gpu_memory_gb * GB
@@ -327,19 +334,27 @@ def _embedded_engine_item(eng: EmbeddedEngineFootprint, cpu: bool) -> Item:
     )
 
 
-def _fused_logits_items(
-    items,
-    student,
-    reference,
-    teacher,
-    train: MicroBatchShape,
-    score: MicroBatchShape,
-    chunk_tokens: int,
-    smaller,
-    flash_attention,
-) -> None:
+@dataclass(frozen=True, kw_only=True)
+class _LogitsCase:
+    """What the logits items of a plan are counted from."""
+
+    student: RoleLayout
+    reference: RoleLayout | None
+    teacher: RoleLayout | None
+    train: MicroBatchShape
+    """The training micro-batch."""
+    score: MicroBatchShape
+    """The scoring passes' micro-batch."""
+    smaller: str
+    """The hint that makes a micro-batch smaller (packed or padded)."""
+    flash_attention: bool
+
+
+def _fused_logits_items(items: list[Item], case: _LogitsCase, chunk_tokens: int) -> None:
     """The logits items of the fused output layer: chunks of `chunk` tokens, the hidden states, the weight's
     float32 gradient (module docstring)."""
+    student, reference, teacher, train, score = case.student, case.reference, case.teacher, case.train, case.score
+    smaller, flash_attention = case.smaller, case.flash_attention
     tokens = train.rows * train.tokens
     chunk = min(chunk_tokens, tokens)
     lc = logits_bytes(student, 1, chunk)
@@ -394,10 +409,10 @@ def _fused_logits_items(
     )
 
 
-def _whole_logits_items(
-    items, student, reference, teacher, train: MicroBatchShape, score: MicroBatchShape, smaller, flash_attention
-) -> None:
+def _whole_logits_items(items: list[Item], case: _LogitsCase) -> None:
     """The logits items when the model's output layer makes the micro-batch's whole logits (module docstring)."""
+    student, reference, teacher, train, score = case.student, case.reference, case.teacher, case.train, case.score
+    smaller, flash_attention = case.smaller, case.flash_attention
     b, s, padded = train.rows, train.tokens, not train.packed and train.rows > 1
     lg = logits_bytes(student, b, s)
     # Training with the reference in lockstep: the fused backward writes the student's gradient into the

@@ -85,29 +85,21 @@ def layer_saved_elements(hf: HFModelConfig, tp: int, sequence_parallel: bool, cp
 
 
 def layer_activation_bytes(
-    hf: HFModelConfig,
-    rows: int,
-    seq: int,
-    tp: int,
-    dtype: str,
-    recompute: str,
-    sequence_parallel: bool,
-    flash_attention: bool,
-    attn_seq: int | None = None,
-    cpu: bool = False,
+    role: RoleLayout, rows: int, seq: int, flash_attention: bool, attn_seq: int | None = None
 ) -> tuple[float, float]:
-    """(bytes saved per layer for backward, bytes of one layer's full set) for one micro-batch of rows x seq
-    tokens whose unfused attention scores span attn_seq keys per token (None: seq; a packed row: its longest
-    sequence, attention stays within each)."""
-    e = DTYPE_BYTES[dtype]
+    """(bytes saved per layer for backward under role.recompute, bytes of one layer's full set) for one
+    micro-batch of rows x seq tokens whose unfused attention scores span attn_seq keys per token (None: seq; a
+    packed row: its longest sequence, attention stays within each)."""
+    hf, tp, sequence_parallel = role.hf, role.tp, role.sequence_parallel
+    e = DTYPE_BYTES[role.dtype]
     tokens = rows * seq
-    whole = e * tokens * sum(layer_saved_elements(hf, tp, sequence_parallel, cpu).values())
+    whole = e * tokens * sum(layer_saved_elements(hf, tp, sequence_parallel, role.cpu).values())
     keys = seq if attn_seq is None else min(attn_seq, seq)
     scores = 0.0 if flash_attention else 2 * e * rows * (hf.num_attention_heads / tp) * seq * keys
     full_layer = whole + scores
-    if recompute == "full":
+    if role.recompute == "full":
         return e * tokens * hf.hidden_size / (tp if sequence_parallel else 1), full_layer
-    if recompute == "selective":
+    if role.recompute == "selective":
         return whole, full_layer
     return full_layer, full_layer
 
@@ -116,18 +108,7 @@ def activation_bytes(
     role: RoleLayout, rows: int, seq: int, flash_attention: bool, attn_seq: int | None = None
 ) -> float:
     """Activations saved by the trained model for one optimizer micro-batch (all in-flight micro-batches)."""
-    saved, one_layer = layer_activation_bytes(
-        role.hf,
-        rows,
-        seq,
-        role.tp,
-        role.dtype,
-        role.recompute,
-        role.sequence_parallel,
-        flash_attention,
-        attn_seq,
-        role.cpu,
-    )
+    saved, one_layer = layer_activation_bytes(role, rows, seq, flash_attention, attn_seq)
     layers = role.hf.num_layers // role.pp
     in_flight = role.pp  # 1F1B: the first stage holds pp micro-batches before its first backward
     total = saved * layers * in_flight
@@ -162,7 +143,6 @@ def ops_chunk_bytes(role: RoleLayout, rows: int, seq: int) -> float:
 def forward_layer_bytes(
     role: RoleLayout, rows: int, seq: int, flash_attention: bool, attn_seq: int | None = None
 ) -> float:
-    """Working set of a forward-only pass: one layer's tensors at a time (nothing is saved)."""
-    return layer_activation_bytes(
-        role.hf, rows, seq, role.tp, role.dtype, "none", role.sequence_parallel, flash_attention, attn_seq, role.cpu
-    )[1]
+    """Working set of a forward-only pass: one layer's tensors at a time (nothing is saved, whatever the
+    recompute setting: the full set is the same)."""
+    return layer_activation_bytes(role, rows, seq, flash_attention, attn_seq)[1]

@@ -333,8 +333,11 @@ def tokenizer_corpus(rows: Sequence[dict], instruction: str = DEFAULT_INSTRUCTIO
     return texts
 
 
-def build_tokenizer(corpus: Sequence[str], vocab_size: int = TOKENIZER_VOCAB):
-    """A PreTrainedTokenizerFast: character BPE over printable ASCII + newline, single-digit numbers."""
+def build_tokenizer(corpus: Sequence[str], vocab_size: int = TOKENIZER_VOCAB, spaces_lead: bool = False):
+    """A PreTrainedTokenizerFast: character BPE over printable ASCII + newline, single-digit numbers.
+    spaces_lead: also cut the text before every space, so a space only begins a token (" to", " both"; the
+    tiny teacher with another tokenizer, tools/build_tiny_models.py --xtok); by default merges may end in a
+    space too ("d ", " to ")."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -342,6 +345,10 @@ def build_tokenizer(corpus: Sequence[str], vocab_size: int = TOKENIZER_VOCAB):
     tok = Tokenizer(models.BPE(unk_token=UNK))
     # Digits are split before BPE so that no merge swallows a number: the model sees 1 2 7, not "127".
     tok.pre_tokenizer = pre_tokenizers.Digits(individual_digits=True)
+    if spaces_lead:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(" ", behavior="merged_with_next"), pre_tokenizers.Digits(individual_digits=True)]
+        )
     tok.decoder = decoders.Fuse()  # tokens are pieces of the text itself: decode by concatenation
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - 2,

@@ -6,10 +6,12 @@
     loss.backward()
 
 Registered: opd, grpo (policy.py); sft, ref_kl, lsm, gkd (divergence.py); stable_opd, weighted_sum
-(composite.py). Each is a pure function of a LossInputs record (inputs.py) and its own config
-dataclass, returns (loss, metrics) with metrics named "<loss>/<what>", and divides its token sum by the
-global count the caller passes (aggregation.py). Special-token masking: masking.py. Formulas and
-defaults: docs in each module and docs/algorithms.md.
+(composite.py). Under a teacher with another tokenizer opd and stable_opd take span rewards and
+check_cross_tokenizer refuses the full-distribution losses (cross_tokenizer.py). Each loss is a pure
+function of a LossInputs record (inputs.py) and its own config dataclass, returns (loss, metrics) with
+metrics named "<loss>/<what>", and divides its token sum by the global count the caller passes
+(aggregation.py). Special-token masking: masking.py. Formulas and defaults: docs in each module and
+docs/algorithms.md.
 """
 
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from megaopd.losses.controller import (
     build_controlled_loss,
     control_step,
 )
+from megaopd.losses.cross_tokenizer import check_cross_tokenizer
 from megaopd.losses.divergence import GKDConfig, LSMConfig, RefKLConfig, SFTConfig, student_topk_support
 from megaopd.losses.inputs import LossInputs, all_reduce_counts, local_counts
 from megaopd.losses.masking import mask_first_occurrences
@@ -125,6 +128,7 @@ __all__ = [
     "all_reduce_counts",
     "build_loss",
     "build_loss_from",
+    "check_cross_tokenizer",
     "discounted_returns",
     "get_spec",
     "grpo_advantages",

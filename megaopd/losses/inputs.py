@@ -55,7 +55,13 @@ class LossInputs:
     old_logprobs_BT: torch.Tensor | None = None
     """log pi_old(y_t|s_t), recomputed by the actor before the update (opd, grpo)."""
     teacher_logprobs_BT: torch.Tensor | None = None
-    """log q(y_t|s_t) of the sampled token under the teacher (opd)."""
+    """log q(y_t|s_t) of the sampled token under the teacher (opd); under a cross-tokenizer teacher, its
+    span's log-prob spread evenly over the span's student tokens (teacher_spans_BT)."""
+    teacher_spans_BT: torch.Tensor | None = None
+    """Span index of each position under a cross-tokenizer teacher [B, T] (long; -1: no span); None = every
+    token is its own span. A span is a stretch of a sequence's text both tokenizations cover whole
+    (megaopd.data.alignment); spans are numbered per sequence (the key is (seq_ids_BT, span)). opd takes
+    its reverse-KL reward over whole spans (policy.py)."""
     engine_logprobs_BT: torch.Tensor | None = None
     """log pi_engine(y_t|s_t): the engine's log-prob of the sampled token, under the weights that sampled it
     (loss.off_policy_correction tis / mis)."""

@@ -12,6 +12,9 @@ Both aggregate l_t with the configured mode (aggregation.py); advantages are con
 loss.off_policy_correction (off_policy.py) multiplies l_t by tis / mis weights, or (recompute) takes OPD's
 r_t against the training forward's detached log pi_theta instead of log pi_old.
 
+Under a teacher with another tokenizer (LossInputs.teacher_spans_BT) OPD's reward is taken over aligned
+text spans and each token of a span gets the span's advantage (cross_tokenizer.py); spans None: the above.
+
 Departures / choices (ours): rewards of tokens outside the loss mask (prompt, padding, special tokens
 masked by masking.py) are set to 0 before the discounted sum, so a masked "<|im_end|>" cannot leak its
 teacher score into earlier advantages; the discount still counts positions. The group std is the
@@ -27,7 +30,8 @@ from typing import Callable
 
 import torch
 
-from megaopd.losses.aggregation import aggregate, check_aggregation, masked_max, masked_means
+from megaopd.losses.aggregation import aggregate, check_aggregation, masked_max, masked_mean, masked_means
+from megaopd.losses.cross_tokenizer import place_at_span_ends, take_at_span_ends
 from megaopd.losses.inputs import LossInputs
 from megaopd.losses.off_policy import correction_metrics, correction_weights, reward_baseline
 from megaopd.losses.registry import LossNeeds, Metrics, register_loss
@@ -205,8 +209,17 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
         # The reward is a constant of the update (the advantage must not carry gradient into pi_theta).
         on_BT = mask_BT.bool()
         baseline_BT = reward_baseline(inputs.off_policy, old_BT, logprobs_BT)  # log pi_old, or recomputed
+        spans_BT = inputs.teacher_spans_BT
+        if spans_BT is not None:  # a teacher with another tokenizer: span rewards (cross_tokenizer.py)
+            on_BT = on_BT & (spans_BT >= 0)
         rewards_BT = torch.where(on_BT, teacher_BT - baseline_BT, torch.zeros_like(teacher_BT)).to(logprobs_BT.dtype)
-        advantages_BT = config.advantage_scale * discounted_returns(rewards_BT, inputs.seq_ids, config.gamma)
+        if spans_BT is None:
+            advantages_BT = config.advantage_scale * discounted_returns(rewards_BT, inputs.seq_ids, config.gamma)
+        else:
+            seq_ids_BT = inputs.seq_ids()
+            placed_BT, end_BT = place_at_span_ends(rewards_BT, spans_BT, seq_ids_BT, on_BT)
+            returns_BT = discounted_returns(placed_BT, seq_ids_BT, config.gamma)
+            advantages_BT = config.advantage_scale * take_at_span_ends(returns_BT, end_BT)
     loss_BT, ratio_BT, clip_BT = policy_gradient_loss(
         logprobs_BT, old_BT, advantages_BT, config.policy_loss, config.eps_low, config.eps_high
     )
@@ -233,6 +246,8 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
         {"opd/reward_mean": rewards_BT, "opd/teacher_logprob_mean": teacher_BT},
     )
     metrics.update(off_metrics)
+    if spans_BT is not None:  # loss tokens with no span (special tokens of one side): their advantage is 0
+        metrics["opd/unaligned_frac"] = masked_mean((spans_BT < 0).to(logprobs_BT.dtype), mask_BT)
     # Sampled-token estimate of the reverse KL(pi_old || q) that OPD minimizes.
     metrics["opd/reverse_kl"] = -metrics["opd/reward_mean"]
     return loss, metrics

@@ -100,7 +100,7 @@ class RolloutConfig:
     (contiguous groups of prompts, each keeping its prompts' seeds, so the samples are the ones a single
     request draws) and each group's responses are scored as soon as the group returns, instead of after the
     whole batch: by served teachers (from rank 0's thread, every mode) and, in rollout.mode sync, by the
-    actor's pass and the in-job teachers' too (megaopd.trainer.streaming; a teacher scoring at the student's
+    actor's pass and the in-job teachers' too (megaopd.trainer.rollout_stage; a teacher scoring at the student's
     top-k waits for the actor's whole pass). 1: one request, scoring after it. Needs rollout.engine=remote;
     single-turn rollouts (multi-turn ones score after the batch)."""
     max_turns: int = 8

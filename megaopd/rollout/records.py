@@ -45,6 +45,12 @@ class TokenScores:
     """Full-vocabulary log-probs at topk_ids_BTK [B, T, K]."""
     at_ids_logprobs_BTK: torch.Tensor | None = None
     """Log-probs at caller-given ids per position (the teacher at the student's top-k) [B, T, K]."""
+    spans_BT: torch.Tensor | None = None
+    """Span index of each position under a cross-tokenizer teacher [B, T] (int32); None = every token is its
+    own span. Spans number a response's stretches of text that the student's and the teacher's tokens both
+    cover whole (megaopd.data.alignment); -1 where a position has no span (a special token, the prompt,
+    padding). logprobs_BT then holds each span's teacher log-prob spread evenly over its student tokens
+    (alignment.spread_span_logprobs), and the opd loss sums both sides over spans."""
     rows: list[int] | None = None
     """The batch rows held, in the order of the fields' first dimension (increasing); None = every row of
     the batch, in batch order."""
@@ -106,7 +112,9 @@ ENTROPY = ScoreField("entropy_BT", torch.float32, lambda topk, at: ())
 TOPK_IDS = ScoreField("topk_ids_BTK", torch.int32, lambda topk, at: (topk,))
 TOPK_LOGPROBS = ScoreField("topk_logprobs_BTK", torch.float32, lambda topk, at: (topk,))
 AT_IDS_LOGPROBS = ScoreField("at_ids_logprobs_BTK", torch.float32, lambda topk, at: (at,))
-SCORE_FIELDS: tuple[ScoreField, ...] = (LOGPROBS, ENTROPY, TOPK_IDS, TOPK_LOGPROBS, AT_IDS_LOGPROBS)
+# Not a forward pass's output but the alignment's, carried with the teacher's scores wherever they go.
+SPANS = ScoreField("spans_BT", torch.int32, lambda topk, at: ())
+SCORE_FIELDS: tuple[ScoreField, ...] = (LOGPROBS, ENTROPY, TOPK_IDS, TOPK_LOGPROBS, AT_IDS_LOGPROBS, SPANS)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Multi-turn rollouts: the student's turns and an environment's turns as one token sequence per trajectory.
 
-    turns = ToolTurns(tokenizer, tools=env_tools)                  # how the chat template renders tool turns
-    samples = generate_trajectories(engine, examples, params, cfg.env, turns, limits)
+    multi_turn = MultiTurn(cfg.env, max_turns, max_trajectory_tokens, tokenizer)   # tools, limits, template
+    samples = multi_turn.generate(engine, examples, params)       # n trajectories per example
     batch = build_rollout_batch(samples, pad_id, n)                # loss_mask_BT: the student's tokens only
 
 A trajectory, token by token (Qwen-style template; docs/environments.md):
@@ -105,34 +105,6 @@ class _Trajectory:
         )
 
 
-def generate_trajectories(
-    engine: Engine,
-    examples: list,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    env_cfg: EnvConfig,
-    turns: ToolTurns,
-    limits: TrajectoryLimits,
-    decode,
-) -> list[Sample]:
-    """params.n trajectories per example, prompt-major (as Engine.generate returns samples). prompts: each
-    example's prompt ids; decode(ids) -> the text the environment reads (special tokens kept)."""
-    trajs = []
-    for ex, prompt in zip(examples, prompts):
-        for _ in range(params.n):
-            env = build_environment(env_cfg)
-            env.reset(ex)
-            trajs.append(_Trajectory(list(prompt), env))
-    for turn in range(limits.max_turns):
-        active = [t for t in trajs if not t.finish]
-        if not active:
-            break
-        _generate_turn(engine, active, params, turn, limits.max_tokens)
-        for t in active:
-            _environment_turn(t, turn, limits, turns, decode)
-    return [t.sample() for t in trajs]
-
-
 def _generate_turn(
     engine: Engine, active: list[_Trajectory], params: SamplingParams, turn: int, max_tokens: int
 ) -> None:
@@ -205,10 +177,23 @@ class MultiTurn:
         self.limits = TrajectoryLimits(max_turns, max_trajectory_tokens)
 
     def generate(self, engine: Engine, examples: list, params: SamplingParams) -> list[Sample]:
+        """params.n trajectories per example, prompt-major (as Engine.generate returns samples); the environment
+        reads the assistant's text decoded with special tokens kept."""
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        return generate_trajectories(
-            engine, examples, [ex.prompt_ids for ex in examples], params, self.env_cfg, self.turns, self.limits, decode
-        )
+        trajs = []
+        for ex in examples:
+            for _ in range(params.n):
+                env = build_environment(self.env_cfg)
+                env.reset(ex)
+                trajs.append(_Trajectory(list(ex.prompt_ids), env))
+        for turn in range(self.limits.max_turns):
+            active = [t for t in trajs if not t.finish]
+            if not active:
+                break
+            _generate_turn(engine, active, params, turn, self.limits.max_tokens)
+            for t in active:
+                _environment_turn(t, turn, self.limits, self.turns, decode)
+        return [t.sample() for t in trajs]
 
     def texts_and_rewards(self, samples: list[Sample]) -> tuple[list[str], list[float]]:
         texts = [

@@ -30,6 +30,7 @@ flag) gives the whole call up with WaitAbandoned.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -44,6 +45,24 @@ class RemoteTeacherError(RuntimeError):
     """A served teacher could not score the batch: every server failed, or a request was refused."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServerPolicy:
+    """How a served teacher asks its servers (the trainer's from TeacherConfig and rollout.stall_timeout_s)."""
+
+    rows_per_request: int = 8
+    """Responses per /generate request: the unit spread over the servers and retried."""
+    timeout_s: float = 600.0
+    """Longest wait for one scoring request."""
+    retries: int = 1
+    """Extra attempts on the same server after a connection error or 5xx, before the request moves on."""
+    backoff_s: float = 0.5
+    """First wait before a retry (HttpEngineConfig.backoff_s)."""
+    stall_timeout_s: float = 30.0
+    """A server's longest silence (HttpEngineConfig.stall_timeout_s)."""
+    api_key_env: str = "MEGAOPD_API_KEY"
+    """The variable holding the servers' key (teacher.api_key_env); HttpEngine sends it."""
+
+
 class RemoteTeacher:
     """Scores responses on SGLang-compatible servers; safe to run in a background thread."""
 
@@ -51,37 +70,30 @@ class RemoteTeacher:
         self,
         name: str,
         urls: Sequence[str],
-        rows_per_request: int = 8,
-        timeout_s: float = 600.0,
-        retries: int = 1,
-        backoff_s: float = 0.5,
-        stall_timeout_s: float = 30.0,
+        policy: ServerPolicy = ServerPolicy(),
         stop: Callable[[], bool] | None = None,
-        api_key_env: str = "MEGAOPD_API_KEY",
     ):
-        """stall_timeout_s: a server's longest silence (HttpEngineConfig.stall_timeout_s; the trainer passes
-        rollout.stall_timeout_s); stop: every wait is given up once it is true (PreemptionFlag.signalled)."""
+        """stop: every wait is given up once it is true (PreemptionFlag.signalled)."""
         if not urls:
             raise ValueError(f"teacher {name!r}: engine remote needs at least one url")
         self.name = name
-        self.rows_per_request = rows_per_request
-        # api_key_env: the variable holding the servers' key (teacher.api_key_env); HttpEngine sends it.
+        self.rows_per_request = policy.rows_per_request
         self.servers = [
             HttpEngine(
                 HttpEngineConfig(
                     url=u,
-                    generate_timeout_s=timeout_s,
-                    retries=retries,
-                    backoff_s=backoff_s,
-                    stall_timeout_s=stall_timeout_s,
-                    api_key_env=api_key_env,
+                    generate_timeout_s=policy.timeout_s,
+                    retries=policy.retries,
+                    backoff_s=policy.backoff_s,
+                    stall_timeout_s=policy.stall_timeout_s,
+                    api_key_env=policy.api_key_env,
                     name=f"teacher {name!r} urls[{i}]",
                 ),
                 stop=stop,
             )
             for i, u in enumerate(urls)
         ]
-        self.timeout_s = timeout_s
+        self.timeout_s = policy.timeout_s
         self.last_reused = 0
         """Rows the last score() took from `scored` instead of asking (rank 0's scoring thread reads it)."""
 

@@ -302,7 +302,7 @@ class TeacherSet:
         cut of the whole batch (each teacher takes its rows' subset); request: what the in-job teachers
         compute (served ones give what start_remote asked). at_ids: the ids to score at (the student's top-k)
         as TokenScores-like rows (its topk_ids_BTK holds them for at_ids.rows). streamed: in-job teachers'
-        scores already made while the batch generated (megaopd.trainer.streaming), by name: their passes are
+        scores already made while the batch generated (megaopd.trainer.rollout_stage), by name: their passes are
         not run again."""
         on_device = on_device or (lambda _m, _o: contextlib.nullcontext())
         owners = owners if owners is not None else RowOwners.replicated(batch.size, global_rank())

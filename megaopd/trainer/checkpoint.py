@@ -18,8 +18,9 @@ Which step a run resumes from, and what a start over moves aside: megaopd.traine
 the newest `keep` complete steps by the step they record and never the one just written; it deletes only
 folders with a manifest (docs/run_folder.md).
 
-The trainer's small state travels as Stateful components (torchtitan's pattern): save and resume get the
-same {key: object} mapping, so each key is named in one place and each object says what it keeps.
+The trainer's small state travels as Stateful components (torchtitan's pattern): the trainer builds one
+Checkpointer after every component exists, so save and resume read the same {key: object} mapping, each key is
+named in one place and each object says what it keeps.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Mapping, Protocol
 
 import torch
@@ -102,51 +104,81 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(
-    run_dir: str,
-    step: int,
-    model,
-    optimizer,
-    pgs,
-    components: Mapping[str, Stateful],
-    meta: Mapping[str, object],
-    hf_cfg,
-    hf_side_dir: str,
-    keep: int = 2,
-) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory. components: the Stateful objects
-    load_checkpoint restores (rank 0's are saved: they are the same on every rank); meta: what
-    trainer_state.json records for people and tools. hf_cfg / hf_side_dir: the student's architecture and
-    the directory whose config.json and tokenizer files are copied in."""
-    rank = dist.get_rank()
-    name = f"step_{step:06d}"
-    final = os.path.join(checkpoints_dir(run_dir), name)
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # an unfinished save of this step: never a complete one
-        os.makedirs(os.path.join(tmp, "optimizer"))
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    save_model_checkpoint(model, tmp, hf_cfg, pgs, hf_side_dir=hf_side_dir, extra_meta={"step": step}, manifest=False)
-    dist_checkpointing.save(_optimizer_sd(model, optimizer, pgs, is_loading=False), os.path.join(tmp, "optimizer"))
-    save_file(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.safetensors"))
-    dist.barrier()
-    if rank == 0:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            layout = {"tp": pgs.tp.size(), "pp": pgs.pp.size(), "ep": saved_ep(pgs)}
-            json.dump(trainer_state(step, dist.get_world_size(), layout, components, meta), f, indent=1)
-    write_checkpoint_manifest(tmp, step)  # collective; last: its presence marks a finished step
-    if rank == 0:
-        if os.path.exists(final):  # a folder of this name from another timeline: kept, not overwritten
-            _set_aside(run_dir, name)
-        os.replace(tmp, final)
-        pointer_tmp = os.path.join(checkpoints_dir(run_dir), LATEST + ".tmp")
-        with open(pointer_tmp, "w") as f:
-            f.write(name)
-        os.replace(pointer_tmp, os.path.join(checkpoints_dir(run_dir), LATEST))
-        _prune(run_dir, keep, just_written=name)
-    dist.barrier()
-    return final
+@dataclass(kw_only=True)
+class Checkpointer:
+    """What a checkpoint saves and restores, named once, after every component exists (torchtitan's
+    Checkpointer): the student, its optimizer and layout, and the Stateful components under their keys; save
+    and load read the same mapping."""
+
+    run_dir: str
+    model: torch.nn.Module
+    """The student (its stage on this rank)."""
+    optimizer: object
+    pgs: object
+    """The student's ProcessGroupCollection."""
+    components: Mapping[str, Stateful]
+    """The trainer's small state by key (scheduler, data position, collapse detector, loss controller)."""
+    hf_cfg: object
+    """The student's architecture (its HFModelConfig), written beside the weights."""
+    hf_side_dir: str
+    """The directory whose config.json and tokenizer files are copied in."""
+    keep: int = 2
+    """Complete steps kept (the newest by the step they record; _prune)."""
+
+    def save(self, step: int, meta: Mapping[str, object]) -> str:
+        """Collective: every rank calls it. Returns the checkpoint directory. The components' state is rank 0's
+        (they are the same on every rank); meta: what trainer_state.json records for people and tools."""
+        run_dir, model, optimizer, pgs = self.run_dir, self.model, self.optimizer, self.pgs
+        rank = dist.get_rank()
+        name = f"step_{step:06d}"
+        final = os.path.join(checkpoints_dir(run_dir), name)
+        tmp = final + ".tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # an unfinished save of this step: never a complete one
+            os.makedirs(os.path.join(tmp, "optimizer"))
+            os.makedirs(os.path.join(tmp, "rng"))
+        dist.barrier()
+        save_model_checkpoint(
+            model, tmp, self.hf_cfg, pgs, hf_side_dir=self.hf_side_dir, extra_meta={"step": step}, manifest=False
+        )
+        dist_checkpointing.save(_optimizer_sd(model, optimizer, pgs, is_loading=False), os.path.join(tmp, "optimizer"))
+        save_file(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.safetensors"))
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                layout = {"tp": pgs.tp.size(), "pp": pgs.pp.size(), "ep": saved_ep(pgs)}
+                json.dump(trainer_state(step, dist.get_world_size(), layout, self.components, meta), f, indent=1)
+        write_checkpoint_manifest(tmp, step)  # collective; last: its presence marks a finished step
+        if rank == 0:
+            if os.path.exists(final):  # a folder of this name from another timeline: kept, not overwritten
+                _set_aside(run_dir, name)
+            os.replace(tmp, final)
+            pointer_tmp = os.path.join(checkpoints_dir(run_dir), LATEST + ".tmp")
+            with open(pointer_tmp, "w") as f:
+                f.write(name)
+            os.replace(pointer_tmp, os.path.join(checkpoints_dir(run_dir), LATEST))
+            _prune(run_dir, self.keep, just_written=name)
+        dist.barrier()
+        return final
+
+    def load(self, path: str, restore_rng: bool = True) -> int:
+        """Collective. Loads weights, optimizer state and every component in place; returns the saved step.
+        `path` comes from run_folder.resume_point, which verified its manifest: the pickles are read restricted."""
+        model, optimizer, pgs = self.model, self.optimizer, self.pgs
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+        load_model_checkpoint(model, path, pgs, verified=True)
+        if optimizer is not None:
+            compat.init_optimizer_states_for_loading(optimizer)
+            loaded = load_safely(_optimizer_sd(model, optimizer, pgs, is_loading=True), os.path.join(path, "optimizer"))
+            optimizer.load_state_dict(loaded["optimizer"])
+        rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.safetensors")
+        if restore_rng and state.get("world_size") == dist.get_world_size() and os.path.exists(rng_file):
+            rng = load_file(rng_file)
+            torch.set_rng_state(rng["torch_cpu"])
+            if torch.cuda.is_available() and "torch_cuda" in rng:
+                torch.cuda.set_rng_state(rng["torch_cuda"])
+        return restore_components(state, self.components, path)
 
 
 def _set_aside(run_dir: str, name: str) -> None:
@@ -174,24 +206,3 @@ def _sizes_match(run_dir: str, folder: StepFolder) -> bool:
         if not os.path.isfile(path) or os.path.getsize(path) != record.size:
             return False
     return True
-
-
-def load_checkpoint(
-    path: str, model, optimizer, pgs, components: Mapping[str, Stateful], restore_rng: bool = True
-) -> int:
-    """Collective. Loads weights, optimizer state and every component in place; returns the saved step.
-    `path` comes from run_folder.resume_point, which verified its manifest: the pickles are read restricted."""
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        state = json.load(f)
-    load_model_checkpoint(model, path, pgs, verified=True)
-    if optimizer is not None:
-        compat.init_optimizer_states_for_loading(optimizer)
-        loaded = load_safely(_optimizer_sd(model, optimizer, pgs, is_loading=True), os.path.join(path, "optimizer"))
-        optimizer.load_state_dict(loaded["optimizer"])
-    rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.safetensors")
-    if restore_rng and state.get("world_size") == dist.get_world_size() and os.path.exists(rng_file):
-        rng = load_file(rng_file)
-        torch.set_rng_state(rng["torch_cpu"])
-        if torch.cuda.is_available() and "torch_cuda" in rng:
-            torch.cuda.set_rng_state(rng["torch_cuda"])
-    return restore_components(state, components, path)

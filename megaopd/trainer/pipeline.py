@@ -31,13 +31,29 @@ import functools
 import threading
 from dataclasses import dataclass
 from queue import Queue
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.overlap import GenerateAhead, Taken, overlap_metrics, staleness
 from megaopd.rollout.protocol import Sample, SamplingParams
 from megaopd.rollout.trajectories import MultiTurn, generate_rows
 from megaopd.rollout.waits import WaitAbandoned, rank0_waits
+
+if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
+    from megaopd.config.schema import MegaOPDConfig
+    from megaopd.data import PromptLoader
+    from megaopd.trainer.timer import Timer
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutPart:
+    """Rows of one step's batch, as the engines returned them (the whole batch, or a part while the rest
+    generates: RolloutPipeline.parts)."""
+
+    rows: list[int]
+    """Their batch rows, whole prompts' (every rank)."""
+    samples: list[Sample] | None
+    """Their samples, in the order of `rows` (rank 0; None on the other ranks)."""
 
 
 @dataclass
@@ -49,26 +65,34 @@ class Received:
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineHooks:
+    """What the pipeline calls back at its points of the step (the trainer's, which owns the models)."""
+
+    push: Callable[[], None]
+    """The weight sync: the actor's current weights to the engines (collective)."""
+    parity: Callable[[], None]
+    """The engine/actor parity check (collective)."""
+    on_part: Callable[[int, int, list, list[Sample]], None] | None = None
+    """on_part(step, first_row, examples, samples): rank 0, as each of rollout.stream_parts parts of a batch
+    finishes generating (served teachers start scoring it: rollout_stage.served_teachers_on_part)."""
+
+
 class RolloutPipeline:
     def __init__(
         self,
-        cfg,
-        loader,
-        timer,
-        stop_ids,
+        cfg: MegaOPDConfig,
+        loader: PromptLoader,
+        timer: Timer,
+        stop_ids: Sequence[int],
         rank: int,
-        push: Callable[[], None],
-        parity: Callable[[], None],
+        hooks: EngineHooks,
         multi_turn: MultiTurn | None = None,
-        on_part: Callable[[int, int, list, list[Sample]], None] | None = None,
     ):
-        """push: the weight sync (collective); parity: the engine/actor parity check (collective); multi_turn:
-        the environment loop when rollouts are trajectories (env.name set); on_part(step, first_row, examples,
-        samples): rank 0, as each of rollout.stream_parts parts of a batch finishes generating (served
-        teachers start scoring it)."""
-        self.multi_turn, self.on_part = multi_turn, on_part
+        """multi_turn: the environment loop when rollouts are trajectories (env.name set)."""
+        self.multi_turn, self.on_part = multi_turn, hooks.on_part
         self.cfg, self.loader, self.timer, self.stop_ids, self.rank = cfg, loader, timer, list(stop_ids), rank
-        self.push, self.parity = push, parity
+        self.push, self.parity = hooks.push, hooks.parity
         self.mode, self.max_staleness = cfg.rollout.mode, cfg.rollout.max_staleness
         self.depth = 0 if self.mode == "sync" else self.max_staleness  # batches generated ahead
         self.engine = None
@@ -80,8 +104,6 @@ class RolloutPipeline:
         self.ahead = GenerateAhead(self._generate) if rank == 0 and self.depth else None
         self.versions_B: list[int] | None = None
         self.metrics: dict[str, float] = {}
-        self.streamed_samples: list[Sample] | None = None
-        """Rank 0, after stream(): the whole batch's samples."""
 
     # ------------------------------------------------------------------------------------------- data
     def _draw(self, step: int) -> None:
@@ -160,18 +182,26 @@ class RolloutPipeline:
 
     @property
     def streams(self) -> bool:
-        """The in-job scoring passes run on each part of the batch as it generates (rollout.stream_parts > 1
-        in sync mode, engines on devices of their own: the trainer's are free meanwhile; colocated engines
-        hold part of their memory while they generate, and the overlapped modes already score one batch
-        while the next generates)."""
+        """The batch comes in parts as it generates (rollout.stream_parts > 1 in sync mode, engines on devices
+        of their own: the trainer's are free meanwhile; colocated engines hold part of their memory while they
+        generate, and the overlapped modes already score one batch while the next generates)."""
         r = self.cfg.rollout
         return not self.depth and r.stream_parts > 1 and self.multi_turn is None and not r.colocated
 
-    def stream(self, step: int, examples: list) -> Iterator[tuple[list[int], list[Sample] | None]]:
-        """Collective (sync mode, `streams`): generates step `step`'s batch in parts (generate_rows, in a thread
-        of rank 0) and yields the parts as they finish, in the order rank 0 sees them (the parts that came back
-        since the last yield, together): their batch rows, whole prompts' (every rank), and their samples
-        (rank 0; None elsewhere). Then `streamed_samples` is the whole batch's (rank 0), as samples() gives."""
+    def parts(self, step: int, examples: list) -> Iterator[RolloutPart]:
+        """Collective: step `step`'s batch as parts covering its rows once each, in the order rank 0 receives
+        them: in parts as it generates when `streams` (the parts that came back since the last one was handed
+        on, together), else the whole batch as one part (generated now or taken from ahead, as `samples`).
+        After the last part the versions and the step's metrics are set on every rank."""
+        if not self.streams:
+            samples = self.samples(step, examples)
+            yield RolloutPart(rows=list(range(len(self.versions_B))), samples=samples)
+            return
+        yield from self._stream(step, examples)
+
+    def _stream(self, step: int, examples: list) -> Iterator[RolloutPart]:
+        """Collective (`streams`): generates step `step`'s batch in parts (generate_rows, in a thread of rank 0)
+        and yields them as they finish. An error of the generation is raised on every rank."""
         B = len(examples) * self.cfg.trainer.samples_per_prompt
         parts = _Parts(step, B)
         if self.rank == 0:
@@ -179,28 +209,23 @@ class RolloutPipeline:
             def on_part(first_row, part_examples, samples):
                 if self.on_part is not None:  # the served teachers' streaming too
                     self.on_part(step, first_row, part_examples, samples)
-                parts.queue.put((first_row, samples))
+                parts.queue.put(_Arrived(first_row, samples))
 
             def run():
                 try:
-                    parts.queue.put(("done", self._generate(step, examples, on_part)))
-                except BaseException as e:  # noqa: BLE001 - raised on every rank below
-                    parts.queue.put(("error", e))
+                    parts.queue.put(_Generated(self._generate(step, examples, on_part)))
+                except BaseException as e:  # noqa: BLE001 - raised on every rank by the loop below
+                    parts.queue.put(_Failed(e))
 
             threading.Thread(target=run, daemon=True, name=f"megaopd-stream-{step}").start()
         seen = yielded = 0
         while seen < B:
-            rows = rank0_computes(parts.next)
-            if isinstance(rows, BaseException):
-                raise rows
-            seen, yielded = seen + len(rows), yielded + 1
-            yield rows, parts.take_part()
-        error = rank0_computes(parts.finish)
-        if error is not None:
-            raise error
+            part = _raised_everywhere(parts.next)
+            seen, yielded = seen + len(part.rows), yielded + 1
+            yield part
+        _raised_everywhere(parts.finish)
         self.versions_B = [self.engine_version] * B
         self.metrics = {"pipeline/streamed_parts": float(yielded)}  # parts scored as they came
-        self.streamed_samples = parts.all
 
     def _received(self, make: Callable[[], Received]) -> Received:
         """make() on rank 0, everything but its samples on every rank (rank 0 keeps them); WaitAbandoned on every
@@ -319,51 +344,85 @@ def _given_up(fn, *args) -> WaitAbandoned | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Arrived:
+    """A part of the batch back from the engines: its samples, rows first_row.. of the batch."""
+
+    first_row: int
+    samples: list[Sample]
+
+
+@dataclass(frozen=True)
+class _Generated:
+    """The generation ended: every sample of the batch."""
+
+    samples: list[Sample]
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """The generation raised `error` (raised on every rank)."""
+
+    error: BaseException
+
+
 class _Parts:
-    """Rank 0, RolloutPipeline.stream: the parts of one batch as the generating threads put them in `queue`
-    ((first_row, samples), then ("done", every sample) or ("error", exception)), and the whole batch."""
+    """Rank 0, RolloutPipeline._stream: the parts of one batch as the generating threads put them in `queue`
+    (_Arrived each, then _Generated or _Failed)."""
 
     def __init__(self, step: int, rows: int):
-        self.queue: Queue = Queue()
+        self.queue: Queue[_Arrived | _Generated | _Failed] = Queue()
         self.step, self.rows, self.seen = step, rows, 0
         self.all: list[Sample] | None = None
-        self._part: list[Sample] | None = None
 
-    def next(self) -> list[int] | BaseException:
+    def next(self) -> RolloutPart:
         """Every part that came back since the last call, as one (when scoring is slower than the parts
-        arrive, the passes take them in larger batches): its batch rows; or the error to raise everywhere."""
+        arrive, the passes take them in larger batches); the samples stay on rank 0 (None in what the other
+        ranks receive)."""
         items = [self.queue.get()]
         while not self.queue.empty():
             items.append(self.queue.get_nowait())
         rows, samples = [], []
-        for kind, value in items:
-            if kind == "error":
-                return value
-            if kind == "done":
-                self.all = value
+        for item in items:
+            if isinstance(item, _Failed):
+                raise item.error
+            if isinstance(item, _Generated):
+                self.all = item.samples
                 if not self.seen and not rows:  # a batch too small to split comes back whole, as one part
-                    rows, samples = list(range(len(value))), list(value)
+                    rows, samples = list(range(len(item.samples))), list(item.samples)
             else:
-                rows, samples = rows + list(range(kind, kind + len(value))), samples + list(value)
-        self.seen, self._part = self.seen + len(rows), samples
+                rows += range(item.first_row, item.first_row + len(item.samples))
+                samples += item.samples
+        self.seen += len(rows)
         if not rows or (self.all is not None and self.seen != self.rows):
-            return RuntimeError(f"step {self.step}: the engines returned {self.seen} of the batch's {self.rows} rows")
-        return rows
+            raise RuntimeError(f"step {self.step}: the engines returned {self.seen} of the batch's {self.rows} rows")
+        return RolloutPart(rows=rows, samples=samples)
 
-    def take_part(self) -> list[Sample] | None:
-        """The samples of the rows next() gave (rank 0; None elsewhere)."""
-        part, self._part = self._part, None
-        return part
-
-    def finish(self) -> BaseException | None:
-        """After the last part: the whole batch in `all`, or the error to raise everywhere."""
+    def finish(self) -> None:
+        """After the last part: the generation ended, with the whole batch."""
         if self.all is None:
-            kind, value = self.queue.get()
-            if kind == "error":
-                return value
-            self.all = value
-        return (
-            None
-            if len(self.all) == self.rows
-            else RuntimeError(f"step {self.step}: the engines returned {len(self.all)} of the batch's {self.rows} rows")
-        )
+            item = self.queue.get()
+            if isinstance(item, _Failed):
+                raise item.error
+            self.all = item.samples
+        if len(self.all) != self.rows:
+            got = len(self.all)
+            raise RuntimeError(f"step {self.step}: the engines returned {got} of the batch's {self.rows} rows")
+
+
+def _raised_everywhere(fn: Callable[[], RolloutPart | None]) -> RolloutPart | None:
+    """fn() on rank 0, its result on every rank without rank 0's samples; what fn raised is raised on every rank
+    (it travels to them in the broadcast: the one place an error is a value)."""
+    kept = {}
+
+    def on_rank0():
+        try:
+            got = kept["got"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised on every rank below
+            return _Failed(e)
+        return dataclasses.replace(got, samples=None) if got is not None else None
+
+    out = rank0_computes(on_rank0)
+    if isinstance(out, _Failed):
+        raise out.error
+    return kept.get("got", out)

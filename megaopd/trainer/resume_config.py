@@ -22,7 +22,10 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
+    from megaopd.config.schema import MegaOPDConfig
 
 SHAPE_KEYS = (
     "hidden_size",
@@ -128,7 +131,7 @@ def _shape_changes(student_path: str, checkpoint_dir: str) -> list[str]:
     ]
 
 
-def unappliable(changes: list[Change], cfg, checkpoint_dir: str) -> list[str]:
+def unappliable(changes: list[Change], cfg: MegaOPDConfig, checkpoint_dir: str) -> list[str]:
     """The changes a resume from `checkpoint_dir` cannot apply, each as `key old -> new`."""
     refused = [
         c

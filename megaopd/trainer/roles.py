@@ -30,7 +30,7 @@ from megaopd.parallel.dist import device
 from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 from megaopd.scoring import PipelineRunner
 from megaopd.scoring.passes import scorer_layout
-from megaopd.scoring.remote import RemoteTeacher
+from megaopd.scoring.remote import RemoteTeacher, ServerPolicy
 from megaopd.scoring.teachers import InJobTeacher, TeacherSet
 
 if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
@@ -174,12 +174,14 @@ def build_models(
                 RemoteTeacher(
                     t.name,
                     t.urls,
-                    rows_per_request=t.rows_per_request,
-                    timeout_s=t.request_timeout_s,
-                    retries=t.retries,
-                    stall_timeout_s=cfg.rollout.stall_timeout_s,
+                    ServerPolicy(
+                        rows_per_request=t.rows_per_request,
+                        timeout_s=t.request_timeout_s,
+                        retries=t.retries,
+                        stall_timeout_s=cfg.rollout.stall_timeout_s,
+                        api_key_env=t.api_key_env,
+                    ),
                     stop=stop,
-                    api_key_env=t.api_key_env,
                 )
             )
     teacher_runner = runners[next(iter(in_job))] if teacher is not None else None

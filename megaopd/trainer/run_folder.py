@@ -106,14 +106,39 @@ def agreed_resume_point(run_dir: str, start_over: bool = False) -> ResumePoint:
     return got
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """The step folder a start resumes from, as `_choose` picks it."""
+
+    folder: StepFolder | None
+    """None: the pointer names none and no folder verifies."""
+    named: str | None
+    """What checkpoints/latest names (None: missing or unreadable)."""
+    fell_back: bool
+    """The pointer names no folder that records its step: `folder` is the newest that verifies."""
+    skipped: list[str]
+    """When it fell back: the problems of the newer folders passed over."""
+
+
+def _choose(run_dir: str, folders: list[StepFolder]) -> _Choice:
+    """The one choice of the step to resume: the folder the pointer names (verified by resume_point before it
+    is loaded) or, with the pointer missing or stale, the newest folder that verifies (each newer one hashed
+    once, here)."""
+    named = _pointer(run_dir)
+    by_name = {f.name: f for f in folders}
+    if named in by_name:
+        return _Choice(by_name[named], named, False, [])
+    folder, skipped = _newest_verified(run_dir, folders)
+    return _Choice(folder, named, True, skipped)
+
+
 def planned_resume(run_dir: str) -> tuple[str | None, int]:
     """Read-only: the step folder a start would resume from and the step it records ((None, 0): step 0), for
     the checks made before anything is written (`megaopd train`'s config compare). Moves and writes nothing:
-    resume_point decides, verifies and says the rest when the ranks start. With the pointer missing or stale it
-    takes the newest step that verifies, as resume_point does; None when none does (resume_point's error)."""
+    resume_point makes the same choice (_choose), verifies it and says the rest when the ranks start; None when
+    no folder verifies (resume_point's error)."""
     folders, _ = step_folders(run_dir)
-    by_name = {f.name: f for f in folders}
-    chosen = by_name.get(_pointer(run_dir)) or _newest_verified(run_dir, folders)[0]
+    chosen = _choose(run_dir, folders).folder
     return (os.path.join(checkpoints_dir(run_dir), chosen.name), chosen.step) if chosen else (None, 0)
 
 
@@ -124,21 +149,19 @@ def resume_point(run_dir: str, start_over: bool = False) -> ResumePoint:
         return _start_over(run_dir, folders, unreadable)
     if not folders and not unreadable:
         return ResumePoint()
-    named = _pointer(run_dir)
-    by_name = {f.name: f for f in folders}
+    choice = _choose(run_dir, folders)
+    chosen, named = choice.folder, choice.named
     point = ResumePoint()
-    if named in by_name:
-        problem = check_folder(run_dir, by_name[named])
+    if not choice.fell_back:
+        problem = check_folder(run_dir, chosen)
         if problem is not None:
             raise RunFolderError(f"{problem}. {_fallback_advice(run_dir, folders, named)}")
-        chosen = by_name[named]
     else:
         why = "is missing" if named is None else f"names {named!r}, which is missing or unfinished"
-        chosen, skipped = _newest_verified(run_dir, folders)
         if chosen is None:
             raise RunFolderError(
                 f"{_rel(run_dir, LATEST)} {why} and no step folder verifies "
-                f"({'; '.join(skipped + unreadable)[:600]}); restore the files, or set "
+                f"({'; '.join(choice.skipped + unreadable)[:600]}); restore the files, or set "
                 f"run.start_over=true (the old steps are moved to checkpoints/old_<time>/)"
             )
         point.notes.append(

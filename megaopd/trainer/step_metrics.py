@@ -6,6 +6,7 @@ loss metrics over the data-parallel ranks, and the step's FLOPs and MFU (perf/*)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,11 @@ from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import rank0_computes
 from megaopd.rollout.records import RolloutBatch
 from megaopd.scoring.teachers import teacher_metric_sums, teacher_metrics_from_sums
+
+if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
+    from megaopd.config.schema import MegaOPDConfig
+    from megaopd.losses.registry import LossNeeds
+    from megaopd.trainer.roles import Models
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +237,7 @@ def sample_rows(batch: RolloutBatch, tokenizer, n: int) -> list[dict]:
     ]
 
 
-def step_work(models, needs, cfg, rollout: RolloutBatch | None, golden) -> StepWork:
+def step_work(models: Models, needs: LossNeeds, cfg: MegaOPDConfig, rollout: RolloutBatch | None, golden) -> StepWork:
     """What the step ran, for its FLOPs (megaopd.metrics.flops): the trained sequences (rollouts and golden
     rows), the actor's and an in-job teacher's scoring passes (a served teacher's run elsewhere; the teacher
     is taken to see the student's lengths), the lockstep partner, the recomputation and the fused output layer."""

@@ -28,11 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megaopd.batching.delivery import broadcast_header, deliver_rows, row_users
-from megaopd.batching.micro_batches import MicroBatch, MiniBatch, ScoringBatches, step_micro_batches
-from megaopd.batching.owners import RowOwners
+from megaopd.batching.micro_batches import MicroBatch, MiniBatch, step_micro_batches
 from megaopd.batching.plan import BatchingPlan
-from megaopd.batching.shares import mini_batch_rows, row_owners
+from megaopd.batching.shares import mini_batch_rows
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
 from megaopd.data.teacher_view import TeacherPrompt
@@ -43,21 +41,22 @@ from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
 from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import holds_results, init_distributed, rank0_computes
-from megaopd.rollout.records import RolloutBatch, build_rollout_batch
+from megaopd.rollout.records import RolloutBatch
 from megaopd.rollout.trajectories import MultiTurn
 from megaopd.rollout.waits import WaitAbandoned
 from megaopd.scoring import bounds_for, check_engine_parity
-from megaopd.scoring.passes import ScoreRequest, score_sequences, score_tokens
+from megaopd.scoring.passes import ScoreRequest, score_sequences
 from megaopd.scoring.runner import PipelineRunner
 from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
-from megaopd.trainer.checkpoint import load_checkpoint, save_checkpoint
+from megaopd.trainer.checkpoint import Checkpointer
 from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.nonfinite import NonFinite, describe
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
-from megaopd.trainer.pipeline import RolloutPipeline
+from megaopd.trainer.pipeline import EngineHooks, RolloutPipeline
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
+from megaopd.trainer.rollout_stage import RolloutStage, StepContext, served_teachers_on_part
 from megaopd.trainer.run_folder import agreed_resume_point
 from megaopd.trainer.run_log import RunLog, RunSummary, keep_rows_through
 from megaopd.trainer.step_metrics import (
@@ -69,7 +68,6 @@ from megaopd.trainer.step_metrics import (
     sample_rows,
     step_work,
 )
-from megaopd.trainer.streaming import stream_and_score
 from megaopd.trainer.timer import Timer
 from megaopd.trainer.validation import validate
 
@@ -78,8 +76,9 @@ if TYPE_CHECKING:  # annotations only: config composes every package's section, 
 
 
 class Trainer:
-    """One rank of an OPD job. Start-up order: inputs (tokenizers, data), models, resume, engine; bad input
-    fails before anything expensive runs."""
+    """One rank of an OPD job. Start-up order: inputs (tokenizers, data), models, the step's stages, the
+    checkpointed state (registered once, every component existing), resume, engine; bad input fails before
+    anything expensive runs."""
 
     def __init__(self, cfg: MegaOPDConfig, preemption: PreemptionFlag | None = None):
         self.preemption = preemption or PreemptionFlag()  # the rank's entry installs it first (cli.run_worker)
@@ -92,6 +91,21 @@ class Trainer:
         self.temperature = cfg.rollout.temperature
         self._load_inputs()
         self._load_models()
+        self._build_stages()
+        self.checkpointer = Checkpointer(  # what a checkpoint saves and resume restores, named once
+            run_dir=cfg.run.dir,
+            model=self.actor.model,
+            optimizer=self.optimizer,
+            pgs=self.actor_pgs,
+            components={
+                "scheduler": self.scheduler,
+                "data": self.pipeline,  # the loader's cursor before any batch drawn ahead
+                "collapse": self.detector,
+                **self.loss_fn.stateful,
+            },
+            hf_cfg=self.actor.hf,
+            hf_side_dir=tokenizer_dir(self.actor.path),
+        )
         self._resume()
         self._start_engine()
 
@@ -165,24 +179,46 @@ class Trainer:
             uniform=self.actor_pgs.pp.size() > 1,
             multiple=self.train_runner.seq_multiple,
         )
+        self.context = StepContext(
+            cfg=cfg,
+            models=self.models,
+            needs=self.needs,
+            batching=self.batching,
+            pad_id=self.pad_id,
+            actor_request=self.actor_request,
+            teacher_request=self.teacher_request,
+        )
+
+    def _build_stages(self) -> None:
+        """The rollout pipeline (its engine comes last, in _start_engine), the rollout stage over it, the phase
+        timer and the collapse detector."""
+        cfg = self.cfg
+        self.timer = Timer()
+        self.detector = CollapseDetector(cfg.metrics.collapse)
+        self.pipeline = RolloutPipeline(
+            cfg,
+            self.loader,
+            self.timer,
+            self.stop.ids,
+            self.rank,
+            EngineHooks(
+                push=self.sync_weights,
+                parity=self.check_parity,
+                on_part=served_teachers_on_part(cfg, self.models.teachers, self.rank, self.teacher_request.topk),
+            ),
+            self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
+        )
+        self.rollout_stage = RolloutStage(self.pipeline, self.context)
 
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
         cfg = self.cfg
-        self.step, self._last_metrics, self.stopping, self.timer = 0, {}, False, Timer()
-        self.detector = CollapseDetector(cfg.metrics.collapse)
-        # What a checkpoint keeps besides weights, optimizer and RNG: saved and restored under these keys.
-        self.stateful = {
-            "scheduler": self.scheduler,
-            "data": self.loader,
-            "collapse": self.detector,
-            **self.loss_fn.stateful,
-        }
+        self.step, self._last_metrics, self.stopping = 0, {}, False
         # Rank 0 picks the step folder (verified; moved aside what it skips, docs/run_folder.md); every rank loads it.
         point = agreed_resume_point(cfg.run.dir, cfg.run.start_over)
         latest = point.path
         if latest is not None:
-            self.step = load_checkpoint(latest, self.actor.model, self.optimizer, self.actor_pgs, self.stateful)
+            self.step = self.checkpointer.load(latest)
         self._saved = self.step  # the step a checkpoint holds (step 0: the start itself, nothing to save)
         if self.rank == 0:
             # metrics.jsonl holds each step once: rows after the loaded step go to a side file before new ones.
@@ -209,24 +245,6 @@ class Trainer:
 
         cfg = self.cfg
         self.weight_sync = None  # stays None when nothing generates (SFT without validation)
-        teachers = self.models.teachers  # rollout.stream_parts: rank 0 hands finished parts to served teachers
-        stream = self.rank == 0 and teachers is not None and teachers.has_remote and cfg.rollout.stream_parts > 1
-        self.pipeline = RolloutPipeline(
-            cfg,
-            self.loader,
-            self.timer,
-            self.stop.ids,
-            self.rank,
-            self.sync_weights,
-            self.check_parity,
-            self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
-            functools.partial(
-                teachers.stream_part, samples_per_prompt=cfg.trainer.samples_per_prompt, topk=self.teacher_request.topk
-            )
-            if stream
-            else None,
-        )
-        self.stateful["data"] = self.pipeline  # the loader's cursor before any batch drawn ahead
         if not (self.needs.on_policy or cfg.validation.path):
             return
         hf_dir = cfg.student.path
@@ -324,28 +342,10 @@ class Trainer:
     def _rollout(self, examples, golden=None) -> RolloutBatch:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
         land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
-        cfg, needs, models, timer, teachers = self.cfg, self.needs, self.models, self.timer, self.models.teachers
-        with timer("rollout"):  # rollout.stream_parts in sync mode: the in-job passes score each part meanwhile
-            streamed = (
-                stream_and_score(
-                    self.pipeline,
-                    self.step,
-                    examples,
-                    cfg,
-                    models,
-                    needs,
-                    self.actor_request,
-                    self.teacher_request,
-                    self.pad_id,
-                    on_gpu_while_used,
-                )
-                if self.pipeline.streams
-                else None
-            )
-            samples = streamed.samples if streamed else self.pipeline.samples(self.step, examples)  # rank 0's
-            batch, self.owners, batches = deliver_rollout(
-                samples, examples, golden, cfg, models, needs, self.batching, self.pad_id, self.pipeline.stamp, streamed
-            )  # its rows
+        cfg, needs, timer, teachers = self.cfg, self.needs, self.timer, self.models.teachers
+        with timer("rollout"):  # the batch in parts as it generates (rollout.stream_parts), or whole: its passes
+            generated = self.rollout_stage.generate(self.step, examples, golden)  # score each part meanwhile
+        batch, self.owners, samples = generated.batch, generated.owners, generated.samples  # its rows; rank 0's samples
         with timer("actor_logprobs"):
             owners = self.owners
             batch.check_held(owners.rows(), "the actor's scoring pass")
@@ -357,30 +357,19 @@ class Trainer:
                     self.rank,
                     streamed=teachers.take_streamed(self.step),
                 )  # rank 0's parts
-            batch.actor = (
-                streamed.actor_scores(batch, owners, models.owner_layout)
-                if streamed
-                else score_tokens(
-                    models.actor_runner,
-                    batch.tokens_BS,
-                    batches,
-                    self.actor_request,
-                    owners=owners,
-                    layout=models.actor_layout,
-                )
-            )
+            batch.actor = self.rollout_stage.actor_scores(generated)
         with timer("teacher"):
             if teachers is not None:
                 batch.teacher = teachers.score(
                     batch,
                     batch.teacher_rows,
                     pending,
-                    batches,
+                    generated.batches,
                     self.teacher_request,
                     at_ids=batch.actor.topk_support(needs.student_topk),
                     on_device=on_gpu_while_used,
                     owners=owners,
-                    streamed=streamed and streamed.teacher_scores(batch, owners, models.owner_layout),
+                    streamed=self.rollout_stage.teacher_scores(generated),
                 )
                 if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
                     timer.add("teacher_remote", pending.seconds)
@@ -540,17 +529,7 @@ class Trainer:
             "student": self.cfg.student.path,  # for people: never read back
             "teachers": {t.name: t.path or t.urls for t in self.cfg.teachers},
         }
-        path = save_checkpoint(
-            self.cfg.run.dir,
-            self.step,
-            self.actor.model,
-            self.optimizer,
-            self.actor_pgs,
-            self.stateful,
-            meta,
-            self.actor.hf,
-            hf_side_dir=tokenizer_dir(self.actor.path),
-        )
+        path = self.checkpointer.save(self.step, meta)
         self._saved = self.step
         if self.rank == 0:
             self.run_log.event(self.step, "checkpoint", path)
@@ -568,41 +547,6 @@ def export_hf(actor, out_dir: str) -> None:
         for _ in tensors:
             pass
     dist.barrier()
-
-
-def deliver_rollout(
-    samples, examples, golden, cfg: MegaOPDConfig, models, needs, plan: BatchingPlan, pad_id: int, stamp, streamed=None
-) -> tuple[RolloutBatch, RowOwners, ScoringBatches]:
-    """Collective: rank 0's samples as every rank's record, holding the rows the rank trains or scores
-    (batching.delivery: the per-row header to every rank, then each row's tokens to its users), the rows'
-    owners (row_owners: the DP partition the micro-batches take) and the scoring passes' cut. stamp: the
-    pipeline's, which writes each row's weight version; streamed: the passes already run on the parts
-    (trainer.streaming.Streamed; their teachers need no rows now)."""
-    n, t, device = cfg.trainer.samples_per_prompt, cfg.trainer, dist_device()
-    batch = broadcast_header(lambda: build_rollout_batch(samples, pad_id, n), pad_id, n, device)  # built on rank 0
-    stamp(batch)
-    pgs = models.actor.pgs
-    owners = RowOwners(
-        tuple(row_owners(batch, golden, pgs.dp.size(), needs, plan)),
-        pgs.dp.rank(),
-        pgs.dp.size(),
-        sends=models.owner_layout.places[dist.get_rank()].speaks,
-        layout=models.owner_layout,
-    )
-    batches = ScoringBatches(
-        t.micro_batch_size,
-        t.max_tokens_per_micro_batch if t.pack_sequences else None,
-        batch.prompt_lens_B + batch.response_lens_B,
-    )
-    scorers = []
-    if models.teachers is not None:
-        batch.teacher_rows = models.teachers.route([ex.teacher for ex in examples], n)
-        batch.teacher_prefixes = models.teachers.prefixes(examples, n, batch.teacher_rows)
-        scorers = models.teachers.scorer_shares(
-            batch, batch.teacher_rows, batches, owners, skip=streamed.teachers if streamed is not None else ()
-        )
-    deliver_rows(batch, row_users(owners, models.owner_layout, scorers), device)
-    return batch, owners, batches
 
 
 def texts_and_rewards(tokenizer, samples, examples, n: int, multi_turn: MultiTurn | None, reward_cfg=None):

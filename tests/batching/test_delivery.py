@@ -1,5 +1,5 @@
-"""Rank 0's rollout reaches each rank as tensors, only the rows it trains or scores (batching.delivery;
-issue 25 item 5): a 4-process gloo job with the actor at DP=2 TP=2 and a teacher at DP=4 scoring some rows
+"""Rank 0's rollout reaches each rank as tensors, only the rows it trains or scores (batching.delivery): a
+4-process gloo job with the actor at DP=2 TP=2 and a teacher at DP=4 scoring some rows
 in its own layout. Every rank gets every row's header (lengths, finish reasons, trajectory counts); each
 rank's held rows are exactly its replica's owned rows plus the rows its teacher replica scores, bit for bit
 rank 0's (ids above 2^16, float log-probs, a trajectory's environment tokens masked); the other rows stay

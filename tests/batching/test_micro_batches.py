@@ -203,6 +203,7 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
         topk_ids_BTK=torch.zeros(6, 6, 3, dtype=torch.int32),
         topk_logprobs_BTK=torch.zeros(6, 6, 3),
         at_ids_logprobs_BTK=torch.zeros(6, 6, K),
+        spans_BT=torch.zeros(6, 6, dtype=torch.int32),
     )
     rollout = dataclasses.replace(rollout, actor=scores, teacher=scores)
     needs = LossNeeds(
@@ -218,3 +219,39 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
         for f, x in micro[0].inputs.items():
             assert x.dtype == f.dtype, f.name
             assert x.shape[-1] == K or f.per_sequence or f.name.endswith("_BT"), f.name  # top-k cut to the need
+    # An optional field its holder lacks (a same-tokenizer teacher's spans) is not carried: the loss reads None.
+    rollout = dataclasses.replace(rollout, teacher=dataclasses.replace(scores, spans_BT=None))
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
+    for micro in (
+        assemble_micro_batches(mini, 0, 1, needs, 4, PAD),
+        assemble_packed_micro_batches(mini, 0, 1, needs, 20, PAD),
+    ):
+        assert set(micro[0].inputs) == set(F.FIELDS) - {F.TEACHER_SPANS}
+
+
+def test_teacher_spans_travel_with_the_teacher_scores_and_pad_with_minus_one():
+    """A cross-tokenizer teacher's spans (TokenScores.spans_BT) follow its rows through take / map and into
+    padded and packed micro-batches as LossInputs.teacher_spans_BT (long), -1 at padding and golden rows."""
+    import dataclasses
+
+    from megaopd.batching.micro_batches import assemble_packed_micro_batches
+
+    rollout = _rollout()
+    spans = (torch.arange(6)[:, None] * 10 + torch.arange(6)[None, :]).to(torch.int32)  # row b, position t: 10b + t
+    rollout = dataclasses.replace(rollout, teacher=dataclasses.replace(rollout.teacher, spans_BT=spans))
+    assert torch.equal(rollout.teacher.take([4, 1]).spans_BT, spans[[4, 1]])
+    needs = LossNeeds(old_logprobs=True, teacher_logprobs=True)
+    mini = MiniBatch(rollout, rollout.loss_mask_BT, _golden(P=2, L=5), torch.arange(6), torch.arange(2))
+    padded = assemble_micro_batches(mini, 0, 1, needs, 4, PAD)
+    packed = assemble_packed_micro_batches(mini, 0, 1, needs, 20, PAD)
+    seen = set()
+    for mb in padded + packed:
+        x = mb.inputs[F.TEACHER_SPANS]
+        on = mb.loss_mask_BT.bool()
+        assert x.dtype == torch.int32
+        assert bool((x[mb.golden_mask_BT.bool()] == -1).all())
+        seen |= set(x[on].tolist())
+        logits = torch.zeros(*mb.tokens_BS.shape, 8)
+        inputs = mb.loss_inputs(logits, None, None, 1.0, needs)
+        assert inputs.teacher_spans_BT.dtype == torch.long
+    assert seen == set(spans[rollout.loss_mask_BT.bool()].tolist())  # every response position's span, once

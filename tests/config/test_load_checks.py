@@ -1,6 +1,6 @@
-"""Issue 43 item 7 and issue 44 item 2: settings that used to fail only after the models loaded are refused at
-load, in one line (`megaopd config` as `megaopd train`); command-line overrides replace or clear what a YAML
-set; issue 43 item 4: a teacher whose embedding does not cover the student's ids is refused before any loads."""
+"""Settings that would fail only after the models loaded are refused at load, in one line (`megaopd config` as
+`megaopd train`); command-line overrides replace or clear what a YAML set; a teacher whose embedding does not
+cover the student's ids is refused before any loads."""
 
 import json
 import shutil
@@ -54,8 +54,8 @@ def test_megaopd_config_refuses_them_in_one_line(capsys):
 
 
 def test_switching_the_loss_resets_its_config():
-    """The YAML sets stable_opd's loss.config: loss.name=opd used to fail with "unknown key(s) ['ref_kl_weight',
-    'sft_weight'] for OPDConfig"."""
+    """The YAML sets stable_opd's loss.config: loss.name=opd drops it instead of failing with "unknown key(s)
+    ['ref_kl_weight', 'sft_weight'] for OPDConfig"."""
     cfg = _load("loss.name=opd")
     assert cfg.loss.name == "opd" and cfg.loss.config == {}
     cfg = _load("loss.config.eps_high=0.3", "loss.name=opd")  # given in any order: the reset comes first
@@ -70,8 +70,8 @@ def test_loss_config_can_be_cleared(override):
 
 
 def test_empty_string_clears_a_path():
-    """`validation.path=''` in a shell reaches the program as `validation.path=`: it used to fail with
-    "Incompatible value 'None'"."""
+    """`validation.path=''` in a shell reaches the program as `validation.path=`: both clear the path (omegaconf
+    alone fails with "Incompatible value 'None'")."""
     assert _load("validation.path=").validation.path == ""
     assert _load("validation.path=''").validation.path == ""
     assert _load("~validation.path").validation.path == ""  # the schema's default

@@ -353,7 +353,7 @@ def test_gpu_check_shape_names_the_budget_and_recompute():
     # micro_batch_size=8 rows of 128 + 256 tokens, and 2 of the 16 golden rows spread over the 8 micro-batches
     assert "10 x 384 tokens" in padded.stdout
     # recompute=none at the 16384-token budget does not fit on an 80 GB GPU (the H100 ran out of memory in the
-    # first micro-batch's forward, 2026-11-27: megatron's local layers keep ~72 h bytes a token and layer);
+    # first micro-batch's forward: megatron's local layers keep ~72 h bytes a token and layer);
     # half the budget does, with the colocated engine's weights off the GPU while training.
     fused = ["student.recompute=none", "rollout.colocated=true", "plan.reserved_gb=0"]
     assert _cli("plan", yaml_path, *common, *fused).returncode == 1

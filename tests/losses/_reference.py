@@ -19,9 +19,15 @@ K_STUDENT = 4
 
 # ------------------------------------------------------------------------------------------------ batches
 def make_batch(
-    seed: int, scale: float = 3.0, shift: float = 0.0, temperature: float = 1.0, packed: bool = False
+    seed: int,
+    scale: float = 3.0,
+    shift: float = 0.0,
+    temperature: float = 1.0,
+    packed: bool = False,
+    spans: bool = False,
 ) -> dict:
-    """Full-vocabulary float64 tensors for one micro-batch: B=4 rows of T=9 with ragged responses."""
+    """Full-vocabulary float64 tensors for one micro-batch: B=4 rows of T=9 with ragged responses; spans: the
+    span ids of a cross-tokenizer teacher (make_spans)."""
     g = torch.Generator().manual_seed(seed)
     B, T = 4, 9
 
@@ -57,6 +63,7 @@ def make_batch(
     golden_ids = torch.randint(0, V, (2, 6), generator=g)
     golden_mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]], dtype=torch.float32)
     return dict(
+        spans=make_spans(g, mask, seq_ids) if spans else None,
         logits=logits,
         ids=ids,
         mask=mask,
@@ -79,10 +86,39 @@ def make_batch(
     )
 
 
+def make_spans(g: torch.Generator, mask: torch.Tensor, seq_ids) -> torch.Tensor:
+    """Span ids [B, T] as a cross-tokenizer teacher's alignment gives them: runs of 1-3 positions numbered
+    from 0 in each sequence, a -1 (a special token) inside some responses; outside the loss mask arbitrary
+    values in {-1, 0, 1} (prompt and padding hold whatever the scorer left: the loss must not read them)."""
+    B, T = mask.shape
+    seq = seq_ids if seq_ids is not None else torch.arange(B)[:, None].expand(B, T)
+    out = torch.randint(-1, 2, (B, T), generator=g)
+    for b in range(B):
+        t, prev_seq, span = 0, None, 0
+        while t < T:
+            if seq[b, t] != prev_seq:
+                prev_seq, span = seq[b, t], 0
+            if not mask[b, t] and not (b == 0 and t == 4):  # the hole of row 0 sits inside a span
+                t += 1
+                continue
+            run = int(torch.randint(1, 4, (), generator=g))
+            for u in range(t, min(t + run, T)):
+                if seq[b, u] != prev_seq:
+                    break
+                out[b, u] = span
+            span += 1
+            t += max(1, min(run, T - t))
+    out[0, 7] = -1  # special tokens inside responses: no counterpart
+    out[2, 3] = -1
+    return out
+
+
 BATCHES = {
     "base": dict(seed=1),
     "large": dict(seed=2, scale=40.0, shift=500.0, temperature=0.7),
     "packed": dict(seed=3, scale=2.0, temperature=1.3, packed=True),
+    "spans": dict(seed=4, spans=True),
+    "spans_packed": dict(seed=5, scale=2.0, temperature=1.3, packed=True, spans=True),
 }
 
 # (case label, batch, loss name, config)
@@ -103,6 +139,13 @@ CASES = [
         dict(policy_loss="importance_sampling", gamma=0.9, advantage_scale=0.5, aggregation="seq-mean-token-mean"),
     ),
     ("opd_gamma1_seqsum", "large", "opd", dict(gamma=1.0, eps_high=0.28, aggregation="seq-mean-token-sum")),
+    # A teacher with another tokenizer: rewards and advantages over aligned spans.
+    ("opd", "spans", "opd", {}),
+    ("opd", "spans_packed", "opd", dict(aggregation="seq-mean-token-mean")),
+    ("opd_is_gamma", "spans", "opd", dict(policy_loss="importance_sampling", gamma=0.9, advantage_scale=0.5)),
+    ("opd_is_gamma", "spans_packed", "opd", dict(policy_loss="importance_sampling", gamma=0.9)),
+    ("opd_gamma1_seqsum", "spans", "opd", dict(gamma=1.0, eps_high=0.28, aggregation="seq-mean-token-sum")),
+    ("stable_opd", "spans", "stable_opd", dict(sft_weight=0.5, ref_kl_weight=0.3)),
     ("ref_kl_full", "base", "ref_kl", {}),
     ("ref_kl_full", "large", "ref_kl", {}),
     ("ref_kl_k1", "base", "ref_kl", dict(estimator="k1")),
@@ -183,6 +226,32 @@ def ref_discounted(rewards_BT, seq_ids_BT, gamma):
     return out
 
 
+def ref_span_advantages(batch, seq_ids_BT, gamma):
+    """Cross-tokenizer opd (docs/algorithms.md): a span's reward R_s is the sum of teacher - old over its
+    counted tokens (loss mask on, span id >= 0); every token of span s gets
+    A = sum over spans s' of the same sequence ending at or after s of gamma^(end(s') - end(s)) R_s',
+    end = the span's last counted position; positions without a span get 0."""
+    spans, mask = batch["spans"], batch["mask"]
+    B, T = mask.shape
+    members = {}
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t] and spans[b, t] >= 0:
+                members.setdefault((int(seq_ids_BT[b, t]), int(spans[b, t])), []).append((b, t))
+    reward = {k: sum(batch["teacher_lp"][b, t] - batch["old_lp"][b, t] for b, t in v) for k, v in members.items()}
+    end = {k: max(t for _, t in v) for k, v in members.items()}
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for key, positions in members.items():
+        total = sum(
+            gamma ** (end[other] - end[key]) * reward[other]
+            for other in members
+            if other[0] == key[0] and end[other] >= end[key]
+        )
+        for b, t in positions:
+            adv[b, t] = total
+    return adv
+
+
 def ref_grpo_adv(rewards, groups, std_normalize, eps=1e-6):
     out = torch.zeros_like(rewards)
     for g in groups.unique().tolist():
@@ -209,7 +278,11 @@ def reference_loss(batch: dict, logits, name: str, cfg: dict):
     if name == "opd":
         logp = ref_logprobs(logits, ids, tau)
         r = torch.where(mask.bool(), batch["teacher_lp"] - batch["old_lp"], torch.zeros_like(logp))
-        adv = cfg.get("advantage_scale", 1.0) * ref_discounted(r, seq_ids, cfg.get("gamma", 0.0))
+        if batch.get("spans") is not None:
+            adv = ref_span_advantages(batch, seq_ids, cfg.get("gamma", 0.0))
+        else:
+            adv = ref_discounted(r, seq_ids, cfg.get("gamma", 0.0))
+        adv = cfg.get("advantage_scale", 1.0) * adv
         loss, _ = _pg(
             logp,
             batch["old_lp"],

@@ -41,6 +41,7 @@ def build_inputs(batch: dict, group, rank: int, world: int, dtype: torch.dtype, 
         golden_logits_BTv=golden,
         golden_ids_BT=batch["golden_ids"],
         golden_mask_BT=batch["golden_mask"],
+        teacher_spans_BT=batch["spans"],
     )
     fields.update(overrides)
     return LossInputs(**fields), logits, golden

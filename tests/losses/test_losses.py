@@ -276,3 +276,93 @@ def test_missing_inputs_name_the_field():
     inputs, _, _ = W.build_inputs(batch, None, 0, 1, torch.float64)
     with pytest.raises(ValueError, match="k<=5"):
         build_loss("lsm", {"k": 32})(inputs)
+
+
+# ------------------------------------------------------------------------------------------------ cross-tokenizer
+def test_span_batches_hold_multi_token_spans_and_change_the_loss():
+    """The span cases of R.CASES are not vacuous: spans of several tokens, unaligned tokens, and a loss that
+    differs from same-tokenizer opd's."""
+    from megaopd.losses import build_loss
+
+    for name in ("spans", "spans_packed"):
+        batch = _batches()[name]
+        on = batch["mask"].bool() & (batch["spans"] >= 0)
+        seq = R._seq_ids(batch, 4, 9, batch["seq_ids"])
+        keys = [(int(seq[b, t]), int(batch["spans"][b, t])) for b, t in on.nonzero().tolist()]
+        assert max(keys.count(k) for k in set(keys)) >= 2 and len(set(keys)) < len(keys)
+        assert bool((batch["mask"].bool() & (batch["spans"] < 0)).any())
+        with_spans, _ = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64)[0])
+        without, _ = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64, teacher_spans_BT=None)[0])
+        assert abs(float(with_spans) - float(without)) > 1e-3
+
+
+@pytest.mark.parametrize("batch_name", ["base", "packed"])
+@pytest.mark.parametrize(
+    "cfg", [{}, dict(gamma=0.9, policy_loss="importance_sampling", aggregation="seq-mean-token-sum")]
+)
+def test_one_token_spans_are_same_tokenizer_opd(batch_name, cfg):
+    """Every token its own span (a teacher with the student's tokenizer, aligned): the loss, its gradient and
+    the advantage metric equal those of spans None, in float64."""
+    from megaopd.losses import build_loss
+
+    batch = _batches()[batch_name]
+    B, T = batch["mask"].shape
+    seq = R._seq_ids(batch, B, T, batch["seq_ids"])
+    # Numbered per sequence, from 0: the position within its sequence.
+    first = {}
+    spans = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        for t in range(T):
+            first.setdefault(int(seq[b, t]), t)
+            spans[b, t] = t - first[int(seq[b, t])]
+    out = []
+    for s in (None, spans):
+        inputs, logits, _ = W.build_inputs(batch, None, 0, 1, torch.float64, teacher_spans_BT=s)
+        loss, m = build_loss("opd", cfg)(inputs)
+        loss.backward()
+        out.append((float(loss), logits.grad, float(m["opd/advantage_mean"]), float(m["opd/reward_mean"])))
+    (l0, g0, a0, r0), (l1, g1, a1, r1) = out
+    assert math.isclose(l0, l1, rel_tol=1e-12, abs_tol=1e-12) and torch.allclose(g0, g1, rtol=1e-12, atol=1e-14)
+    assert math.isclose(a0, a1, rel_tol=1e-12) and math.isclose(r0, r1, rel_tol=1e-12)
+
+
+def test_span_metrics():
+    """opd/reward_mean stays the per-token reverse-KL estimate (span rewards summed, over loss tokens);
+    opd/unaligned_frac counts loss tokens without a span."""
+    from megaopd.losses import build_loss
+
+    batch = _batches()["spans"]
+    _, m = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64)[0])
+    on = batch["mask"].bool()
+    valid = on & (batch["spans"] >= 0)
+    r = torch.where(valid, batch["teacher_lp"] - batch["old_lp"], torch.zeros_like(batch["old_lp"]))
+    assert math.isclose(float(m["opd/reward_mean"]), float(r[on].mean()), rel_tol=1e-6)
+    assert math.isclose(float(m["opd/unaligned_frac"]), float((~valid)[on].double().mean()), rel_tol=1e-6)
+    adv = R.ref_span_advantages(batch, R._seq_ids(batch, 4, 9, None), 0.0)
+    assert math.isclose(float(m["opd/advantage_mean"]), float(adv[on].mean()), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name,cfg,refused",
+    [
+        ("opd", {}, False),
+        ("stable_opd", {}, False),
+        ("grpo", {}, False),
+        ("sft", {}, False),
+        ("ref_kl", {}, False),
+        ("gkd", {}, True),
+        ("lsm", {}, True),
+        ("lsm", {"support": "student_topk"}, True),
+        ("weighted_sum", {"terms": [{"name": "opd"}, {"name": "gkd", "weight": 0.5}]}, True),
+        ("weighted_sum", {"terms": [{"name": "opd"}, {"name": "gkd", "weight": 0.0}]}, False),
+    ],
+)
+def test_full_distribution_losses_are_refused_cross_tokenizer_in_one_line(name, cfg, refused):
+    from megaopd.losses import check_cross_tokenizer
+
+    if not refused:
+        check_cross_tokenizer(name, cfg)
+        return
+    with pytest.raises(ValueError, match=f"loss {name!r} reads the teacher's .* choose loss opd or stable_opd") as e:
+        check_cross_tokenizer(name, cfg)
+    assert "\n" not in str(e.value)

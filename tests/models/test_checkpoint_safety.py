@@ -155,6 +155,21 @@ def test_pointer_to_a_missing_step_falls_back_and_moves_unverified_newer_steps_a
     assert len(olds) == 1 and os.listdir(os.path.join(run, "checkpoints", olds[0])) == ["step_000002"]
 
 
+def test_the_planned_resume_is_the_step_the_ranks_resume(tmp_path):
+    """planned_resume (`megaopd train`'s read-only look before it starts the ranks) and resume_point make one
+    choice: the pointer's step, or with a stale pointer the newest step that verifies (not a newer damaged one)."""
+    from megaopd.trainer.run_folder import planned_resume, resume_point
+
+    run = str(tmp_path / "run")
+    _step(run, 1)
+    open(os.path.join(_step(run, 2), "model", "__0_0.distcp"), "ab").write(b"junk")
+    for pointer in ("step_000005", "step_000001"):  # stale first: step 2 is still there to skip
+        _pointer(run, pointer)
+        path, step = planned_resume(run)
+        point = resume_point(run)
+        assert (path, step) == (point.path, point.step) and step == 1, pointer
+
+
 def test_pointer_to_a_damaged_step_names_the_file_and_the_newest_step_that_verifies(tmp_path):
     from megaopd.trainer.run_folder import RunFolderError, resume_point
 
@@ -169,7 +184,7 @@ def test_pointer_to_a_damaged_step_names_the_file_and_the_newest_step_that_verif
     msg = str(e.value)
     assert "\n" not in msg and shard in msg and "is 10 bytes" in msg
     assert "newest step that verifies is" in msg and "step_000001 (step 1)" in msg
-    assert "delete the pointer" not in msg  # the old message advised it: the run then started at step 0
+    assert "delete the pointer" not in msg  # advice that would start the run again at step 0
 
 
 def test_no_step_verifies_refuses_to_start_at_zero_and_start_over_moves_everything_aside(tmp_path):

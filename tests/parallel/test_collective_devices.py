@@ -1,4 +1,4 @@
-"""Every collective's tensors live on the group's device (issue: CPU tensors into NCCL collectives).
+"""Every collective's tensors live on the group's device (a CPU tensor in an NCCL collective fails on a GPU).
 
 No CPU test can see a tensor on the wrong device (the CPU layer makes every device the CPU), so this is a
 structural guard, read from the source: in any function that calls a tensor collective of

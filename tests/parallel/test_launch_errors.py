@@ -1,6 +1,6 @@
 """A worker's exception reaches the caller as a WorkerError that names the rank and carries the exception in
-one line (what `megaopd train` prints) and the traceback apart (what it writes to RUN/logs): issue 43 item 7,
-where the terminal got a 30-110 line double traceback with the good message on its last line."""
+one line (what `megaopd train` prints) and the traceback apart (what it writes to RUN/logs), so the terminal
+shows the message, not a 30-110 line double traceback with the message on its last line."""
 
 import pytest
 import torch

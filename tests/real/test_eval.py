@@ -1,6 +1,6 @@
 """`megaopd eval` of SmolLM2-135M-Instruct on a handful of arithmetic word problems (tests/real/data) with the
 model's chat template: it writes its table, results and generations, and says how many responses had an answer.
-This model answers in words and never writes \\boxed{} (issue 44): read with the last-number extraction it has
+This model answers in words and never writes \\boxed{}: read with the last-number extraction it has
 answers, read with the paper's boxed rule (the same responses re-scored, not generated again) it has none, and
 eval says so. Accuracy is reported, not asserted."""
 

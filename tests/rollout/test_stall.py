@@ -130,9 +130,9 @@ def test_a_slow_engine_that_answers_health_is_not_a_stall(health_status):
 def test_a_silent_teacher_server_is_named(silent):
     import torch
 
-    from megaopd.scoring.remote import RemoteTeacher, RemoteTeacherError
+    from megaopd.scoring.remote import RemoteTeacher, RemoteTeacherError, ServerPolicy
 
-    teacher = RemoteTeacher("math", [silent.url], stall_timeout_s=0.5, retries=3)
+    teacher = RemoteTeacher("math", [silent.url], ServerPolicy(stall_timeout_s=0.5, retries=3))
     t0 = time.monotonic()
     with pytest.raises(RemoteTeacherError, match=r"engine teacher 'math' urls\[0\] .* made no progress"):
         teacher.score(torch.tensor([[1, 2, 3, 4]]), torch.tensor([2]), torch.tensor([2]))

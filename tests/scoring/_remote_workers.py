@@ -31,7 +31,7 @@ def in_job_vs_remote(rank, world_size, teacher_dir, urls, topk):
     from megaopd.scoring import PipelineRunner
     from megaopd.scoring.config import TeacherConfig
     from megaopd.scoring.passes import ScoreRequest, score_tokens
-    from megaopd.scoring.remote import RemoteTeacher
+    from megaopd.scoring.remote import RemoteTeacher, ServerPolicy
     from megaopd.trainer.roles import load_role_model
 
     pgs = initialize_actor_layout(Layout(world_size, 1))
@@ -39,7 +39,9 @@ def in_job_vs_remote(rank, world_size, teacher_dir, urls, topk):
     runner = PipelineRunner(teacher.model, pgs, teacher.hf.vocab_size)
     tokens, p, r, mask = _batch()
     in_job = score_tokens(runner, tokens, ScoringBatches(4), ScoreRequest(1.0, topk=topk))
-    remote = RemoteTeacher("t", urls, rows_per_request=2).score(tokens, p, r, topk=topk) if rank == 0 else None
+    remote = (
+        RemoteTeacher("t", urls, ServerPolicy(rows_per_request=2)).score(tokens, p, r, topk=topk) if rank == 0 else None
+    )
     return (in_job, remote, mask) if rank == 0 else None
 
 
@@ -55,19 +57,19 @@ def served_owned_rows(rank, world_size, urls, topk):
     from megaopd.batching.owners import RowOwners
     from megaopd.rollout.records import RolloutBatch
     from megaopd.scoring.passes import ScoreRequest
-    from megaopd.scoring.remote import RemoteTeacher
+    from megaopd.scoring.remote import RemoteTeacher, ServerPolicy
     from megaopd.scoring.teachers import TeacherSet
 
     tokens, p, r, mask = _batch()
     B = tokens.shape[0]
     batch = RolloutBatch(tokens, mask, torch.zeros_like(mask), p, r, ["stop"] * B, torch.arange(B) // 2)
     owners = RowOwners(tuple(OWNER), rank % 2, 2, sends=rank < 2)
-    teachers = TeacherSet([RemoteTeacher(n, urls, rows_per_request=2) for n in ("a", "b")])
+    teachers = TeacherSet([RemoteTeacher(n, urls, ServerPolicy(rows_per_request=2)) for n in ("a", "b")])
     rows_of = teachers.route(ROUTE, 2)
     pending = teachers.start_remote(batch, rows_of, topk, rank)
     batches, request = ScoringBatches(2), ScoreRequest(1.0, topk=topk)
     scores = teachers.score(batch, rows_of, pending, batches, request, owners=owners)
-    dead = TeacherSet([RemoteTeacher("a", ["http://127.0.0.1:9"], retries=0)])
+    dead = TeacherSet([RemoteTeacher("a", ["http://127.0.0.1:9"], ServerPolicy(retries=0))])
     try:
         dead.score(
             batch,

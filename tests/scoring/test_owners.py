@@ -1,4 +1,4 @@
-"""Rollout scores land on the ranks that train each row, and only there (issue 14 item 4): each rank of a
+"""Rollout scores land on the ranks that train each row, and only there: each rank of a
 4-process gloo job holds exactly its actor replica's rows, equal to HF float64 on them, for the actor in its
 own layout (no data moves) and teachers in other layouts (one all_to_all of real positions): actor TP=2 DP=2
 against teacher TP=1 DP=4, TP=2 DP=2 and TP=2 PP=2 DP=1; padded and packed."""

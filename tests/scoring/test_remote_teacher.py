@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import torch
 
-from megaopd.scoring.remote import RemoteTeacher, RemoteTeacherError
+from megaopd.scoring.remote import RemoteTeacher, RemoteTeacherError, ServerPolicy
 from megaopd.serving.server import RolloutServer, ServeConfig
 from tests.scoring._remote_workers import _batch
 
@@ -99,7 +99,7 @@ def test_prefill_scoring_schema(server):
 
 def test_remote_scores_equal_transformers_float64(server):
     tokens, p, r, mask = _batch()
-    scores = RemoteTeacher("t", [server.url], rows_per_request=2).score(tokens, p, r, topk=K)
+    scores = RemoteTeacher("t", [server.url], ServerPolicy(rows_per_request=2)).score(tokens, p, r, topk=K)
     lp, ids, top = _hf_reference(tokens, p, r, K)
     m = mask.bool()
     assert scores.entropy_BT is None  # not served: the overlap metrics skip entropy_gap
@@ -158,9 +158,9 @@ def test_server_killed_mid_step_is_retried_on_another(server, monkeypatch):
     """Server A (a real `megaopd serve` process) is killed when its first request of the step starts: that
     request moves to server B and the scores equal B's alone."""
     proc, url_a = _serve_process(None)
-    teacher = RemoteTeacher("t", [url_a, server.url], rows_per_request=1, retries=1, backoff_s=0.05)
+    teacher = RemoteTeacher("t", [url_a, server.url], ServerPolicy(rows_per_request=1, retries=1, backoff_s=0.05))
     tokens, p, r, mask = _batch()
-    alone = RemoteTeacher("t", [server.url], rows_per_request=6).score(tokens, p, r, topk=K)
+    alone = RemoteTeacher("t", [server.url], ServerPolicy(rows_per_request=6)).score(tokens, p, r, topk=K)
     real = RemoteTeacher._request
     killed = []
 
@@ -186,7 +186,7 @@ def test_no_server_left_is_one_clear_error():
     tokens, p, r, _ = _batch()
     dead = ["http://127.0.0.1:9", "http://127.0.0.1:11"]  # nothing listens there
     with pytest.raises(RemoteTeacherError, match=r"teacher 'math' could not score .*every server failed \(2\)"):
-        RemoteTeacher("math", dead, retries=0).score(tokens, p, r, topk=K)
+        RemoteTeacher("math", dead, ServerPolicy(retries=0)).score(tokens, p, r, topk=K)
 
 
 def test_teacher_set_routes_rows_and_merges():
@@ -238,7 +238,7 @@ def test_served_scores_reach_only_their_owners(server):
         rows = [b for b in range(B) if w.ROUTE[b // 2] == name]
         alone[name] = (
             rows,
-            RemoteTeacher(name, [server.url], rows_per_request=2).score(tokens, p, r, topk=K, rows=rows),
+            RemoteTeacher(name, [server.url], ServerPolicy(rows_per_request=2)).score(tokens, p, r, topk=K, rows=rows),
         )
     served = {
         f: torch.zeros_like(getattr(alone["a"][1], f)) for f in ("logprobs_BT", "topk_ids_BTK", "topk_logprobs_BTK")
@@ -263,7 +263,7 @@ def test_rows_scored_while_generating_are_not_asked_again_unless_changed(server,
     score(); a row whose tokens changed since (a regenerated sample) is asked again; the result equals one
     score() of the whole batch."""
     tokens, p, r, _ = _batch()
-    teacher = RemoteTeacher("t", [server.url], rows_per_request=2)
+    teacher = RemoteTeacher("t", [server.url], ServerPolicy(rows_per_request=2))
     whole = teacher.score(tokens, p, r, topk=K)
     seqs = [tokens[b, : int(p[b] + r[b])].tolist() for b in range(len(p))]
     streamed = teacher.score_sequences([0, 1, 2, 3], seqs[:4], [int(x) for x in p[:4]], K)
@@ -301,7 +301,7 @@ def test_parts_streamed_to_the_teacher_set_are_its_remote_scores(server):
         for b in range(6)
     ]
     batch = build_rollout_batch(samples, 0, 2)
-    ts = TeacherSet([RemoteTeacher("t", [server.url], rows_per_request=2)])
+    ts = TeacherSet([RemoteTeacher("t", [server.url], ServerPolicy(rows_per_request=2))])
     rows_of = ts.route(["", "", ""], 2)
     for first in (0, 2, 4):  # three parts of one prompt (n = 2) each
         ts.stream_part(7, first, [Ex()], samples[first : first + 2], samples_per_prompt=2, topk=K)

@@ -1,5 +1,5 @@
 """`megaopd serve` trusts nothing handed in: its key, its bind, its request limits, sampling values, the folders
-and hosts weight updates may reach, and weights holding NaN (issue 43). A real server on loopback."""
+and hosts weight updates may reach, and weights holding NaN. A real server on loopback."""
 
 import json
 import os
@@ -112,7 +112,7 @@ def test_every_endpoint_but_health_needs_the_key(keyed):
 def test_the_client_sends_the_key_from_its_variable(keyed, monkeypatch):
     """HttpEngine (the rollout pool's and the served teacher's client) reads the key from the variable the
     config names (rollout.api_key_env / teacher.api_key_env) and sends it; a 401 says which variable."""
-    from megaopd.scoring.remote import RemoteTeacher
+    from megaopd.scoring.remote import RemoteTeacher, ServerPolicy
 
     monkeypatch.setenv("ENGINE_KEY_FOR_TEST", KEY)
     monkeypatch.delenv("MEGAOPD_API_KEY", raising=False)
@@ -127,7 +127,7 @@ def test_the_client_sends_the_key_from_its_variable(keyed, monkeypatch):
         HttpEngine(keyed.url).model_info()
     # The served teacher's path (prefill scoring) with the key from teacher.api_key_env.
     tokens = torch.tensor([PROMPT + [8, 9, 10]])
-    scores = RemoteTeacher("t", [keyed.url], api_key_env="ENGINE_KEY_FOR_TEST").score(
+    scores = RemoteTeacher("t", [keyed.url], ServerPolicy(api_key_env="ENGINE_KEY_FOR_TEST")).score(
         tokens, torch.tensor([3]), torch.tensor([3]), topk=2
     )
     assert scores.logprobs_BT[0, 2:5].abs().sum() > 0

@@ -58,9 +58,9 @@ while flag.received is None:
 
 def test_copies_of_the_signal_while_the_rank_exits_do_not_kill_it(tmp_path):
     """A rank gets USR1 more than once (srun, torchrun_node.sh, the launcher). One that arrives while the
-    interpreter exits used to find the default action (Python resets its handlers there) and kill the rank that
-    had saved its checkpoint: exit -10, and the job did not requeue (seen in CI). Copies are sent here until the
-    process is gone: without the fix every run of this died."""
+    interpreter exits finds the default action unless the rank ignores it there (Python resets its handlers
+    then), and kills the rank that had saved its checkpoint: exit -10, and the job does not requeue. Copies are
+    sent here until the process is gone."""
     import subprocess
     import sys
     import time

@@ -32,7 +32,7 @@ class Ex:
 def stream(rank, world_size, prompts, fail_at, consumer_sleep=0.0):
     from megaopd.config import load_config
     from megaopd.config.schema import MegaOPDConfig
-    from megaopd.trainer.pipeline import RolloutPipeline
+    from megaopd.trainer.pipeline import EngineHooks, RolloutPipeline
     from megaopd.trainer.timer import Timer
 
     cfg = load_config(
@@ -45,19 +45,20 @@ def stream(rank, world_size, prompts, fail_at, consumer_sleep=0.0):
             "trainer.samples_per_prompt=2",
         ],
     )
-    pipeline = RolloutPipeline(cfg, None, Timer(), [0], rank, push=lambda: None, parity=lambda: None)
+    pipeline = RolloutPipeline(cfg, None, Timer(), [0], rank, EngineHooks(push=lambda: None, parity=lambda: None))
     pipeline.engine = FakeEngine(fail_at)
     examples = [Ex(i) for i in range(prompts)]
-    parts = []
+    parts, by_row = [], {}
     try:
-        for rows, samples in pipeline.stream(0, examples):
-            parts.append((rows, [s.output_ids for s in samples]))
+        for part in pipeline.parts(0, examples):
+            parts.append((part.rows, [s.output_ids for s in part.samples]))
+            by_row.update(zip(part.rows, part.samples))
             time.sleep(consumer_sleep)  # a slow scoring pass: the parts that arrive meanwhile come together
     except RuntimeError as e:
         return {"error": str(e), "parts": parts}
     return {
         "parts": parts,
-        "all": [s.output_ids for s in pipeline.streamed_samples],
+        "all": [by_row[r].output_ids for r in range(len(by_row))],
         "streams": pipeline.streams,
         "versions": pipeline.versions_B,
     }

@@ -1,10 +1,10 @@
 """The logits' memory of a scoring pass and of a training micro-batch, in units of L (one bf16 logits tensor
 of the micro-batch), measured with torch's CPU allocation events (benchmarks/memory.py, whose README table
-is the same measurement at 2048 tokens). Before the fixes of 2026-11-23 these sizes gave 4.03L (scoring: a
-float32 copy, a masked copy of the vocabulary padding), 4.01L (padded scoring) and 4.22L (training:
-concatenated lockstep logits, a separate gradient buffer); now 1.04L, 2.01L and 2.21L: the model's own
-output is 1L (2L for padded rows: megatron's [S, b] -> [b, S] copy), the training step's 2L (the student's
-logits and the reference's, which take the gradient)."""
+is the same measurement at 2048 tokens): 1.04L, 2.01L and 2.21L. Each copy a change could bring back adds
+about 1L (a float32 copy, a masked copy of the vocabulary padding, concatenated lockstep logits, a separate
+gradient buffer), which is what the bounds catch. The model's own output is 1L (2L for padded rows:
+megatron's [S, b] -> [b, S] copy), the training step's 2L (the student's logits and the reference's, which
+take the gradient)."""
 
 import pytest
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.rollout.config import RolloutConfig
 from megaopd.rollout.protocol import Sample
-from megaopd.trainer.pipeline import RolloutPipeline
+from megaopd.trainer.pipeline import EngineHooks, RolloutPipeline
 from megaopd.trainer.timer import Timer
 
 URL = ["http://127.0.0.1:1"]
@@ -89,7 +89,7 @@ def _pipeline(mode="one_step_off", max_staleness=1, max_steps=6, gen_s=0.0, load
         engine.log.append(("push", trainer["step"]))
         engine.version = trainer["step"]
 
-    p = RolloutPipeline(cfg, loader or Loader(), Timer(), [0], 0, push, lambda: None)
+    p = RolloutPipeline(cfg, loader or Loader(), Timer(), [0], 0, EngineHooks(push=push, parity=lambda: None))
     p.engine = engine
     return p, engine, trainer
 
@@ -113,6 +113,18 @@ def test_sync_mode_generates_now_under_the_current_weights():
         trainer["step"] = step + 1
         p.after_step(step + 1)  # the trainer's end-of-step sync
     assert [c[2] for c in engine.calls] == [0, 1, 2] and [e[1] for e in engine.log] == [1, 2, 3]
+
+
+def test_a_batch_not_streamed_is_one_part_of_every_row():
+    """RolloutPipeline.parts: without rollout.stream_parts the step's batch is one RolloutPart, its rows the
+    whole batch, its samples samples()' own (the rollout stage takes both the same way)."""
+    for mode in ("sync", "one_step_off"):
+        p, _, trainer = _pipeline(mode)
+        examples = p.examples(0)
+        (part,) = list(p.parts(0, examples))
+        assert part.rows == [0, 1] and [s.output_ids for s in part.samples] == [
+            s.output_ids for s in _pipeline(mode)[0].samples(0, examples)
+        ]
 
 
 def test_one_step_off_trains_on_batches_one_version_old_while_the_next_generates():

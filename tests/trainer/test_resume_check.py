@@ -1,6 +1,6 @@
-"""Issue 43 item 3 without training: `megaopd train`'s start compares a resume's config with the stored
-config.yaml before writing anything (trainer/resume_config.py, trainer/cli.py _prepare_run_dir), and
-issue 43 item 7: an error raised in a rank that runs in this process ends in one line naming the rank.
+"""Without training: `megaopd train`'s start compares a resume's config with the stored config.yaml before
+writing anything (trainer/resume_config.py, trainer/cli.py _prepare_run_dir), and an error raised in a rank
+that runs in this process ends in one line naming the rank.
 The end-to-end resume (the new lr really used) is tests/trainer/test_resume_config.py."""
 
 import json
@@ -64,8 +64,8 @@ def _looked_up(run):
 def test_the_resume_point_is_found_without_changing_the_folder(tmp_path):
     """The start's lookup reads what the ranks' resume will load (the pointer's step; without a pointer the
     newest step that verifies) and moves or writes nothing: a refused resume must leave the folder as it was.
-    Merged on 2026-11-28 it imported a function the run-folder change had removed, and every resume of
-    `megaopd train` ended in an ImportError before step 1."""
+    It runs the real lookup (no mock), so a broken import ends this test, not every resume of `megaopd train`
+    before step 1."""
     run = tmp_path / "run"
     assert cli._resume_point(str(run)) == (None, 0)
     two, three = _step_folder(run, 2), _step_folder(run, 3)

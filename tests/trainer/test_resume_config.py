@@ -1,8 +1,8 @@
-"""Issue 43 items 3, 4 and 7, end to end with `megaopd train` on the tiny models (one rank, SFT: the quickest
+"""End to end with `megaopd train` on the tiny models (one rank, SFT: the quickest
 real run): a resume with a changed lr trains at the new lr and says so; a resume with another model is refused
 in one line before the run folder is touched; a non-finite loss stops the run with one line naming the rank,
 the term, the step and the rows (the traceback in RUN/logs), or is skipped and counted with
-trainer.skip_nonfinite. Issue 44 item 4: the first warmup step trains at a non-zero lr, and train/lr is the
+trainer.skip_nonfinite; the first warmup step trains at a non-zero lr, and train/lr is the
 lr the step used."""
 
 import json

@@ -1,8 +1,9 @@
 """Faults in a run folder and in checkpoints handed in, end to end on a real tiny run (world 1, 3 steps):
 a lost `latest`, flipped and truncated shards, and pickle payloads in a checkpoint's metadata (torch DCP's
-`model/.metadata`, megatron's `common.pt`) read by the converter, a model path and a resume. Each failed on
-the main of 2026-11-28 (the payload ran; the run restarted at step 0 and pruned its new step; a flipped byte
-went unnoticed; a truncated shard gave a bare EOFError). docs/run_folder.md says what a run folder promises."""
+`model/.metadata`, megatron's `common.pt`) read by the converter, a model path and a resume. Each checks a
+harm that is easy to cause and hard to see (a payload that runs; a run that restarts at step 0 and prunes its
+new step; a flipped byte unnoticed; a truncated shard as a bare EOFError). docs/run_folder.md says what a run
+folder promises."""
 
 import json
 import os

@@ -1,6 +1,6 @@
 """An engine that stops, against the real trainer (`megaopd train`, its own process) and a real `megaopd serve`
-process frozen with SIGSTOP in the middle of a run (issue 43: "A stopped engine stalls training silently and
-blocks preemption"):
+process frozen with SIGSTOP in the middle of a run (a stopped engine must neither stall training silently nor
+block preemption):
   - the step's rollout ends within rollout.stall_timeout_s with one error naming the engine, instead of
     waiting out request_timeout_s and its retries (10+ minutes with the defaults);
   - SIGTERM during that stall (Slurm's preemption) is honoured within seconds: the last complete step is
