@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Sequence
 
 from megaopd.models.config import find_hf_config
 from megaopd.models.hf_config import padded_vocab_size
@@ -54,9 +55,29 @@ def _vocab_size(path: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def check_model_vocab(cfg, needs) -> None:
+def cross_tokenizer_teachers(cfg) -> list[str]:
+    """The teachers with teacher.tokenizer=own whose tokenizer maps text to other ids than the student's
+    (megaopd.data.vocab.compare_vocab): the cross-tokenizer ones. The others share the student's ids."""
+    from megaopd.data.vocab import VocabMismatchError, compare_vocab
+    from megaopd.models.hf_io import load_tokenizer
+
+    own = [t for t in cfg.teachers if t.tokenizer == "own" and t.path]
+    if not own:
+        return []
+    student = load_tokenizer(cfg.student.path)
+    out = []
+    for t in own:
+        try:
+            compare_vocab(student, load_tokenizer(t.path), cfg.student.path, t.path)
+        except VocabMismatchError:
+            out.append(t.name)
+    return out
+
+
+def check_model_vocab(cfg, needs, cross: Sequence[str] = ()) -> None:
     """Every model the job reads (student, reference, each teacher with a config.json) has embedding rows for
-    every id of the student's tokenizer; gkd's teacher has the student's padded vocabulary width."""
+    every id of the student's tokenizer; gkd's teacher has the student's padded vocabulary width. cross: the
+    teachers of another vocabulary, which read their own ids only."""
     student = cfg.student.path
     ids = tokenizer_id_count(student)
     student_vocab = _vocab_size(student)
@@ -64,7 +85,7 @@ def check_model_vocab(cfg, needs) -> None:
     roles += [
         ("teacher" if len(cfg.teachers) == 1 else f"teachers[{i}] ({t.name})", t.path)
         for i, t in enumerate(cfg.teachers)
-        if needs.teacher
+        if needs.teacher and t.name not in cross
     ]
     for role, path in roles:
         vocab = _vocab_size(path) if path else None

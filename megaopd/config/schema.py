@@ -16,11 +16,11 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, List
 
-from megaopd.config.model_vocab import check_model_vocab
+from megaopd.config.model_vocab import check_model_vocab, cross_tokenizer_teachers
 from megaopd.config.plan_config import PlanConfig
 from megaopd.data.config import DataConfig
 from megaopd.envs.config import EnvConfig
-from megaopd.losses import LossConfig, resolve_correction
+from megaopd.losses import LossConfig, check_cross_tokenizer, resolve_correction
 from megaopd.metrics.config import MetricsConfig
 from megaopd.models.config import ModelConfig, check_context, check_role_layout
 from megaopd.models.hf_io import tokenizer_dir
@@ -202,7 +202,9 @@ class MegaOPDConfig:
             )
         self._check_routing(teachers)
         self._check_teacher_views(teachers, needs)
-        check_model_vocab(self, needs)  # every model's embedding covers the student's ids, before any loads
+        cross = cross_tokenizer_teachers(self)  # teacher.tokenizer=own of another vocabulary
+        self._check_cross_tokenizer(teachers, cross)
+        check_model_vocab(self, needs, cross)  # every model's embedding covers the student's ids, before any loads
         if self.validation.path and not os.path.isfile(self.validation.path):
             raise ValueError(
                 f"validation.path={self.validation.path!r} is not a file: point it at a benchmark-"
@@ -282,6 +284,23 @@ class MegaOPDConfig:
                 raise ValueError(
                     f"{key}.context uses {{golden}} with data.require_golden=false: rows without a golden "
                     f"solution would have nothing to fill it with; set data.require_golden=true"
+                )
+
+    def _check_cross_tokenizer(self, teachers: list[TeacherConfig], cross: list[str]) -> None:
+        """A teacher of another vocabulary: a loss that reads it at the sampled text only, and (in the job) the
+        student's layout, so that each rank scores the rows it holds (their length in the teacher's tokens is
+        known only where the row is)."""
+        for i, t in enumerate(teachers):
+            if t.name not in cross:
+                continue
+            key = "teacher" if len(teachers) == 1 and t.name == "teacher" else f"teachers[{i}] ({t.name})"
+            check_cross_tokenizer(self.loss.name, self.loss.config)
+            layout, student = (t.tp, t.pp, t.ep), (self.student.tp, self.student.pp, self.student.ep)
+            if t.engine == "megatron" and layout != student:
+                raise ValueError(
+                    f"{key} has another tokenizer (cross-tokenizer mode) and tp/pp/ep={layout}, the student "
+                    f"{student}: an in-job teacher of another vocabulary scores in the student's layout; set "
+                    f"{key}.tp={student[0]} {key}.pp={student[1]} {key}.ep={student[2]}"
                 )
 
     def _check_routing(self, teachers: list[TeacherConfig]) -> None:

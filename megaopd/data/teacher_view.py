@@ -10,6 +10,9 @@ response after a prefix of its own instead: the row's fields put into `teacher.c
 front of the problem: privileged-context self-distillation, OPSD / SDFT), rendered by its chat template. Under
 the student's tokenizer the response tokens are the student's, one for one: only the prefix differs, and the
 teacher's log-prob at view position `response_start - 1 + j` is its log q of the student's response token j.
+A teacher of another vocabulary (`teacher.tokenizer: own`, and the start-up check found other ids) reads the
+response's text re-tokenized by its own tokenizer (megaopd.data.alignment.align_response): the view then
+carries the SpanAlignment of the two tokenizations, over which its scores are mapped back.
 
 The fields a context may name (str.replace, as data.user_format: problems are LaTeX and full of braces):
   {problem}      the row's problem text
@@ -24,6 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from megaopd.data.alignment import align_response
 from megaopd.data.config import DataConfig
 from megaopd.data.templates import render_user, user_message
 
@@ -78,6 +82,19 @@ class TeacherPrompt:
     own: bool = False
     """teacher.tokenizer=own: without a context the problem is rendered by the teacher's chat template (with
     one, it always is: `tokenizer`'s)."""
+    student_tokenizer: Any = None
+    """Set when the teacher's vocabulary is not the student's (cross-tokenizer): the student's tokenizer, whose
+    response ids are decoded to the text the teacher re-tokenizes. None: the response ids are the teacher's."""
+
+    @property
+    def cross(self) -> bool:
+        return self.student_tokenizer is not None
+
+    def view(self, prefix_ids: Sequence[int], response_ids: Sequence[int]) -> "TeacherView":
+        """The row's TeacherView: its prefix, then the response in the teacher's tokens."""
+        if not self.cross:
+            return teacher_view(prefix_ids, response_ids)
+        return cross_teacher_view(prefix_ids, response_ids, self.student_tokenizer, self.tokenizer)
 
     def prefix_ids(self, example: Any) -> list[int]:
         """The teacher's ids before the response for one data row (a PromptExample)."""
@@ -114,12 +131,23 @@ def teacher_view(prefix_ids: Sequence[int], response_ids: Sequence[int]) -> Teac
     return TeacherView(ids=list(prefix_ids) + list(response_ids), response_start=len(prefix_ids))
 
 
+def cross_teacher_view(
+    prefix_ids: Sequence[int], response_ids: Sequence[int], student_tokenizer, teacher_tokenizer
+) -> TeacherView:
+    """A teacher of another vocabulary: its prefix, then the response's text (the student's regular tokens
+    decoded; special tokens and chat markup dropped) in its own tokens, aligned with the student's by
+    characters (megaopd.data.alignment)."""
+    _text, teacher_ids, alignment = align_response(student_tokenizer, teacher_tokenizer, list(response_ids))
+    return TeacherView(ids=list(prefix_ids) + list(teacher_ids), response_start=len(prefix_ids), alignment=alignment)
+
+
 __all__ = [
     "CONTEXT_FIELDS",
     "TEACHER_TOKENIZERS",
     "TeacherPrompt",
     "TeacherView",
     "check_context_fields",
+    "cross_teacher_view",
     "context_fields",
     "render_context",
     "teacher_view",

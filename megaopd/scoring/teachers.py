@@ -39,7 +39,15 @@ from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, rank0_computes
 from megaopd.parallel.exchange import pack_columns, route_rows, scatter_received, unpack_columns
-from megaopd.rollout.records import LOGPROBS, SCORE_FIELDS, TOPK_IDS, TOPK_LOGPROBS, RolloutBatch, TokenScores
+from megaopd.rollout.records import (
+    LOGPROBS,
+    SCORE_FIELDS,
+    SPANS,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    RolloutBatch,
+    TokenScores,
+)
 from megaopd.scoring.passes import ScoreRequest, score_tokens
 from megaopd.scoring.remote import RemoteTeacher
 from megaopd.scoring.routing import is_aligned, scorer_layout, scoring_shares
@@ -227,8 +235,9 @@ class TeacherSet:
                     prefixes = batch.teacher_prefixes.get(t.name)
                     if prefixes is not None:  # its own sequences (never streamed: the config refuses it)
                         rows = rows_of[t.name]
-                        view = view_rows(batch, rows, [prefixes[b] for b in rows])
-                        scores = t.score(view.tokens_BS, view.view_starts_B, view.response_lens_B, topk=topk)
+                        view = view_rows(batch, rows, [prefixes[b] for b in rows], self.prompts[t.name])
+                        n_B = view.lengths_B - view.view_starts_B  # its response tokens (its own under cross)
+                        scores = t.score(view.tokens_BS, view.view_starts_B, n_B, topk=0 if view.alignments else topk)
                         scores.rows = list(range(len(rows)))
                         pending.results[t.name] = view.to_student(scores, batch.tokens_BS.shape[1] - 1)
                     else:
@@ -317,7 +326,7 @@ class TeacherSet:
             if at_ids is not None:
                 sub_at = at_ids.topk_ids_BTK[at_ids.index([rows[i] for i in sub.rows()])]
             prefixes = batch.teacher_prefixes.get(name)
-            view = None if prefixes is None else view_rows(batch, rows, [prefixes[b] for b in rows])
+            view = None if prefixes is None else view_rows(batch, rows, [prefixes[b] for b in rows], self.prompts[name])
             if view is not None and sub_at is not None:
                 sub_at = view.to_view(sub_at, sub.rows())
             with on_device(t.model, t.offload):
@@ -378,6 +387,8 @@ class TeacherSet:
         layout = owners.world_layout(device)
         dests = [layout.replica(o) for o in owners.owner_B]
         fields = [LOGPROBS, TOPK_IDS, TOPK_LOGPROBS] if K else [LOGPROBS]  # what a served teacher gives
+        if any(self.prompts.get(name) is not None and self.prompts[name].cross for name in served):
+            fields = [LOGPROBS, SPANS]  # a cross-tokenizer teacher's: span log-probs and span ids (no top-K)
         widths = [max(1, math.prod(f.trailing(K, 0))) for f in fields]
         payload = None
         if me == 0:
@@ -387,7 +398,7 @@ class TeacherSet:
                 scores, span = pending.results[teacher_of[b]], spans[b]
                 i = b if scores.rows is None else int(scores.index([b])[0])  # a view's scores hold its rows
                 for col, f, w in zip(cols, fields, widths):
-                    col.append(getattr(scores, f.name)[i, span.start : span.stop].reshape(-1, w).to(f.dtype))
+                    col.append(_field(scores, f)[i, span.start : span.stop].reshape(-1, w).to(f.dtype))
             payload = pack_columns([torch.cat(c) for c in cols]).to(device)
         held = [held_rows] + [[] for _ in range(len(layout.places) - 1)]
         counts, starts = [len(sp) for sp in spans], [sp.start for sp in spans]
@@ -409,20 +420,32 @@ class TeacherSet:
         T = batch.tokens_BS.shape[1] - 1
         out = TokenScores(logprobs_BT=torch.zeros(len(mine), T), rows=list(mine))
         where = {b: i for i, b in enumerate(mine)}
-        # Log-probs always; any other field only when every teacher produced it.
+        # Log-probs always (and a cross-tokenizer teacher's spans, beside which every other teacher's token is a
+        # span of its own); any other field only when every teacher produced it.
         keep = [
             f
             for f in SCORE_FIELDS
-            if f is LOGPROBS or (parts and all(getattr(p, f.name) is not None for p in parts.values()))
+            if f is LOGPROBS
+            or (f is SPANS and any(p.spans_BT is not None for p in parts.values()))
+            or (parts and all(getattr(p, f.name) is not None for p in parts.values()))
         ]
         for part in parts.values():
             dst = torch.tensor([where[b] for b in part.rows], dtype=torch.long)
             for f in keep:
-                value = getattr(part, f.name)
+                value = _field(part, f)
                 if getattr(out, f.name) is None:
                     setattr(out, f.name, torch.zeros((len(mine), *value.shape[1:]), dtype=value.dtype))
                 getattr(out, f.name)[dst] = value
         return out
+
+
+def _field(scores: TokenScores, f) -> torch.Tensor:
+    """A score field of `scores`; a same-tokenizer teacher's missing spans are one span per token."""
+    value = getattr(scores, f.name)
+    if value is None and f is SPANS:
+        B, T = scores.logprobs_BT.shape
+        return torch.arange(T, dtype=torch.int32).expand(B, T).clone()
+    return value
 
 
 def teacher_metric_sums(batch: RolloutBatch, rows_of: dict[str, list[int]]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd.batching.owners import WorldLayout
 from megaopd.data.teacher_view import TeacherPrompt
-from megaopd.data.vocab import VocabReport, compare_vocab
+from megaopd.data.vocab import VocabMismatchError, VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
 from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
@@ -150,8 +150,15 @@ def build_models(
     # Teacher ids past the student's vocabulary (a bigger padded embedding of the same tokenizer) are
     # masked, so its top-K never proposes a token the student cannot produce.
     chunk = cfg.trainer.logits_chunk_tokens  # the fused output layer in every pass (0: whole logits)
+    # A cross-tokenizer teacher scores its own ids over its whole vocabulary.
+    cross = {n for n, p in (prompts or {}).items() if p.cross}
     runners = {
-        n: PipelineRunner(m.model, m.pgs, min(m.hf.vocab_size, vocab_size), logits_chunk_tokens=chunk)
+        n: PipelineRunner(
+            m.model,
+            m.pgs,
+            m.hf.vocab_size if n in cross else min(m.hf.vocab_size, vocab_size),
+            logits_chunk_tokens=chunk,
+        )
         for n, m in in_job.items()
     }
     # Where each global rank sits in every model's layout: fixed for the run, so gathered once here, not by
@@ -241,13 +248,33 @@ def check_same_tokenizer(
     return compare_vocab(student, teacher, student_path, teacher_path, stop_ids=stop_ids)
 
 
-def check_teacher_tokenizers(student, student_path: str, teachers, tokenizers, stop_ids, log) -> VocabReport | None:
-    """Every teacher must share the student's regular vocabulary (special tokens may be named differently);
-    logs what each report found. Returns the first teacher's report, whose special-token pairs mask the loss."""
+def check_teacher_tokenizers(
+    student, student_path: str, teachers, tokenizers, stop_ids, log, cross: set[str] | None = None
+) -> VocabReport | None:
+    """Every teacher must share the student's regular vocabulary (special tokens may be named differently),
+    except one with teacher.tokenizer=own, which is then a cross-tokenizer teacher: its name goes into `cross`
+    and the log says so and why. Logs what each report found. Returns the first same-vocabulary teacher's
+    report, whose special-token pairs mask the loss."""
     first = None
     for t, t_tok in zip(teachers, tokenizers):
-        report = check_same_tokenizer(student, t_tok, student_path, t.path, stop_ids=stop_ids)
+        say = (lambda line: log(line)) if len(teachers) == 1 else (lambda line, n=t.name: log(f"[teacher {n}] {line}"))
+        try:
+            report = check_same_tokenizer(student, t_tok, student_path, t.path, stop_ids=stop_ids)
+        except VocabMismatchError as e:
+            if t.tokenizer != "own":
+                raise VocabMismatchError(
+                    f"{e} (a teacher with another tokenizer: set teacher.tokenizer=own, and a loss that reads the "
+                    f"teacher at the sampled tokens: opd or stable_opd)"
+                ) from None
+            if cross is not None:
+                cross.add(t.name)
+            say(
+                f"[vocab] cross-tokenizer mode: teacher {t.path}'s tokenizer maps text to other ids than the "
+                f"student's and teacher.tokenizer=own, so it reads each response re-tokenized in its own tokens and "
+                f"its log-probs are summed over aligned text spans (docs/algorithms.md)"
+            )
+            continue
         first = first or report
         for line in report.log_lines():
-            log(line if len(teachers) == 1 else f"[teacher {t.name}] {line}")
+            say(line)
     return first

@@ -114,7 +114,7 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     if teacher is not None:
         rep_BT = repetitive_token_mask(batch.targets_BT[idx], mask, mcfg.repetition.ngram)
         sums.update({f"split/{k}": v for k, v in advantage_split_counts(adv_BT, rep_BT, mask).items()})
-        if mcfg.overlap_k:
+        if mcfg.overlap_k and teacher.topk_ids_BTK is not None:  # none from a cross-tokenizer teacher
             k = mcfg.overlap_k
             ent = (
                 (actor.entropy_BT[a], teacher.entropy_BT[t])
@@ -168,7 +168,7 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     )
     out.update(signals.log())
     if teacher is not None:
-        if mcfg.overlap_k:
+        if mcfg.overlap_k and any(k.startswith("overlap/") for k in c):
             out.update(topk_overlap_from_counts(_with_prefix(c, "overlap/")))
         if len(batch.teacher_rows) > 1:
             out.update(teacher_metrics_from_sums(_with_prefix(c, "teacher/"), batch.teacher_rows, batch.size))

@@ -118,8 +118,9 @@ class Trainer:
         teacher_tokenizer = teacher_tokenizers[0] if teachers else None  # the template of data.prompt_template
         # Rollouts stop at the template's turn end and the EOS; golden solutions end with the first of them.
         self.stop = stop_tokens(cfg.data, tok, teacher_tokenizer)
+        cross: set[str] = set()  # teachers of another vocabulary (teacher.tokenizer=own)
         report = check_teacher_tokenizers(
-            tok, cfg.student.path, teachers, teacher_tokenizers, self.stop.ids, self._console
+            tok, cfg.student.path, teachers, teacher_tokenizers, self.stop.ids, self._console, cross
         )
         # Teachers that read a sequence of their own: how each makes its prefix of a row (data.teacher_view).
         self.teacher_prompts = {
@@ -128,6 +129,7 @@ class Trainer:
                 data=cfg.data,
                 tokenizer=t_tok if t.tokenizer == "own" else tok,
                 own=t.tokenizer == "own",
+                student_tokenizer=tok if t.name in cross else None,
             )
             for t, t_tok in zip(teachers, teacher_tokenizers)
             if t.own_view or cfg.data.teacher_prompt == "own"
