@@ -436,6 +436,12 @@ class TeacherSet:
                 if getattr(out, f.name) is None:
                     setattr(out, f.name, torch.zeros((len(mine), *value.shape[1:]), dtype=value.dtype))
                 getattr(out, f.name)[dst] = value
+        if out.spans_BT is not None:  # no span outside the responses (routed rows arrive 0-padded)
+            idx = torch.tensor(list(mine), dtype=torch.long)
+            start = batch.prompt_lens_B[idx].unsqueeze(1) - 1
+            t = torch.arange(T).unsqueeze(0)
+            inside = (t >= start) & (t < start + batch.response_lens_B[idx].unsqueeze(1))
+            out.spans_BT = torch.where(inside, out.spans_BT, torch.full_like(out.spans_BT, -1))
         return out
 
 

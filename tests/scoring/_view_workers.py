@@ -69,3 +69,41 @@ def view_scores(rank, world_size, teacher_dir, urls, actor_tp, teacher_tp, pack)
     at = TokenScores(logprobs_BT=torch.zeros(len(mine), T), topk_ids_BTK=at_ids_BTK[mine], rows=mine)
     alone = run([in_job], ["a"] * 3, 0, at_ids=at)
     return {"mine": mine, "merged": merged, "alone": alone, "at_ids": at_ids_BTK, "vocab": V}
+
+
+def cross_view_scores(rank, world_size, teacher_dir, student_dir, urls, prefixes_T):
+    """A teacher of another vocabulary, in the job (one rank) as "a" and served at `urls` as "b", through
+    TeacherSet: each reads prefixes_T[prompt] (its ids) then the response re-tokenized. The merged TokenScores."""
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.data.config import DataConfig
+    from megaopd.data.teacher_view import TeacherPrompt
+    from megaopd.models.hf_io import load_tokenizer
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.rollout.records import RolloutBatch
+    from megaopd.scoring import PipelineRunner
+    from megaopd.scoring.config import TeacherConfig
+    from megaopd.scoring.passes import ScoreRequest
+    from megaopd.scoring.remote import RemoteTeacher
+    from megaopd.scoring.teachers import InJobTeacher, TeacherSet
+    from megaopd.trainer.roles import load_role_model
+
+    pgs = initialize_actor_layout(Layout(1, 1))
+    teacher = load_role_model(TeacherConfig(path=teacher_dir), pgs, trainable=False)
+    student_tok, teacher_tok = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
+    tokens, p, r, mask = _batch(vocab=256)
+    B = tokens.shape[0]
+    batch = RolloutBatch(tokens, mask, torch.zeros_like(mask), p, r, ["stop"] * B, torch.arange(B) // 2)
+
+    class Fixed(TeacherPrompt):  # the prefixes given; the views made as the trainer's
+        def prefix_ids(self, example):
+            return list(example)
+
+    prompt = Fixed(data=DataConfig(), tokenizer=teacher_tok, own=True, student_tokenizer=student_tok)
+    members = [InJobTeacher("a", PipelineRunner(teacher.model, pgs, teacher.hf.vocab_size), teacher.model)]
+    members.append(RemoteTeacher("b", urls, rows_per_request=2))
+    teachers = TeacherSet(members, {"a": prompt, "b": prompt})
+    rows_of = teachers.route(ROUTE, 2)
+    batch.teacher_rows = rows_of
+    batch.teacher_prefixes = teachers.prefixes(prefixes_T, 2, rows_of)
+    pending = teachers.start_remote(batch, rows_of, 0, rank)
+    return teachers.score(batch, rows_of, pending, ScoringBatches(2, None, p + r), ScoreRequest(1.0, topk=TOPK))
