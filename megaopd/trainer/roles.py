@@ -17,6 +17,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megaopd.batching.owners import WorldLayout
+from megaopd.data.alignment import alignment_report
 from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.data.vocab import VocabMismatchError, VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
@@ -273,6 +274,8 @@ def check_teacher_tokenizers(
                 f"student's and teacher.tokenizer=own, so it reads each response re-tokenized in its own tokens and "
                 f"its log-probs are summed over aligned text spans (docs/algorithms.md)"
             )
+            for line in alignment_report(student, t_tok):
+                say(line)
             continue
         first = first or report
         for line in report.log_lines():

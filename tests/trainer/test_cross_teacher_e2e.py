@@ -50,6 +50,8 @@ def test_what_cannot_run_cross_tokenizer_is_refused_at_load(teacher_dir):
         student, cfg.student.path, cfg.teachers, [load_tokenizer(teacher_dir)], [2], said.append, cross
     )
     assert cross == {"teacher"} and "cross-tokenizer mode" in said[0]
+    assert "the teacher has another tokenizer (256 student ids, 384 teacher ids" in said[1]  # alignment_report
+    assert "spans" in said[2]
 
 
 @pytest.mark.slow
