@@ -21,6 +21,8 @@ def prefixes(vocab: int) -> list[list[int]]:
 class FixedPrompt:
     """A TeacherPrompt whose prefix of a row is the row itself (the examples here are the prefixes)."""
 
+    cross = False  # the student's vocabulary
+
     def prefix_ids(self, example):
         return list(example)
 
@@ -37,7 +39,7 @@ def view_scores(rank, world_size, teacher_dir, urls, actor_tp, teacher_tp, pack)
     from megaopd.scoring import PipelineRunner
     from megaopd.scoring.config import TeacherConfig
     from megaopd.scoring.passes import ScoreRequest
-    from megaopd.scoring.remote import RemoteTeacher
+    from megaopd.scoring.remote import RemoteTeacher, ServerPolicy
     from megaopd.scoring.teachers import InJobTeacher, TeacherSet
     from megaopd.trainer.roles import load_role_model
 
@@ -51,7 +53,7 @@ def view_scores(rank, world_size, teacher_dir, urls, actor_tp, teacher_tp, pack)
     dp = pgs.dp.size()
     owners = RowOwners(tuple(o % dp for o in OWNER), pgs.dp.rank(), dp, pgs.tp.rank() == 0 and pgs.pp.rank() == 0)
     in_job = InJobTeacher("a", PipelineRunner(teacher.model, tpgs, V), teacher.model)
-    served = RemoteTeacher("b", urls, rows_per_request=2)
+    served = RemoteTeacher("b", urls, ServerPolicy(rows_per_request=2))
     batches = ScoringBatches(2, 24 if pack else None, p + r)
 
     def run(members, route, topk, at_ids=None):
@@ -83,7 +85,7 @@ def cross_view_scores(rank, world_size, teacher_dir, student_dir, urls, prefixes
     from megaopd.scoring import PipelineRunner
     from megaopd.scoring.config import TeacherConfig
     from megaopd.scoring.passes import ScoreRequest
-    from megaopd.scoring.remote import RemoteTeacher
+    from megaopd.scoring.remote import RemoteTeacher, ServerPolicy
     from megaopd.scoring.teachers import InJobTeacher, TeacherSet
     from megaopd.trainer.roles import load_role_model
 
@@ -100,7 +102,7 @@ def cross_view_scores(rank, world_size, teacher_dir, student_dir, urls, prefixes
 
     prompt = Fixed(data=DataConfig(), tokenizer=teacher_tok, own=True, student_tokenizer=student_tok)
     members = [InJobTeacher("a", PipelineRunner(teacher.model, pgs, teacher.hf.vocab_size), teacher.model)]
-    members.append(RemoteTeacher("b", urls, rows_per_request=2))
+    members.append(RemoteTeacher("b", urls, ServerPolicy(rows_per_request=2)))
     teachers = TeacherSet(members, {"a": prompt, "b": prompt})
     rows_of = teachers.route(ROUTE, 2)
     batch.teacher_rows = rows_of
