@@ -67,7 +67,7 @@ class TeacherConfig(ModelConfig):
                 f"engine=remote to score with those servers, or drop the urls"
             )
         check_env_name("teacher api_key_env", self.api_key_env)
-        check_context_fields("teacher", self.context)
+        check_context_fields(f"teachers[{self.name}]" if self.name else "teacher", self.context)
         if self.tokenizer not in TEACHER_TOKENIZERS:
             raise ValueError(
                 f"teacher tokenizer={self.tokenizer!r}: choose student (the student's token ids) or own (the "

@@ -69,3 +69,10 @@ def test_the_reference_teacher_shares_the_reference_model_only_when_it_is_the_sa
     assert not is_the_reference(t, cfg, same_layout=False)  # another layout: a copy of its own
     other = _load("teacher.path=examples/tiny/models/teacher")
     assert not is_the_reference(other.teachers[0], other, same_layout=True)
+
+
+def test_a_teachers_entry_names_itself_in_the_error():
+    two = os.path.join(ROOT, "examples", "tiny", "two_teachers.yaml")
+    entries = 'teachers=[{name: arith, path: examples/tiny/models/teacher, context: "{foo} {problem}"}]'
+    with pytest.raises((ConfigError, ValueError), match=r"teachers\[arith\].context names \{foo\}"):
+        load_config(MegaOPDConfig, two, [entries])
