@@ -27,7 +27,7 @@ class FixedPrompt:
         return list(example)
 
 
-def view_scores(rank, world_size, teacher_dir, urls, actor_tp, teacher_tp, pack):
+def view_scores(rank, world_size, teacher_dir, urls, actor_tp, teacher_tp, pack, teacher_pp=1):
     """Actor at TP=actor_tp (its DP replicas own the rows: OWNER), in-job teacher "a" at TP=teacher_tp (another
     layout when they differ: its shares come from its own sequences' lengths), served teacher "b" at `urls`,
     both reading PREFIX_LENS-long prefixes of their own. Per rank: its owned rows and the merged TokenScores,
@@ -44,8 +44,9 @@ def view_scores(rank, world_size, teacher_dir, urls, actor_tp, teacher_tp, pack)
     from megaopd.trainer.roles import load_role_model
 
     pgs = initialize_actor_layout(Layout(actor_tp, 1))
-    tpgs = pgs if teacher_tp == actor_tp else build_process_groups(Layout(teacher_tp, 1))
-    teacher = load_role_model(TeacherConfig(path=teacher_dir, tp=teacher_tp), tpgs, trainable=False)
+    same = (teacher_tp, teacher_pp) == (actor_tp, 1)
+    tpgs = pgs if same else build_process_groups(Layout(teacher_tp, teacher_pp))
+    teacher = load_role_model(TeacherConfig(path=teacher_dir, tp=teacher_tp, pp=teacher_pp), tpgs, trainable=False)
     V = teacher.hf.vocab_size
     tokens, p, r, mask = _batch(vocab=V)
     B, T = tokens.shape[0], tokens.shape[1] - 1

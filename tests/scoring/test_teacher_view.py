@@ -91,15 +91,16 @@ def server():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "actor_tp, teacher_tp, pack",
-    [(1, 1, False), (2, 1, True)],
-    ids=["one-rank", "actor-tp2-teacher-dp2-packed"],
+    "actor_tp, teacher_tp, teacher_pp, pack",
+    [(1, 1, 1, False), (2, 1, 1, True), (2, 1, 2, True)],
+    ids=["one-rank", "actor-tp2-teacher-dp2-packed", "actor-tp2-teacher-pp2-packed"],
 )
-def test_teacher_scores_its_own_sequence_as_its_hf_forward(server, actor_tp, teacher_tp, pack):
+def test_teacher_scores_its_own_sequence_as_its_hf_forward(server, actor_tp, teacher_tp, teacher_pp, pack):
     from megaopd.parallel.launch import spawn
 
-    world = max(actor_tp, 2 if teacher_tp != actor_tp else 1)
-    results = spawn(w.view_scores, world, args=(TEACHER, [server.url], actor_tp, teacher_tp, pack), timeout=900)
+    world = max(actor_tp, teacher_tp * teacher_pp, 2 if (teacher_tp, teacher_pp) != (actor_tp, 1) else 1)
+    args = (TEACHER, [server.url], actor_tp, teacher_tp, pack, teacher_pp)
+    results = spawn(w.view_scores, world, args=args, timeout=900)
     vocab = results[0]["vocab"]
     batch = _rollout(vocab)
     prefixes = w.prefixes(vocab)
