@@ -275,10 +275,11 @@ class MegaOPDConfig:
                     f"{what} with rollout.stream_parts={self.rollout.stream_parts}: a teacher's own view is scored "
                     f"after the whole batch generated; set rollout.stream_parts=1"
                 )
-            if self.env.enabled:
+            if self.env.enabled and t.tokenizer == "own":
                 raise ValueError(
-                    f"{what} with env.name={self.env.name}: a trajectory's tool turns are rendered for the "
-                    f"student's prompt; leave the teacher's context and tokenizer at their defaults"
+                    f"{what} with env.name={self.env.name}: a trajectory's tool turns are the student's tokens in "
+                    f"its chat template, which a teacher of its own tokenizer does not read; set "
+                    f"{key}.tokenizer=student (a context of its own works with trajectories)"
                 )
             if t.context and "{golden}" in t.context and not self.data.require_golden:
                 raise ValueError(

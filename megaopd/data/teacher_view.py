@@ -82,6 +82,9 @@ class TeacherPrompt:
     own: bool = False
     """teacher.tokenizer=own: without a context the problem is rendered by the teacher's chat template (with
     one, it always is: `tokenizer`'s)."""
+    tools: Any = None
+    """A multi-turn environment's tool schemas, rendered by the chat template as in the student's prompt (the
+    trajectory's tool turns after it are the student's tokens, which only a same-tokenizer teacher reads)."""
     student_tokenizer: Any = None
     """Set when the teacher's vocabulary is not the student's (cross-tokenizer): the student's tokenizer, whose
     response ids are decoded to the text the teacher re-tokenizes. None: the response ids are the teacher's."""
@@ -104,7 +107,7 @@ class TeacherPrompt:
             user = user_message(example.problem, self.data)
         else:  # the student's prompt ids, or data.teacher_prompt=own's (the problem in the teacher's template)
             return list(example.teacher_prompt_ids or example.prompt_ids)
-        text = render_user(user, self.data, self.tokenizer)
+        text = render_user(user, self.data, self.tokenizer, self.tools)
         # No special tokens added: the chat template writes its own (as data.templates.encode_prompt).
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -122,6 +122,13 @@ class Trainer:
         report = check_teacher_tokenizers(
             tok, cfg.student.path, teachers, teacher_tokenizers, self.stop.ids, self._console, cross
         )
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.special_ids = loss_mask_ids(tok, cfg.loss.mask_first_tokens, report)
+        self.multi_turn = (
+            MultiTurn(cfg.env, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, tok)
+            if cfg.env.enabled
+            else None
+        )  # trajectories with an environment's turns; None: single-turn rows
         # Teachers that read a sequence of their own: how each makes its prefix of a row (data.teacher_view).
         self.teacher_prompts = {
             t.name: TeacherPrompt(
@@ -130,17 +137,11 @@ class Trainer:
                 tokenizer=t_tok if t.tokenizer == "own" else tok,
                 own=t.tokenizer == "own",
                 student_tokenizer=tok if t.name in cross else None,
+                tools=self.multi_turn.tools if self.multi_turn else None,
             )
             for t, t_tok in zip(teachers, teacher_tokenizers)
             if t.own_view or cfg.data.teacher_prompt == "own"
         }
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.special_ids = loss_mask_ids(tok, cfg.loss.mask_first_tokens, report)
-        self.multi_turn = (
-            MultiTurn(cfg.env, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, tok)
-            if cfg.env.enabled
-            else None
-        )  # trajectories with an environment's turns; None: single-turn rows
         dataset = PromptDataset.load(
             cfg.data,
             tok,

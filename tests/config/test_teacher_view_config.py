@@ -76,3 +76,12 @@ def test_a_teachers_entry_names_itself_in_the_error():
     entries = 'teachers=[{name: arith, path: examples/tiny/models/teacher, context: "{foo} {problem}"}]'
     with pytest.raises((ConfigError, ValueError), match=r"teachers\[arith\].context names \{foo\}"):
         load_config(MegaOPDConfig, two, [entries])
+
+
+def test_trajectories_take_a_context_but_not_a_tokenizer_of_the_teachers_own():
+    agentic = os.path.join(ROOT, "examples", "tiny", "agentic.yaml")
+    load_config(MegaOPDConfig, agentic, ['teacher.context="{problem} {answer}"']).validate()
+    with pytest.raises(
+        ValueError, match=r"teacher.tokenizer=own with env.name=calculator: .*set teacher.tokenizer=student"
+    ):
+        load_config(MegaOPDConfig, agentic, ["teacher.tokenizer=own"]).validate()
