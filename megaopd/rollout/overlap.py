@@ -136,19 +136,25 @@ def staleness(taken: Taken, trained_version: int, max_staleness: int) -> Stalene
     return Staleness(list(taken.first_versions), last, stale)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StaleHandled:
+    """A taken batch after its too-stale samples were handled (rollout.stale_samples)."""
+
+    samples: list[Sample]
+    """The batch's samples as trained: dropped ones empty, regenerated ones fresh."""
+    dropped: int = 0
+    regenerated: int = 0
+
+
 def overlap_metrics(
-    st: Staleness,
-    response_lens: list[int],
-    trained_version: int,
-    max_staleness: int,
-    waited_s: float,
-    engine_idle_s: float,
-    dropped: int,
-    regenerated: int,
+    taken: Taken, st: Staleness, handled: StaleHandled, max_staleness: int, engine_idle_s: float
 ) -> dict[str, float]:
     """pipeline/*: staleness (mean, max, over samples, by their first token), response tokens per weight
     version lag (tokens_lag_<s>, s = 0 .. max_staleness; a partial rollout counts under its first token's
-    lag), who waited for whom, and the too-stale samples dropped or regenerated."""
+    lag), who waited for whom and how long the batch generated, and the too-stale samples dropped or
+    regenerated. taken.step is the version that trains on the batch."""
+    trained_version, response_lens = taken.step, [len(s.output_ids) for s in handled.samples]
+    waited_s, dropped, regenerated = taken.waited_s, handled.dropped, handled.regenerated
     lags = [trained_version - f for f in st.first_B]
     out = {
         "pipeline/staleness_mean": sum(lags) / max(len(lags), 1),
@@ -161,4 +167,5 @@ def overlap_metrics(
     }
     for s in range(max_staleness + 1):
         out[f"pipeline/tokens_lag_{s}"] = float(sum(n for n, lag in zip(response_lens, lags) if lag == s))
+    out["pipeline/generate_s"] = taken.generate_s
     return out

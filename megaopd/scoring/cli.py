@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 from megaopd.models.cli_util import OneLineArgumentParser, report, run_cli
 from megaopd.models.hf_config import HFModelConfig, InputError, check_layout, read_hf_config
@@ -62,7 +63,21 @@ def resolve_model(ckpt: str) -> tuple[HFModelConfig, str]:
     raise InputError(f"--ckpt {ckpt} is neither a megaopd Megatron checkpoint nor an HF directory (no config.json)")
 
 
-def _worker(rank: int, world: int, ckpt: str, kind: str, tp: int, pp: int, seqs, output: str, mbs: int):
+@dataclass(frozen=True, kw_only=True)
+class _ScoreJob:
+    """What every rank of `megaopd logprobs` scores, and where rank 0 writes it."""
+
+    ckpt: str
+    kind: str
+    """megatron | hf (resolve_model)."""
+    tp: int
+    pp: int
+    seqs: list[list[int]]
+    output: str
+    micro_batch_size: int
+
+
+def _worker(rank: int, world: int, job: _ScoreJob):
     import torch.distributed as dist
 
     from megaopd.models.builder import StageInfo, build_gpt_model
@@ -74,19 +89,20 @@ def _worker(rank: int, world: int, ckpt: str, kind: str, tp: int, pp: int, seqs,
     from megaopd.scoring.passes import score_sequences
     from megaopd.scoring.runner import PipelineRunner
 
+    ckpt, tp, pp, output = job.ckpt, job.tp, job.pp, job.output
     pgs = initialize_actor_layout(Layout(tp, pp))
     cfg = read_hf_config(ckpt)
     # float32 scoring: log-probs are compared with other engines token by token.
     model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype="float32", init_weights=False)
     st = StageInfo.of(pgs)
-    if kind == "megatron":
+    if job.kind == "megatron":
         load_model_checkpoint(model, ckpt, pgs)
     else:
         load_hf_weights(model, HFWeights(ckpt), cfg, st.tp_rank, tp, st.pp_rank, pp)
     model.eval()
     # The fused output layer: logits DEFAULT_CHUNK_TOKENS tokens at a time, never the micro-batch's.
     runner = PipelineRunner(model, pgs, cfg.vocab_size, logits_chunk_tokens=DEFAULT_CHUNK_TOKENS)
-    result = score_sequences(runner, seqs, micro_batch_size=mbs)
+    result = score_sequences(runner, job.seqs, micro_batch_size=job.micro_batch_size)
     if dist.get_rank() == 0:
         tmp = output + ".tmp"
         with open(tmp, "w") as f:
@@ -119,7 +135,16 @@ def main(argv=None) -> int:
         if not os.path.isdir(out_parent):
             raise InputError(f"output directory {out_parent} does not exist")
         check_world(a.tp * a.pp)
-        run_on_ranks(_worker, a.tp * a.pp, (a.ckpt, kind, a.tp, a.pp, seqs, a.output, a.micro_batch_size))
+        job = _ScoreJob(
+            ckpt=a.ckpt,
+            kind=kind,
+            tp=a.tp,
+            pp=a.pp,
+            seqs=seqs,
+            output=a.output,
+            micro_batch_size=a.micro_batch_size,
+        )
+        run_on_ranks(_worker, a.tp * a.pp, (job,))
         report(f"{PROG}: wrote {len(seqs)} lines to {a.output}")
 
     return run_cli(PROG, body)

@@ -34,7 +34,7 @@ from queue import Queue
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from megaopd.parallel.dist import rank0_computes
-from megaopd.rollout.overlap import GenerateAhead, Taken, overlap_metrics, staleness
+from megaopd.rollout.overlap import GenerateAhead, StaleHandled, Taken, overlap_metrics, staleness
 from megaopd.rollout.protocol import Sample, SamplingParams
 from megaopd.rollout.trajectories import MultiTurn, generate_rows
 from megaopd.rollout.waits import WaitAbandoned, rank0_waits
@@ -243,33 +243,23 @@ class RolloutPipeline:
         """Rank 0: batch `step` from ahead, its too-stale samples dropped or regenerated, and its metrics."""
         taken = self.ahead.take(step)
         st = staleness(taken, step, self.max_staleness)
-        samples, dropped, regenerated = self._handle_stale(taken, st.stale_B, step)
-        st = staleness(taken, step, self.max_staleness) if regenerated else st  # the regenerated ones are fresh
-        metrics = overlap_metrics(
-            st,
-            [len(s.output_ids) for s in samples],
-            step,
-            self.max_staleness,
-            taken.waited_s,
-            self.ahead.read_idle(),
-            dropped,
-            regenerated,
-        )
-        metrics["pipeline/generate_s"] = taken.generate_s
-        return Received(samples, st.first_B, metrics)
+        handled = self._handle_stale(taken, st.stale_B, step)
+        st = staleness(taken, step, self.max_staleness) if handled.regenerated else st  # regenerated: fresh
+        metrics = overlap_metrics(taken, st, handled, self.max_staleness, self.ahead.read_idle())
+        return Received(handled.samples, st.first_B, metrics)
 
-    def _handle_stale(self, taken: Taken, stale_B: list[bool], step: int) -> tuple[list[Sample], int, int]:
+    def _handle_stale(self, taken: Taken, stale_B: list[bool], step: int) -> StaleHandled:
         """rollout.stale_samples: drop (the row stays, with an empty response: nothing to learn from, as an
         aborted request) or regenerate under the engine's current weights. With the pipeline's own
         scheduling no sample exceeds max_staleness; this guards a slower engine or a changed schedule."""
         idx = [i for i, s in enumerate(stale_B) if s]
         samples = list(taken.samples)
         if not idx:
-            return samples, 0, 0
+            return StaleHandled(samples=samples)
         if self.cfg.rollout.stale_samples == "drop":
             for i in idx:
                 samples[i] = Sample(samples[i].prompt_ids, [], [], "abort", samples[i].weight_version)
-            return samples, len(idx), 0
+            return StaleHandled(samples=samples, dropped=len(idx))
         params = self.params(step)
         params.n, params.seed = 1, params.seed + 7_919  # a fresh draw, not the stale sample again
         fresh = self.engine.generate([samples[i].prompt_ids for i in idx], params)
@@ -277,7 +267,7 @@ class RolloutPipeline:
             samples[i] = s
             taken.first_versions[i] = self.engine_version
         taken.samples = samples
-        return samples, 0, len(idx)
+        return StaleHandled(samples=samples, regenerated=len(idx))
 
     def teacher_streamed(self, pending) -> None:
         """Rank 0, served teachers: the share of their rows scored while the batch generated (stream_parts)."""

@@ -2,9 +2,9 @@
 the in-job passes that can run before the whole batch is in, then the whole batch delivered to the ranks that
 use its rows.
 
-    rollout = stage.generate(step, examples, golden)   # collective: parts -> passes; then delivery
-    batch.actor = stage.actor_scores(rollout)          # log pi_old of this rank's owned rows
-    batch.teacher = teachers.score(..., streamed=stage.teacher_scores(rollout))
+    generated = stage.generate(step, examples, golden)   # collective: parts -> passes; then delivery
+    batch.actor = stage.actor_scores(generated)          # log pi_old of this rank's owned rows
+    batch.teacher = teachers.score(..., streamed=stage.teacher_scores(generated))
 
 RolloutPipeline.parts hands on the batch whole, as one part, or (rollout.stream_parts > 1 in sync mode,
 engines remote: RolloutPipeline.streams) in parts as the engines return them. While parts come, the actor's
@@ -111,28 +111,28 @@ class RolloutStage:
         )
         return Generated(samples=samples, batch=batch, owners=owners, batches=batches, passes=passes)
 
-    def actor_scores(self, rollout: Generated) -> TokenScores:
+    def actor_scores(self, generated: Generated) -> TokenScores:
         """The actor's scores (log pi_old, its top-k, entropy) of this rank's owned rows: those its pass made of
         the parts, sent to their owners; or, of a whole batch, its pass over the owned rows now."""
-        batch, owners, models = rollout.batch, rollout.owners, self.context.models
-        if rollout.passes.actor is not None:
-            return rollout.passes.actor.finish(owners, models.owner_layout, _lengths(batch), batch.tokens_BS.shape[1])
+        batch, owners, models = generated.batch, generated.owners, self.context.models
+        if generated.passes.actor is not None:
+            return generated.passes.actor.finish(owners, models.owner_layout, _lengths(batch), batch.tokens_BS.shape[1])
         return score_tokens(
             models.actor_runner,
             batch.tokens_BS,
-            rollout.batches,
+            generated.batches,
             self.context.actor_request,
             owners=owners,
             layout=models.actor_layout,
         )
 
-    def teacher_scores(self, rollout: Generated) -> dict[str, TokenScores]:
+    def teacher_scores(self, generated: Generated) -> dict[str, TokenScores]:
         """Per teacher whose pass ran on the parts, its scores of this rank's owned rows among those it scored
         (TeacherSet.score runs the others)."""
-        batch, owners, out = rollout.batch, rollout.owners, {}
-        for name, stream in rollout.passes.teachers.items():
+        batch, owners, out = generated.batch, generated.owners, {}
+        for name, stream in generated.passes.teachers.items():
             scores = stream.finish(owners, self.context.models.owner_layout, _lengths(batch), batch.tokens_BS.shape[1])
-            mine = set(rollout.passes.rows_of[name])
+            mine = set(generated.passes.rows_of[name])
             out[name] = scores.take([b for b in owners.rows() if b in mine])
         return out
 
