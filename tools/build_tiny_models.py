@@ -37,13 +37,16 @@ The teacher with another tokenizer (issue 46, cross-tokenizer distillation), bui
     python tools/build_tiny_models.py --xtok             # examples/tiny/models/teacher_xtok/ + xtok_manifest.json
     python tools/build_tiny_models.py --xtok --check     # tokenizer rebuilt byte-identical, files, accuracy
 
-  TEACHER_XTOK = the teacher's recipe above (sizes, both SFT stages, same train seeds: same data order) on
-  another tokenizer, examples/tiny/tokenizer_xtok: the same BPE trainer on the same corpus but 384 ids, spaces
-  only leading a token (" to", " both"; the tiny tokenizer has "d ", " to ") and its regular ids reversed, so
-  the same text gets other tokens and other ids (64 goldens: 2962 tiny tokens, 3407 teacher_xtok tokens,
-  2206 aligned spans); special tokens, their ids 0-3 and the chat template are the tiny tokenizer's. Its own
-  random init (seed 3, 0.89M parameters with the larger vocabulary). Its accuracy, SFT curve and file hashes
-  are in examples/tiny/models/xtok_manifest.json; the main manifest and --check do not read it.
+  teacher_xtok = the tiny teacher on another tokenizer, examples/tiny/tokenizer_xtok: the same BPE trainer on
+  the same corpus but 384 ids, spaces only leading a token (" to", " both"; the tiny tokenizer has "d ",
+  " to ") and its regular ids reversed, so the same text gets other tokens and other ids (64 goldens: 2962
+  tiny tokens, 3407 teacher_xtok tokens, 2206 aligned spans); special tokens, their ids 0-3 and the chat
+  template are the tiny tokenizer's. Built by transplanting (XTOK_SPEC init "transplant"): the committed
+  teacher's transformer body, new embedding / output rows made from the old ones (transplant_init), then one
+  SFT stage of 300 steps on the new tokens. The recipe from scratch (init "random": the teacher's own two
+  stages, 2700 steps) is kept in XTOK_SCRATCH_STAGES but was not run: on the shared 2-core machine of
+  2026-11-28 (load 25-47) an SFT step took 11 s instead of 0.2. Its accuracy, SFT curve and file hashes are
+  in examples/tiny/models/xtok_manifest.json; the main manifest and --check do not read it.
 
 --check (2-5 minutes, depending on the machine's load) proves, without retraining:
   a. the committed files are the ones the manifest describes (sha256 of every file of both model dirs);
@@ -453,9 +456,29 @@ XTOK_DIR = "teacher_xtok"
 XTOK_MANIFEST = "xtok_manifest.json"
 XTOK_VOCAB = 384
 """Ids of the other tokenizer: 380 BPE pieces + 4 special + 2 added, against the tiny tokenizer's 256."""
-XTOK_SPEC: dict = {**SPECS["teacher"], "init_seed": 3, "vocab": XTOK_VOCAB}
-"""The same-vocabulary teacher's sizes and SFT stages (same data order: same train seeds); its own init and
-vocabulary, so the two teachers differ only in the tokenizer (and the embedding / output rows it implies)."""
+XTOK_SPEC: dict = {
+    **SPECS["teacher"],
+    "vocab": XTOK_VOCAB,
+    "init": "transplant",
+    "init_seed": 3,
+    "stages": [
+        {
+            "steps": 300,
+            "prompts_per_step": 32,
+            "lr": 1e-3,
+            "min_lr": 5e-5,
+            "warmup_steps": 30,
+            "decay": "cosine",
+            "train_seed": 13,
+        }
+    ],
+}
+"""The same-vocabulary teacher's sizes. init "transplant" (the committed build): the trained tiny teacher's
+transformer body, with embedding and output rows for the new vocabulary made from the old ones
+(transplant_init), then one short SFT stage that teaches the body the new tokens; "random": its own random
+init (init_seed) and the teacher's two full stages (2700 steps: about 30 minutes on an idle core, hours on
+the shared machine of 2026-11-28, which is why the build here transplants)."""
+XTOK_SCRATCH_STAGES = SPECS["teacher"]["stages"]
 
 
 def build_xtok_tokenizer(out_dir: str):
@@ -494,14 +517,58 @@ def build_xtok_tokenizer(out_dir: str):
     return other
 
 
+def transplant_init(src_dir: str, out_dir: str) -> int:
+    """The trained teacher (src_dir) on the other tokenizer: every weight but the vocabulary's copied; the
+    embedding of each new token = the mean of the old embeddings of its text's old tokens (special and added
+    tokens: the old token of the same name), its output row = the old output row of its text's FIRST old token
+    (a token's logit then tracks how likely the next text starts as it does). Returns #parameters."""
+    import torch
+    import transformers
+
+    from megaopd.models.hf_io import load_tokenizer
+
+    old_tok, new_tok = load_tokenizer(src_dir), load_tokenizer(XTOK_TOKENIZER)
+    src = transformers.AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
+    config = transformers.Qwen2Config(**hf_config(XTOK_SPEC))
+    config.architectures = ["Qwen2ForCausalLM"]
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    vocab_keys = {"model.embed_tokens.weight", "lm_head.weight"}
+    state = {k: v for k, v in src.state_dict().items() if k not in vocab_keys}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert set(missing) == vocab_keys and not unexpected, (missing, unexpected)
+    old_emb, old_head = src.get_input_embeddings().weight.detach(), src.lm_head.weight.detach()
+    named = {t.content: i for i, t in old_tok.added_tokens_decoder.items()}
+    emb, head = model.get_input_embeddings().weight, model.lm_head.weight
+    with torch.no_grad():
+        for new_id in range(len(new_tok)):
+            added = new_tok.added_tokens_decoder.get(new_id)
+            if added is not None:
+                old_ids = [named[added.content]]
+            else:
+                old_ids = old_tok.encode(new_tok.decode([new_id]), add_special_tokens=False)
+            emb[new_id] = old_emb[old_ids].mean(0)
+            head[new_id] = old_head[old_ids[0]]
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    for f in sorted(os.listdir(XTOK_TOKENIZER)):
+        shutil.copy(os.path.join(XTOK_TOKENIZER, f), out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
 def build_xtok(out: str, work: str) -> dict:
-    """examples/tiny/models/teacher_xtok and xtok_manifest.json: the teacher's recipe on the other tokenizer."""
+    """examples/tiny/models/teacher_xtok and xtok_manifest.json: the teacher on the other tokenizer."""
     t0 = time.time()
-    n = build_init(XTOK_SPEC, os.path.join(work, "xtok_init"), XTOK_TOKENIZER)
-    log(f"teacher_xtok: random init ({n / 1e6:.2f}M parameters, vocabulary {XTOK_VOCAB}) -> {work}/xtok_init")
-    curves, src = [], os.path.join(work, "xtok_init")
-    for i, stage in enumerate(XTOK_SPEC["stages"]):
-        log(f"teacher_xtok: megaopd SFT stage {i + 1}/{len(XTOK_SPEC['stages'])}, {stage['steps']} steps")
+    init = os.path.join(work, "xtok_init")
+    if XTOK_SPEC["init"] == "transplant":
+        n = transplant_init(os.path.join(out, "teacher"), init)
+        log(f"teacher_xtok: the tiny teacher transplanted to vocabulary {XTOK_VOCAB} ({n / 1e6:.2f}M parameters)")
+    else:
+        n = build_init({**XTOK_SPEC, "stages": XTOK_SCRATCH_STAGES}, init, XTOK_TOKENIZER)
+        log(f"teacher_xtok: random init ({n / 1e6:.2f}M parameters, vocabulary {XTOK_VOCAB}) -> {init}")
+    curves, src = [], init
+    stages = XTOK_SPEC["stages"] if XTOK_SPEC["init"] == "transplant" else XTOK_SCRATCH_STAGES
+    for i, stage in enumerate(stages):
+        log(f"teacher_xtok: megaopd SFT stage {i + 1}/{len(stages)}, {stage['steps']} steps")
         run = os.path.join(work, f"xtok_sft{i + 1}")
         curves.append(sft(stage, src, run, stage["steps"]))
         src = os.path.join(run, "hf")
