@@ -43,7 +43,7 @@ The teacher with another tokenizer (issue 46, cross-tokenizer distillation), bui
   tiny tokens, 3407 teacher_xtok tokens, 2206 aligned spans); special tokens, their ids 0-3 and the chat
   template are the tiny tokenizer's. Built by transplanting (XTOK_SPEC init "transplant"): the committed
   teacher's transformer body, new embedding / output rows made from the old ones (transplant_init), then two
-  SFT stages (XTOK_TRANSPLANT_STAGES: 300 + 600 steps). The recipe from scratch (init "random": the teacher's
+  SFT stages (XTOK_TRANSPLANT_STAGES: 300 + 300 steps). The recipe from scratch (init "random": the teacher's
   own two stages, 2700 steps from a random init) was started but not finished: on the shared 2-core machine
   of 2026-11-28 (load 15-47) an SFT step took 4-11 s instead of 0.2. --resume reuses the init and the stages
   already finished in --work. Accuracy, SFT curves and file hashes: examples/tiny/models/xtok_manifest.json;
@@ -480,7 +480,7 @@ XTOK_TRANSPLANT_STAGES = [
         "train_seed": 13,
     },
     {
-        "steps": 600,
+        "steps": 300,
         "prompts_per_step": 32,
         "lr": 1e-3,
         "min_lr": 5e-5,
