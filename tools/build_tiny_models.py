@@ -47,7 +47,10 @@ The teacher with another tokenizer (issue 46, cross-tokenizer distillation), bui
   own two stages, 2700 steps from a random init) was started but not finished: on the shared 2-core machine
   of 2026-11-28 (load 15-47) an SFT step took 4-11 s instead of 0.2. --resume reuses the init and the stages
   already finished in --work. Accuracy, SFT curves and file hashes: examples/tiny/models/xtok_manifest.json;
-  the main manifest and --check do not read it.
+  the main manifest and --check do not read it. COMMITTED (2026-11-28): stage 1 only (its manifest's
+  stages_run), val accuracy 0.22, below the student's 0.36: a teacher with another tokenizer for the
+  mechanism's tests, not yet of the teacher's quality; stage 2 (or the recipe from scratch) needs a machine
+  less loaded than this one was (`--xtok --resume --work DIR` continues a build).
 
 --check (2-5 minutes, depending on the machine's load) proves, without retraining:
   a. the committed files are the ones the manifest describes (sha256 of every file of both model dirs);
