@@ -37,13 +37,20 @@ The teacher with another tokenizer (issue 46, cross-tokenizer distillation), bui
     python tools/build_tiny_models.py --xtok             # examples/tiny/models/teacher_xtok/ + xtok_manifest.json
     python tools/build_tiny_models.py --xtok --check     # tokenizer rebuilt byte-identical, files, accuracy
 
-  TEACHER_XTOK = the teacher's recipe above (sizes, both SFT stages, same train seeds: same data order) on
-  another tokenizer, examples/tiny/tokenizer_xtok: the same BPE trainer on the same corpus but 384 ids, spaces
-  only leading a token (" to", " both"; the tiny tokenizer has "d ", " to ") and its regular ids reversed, so
-  the same text gets other tokens and other ids (64 goldens: 2962 tiny tokens, 3407 teacher_xtok tokens,
-  2206 aligned spans); special tokens, their ids 0-3 and the chat template are the tiny tokenizer's. Its own
-  random init (seed 3, 0.89M parameters with the larger vocabulary). Its accuracy, SFT curve and file hashes
-  are in examples/tiny/models/xtok_manifest.json; the main manifest and --check do not read it.
+  teacher_xtok = the tiny teacher on another tokenizer, examples/tiny/tokenizer_xtok: the same BPE trainer on
+  the same corpus but 384 ids, spaces only leading a token (" to", " both"; the tiny tokenizer has "d ",
+  " to ") and its regular ids reversed, so the same text gets other tokens and other ids (64 goldens: 2962
+  tiny tokens, 3407 teacher_xtok tokens, 2206 aligned spans); special tokens, their ids 0-3 and the chat
+  template are the tiny tokenizer's. Built by transplanting (XTOK_SPEC init "transplant"): the committed
+  teacher's transformer body, new embedding / output rows made from the old ones (transplant_init), then two
+  SFT stages (XTOK_TRANSPLANT_STAGES: 300 + 300 steps). The recipe from scratch (init "random": the teacher's
+  own two stages, 2700 steps from a random init) was started but not finished: on the shared 2-core machine
+  of 2026-11-28 (load 15-47) an SFT step took 4-11 s instead of 0.2. --resume reuses the init and the stages
+  already finished in --work. Accuracy, SFT curves and file hashes: examples/tiny/models/xtok_manifest.json;
+  the main manifest and --check do not read it. COMMITTED (2026-11-28): stage 1 only (its manifest's
+  stages_run), val accuracy 0.22, below the student's 0.36: a teacher with another tokenizer for the
+  mechanism's tests, not yet of the teacher's quality; stage 2 (or the recipe from scratch) needs a machine
+  less loaded than this one was (`--xtok --resume --work DIR` continues a build).
 
 --check (2-5 minutes, depending on the machine's load) proves, without retraining:
   a. the committed files are the ones the manifest describes (sha256 of every file of both model dirs);
@@ -250,6 +257,11 @@ def sft(stage: dict, init_dir: str, run_dir: str, steps: int, extra: tuple = ())
             log(f"  {os.path.basename(run_dir)}: {line.strip()} ({time.time() - t0:.0f}s)")
     if proc.wait() != 0:
         raise SystemExit(f"SFT run {run_dir} failed:\n{''.join(tail)}")
+    return sft_curve(run_dir)
+
+
+def sft_curve(run_dir: str) -> list[float]:
+    """sft/nll per step of a finished SFT run."""
     curve = {}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
@@ -453,9 +465,34 @@ XTOK_DIR = "teacher_xtok"
 XTOK_MANIFEST = "xtok_manifest.json"
 XTOK_VOCAB = 384
 """Ids of the other tokenizer: 380 BPE pieces + 4 special + 2 added, against the tiny tokenizer's 256."""
-XTOK_SPEC: dict = {**SPECS["teacher"], "init_seed": 3, "vocab": XTOK_VOCAB}
-"""The same-vocabulary teacher's sizes and SFT stages (same data order: same train seeds); its own init and
-vocabulary, so the two teachers differ only in the tokenizer (and the embedding / output rows it implies)."""
+XTOK_SPEC: dict = {**SPECS["teacher"], "vocab": XTOK_VOCAB, "init": "transplant", "init_seed": 3}
+"""The same-vocabulary teacher's sizes on the other vocabulary. init "transplant" (the committed build): the
+trained teacher's transformer body with embedding / output rows for the new vocabulary made from the old ones
+(transplant_init), then XTOK_TRANSPLANT_STAGES. init "random": its own random init (init_seed) and the
+teacher's own two stages (2700 steps, the same train seeds: the same data order); about 30 minutes on an idle
+core, but an SFT step took 4-11 s instead of 0.2 on the shared machine of 2026-11-28 (load 15-47), so it was
+not run to the end there."""
+XTOK_TRANSPLANT_STAGES = [
+    {
+        "steps": 300,
+        "prompts_per_step": 32,
+        "lr": 1e-3,
+        "min_lr": 5e-5,
+        "warmup_steps": 30,
+        "decay": "cosine",
+        "train_seed": 13,
+    },
+    {
+        "steps": 300,
+        "prompts_per_step": 32,
+        "lr": 1e-3,
+        "min_lr": 5e-5,
+        "warmup_steps": 30,
+        "decay": "cosine",
+        "train_seed": 15,
+    },
+]
+"""Stage 1 alone (300 steps) reached val accuracy 0.22 (2026-11-28); stage 2 continues from its export."""
 
 
 def build_xtok_tokenizer(out_dir: str):
@@ -494,16 +531,66 @@ def build_xtok_tokenizer(out_dir: str):
     return other
 
 
-def build_xtok(out: str, work: str) -> dict:
-    """examples/tiny/models/teacher_xtok and xtok_manifest.json: the teacher's recipe on the other tokenizer."""
+def transplant_init(src_dir: str, out_dir: str) -> int:
+    """The trained teacher (src_dir) on the other tokenizer: every weight but the vocabulary's copied; the
+    embedding of each new token = the mean of the old embeddings of its text's old tokens (special and added
+    tokens: the old token of the same name), its output row = the old output row of its text's FIRST old token
+    (a token's logit then tracks how likely the next text starts as it does). Returns #parameters."""
+    import torch
+    import transformers
+
+    from megaopd.models.hf_io import load_tokenizer
+
+    old_tok, new_tok = load_tokenizer(src_dir), load_tokenizer(XTOK_TOKENIZER)
+    src = transformers.AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
+    config = transformers.Qwen2Config(**hf_config(XTOK_SPEC))
+    config.architectures = ["Qwen2ForCausalLM"]
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    vocab_keys = {"model.embed_tokens.weight", "lm_head.weight"}
+    state = {k: v for k, v in src.state_dict().items() if k not in vocab_keys}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert set(missing) == vocab_keys and not unexpected, (missing, unexpected)
+    old_emb, old_head = src.get_input_embeddings().weight.detach(), src.lm_head.weight.detach()
+    named = {t.content: i for i, t in old_tok.added_tokens_decoder.items()}
+    emb, head = model.get_input_embeddings().weight, model.lm_head.weight
+    with torch.no_grad():
+        for new_id in range(len(new_tok)):
+            added = new_tok.added_tokens_decoder.get(new_id)
+            if added is not None:
+                old_ids = [named[added.content]]
+            else:
+                old_ids = old_tok.encode(new_tok.decode([new_id]), add_special_tokens=False)
+            emb[new_id] = old_emb[old_ids].mean(0)
+            head[new_id] = old_head[old_ids[0]]
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    for f in sorted(os.listdir(XTOK_TOKENIZER)):
+        shutil.copy(os.path.join(XTOK_TOKENIZER, f), out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_xtok(out: str, work: str, resume: bool = False) -> dict:
+    """examples/tiny/models/teacher_xtok and xtok_manifest.json: the teacher on the other tokenizer."""
     t0 = time.time()
-    n = build_init(XTOK_SPEC, os.path.join(work, "xtok_init"), XTOK_TOKENIZER)
-    log(f"teacher_xtok: random init ({n / 1e6:.2f}M parameters, vocabulary {XTOK_VOCAB}) -> {work}/xtok_init")
-    curves, src = [], os.path.join(work, "xtok_init")
-    for i, stage in enumerate(XTOK_SPEC["stages"]):
-        log(f"teacher_xtok: megaopd SFT stage {i + 1}/{len(XTOK_SPEC['stages'])}, {stage['steps']} steps")
+    init = os.path.join(work, "xtok_init")
+    if resume and os.path.isfile(os.path.join(init, "model.safetensors")):
+        import transformers
+
+        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(init).parameters())
+        log(f"teacher_xtok: resuming in {work} (init and finished stages reused)")
+    elif XTOK_SPEC["init"] == "transplant":
+        n = transplant_init(os.path.join(out, "teacher"), init)
+        log(f"teacher_xtok: the tiny teacher transplanted to vocabulary {XTOK_VOCAB} ({n / 1e6:.2f}M parameters)")
+    else:
+        n = build_init(XTOK_SPEC, init, XTOK_TOKENIZER)
+        log(f"teacher_xtok: random init ({n / 1e6:.2f}M parameters, vocabulary {XTOK_VOCAB}) -> {init}")
+    curves, src = [], init
+    stages = XTOK_TRANSPLANT_STAGES if XTOK_SPEC["init"] == "transplant" else XTOK_SPEC["stages"]
+    for i, stage in enumerate(stages):
+        log(f"teacher_xtok: megaopd SFT stage {i + 1}/{len(stages)}, {stage['steps']} steps")
         run = os.path.join(work, f"xtok_sft{i + 1}")
-        curves.append(sft(stage, src, run, stage["steps"]))
+        done = resume and os.path.isfile(os.path.join(run, "hf", "model.safetensors"))
+        curves.append(sft_curve(run) if done else sft(stage, src, run, stage["steps"]))
         src = os.path.join(run, "hf")
     dst = os.path.join(out, XTOK_DIR)
     if os.path.isdir(dst):
@@ -513,6 +600,7 @@ def build_xtok(out: str, work: str) -> dict:
     log(f"teacher_xtok: val accuracy {acc['accuracy']:.3f} on the first {EVAL_PROBLEMS} problems")
     manifest = {
         "spec": XTOK_SPEC,
+        "stages_run": stages,
         "eval": {**EVAL, "problems": EVAL_PROBLEMS, "file": "examples/tiny/data/val.jsonl"},
         "threads": THREADS,
         "versions": versions(),
@@ -567,11 +655,14 @@ def main(argv=None) -> int:
         help="the teacher with another tokenizer (teacher_xtok, xtok_manifest.json) instead; with --check, check it",
     )
     ap.add_argument("--xtok-tokenizer", action="store_true", help="only rebuild examples/tiny/tokenizer_xtok")
+    ap.add_argument(
+        "--resume", action="store_true", help="--xtok: reuse the init and the finished stages found in --work"
+    )
     args = ap.parse_args(argv)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="tiny_models_") as tmp:
         work = args.work or tmp
-        if os.path.isdir(work) and os.listdir(work) and args.work:
+        if os.path.isdir(work) and os.listdir(work) and args.work and not args.resume:
             raise SystemExit(f"--work {work} is not empty: SFT runs resume from checkpoints there; use a fresh one")
         os.makedirs(work, exist_ok=True)
         if args.xtok_tokenizer:
@@ -579,7 +670,7 @@ def main(argv=None) -> int:
             return 0
         if args.xtok and not args.check:
             os.makedirs(args.out, exist_ok=True)
-            build_xtok(args.out, work)
+            build_xtok(args.out, work, resume=args.resume)
             return 0
         if not args.check:
             os.makedirs(args.out, exist_ok=True)

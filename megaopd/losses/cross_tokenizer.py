@@ -15,7 +15,7 @@ t in s that count in the loss (loss mask on):
 A span is one action: every token of it gets the whole span's advantage, so the span's policy-gradient
 term is the sum of its tokens' terms, R_s * sum_{t in s} grad log pi(y_t) = R_s * grad log pi(span text):
 the score function of the span, weighted once per student token under token-mean (a span of 3 student
-tokens weighs like 3 tokens, as the same text would with the teacher's own tokenizer if it took 3 tokens).
+tokens weighs like 3 tokens of a same-tokenizer teacher; spreading R_s / n instead would make it weigh 1).
 Positions with no span (-1: special tokens, whose markup the other side never sees) get reward and advantage
 0. Tokens outside the loss mask (special-token masking, environment turns) add nothing to R_s: as
 same-tokenizer opd, a masked token cannot leak its teacher score into its neighbours; a span partly masked
@@ -23,10 +23,11 @@ then compares only the teacher's share of its counted tokens (an approximation, 
 every token is its own span, and the numbers are exactly same-tokenizer opd's.
 
 Exact vs approximate: R_s is the exact log-ratio of the span's text under teacher and student (both given
-the same preceding text); the per-token split of the teacher's span log-prob (even spread) only shapes the
-per-token reward metric, never the advantage. Full-distribution losses (gkd, lsm) compare distributions over
-ONE vocabulary and are refused (check_cross_tokenizer); GOLD's hybrid (exact KL over shared tokens + ULD's
-sorted-probability distance over the rest) is not implemented.
+the same preceding text; each side's probability of its own tokens of that text); the per-token split of the
+teacher's span log-prob (even spread) only shapes the per-token reward metric, never the advantage.
+Full-distribution losses (gkd, lsm) compare distributions over ONE vocabulary and are refused
+(check_cross_tokenizer); GOLD's hybrid (exact KL over shared tokens + ULD's sorted-probability distance over
+the rest) is not implemented.
 
     pytest tests/losses -k span
 """

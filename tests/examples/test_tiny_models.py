@@ -95,3 +95,29 @@ def test_build_check_passes():
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "tiny models check passed" in proc.stdout
+
+
+@pytest.mark.slow
+def test_teacher_xtok_has_another_tokenizer_and_its_manifest_sizes():
+    """teacher_xtok (tools/build_tiny_models.py --xtok): the teacher's sizes on a 384-id tokenizer whose tokens
+    of the same text differ from the tiny tokenizer's; its committed files are its manifest's."""
+    import transformers
+
+    from megaopd.models.hf_io import load_tokenizer
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import build_tiny_models as tool
+
+    d = os.path.join(MODELS, "teacher_xtok")
+    with open(os.path.join(MODELS, "xtok_manifest.json")) as f:
+        rec = json.load(f)
+    assert tool.dir_hashes(d) == rec["files"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(d)
+    assert model.config.vocab_size == 384 and sum(p.numel() for p in model.parameters()) == rec["parameters"]
+    teacher = manifest()["specs"]["teacher"]
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (teacher["hidden"], teacher["layers"])
+    tok, tiny = load_tokenizer(d), load_tokenizer(os.path.join(MODELS, "teacher"))
+    text = "Divide both sides by 8: x = 96 / 8\nThe answer is \\boxed{12}."
+    assert tok.decode(tok.encode(text)) == text and tok.encode(text) != tiny.encode(text)
+    assert (tok.eos_token_id, tok.pad_token_id) == (tiny.eos_token_id, tiny.pad_token_id) == (2, 0)
+    assert rec["val"]["problems"] == 64 and 0 < rec["val"]["accuracy"] <= 1  # quality: examples/tiny/README.md
