@@ -490,7 +490,9 @@ train_base_overrides() {
 run_torchrun() {
   export TRAIN_NNODES NPROC_PER_NODE
   if [[ $REHEARSE == 1 ]]; then rehearse_train_args; set -- "$@" "${REHEARSE_ARGS[@]}"; fi  # CPU, tiny sizes
-  local -a srun_cmd=(srun --nodes="$TRAIN_NNODES" --ntasks-per-node=1 --nodelist="$(_join , "${TRAIN_NODES[@]}")"
+  # --ntasks given: srun otherwise takes the job's task count (SLURM_NTASKS, one per node of the allocation), and
+  # with ENGINE_NODES or TEACHER_NODES the training nodes are fewer: "More processors requested than permitted".
+  local -a srun_cmd=(srun --nodes="$TRAIN_NNODES" --ntasks="$TRAIN_NNODES" --ntasks-per-node=1 --nodelist="$(_join , "${TRAIN_NODES[@]}")"
                      --overlap --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1
                      bash "$MEGAOPD_ROOT/slurm/torchrun_node.sh" "$@")
   _show batch "${srun_cmd[@]}"

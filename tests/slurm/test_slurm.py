@@ -244,6 +244,10 @@ def test_dry_run_engine_nodes(inputs):
     assert flag(train, "--nnodes") == "1" and flag(train, "--node-rank") == "0"
     assert flag(train, "--master-addr") == "node1"
     assert " run.world_size=4 " in train
+    # One task on the one training node: srun would otherwise take the job's 2 tasks (SLURM_NTASKS) onto it and
+    # refuse the step (seen in the ENGINE_NODES=1 rehearsal, tests/slurm/test_rehearse.py).
+    (srun,) = [x for x in lines_on(out, "batch") if x.startswith("srun ") and "torchrun_node.sh" in x]
+    assert "--nodes=1 --ntasks=1 " in srun
     eng = sglang_lines(out, "node2")
     assert len(eng) == 4
     for x in eng:
