@@ -14,7 +14,8 @@
 #               names (rehearse_models): examples/tiny/models (Qwen2 architecture, like Qwen2.5-Math and the 7B
 #               teachers; 4 query heads and 2 KV groups, so the TP=2 layouts split them as they split the 7Bs).
 #               STUDENT_HF_DIR, TEACHER_HF_DIR, STUDENT_CKPT, TEACHER_CKPT are ignored.
-#   2. data     TRAIN_DATA -> examples/tiny/data/opd.jsonl; validation on examples/tiny/data/val.jsonl.
+#   2. data     TRAIN_DATA -> examples/tiny/data/opd.jsonl; validation on examples/tiny/data/val.jsonl, which
+#               also stands in for every benchmark of eval_7b.sh (BENCH_DIR; CKPT -> the tiny student).
 #   3. device   one CPU process per GPU of the allocation (torchrun's ranks, gloo instead of NCCL), one thread
 #               each; the trainer overrides REHEARSE_DEVICE (rehearse_train_args) make the GPU-only settings
 #               CPU ones: float32 (megatron's bf16 optimizers take CUDA tensors), no distributed optimizer
@@ -24,7 +25,8 @@
 #               server, on the same node and port, one per engine the real job starts (rehearse_server_cmd).
 #   5. size     REHEARSE_STEPS optimizer steps (3), a checkpoint every REHEARSE_SAVE_INTERVAL (1), prompts and
 #               responses of tiny lengths, 4 samples of DP prompts a step, 4 validation problems
-#               (REHEARSE_SIZE, rehearse_train_args).
+#               (REHEARSE_SIZE, rehearse_train_args); evaluation: the first 4 problems of each benchmark, 2
+#               samples where the real job takes 32, 32-token answers.
 # Everything else is the real launch's. tests/slurm/test_rehearse.py compares a rehearsal's printed commands with
 # DRY_RUN=1's, line for line, allowing exactly these differences.
 
@@ -56,6 +58,22 @@ export MODELS_DIR="$REHEARSE_MODELS_DIR"
 unset STUDENT_HF_DIR TEACHER_HF_DIR STUDENT_CKPT TEACHER_CKPT
 export TRAIN_DATA="$REHEARSE_TINY/data/opd.jsonl"
 unset DATA_SOURCES
+# Evaluation (eval_7b.sh): the tiny student as the checkpoint, the tiny validation set under each benchmark's
+# name, the first 4 problems of each, 2 samples for the avg@N benchmarks, 32-token answers.
+rehearse_benchmarks() {
+  local b dir="$REHEARSE_MODELS_DIR/../bench"
+  mkdir -p "$dir"
+  for b in math500 minerva olympiadbench amc aime24 aime25; do
+    [[ -L $dir/$b.jsonl ]] || ln -sfn "$REHEARSE_TINY/data/val.jsonl" "$dir/$b.jsonl"
+  done
+  BENCH_DIR="$(cd "$dir" && pwd)"
+  export BENCH_DIR
+}
+rehearse_benchmarks
+export CKPT="${REHEARSE_CKPT:-$REHEARSE_TINY/models/student}" AVG_SAMPLES=2 EVAL_MAX_NEW_TOKENS=32
+# Not CKPT/eval (eval_7b.sh's default), which would be inside the repo's tiny model.
+export EVAL_OUT="${EVAL_OUT:-${OUTPUT_ROOT:-$MEGAOPD_ROOT/runs/rehearse}/${JOB_NAME:-eval_7b}}"
+export EVAL_ARGS="${EVAL_ARGS:+$EVAL_ARGS }--limit 4"
 
 # 3: one thread per rank and per engine (the simulated GPUs share this machine's cores); every command printed,
 # in the job's log and, whole lines each, in SHOW_COMMANDS_LOG (one file per job; a requeued run appends to it).

@@ -124,7 +124,7 @@ def run_script(script, env_extra, *args, nodes="node1 node2", dry=True):
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_")) and k not in LAUNCHER_VARS
+        if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_", "REHEARSE")) and k not in LAUNCHER_VARS
     }
     for k in (
         "MODELS_DIR",
@@ -714,3 +714,28 @@ def test_dry_run_teacher_nodes(inputs):
     assert all("Qwen2.5-Math-7B" in x for x in sglang_lines(out, "node1"))  # rollout engines stay colocated
     r = run_script("stable_opd_7b.sh", {**inputs, "TEACHER_NODES": "2"})
     assert r.returncode != 0 and "TEACHER_NODES=2" in r.stderr and "--nodes=3" in r.stderr
+
+
+@pytest.mark.parametrize("script", SBATCH_SCRIPTS)
+def test_every_script_has_a_rehearsal(script, tmp_path):
+    """REHEARSE=1 (slurm/rehearse.sh) previews on every sbatch script, with the real models and data replaced by
+    the tiny ones (no MODELS_DIR, TRAIN_DATA, BENCH_DIR or CKPT given): no SGLang server, `megaopd serve` in its
+    place, and the CPU settings on every trainer line. The real runs: tests/slurm/test_rehearse.py."""
+    env = {"REHEARSE": "1", "OUTPUT_ROOT": str(tmp_path / "runs"), "CKPT_ROOT": str(tmp_path / "ckpt")}
+    if script == "tiny_cpu.sh":
+        env["RUN_DIR"] = str(tmp_path / "tiny")
+    r = run_script(script, env, nodes="sim1 sim2")
+    assert r.returncode == 0, r.stderr
+    assert "sglang" not in r.stdout
+    tiny = os.path.join(ROOT, "examples", "tiny")
+    for node in ("sim1", "sim2"):
+        for line in torchrun_lines(r.stdout, node):
+            assert line.endswith(" logging.tensorboard=false") and " student.dtype=float32 " in line, line
+            assert " rollout.colocated=false " in line and " trainer.max_steps=3 " in line
+        for line in lines_on(r.stdout, node):
+            if " megaopd.cli serve " in line:
+                hf = flag(line, "--hf-dir")
+                assert os.path.realpath(hf).startswith(os.path.join(tiny, "models")), line
+    if script == "eval_7b.sh":
+        (step,) = [x for x in lines_on(r.stdout, "batch") if " megaopd.cli eval " in x]
+        assert " --limit 4" in step and flag(step, "--out").startswith(str(tmp_path / "runs"))
