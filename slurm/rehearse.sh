@@ -14,8 +14,9 @@
 #               names (rehearse_models): examples/tiny/models (Qwen2 architecture, like Qwen2.5-Math and the 7B
 #               teachers; 4 query heads and 2 KV groups, so the TP=2 layouts split them as they split the 7Bs).
 #               STUDENT_HF_DIR, TEACHER_HF_DIR, STUDENT_CKPT, TEACHER_CKPT are ignored.
-#   2. data     TRAIN_DATA -> examples/tiny/data/opd.jsonl; validation on examples/tiny/data/val.jsonl, which
-#               also stands in for every benchmark of eval_7b.sh (BENCH_DIR; CKPT -> the tiny student).
+#   2. data     TRAIN_DATA -> examples/tiny/data/opd.jsonl; BENCH_DIR -> a folder where examples/tiny/data/val.jsonl
+#               stands in for every benchmark (the jobs' validation set, math500, and eval_7b.sh's six);
+#               eval_7b.sh's CKPT -> the tiny student.
 #   3. device   one CPU process per GPU of the allocation (torchrun's ranks, gloo instead of NCCL), one thread
 #               each; the trainer overrides REHEARSE_DEVICE (rehearse_train_args) make the GPU-only settings
 #               CPU ones: float32 (megatron's bf16 optimizers take CUDA tensors), no distributed optimizer
@@ -95,7 +96,7 @@ rehearse_train_args() {
   REHEARSE_SIZE=(trainer.max_steps="$REHEARSE_STEPS" trainer.save_interval="$REHEARSE_SAVE_INTERVAL"
                  trainer.prompts_per_step="$dp" trainer.samples_per_prompt=4 trainer.micro_batch_size=2
                  data.max_prompt_len=128 data.max_golden_len=256 rollout.max_new_tokens=32
-                 validation.path="$REHEARSE_TINY/data/val.jsonl" validation.max_problems=4
+                 validation.max_problems=4
                  validation.max_new_tokens=32 logging.tensorboard=false)
   REHEARSE_ARGS=("${REHEARSE_DEVICE[@]}" "${REHEARSE_SIZE[@]}")
 }

@@ -54,7 +54,6 @@ REHEARSAL_KEYS = {
     "data.max_prompt_len",
     "data.max_golden_len",
     "rollout.max_new_tokens",
-    "validation.path",
     "validation.max_problems",
     "validation.max_new_tokens",
     "logging.tensorboard",
@@ -232,6 +231,7 @@ def _dry_run(r: Rehearsal, master_port: str, **extra: str) -> subprocess.Complet
         "DRY_RUN_NODES": " ".join(NODES),
         "MODELS_DIR": os.path.join(ROOT, "runs", "rehearse", "models"),
         "TRAIN_DATA": os.path.join(ROOT, "examples", "tiny", "data", "opd.jsonl"),
+        "BENCH_DIR": os.path.join(ROOT, "runs", "rehearse", "bench"),
         "MASTER_PORT": master_port,
         # What the allocation gives each task (the dry run would otherwise count this machine's CPUs).
         "SLURM_CPUS_PER_TASK": "64",
