@@ -205,6 +205,8 @@ setup_sim_network() {
   for ((i = 1; i <= SIM_NODES; i++)); do
     ns="megaopd-$SIM_PREFIX$i"
     if ! ip netns list | grep -qw "$ns"; then
+      # A host-side end left by an earlier namespace (deleting a namespace does not always delete its pair here).
+      if ip link show "mopd-v$i" >/dev/null 2>&1; then ip link del "mopd-v$i"; fi
       ip netns add "$ns"
       ip link add "mopd-v$i" type veth peer name eth0 netns "$ns"
       ip link set "mopd-v$i" master "$SIM_BRIDGE"
@@ -222,9 +224,12 @@ setup_sim_network() {
 }
 
 teardown_sim_network() {
-  local ns
+  local ns link
+  for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//' | grep '^mopd-v' || true); do
+    ip link del "$link" || true
+  done
   for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^megaopd-$SIM_PREFIX" || true); do
-    ip netns del "$ns" || true  # deleting the namespace deletes its veth pair
+    ip netns del "$ns" || true
   done
   if ip link show "$SIM_BRIDGE" >/dev/null 2>&1; then ip link del "$SIM_BRIDGE" || true; fi
   if grep -q "$HOSTS_MARK" /etc/hosts 2>/dev/null; then rewrite_hosts; fi
