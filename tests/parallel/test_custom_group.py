@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from megaopd.parallel.dist import find_free_port
 
 _RANK = """
@@ -22,6 +24,7 @@ print(t.item())
 """
 
 
+@pytest.mark.slow  # two processes that import torch
 def test_the_group_forms_under_torchrun_environment():
     port = find_free_port()
     env = {**os.environ, "TORCHELASTIC_USE_AGENT_STORE": "True"}
