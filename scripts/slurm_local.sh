@@ -1,34 +1,81 @@
 #!/usr/bin/env bash
-# A real single-node Slurm cluster on this machine, for tests and CI (tests/slurm/ submits jobs to it).
+# A real Slurm cluster on this machine, for tests, CI and rehearsals (tests/slurm/ submits jobs to it).
 #
-#   sudo bash scripts/slurm_local.sh          # install if missing, start, wait until the node is idle
-#   sudo bash scripts/slurm_local.sh status   # sinfo + daemon pids
-#   sudo bash scripts/slurm_local.sh stop     # shut the daemons down (the config stays)
+#   sudo bash scripts/slurm_local.sh                # install if missing, start, wait until the nodes are idle
+#   sudo bash scripts/slurm_local.sh --nodes 2      # + 2 simulated nodes sim1, sim2 (partition "sim", 4 GPUs each)
+#   sudo bash scripts/slurm_local.sh --nodes 0      # back to the host node alone
+#   sudo bash scripts/slurm_local.sh status         # sinfo + daemon pids
+#   sudo bash scripts/slurm_local.sh stop           # shut the daemons down, remove the simulated nodes' namespaces
 #
-# Idempotent: a second run finds the daemons up and only waits for the node. Needs root (munged runs as
-# the munge user, slurmctld/slurmd as root) and apt (Debian's slurm-wlm 22.05 + munge). The facts it uses
-# are those that worked on this project's machines: linuxproc process tracking and no task plugin,
-# because the sandbox has no writable cgroup hierarchy for slurmd to manage.
+# The host node (this machine's hostname, partition "debug", the default) is always there. `--nodes N` adds N
+# simulated nodes for multi-node jobs (docs/cluster.md, "Rehearsing a job"): `sbatch -p sim --nodes=2 ...`.
+# Without --nodes the simulated nodes already configured are kept, so the tests that need only the host node
+# do not tear down a cluster that a rehearsal set up.
+#
+# How a node is simulated: each simN is a network namespace (its own address 10.213.77.1N on a bridge, its own
+# ports) and a UTS namespace (its own hostname) running its own slurmd; munged, slurmctld and the filesystem
+# are shared, as on a cluster with a shared filesystem. Why namespaces and not slurmd's several-nodes mode
+# (NodeName=... Port=..., `slurmd -N`): that mode needs Slurm built with --enable-multiple-slurmd, which
+# Debian's slurm-wlm is not (`scontrol show config` has no MULTIPLE_SLURMD line); and even with it every node
+# would share one hostname and one port space, so two nodes' rendezvous or engine ports (the same numbers on
+# every node of a real job) would collide and `hostname` would not tell the ranks' nodes apart.
+# Each simulated node declares SIM_CPUS CPUs (64) and SIM_GPUS GPUs (4: GRES "gpu" whose files are stand-in
+# character devices under /run/megaopd-sim-gpus, as slurmd drops a GPU without a device file) so the
+# GPU scripts' #SBATCH lines (--gpus-per-node=4 --cpus-per-task=64 --exclusive) are granted as they are;
+# SlurmdParameters=config_overrides makes slurmd report those numbers instead of this machine's.
+#
+# Idempotent: a second run finds the daemons up and only waits for the nodes. Needs root (munged runs as
+# the munge user, slurmctld/slurmd as root; namespaces) and apt (Debian's slurm-wlm 22.05 + munge) and
+# iproute2. The facts it uses are those that worked on this project's machines: linuxproc process tracking
+# and no task plugin, because the sandbox has no writable cgroup hierarchy for slurmd to manage.
 set -euo pipefail
 
-ACTION="${1:-start}"
+ACTION=start
+SIM_NODES=""  # empty: keep what the config has
+while (( $# )); do
+  case "$1" in
+    --nodes) SIM_NODES="${2:?--nodes needs a number}"; shift 2 ;;
+    --nodes=*) SIM_NODES="${1#--nodes=}"; shift ;;
+    start|stop|status) ACTION="$1"; shift ;;
+    *) echo "slurm_local: error: unknown argument '$1': use [start|stop|status] [--nodes N]" >&2; exit 1 ;;
+  esac
+done
 CONF_DIR=/etc/slurm
 CONF="$CONF_DIR/slurm.conf"
+GRES_CONF="$CONF_DIR/gres.conf"
 LOG_DIR=/var/log/slurm
 CTLD_PID=/run/slurmctld.pid
-SLURMD_PID=/run/slurmd.pid
 MUNGE_PID=/run/munge/munged.pid
-# How long to wait for `sinfo` to show the node idle (slurmd registers within seconds; the margin is for
+# How long to wait for `sinfo` to show the nodes idle (slurmd registers within seconds; the margin is for
 # loaded CI machines).
 READY_TIMEOUT_S="${SLURM_LOCAL_TIMEOUT_S:-120}"
 # The first line of the config this script writes; a slurm.conf without it is someone else's and is not touched.
 MARK="# Written by scripts/slurm_local.sh"
+# Simulated nodes: names, addresses, what each declares. The subnet is one no real network here uses.
+SIM_PREFIX=sim
+SIM_NET=10.213.77
+SIM_BRIDGE=megaopd-br0
+SIM_CPUS="${SIM_CPUS:-64}"
+SIM_GPUS="${SIM_GPUS:-4}"
+HOSTS_MARK="# megaopd simulated node (scripts/slurm_local.sh)"
+# Stand-ins for the simulated GPUs' device files (char 1,3: /dev/null's numbers; nothing opens them).
+SIM_GPU_DIR=/run/megaopd-sim-gpus
 
 log() { echo "slurm_local: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 alive() {  # alive PIDFILE: the process named in PIDFILE runs
   [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
+}
+
+# slurmd's pid file for a node (SlurmdPidFile=/run/slurmd-%n.pid).
+slurmd_pid() { echo "/run/slurmd-$1.pid"; }
+
+# The number of simulated nodes the config on disk has (0 when none, or no config of ours).
+configured_sim_nodes() {
+  local n
+  n="$(sed -n 's/^# simulated nodes: \([0-9]*\)$/\1/p' "$CONF" 2>/dev/null | head -n1)"
+  echo "${n:-0}"
 }
 
 install_packages() {
@@ -67,17 +114,23 @@ start_munge() {
 }
 
 write_conf() {
-  # Writes slurm.conf for this host; returns 0 when the file changed (the daemons must then restart).
-  local host cpus mem_mb tmp
+  # Writes slurm.conf and gres.conf for this host and SIM_NODES simulated nodes; returns 0 when a file
+  # changed (the daemons must then restart).
+  local host cpus mem_mb tmp gtmp ctld_host sims="" changed=1 i
   host="$(hostname -s)"
   cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # GNU nproc reports OMP_NUM_THREADS when it is set
   # Leave ~15% of the memory to the OS: slurmd drains a node that reports less memory than configured.
   mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 85 / 100 ))
+  # The simulated nodes reach slurmctld at the bridge's address (this host's name may resolve to 127.0.0.1,
+  # which inside a node's namespace is that node's own loopback).
+  ctld_host="$host"
+  if (( SIM_NODES > 0 )); then ctld_host="$host($SIM_NET.1)"; sims="$SIM_PREFIX[1-$SIM_NODES]"; fi
   tmp="$(mktemp)"
   cat >"$tmp" <<EOF
-$MARK: a one-node cluster for megaopd's tests. Rewritten on each run.
+$MARK: a local cluster for megaopd's tests. Rewritten on each run.
+# simulated nodes: $SIM_NODES
 ClusterName=megaopd-local
-SlurmctldHost=$host
+SlurmctldHost=$ctld_host
 AuthType=auth/munge
 # A requeued job waits for its old credential to expire before it may start again (120 s by default);
 # 15 s keeps the tests' requeue path short and is still ample to launch a step on one local node.
@@ -85,11 +138,12 @@ AuthInfo=cred_expire=15
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
+# One spool, pid and log file per node (%n: its name): the simulated nodes' slurmds share this filesystem.
+SlurmdSpoolDir=/var/spool/slurmd/%n
 SlurmctldPidFile=$CTLD_PID
-SlurmdPidFile=$SLURMD_PID
+SlurmdPidFile=/run/slurmd-%n.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
+SlurmdLogFile=$LOG_DIR/slurmd-%n.log
 # No cgroup hierarchy that slurmd may manage in this sandbox: track processes by parent pid, bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -104,26 +158,93 @@ SchedulerType=sched/backfill
 ReturnToService=2
 # Seconds between SIGTERM and SIGKILL when a job is cancelled or times out.
 KillWait=30
+# The simulated nodes declare more CPUs and GPUs than this machine has: slurmd reports the configured ones.
+SlurmdParameters=config_overrides
+GresTypes=gpu
 NodeName=$host CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
+  for ((i = 1; i <= SIM_NODES; i++)); do
+    echo "NodeName=$SIM_PREFIX$i NodeAddr=$SIM_NET.$((10 + i)) CPUs=$SIM_CPUS RealMemory=$mem_mb Gres=gpu:$SIM_GPUS State=UNKNOWN" >>"$tmp"
+  done
+  if (( SIM_NODES > 0 )); then echo "PartitionName=sim Nodes=$sims MaxTime=INFINITE State=UP" >>"$tmp"; fi
+  gtmp="$(mktemp)"
+  echo "$MARK: the simulated nodes' GPUs (stand-in device files, setup_sim_network)." >"$gtmp"
+  if (( SIM_NODES > 0 )); then echo "NodeName=$sims Name=gpu File=$SIM_GPU_DIR/gpu[0-$((SIM_GPUS - 1))]" >>"$gtmp"; fi
   mkdir -p "$CONF_DIR"
-  if [[ -f $CONF ]] && cmp -s "$tmp" "$CONF"; then rm -f "$tmp"; return 1; fi
   if [[ -f $CONF ]] && ! grep -q "^$MARK" "$CONF" && [[ ${SLURM_LOCAL_FORCE:-0} != 1 ]]; then
-    rm -f "$tmp"
-    die "$CONF was not written by this script (a cluster of its own?): left as it is. Use that cluster, or move the file aside (or set SLURM_LOCAL_FORCE=1) to let this script write its one-node config"
+    rm -f "$tmp" "$gtmp"
+    die "$CONF was not written by this script (a cluster of its own?): left as it is. Use that cluster, or move the file aside (or set SLURM_LOCAL_FORCE=1) to let this script write its config"
   fi
-  mv "$tmp" "$CONF" && chmod 0644 "$CONF"
-  return 0
+  if ! { [[ -f $CONF ]] && cmp -s "$tmp" "$CONF"; }; then mv "$tmp" "$CONF" && chmod 0644 "$CONF"; changed=0; fi
+  if ! { [[ -f $GRES_CONF ]] && cmp -s "$gtmp" "$GRES_CONF"; }; then mv "$gtmp" "$GRES_CONF" && chmod 0644 "$GRES_CONF"; changed=0; fi
+  rm -f "$tmp" "$gtmp"
+  return "$changed"
+}
+
+# /etc/hosts without this script's lines, plus LINES...; rewritten in place (it may be a mount point).
+rewrite_hosts() {
+  local tmp line
+  tmp="$(mktemp)"
+  grep -v "$HOSTS_MARK" /etc/hosts >"$tmp" || true
+  for line in "$@"; do echo "$line $HOSTS_MARK" >>"$tmp"; done
+  cat "$tmp" >/etc/hosts
+  rm -f "$tmp"
+}
+
+# The simulated nodes' network: a bridge on this host ($SIM_NET.1) and one namespace per node with a veth
+# into it ($SIM_NET.1N); /etc/hosts names them, so every node (and this host) resolves every other.
+setup_sim_network() {
+  command -v ip >/dev/null || die "simulated nodes need iproute2 (ip): apt-get install iproute2"
+  if ! ip link show "$SIM_BRIDGE" >/dev/null 2>&1; then
+    ip link add "$SIM_BRIDGE" type bridge
+    ip addr add "$SIM_NET.1/24" dev "$SIM_BRIDGE"
+  fi
+  ip link set "$SIM_BRIDGE" up
+  local i ns lines=()
+  for ((i = 1; i <= SIM_NODES; i++)); do
+    ns="megaopd-$SIM_PREFIX$i"
+    if ! ip netns list | grep -qw "$ns"; then
+      # A host-side end left by an earlier namespace (deleting a namespace does not always delete its pair here).
+      if ip link show "mopd-v$i" >/dev/null 2>&1; then ip link del "mopd-v$i"; fi
+      ip netns add "$ns"
+      ip link add "mopd-v$i" type veth peer name eth0 netns "$ns"
+      ip link set "mopd-v$i" master "$SIM_BRIDGE"
+      ip link set "mopd-v$i" up
+      ip -n "$ns" addr add "$SIM_NET.$((10 + i))/24" dev eth0
+      ip -n "$ns" link set eth0 up
+      ip -n "$ns" link set lo up
+      ip -n "$ns" route add default via "$SIM_NET.1"
+    fi
+    lines+=("$SIM_NET.$((10 + i)) $SIM_PREFIX$i")
+  done
+  rewrite_hosts "${lines[@]}"
+  mkdir -p "$SIM_GPU_DIR"
+  for ((i = 0; i < SIM_GPUS; i++)); do [[ -c $SIM_GPU_DIR/gpu$i ]] || mknod "$SIM_GPU_DIR/gpu$i" c 1 3; done
+}
+
+teardown_sim_network() {
+  local ns link
+  for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//' | grep '^mopd-v' || true); do
+    ip link del "$link" || true
+  done
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^megaopd-$SIM_PREFIX" || true); do
+    ip netns del "$ns" || true
+  done
+  if ip link show "$SIM_BRIDGE" >/dev/null 2>&1; then ip link del "$SIM_BRIDGE" || true; fi
+  if grep -q "$HOSTS_MARK" /etc/hosts 2>/dev/null; then rewrite_hosts; fi
 }
 
 stop_daemons() {
-  # Only the daemons named by our pid files: ask politely, then wait for them to go.
-  local f
-  for f in "$SLURMD_PID" "$CTLD_PID"; do
+  # Only the daemons named by our pid files (every node's slurmd, slurmctld; /run/slurmd.pid: the one-node
+  # config of earlier versions): ask politely, then wait for them to go.
+  local f files=(/run/slurmd.pid)
+  for f in /run/slurmd-*.pid; do [[ -e $f ]] && files+=("$f"); done
+  files+=("$CTLD_PID")
+  for f in "${files[@]}"; do
     if alive "$f"; then kill "$(cat "$f")"; fi
   done
-  for f in "$SLURMD_PID" "$CTLD_PID"; do
+  for f in "${files[@]}"; do
     for _ in $(seq 100); do alive "$f" || break; sleep 0.1; done
     alive "$f" && die "daemon $(cat "$f") from $f did not stop"
     rm -f "$f"
@@ -131,49 +252,66 @@ stop_daemons() {
 }
 
 start_daemons() {
-  mkdir -p /var/spool/slurmctld /var/spool/slurmd "$LOG_DIR"
+  local host i node
+  host="$(hostname -s)"
+  mkdir -p /var/spool/slurmctld "/var/spool/slurmd/$host" "$LOG_DIR"
   alive "$CTLD_PID" || slurmctld
-  alive "$SLURMD_PID" || slurmd
+  alive "$(slurmd_pid "$host")" || slurmd -N "$host"
+  for ((i = 1; i <= SIM_NODES; i++)); do
+    node="$SIM_PREFIX$i"
+    mkdir -p "/var/spool/slurmd/$node"
+    alive "$(slurmd_pid "$node")" && continue
+    # The node's own network (nsenter --net) and hostname (unshare --uts): every process of its jobs sees
+    # both, as on a separate machine. Not `ip netns exec`: it mounts a fresh /sys without the cgroup
+    # filesystem, and slurmd refuses to start without /sys/fs/cgroup.
+    nsenter --net="/run/netns/megaopd-$node" unshare --uts sh -c "hostname $node && exec slurmd -N $node"
+  done
 }
 
 wait_idle() {
-  local host state deadline=$((SECONDS + READY_TIMEOUT_S))
-  host="$(hostname -s)"
-  while (( SECONDS < deadline )); do
-    state="$(sinfo -h -n "$host" -o %T 2>/dev/null | head -n1 || true)"
-    case "$state" in
-      idle|mixed|allocated|completing) log "node $host is $state"; return ;;
-      drain*|down*)
-        # Left drained/down by an earlier crash or restart: the node is ours, put it back in service.
-        scontrol update nodename="$host" state=resume 2>/dev/null || true ;;
-    esac
-    sleep 1
+  local node state deadline=$((SECONDS + READY_TIMEOUT_S)) nodes=("$(hostname -s)") i
+  for ((i = 1; i <= SIM_NODES; i++)); do nodes+=("$SIM_PREFIX$i"); done
+  for node in "${nodes[@]}"; do
+    while :; do
+      state="$(sinfo -h -N -n "$node" -o %T 2>/dev/null | head -n1 || true)"
+      case "$state" in
+        idle|mixed|allocated|completing) log "node $node is $state"; break ;;
+        drain*|down*)
+          # Left drained/down by an earlier crash or restart: the node is ours, put it back in service.
+          scontrol update nodename="$node" state=resume 2>/dev/null || true ;;
+      esac
+      (( SECONDS < deadline )) || die "node $node is not idle after ${READY_TIMEOUT_S}s (state: ${state:-none}); see $LOG_DIR/slurmctld.log and $LOG_DIR/slurmd-$node.log"
+      sleep 1
+    done
   done
-  die "node $host is not idle after ${READY_TIMEOUT_S}s (state: ${state:-none}); see $LOG_DIR/slurmctld.log and $LOG_DIR/slurmd.log"
 }
 
 case "$ACTION" in
   start)
     [[ $(id -u) -eq 0 ]] || die "run as root: munged, slurmctld and slurmd are started here"
+    [[ -n $SIM_NODES ]] || SIM_NODES="$(configured_sim_nodes)"
+    [[ $SIM_NODES =~ ^[0-9]+$ ]] || die "--nodes $SIM_NODES: give a number of simulated nodes (0: the host node alone)"
     install_packages
     start_munge
     if write_conf; then
-      log "wrote $CONF"
+      log "wrote $CONF ($SIM_NODES simulated node(s))"
       stop_daemons  # a changed config needs fresh daemons (also the first start after a config change)
+      teardown_sim_network
     fi
+    if (( SIM_NODES > 0 )); then setup_sim_network; fi
     start_daemons
     wait_idle
     ;;
   stop)
     stop_daemons
+    teardown_sim_network
     if alive "$MUNGE_PID"; then kill "$(cat "$MUNGE_PID")"; fi
     log "stopped"
     ;;
   status)
-    sinfo || true
-    for f in "$CTLD_PID" "$SLURMD_PID" "$MUNGE_PID"; do
+    sinfo -N || true
+    for f in "$CTLD_PID" /run/slurmd-*.pid "$MUNGE_PID"; do
       if alive "$f"; then echo "$f: $(cat "$f") running"; else echo "$f: not running"; fi
     done
     ;;
-  *) die "unknown action '$ACTION': use start (default), stop or status" ;;
 esac

@@ -42,6 +42,13 @@ MEGAOPD_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export MEGAOPD_ROOT
 PYTHON="${PYTHON:-python3}"
 TORCHRUN="${TORCHRUN:-torchrun}"
+# REHEARSE=1: the same job on CPU with tiny models of the same families (docs/cluster.md, "Rehearsing a job").
+# Everything a rehearsal changes is in slurm/rehearse.sh; here are only its three hooks (rehearse_*).
+REHEARSE="${REHEARSE:-0}"
+if [[ $REHEARSE == 1 ]]; then
+  # shellcheck source=slurm/rehearse.sh
+  source "$MEGAOPD_ROOT/slurm/rehearse.sh"
+fi
 
 # ---------------------------------------------------------------------------------------------------------
 # The allocation: nodes, master, GPUs, CPUs.
@@ -180,9 +187,8 @@ setup_run_dir() {
     RUN_DIR="$OUTPUT_ROOT/$JOB_NAME"
   fi
   LOG_DIR="${LOG_DIR:-$RUN_DIR/logs}"
-  if [[ $DRY_RUN == 1 ]]; then
-    _line batch mkdir -p "$RUN_DIR" "$LOG_DIR"
-  else
+  _show batch mkdir -p "$RUN_DIR" "$LOG_DIR"
+  if [[ $DRY_RUN != 1 ]]; then
     mkdir -p "$RUN_DIR" "$LOG_DIR" || die "cannot create RUN_DIR=$RUN_DIR or LOG_DIR=$LOG_DIR: check the path and permissions"
   fi
   note "run folder $RUN_DIR (resumes from $RUN_DIR/checkpoints/latest when present)"
@@ -274,10 +280,8 @@ _to_seconds() {
 
 # start_signal_timer: a background sleep that sends USR1 to this shell SIGNAL_LEAD_S before the time limit.
 start_signal_timer() {
-  if [[ $DRY_RUN == 1 ]]; then
-    _line batch signal-timer USR1 "${SIGNAL_LEAD_S}s" before-time-limit STEP_TIME_S="$STEP_TIME_S" SAVE_TIME_S="$SAVE_TIME_S" SIGNAL_MARGIN_S="$SIGNAL_MARGIN_S"
-    return
-  fi
+  _show batch signal-timer USR1 "${SIGNAL_LEAD_S}s" before-time-limit STEP_TIME_S="$STEP_TIME_S" SAVE_TIME_S="$SAVE_TIME_S" SIGNAL_MARGIN_S="$SIGNAL_MARGIN_S"
+  [[ $DRY_RUN != 1 ]] || return 0
   [[ -n ${SLURM_JOB_ID:-} ]] || return 0
   local left
   left="$(_to_seconds "$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n1 | tr -d "[:space:]")")"
@@ -383,6 +387,7 @@ launch_server() {
   else
     die "ENGINE_BACKEND=$backend: choose sglang (GPU) or megaopd (the embedded engine server)"
   fi
+  if [[ $REHEARSE == 1 ]]; then rehearse_server_cmd "$hf_dir" "$port"; fi  # the same server, on CPU
   ENGINE_URLS+=("http://$node:$port")
   # One srun step per server, pinned to its node; --overlap lets it share the node's GPUs and CPUs
   # with the training step. The memory saver intercepts cudaMalloc, which expandable segments bypass,
@@ -390,10 +395,9 @@ launch_server() {
   local -a srun_cmd=(srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --cpus-per-task="$CPUS_PER_TASK"
                      --output="$LOG_DIR/$role-$node-$port.log" --open-mode=append
                      env -u PYTORCH_CUDA_ALLOC_CONF "${cmd[@]}")
-  if [[ $DRY_RUN == 1 ]]; then
-    _line batch "${srun_cmd[@]//"$MEGAOPD_API_KEY"/'$MEGAOPD_API_KEY'}"  # the preview never shows the key
-    _line "$node" "${cmd[@]//"$MEGAOPD_API_KEY"/'$MEGAOPD_API_KEY'}"
-  else
+  _show batch "${srun_cmd[@]//"$MEGAOPD_API_KEY"/'$MEGAOPD_API_KEY'}"  # the preview never shows the key
+  _show "$node" "${cmd[@]//"$MEGAOPD_API_KEY"/'$MEGAOPD_API_KEY'}"
+  if [[ $DRY_RUN != 1 ]]; then
     "${srun_cmd[@]}" &
     BG_PIDS+=("$!")
     ENGINE_PIDS+=("$!")
@@ -427,10 +431,8 @@ start_teacher_servers() {
 
 wait_engines() {
   local timeout="${ENGINE_START_TIMEOUT:-1800}" url k
-  if [[ $DRY_RUN == 1 ]]; then
-    for url in "${ENGINE_URLS[@]}"; do _line batch wait-for-health "$url/health"; done
-    return
-  fi
+  for url in "${ENGINE_URLS[@]}"; do _show batch wait-for-health "$url/health"; done
+  [[ $DRY_RUN != 1 ]] || return 0
   local deadline=$((SECONDS + timeout))
   for url in "${ENGINE_URLS[@]}"; do
     until curl -sf -o /dev/null --max-time 5 "$url/health"; do
@@ -487,11 +489,14 @@ train_base_overrides() {
 # ---------------------------------------------------------------------------------------------------------
 run_torchrun() {
   export TRAIN_NNODES NPROC_PER_NODE
-  local -a srun_cmd=(srun --nodes="$TRAIN_NNODES" --ntasks-per-node=1 --nodelist="$(_join , "${TRAIN_NODES[@]}")"
+  if [[ $REHEARSE == 1 ]]; then rehearse_train_args; set -- "$@" "${REHEARSE_ARGS[@]}"; fi  # CPU, tiny sizes
+  # --ntasks given: srun otherwise takes the job's task count (SLURM_NTASKS, one per node of the allocation), and
+  # with ENGINE_NODES or TEACHER_NODES the training nodes are fewer: "More processors requested than permitted".
+  local -a srun_cmd=(srun --nodes="$TRAIN_NNODES" --ntasks="$TRAIN_NNODES" --ntasks-per-node=1 --nodelist="$(_join , "${TRAIN_NODES[@]}")"
                      --overlap --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1
                      bash "$MEGAOPD_ROOT/slurm/torchrun_node.sh" "$@")
+  _show batch "${srun_cmd[@]}"
   if [[ $DRY_RUN == 1 ]]; then
-    _line batch "${srun_cmd[@]}"
     local r
     for ((r = 0; r < TRAIN_NNODES; r++)); do
       # The same script srun runs, asked to print: what each node executes, with its rank filled in.
@@ -514,11 +519,9 @@ run_torchrun() {
 # One task on the first node (conversion, evaluation): no torchrun, the tool is a single process.
 run_on_first_node() {
   local -a srun_cmd=(srun --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" --cpus-per-task="$CPUS_PER_TASK" "$@")
-  if [[ $DRY_RUN == 1 ]]; then
-    _line batch "${srun_cmd[@]}"
-    _line "${NODES[0]}" "$@"
-    return 0
-  fi
+  _show batch "${srun_cmd[@]}"
+  _show "${NODES[0]}" "$@"
+  [[ $DRY_RUN != 1 ]] || return 0
   "${srun_cmd[@]}"
 }
 

@@ -65,7 +65,8 @@ if [[ -z ${EVAL_OUT:-} ]]; then
   EVAL_OUT="${_given[0]}/eval"
 fi
 LOG_DIR="${LOG_DIR:-$EVAL_OUT/logs}"
-if [[ $DRY_RUN == 1 ]]; then _line batch mkdir -p "$LOG_DIR"; else mkdir -p "$LOG_DIR"; fi
+_show batch mkdir -p "$LOG_DIR"
+if [[ $DRY_RUN != 1 ]]; then mkdir -p "$LOG_DIR"; fi
 
 # The table's row name: the folder's name, or run/step for `latest` and `hf` (which say nothing alone).
 label_of() {
@@ -96,7 +97,8 @@ if [[ -n ${EVAL_ARGS:-} ]]; then read -r -a _extra <<<"$EVAL_ARGS"; COMMON+=("${
 export ENGINE_COLOCATED=0 ENGINE_MEM_FRACTION="${ENGINE_MEM_FRACTION:-0.85}" ENGINE_TP="${ENGINE_TP:-1}"
 
 stop_engines() {
-  if [[ $DRY_RUN == 1 ]]; then _line batch stop-engines "${ENGINE_URLS[@]}"; ENGINE_PIDS=(); return; fi
+  _show batch stop-engines "${ENGINE_URLS[@]}"
+  if [[ $DRY_RUN == 1 ]]; then ENGINE_PIDS=(); return; fi
   local pid
   for pid in "${ENGINE_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${ENGINE_PIDS[@]}"; do _wait_pid "$pid" || true; done
@@ -132,10 +134,12 @@ for k in "${!CKPTS[@]}"; do
   fi
   cmd=("$PYTHON" -m megaopd.cli eval --ckpt "$EVAL_HF_DIR" --engines "$(_join , "${ENGINE_URLS[@]}")"
        --out "$out" --label "$label" "${COMMON[@]}")
-  if [[ $DRY_RUN == 1 ]]; then _line batch "${cmd[@]}"; else "${cmd[@]}" || die "evaluation of $c failed (see above; started again, it resumes)"; fi
+  _show batch "${cmd[@]}"
+  if [[ $DRY_RUN != 1 ]]; then "${cmd[@]}" || die "evaluation of $c failed (see above; started again, it resumes)"; fi
   stop_engines
 done
 
 table=("$PYTHON" -m megaopd.eval.table "${ROWS[@]}" --out "$EVAL_OUT")
-if [[ $DRY_RUN == 1 ]]; then _line batch "${table[@]}"; else "${table[@]}"; fi
+_show batch "${table[@]}"
+if [[ $DRY_RUN != 1 ]]; then "${table[@]}"; fi
 note "combined table in $EVAL_OUT/results.md"

@@ -16,3 +16,13 @@ _line() {
   for a in "$@"; do out+=" $(_quote "$a")"; done
   printf '%s\n' "$out"
 }
+
+# _show WHERE ARGS...: _line for a command the job runs (or, under DRY_RUN=1, would run): printed under
+# DRY_RUN=1 instead of running it, and under SHOW_COMMANDS=1 (a rehearsal, slurm/rehearse.sh) just before
+# running it, so a rehearsal's log holds the same lines as the dry run's output. SHOW_COMMANDS_LOG: a file on the
+# shared filesystem that gets the same lines, whole: in the job's log, srun passes each task's output on in
+# pieces of at most 1 KiB, and a long line from one node can be cut by another node's output.
+_show() {
+  if [[ ${DRY_RUN:-0} == 1 || ${SHOW_COMMANDS:-0} == 1 ]]; then _line "$@"; fi
+  if [[ ${SHOW_COMMANDS:-0} == 1 && -n ${SHOW_COMMANDS_LOG:-} ]]; then _line "$@" >>"$SHOW_COMMANDS_LOG"; fi
+}

@@ -18,10 +18,8 @@ node_rank="${SLURM_NODEID:?SLURM_NODEID is unset: this script runs as an srun ta
 cmd=("${TORCHRUN:-torchrun}" --nnodes="$TRAIN_NNODES" --nproc-per-node="$NPROC_PER_NODE" --node-rank="$node_rank"
      --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" -m "${TRAIN_MODULE:-megaopd.cli}" "$@")
 
-if [[ ${DRY_RUN:-0} == 1 ]]; then
-  _line "${DRY_RUN_WHERE:-$(hostname -s)}" "${cmd[@]}"
-  exit 0
-fi
+_show "${DRY_RUN_WHERE:-$(hostname -s)}" "${cmd[@]}"  # DRY_RUN=1, or a rehearsal's log (SHOW_COMMANDS=1)
+[[ ${DRY_RUN:-0} != 1 ]] || exit 0
 
 cd "$MEGAOPD_ROOT"
 # CPU threads per rank: the task's CPUs shared by its ranks (torchrun would otherwise force 1).

@@ -26,14 +26,16 @@ def init_custom_process_group(
     timeout_s: float = 300.0,
 ) -> dist.ProcessGroup:
     """Joins (rank > 0) or hosts (rank 0) a standalone process group; blocks until all ranks arrive."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{int(master_port)}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store directly, not torch's tcp:// rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True in
+    # every rank's environment) that rendezvous makes rank 0 a client of a store that torchrun's agent hosts,
+    # which for this port nobody does, and the trainer and its engines waited on each other until the timeout
+    # (found by rehearsing a 2-node job with engines: docs/cluster.md).
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout)
     # The prefix keeps two groups on one store (or a reused port) from reading each other's keys.
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import traceback
 from typing import TYPE_CHECKING
@@ -108,6 +109,13 @@ def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig) -> RunSummary | N
     from megaopd.trainer.preemption import PreemptionFlag
 
     preemption = PreemptionFlag()
+    if "GROUP_RANK" in os.environ:  # under torchrun (GROUP_RANK: its node rank): which rank runs on which node
+        print(
+            f"megaopd train: rank {rank}/{world_size} on {socket.gethostname()} (node rank "
+            f"{os.environ['GROUP_RANK']}, local rank {os.environ.get('LOCAL_RANK')})\n",
+            end="",  # one write with its newline: the ranks of a node share one stream, whole lines each
+            flush=True,
+        )
     from megaopd.trainer.trainer import Trainer
 
     trainer = Trainer(cfg, preemption=preemption)

@@ -124,7 +124,7 @@ def run_script(script, env_extra, *args, nodes="node1 node2", dry=True):
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_")) and k not in LAUNCHER_VARS
+        if not k.startswith(("SLURM_", "DRY_RUN", "MEGAOPD_", "REHEARSE")) and k not in LAUNCHER_VARS
     }
     for k in (
         "MODELS_DIR",
@@ -244,6 +244,10 @@ def test_dry_run_engine_nodes(inputs):
     assert flag(train, "--nnodes") == "1" and flag(train, "--node-rank") == "0"
     assert flag(train, "--master-addr") == "node1"
     assert " run.world_size=4 " in train
+    # One task on the one training node: srun would otherwise take the job's 2 tasks (SLURM_NTASKS) onto it and
+    # refuse the step (seen in the ENGINE_NODES=1 rehearsal, tests/slurm/test_rehearse.py).
+    (srun,) = [x for x in lines_on(out, "batch") if x.startswith("srun ") and "torchrun_node.sh" in x]
+    assert "--nodes=1 --ntasks=1 " in srun
     eng = sglang_lines(out, "node2")
     assert len(eng) == 4
     for x in eng:
@@ -710,3 +714,28 @@ def test_dry_run_teacher_nodes(inputs):
     assert all("Qwen2.5-Math-7B" in x for x in sglang_lines(out, "node1"))  # rollout engines stay colocated
     r = run_script("stable_opd_7b.sh", {**inputs, "TEACHER_NODES": "2"})
     assert r.returncode != 0 and "TEACHER_NODES=2" in r.stderr and "--nodes=3" in r.stderr
+
+
+@pytest.mark.parametrize("script", SBATCH_SCRIPTS)
+def test_every_script_has_a_rehearsal(script, tmp_path):
+    """REHEARSE=1 (slurm/rehearse.sh) previews on every sbatch script, with the real models and data replaced by
+    the tiny ones (no MODELS_DIR, TRAIN_DATA, BENCH_DIR or CKPT given): no SGLang server, `megaopd serve` in its
+    place, and the CPU settings on every trainer line. The real runs: tests/slurm/test_rehearse.py."""
+    env = {"REHEARSE": "1", "OUTPUT_ROOT": str(tmp_path / "runs"), "CKPT_ROOT": str(tmp_path / "ckpt")}
+    if script == "tiny_cpu.sh":
+        env["RUN_DIR"] = str(tmp_path / "tiny")
+    r = run_script(script, env, nodes="sim1 sim2")
+    assert r.returncode == 0, r.stderr
+    assert "sglang" not in r.stdout
+    tiny = os.path.join(ROOT, "examples", "tiny")
+    for node in ("sim1", "sim2"):
+        for line in torchrun_lines(r.stdout, node):
+            assert line.endswith(" logging.tensorboard=false") and " student.dtype=float32 " in line, line
+            assert " rollout.colocated=false " in line and " trainer.max_steps=3 " in line
+        for line in lines_on(r.stdout, node):
+            if " megaopd.cli serve " in line:
+                hf = flag(line, "--hf-dir")
+                assert os.path.realpath(hf).startswith(os.path.join(tiny, "models")), line
+    if script == "eval_7b.sh":
+        (step,) = [x for x in lines_on(r.stdout, "batch") if " megaopd.cli eval " in x]
+        assert " --limit 4" in step and flag(step, "--out").startswith(str(tmp_path / "runs"))
