@@ -46,7 +46,7 @@ def forward_worker(rank, world, hf_dir, batch, seq, reps):
     from megaopd.models.builder import StageInfo, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
     pgs = initialize_actor_layout(Layout(world, 1))
@@ -54,7 +54,7 @@ def forward_worker(rank, world, hf_dir, batch, seq, reps):
     rss0 = _rss_mib()
     model = build_gpt_model(cfg, world, 1, pg_collection=pgs, init_weights=False).eval()
     st = StageInfo.of(pgs)
-    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, world, 0, 1)
+    load_hf_weights(model, HFWeights(hf_dir), cfg, Placement(tp_rank=st.tp_rank, tp_size=world))
     rss_weights = _rss_mib() - rss0
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(seq).expand(batch, seq)

@@ -38,11 +38,11 @@ def _megatron_out(cfg, hf_state, ids, dtype, vocab, lengths):
     from megaopd import ops
     from megaopd.batching.packing import PackedRow, Segment
     from megaopd.models.builder import build_gpt_model
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
     from megaopd.scoring.runner import _packed_seq_params
 
     model = build_gpt_model(cfg, 1, 1, dtype=dtype, init_weights=False).eval()
-    load_hf_weights(model, hf_state, cfg, 0, 1, 0, 1)
+    load_hf_weights(model, hf_state, cfg, Placement())
     b, s = ids.shape
     pos = torch.arange(s, device=ids.device).expand(b, s)
     row = PackedRow([Segment(0, i, n) for i, n in enumerate(lengths)])

@@ -63,14 +63,15 @@ def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp:
     from megaopd.models.builder import StageInfo, build_gpt_model
     from megaopd.models.checkpoint import save_model_checkpoint
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
     pgs = initialize_actor_layout(Layout(tp, pp, ep))
     cfg = read_hf_config(hf_dir)
     model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=dtype, init_weights=False, ep=ep)
     st = StageInfo.of(pgs)
-    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp, pgs.ep.rank(), ep)
+    place = Placement(tp_rank=st.tp_rank, tp_size=tp, pp_rank=st.pp_rank, pp_size=pp, ep_rank=pgs.ep.rank(), ep_size=ep)
+    load_hf_weights(model, HFWeights(hf_dir), cfg, place)
     save_model_checkpoint(model, out_dir, cfg, pgs, hf_side_dir=hf_dir, extra_meta={"source": os.path.abspath(hf_dir)})
     return rank
 

@@ -24,7 +24,7 @@ from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpo
 from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
-from megaopd.models.weights import load_hf_weights
+from megaopd.models.weights import Placement, load_hf_weights
 from megaopd.parallel.dist import device
 from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 from megaopd.scoring import PipelineRunner
@@ -69,7 +69,15 @@ def load_role_model(
     else:
         st = StageInfo.of(pgs)
         ep_rank = pgs.ep.rank() if section.ep > 1 else 0
-        load_hf_weights(model, HFWeights(path), hf, st.tp_rank, section.tp, st.pp_rank, section.pp, ep_rank, section.ep)
+        place = Placement(
+            tp_rank=st.tp_rank,
+            tp_size=section.tp,
+            pp_rank=st.pp_rank,
+            pp_size=section.pp,
+            ep_rank=ep_rank,
+            ep_size=section.ep,
+        )
+        load_hf_weights(model, HFWeights(path), hf, place)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
