@@ -58,14 +58,16 @@ def one_run(tree: str, run_dir: str, steps: int, save_interval: int, validate: b
     if r.returncode != 0:
         raise RuntimeError(f"{tree}: {' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = {r["step"]: r for r in map(json.loads, f) if "event" not in r}
+        logged = [r for r in map(json.loads, f) if "event" not in r]
+    rows = {r["step"]: r for r in logged if "time/step" in r}  # not the validation before the first step
     step_s = [rows[s]["time/step"] for s in sorted(rows)]
     save_gaps, other_gaps = [], []
     for s in sorted(rows):
-        if s + 1 in rows:  # the gap between two rows that is not the next step's own time
+        # the gap between two rows that is not the next step's own time (the last row's holds its validation)
+        if s + 1 in rows and not (validate and s + 1 == max(rows)):
             gap = rows[s + 1]["time"] - rows[s]["time"] - rows[s + 1]["time/step"]
             (save_gaps if s % save_interval == 0 else other_gaps).append(gap)
-    last = rows[max(rows)]
+    last = {k: v for r in logged if r["step"] == max(rows) for k, v in r.items()}  # the step's rows together
     final = {k: last.get(k) for k in ("val/accuracy", "opd/reverse_kl")}
     return {"step_s": step_s, "save_s": save_gaps, "other_s": other_gaps, "wall_s": wall, "final": final}
 
