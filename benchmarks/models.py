@@ -43,7 +43,7 @@ def _peak_rss_mib() -> float:
 def forward_worker(rank, world, hf_dir, batch, seq, reps):
     import torch
 
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import Placement, load_hf_weights
@@ -52,7 +52,7 @@ def forward_worker(rank, world, hf_dir, batch, seq, reps):
     pgs = initialize_actor_layout(Layout(world, 1))
     cfg = read_hf_config(hf_dir)
     rss0 = _rss_mib()
-    model = build_gpt_model(cfg, world, 1, pg_collection=pgs, init_weights=False).eval()
+    model = build_gpt_model(cfg, Layout(tp=world), pgs, BuildOptions(init_weights=False)).eval()
     st = StageInfo.of(pgs)
     load_hf_weights(model, HFWeights(hf_dir), cfg, Placement(tp_rank=st.tp_rank, tp_size=world))
     rss_weights = _rss_mib() - rss0

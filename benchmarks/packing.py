@@ -76,7 +76,7 @@ def _worker(rank, world, hf_dir, mode, prompt_lens, response_lens, mbs, max_toke
 
     pgs = initialize_actor_layout(Layout(world, 1))  # TP = world, one DP replica: the whole batch per rank
     cfg = read_hf_config(hf_dir)
-    model = build_gpt_model(cfg, world, 1, pg_collection=pgs)
+    model = build_gpt_model(cfg, Layout(tp=world), pgs)
     rollout = synthetic_rollout(prompt_lens, response_lens, cfg.vocab_size)
     rows, needs = torch.arange(rollout.size), LossNeeds()
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, rows, None)

@@ -60,7 +60,7 @@ def hf_dtype(hf_dir: str) -> str:
 
 
 def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, ep: int = 1):
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.checkpoint import save_model_checkpoint
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import Placement, load_hf_weights
@@ -68,7 +68,7 @@ def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp:
 
     pgs = initialize_actor_layout(Layout(tp, pp, ep))
     cfg = read_hf_config(hf_dir)
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=dtype, init_weights=False, ep=ep)
+    model = build_gpt_model(cfg, Layout(tp=tp, pp=pp, ep=ep), pgs, BuildOptions(dtype=dtype, init_weights=False))
     st = StageInfo.of(pgs)
     place = Placement(tp_rank=st.tp_rank, tp_size=tp, pp_rank=st.pp_rank, pp_size=pp, ep_rank=pgs.ep.rank(), ep_size=ep)
     load_hf_weights(model, HFWeights(hf_dir), cfg, place)
@@ -105,7 +105,7 @@ def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 
 def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, tp: int, pp: int):
     import torch.distributed as dist
 
-    from megaopd.models.builder import build_gpt_model, torch_dtype
+    from megaopd.models.builder import BuildOptions, build_gpt_model, torch_dtype
     from megaopd.models.checkpoint import load_model_checkpoint, read_checkpoint_meta
     from megaopd.models.gather import gather_hf_weights, model_state
     from megaopd.models.hf_io import save_hf_dir
@@ -114,7 +114,7 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, t
     pgs = initialize_actor_layout(Layout(tp, pp))
     cfg = read_hf_config(ckpt_dir)
     meta = read_checkpoint_meta(ckpt_dir)
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=meta["dtype"], init_weights=False)
+    model = build_gpt_model(cfg, Layout(tp=tp, pp=pp), pgs, BuildOptions(dtype=meta["dtype"], init_weights=False))
     load_model_checkpoint(model, ckpt_dir, pgs, verified=True)  # validate_megatron_to_hf checked it
     tensors = gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp, dtype=torch_dtype(meta["dtype"]))
     if dist.get_rank() == 0:

@@ -80,7 +80,7 @@ class _ScoreJob:
 def _worker(rank: int, world: int, job: _ScoreJob):
     import torch.distributed as dist
 
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.checkpoint import load_model_checkpoint
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import Placement, load_hf_weights
@@ -93,7 +93,7 @@ def _worker(rank: int, world: int, job: _ScoreJob):
     pgs = initialize_actor_layout(Layout(tp, pp))
     cfg = read_hf_config(ckpt)
     # float32 scoring: log-probs are compared with other engines token by token.
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype="float32", init_weights=False)
+    model = build_gpt_model(cfg, Layout(tp=tp, pp=pp), pgs, BuildOptions(dtype="float32", init_weights=False))
     st = StageInfo.of(pgs)
     if job.kind == "megatron":
         load_model_checkpoint(model, ckpt, pgs)

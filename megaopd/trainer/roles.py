@@ -19,7 +19,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megaopd.batching.owners import WorldLayout
 from megaopd.data.vocab import VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
-from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
+from megaopd.models.builder import BuildOptions, StageInfo, activation_memory_overrides, build_gpt_model
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
 from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
@@ -55,14 +55,9 @@ def load_role_model(
     # A trained MoE router gets the HF config's load-balancing loss; a frozen one none.
     model = build_gpt_model(
         hf,
-        section.tp,
-        section.pp,
-        pg_collection=pgs,
-        dtype=section.dtype,
-        init_weights=False,
-        config_overrides=memory,
-        ep=section.ep,
-        train_router=trainable,
+        Layout(tp=section.tp, pp=section.pp, ep=section.ep),
+        pgs,
+        BuildOptions(dtype=section.dtype, init_weights=False, train_router=trainable, config_overrides=memory),
     )
     if is_megatron_checkpoint(path):
         load_model_checkpoint(model, path, pgs)

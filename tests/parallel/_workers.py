@@ -116,7 +116,7 @@ def teacher_reads_no_global_state(rank, world_size):
 def moe_router_aux_loss(rank, world_size, hf_dir):
     """A tiny Qwen3-MoE at EP=2 (the actor layout): the router gets the auxiliary-loss gradient only
     when built as a trained student (train_router=True), never as a frozen teacher."""
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import Placement, load_hf_weights
@@ -128,7 +128,7 @@ def moe_router_aux_loss(rank, world_size, hf_dir):
     pos = torch.arange(8).expand(2, 8)
     grads = {}
     for train_router in (True, False):
-        model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, ep=2, init_weights=False, train_router=train_router)
+        model = build_gpt_model(cfg, Layout(ep=2), pgs, BuildOptions(init_weights=False, train_router=train_router))
         st = StageInfo.of(pgs)
         load_hf_weights(
             model,
@@ -152,7 +152,7 @@ def moe_router_aux_loss(rank, world_size, hf_dir):
 def teacher_moe_ep2_beside_dense_actor(rank, world_size, hf_dir):
     """Actor layout TP=1 EP=1 in parallel_state; a MoE teacher at EP=2 through its own groups equals
     the same teacher at EP=1 (each rank a different batch: tokens really cross EP ranks)."""
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
     from megaopd.models.weights import Placement, load_hf_weights
@@ -165,7 +165,7 @@ def teacher_moe_ep2_beside_dense_actor(rank, world_size, hf_dir):
     out = []
     for ep in (2, 1):
         pgs = build_process_groups(Layout(tp=1, pp=1, ep=ep))
-        model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, ep=ep, init_weights=False, train_router=False).eval()
+        model = build_gpt_model(cfg, Layout(ep=ep), pgs, BuildOptions(init_weights=False, train_router=False)).eval()
         st = StageInfo.of(pgs)
         load_hf_weights(
             model,
