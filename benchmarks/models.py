@@ -85,10 +85,11 @@ def convert_work_worker(rank, world, hf_dir, out_dir):
     import torch.distributed as dist
 
     from megaopd.models.convert import _hf_to_megatron_worker, hf_dtype
+    from megaopd.parallel.groups import Layout
 
     dist.barrier()
     t0 = time.perf_counter()
-    _hf_to_megatron_worker(rank, world, hf_dir, out_dir, world, 1, hf_dtype(hf_dir))
+    _hf_to_megatron_worker(rank, world, hf_dir, out_dir, Layout(tp=world), hf_dtype(hf_dir))
     return time.perf_counter() - t0
 
 
