@@ -158,9 +158,7 @@ def decode_rows(
         if waiting and free and (not running or free >= min(admit_min, len(waiting))):
             new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
             with record_function("engine.prefill"):
-                new_logits = _prefill(
-                    fwd, cache, st, rows, new, seeds, len(running), K, [list(rows[i].prompt_ids) for i in new]
-                )
+                new_logits = _prefill(fwd, cache, st, rows, new, seeds, len(running))
             running += new
             pos_h += [len(rows[i].prompt_ids) for i in new]
             # float32 throughout: prefill returns float32 logits and a bf16 decode step its own dtype; a row's first
@@ -228,10 +226,10 @@ def _prefill(
     new: list[int],
     seeds: list[int],
     at: int,
-    K: int,
-    seqs: list[list[int]],
 ) -> torch.Tensor:
     """Prefills rows `new` into slots at, at+1, ...: each distinct prompt once. Returns their logits [n, V]."""
+    seqs = [list(rows[i].prompt_ids) for i in new]
+    K = st.stop_SK.shape[1]  # stop ids per slot, as the state was made for the call's rows
     unique: dict[tuple[int, ...], int] = {}
     u_of = [unique.setdefault(tuple(s), len(unique)) for s in seqs]
     P = max(len(s) for s in unique)
