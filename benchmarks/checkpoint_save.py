@@ -68,7 +68,7 @@ def model_dir(name: str, tmp: str) -> str:
 def _worker(rank, world, hf_dir, out_root, repeats):
     import inspect
 
-    from megaopd.models.builder import build_gpt_model
+    from megaopd.models.builder import BuildOptions, build_gpt_model
     from megaopd.models.checkpoint import save_model_checkpoint
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.groups import Layout, initialize_actor_layout
@@ -90,7 +90,7 @@ def _worker(rank, world, hf_dir, out_root, repeats):
 
     pgs = initialize_actor_layout(Layout(1, 1))
     cfg = read_hf_config(hf_dir)
-    model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, dtype="float32", init_weights=False)
+    model = build_gpt_model(cfg, Layout(), pgs, BuildOptions(dtype="float32", init_weights=False))
     side = hf_dir if os.path.exists(os.path.join(hf_dir, "tokenizer.json")) else None
     times = {False: [], True: []}
     nbytes, hash_s = 0, []
@@ -117,7 +117,7 @@ def _old_saves(
     """An older tree's save, timed as _worker times this tree's (its functions passed in: they are its own)."""
     pgs = initialize_actor_layout(Layout(1, 1))
     cfg = read_hf_config(hf_dir)
-    model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, dtype="float32", init_weights=False)
+    model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, dtype="float32", init_weights=False)  # the old API
     side = hf_dir if os.path.exists(os.path.join(hf_dir, "tokenizer.json")) else None
     times = []
     for i in range(repeats + 1):

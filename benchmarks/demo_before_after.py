@@ -13,8 +13,13 @@ validation passes are the same code in both trees and only add noise). From each
     other s    the same gap after steps without a save (what the save's gap is compared with)
     wall s     the command's whole time (start-up, model loads, the engine's first sync, every save, the export)
 
+With --validate each run also validates before the first step and after the last (trainer.eval_interval=--steps)
+and the last step's val/accuracy and opd/reverse_kl are printed per run: with the same seeds two trees that
+compute the same thing print the same numbers (what a refactor must keep).
+
     python benchmarks/demo_before_after.py --before /work/wt/before            # 2 pairs of 8-step runs
     python benchmarks/demo_before_after.py --before OLD --after NEW --pairs 3 --steps 6
+    python benchmarks/demo_before_after.py --before OLD --after NEW --pairs 2 --steps 6 --validate
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = "examples/tiny/stable_opd.yaml"
 
 
-def one_run(tree: str, run_dir: str, steps: int, save_interval: int) -> dict:
+def one_run(tree: str, run_dir: str, steps: int, save_interval: int, validate: bool) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -42,7 +47,7 @@ def one_run(tree: str, run_dir: str, steps: int, save_interval: int) -> dict:
         f"run.dir={run_dir}",
         f"trainer.max_steps={steps}",
         f"trainer.save_interval={save_interval}",
-        "trainer.eval_interval=0",
+        f"trainer.eval_interval={steps if validate else 0}",
         "logging.progress_bar=off",
     ]
     t0 = time.perf_counter()
@@ -53,14 +58,18 @@ def one_run(tree: str, run_dir: str, steps: int, save_interval: int) -> dict:
     if r.returncode != 0:
         raise RuntimeError(f"{tree}: {' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = {r["step"]: r for r in map(json.loads, f) if "event" not in r}
+        logged = [r for r in map(json.loads, f) if "event" not in r]
+    rows = {r["step"]: r for r in logged if "time/step" in r}  # not the validation before the first step
     step_s = [rows[s]["time/step"] for s in sorted(rows)]
     save_gaps, other_gaps = [], []
     for s in sorted(rows):
-        if s + 1 in rows:  # the gap between two rows that is not the next step's own time
+        # the gap between two rows that is not the next step's own time (the last row's holds its validation)
+        if s + 1 in rows and not (validate and s + 1 == max(rows)):
             gap = rows[s + 1]["time"] - rows[s]["time"] - rows[s + 1]["time/step"]
             (save_gaps if s % save_interval == 0 else other_gaps).append(gap)
-    return {"step_s": step_s, "save_s": save_gaps, "other_s": other_gaps, "wall_s": wall}
+    last = {k: v for r in logged if r["step"] == max(rows) for k, v in r.items()}  # the step's rows together
+    final = {k: last.get(k) for k in ("val/accuracy", "opd/reverse_kl")}
+    return {"step_s": step_s, "save_s": save_gaps, "other_s": other_gaps, "wall_s": wall, "final": final}
 
 
 def main() -> None:
@@ -70,6 +79,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--save-interval", type=int, default=2)
+    ap.add_argument("--validate", action="store_true", help="validate at the start and the end; print the metrics")
     a = ap.parse_args()
     med = statistics.median
 
@@ -78,11 +88,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.pairs):
             for name, tree in trees.items():
-                r = one_run(tree, os.path.join(tmp, f"{name}_{i}"), a.steps, a.save_interval)
+                r = one_run(tree, os.path.join(tmp, f"{name}_{i}"), a.steps, a.save_interval, a.validate)
                 runs[name].append(r)
                 print(
                     f"pair {i} {name:6}: s/step {med(r['step_s']):.3f}, save {med(r['save_s']):.3f} s, "
-                    f"other gap {med(r['other_s']):.3f} s, wall {r['wall_s']:.1f} s",
+                    f"other gap {med(r['other_s']):.3f} s, wall {r['wall_s']:.1f} s"
+                    + "".join(f", {k} {v!r}" for k, v in r["final"].items() if v is not None),
                     flush=True,
                 )
     cols = ("step_s", "save_s", "other_s", "wall_s")

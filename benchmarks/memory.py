@@ -91,7 +91,7 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
     from megaopd.batching.micro_batches import MicroBatch, ScoringBatches, StepCounts
     from megaopd.batching.packing import PackedRow, Segment
     from megaopd.losses import build_loss
-    from megaopd.models.builder import build_gpt_model
+    from megaopd.models.builder import BuildOptions, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.dist import destroy_distributed, init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
@@ -121,8 +121,8 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
     init_distributed()
     try:
         pgs = initialize_actor_layout(Layout(1, 1), seed=1)
-        actor = build_gpt_model(hf, 1, 1, pg_collection=pgs, dtype="bfloat16").train()
-        reference = build_gpt_model(hf, 1, 1, pg_collection=pgs, dtype="bfloat16").eval().requires_grad_(False)
+        actor = build_gpt_model(hf, Layout(), pgs, BuildOptions(dtype="bfloat16")).train()
+        reference = build_gpt_model(hf, Layout(), pgs, BuildOptions(dtype="bfloat16")).eval().requires_grad_(False)
         # An older revision's runner has no logits_chunk_tokens: only pass it when chunking.
         chunk = {"logits_chunk_tokens": chunk_tokens} if chunk_tokens else {}
         runner = PipelineRunner(actor, pgs, vocab, **chunk)

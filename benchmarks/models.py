@@ -43,18 +43,18 @@ def _peak_rss_mib() -> float:
 def forward_worker(rank, world, hf_dir, batch, seq, reps):
     import torch
 
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
     pgs = initialize_actor_layout(Layout(world, 1))
     cfg = read_hf_config(hf_dir)
     rss0 = _rss_mib()
-    model = build_gpt_model(cfg, world, 1, pg_collection=pgs, init_weights=False).eval()
+    model = build_gpt_model(cfg, Layout(tp=world), pgs, BuildOptions(init_weights=False)).eval()
     st = StageInfo.of(pgs)
-    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, world, 0, 1)
+    load_hf_weights(model, HFWeights(hf_dir), cfg, Placement(tp_rank=st.tp_rank, tp_size=world))
     rss_weights = _rss_mib() - rss0
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(seq).expand(batch, seq)
@@ -85,10 +85,11 @@ def convert_work_worker(rank, world, hf_dir, out_dir):
     import torch.distributed as dist
 
     from megaopd.models.convert import _hf_to_megatron_worker, hf_dtype
+    from megaopd.parallel.groups import Layout
 
     dist.barrier()
     t0 = time.perf_counter()
-    _hf_to_megatron_worker(rank, world, hf_dir, out_dir, world, 1, hf_dtype(hf_dir))
+    _hf_to_megatron_worker(rank, world, hf_dir, out_dir, Layout(tp=world), hf_dtype(hf_dir))
     return time.perf_counter() - t0
 
 

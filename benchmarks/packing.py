@@ -68,6 +68,7 @@ def _worker(rank, world, hf_dir, mode, prompt_lens, response_lens, mbs, max_toke
     torch.set_num_threads(1)
     from megaopd import ops
     from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches, assemble_packed_micro_batches
+    from megaopd.batching.plan import Packing
     from megaopd.losses import LossNeeds
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
@@ -76,12 +77,12 @@ def _worker(rank, world, hf_dir, mode, prompt_lens, response_lens, mbs, max_toke
 
     pgs = initialize_actor_layout(Layout(world, 1))  # TP = world, one DP replica: the whole batch per rank
     cfg = read_hf_config(hf_dir)
-    model = build_gpt_model(cfg, world, 1, pg_collection=pgs)
+    model = build_gpt_model(cfg, Layout(tp=world), pgs)
     rollout = synthetic_rollout(prompt_lens, response_lens, cfg.vocab_size)
     rows, needs = torch.arange(rollout.size), LossNeeds()
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, rows, None)
     if mode == "packed":
-        micro = assemble_packed_micro_batches(mini, 0, 1, needs, max_tokens, 0)
+        micro = assemble_packed_micro_batches(mini, 0, 1, needs, Packing(max_tokens=max_tokens, pad_id=0))
     else:
         micro = assemble_micro_batches(mini, 0, 1, needs, mbs, 0)
     n_tokens = float(rollout.loss_mask_BT.sum())

@@ -32,7 +32,7 @@ import torch
 from megaopd.batching.fields import TokenField, needed_fields
 from megaopd.batching.packing import GOLDEN, ON_POLICY, PackedRow, Segment, pack_by_budget, round_up
 from megaopd.batching.padding import pad_rows, pad_to
-from megaopd.batching.plan import BatchingPlan
+from megaopd.batching.plan import BatchingPlan, Packing
 from megaopd.batching.shares import dp_rows, dp_shares
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossInputs, LossNeeds
@@ -269,19 +269,14 @@ def _padded_input(
 
 
 def assemble_packed_micro_batches(
-    mini: MiniBatch,
-    dp_rank: int,
-    dp_size: int,
-    needs: LossNeeds,
-    max_tokens: int,
-    pad_id: int,
-    uniform: bool = False,
-    multiple: int = 1,
+    mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, packing: Packing
 ) -> list[MicroBatch]:
-    """This DP rank's share of one mini-batch as packed micro-batches (one [1, t] row each, t <= max_tokens
-    unless one unit is longer). The share is balanced over DP by tokens and attention cost; uniform pads
-    every micro-batch to the largest t (PP > 1: fixed-size pipeline buffers). Always at least one
-    micro-batch (an empty one holds a padding segment) so every rank takes part in the gradient reduction."""
+    """This DP rank's share of one mini-batch as packed micro-batches (one [1, t] row each, t <=
+    packing.max_tokens unless one unit is longer). The share is balanced over DP by tokens and attention cost;
+    packing.uniform pads every micro-batch to the largest t (PP > 1: fixed-size pipeline buffers). Always at
+    least one micro-batch (an empty one holds a padding segment) so every rank takes part in the gradient
+    reduction."""
+    max_tokens, pad_id, uniform, multiple = packing.max_tokens, packing.pad_id, packing.uniform, packing.multiple
     rollout, loss_mask_BT, golden = mini.rollout, mini.loss_mask_BT, mini.golden
     counts = step_counts(loss_mask_BT, mini.rows, golden, mini.golden_rows, mini.loss_tokens_B)
     units, shares = dp_shares(rollout, golden, mini.rows, mini.golden_rows, dp_size, needs, packed=True)
@@ -370,9 +365,7 @@ def step_micro_batches(
     under PP; lengths a multiple of plan.multiple, the TP size under sequence parallelism), or padded rows
     of micro_batch_size (pack_sequences off, or a model that cannot take packed rows: expert parallelism)."""
     if plan.packed:
-        return assemble_packed_micro_batches(
-            mini, dp_rank, dp_size, needs, plan.max_tokens, plan.pad_id, uniform=plan.uniform, multiple=plan.multiple
-        )
+        return assemble_packed_micro_batches(mini, dp_rank, dp_size, needs, plan.packing)
     return assemble_micro_batches(mini, dp_rank, dp_size, needs, plan.micro_batch_size, plan.pad_id)
 
 

@@ -6,6 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True, kw_only=True)
+class Packing:
+    """How one rank's rows are packed into micro-batches: the packed settings of a BatchingPlan."""
+
+    max_tokens: int
+    """Tokens per packed micro-batch at most (a unit longer than that gets one of its own)."""
+    pad_id: int
+    """Token id of padding positions."""
+    uniform: bool = False
+    """Pad every packed micro-batch to the largest (PP > 1: megatron's pipeline buffers are fixed-size)."""
+    multiple: int = 1
+    """Packed lengths are multiples of it (sequence parallelism splits a row's tokens over TP)."""
+
+
 @dataclass(frozen=True)
 class BatchingPlan:
     prompts_per_step: int
@@ -33,3 +47,10 @@ class BatchingPlan:
     @property
     def packed(self) -> bool:
         return self.max_tokens is not None
+
+    @property
+    def packing(self) -> Packing:
+        """The packed settings (a packed plan only)."""
+        if self.max_tokens is None:
+            raise ValueError("a padded plan has no packing (max_tokens is None)")
+        return Packing(max_tokens=self.max_tokens, pad_id=self.pad_id, uniform=self.uniform, multiple=self.multiple)

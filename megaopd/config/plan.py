@@ -528,15 +528,15 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
     def role(name, section, path=None):
         hf = read_hf_config(find_hf_config(path or section.path))
         return RoleLayout(
-            name,
-            hf,
-            section.tp,
-            section.pp,
-            section.dtype,
-            section.recompute,
-            section.sequence_parallel,
-            section.offload_between_uses and name != "student",
-            section.ep,
+            name=name,
+            hf=hf,
+            tp=section.tp,
+            pp=section.pp,
+            dtype=section.dtype,
+            recompute=section.recompute,
+            sequence_parallel=section.sequence_parallel,
+            offload=section.offload_between_uses and name != "student",
+            ep=section.ep,
             cpu=cpu,
         )
 

@@ -38,7 +38,7 @@ from torch.profiler import record_function  # named phases of a decode for the p
 from megaopd.engine.cache import PrefillCopy, SlotCache
 from megaopd.engine.forward import Forward
 from megaopd.engine.rows import RowRequest, RowResult
-from megaopd.engine.sampling import GREEDY_EPS, needs_filter, sample_tokens
+from megaopd.engine.sampling import GREEDY_EPS, RowSampling, needs_filter, sample_tokens
 
 StepAction = Literal["go", "retract", "abort"]
 
@@ -158,9 +158,7 @@ def decode_rows(
         if waiting and free and (not running or free >= min(admit_min, len(waiting))):
             new = [waiting.popleft() for _ in range(min(free, len(waiting)))]
             with record_function("engine.prefill"):
-                new_logits = _prefill(
-                    fwd, cache, st, rows, new, seeds, len(running), K, [list(rows[i].prompt_ids) for i in new]
-                )
+                new_logits = _prefill(fwd, cache, st, rows, new, seeds, len(running))
             running += new
             pos_h += [len(rows[i].prompt_ids) for i in new]
             # float32 throughout: prefill returns float32 logits and a bf16 decode step its own dtype; a row's first
@@ -168,17 +166,15 @@ def decode_rows(
             logits = new_logits if logits is None else torch.cat([logits.float(), new_logits.float()])
         A = len(running)
         with record_function("engine.sample"):
-            tok_A, lp_A = sample_tokens(
-                logits,
-                st.temp_S[:A],
-                st.top_p_S[:A],
-                st.top_k_S[:A],
-                st.seed_S[:A],
-                st.count_S[:A],
-                st.min_p_S[:A],
-                filters,
-                greedy,
+            running_rows = RowSampling(
+                temperature_B=st.temp_S[:A],
+                top_p_B=st.top_p_S[:A],
+                top_k_B=st.top_k_S[:A],
+                seed_B=st.seed_S[:A],
+                index_B=st.count_S[:A],
+                min_p_B=st.min_p_S[:A],
             )
+            tok_A, lp_A = sample_tokens(logits, running_rows, filters, greedy)
         ar_A = torch.arange(A, device=device)
         live_A = ~st.done_S[:A]
         st.out_ids_SN[ar_A, st.count_S[:A]] = tok_A
@@ -228,10 +224,10 @@ def _prefill(
     new: list[int],
     seeds: list[int],
     at: int,
-    K: int,
-    seqs: list[list[int]],
 ) -> torch.Tensor:
     """Prefills rows `new` into slots at, at+1, ...: each distinct prompt once. Returns their logits [n, V]."""
+    seqs = [list(rows[i].prompt_ids) for i in new]
+    K = st.stop_SK.shape[1]  # stop ids per slot, as the state was made for the call's rows
     unique: dict[tuple[int, ...], int] = {}
     u_of = [unique.setdefault(tuple(s), len(unique)) for s in seqs]
     P = max(len(s) for s in unique)

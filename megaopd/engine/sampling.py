@@ -25,6 +25,8 @@ Legend: B = rows (sequences), V = vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 GREEDY_EPS = 1e-6
@@ -120,16 +122,21 @@ def row_uniforms(seed_B: torch.Tensor, index_B: torch.Tensor) -> torch.Tensor:
     return _shr(_mix64(x), 11).double() * (1.0 / (1 << 53))
 
 
+@dataclass(frozen=True, kw_only=True)
+class RowSampling:
+    """Each row's sampling settings and the draw it is at: [B] tensors, one value per row."""
+
+    temperature_B: torch.Tensor
+    top_p_B: torch.Tensor
+    top_k_B: torch.Tensor
+    seed_B: torch.Tensor
+    index_B: torch.Tensor
+    """The row's token index (its tokens so far): with seed_B, which uniform the draw uses."""
+    min_p_B: torch.Tensor | None = None
+
+
 def sample_tokens(
-    logits_BV: torch.Tensor,
-    temperature_B: torch.Tensor,
-    top_p_B: torch.Tensor,
-    top_k_B: torch.Tensor,
-    seed_B: torch.Tensor,
-    index_B: torch.Tensor,
-    min_p_B: torch.Tensor | None = None,
-    filters: bool = True,
-    greedy: bool = True,
+    logits_BV: torch.Tensor, rows: RowSampling, filters: bool = True, greedy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draws one token per row; returns (ids_B int64, logprobs_B float32). No host sync.
 
@@ -139,10 +146,11 @@ def sample_tokens(
     greedy row) skips the argmax. logprobs_B are log softmax(logits / T) at the chosen ids, before any
     filtering (the log of the float32 softmax: within 1e-6 of log_softmax for any sampled token).
     """
+    temperature_B = rows.temperature_B
     logits_BV = logits_BV.float() if logits_BV.dtype != torch.float64 else logits_BV
     probs_BV = torch.softmax(logits_BV / effective_temperature(temperature_B.to(logits_BV)).unsqueeze(-1), dim=-1)
-    mass_BV = probs_BV * keep_mask(probs_BV, top_p_B, top_k_B, min_p_B) if filters else probs_BV
-    ids_B = inverse_cdf(mass_BV, row_uniforms(seed_B, index_B).to(logits_BV.device))
+    mass_BV = probs_BV * keep_mask(probs_BV, rows.top_p_B, rows.top_k_B, rows.min_p_B) if filters else probs_BV
+    ids_B = inverse_cdf(mass_BV, row_uniforms(rows.seed_B, rows.index_B).to(logits_BV.device))
     if greedy:
         ids_B = torch.where(temperature_B.to(ids_B.device) < GREEDY_EPS, probs_BV.argmax(dim=-1), ids_B)
     return ids_B, probs_BV.gather(-1, ids_B.unsqueeze(-1)).squeeze(-1).log().float()

@@ -346,7 +346,7 @@ def _evaluate_one(
         samples = engine.generate([prompts[u // k] for u in run], params, first_prompt_index=run[0])
         if len(samples) != len(run):
             raise RuntimeError(f"engine returned {len(samples)} samples for {len(run)} prompts x n=1")
-        records = [_score(bench, problems, u // k, u % k, k, s, tokenizer, cfg) for u, s in zip(run, samples)]
+        records = [_score(bench, problems, u, k, s, tokenizer, cfg) for u, s in zip(run, samples)]
         for rec in records:
             done[(rec.index, rec.sample)] = rec
         if store:
@@ -385,7 +385,9 @@ def _rescore(done: dict, n_problems: int, cfg: EvalConfig, store: GenerationStor
             store.append(done[(rec.index, rec.sample)] for rec in stale)
 
 
-def _score(bench: Benchmark, problems, i: int, j: int, k: int, s, tokenizer, cfg: EvalConfig) -> GenerationRecord:
+def _score(bench: Benchmark, problems, u: int, k: int, s, tokenizer, cfg: EvalConfig) -> GenerationRecord:
+    """The record of sample `s`, unit u of the benchmark's k samples per problem: problem u // k, sample u % k."""
+    i, j = divmod(u, k)
     prob = problems[i]
     text = tokenizer.decode(s.output_ids, skip_special_tokens=True)
     verdict = extract_and_verify(text, prob.answer, cfg.reward)

@@ -400,7 +400,7 @@ def bench_packing(
     useful-token fraction, and the ratios."""
     from megaopd import ops
     from megaopd.batching.packing import PackedRow, Segment, pack_by_budget
-    from megaopd.models.builder import build_gpt_model
+    from megaopd.models.builder import BuildOptions, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.dist import init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
@@ -409,7 +409,7 @@ def bench_packing(
     init_distributed()
     pgs = initialize_actor_layout(Layout(1, 1))
     cfg = read_hf_config(hf_config_dict(shape, vocab))
-    model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, dtype=dtype)
+    model = build_gpt_model(cfg, Layout(), pgs, BuildOptions(dtype=dtype))
     prompts, responses = opd_lengths(sequences, scale)
     lengths = [p + r for p, r in zip(prompts, responses)]
     B, S = len(lengths), max(lengths)

@@ -37,12 +37,13 @@ def _megatron_out(cfg, hf_state, ids, dtype, vocab, lengths):
     """Padded logits [b, s, V] and log-probs [b, s - 1], and the packed row's log-probs per sequence."""
     from megaopd import ops
     from megaopd.batching.packing import PackedRow, Segment
-    from megaopd.models.builder import build_gpt_model
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.builder import BuildOptions, build_gpt_model
+    from megaopd.models.weights import Placement, load_hf_weights
+    from megaopd.parallel.groups import Layout
     from megaopd.scoring.runner import _packed_seq_params
 
-    model = build_gpt_model(cfg, 1, 1, dtype=dtype, init_weights=False).eval()
-    load_hf_weights(model, hf_state, cfg, 0, 1, 0, 1)
+    model = build_gpt_model(cfg, Layout(), None, BuildOptions(dtype=dtype, init_weights=False)).eval()
+    load_hf_weights(model, hf_state, cfg, Placement())
     b, s = ids.shape
     pos = torch.arange(s, device=ids.device).expand(b, s)
     row = PackedRow([Segment(0, i, n) for i, n in enumerate(lengths)])

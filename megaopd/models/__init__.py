@@ -4,9 +4,9 @@ megaopd.scoring's job.
 
 Modules (one job each; importing this package imports neither torch nor megatron):
     hf_config   read_hf_config(dir) -> HFModelConfig; check_layout(cfg, tp, pp); padded_vocab_size(V, tp)
-    builder     transformer_config(cfg, tp, pp, dtype); build_gpt_model(cfg, tp, pp, pg_collection, ...)
+    builder     transformer_config(cfg, tp, pp, dtype); build_gpt_model(cfg, Layout, pg_collection, BuildOptions)
     compat      everything specific to the megatron-core version / TE / apex (layer specs, schedule call)
-    weights     the HF <-> Megatron mapping; shard_hf_weights / load_hf_weights (HF -> this rank)
+    weights     the HF <-> Megatron mapping; shard_hf_weights / load_hf_weights (HF -> the rank at a Placement)
     gather      gather_hf_weights: this rank's shards -> full HF-named tensors (TP/EP all-gather, PP
                 collection; collective), for the weight sync, HF export and megatron_to_hf
     hf_io       lazy safetensors reading (HFWeights), save_hf_dir (safetensors + config + tokenizer)

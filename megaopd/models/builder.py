@@ -1,8 +1,9 @@
 """HF config -> megatron-core TransformerConfig and GPTModel (one pipeline stage of it).
 
     from megaopd.models.builder import build_gpt_model
-    model = build_gpt_model(read_hf_config(hf_dir), tp=2, pp=1)                  # actor: parallel_state
-    teacher = build_gpt_model(cfg_t, tp=4, pp=1, pg_collection=teacher_pgs)       # teacher: own groups
+    model = build_gpt_model(read_hf_config(hf_dir), Layout(tp=2))                 # actor: parallel_state
+    teacher = build_gpt_model(cfg_t, Layout(tp=4), pg_collection=teacher_pgs)      # teacher: own groups
+    frozen = build_gpt_model(cfg, Layout(), pgs, BuildOptions(dtype="bfloat16", init_weights=False))
 
 Parallel sizes enter only through TransformerConfig; the model's groups come from `pg_collection`
 (None -> megatron's global parallel_state, set by megaopd.parallel.groups.initialize_actor_layout).
@@ -21,6 +22,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megaopd.models import compat
 from megaopd.models.hf_config import HFModelConfig, check_layout, layers_per_stage, padded_vocab_size
+from megaopd.parallel.groups import Layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,7 +145,7 @@ def activation_memory_overrides(
     recompute: str = "none", recompute_num_layers: int = 1, sequence_parallel: bool = False
 ) -> dict:
     """TransformerConfig keys of a ModelConfig's memory options (recompute, sequence_parallel), for
-    build_gpt_model(config_overrides=...). megatron recomputes only in training mode, so a frozen model
+    BuildOptions(config_overrides=...). megatron recomputes only in training mode, so a frozen model
     built with these runs its forward unchanged."""
     kwargs: dict = {"sequence_parallel": sequence_parallel}
     if recompute == "selective":
@@ -157,45 +159,59 @@ def activation_memory_overrides(
     return kwargs
 
 
+@dataclass(frozen=True, kw_only=True)
+class BuildOptions:
+    """How build_gpt_model makes a model, beside its config and layout. The defaults: a trained float32 model
+    with fresh weights, its stage's place in the pipeline taken from the process groups."""
+
+    dtype: str | torch.dtype = torch.float32
+    init_weights: bool = True
+    """False: parameters left uninitialized (weights loaded next: faster, and no RNG drawn)."""
+    train_router: bool = True
+    """The MoE router's auxiliary loss is on (a trained student); False for a frozen teacher."""
+    config_overrides: dict | None = None
+    """TransformerConfig keys set over the derived ones (activation_memory_overrides)."""
+    use_te: bool | None = None
+    """Transformer Engine layers; None: when TE is importable and a GPU is present."""
+    parallel_output: bool = True
+    """The forward returns vocab-sharded logits [b, s, padded_vocab / tp]; the padding columns (index >=
+    cfg.vocab_size) must be masked by whoever normalizes them (megaopd.models.vocab_padding; the scoring
+    runner does)."""
+    pre_process: bool | None = None
+    """The stage holds the embedding; None: the first PP stage."""
+    post_process: bool | None = None
+    """The stage holds the output layer; None: the last PP stage."""
+
+
 def build_gpt_model(
     cfg: HFModelConfig,
-    tp: int = 1,
-    pp: int = 1,
+    layout: Layout,
     pg_collection: ProcessGroupCollection | None = None,
-    pre_process: bool | None = None,
-    post_process: bool | None = None,
-    dtype: str | torch.dtype = torch.float32,
-    use_te: bool | None = None,
-    init_weights: bool = True,
-    parallel_output: bool = True,
-    config_overrides: dict | None = None,
-    ep: int = 1,
-    train_router: bool = True,
+    options: BuildOptions | None = None,
 ) -> GPTModel:
     """Builds this rank's stage of the model: its PP stage's layers, its TP shard of each weight.
 
-    tp/pp must equal the sizes of pg_collection's tp/pp groups (or of parallel_state when None).
-    pre_process/post_process default to "first/last PP stage". With parallel_output=True (default)
-    the forward returns vocab-sharded logits [b, s, padded_vocab / tp]; the padding columns (index >=
-    cfg.vocab_size) must be masked by whoever normalizes them (megaopd.models.vocab_padding; the scoring runner does).
-    use_te: Transformer Engine layers; default: when TE is importable and a GPU is present.
-    ep: expert-parallel size of a MoE model (pg_collection.ep must have that size).
-    train_router: the router's auxiliary loss is on (a trained student); False for a frozen teacher.
+    layout.tp/pp must equal the sizes of pg_collection's tp/pp groups (or of parallel_state when None);
+    layout.ep is the expert-parallel size of a MoE model (pg_collection.ep must have that size).
+    options: BuildOptions() when None.
     """
+    o = options if options is not None else BuildOptions()
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
     pgs = compat.resolve_pg_collection(pg_collection)
     stage = StageInfo.of(pgs)
     if (stage.tp_size, stage.pp_size) != (tp, pp):
         raise ValueError(
-            f"build_gpt_model(tp={tp}, pp={pp}) but the process groups have "
+            f"build_gpt_model with Layout(tp={tp}, pp={pp}) but the process groups have "
             f"tp={stage.tp_size}, pp={stage.pp_size}; pass the layout the groups were made for"
         )
     group_ep = pgs.ep.size() if getattr(pgs, "ep", None) is not None else 1
     if cfg.is_moe and group_ep != ep:
         raise ValueError(
-            f"build_gpt_model(ep={ep}) but the process groups have ep={group_ep}; "
+            f"build_gpt_model with Layout(ep={ep}) but the process groups have ep={group_ep}; "
             "pass the layout the groups were made for"
         )
-    config = transformer_config(cfg, tp, pp, dtype, init_weights, ep, train_router, **(config_overrides or {}))
+    config = transformer_config(cfg, tp, pp, o.dtype, o.init_weights, ep, o.train_router, **(o.config_overrides or {}))
+    use_te = o.use_te
     if use_te is None:
         use_te = compat.use_transformer_engine_default()
     if cfg.is_moe:
@@ -209,14 +225,14 @@ def build_gpt_model(
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(cfg.vocab_size, tp),
         max_sequence_length=cfg.max_position_embeddings,
-        pre_process=stage.pre_process if pre_process is None else pre_process,
-        post_process=stage.post_process if post_process is None else post_process,
-        parallel_output=parallel_output,
+        pre_process=stage.pre_process if o.pre_process is None else o.pre_process,
+        post_process=stage.post_process if o.post_process is None else o.post_process,
+        parallel_output=o.parallel_output,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         pg_collection=pgs,
         **compat.rope_kwargs(cfg.rope_theta, llama3_factor),
     )
-    if not init_weights:
+    if not o.init_weights:
         compat.mark_tensor_parallel_params(model)
     _cast_floating_params(model, config.params_dtype)
     if torch.cuda.is_available():

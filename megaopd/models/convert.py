@@ -12,9 +12,13 @@ imported or a worker is started. Weights keep their dtype, so HF -> Megatron -> 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from megaopd.models.hf_config import HFModelConfig, InputError, check_layout, read_hf_config
 from megaopd.models.hf_io import safetensors_files
+
+if TYPE_CHECKING:  # the groups module imports megatron: only the workers do (the module docstring says why)
+    from megaopd.parallel.groups import Layout
 
 
 def _check_out_dir(out_dir: str) -> None:
@@ -59,18 +63,26 @@ def hf_dtype(hf_dir: str) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, ep: int = 1):
-    from megaopd.models.builder import StageInfo, build_gpt_model
+def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, layout: Layout, dtype: str):
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.checkpoint import save_model_checkpoint
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import load_hf_weights
-    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.models.weights import Placement, load_hf_weights
+    from megaopd.parallel.groups import initialize_actor_layout
 
-    pgs = initialize_actor_layout(Layout(tp, pp, ep))
+    pgs = initialize_actor_layout(layout)
     cfg = read_hf_config(hf_dir)
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=dtype, init_weights=False, ep=ep)
+    model = build_gpt_model(cfg, layout, pgs, BuildOptions(dtype=dtype, init_weights=False))
     st = StageInfo.of(pgs)
-    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp, pgs.ep.rank(), ep)
+    place = Placement(
+        tp_rank=st.tp_rank,
+        tp_size=layout.tp,
+        pp_rank=st.pp_rank,
+        pp_size=layout.pp,
+        ep_rank=pgs.ep.rank(),
+        ep_size=layout.ep,
+    )
+    load_hf_weights(model, HFWeights(hf_dir), cfg, place)
     save_model_checkpoint(model, out_dir, cfg, pgs, hf_side_dir=hf_dir, extra_meta={"source": os.path.abspath(hf_dir)})
     return rank
 
@@ -78,10 +90,11 @@ def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, tp:
 def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
     """Converts an HF Qwen2/Llama/Qwen3/Qwen3-MoE directory into a megaopd Megatron checkpoint written
     at TP=tp, PP=pp and, for a MoE model, EP=ep (tp * pp * ep ranks: the EP ranks are DP ranks)."""
+    from megaopd.parallel.groups import Layout
     from megaopd.parallel.launch import run_on_ranks
 
     validate_hf_to_megatron(hf_dir, out_dir, tp, pp, ep)
-    run_on_ranks(_hf_to_megatron_worker, tp * pp * ep, (hf_dir, out_dir, tp, pp, hf_dtype(hf_dir), ep))
+    run_on_ranks(_hf_to_megatron_worker, tp * pp * ep, (hf_dir, out_dir, Layout(tp=tp, pp=pp, ep=ep), hf_dtype(hf_dir)))
 
 
 def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> HFModelConfig:
@@ -104,7 +117,7 @@ def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 
 def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, tp: int, pp: int):
     import torch.distributed as dist
 
-    from megaopd.models.builder import build_gpt_model, torch_dtype
+    from megaopd.models.builder import BuildOptions, build_gpt_model, torch_dtype
     from megaopd.models.checkpoint import load_model_checkpoint, read_checkpoint_meta
     from megaopd.models.gather import gather_hf_weights, model_state
     from megaopd.models.hf_io import save_hf_dir
@@ -113,7 +126,7 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, t
     pgs = initialize_actor_layout(Layout(tp, pp))
     cfg = read_hf_config(ckpt_dir)
     meta = read_checkpoint_meta(ckpt_dir)
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype=meta["dtype"], init_weights=False)
+    model = build_gpt_model(cfg, Layout(tp=tp, pp=pp), pgs, BuildOptions(dtype=meta["dtype"], init_weights=False))
     load_model_checkpoint(model, ckpt_dir, pgs, verified=True)  # validate_megatron_to_hf checked it
     tensors = gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp, dtype=torch_dtype(meta["dtype"]))
     if dist.get_rank() == 0:

@@ -1,7 +1,7 @@
 """The one HF <-> Megatron weight mapping: used by tools/convert_*.py and by live weight sync.
 
 Two directions, both per rank:
-    shard_hf_weights(get_hf, cfg, tp_rank, tp_size, pp_rank, pp_size)  HF tensors -> this rank's megatron shard
+    shard_hf_weights(get_hf, cfg, Placement(tp_rank=..., tp_size=..., ...))  HF tensors -> this rank's megatron shard
     megaopd.models.gather.gather_hf_weights(state, cfg, tp_group, pp_group)  this rank's shard -> full HF
                                                                         tensors (collective; built on merge_shards)
 and their single-process cores, which need no process group:
@@ -48,6 +48,20 @@ FC1 = "fc1"  # [gate; up], each split over TP on dim 0 and concatenated per rank
 VOCAB = "vocab"  # rows padded to Vp with zeros, then split over TP on dim 0
 
 HFGetter = Callable[[str], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Which shard of the model a rank holds: its ranks in the TP, PP and EP groups and those groups' sizes.
+
+    The defaults are one process holding the whole model; a dense model ignores the EP pair."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -243,15 +257,10 @@ def merge_shards(rule: WeightRule, shards: Sequence[torch.Tensor], cfg: HFModelC
 def shard_hf_weights(
     get_hf: HFGetter | Mapping[str, torch.Tensor],
     cfg: HFModelConfig,
-    tp_rank: int,
-    tp_size: int,
-    pp_rank: int = 0,
-    pp_size: int = 1,
+    place: Placement,
     fused_norms: bool = False,
-    ep_rank: int = 0,
-    ep_size: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """{megatron name: this rank's shard} for PP stage pp_rank, TP rank tp_rank, EP rank ep_rank.
+    """{megatron name: this rank's shard} for the rank at `place` (its PP stage, TP rank and EP rank).
 
     get_hf: a mapping or a function name -> full HF tensor; only the tensors this stage needs are
     requested (so a lazy safetensors reader touches only them). Shapes are checked against cfg.
@@ -259,7 +268,7 @@ def shard_hf_weights(
     get = get_hf.__getitem__ if isinstance(get_hf, Mapping) else get_hf
     expected = hf_shapes(cfg)
     out = {}
-    for rule in stage_rules(cfg, pp_rank, pp_size, fused_norms, ep_rank, ep_size):
+    for rule in stage_rules(cfg, place.pp_rank, place.pp_size, fused_norms, place.ep_rank, place.ep_size):
         tensors = []
         for name in rule.hf:
             t = get(name)
@@ -269,7 +278,7 @@ def shard_hf_weights(
                     f"{expected[name]}; the weights do not belong to this config"
                 )
             tensors.append(t)
-        out[rule.megatron] = shard_tensor(rule, tensors, cfg, tp_rank, tp_size)
+        out[rule.megatron] = shard_tensor(rule, tensors, cfg, place.tp_rank, place.tp_size)
     return out
 
 
@@ -287,18 +296,11 @@ def load_hf_weights(
     model: torch.nn.Module,
     get_hf: HFGetter | Mapping[str, torch.Tensor],
     cfg: HFModelConfig,
-    tp_rank: int,
-    tp_size: int,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    ep_rank: int = 0,
-    ep_size: int = 1,
+    place: Placement,
 ) -> None:
-    """Copies HF weights into this rank's GPTModel stage (in place; dtype must match for exactness)."""
+    """Copies HF weights into this rank's GPTModel stage at `place` (in place; dtype must match for exactness)."""
     params = model_state(model)
-    shards = shard_hf_weights(
-        get_hf, cfg, tp_rank, tp_size, pp_rank, pp_size, uses_fused_norms(params), ep_rank, ep_size
-    )
+    shards = shard_hf_weights(get_hf, cfg, place, uses_fused_norms(params))
     missing, unexpected = set(params) - set(shards), set(shards) - set(params)
     if missing or unexpected:
         raise ValueError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from megaopd.rollout.protocol import Engine, Sample, SamplingParams
 from megaopd.rollout.waits import WaitAbandoned
@@ -83,26 +83,39 @@ class SpreadError(RuntimeError):
         super().__init__(f"{done}/{total} jobs done: {what}")
 
 
-def spread_jobs(
-    workers: Sequence[W],
-    jobs: Sequence[J],
-    call: Callable[[W, J], R],
-    timeout_s: float,
-    max_attempts: int | None = None,
-    refuse: tuple[type[BaseException], ...] = (),
-    label: Callable[[W], str] = repr,
-    name: str = "megaopd-jobs",
-    on_worker_failed: Callable[[int], None] | None = None,
-) -> list[R]:
+@dataclass(frozen=True, kw_only=True)
+class SpreadRules:
+    """How spread_jobs treats time and failures, and how it names its threads and workers."""
+
+    timeout_s: float
+    """The whole call's limit: SpreadError(timed_out) when it passes (nothing waits forever)."""
+    max_attempts: int | None = None
+    """Failed workers after which a job fails for good; None: as many as there are."""
+    refuse: tuple[type[BaseException], ...] = ()
+    """Exceptions that mean the job itself is bad (another worker would refuse it too): the call fails at once."""
+    label: Callable[[Any], str] = repr
+    """A worker's name in the errors."""
+    name: str = "megaopd-jobs"
+    """Prefix of the worker threads' names."""
+    on_worker_failed: Callable[[int], None] | None = None
+    """Called with a worker's index when its call raised (it takes no more jobs in this call)."""
+
+
+def spread_jobs(workers: Sequence[W], jobs: Sequence[J], call: Callable[[W, J], R], rules: SpreadRules) -> list[R]:
     """call(worker, job) for every job, spread over the workers: one thread per worker takes jobs from a
     shared queue (a fast worker takes more). Returns the results in job order.
 
-    A worker whose call raises takes no more jobs in this call (on_worker_failed(its index) is called) and
-    the job goes back on the queue for another worker; it fails for good after `max_attempts` failed
-    workers (None: as many as there are) or when no worker is left. An exception of a `refuse` type means
-    the job itself is bad (another worker would refuse it too): the call fails at once. Raises SpreadError
-    (timed_out when `timeout_s` passes first; nothing waits forever), or WaitAbandoned as soon as a worker's
-    wait was given up (a preemption signal: no other worker is tried)."""
+    A worker whose call raises takes no more jobs in this call (rules.on_worker_failed(its index) is called)
+    and the job goes back on the queue for another worker; it fails for good after `rules.max_attempts`
+    failed workers or when no worker is left. An exception of a `rules.refuse` type fails the call at once.
+    Raises SpreadError (timed_out when `rules.timeout_s` passes first), or WaitAbandoned as soon as a
+    worker's wait was given up (a preemption signal: no other worker is tried)."""
+    max_attempts, refuse, label, on_worker_failed = (
+        rules.max_attempts,
+        rules.refuse,
+        rules.label,
+        rules.on_worker_failed,
+    )
     if not jobs:
         return []
     todo: "queue.Queue[int]" = queue.Queue()
@@ -153,10 +166,12 @@ def spread_jobs(
                 if len(results) == len(jobs):
                     done.set()
 
-    threads = [threading.Thread(target=work, args=(i,), daemon=True, name=f"{name}-{i}") for i in range(len(workers))]
+    threads = [
+        threading.Thread(target=work, args=(i,), daemon=True, name=f"{rules.name}-{i}") for i in range(len(workers))
+    ]
     for t in threads:
         t.start()
-    if not done.wait(timeout=timeout_s):
+    if not done.wait(timeout=rules.timeout_s):
         done.set()
         raise SpreadError(True, len(results), len(jobs), [])
     if abandoned:
@@ -221,10 +236,12 @@ class EnginePool:
                 [self.engines[i] for i in live],
                 jobs,
                 run,
-                timeout_s=self.config.timeout_s,
-                max_attempts=self.config.max_attempts,
-                name="megaopd-pool",
-                on_worker_failed=lambda k: self._mark_failed(live[k]),
+                SpreadRules(
+                    timeout_s=self.config.timeout_s,
+                    max_attempts=self.config.max_attempts,
+                    name="megaopd-pool",
+                    on_worker_failed=lambda k: self._mark_failed(live[k]),
+                ),
             )
         except SpreadError as e:
             if e.timed_out:

@@ -80,10 +80,10 @@ class _ScoreJob:
 def _worker(rank: int, world: int, job: _ScoreJob):
     import torch.distributed as dist
 
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.checkpoint import load_model_checkpoint
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
     from megaopd.ops.head import DEFAULT_CHUNK_TOKENS
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.scoring.passes import score_sequences
@@ -93,12 +93,14 @@ def _worker(rank: int, world: int, job: _ScoreJob):
     pgs = initialize_actor_layout(Layout(tp, pp))
     cfg = read_hf_config(ckpt)
     # float32 scoring: log-probs are compared with other engines token by token.
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, dtype="float32", init_weights=False)
+    model = build_gpt_model(cfg, Layout(tp=tp, pp=pp), pgs, BuildOptions(dtype="float32", init_weights=False))
     st = StageInfo.of(pgs)
     if job.kind == "megatron":
         load_model_checkpoint(model, ckpt, pgs)
     else:
-        load_hf_weights(model, HFWeights(ckpt), cfg, st.tp_rank, tp, st.pp_rank, pp)
+        load_hf_weights(
+            model, HFWeights(ckpt), cfg, Placement(tp_rank=st.tp_rank, tp_size=tp, pp_rank=st.pp_rank, pp_size=pp)
+        )
     model.eval()
     # The fused output layer: logits DEFAULT_CHUNK_TOKENS tokens at a time, never the micro-batch's.
     runner = PipelineRunner(model, pgs, cfg.vocab_size, logits_chunk_tokens=DEFAULT_CHUNK_TOKENS)

@@ -38,6 +38,7 @@ from megaopd.parallel.dist import global_rank, holds_results
 from megaopd.rollout.records import AT_IDS_LOGPROBS, ENTROPY, LOGPROBS, TOPK_IDS, TOPK_LOGPROBS, TokenScores
 from megaopd.scoring.routing import (
     PassOutputs,
+    RowRoutes,
     ScoringPlan,
     keep_owned,
     plan_scoring,
@@ -97,11 +98,11 @@ def score_tokens(
             f"owners.subset(rows) for a sub-batch"
         )
     scorers = layout if layout is not None else scorer_layout(runner.pgs, device)
-    owner_layout = owners.world_layout(device)
-    plan = plan_scoring(tokens_BS, batches, runner, owners, scorers, owner_layout)
+    routes = RowRoutes(owners=owners, scorers=scorers, owner_layout=owners.world_layout(device))
+    plan = plan_scoring(tokens_BS, batches, runner, routes)
     at_ids = at_ids_BTK
     if at_ids_BTK is not None and not plan.aligned:
-        at_ids = route_at_ids(at_ids_BTK, plan, owners, scorers, owner_layout, device)
+        at_ids = route_at_ids(at_ids_BTK, plan, routes, device)
     mbs = plan_micro_batches(tokens_BS, at_ids, plan, batches, runner)
     outputs = request.outputs(at_ids_BTK)
     local = forward_scores(runner, mbs, request, outputs, len(plan.rows), plan.T)
@@ -109,7 +110,7 @@ def score_tokens(
     if plan.aligned:
         return keep_owned(local, plan, outputs, owners, pgs.pp, device, ran=bool(mbs))
     speaks = holds_results(pgs)
-    return send_to_owners(local, plan, outputs, owners, scorers, owner_layout, speaks, device)
+    return send_to_owners(local, plan, outputs, routes, speaks, device)
 
 
 def plan_micro_batches(

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from megaopd.rollout.client import EngineRequestError, HttpEngine, HttpEngineConfig
-from megaopd.rollout.pool import SpreadError, spread_jobs
+from megaopd.rollout.pool import SpreadError, SpreadRules, spread_jobs
 from megaopd.rollout.records import TokenScores
 from megaopd.rollout.schema import PrefillScores
 
@@ -155,10 +155,12 @@ class RemoteTeacher:
                 self.servers,
                 requests,
                 lambda server, req: RemoteTeacher._request(server, *req, topk),
-                timeout_s=self.timeout_s * (len(requests) + 1),
-                refuse=(EngineRequestError,),  # the server refused what we sent: another one would too
-                label=lambda server: server.url,
-                name=f"megaopd-teacher-{self.name}",
+                SpreadRules(
+                    timeout_s=self.timeout_s * (len(requests) + 1),
+                    refuse=(EngineRequestError,),  # the server refused what we sent: another one would too
+                    label=lambda server: server.url,
+                    name=f"megaopd-teacher-{self.name}",
+                ),
             )
         except SpreadError as e:
             if e.timed_out:

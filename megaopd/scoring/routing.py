@@ -1,10 +1,11 @@
 """Where a scoring pass scores each row, and how the scores reach the ranks that own the row.
 
-    plan = plan_scoring(tokens_BS, batches, runner, owners, scorers, owner_layout)      # which rows, where
-    at_ids = route_at_ids(at_ids_BTK, plan, owners, scorers, owner_layout, device)      # to the scorers
+    routes = RowRoutes(owners=owners, scorers=scorers, owner_layout=owner_layout)
+    plan = plan_scoring(tokens_BS, batches, runner, routes)                  # which rows, where
+    at_ids = route_at_ids(at_ids_BTK, plan, routes, device)                  # to the scorers
     ... forward passes (scoring/passes.py) ...
-    scores = keep_owned(local, plan, outputs, owners, pp_group, device, ran)             # aligned layouts
-    scores = send_to_owners(local, plan, outputs, owners, scorers, owner_layout, speaks, device)   # others
+    scores = keep_owned(local, plan, outputs, owners, pp_group, device, ran)  # aligned layouts
+    scores = send_to_owners(local, plan, outputs, routes, speaks, device)    # others
 
 When the scoring model's data-parallel replicas are the owners' (the actor, the reference, a teacher in the
 actor's layout: `aligned`) each replica scores exactly its owned rows and nothing moves but the last pipeline
@@ -32,6 +33,18 @@ from megaopd.parallel.dist import holds_results
 from megaopd.parallel.exchange import pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.rollout.records import ScoreField, TokenScores
 from megaopd.scoring.runner import PipelineRunner, broadcast_from_last_stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowRoutes:
+    """Who keeps each row of a pass, and where every global rank sits in the two layouts its scores cross."""
+
+    owners: RowOwners
+    """Which actor data-parallel replica keeps each row."""
+    scorers: WorldLayout
+    """Every rank's replica in the scoring model's layout, and whether it speaks for its share (scorer_layout)."""
+    owner_layout: WorldLayout
+    """Every rank's replica in the owners' layout (owners.world_layout)."""
 
 
 @dataclass(frozen=True)
@@ -87,9 +100,7 @@ def plan_scoring(
     tokens_BS: torch.Tensor,
     batches: ScoringBatches,
     runner: PipelineRunner,
-    owners: RowOwners,
-    scorers: WorldLayout,
-    owner_layout: WorldLayout,
+    routes: RowRoutes,
 ) -> ScoringPlan:
     """The pass's plan: aligned layouts score the owned rows; otherwise packed shares are balanced by
     tokens and attention cost, padded ones contiguous."""
@@ -97,7 +108,8 @@ def plan_scoring(
     S = tokens_BS.shape[1]
     packed = batches.max_tokens is not None and runner.packs
     lengths = row_lengths(tokens_BS, batches.lengths_B)
-    aligned = is_aligned(pgs.dp.size(), owners, scorers, owner_layout)
+    owners = routes.owners
+    aligned = is_aligned(pgs.dp.size(), owners, routes.scorers, routes.owner_layout)
     shares = scoring_shares(lengths, pgs.dp.size(), packed, owners if aligned else None)
     return ScoringPlan(shares, pgs.dp.rank(), aligned, packed, lengths, [min(n, S) - 1 for n in lengths], S - 1)
 
@@ -123,19 +135,18 @@ def scoring_shares(lengths: list[int], dp_size: int, packed: bool, aligned_owner
 def route_at_ids(
     at_ids_BTK: torch.Tensor,
     plan: ScoringPlan,
-    owners: RowOwners,
-    scorers: WorldLayout,
-    owner_layout: WorldLayout,
+    routes: RowRoutes,
     device: torch.device,
 ) -> torch.Tensor:
     """The owners' ids to score at (this rank's owned rows, owners.rows() order) -> every rank of the replica
     that scores each row: [len(plan.rows), T, K] int32 in share order."""
     K, T = at_ids_BTK.shape[-1], plan.T
+    owners = routes.owners
     mine = owners.rows()
     scorer = {b: d for d, share in enumerate(plan.shares) for b in share}
-    groups = [scorers.replica(d) for d in range(len(plan.shares))]
+    groups = [routes.scorers.replica(d) for d in range(len(plan.shares))]
     dests = [groups[scorer[b]] for b in range(len(plan.positions))]
-    held = [owners.rows(p.dp_rank) if p.speaks else [] for p in owner_layout.places]
+    held = [owners.rows(p.dp_rank) if p.speaks else [] for p in routes.owner_layout.places]
     payload = None
     if owners.sends and mine:
         valid = valid_positions([plan.positions[b] for b in mine], T)
@@ -173,16 +184,14 @@ def send_to_owners(
     local: TokenScores | None,
     plan: ScoringPlan,
     outputs: PassOutputs,
-    owners: RowOwners,
-    scorers: WorldLayout,
-    owner_layout: WorldLayout,
+    routes: RowRoutes,
     speaks: bool,
     device: torch.device,
 ) -> TokenScores:
     """Another layout: one all_to_all from each share's speaker to the owning replicas' ranks, the real
     positions only (float32 and int32 columns bit for bit). The owned rows' scores, CPU tensors."""
-    held = [plan.shares[p.dp_rank] if p.speaks else [] for p in scorers.places]
-    dests = [owner_layout.replica(o) for o in owners.owner_B]
+    held = [plan.shares[p.dp_rank] if p.speaks else [] for p in routes.scorers.places]
+    dests = [routes.owner_layout.replica(o) for o in routes.owners.owner_B]
     widths = [outputs.width(f) for f in outputs.fields]
     payload = None
     if speaks and plan.rows:
@@ -191,7 +200,7 @@ def send_to_owners(
             [getattr(local, f.name).to(device)[valid].reshape(-1, w) for f, w in zip(outputs.fields, widths)]
         )
     received, values = route_rows(payload, held, dests, plan.positions, sum(widths), device)
-    mine = owners.rows()
+    mine = routes.owners.rows()
     columns = unpack_columns(values, widths, [f.dtype for f in outputs.fields])
     out = {
         f.name: scatter_received(col.reshape(-1, *outputs.trailing(f)), received, plan.positions, mine, plan.T)

@@ -27,7 +27,7 @@ from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import holds_results
 from megaopd.rollout.records import TokenScores
 from megaopd.scoring.passes import ScoreRequest, forward_scores, plan_micro_batches
-from megaopd.scoring.routing import ScoringPlan, scoring_shares, send_to_owners
+from megaopd.scoring.routing import RowRoutes, ScoringPlan, scoring_shares, send_to_owners
 from megaopd.scoring.runner import PipelineRunner
 
 
@@ -83,7 +83,8 @@ class StreamedPass:
                 **{f.name: torch.cat([_pad_T(getattr(p, f.name), T) for p in self.local]) for f in outputs.fields}
             )
         speaks = holds_results(pgs)
-        return send_to_owners(local, plan, outputs, owners, self.layout, owner_layout, speaks, device)
+        routes = RowRoutes(owners=owners, scorers=self.layout, owner_layout=owner_layout)
+        return send_to_owners(local, plan, outputs, routes, speaks, device)
 
 
 def _pad_T(x: torch.Tensor, T: int) -> torch.Tensor:

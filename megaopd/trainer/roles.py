@@ -21,12 +21,12 @@ from megaopd.data.alignment import alignment_report
 from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.data.vocab import VocabMismatchError, VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
-from megaopd.models.builder import StageInfo, activation_memory_overrides, build_gpt_model
+from megaopd.models.builder import BuildOptions, StageInfo, activation_memory_overrides, build_gpt_model
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
 from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
-from megaopd.models.weights import load_hf_weights
+from megaopd.models.weights import Placement, load_hf_weights
 from megaopd.parallel.dist import device
 from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 from megaopd.scoring import PipelineRunner
@@ -57,21 +57,24 @@ def load_role_model(
     # A trained MoE router gets the HF config's load-balancing loss; a frozen one none.
     model = build_gpt_model(
         hf,
-        section.tp,
-        section.pp,
-        pg_collection=pgs,
-        dtype=section.dtype,
-        init_weights=False,
-        config_overrides=memory,
-        ep=section.ep,
-        train_router=trainable,
+        Layout(tp=section.tp, pp=section.pp, ep=section.ep),
+        pgs,
+        BuildOptions(dtype=section.dtype, init_weights=False, train_router=trainable, config_overrides=memory),
     )
     if is_megatron_checkpoint(path):
         load_model_checkpoint(model, path, pgs)
     else:
         st = StageInfo.of(pgs)
         ep_rank = pgs.ep.rank() if section.ep > 1 else 0
-        load_hf_weights(model, HFWeights(path), hf, st.tp_rank, section.tp, st.pp_rank, section.pp, ep_rank, section.ep)
+        place = Placement(
+            tp_rank=st.tp_rank,
+            tp_size=section.tp,
+            pp_rank=st.pp_rank,
+            pp_size=section.pp,
+            ep_rank=ep_rank,
+            ep_size=section.ep,
+        )
+        load_hf_weights(model, HFWeights(path), hf, place)
     if not trainable:
         model.requires_grad_(False)
         model.eval()

@@ -115,12 +115,15 @@ def test_loss_inputs_shift_by_one_and_route_the_partner():
 
 def test_packed_rows_are_padded_to_the_sequence_parallel_multiple():
     from megaopd.batching.micro_batches import assemble_packed_micro_batches
+    from megaopd.batching.plan import Packing
 
     rollout, golden = _rollout(), _golden()
     needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, golden=True)
     for uniform in (False, True):
         mini = MiniBatch(rollout, rollout.loss_mask_BT, golden, torch.arange(6), torch.arange(3))
-        micro = assemble_packed_micro_batches(mini, 0, 1, needs, 20, PAD, uniform=uniform, multiple=4)
+        micro = assemble_packed_micro_batches(
+            mini, 0, 1, needs, Packing(max_tokens=20, pad_id=PAD, uniform=uniform, multiple=4)
+        )
         assert all(mb.tokens_BS.shape[1] % 4 == 0 for mb in micro)
         assert sum(float(mb.loss_mask_BT.sum()) for mb in micro) == float(rollout.loss_mask_BT.sum())
 
@@ -193,6 +196,7 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
     import dataclasses
 
     from megaopd.batching.micro_batches import assemble_packed_micro_batches
+    from megaopd.batching.plan import Packing
     from megaopd.losses import LossInputs
 
     assert {f.name for f in F.FIELDS} <= {f.name for f in dataclasses.fields(LossInputs)}
@@ -212,7 +216,7 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
     padded, packed = (
         assemble_micro_batches(mini, 0, 1, needs, 4, PAD),
-        assemble_packed_micro_batches(mini, 0, 1, needs, 20, PAD),
+        assemble_packed_micro_batches(mini, 0, 1, needs, Packing(max_tokens=20, pad_id=PAD)),
     )
     for micro in (padded, packed):
         assert set(micro[0].inputs) == set(F.FIELDS)
@@ -224,7 +228,7 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
     for micro in (
         assemble_micro_batches(mini, 0, 1, needs, 4, PAD),
-        assemble_packed_micro_batches(mini, 0, 1, needs, 20, PAD),
+        assemble_packed_micro_batches(mini, 0, 1, needs, Packing(max_tokens=20, pad_id=PAD)),
     ):
         assert set(micro[0].inputs) == set(F.FIELDS) - {F.TEACHER_SPANS}
 
@@ -235,6 +239,7 @@ def test_teacher_spans_travel_with_the_teacher_scores_and_pad_with_minus_one():
     import dataclasses
 
     from megaopd.batching.micro_batches import assemble_packed_micro_batches
+    from megaopd.batching.plan import Packing
 
     rollout = _rollout()
     spans = (torch.arange(6)[:, None] * 10 + torch.arange(6)[None, :]).to(torch.int32)  # row b, position t: 10b + t
@@ -243,7 +248,7 @@ def test_teacher_spans_travel_with_the_teacher_scores_and_pad_with_minus_one():
     needs = LossNeeds(old_logprobs=True, teacher_logprobs=True)
     mini = MiniBatch(rollout, rollout.loss_mask_BT, _golden(P=2, L=5), torch.arange(6), torch.arange(2))
     padded = assemble_micro_batches(mini, 0, 1, needs, 4, PAD)
-    packed = assemble_packed_micro_batches(mini, 0, 1, needs, 20, PAD)
+    packed = assemble_packed_micro_batches(mini, 0, 1, needs, Packing(max_tokens=20, pad_id=PAD))
     seen = set()
     for mb in padded + packed:
         x = mb.inputs[F.TEACHER_SPANS]

@@ -48,7 +48,7 @@ def test_recompute_gives_same_loss_and_gradients(tmp_path, monkeypatch):
     monkeypatch.setattr(
         fused_softmax, "get_default_causal_mask", lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
     )
-    from megaopd.models.builder import activation_memory_overrides, build_gpt_model
+    from megaopd.models.builder import BuildOptions, activation_memory_overrides, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.presets import make_hf_model
     from megaopd.parallel.dist import destroy_distributed, init_distributed
@@ -65,7 +65,7 @@ def test_recompute_gives_same_loss_and_gradients(tmp_path, monkeypatch):
         for mode in ("none", "selective", "full"):
             torch.manual_seed(3)
             model = build_gpt_model(
-                cfg, 1, 1, pg_collection=pgs, config_overrides=activation_memory_overrides(mode)
+                cfg, Layout(), pgs, BuildOptions(config_overrides=activation_memory_overrides(mode))
             ).train()
             assert model.config.recompute_granularity == (None if mode == "none" else mode)
             logits = model(ids, pos, None)

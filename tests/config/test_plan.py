@@ -106,7 +106,7 @@ def test_layer_activations_match_what_megatron_saves(tmp_path):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megaopd.config.plan_sizes import layer_saved_elements
-    from megaopd.models.builder import build_gpt_model
+    from megaopd.models.builder import BuildOptions, build_gpt_model
     from megaopd.parallel.dist import init_distributed
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
@@ -128,7 +128,7 @@ def test_layer_activations_match_what_megatron_saves(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dims))
     cfg = read_hf_config(str(tmp_path))
     init_distributed()
-    model = build_gpt_model(cfg, 1, 1, pg_collection=initialize_actor_layout(Layout(1, 1)), dtype=torch.bfloat16)
+    model = build_gpt_model(cfg, Layout(), initialize_actor_layout(Layout(1, 1)), BuildOptions(dtype=torch.bfloat16))
     lens = [40, 24, 32]
     tokens = sum(lens)
     cu = torch.tensor([0, 40, 64, 96], dtype=torch.int32)
@@ -571,7 +571,7 @@ def test_activations_and_logits_match_a_cpu_measurement(tmp_path):
     init_distributed()
     try:
         pgs = initialize_actor_layout(Layout(1, 1), seed=1)
-        model = build_gpt_model(cfg, 1, 1, pg_collection=pgs).train()
+        model = build_gpt_model(cfg, Layout(), pgs).train()
         numel = sum(p.numel() for p in model.parameters())
         ids = torch.randint(0, cfg.vocab_size, (rows, seq))
         pos = torch.arange(seq)[None].expand(rows, seq)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megaopd.engine.sampling import (
+    RowSampling,
     filtered_probs,
     keep_mask,
     needs_filter,
@@ -30,16 +31,15 @@ def draw(logits, n, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0):
     B = n
     logits_BV = logits.expand(B, -1).clone()
     # Row b draws its token index b of seed `seed`: n independent draws.
-    ids, lps = sample_tokens(
-        logits_BV,
-        torch.full((B,), temperature),
-        torch.full((B,), top_p),
-        torch.full((B,), top_k, dtype=torch.long),
-        torch.full((B,), seed),
-        torch.arange(B),
-        torch.full((B,), min_p),
-        filters=needs_filter(top_p, top_k, min_p, 8),
+    rows = RowSampling(
+        temperature_B=torch.full((B,), temperature),
+        top_p_B=torch.full((B,), top_p),
+        top_k_B=torch.full((B,), top_k, dtype=torch.long),
+        seed_B=torch.full((B,), seed),
+        index_B=torch.arange(B),
+        min_p_B=torch.full((B,), min_p),
     )
+    ids, lps = sample_tokens(logits_BV, rows, filters=needs_filter(top_p, top_k, min_p, 8))
     return ids, lps
 
 
@@ -118,19 +118,31 @@ def test_mixed_rows_are_independent():
     top_p = torch.tensor([1.0, 0.9, 1.0])
     top_k = torch.tensor([-1, -1, 10])
     idx = torch.tensor([0, 5, 7])
-    a, _ = sample_tokens(logits, temp, top_p, top_k, torch.tensor([1, 2, 3]), idx)
-    b, _ = sample_tokens(logits, temp, top_p, top_k, torch.tensor([9, 2, 3]), idx)
+
+    def rows(seed, sl=slice(None)):
+        return RowSampling(temperature_B=temp[sl], top_p_B=top_p[sl], top_k_B=top_k[sl], seed_B=seed, index_B=idx[sl])
+
+    a, _ = sample_tokens(logits, rows(torch.tensor([1, 2, 3])))
+    b, _ = sample_tokens(logits, rows(torch.tensor([9, 2, 3])))
     assert a[1:].tolist() == b[1:].tolist()  # a row's draw depends only on its own seed and index
     assert a[0] == logits[0].argmax()
-    c, _ = sample_tokens(logits[1:2], temp[1:2], top_p[1:2], top_k[1:2], torch.tensor([2]), idx[1:2])
+    c, _ = sample_tokens(logits[1:2], rows(torch.tensor([2]), slice(1, 2)))
     assert c.tolist() == a[1:2].tolist()  # ...and not on the other rows of the batch
 
 
 def test_unfiltered_rows_skip_the_sort_and_draw_the_same():
     """filters=False (no sort) draws what the filtering path draws when nothing is filtered."""
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
-    args = (logits, torch.ones(6), torch.ones(6), torch.full((6,), -1), torch.arange(6) * 11, torch.arange(6))
-    assert sample_tokens(*args, filters=False)[0].tolist() == sample_tokens(*args, filters=True)[0].tolist()
+    rows = RowSampling(
+        temperature_B=torch.ones(6),
+        top_p_B=torch.ones(6),
+        top_k_B=torch.full((6,), -1),
+        seed_B=torch.arange(6) * 11,
+        index_B=torch.arange(6),
+    )
+    assert (
+        sample_tokens(logits, rows, filters=False)[0].tolist() == sample_tokens(logits, rows, filters=True)[0].tolist()
+    )
     assert not needs_filter(1.0, -1, 0.0, 300) and not needs_filter(1.0, 300, 0.0, 300)
     assert needs_filter(0.9, -1, 0.0, 300) and needs_filter(1.0, 5, 0.0, 300) and needs_filter(1.0, -1, 0.1, 300)
 

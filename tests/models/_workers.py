@@ -45,13 +45,17 @@ def _run_model(model, cfg, pgs, ids):
 
 
 def _build_loaded(cfg, hf_dir, tp, pp, pgs, ep=1):
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
+    from megaopd.parallel.groups import Layout
 
-    model = build_gpt_model(cfg, tp, pp, pg_collection=pgs, init_weights=False, ep=ep, train_router=False).eval()
+    model = build_gpt_model(
+        cfg, Layout(tp=tp, pp=pp, ep=ep), pgs, BuildOptions(init_weights=False, train_router=False)
+    ).eval()
     st = StageInfo.of(pgs)
-    load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, tp, st.pp_rank, pp, pgs.ep.rank(), ep)
+    place = Placement(tp_rank=st.tp_rank, tp_size=tp, pp_rank=st.pp_rank, pp_size=pp, ep_rank=pgs.ep.rank(), ep_size=ep)
+    load_hf_weights(model, HFWeights(hf_dir), cfg, place)
     return model
 
 
@@ -110,13 +114,13 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
         # (megatron's local-spec norms are float32 params: the export casts them back).
         cfg = read_hf_config(bf16_hf_dir)
         pgs = build_process_groups(Layout(2, 2))
-        from megaopd.models.builder import StageInfo, build_gpt_model
-        from megaopd.models.weights import load_hf_weights
+        from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
+        from megaopd.models.weights import Placement, load_hf_weights
 
-        model = build_gpt_model(cfg, 2, 2, pg_collection=pgs, dtype=torch.bfloat16, init_weights=False)
+        model = build_gpt_model(cfg, Layout(tp=2, pp=2), pgs, BuildOptions(dtype=torch.bfloat16, init_weights=False))
         st = StageInfo.of(pgs)
         hf = HFWeights(bf16_hf_dir)
-        load_hf_weights(model, hf, cfg, st.tp_rank, 2, st.pp_rank, 2)
+        load_hf_weights(model, hf, cfg, Placement(tp_rank=st.tp_rank, tp_size=2, pp_rank=st.pp_rank, pp_size=2))
         exported = dict(gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp))
         res[("bf16", "roundtrip_mismatches")] = [
             n for n in hf if exported[n].dtype != torch.bfloat16 or not torch.equal(exported[n], hf[n])
@@ -137,9 +141,9 @@ def parity_all_layouts(rank, world_size, models, ckpt_root, bf16_hf_dir=None):
         buf = logits_saved if logits_saved is not None else torch.empty_like(m["logits"])
         dist.broadcast(buf, src=world_size - 1)
         pgs = initialize_actor_layout(Layout(1, 1))
-        from megaopd.models.builder import build_gpt_model
+        from megaopd.models.builder import BuildOptions, build_gpt_model
 
-        fresh = build_gpt_model(cfg, 1, 1, pg_collection=pgs).eval()  # random init, then overwritten
+        fresh = build_gpt_model(cfg, Layout(), pgs).eval()  # random init, then overwritten
         meta = load_model_checkpoint(fresh, ckpt, pgs)
         logits11, _ = _run_model(fresh, cfg, pgs, m["ids"])
         res[(name, "ckpt->11", "logits_vs_saved")] = float((logits11 - buf).abs().max())

@@ -8,7 +8,17 @@ import torch
 
 from megaopd.models.hf_config import padded_vocab_size, read_hf_config
 from megaopd.models.presets import preset_config
-from megaopd.models.weights import FC1, QKV, VOCAB, hf_shapes, merge_shards, shard_hf_weights, shard_tensor, stage_rules
+from megaopd.models.weights import (
+    FC1,
+    QKV,
+    VOCAB,
+    Placement,
+    hf_shapes,
+    merge_shards,
+    shard_hf_weights,
+    shard_tensor,
+    stage_rules,
+)
 
 
 def _cfg(name):
@@ -40,7 +50,12 @@ def test_shard_then_merge_is_identity(name, ep, tp, pp):
     rebuilt = {}
     for pp_rank in range(pp):
         for ep_rank in range(ep):
-            shards = [shard_hf_weights(hf, cfg, r, tp, pp_rank, pp, ep_rank=ep_rank, ep_size=ep) for r in range(tp)]
+            shards = [
+                shard_hf_weights(
+                    hf, cfg, Placement(tp_rank=r, tp_size=tp, pp_rank=pp_rank, pp_size=pp, ep_rank=ep_rank, ep_size=ep)
+                )
+                for r in range(tp)
+            ]
             for rule in stage_rules(cfg, pp_rank, pp, ep_rank=ep_rank, ep_size=ep):
                 if rule.export and (rule.expert or ep_rank == 0):  # EP ranks replicate the rest
                     for n, t in zip(rule.hf, merge_shards(rule, [s[rule.megatron] for s in shards], cfg)):
@@ -114,7 +129,7 @@ def test_shape_mismatch_names_the_tensor():
     hf = _random_hf(cfg)
     hf["model.layers.1.mlp.up_proj.weight"] = torch.randn(10, 64)
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight has shape \(10, 64\)"):
-        shard_hf_weights(hf, cfg, 0, 1)
+        shard_hf_weights(hf, cfg, Placement())
 
 
 def test_save_hf_dir_shards_and_index(tmp_path, monkeypatch):

@@ -116,10 +116,10 @@ def teacher_reads_no_global_state(rank, world_size):
 def moe_router_aux_loss(rank, world_size, hf_dir):
     """A tiny Qwen3-MoE at EP=2 (the actor layout): the router gets the auxiliary-loss gradient only
     when built as a trained student (train_router=True), never as a frozen teacher."""
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
     pgs = initialize_actor_layout(Layout(tp=1, pp=1, ep=2))
@@ -128,9 +128,14 @@ def moe_router_aux_loss(rank, world_size, hf_dir):
     pos = torch.arange(8).expand(2, 8)
     grads = {}
     for train_router in (True, False):
-        model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, ep=2, init_weights=False, train_router=train_router)
+        model = build_gpt_model(cfg, Layout(ep=2), pgs, BuildOptions(init_weights=False, train_router=train_router))
         st = StageInfo.of(pgs)
-        load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, 1, st.pp_rank, 1, pgs.ep.rank(), 2)
+        load_hf_weights(
+            model,
+            HFWeights(hf_dir),
+            cfg,
+            Placement(tp_rank=st.tp_rank, pp_rank=st.pp_rank, ep_rank=pgs.ep.rank(), ep_size=2),
+        )
         model(ids, pos, attention_mask=None).float().pow(2).mean().backward()
         router = model.decoder.layers[0].mlp.router.weight.grad.clone()
         expert = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight.grad
@@ -147,10 +152,10 @@ def moe_router_aux_loss(rank, world_size, hf_dir):
 def teacher_moe_ep2_beside_dense_actor(rank, world_size, hf_dir):
     """Actor layout TP=1 EP=1 in parallel_state; a MoE teacher at EP=2 through its own groups equals
     the same teacher at EP=1 (each rank a different batch: tokens really cross EP ranks)."""
-    from megaopd.models.builder import StageInfo, build_gpt_model
+    from megaopd.models.builder import BuildOptions, StageInfo, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
 
     initialize_actor_layout(Layout(tp=1, pp=1))
@@ -160,9 +165,14 @@ def teacher_moe_ep2_beside_dense_actor(rank, world_size, hf_dir):
     out = []
     for ep in (2, 1):
         pgs = build_process_groups(Layout(tp=1, pp=1, ep=ep))
-        model = build_gpt_model(cfg, 1, 1, pg_collection=pgs, ep=ep, init_weights=False, train_router=False).eval()
+        model = build_gpt_model(cfg, Layout(ep=ep), pgs, BuildOptions(init_weights=False, train_router=False)).eval()
         st = StageInfo.of(pgs)
-        load_hf_weights(model, HFWeights(hf_dir), cfg, st.tp_rank, 1, st.pp_rank, 1, pgs.ep.rank(), ep)
+        load_hf_weights(
+            model,
+            HFWeights(hf_dir),
+            cfg,
+            Placement(tp_rank=st.tp_rank, pp_rank=st.pp_rank, ep_rank=pgs.ep.rank(), ep_size=ep),
+        )
         with torch.no_grad():
             out.append(model(ids, pos, attention_mask=None))
     return float((out[0] - out[1]).abs().max())

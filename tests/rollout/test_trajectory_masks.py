@@ -7,6 +7,7 @@ student's positions, and exactly 0 gradient at the environment's."""
 import torch
 
 from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches, assemble_packed_micro_batches
+from megaopd.batching.plan import Packing
 from megaopd.losses import build_loss
 from megaopd.metrics.config import MetricsConfig
 from megaopd.rollout.protocol import Sample, TrajectoryStats
@@ -72,7 +73,7 @@ def _run(env_seed: int, packed: bool):
     needs = build_loss("weighted_sum", LOSS).needs
     mini = MiniBatch(batch, batch.loss_mask_BT, None, torch.arange(batch.size), None)
     micro = (
-        assemble_packed_micro_batches(mini, 0, 1, needs, 64, PAD)
+        assemble_packed_micro_batches(mini, 0, 1, needs, Packing(max_tokens=64, pad_id=PAD))
         if packed
         else assemble_micro_batches(mini, 0, 1, needs, 2, PAD)
     )

@@ -40,8 +40,8 @@ def compare(rank, world_size, tied):
         }
     )
     pgs = initialize_actor_layout(Layout(world_size, 1), seed=1)
-    actor = build_gpt_model(hf, world_size, 1, pg_collection=pgs).train()
-    reference = build_gpt_model(hf, world_size, 1, pg_collection=pgs).eval().requires_grad_(False)
+    actor = build_gpt_model(hf, Layout(tp=world_size), pgs).train()
+    reference = build_gpt_model(hf, Layout(tp=world_size), pgs).eval().requires_grad_(False)
     ddp = wrap_for_training(actor, pgs, False)
     loss_fn = build_loss("stable_opd")
     g = torch.Generator().manual_seed(3)

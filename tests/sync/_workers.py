@@ -16,7 +16,7 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     from megaopd.models.builder import StageInfo
     from megaopd.models.config import ModelConfig
     from megaopd.models.hf_io import HFWeights
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.client import HttpEngine
     from megaopd.rollout.config import RolloutConfig
@@ -33,7 +33,9 @@ def actor_to_server(rank, world_size, hf_dir, url, tp, pp, noise_seed):
     weights = HFWeights(hf_dir)
     perturbed = {n: weights[n] + 0.05 * torch.randn(weights[n].shape, generator=gen) for n in sorted(weights.keys())}
     st = StageInfo.of(pgs)
-    load_hf_weights(actor.model, perturbed, actor.hf, st.tp_rank, tp, st.pp_rank, pp)
+    load_hf_weights(
+        actor.model, perturbed, actor.hf, Placement(tp_rank=st.tp_rank, tp_size=tp, pp_rank=st.pp_rank, pp_size=pp)
+    )
 
     engine = EnginePool([HttpEngine(url)]) if rank == 0 else None
 
@@ -139,7 +141,7 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     from megaopd.models.config import ModelConfig
     from megaopd.models.gather import gather_hf_weights, model_state
     from megaopd.models.hf_io import HFWeights, save_hf_dir
-    from megaopd.models.weights import load_hf_weights
+    from megaopd.models.weights import Placement, load_hf_weights
     from megaopd.parallel.groups import Layout, initialize_actor_layout
     from megaopd.rollout.config import RolloutConfig
     from megaopd.rollout.embedded import EmbeddedEngine
@@ -153,9 +155,15 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
     weights = HFWeights(hf_dir)
     perturbed = {n: weights[n] + 0.05 * torch.randn(weights[n].shape, generator=gen) for n in sorted(weights.keys())}
     st = StageInfo.of(pgs)
-    load_hf_weights(
-        actor.model, perturbed, actor.hf, st.tp_rank, tp, st.pp_rank, pp, pgs.ep.rank() if ep > 1 else 0, ep
+    place = Placement(
+        tp_rank=st.tp_rank,
+        tp_size=tp,
+        pp_rank=st.pp_rank,
+        pp_size=pp,
+        ep_rank=pgs.ep.rank() if ep > 1 else 0,
+        ep_size=ep,
     )
+    load_hf_weights(actor.model, perturbed, actor.hf, place)
     gathered = list(gather_hf_weights(model_state(actor.model), actor.hf, pgs.tp, pgs.pp, ep_group=expert_group(pgs)))
     mismatches = [n for n, t in gathered if not torch.equal(t, perturbed[n])]
     names_ok = sorted(n for n, _ in gathered) == sorted(perturbed) and len(gathered) == len(perturbed)
