@@ -91,7 +91,7 @@ def run_dir(out: str, arm: str, seed: int) -> str:
     return os.path.join(out, arm, f"seed_{seed}")
 
 
-def command(out: str, arm: str, seed: int, max_steps: int | None = None) -> list[str]:
+def command(out: str, arm: str, seed: int, max_steps: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     preset, overrides = ARMS[arm]
     shorter = [f"trainer.max_steps={max_steps}"] if max_steps else []  # a study cut to fit a budget
     return [
@@ -105,13 +105,20 @@ def command(out: str, arm: str, seed: int, max_steps: int | None = None) -> list
         *SETTINGS,
         *overrides,
         *shorter,
+        *extra,
         f"trainer.seed={seed}",
         f"data.seed={seed}",
     ]
 
 
 def run_all(
-    out: str, seeds: list[int], parallel: int, nice: int, arms: list[str], max_steps: int | None = None
+    out: str,
+    seeds: list[int],
+    parallel: int,
+    nice: int,
+    arms: list[str],
+    max_steps: int | None = None,
+    extra: tuple[str, ...] = (),
 ) -> None:
     """Seed-major order (every arm of seed 1, then seed 2, ...), so a study cut short has whole seeds."""
     env = dict(os.environ, MEGAOPD_WORKER_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
@@ -127,7 +134,7 @@ def run_all(
             arm, seed = todo.pop(0)
             os.makedirs(run_dir(out, arm, seed), exist_ok=True)
             log = open(os.path.join(run_dir(out, arm, seed), "train.log"), "a")
-            cmd = (["nice", "-n", str(nice)] if nice else []) + command(out, arm, seed, max_steps)
+            cmd = (["nice", "-n", str(nice)] if nice else []) + command(out, arm, seed, max_steps, extra)
             print(f"start {arm} seed {seed}: {' '.join(cmd[-12:])}", flush=True)
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             running.append((proc, f"{arm} seed {seed}", time.time()))
@@ -251,13 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nice", type=int, default=5, help="niceness of the runs (0: none)")
     ap.add_argument("--arms", nargs="+", default=None, help="run only these arms (default: all)")
     ap.add_argument("--max-steps", type=int, default=None, help="fewer steps than the regime's (said in the table)")
+    ap.add_argument("--set", nargs="+", default=[], help="key=value overrides of every run (e.g. optimizer.lr=5e-4)")
     ap.add_argument("--report-only", action="store_true", help="tabulate and plot what has finished")
     args = ap.parse_args(argv)
     global SETTINGS, ARMS
     SETTINGS, ARMS = REGIMES[args.regime]
     out = os.path.abspath(args.out or "runs/tiny/accuracy_study" + ("" if args.regime == "accuracy" else "_stress"))
     if not args.report_only:
-        run_all(out, args.seeds, args.parallel, args.nice, args.arms or list(ARMS), args.max_steps)
+        run_all(out, args.seeds, args.parallel, args.nice, args.arms or list(ARMS), args.max_steps, tuple(args.set))
     table = report(out, args.seeds)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table + "\n")
