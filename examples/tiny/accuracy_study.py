@@ -8,6 +8,8 @@ accuracy, truncation and repetition per step with the seed band).
     python examples/tiny/accuracy_study.py [--out runs/tiny/accuracy_study] [--seeds 1 2 3] [--parallel 1]
     python examples/tiny/accuracy_study.py --report-only      # the table and figures of what has run
     python examples/tiny/accuracy_study.py --regime stress --seeds 1   # the controller under collapse.sh's stress
+    python examples/tiny/accuracy_study.py --arms cross_tokenizer opd --max-steps 20 --set optimizer.lr=5.0e-4
+                                        # the cross-tokenizer teacher study (examples/tiny/README.md)
 
 A run whose summary.json exists is not run again (an interrupted run resumes from its last checkpoint), so
 the study can be stopped and started again; --report-only tabulates the seeds that finished. The regime
