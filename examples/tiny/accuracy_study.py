@@ -8,6 +8,8 @@ accuracy, truncation and repetition per step with the seed band).
     python examples/tiny/accuracy_study.py [--out runs/tiny/accuracy_study] [--seeds 1 2 3] [--parallel 1]
     python examples/tiny/accuracy_study.py --report-only      # the table and figures of what has run
     python examples/tiny/accuracy_study.py --regime stress --seeds 1   # the controller under collapse.sh's stress
+    python examples/tiny/accuracy_study.py --arms cross_tokenizer opd --max-steps 20 --set optimizer.lr=5.0e-4
+                                        # the cross-tokenizer teacher study (examples/tiny/README.md)
 
 A run whose summary.json exists is not run again (an interrupted run resumes from its last checkpoint), so
 the study can be stopped and started again; --report-only tabulates the seeds that finished. The regime
@@ -67,6 +69,9 @@ REGIMES = {  # name -> (settings, {arm: (preset, overrides)})
                 "examples/tiny/self_distill.yaml",
                 ['teacher.context="{problem}\\n{instruction}\\nThe answer is {answer}."'],
             ),
+            # plain OPD from the teacher of another vocabulary (examples/tiny/cross_tokenizer.yaml: teacher_xtok,
+            # teacher.tokenizer=own, span-summed advantages); ONE_THREAD puts it at the student's TP=1
+            "cross_tokenizer": ("examples/tiny/cross_tokenizer.yaml", []),
         },
     ),
     "stress": (
@@ -88,8 +93,9 @@ def run_dir(out: str, arm: str, seed: int) -> str:
     return os.path.join(out, arm, f"seed_{seed}")
 
 
-def command(out: str, arm: str, seed: int) -> list[str]:
+def command(out: str, arm: str, seed: int, max_steps: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     preset, overrides = ARMS[arm]
+    shorter = [f"trainer.max_steps={max_steps}"] if max_steps else []  # a study cut to fit a budget
     return [
         sys.executable,
         "-m",
@@ -100,12 +106,22 @@ def command(out: str, arm: str, seed: int) -> list[str]:
         *ONE_THREAD,
         *SETTINGS,
         *overrides,
+        *shorter,
+        *extra,
         f"trainer.seed={seed}",
         f"data.seed={seed}",
     ]
 
 
-def run_all(out: str, seeds: list[int], parallel: int, nice: int, arms: list[str]) -> None:
+def run_all(
+    out: str,
+    seeds: list[int],
+    parallel: int,
+    nice: int,
+    arms: list[str],
+    max_steps: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> None:
     """Seed-major order (every arm of seed 1, then seed 2, ...), so a study cut short has whole seeds."""
     env = dict(os.environ, MEGAOPD_WORKER_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     todo = [
@@ -120,7 +136,7 @@ def run_all(out: str, seeds: list[int], parallel: int, nice: int, arms: list[str
             arm, seed = todo.pop(0)
             os.makedirs(run_dir(out, arm, seed), exist_ok=True)
             log = open(os.path.join(run_dir(out, arm, seed), "train.log"), "a")
-            cmd = (["nice", "-n", str(nice)] if nice else []) + command(out, arm, seed)
+            cmd = (["nice", "-n", str(nice)] if nice else []) + command(out, arm, seed, max_steps, extra)
             print(f"start {arm} seed {seed}: {' '.join(cmd[-12:])}", flush=True)
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             running.append((proc, f"{arm} seed {seed}", time.time()))
@@ -170,6 +186,9 @@ def run_stats(path: str, arm: str) -> dict | None:
         "sft_weight": weight("sft_weight"),
         "ref_kl_weight": weight("ref_kl_weight"),
         "events": sum(1 for line in open(os.path.join(path, "metrics.jsonl")) if '"loss_controller"' in line),
+        # the sampled-token reverse KL(student || teacher) per student token (opd's metric; a cross-tokenizer
+        # teacher's is the span log-ratios spread over the span's tokens: the same sequence-level quantity)
+        "rkl": [r["opd/reverse_kl"] for s, r in sorted(rows.items()) if "opd/reverse_kl" in r],
     }
 
 
@@ -180,18 +199,27 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
+def rkl_text(runs: list[dict]) -> str:
+    """The mean over seeds of the first and the last step's reverse KL; blank for losses that log none."""
+    with_kl = [v["rkl"] for v in runs if v["rkl"]]
+    if not with_kl:
+        return ""
+    return f"{sum(k[0] for k in with_kl) / len(with_kl):.3f} -> {sum(k[-1] for k in with_kl) / len(with_kl):.3f}"
+
+
 def report(out: str, seeds: list[int]) -> str:
     stats = {arm: {s: run_stats(run_dir(out, arm, s), arm) for s in seeds} for arm in ARMS}
     lines = [
         "| arm | seeds | final val accuracy (mean +/- SE) | per seed | truncation first > 0.2 | "
-        "golden tokens used (mean) | sft_weight / ref_kl_weight (mean over steps) | controller events |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "golden tokens used (mean) | sft_weight / ref_kl_weight (mean over steps) | controller events | "
+        "reverse KL to the teacher per token, first step -> last (mean) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     finals = {}
     for arm, per_seed in stats.items():
         done = {s: v for s, v in per_seed.items() if v is not None}
         if not done:
-            lines.append(f"| {arm} | 0 | not run | | | | | |")
+            lines.append(f"| {arm} | 0 | not run | | | | | | |")
             continue
         finals[arm] = [v["final"] for v in done.values()]
         m, se = mean_se(finals[arm])
@@ -204,7 +232,7 @@ def report(out: str, seeds: list[int]) -> str:
         lines.append(
             f"| {arm} | {','.join(map(str, done))} | {m:.3f} +/- {se:.3f} | "
             f"{', '.join(f'{x:.3f}' for x in finals[arm])} | {first} | {golden:,.0f} | {w[0]:.3g} / {w[1]:.3g} | "
-            f"{sum(v['events'] for v in done.values())} |"
+            f"{sum(v['events'] for v in done.values())} | {rkl_text(list(done.values()))} |"
         )
     start = next((v["start"] for per in stats.values() for v in per.values() if v), None)
     lines.append("")
@@ -231,13 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parallel", type=int, default=1, help="runs at a time (each is one process, one thread)")
     ap.add_argument("--nice", type=int, default=5, help="niceness of the runs (0: none)")
     ap.add_argument("--arms", nargs="+", default=None, help="run only these arms (default: all)")
+    ap.add_argument("--max-steps", type=int, default=None, help="fewer steps than the regime's (said in the table)")
+    ap.add_argument("--set", nargs="+", default=[], help="key=value overrides of every run (e.g. optimizer.lr=5e-4)")
     ap.add_argument("--report-only", action="store_true", help="tabulate and plot what has finished")
     args = ap.parse_args(argv)
     global SETTINGS, ARMS
     SETTINGS, ARMS = REGIMES[args.regime]
     out = os.path.abspath(args.out or "runs/tiny/accuracy_study" + ("" if args.regime == "accuracy" else "_stress"))
     if not args.report_only:
-        run_all(out, args.seeds, args.parallel, args.nice, args.arms or list(ARMS))
+        run_all(out, args.seeds, args.parallel, args.nice, args.arms or list(ARMS), args.max_steps, tuple(args.set))
     table = report(out, args.seeds)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table + "\n")

@@ -3,9 +3,10 @@
     pytest -m slow tests/e2e/sglang            # make test-e2e runs it; MEGAOPD_SGLANG_TESTS=0 opts out
 
 One server per model and kind for the whole session (starting SGLang takes 15-60 s here): the tiny student
-(examples/tiny/models/student) behind SGLang and behind `megaopd serve`, and the tiny teacher behind SGLang
-(started only when a test needs it). SGLang's venv comes from scripts/install_sglang.sh, which this tier
-runs when it is missing (about 4 minutes and 2.7 GB, then cached): the tests never skip for want of it.
+(examples/tiny/models/student) behind SGLang and behind `megaopd serve`, and the tiny teacher and the teacher
+of another tokenizer (teacher_xtok) behind SGLang (each started only when a test needs it). SGLang's venv
+comes from scripts/install_sglang.sh, which this tier runs when it is missing (about 4 minutes and 2.7 GB,
+then cached): the tests never skip for want of it.
 Tests that change a server's weights put the checkpoint's back (Served.restore_weights) before they end.
 """
 
@@ -32,6 +33,8 @@ from tests.serving.sglang_cases import call
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STUDENT = os.path.join(ROOT, "examples", "tiny", "models", "student")
 TEACHER = os.path.join(ROOT, "examples", "tiny", "models", "teacher")
+# the teacher of another vocabulary (examples/tiny/tokenizer_xtok, 384 ids): cross-tokenizer OPD (issue 46)
+TEACHER_XTOK = os.path.join(ROOT, "examples", "tiny", "models", "teacher_xtok")
 STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs")
 KV_TOKENS = 16384
 """SGLang's KV cache, in tokens (its CPU default takes ~14 GB of this 24 GB machine)."""
@@ -114,6 +117,13 @@ def sglang_student(sglang_python, tmp_path_factory):
 @pytest.fixture(scope="session")
 def sglang_teacher(sglang_python, tmp_path_factory):
     served = _start_sglang(sglang_python, TEACHER, tmp_path_factory.mktemp("sglang_logs"))
+    yield served
+    served.process.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_teacher_xtok(sglang_python, tmp_path_factory):
+    served = _start_sglang(sglang_python, TEACHER_XTOK, tmp_path_factory.mktemp("sglang_logs"))
     yield served
     served.process.stop()
 

@@ -3,7 +3,10 @@
 - two Stable-OPD steps with `rollout.engine: remote` on SGLang: the actor's weights synced into the server
   every step (a weight-update session + the gloo group), the parity probe after every sync;
 - two Stable-OPD steps with the teacher served by SGLang (`teacher.engine: remote`): its scores equal the
-  in-job Megatron teacher's on the same rollouts within 1e-4.
+  in-job Megatron teacher's on the same rollouts within 1e-4;
+- two plain OPD steps with a teacher of another tokenizer served by SGLang (teacher_xtok, `teacher.tokenizer:
+  own`): the trainer re-tokenizes each response with the teacher's tokenizer, SGLang scores those ids, and the
+  span log-probs spread back onto the student's tokens equal the in-job teacher's within 1e-4.
 
 The runs are the golden runs' settings (tests/trainer/test_golden.py: student TP=2 on 2 gloo workers,
 8 prompts x 2 samples of up to 48 tokens) cut to two steps.
@@ -22,7 +25,7 @@ from megaopd.config.schema import MegaOPDConfig
 from megaopd.parallel.launch import spawn
 from megaopd.rollout.client import HttpEngine
 from tests.e2e.sglang import _workers
-from tests.e2e.sglang.conftest import ROOT, STUDENT, TEACHER, gap, reference_logprobs
+from tests.e2e.sglang.conftest import ROOT, STUDENT, TEACHER, TEACHER_XTOK, gap, reference_logprobs
 from tests.trainer import _workers as trainer_workers
 from tests.trainer.test_golden import _step_metrics, golden_overrides
 
@@ -115,6 +118,37 @@ def test_stable_opd_with_teacher_on_sglang(sglang_teacher, tmp_path):
     a, b = in_job["metrics"], served["metrics"]
     assert "overlap/entropy_gap" in a and "overlap/entropy_gap" not in b
     for key in ("loss/total", "rollout/teacher_logprob_mean", "overlap/ratio", "train/grad_norm"):
+        assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-5), (key, a[key], b[key])
+
+
+def test_cross_tokenizer_opd_with_teacher_on_sglang(sglang_teacher_xtok, tmp_path):
+    own = [f"trainer.max_steps={STEPS}", f"teacher.path={TEACHER_XTOK}", "teacher.tokenizer=own"]
+    preset = os.path.join(ROOT, "examples", "tiny", "cross_tokenizer.yaml")
+    cfgs = [
+        # in the job a teacher of another tokenizer sits in the student's layout (TP=2)
+        load_config(MegaOPDConfig, preset, golden_overrides(str(tmp_path / "in_job")) + own + ["teacher.tp=2"]),
+        load_config(
+            MegaOPDConfig,
+            preset,
+            golden_overrides(str(tmp_path / "served"))
+            + own
+            + ["teacher.engine=remote", f"teacher.urls=[{sglang_teacher_xtok.url}]"],
+        ),
+    ]
+    in_job, served = spawn(_workers.train_capturing_teacher, 2, args=(cfgs,), timeout=1500)[0]
+    assert len(in_job["steps"]) == len(served["steps"]) == STEPS
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(in_job["steps"], served["steps"]), start=1):
+        assert torch.equal(a["tokens"], b["tokens"]), f"step {step}: the two runs sampled different tokens"
+        m = a["mask"].bool()
+        assert m.any() and torch.equal(m, b["mask"].bool())
+        gap = float((a["teacher"][m] - b["teacher"][m]).abs().max())
+        worst = max(worst, gap)
+        print(f"step {step}: max |SGLang - in-job span log q per student token| = {gap:.2e} over {int(m.sum())}")
+    assert worst < 1e-4
+    a, b = in_job["metrics"], served["metrics"]
+    assert 0 <= a["opd/unaligned_frac"] < 0.5, a["opd/unaligned_frac"]  # <|im_end|> only: the text is aligned
+    for key in ("loss/total", "rollout/teacher_logprob_mean", "opd/reverse_kl", "opd/unaligned_frac"):
         assert math.isclose(a[key], b[key], rel_tol=1e-4, abs_tol=1e-5), (key, a[key], b[key])
 
 
