@@ -103,17 +103,7 @@ def test_stable_opd_with_teacher_on_sglang(sglang_teacher, tmp_path):
         ),
     ]
     in_job, served = spawn(_workers.train_capturing_teacher, 2, args=(cfgs,), timeout=1500)[0]
-    assert len(in_job["steps"]) == len(served["steps"]) == STEPS
-    worst = 0.0
-    for step, (a, b) in enumerate(zip(in_job["steps"], served["steps"]), start=1):
-        # The same rollouts (embedded engine, same seed; step 2 after updates equal to float32 rounding).
-        assert torch.equal(a["tokens"], b["tokens"]), f"step {step}: the two runs sampled different tokens"
-        m = a["mask"].bool()
-        assert m.any() and torch.equal(m, b["mask"].bool())
-        gap = float((a["teacher"][m] - b["teacher"][m]).abs().max())
-        worst = max(worst, gap)
-        print(f"step {step}: max |served - in-job teacher log q| = {gap:.2e} over {int(m.sum())} tokens")
-    assert worst < 1e-4
+    _assert_same_teacher_scores(in_job, served, "served - in-job teacher log q")
     # The rest of the step follows: the same losses to float32 rounding; no entropy from a server.
     a, b = in_job["metrics"], served["metrics"]
     assert "overlap/entropy_gap" in a and "overlap/entropy_gap" not in b
@@ -136,16 +126,7 @@ def test_cross_tokenizer_opd_with_teacher_on_sglang(sglang_teacher_xtok, tmp_pat
         ),
     ]
     in_job, served = spawn(_workers.train_capturing_teacher, 2, args=(cfgs,), timeout=1500)[0]
-    assert len(in_job["steps"]) == len(served["steps"]) == STEPS
-    worst = 0.0
-    for step, (a, b) in enumerate(zip(in_job["steps"], served["steps"]), start=1):
-        assert torch.equal(a["tokens"], b["tokens"]), f"step {step}: the two runs sampled different tokens"
-        m = a["mask"].bool()
-        assert m.any() and torch.equal(m, b["mask"].bool())
-        gap = float((a["teacher"][m] - b["teacher"][m]).abs().max())
-        worst = max(worst, gap)
-        print(f"step {step}: max |SGLang - in-job span log q per student token| = {gap:.2e} over {int(m.sum())}")
-    assert worst < 1e-4
+    _assert_same_teacher_scores(in_job, served, "SGLang - in-job span log q per student token")
     a, b = in_job["metrics"], served["metrics"]
     assert 0 <= a["opd/unaligned_frac"] < 0.5, a["opd/unaligned_frac"]  # <|im_end|> only: the text is aligned
     for key in ("loss/total", "rollout/teacher_logprob_mean", "opd/reverse_kl", "opd/unaligned_frac"):
@@ -180,3 +161,18 @@ def test_multi_turn_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path)
         assert m["traj/turns_mean"] > 1 and 0 < m["traj/env_token_share"] < 1, (step, m)
         assert m["sync/logprob_gap_max"] < 1e-3, (step, m["sync/logprob_gap_max"])
     print({s: (m["traj/turns_mean"], m["traj/env_token_share"], m["sync/logprob_gap_max"]) for s, m in steps.items()})
+
+
+def _assert_same_teacher_scores(in_job, served, what: str) -> None:
+    """Both runs sampled the same tokens at every step (embedded engine, same seed; step 2 after updates equal
+    to float32 rounding), and the teacher's log-probs on their response tokens agree within 1e-4."""
+    assert len(in_job["steps"]) == len(served["steps"]) == STEPS
+    worst = 0.0
+    for step, (a, b) in enumerate(zip(in_job["steps"], served["steps"]), start=1):
+        assert torch.equal(a["tokens"], b["tokens"]), f"step {step}: the two runs sampled different tokens"
+        m = a["mask"].bool()
+        assert m.any() and torch.equal(m, b["mask"].bool())
+        gap = float((a["teacher"][m] - b["teacher"][m]).abs().max())
+        worst = max(worst, gap)
+        print(f"step {step}: max |{what}| = {gap:.2e} over {int(m.sum())} tokens")
+    assert worst < 1e-4
