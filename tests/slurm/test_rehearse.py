@@ -279,15 +279,7 @@ def test_dry_run_and_rehearsal_agree_line_for_line(colocated):
 @pytest.mark.cluster
 @pytest.mark.timeout(1800)
 def test_engine_nodes(rehearse):
-    r = rehearse("engine_nodes", ENGINE_NODES="1")
-    r.submit()
-    info = r.wait()
-    print(f"ENGINE_NODES=1 rehearsal: {r.seconds:.0f} s")
-    assert "JobState=COMPLETED" in info, info + r.log()[-4000:]
-    log = _assert_trained(r)
-    assert _ranks_by_node(log) == {"sim1": [0, 1, 2, 3]}, log[-4000:]
-    (run,) = r.command_runs()
-    text = "\n".join(run)
+    text = _split_job_commands(rehearse, "engine_nodes", ENGINE_NODES="1")
     assert [x for x in lines_on(text, "sim1") if " megaopd.cli serve " in x] == []
     assert len([x for x in lines_on(text, "sim2") if " megaopd.cli serve " in x]) == 4
     assert lines_on(text, "sim2") and all("torchrun" not in x for x in lines_on(text, "sim2"))
@@ -296,19 +288,25 @@ def test_engine_nodes(rehearse):
 @pytest.mark.cluster
 @pytest.mark.timeout(1800)
 def test_teacher_nodes(rehearse):
-    r = rehearse("teacher_nodes", TEACHER_NODES="1")
-    r.submit()
-    info = r.wait()
-    print(f"TEACHER_NODES=1 rehearsal: {r.seconds:.0f} s")
-    assert "JobState=COMPLETED" in info, info + r.log()[-4000:]
-    log = _assert_trained(r)
-    assert _ranks_by_node(log) == {"sim1": [0, 1, 2, 3]}, log[-4000:]
-    (run,) = r.command_runs()
-    text = "\n".join(run)
+    text = _split_job_commands(rehearse, "teacher_nodes", TEACHER_NODES="1")
     teacher = [x for x in lines_on(text, "sim2") if " megaopd.cli serve " in x]
     assert teacher and all("OpenThinker3-7B" in x for x in teacher)
     (train,) = [x for x in lines_on(text, "sim1") if x.startswith("torchrun ")]
     assert " teacher.engine=remote " in train and "'teacher.urls=[http://sim2:31000" in train
+
+
+def _split_job_commands(rehearse, name: str, **env) -> str:
+    """Rehearse a job whose second node serves (ENGINE_NODES=1 or TEACHER_NODES=1): it completes, trains with all
+    four ranks on sim1, and ran one set of commands, returned as one text."""
+    r = rehearse(name, **env)
+    r.submit()
+    info = r.wait()
+    print(f"{' '.join(f'{k}={v}' for k, v in env.items())} rehearsal: {r.seconds:.0f} s")
+    assert "JobState=COMPLETED" in info, info + r.log()[-4000:]
+    log = _assert_trained(r)
+    assert _ranks_by_node(log) == {"sim1": [0, 1, 2, 3]}, log[-4000:]
+    (run,) = r.command_runs()
+    return "\n".join(run)
 
 
 def _wait_for(cond, what: str, r: Rehearsal, timeout: float = 600):
