@@ -543,15 +543,18 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
     student = role("student", cfg.student)
     reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path) if needs.reference else None
     # The in-job teacher's weights share the GPUs (a served one's do not). build_plan counts one teacher: with
-    # several in-job teachers, the first.
+    # several in-job teachers, the first; none when it runs on the reference's model (teacher.path: reference).
     in_job = [t for t in cfg.teachers if t.engine == "megatron"]
-    teacher = role("teacher", in_job[0]) if in_job else None
+    shared = bool(in_job) and reference is not None and cfg.teacher_shares_reference(in_job[0])
+    teacher = role("teacher", in_job[0]) if in_job and not shared else None
     world = cfg.run.world_size
     rows = step_rows(cfg, needs)
+    # A teacher's rows are longer by what its context adds (the same on plan.max_tokens's rows).
+    longer = [cfg.teacher_row_tokens(t) - cfg.rollout_row_tokens() for t in in_job[:1]]
     shapes = job_shapes(
         rows,
         max(1, world // (student.tp * student.pp)),
-        [max(1, world // (t.tp * t.pp)) for t in in_job[:1]],
+        [(max(1, world // (t.tp * t.pp)), rows.rollout_tokens + extra) for t, extra in zip(in_job, longer)],
         student.tp if student.sequence_parallel else 1,
     )
     engine = None

@@ -4,7 +4,7 @@ golden rows), shared over data parallelism and cut into micro-batches by the tra
 (megaopd.batching: balanced_partition, pack_by_budget, round_up). A job whose step holds 200 tokens is
 planned at 200 tokens, not at trainer.max_tokens_per_micro_batch.
 
-    shapes = job_shapes(rows, student_dp, scorer_dps, tp_multiple, pp)
+    shapes = job_shapes(rows, student_dp, [(teacher_dp, teacher_tokens)], tp_multiple)
     shapes.train, shapes.score      # MicroBatchShape: rows x tokens per row, the longest sequence in it
 
 The lengths are budgets: real rows are shorter, so this is the largest micro-batch the job can make.
@@ -12,7 +12,7 @@ The lengths are budgets: real rows are shorter, so this is the largest micro-bat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megaopd.batching.packing import pack_by_budget, round_up
 from megaopd.batching.shares import balanced_partition
@@ -110,8 +110,11 @@ def score_shape(r: StepRows, dp: int, multiple: int = 1) -> MicroBatchShape:
     return MicroBatchShape(min(r.micro_batch_size, r.rollout_rows), r.rollout_tokens, r.rollout_tokens, False)
 
 
-def job_shapes(r: StepRows, student_dp: int, scorer_dps: list[int], multiple: int = 1) -> JobShapes:
+def job_shapes(r: StepRows, student_dp: int, scorers: list[tuple[int, int]], multiple: int = 1) -> JobShapes:
     """The training micro-batch at the student's data parallelism, and the larger scoring micro-batch of
-    the scoring models (the actor at student_dp, each in-job teacher at its own)."""
-    scores = [score_shape(r, dp, multiple) for dp in [student_dp, *scorer_dps]]
+    the scoring models: the actor at student_dp over the rollout rows, each in-job teacher, given as
+    (its data parallelism, the tokens of its longest row), over rows of its own length (a teacher with a
+    context of its own reads a longer prefix: MegaOPDConfig.teacher_row_tokens)."""
+    scores = [score_shape(r, student_dp, multiple)]
+    scores += [score_shape(replace(r, rollout_tokens=tokens), dp, multiple) for dp, tokens in scorers]
     return JobShapes(train_shape(r, student_dp, multiple), max(scores, key=lambda s: s.rows * s.tokens))

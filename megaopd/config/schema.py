@@ -19,6 +19,7 @@ from typing import ClassVar, List
 from megaopd.config.model_vocab import check_model_vocab, cross_tokenizer_teachers
 from megaopd.config.plan_config import PlanConfig
 from megaopd.data.config import DataConfig
+from megaopd.data.teacher_view import context_fields
 from megaopd.envs.config import EnvConfig
 from megaopd.losses import LossConfig, check_cross_tokenizer, resolve_correction
 from megaopd.metrics.config import MetricsConfig
@@ -102,6 +103,36 @@ class MegaOPDConfig:
             self.data.max_prompt_len + parts[key],
             f"data.max_prompt_len={self.data.max_prompt_len} + {key}={parts[key]}",
         )
+
+    def teacher_shares_reference(self, t: TeacherConfig) -> bool:
+        """Whether in-job teacher `t`, when the loss loads a reference, runs on the reference's model
+        (trainer.roles.build_models): the reference's weights (teacher.path: reference resolves to them) in the
+        student's layout, dtype and offloading, so one frozen copy serves both; `megaopd plan` then counts no
+        second copy."""
+        return (
+            t.engine == "megatron"
+            and (t.tp, t.pp, t.ep) == (self.student.tp, self.student.pp, self.student.ep)
+            and t.path == (self.reference.path or self.student.path)
+            and t.dtype == self.student.dtype
+            and t.offload_between_uses == self.reference.offload_between_uses
+        )
+
+    def teacher_row_tokens(self, t: TeacherConfig) -> int:
+        """The longest row teacher `t` scores, counted in the student's tokens (`megaopd plan`): the rollout row,
+        and for a context of its own what the context may add over the student's prompt: data.max_golden_len for
+        each of {golden} and {answer}, data.instruction's characters for {instruction}, and the template's own
+        text at one token per character (a bound: no token is shorter). {problem} is the prompt's. A teacher of
+        another vocabulary (teacher.tokenizer: own) may cut the same text into more tokens: this counts them as
+        the student's."""
+        if not t.context:
+            return self.rollout_row_tokens()
+        fields = context_fields(t.context)
+        literal = t.context
+        for name in fields:
+            literal = literal.replace("{" + name + "}", "")
+        extra = len(literal) + len(self.data.instruction or "") * ("instruction" in fields)
+        extra += self.data.max_golden_len * sum(f in fields for f in ("golden", "answer"))
+        return self.rollout_row_tokens() + extra
 
     def rollout_row_tokens(self) -> int:
         """The longest row a training rollout makes (prompt + response, or prompt + a whole multi-turn

@@ -139,7 +139,7 @@ def build_models(
             layout = Layout(t.tp, t.pp, t.ep)
             if layout not in groups:
                 groups[layout] = build_process_groups(layout)
-            if reference is not None and is_the_reference(t, cfg, layout == student_layout):
+            if reference is not None and cfg.teacher_shares_reference(t):
                 in_job[t.name] = reference  # the same frozen weights in the same layout: no second copy
                 continue
             in_job[t.name] = load_role_model(t, groups[layout], trainable=False)
@@ -206,17 +206,6 @@ def build_models(
         owner_layout,
         teacher_runner,
         TeacherSet(members, prompts) if members else None,
-    )
-
-
-def is_the_reference(t, cfg: MegaOPDConfig, same_layout: bool) -> bool:
-    """Whether in-job teacher `t` is the reference model itself: the reference's weights in its layout and
-    dtype (teacher.path: reference resolves to them), so one frozen copy serves both."""
-    return (
-        same_layout
-        and t.path == (cfg.reference.path or cfg.student.path)
-        and t.dtype == cfg.student.dtype
-        and t.offload_between_uses == cfg.reference.offload_between_uses
     )
 
 

@@ -447,6 +447,27 @@ def test_plan_counts_the_jobs_rows_not_the_token_budget(monkeypatch):
     assert "16384 tokens packed" in _item(demo, "student activations").name
 
 
+def test_a_reference_teacher_is_not_a_second_model_and_its_longer_rows_are_scored(monkeypatch):
+    """self_distill.yaml's teacher is the reference model shown the golden solution: with a loss that loads the
+    reference (ref_kl) the teacher runs on it, and the plan counts no teacher weights; with plain opd (no
+    reference) the trainer loads it as a model of its own, and the plan counts it. Its rows are longer than the
+    student's by the golden budget: the scoring pass is sized for them."""
+    from megaopd.config.plan import plan_for
+
+    monkeypatch.chdir(ROOT)
+    ref_kl = ("loss.name=stable_opd", "loss.config={sft_weight: 0.1, ref_kl_weight: 0.01}", "plan.device=cpu")
+    shared = plan_for(_load("self_distill.yaml", *ref_kl))
+    assert not [i for i in shared.items if i.name.startswith("teacher weights")]
+    assert [i for i in shared.items if i.name.startswith("reference weights")]
+    own = plan_for(_load("self_distill.yaml", "plan.device=cpu"))
+    assert [i for i in own.items if i.name.startswith("teacher weights")]
+    # Padded rows (no packing): a scoring micro-batch is micro_batch_size rows of the longest row's tokens.
+    padded = ("trainer.pack_sequences=false", "plan.device=cpu")
+    with_context = _item(plan_for(_load("self_distill.yaml", *padded)), "scoring pass")
+    without = _item(plan_for(_load("self_distill.yaml", *padded, 'teacher.context=""')), "scoring pass")
+    assert with_context.score > without.score
+
+
 def test_cpu_plan_has_the_cpus_items_only(monkeypatch):
     """plan.device=cpu: no CUDA context, NCCL margin, allocator reserve or offloading (offload_between_uses
     moves nothing on a CPU); the rank process instead, and the machine's memory shared by the ranks. auto

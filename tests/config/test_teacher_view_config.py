@@ -61,14 +61,26 @@ def test_own_tokenizer_without_tokenizer_files_is_refused(tmp_path):
 
 
 def test_the_reference_teacher_shares_the_reference_model_only_when_it_is_the_same():
-    from megaopd.trainer.roles import is_the_reference
-
     cfg = _load()
-    t = cfg.teachers[0]
-    assert is_the_reference(t, cfg, same_layout=True)
-    assert not is_the_reference(t, cfg, same_layout=False)  # another layout: a copy of its own
+    assert cfg.teacher_shares_reference(cfg.teachers[0])
+    other_layout = _load("teacher.tp=1")  # another layout: a copy of its own
+    assert not other_layout.teacher_shares_reference(other_layout.teachers[0])
+    other_dtype = _load("teacher.dtype=bfloat16")
+    assert not other_dtype.teacher_shares_reference(other_dtype.teachers[0])
     other = _load("teacher.path=examples/tiny/models/teacher")
-    assert not is_the_reference(other.teachers[0], other, same_layout=True)
+    assert not other.teacher_shares_reference(other.teachers[0])
+
+
+def test_a_teacher_row_is_longer_by_what_its_context_adds():
+    """The preset's context "{golden}\\n\\n{problem}\\n{instruction}": the rollout row (128 + 128), the golden
+    budget (256), data.instruction's characters and the template's own 3 characters."""
+    cfg = _load()
+    assert cfg.rollout_row_tokens() == 256
+    assert cfg.teacher_row_tokens(cfg.teachers[0]) == 256 + 256 + len(cfg.data.instruction) + 3
+    plain = _load('teacher.context=""')
+    assert plain.teacher_row_tokens(plain.teachers[0]) == 256
+    answer = _load('teacher.context="Answer: {answer}. {problem}"')
+    assert answer.teacher_row_tokens(answer.teachers[0]) == 256 + 256 + len("Answer: . ")
 
 
 def test_a_teachers_entry_names_itself_in_the_error():
