@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from megaopd.config.plan_config import StepTimeConfig
 from megaopd.config.schema import MegaOPDConfig
+from megaopd.data.teacher_view import context_fields
 from megaopd.metrics.flops import MatmulDims, StepWork, step_flops
 
 MODES = ("sync", "one_step_off", "async")
@@ -61,6 +62,9 @@ class StepShape:
     kv_bytes_per_token: float
     trainer_gpus_min: int
     """GPUs of one student replica (tp x pp): the trainer's smallest share."""
+    teacher_context_tokens: int = 0
+    """What the in-job teacher's own context adds to each of its rows (teacher.context with {golden}: a golden
+    solution, as long as a response on average); 0: it scores the student's rows."""
 
 
 def generate_s(w: StepShape, r: StepTimeConfig, gpus: int) -> float:
@@ -84,7 +88,7 @@ def score_and_train_s(w: StepShape, r: StepTimeConfig, gpus: int) -> tuple[float
             rollout_S + [w.prompt_tokens + w.response_tokens] * w.golden_rows,
             actor_scored_S=rollout_S,
             teacher=w.teacher,
-            teacher_scored_S=rollout_S if w.teacher else (),
+            teacher_scored_S=[s + w.teacher_context_tokens for s in rollout_S] if w.teacher else (),
             partner=w.reference,
         )
     )  # the lockstep reference: hardware FLOPs, inside train_mfu
@@ -159,6 +163,7 @@ def shape_for(cfg: MegaOPDConfig) -> StepShape:
         weight_bytes=2.0 * params_per_rank(hf, 1, 1),
         kv_bytes_per_token=2.0 * 2 * hf.num_layers * hf.num_key_value_heads * hf.head_dim,
         trainer_gpus_min=cfg.student.tp * cfg.student.pp,
+        teacher_context_tokens=response if in_job and "golden" in context_fields(in_job[0].context) else 0,
     )
 
 

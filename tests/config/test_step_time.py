@@ -1,6 +1,7 @@
 """`megaopd plan --step-time` (megaopd/config/step_time.py): the phase formulas by hand on Qwen2.5-7B's dims,
 the modes' composition, the choice of the engine/trainer split, and the command's table."""
 
+import dataclasses
 import math
 import os
 
@@ -67,6 +68,13 @@ def test_scoring_and_training_by_hand():
     assert train == pytest.approx(train_flops / (8 * 989e12 * 0.11))
     served = _shape(teacher=False)  # a served teacher scores elsewhere
     assert score_and_train_s(served, r, 8)[0] == pytest.approx(score / 2)
+    # A teacher shown a golden solution in front of the problem scores rows a response longer.
+    privileged = dataclasses.replace(w, teacher_context_tokens=4096)
+    t = s + 4096
+    teacher_flops = 256 * (2.0 * n * t + attn * t * t)
+    assert score_and_train_s(privileged, r, 8)[0] == pytest.approx(
+        (score_flops / 2 + teacher_flops) / (8 * 989e12 * 0.15)
+    )
 
 
 def test_split_layouts_pick_the_best_engine_share():
