@@ -301,11 +301,6 @@ class MegaOPDConfig:
                     f"{what} with loss {self.loss.name!r}: gkd runs the teacher in lockstep on the student's own "
                     f"sequence; use a loss that reads the teacher's scores (opd, stable_opd, lsm)"
                 )
-            if self.rollout.stream_parts > 1:
-                raise ValueError(
-                    f"{what} with rollout.stream_parts={self.rollout.stream_parts}: a teacher's own view is scored "
-                    f"after the whole batch generated; set rollout.stream_parts=1"
-                )
             if self.env.enabled and t.tokenizer == "own":
                 raise ValueError(
                     f"{what} with env.name={self.env.name}: a trajectory's tool turns are the student's tokens in "

@@ -134,7 +134,8 @@ class TeacherSet:
             streamed = self._streamed.setdefault(step, StreamedScores())
         for name, rows in rows_of.items():
             t = self.teachers[name]
-            if not isinstance(t, RemoteTeacher) or not rows:
+            # A teacher reading a sequence of its own is asked for its views after the batch (start_remote).
+            if not isinstance(t, RemoteTeacher) or not rows or name in self.prompts:
                 continue
             seqs = [list(samples[i].prompt_ids) + list(samples[i].output_ids) for i in rows]
             firsts = [len(samples[i].prompt_ids) for i in rows]
@@ -233,7 +234,7 @@ class TeacherSet:
                 done = streamed.join() if streamed is not None else {}
                 for t in remote:
                     prefixes = batch.teacher_prefixes.get(t.name)
-                    if prefixes is not None:  # its own sequences (never streamed: the config refuses it)
+                    if prefixes is not None:  # its own sequences (never streamed: stream_part leaves them)
                         rows = rows_of[t.name]
                         view = view_rows(batch, rows, [prefixes[b] for b in rows], self.prompts[t.name])
                         n_B = view.lengths_B - view.view_starts_B  # its response tokens (its own under cross)

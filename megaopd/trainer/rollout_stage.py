@@ -16,7 +16,8 @@ rows' tokens. A whole batch needs no such pass: its owners are known once it is 
 scores its owned rows then (score_tokens), as the teachers do in TeacherSet.score. Served teachers score each
 part from the generating thread (TeacherSet.stream_part, `served_teachers_on_part`). A teacher that scores at
 the student's top-k (LSM's student support) needs the actor's whole pass first, and one parked in CPU memory
-between uses would move once a part: they score after the batch.
+between uses would move once a part, and one that reads a sequence of its own (teacher.context, tokenizer own)
+scores its views of the whole batch: they score after the batch.
 """
 
 from __future__ import annotations
@@ -139,13 +140,17 @@ class RolloutStage:
     def _part_passes(self) -> PartPasses:
         """The actor's pass, and the in-job teachers' that need nothing of the whole batch: not a teacher
         scoring at the student's top-k (it needs the actor's whole pass), nor one parked in CPU memory
-        between uses (it would move in and out once a part)."""
+        between uses (it would move in and out once a part), nor one reading a sequence of its own (its view
+        rows are cut and mapped back over the whole batch: scoring.views)."""
         ctx = self.context
         teachers = ctx.models.teachers
         in_job = {
             name: tch
             for name, tch in (teachers.teachers.items() if teachers is not None else [])
-            if isinstance(tch, InJobTeacher) and not ctx.needs.student_topk and not tch.offload
+            if isinstance(tch, InJobTeacher)
+            and not ctx.needs.student_topk
+            and not tch.offload
+            and name not in teachers.prompts
         }
         return PartPasses(
             actor=StreamedPass(ctx.models.actor_runner, ctx.actor_request, ctx.models.actor_layout),

@@ -31,10 +31,6 @@ def test_the_preset_resolves_the_reference_and_its_context():
         (["teacher.context={golden} {problem}"], r"is not valid YAML .*: quote the value"),
         (["teacher.tokenizer=mine"], r"teacher tokenizer='mine': choose student .* or own"),
         (["teacher.engine=remote", "teacher.urls=[http://x:1]"], r"path=reference is the reference model inside"),
-        (
-            ["rollout.engine=remote", "rollout.urls=[http://x:1]", "rollout.stream_parts=2"],
-            r"set rollout.stream_parts=1",
-        ),
         (["loss.name=gkd", "loss.config={}"], r"gkd runs the teacher in lockstep on the student's own sequence"),
         (["data.require_golden=false"], r"uses \{golden\} with data.require_golden=false"),
         # the teacher's own rows hold the golden too: 128 + 128 + 300 > the tiny models' 512 positions

@@ -165,3 +165,33 @@ def test_in_job_passes_streamed_while_generating_equal_scores_after(tmp_path, on
         one, streamed = runs[1][step], runs[3][step]
         assert streamed["time/actor_logprobs"] < one["time/actor_logprobs"]  # the pass ran during the rollout
         _assert_same_metrics(one, streamed, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["in_job", "served"])
+def test_a_teacher_with_a_context_of_its_own_scores_after_the_streamed_parts(tmp_path, one_torch_thread, where):
+    """rollout.stream_parts=3 with a teacher shown the golden solution (teacher.context): the actor's pass still
+    scores each part as it returns; the teacher, in the job or served, scores its views of the whole batch after
+    it, and the steps log what one request and scoring after it log."""
+    engine = _serve(os.path.join(TINY, "models", "student"))
+    servers = [engine]
+    overrides = [
+        "student.tp=1",
+        "reference.tp=1",
+        "teacher.tp=1",
+        "rollout.engine=remote",
+        f"rollout.urls=[{engine.url}]",
+        'teacher.context="{golden}\\n\\n{problem}\\n{instruction}"',
+    ]
+    if where == "served":
+        servers.append(_serve(os.path.join(TINY, "models", "teacher")))
+        overrides += ["teacher.engine=remote", f"teacher.urls=[{servers[-1].url}]"]
+    try:
+        runs = _runs_by_parts(tmp_path, 1, overrides, timeout=600)
+    finally:
+        for server in servers:
+            server.shutdown()
+    for step in (1, 2):
+        one, streamed = runs[1][step], runs[3][step]
+        assert streamed["pipeline/streamed_parts"] > 1  # the actor's pass ran on the parts
+        _assert_same_metrics(one, streamed, step)
