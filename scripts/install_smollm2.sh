@@ -4,6 +4,8 @@
 #
 #   bash scripts/install_smollm2.sh             # the full model (about 1.5 minutes and 0.6 GB cold, then reused)
 #   bash scripts/install_smollm2.sh --student   # also the pruned student (layers 16-19 removed); prints its path
+#   bash scripts/install_smollm2.sh --qwen2-teacher  # the model on Qwen2's tokenizer (a teacher of another vocabulary:
+#                                               # about 3 minutes and 0.8 GB cold, the 76 MB llama-cpp-python sdist)
 #   bash scripts/install_smollm2.sh --path      # only print where the full model is (or would be); installs nothing
 #
 # Where: ${MEGAOPD_CACHE:-~/.cache/megaopd}/models/SmolLM2-135M-Instruct (and ...-drop16-19 for the student);
@@ -22,8 +24,9 @@ die() { echo "[install_smollm2] error: $*" >&2; exit 2; }
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 case "${1:-}" in
   --path) exec "$PY" tools/fetch_smollm2.py --path ;;
+  --qwen2-teacher) exec "$PY" tools/fetch_smollm2.py --qwen2-teacher ;;
   --student|"") ;;
-  *) die "unknown argument $1 (use --student, --path or nothing)" ;;
+  *) die "unknown argument $1 (use --student, --qwen2-teacher, --path or nothing)" ;;
 esac
 [ $# -le 1 ] || die "one argument at most (got $*)"
 model=$("$PY" tools/fetch_smollm2.py | tail -n 1)

@@ -545,41 +545,12 @@ def build_xtok_tokenizer(out_dir: str):
 
 
 def transplant_init(src_dir: str, out_dir: str) -> int:
-    """The trained teacher (src_dir) on the other tokenizer: every weight but the vocabulary's copied; the
-    embedding of each new token = the mean of the old embeddings of its text's old tokens (special and added
-    tokens: the old token of the same name), its output row = the old output row of its text's FIRST old token
-    (a token's logit then tracks how likely the next text starts as it does). Returns #parameters."""
-    import torch
-    import transformers
+    """The trained teacher (src_dir) on the other tokenizer (tools/transplant_vocab.py: every weight but the
+    vocabulary's copied; a new token's embedding the mean of its text's old embeddings, its output row its
+    text's first old token's). Returns #parameters."""
+    from transplant_vocab import transplant
 
-    from megaopd.models.hf_io import load_tokenizer
-
-    old_tok, new_tok = load_tokenizer(src_dir), load_tokenizer(XTOK_TOKENIZER)
-    src = transformers.AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32)
-    config = transformers.Qwen2Config(**hf_config(XTOK_SPEC))
-    config.architectures = ["Qwen2ForCausalLM"]
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    vocab_keys = {"model.embed_tokens.weight", "lm_head.weight"}
-    state = {k: v for k, v in src.state_dict().items() if k not in vocab_keys}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert set(missing) == vocab_keys and not unexpected, (missing, unexpected)
-    old_emb, old_head = src.get_input_embeddings().weight.detach(), src.lm_head.weight.detach()
-    named = {t.content: i for i, t in old_tok.added_tokens_decoder.items()}
-    emb, head = model.get_input_embeddings().weight, model.lm_head.weight
-    with torch.no_grad():
-        for new_id in range(len(new_tok)):
-            added = new_tok.added_tokens_decoder.get(new_id)
-            if added is not None:
-                old_ids = [named[added.content]]
-            else:
-                old_ids = old_tok.encode(new_tok.decode([new_id]), add_special_tokens=False)
-            emb[new_id] = old_emb[old_ids].mean(0)
-            head[new_id] = old_head[old_ids[0]]
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    for f in sorted(os.listdir(XTOK_TOKENIZER)):
-        shutil.copy(os.path.join(XTOK_TOKENIZER, f), out_dir)
-    return sum(p.numel() for p in model.parameters())
+    return transplant(src_dir, XTOK_TOKENIZER, out_dir)
 
 
 def build_xtok(out: str, work: str, resume: bool = False) -> dict:

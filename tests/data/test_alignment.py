@@ -31,6 +31,8 @@ from tests.data.conftest import ROOT, TINY_TOKENIZER
 
 XTOK_TOKENIZER = os.path.join(ROOT, "examples", "tiny", "tokenizer_xtok")
 SMOLLM2 = os.path.expanduser("~/.cache/megaopd/models/SmolLM2-135M-Instruct")
+QWEN2 = os.path.expanduser("~/.cache/megaopd/models/SmolLM2-135M-Instruct-qwen2-vocab")
+"""Qwen2's real tokenizer (tools/fetch_smollm2.py --qwen2-teacher), when cached."""
 
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -198,6 +200,8 @@ def _tokenizers() -> dict:
     toks = {"tiny": load_tokenizer(TINY_TOKENIZER), "tiny_xtok": load_tokenizer(XTOK_TOKENIZER)}
     if os.path.isfile(os.path.join(SMOLLM2, "tokenizer.json")):
         toks["smollm2"] = load_tokenizer(SMOLLM2)
+    if os.path.isfile(os.path.join(QWEN2, "tokenizer.json")):
+        toks["qwen2"] = load_tokenizer(QWEN2)
     return toks
 
 
@@ -232,6 +236,8 @@ def _student_text_and_offsets(tok, text: str):
         ("smollm2", "tiny_xtok"),
         ("tiny", "smollm2"),
         ("smollm2", "smollm2"),
+        ("smollm2", "qwen2"),
+        ("qwen2", "smollm2"),
     ],
 )
 def test_random_texts_through_real_tokenizers(tokenizers, student, teacher):
@@ -239,13 +245,13 @@ def test_random_texts_through_real_tokenizers(tokenizers, student, teacher):
     back to the same ids' text), the teacher's re-tokenization covers the same text, and every span has the
     same characters on both sides with exact span sums (check_alignment)."""
     if student not in tokenizers or teacher not in tokenizers:
-        pytest.skip(f"{SMOLLM2} is not cached")
+        pytest.skip(f"{SMOLLM2} or {QWEN2} is not cached")
     s_tok, t_tok = tokenizers[student], tokenizers[teacher]
     rng = random.Random(f"{student}-{teacher}")
     merged = 0
     for _ in range(60):
         # The tiny tokenizers know printable ASCII only (other characters read <|unk|>, whose decode is empty).
-        ascii_only = "smollm2" not in (student,)
+        ascii_only = student.startswith("tiny")
         text = random_text(rng, ascii_only)
         ids, (response, s_off) = _student_text_and_offsets(s_tok, text)
         assert len(s_off) == len(ids)

@@ -37,12 +37,14 @@ LOGPROB_TOL = 1e-4
 """float32 engines and Megatron layouts against transformers' float64 forward (measured: below 4e-5)."""
 
 
-def install(student: bool = False) -> str:
-    """The HF folder of SmolLM2-135M-Instruct (student: the pruned copy, layers 16-19 removed), fetched and
-    converted once by scripts/install_smollm2.sh (about 1.5 minutes cold), reused afterwards."""
+def install(student: bool = False, qwen2_teacher: bool = False) -> str:
+    """The HF folder of SmolLM2-135M-Instruct (student: the pruned copy, layers 16-19 removed; qwen2_teacher: the
+    model on Qwen2's tokenizer), fetched and converted once by scripts/install_smollm2.sh (about 1.5 minutes
+    cold, 3 for the Qwen2 one), reused afterwards."""
     env = {**os.environ, "PYTHON": sys.executable}
+    flag = ["--student"] if student else ["--qwen2-teacher"] if qwen2_teacher else []
     r = subprocess.run(
-        ["bash", INSTALL] + (["--student"] if student else []),
+        ["bash", INSTALL] + flag,
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -74,9 +74,11 @@ def view_scores(rank, world_size, teacher_dir, urls, actor_tp, teacher_tp, pack,
     return {"mine": mine, "merged": merged, "alone": alone, "at_ids": at_ids_BTK, "vocab": V}
 
 
-def cross_view_scores(rank, world_size, teacher_dir, student_dir, urls, prefixes_T):
+def cross_view_scores(rank, world_size, teacher_dir, student_dir, urls, prefixes_T, rows=None):
     """A teacher of another vocabulary, in the job (one rank) as "a" and served at `urls` as "b", through
-    TeacherSet: each reads prefixes_T[prompt] (its ids) then the response re-tokenized. The merged TokenScores."""
+    TeacherSet: each reads prefixes_T[prompt] (its ids) then the response re-tokenized. rows: the batch as
+    (tokens, prompt_lens, response_lens) of 6 rows, 2 per prompt (default: _batch's random ids under 256). The
+    merged TokenScores."""
     from megaopd.batching.micro_batches import ScoringBatches
     from megaopd.data.config import DataConfig
     from megaopd.data.teacher_view import TeacherPrompt
@@ -94,6 +96,11 @@ def cross_view_scores(rank, world_size, teacher_dir, student_dir, urls, prefixes
     teacher = load_role_model(TeacherConfig(path=teacher_dir), pgs, trainable=False)
     student_tok, teacher_tok = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
     tokens, p, r, mask = _batch(vocab=256)
+    if rows is not None:
+        tokens, p, r = rows
+        mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
+        for b in range(tokens.shape[0]):
+            mask[b, int(p[b]) - 1 : int(p[b] + r[b]) - 1] = 1
     B = tokens.shape[0]
     batch = RolloutBatch(tokens, mask, torch.zeros_like(mask), p, r, ["stop"] * B, torch.arange(B) // 2)
 
