@@ -7,17 +7,13 @@ cross-tokenizer Stable-OPD steps of `megaopd train` (teacher.tokenizer=own) with
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.real import reference
-from tests.real.test_train import PRESET, overrides
+from tests.real.test_train import overrides, train_two_steps
 
 pytestmark = pytest.mark.slow
 
@@ -100,19 +96,9 @@ def test_span_logprobs_in_job_and_served_are_the_teachers_hf_forward(smollm2, qw
 def test_two_cross_tokenizer_stable_opd_steps(smollm2_student, qwen2_teacher, tmp_path):
     run = tmp_path / "run"
     args = overrides(smollm2_student, qwen2_teacher, str(run)) + ["teacher.tokenizer=own"]
-    cmd = [sys.executable, "-m", "megaopd.cli", "train", PRESET, *args]
-    env = {**os.environ, "PYTHONPATH": reference.ROOT, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=reference.ROOT, check=False)
-    log = p.stdout + p.stderr
-    assert p.returncode == 0, f"megaopd train exited {p.returncode}:\n{log[-6000:]}"
+    log, steps = train_two_steps(args, run, timeout=1800)
     assert "[vocab] the teacher has another tokenizer (49152 student ids, 151936 teacher ids" in log, log[-4000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = {r["step"]: r for r in records if "event" not in r and "loss/total" in r}
-    assert sorted(steps) == [1, 2], sorted(steps)
-    for step, m in steps.items():
-        for key in ("loss/total", "loss/opd", "loss/sft", "loss/ref_kl", "train/grad_norm"):
-            assert math.isfinite(m[key]), (step, key, m[key])
-        assert m["train/grad_norm"] > 0 and 0 < m["rollout/response_length_mean"] <= 40, (step, m)
+    for m in steps.values():
         assert math.isfinite(m["rollout/teacher_logprob_mean"]), m
     line = [ln for ln in log.splitlines() if "student tokens a span" in ln]
     print(

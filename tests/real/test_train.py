@@ -46,14 +46,15 @@ def overrides(student: str, teacher: str, run_dir: str) -> list[str]:
     ]
 
 
-def test_two_stable_opd_steps(smollm2, smollm2_student, tmp_path):
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megaopd.cli", "train", PRESET, *overrides(smollm2_student, smollm2, str(run))]
+def train_two_steps(args: list[str], run, timeout: float) -> tuple[str, dict[int, dict]]:
+    """`megaopd train` of the preset with `args` (two steps): its log, and each step's metrics, checked to exit
+    0 and log finite losses (total, OPD, SFT, reference KL), a non-zero gradient norm and responses of 1-40
+    tokens."""
+    cmd = [sys.executable, "-m", "megaopd.cli", "train", PRESET, *args]
     env = {**os.environ, "PYTHONPATH": reference.ROOT, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=reference.ROOT, check=False)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=reference.ROOT, check=False)
     log = p.stdout + p.stderr
     assert p.returncode == 0, f"megaopd train exited {p.returncode}:\n{log[-6000:]}"
-    assert "rollouts stop at <|im_end|>=2" in log, log[-4000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = {r["step"]: r for r in records if "event" not in r and "loss/total" in r}
     assert sorted(steps) == [1, 2], sorted(steps)
@@ -61,6 +62,14 @@ def test_two_stable_opd_steps(smollm2, smollm2_student, tmp_path):
         for key in ("loss/total", "loss/opd", "loss/sft", "loss/ref_kl", "train/grad_norm"):
             assert math.isfinite(m[key]), (step, key, m[key])
         assert m["train/grad_norm"] > 0 and 0 < m["rollout/response_length_mean"] <= 40, (step, m)
+    return log, steps
+
+
+def test_two_stable_opd_steps(smollm2, smollm2_student, tmp_path):
+    run = tmp_path / "run"
+    log, steps = train_two_steps(overrides(smollm2_student, smollm2, str(run)), run, timeout=1200)
+    assert "rollouts stop at <|im_end|>=2" in log, log[-4000:]
+    for m in steps.values():
         # the teacher is the full model, the student a pruned copy of it: the teacher scores the student's
         # responses, so its mean log-prob is a real number, and the student's own engine agrees with it
         assert math.isfinite(m["rollout/teacher_logprob_mean"]) and m["sync/logprob_gap_max"] < 1e-3, m
