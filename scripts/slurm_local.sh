@@ -64,12 +64,31 @@ SIM_GPU_DIR=/run/megaopd-sim-gpus
 log() { echo "slurm_local: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-alive() {  # alive PIDFILE: the process named in PIDFILE runs
-  [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null
+# alive PIDFILE NAME [NODE]: the process named in PIDFILE runs and is the daemon NAME (its /proc comm), started
+# for NODE when given. A pid file outlives its daemon when a machine stops without shutting its daemons down (and
+# a machine made from a copy of that disk has the file too): by then the pid may be any other process (a test
+# worker), which must be neither taken for the daemon nor killed.
+alive() {
+  local pid
+  [[ -s $1 ]] || return 1
+  pid="$(cat "$1")"
+  [[ $pid =~ ^[0-9]+$ && "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$2" ]] || return 1
+  [[ -z ${3:-} ]] || tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qw -- "-N $3"
 }
 
 # slurmd's pid file for a node (SlurmdPidFile=/run/slurmd-%n.pid).
 slurmd_pid() { echo "/run/slurmd-$1.pid"; }
+
+# daemon_alive PIDFILE: alive, with the daemon and node the pid file's name says (slurmctld.pid, slurmd-NODE.pid,
+# slurmd.pid: the one-node config of earlier versions, munged.pid).
+daemon_alive() {
+  local base
+  base="$(basename "$1" .pid)"
+  case "$base" in
+    slurmd-*) alive "$1" slurmd "${base#slurmd-}" ;;
+    *) alive "$1" "$base" ;;
+  esac
+}
 
 # The number of simulated nodes the config on disk has (0 when none, or no config of ours).
 configured_sim_nodes() {
@@ -105,7 +124,7 @@ start_munge() {
   if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     return  # a munged already answers (ours from an earlier run, or the package's)
   fi
-  runuser -u munge -- /usr/sbin/munged
+  runuser -u munge -- /usr/sbin/munged 9>&-  # (9: the run lock; a daemon that kept it would hold it for good)
   for _ in $(seq 50); do
     munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return
     sleep 0.2
@@ -204,9 +223,12 @@ setup_sim_network() {
   local i ns lines=()
   for ((i = 1; i <= SIM_NODES; i++)); do
     ns="megaopd-$SIM_PREFIX$i"
-    if ! ip netns list | grep -qw "$ns"; then
-      # A host-side end left by an earlier namespace (deleting a namespace does not always delete its pair here).
-      if ip link show "mopd-v$i" >/dev/null 2>&1; then ip link del "mopd-v$i"; fi
+    if ! sim_net_ok "$i"; then
+      # Missing, or left half-made: a namespace file with no namespace mounted on it (a machine made from a copy
+      # of this disk has the file), a host end lost with its bridge. The node's slurmd, if one runs, is in the
+      # old network: it goes too, and start_daemons starts it in the new one.
+      stop_daemon "$(slurmd_pid "$SIM_PREFIX$i")"
+      remove_sim_node "$i"
       ip netns add "$ns"
       ip link add "mopd-v$i" type veth peer name eth0 netns "$ns"
       ip link set "mopd-v$i" master "$SIM_BRIDGE"
@@ -223,16 +245,41 @@ setup_sim_network() {
   for ((i = 0; i < SIM_GPUS; i++)); do [[ -c $SIM_GPU_DIR/gpu$i ]] || mknod "$SIM_GPU_DIR/gpu$i" c 1 3; done
 }
 
+# sim_net_ok I: simulated node I's network is whole: its namespace is mounted (nsenter can enter it), its eth0
+# has the node's address, and its host end is up on the bridge.
+sim_net_ok() {
+  local ns="megaopd-$SIM_PREFIX$1"
+  nsenter --net="/run/netns/$ns" true 2>/dev/null || return 1
+  ip -n "$ns" -o addr show dev eth0 2>/dev/null | grep -qF " $SIM_NET.$((10 + $1))/24 " || return 1
+  ip -o link show "mopd-v$1" 2>/dev/null | grep -q "master $SIM_BRIDGE .*state UP"
+}
+
+# remove_sim_node I: simulated node I's namespace and veth pair, whatever is left of them.
+remove_sim_node() {
+  local ns="megaopd-$SIM_PREFIX$1"
+  # Deleting a namespace does not always delete its veth pair's host end here.
+  if ip link show "mopd-v$1" >/dev/null 2>&1; then ip link del "mopd-v$1" || true; fi
+  if [[ -e /run/netns/$ns ]]; then ip netns del "$ns" 2>/dev/null || rm -f "/run/netns/$ns"; fi
+}
+
 teardown_sim_network() {
   local ns link
   for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//' | grep '^mopd-v' || true); do
     ip link del "$link" || true
   done
   for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^megaopd-$SIM_PREFIX" || true); do
-    ip netns del "$ns" || true
+    ip netns del "$ns" 2>/dev/null || rm -f "/run/netns/$ns"
   done
   if ip link show "$SIM_BRIDGE" >/dev/null 2>&1; then ip link del "$SIM_BRIDGE" || true; fi
   if grep -q "$HOSTS_MARK" /etc/hosts 2>/dev/null; then rewrite_hosts; fi
+}
+
+# stop_daemon PIDFILE: the daemon it names (if it runs) asked to stop, waited for; the file removed.
+stop_daemon() {
+  if daemon_alive "$1"; then kill "$(cat "$1")"; fi
+  for _ in $(seq 100); do daemon_alive "$1" || break; sleep 0.1; done
+  daemon_alive "$1" && die "daemon $(cat "$1") from $1 did not stop"
+  rm -f "$1"
 }
 
 stop_daemons() {
@@ -242,11 +289,11 @@ stop_daemons() {
   for f in /run/slurmd-*.pid; do [[ -e $f ]] && files+=("$f"); done
   files+=("$CTLD_PID")
   for f in "${files[@]}"; do
-    if alive "$f"; then kill "$(cat "$f")"; fi
+    if daemon_alive "$f"; then kill "$(cat "$f")"; fi
   done
   for f in "${files[@]}"; do
-    for _ in $(seq 100); do alive "$f" || break; sleep 0.1; done
-    alive "$f" && die "daemon $(cat "$f") from $f did not stop"
+    for _ in $(seq 100); do daemon_alive "$f" || break; sleep 0.1; done
+    daemon_alive "$f" && die "daemon $(cat "$f") from $f did not stop"
     rm -f "$f"
   done
 }
@@ -255,16 +302,16 @@ start_daemons() {
   local host i node
   host="$(hostname -s)"
   mkdir -p /var/spool/slurmctld "/var/spool/slurmd/$host" "$LOG_DIR"
-  alive "$CTLD_PID" || slurmctld
-  alive "$(slurmd_pid "$host")" || slurmd -N "$host"
+  daemon_alive "$CTLD_PID" || slurmctld 9>&-
+  daemon_alive "$(slurmd_pid "$host")" || slurmd -N "$host" 9>&-
   for ((i = 1; i <= SIM_NODES; i++)); do
     node="$SIM_PREFIX$i"
     mkdir -p "/var/spool/slurmd/$node"
-    alive "$(slurmd_pid "$node")" && continue
+    daemon_alive "$(slurmd_pid "$node")" && continue
     # The node's own network (nsenter --net) and hostname (unshare --uts): every process of its jobs sees
     # both, as on a separate machine. Not `ip netns exec`: it mounts a fresh /sys without the cgroup
     # filesystem, and slurmd refuses to start without /sys/fs/cgroup.
-    nsenter --net="/run/netns/megaopd-$node" unshare --uts sh -c "hostname $node && exec slurmd -N $node"
+    nsenter --net="/run/netns/megaopd-$node" unshare --uts sh -c "hostname $node && exec slurmd -N $node" 9>&-
   done
 }
 
@@ -280,11 +327,20 @@ wait_idle() {
           # Left drained/down by an earlier crash or restart: the node is ours, put it back in service.
           scontrol update nodename="$node" state=resume 2>/dev/null || true ;;
       esac
-      (( SECONDS < deadline )) || die "node $node is not idle after ${READY_TIMEOUT_S}s (state: ${state:-none}); see $LOG_DIR/slurmctld.log and $LOG_DIR/slurmd-$node.log"
+      if (( SECONDS >= deadline )); then
+        log "node $node: the end of $LOG_DIR/slurmd-$node.log:"
+        tail -n 5 "$LOG_DIR/slurmd-$node.log" >&2 2>/dev/null || true
+        die "node $node is not idle after ${READY_TIMEOUT_S}s (state: ${state:-none}); see $LOG_DIR/slurmctld.log and $LOG_DIR/slurmd-$node.log"
+      fi
       sleep 1
     done
   done
 }
+
+# One run at a time: two test workers (or a user and a test) starting the cluster at once would each rewrite
+# the config and restart the other's daemons. The daemons started here are not given this descriptor.
+exec 9>/run/megaopd-slurm-local.lock
+flock 9
 
 case "$ACTION" in
   start)
@@ -305,13 +361,13 @@ case "$ACTION" in
   stop)
     stop_daemons
     teardown_sim_network
-    if alive "$MUNGE_PID"; then kill "$(cat "$MUNGE_PID")"; fi
+    if daemon_alive "$MUNGE_PID"; then kill "$(cat "$MUNGE_PID")"; fi
     log "stopped"
     ;;
   status)
     sinfo -N || true
     for f in "$CTLD_PID" /run/slurmd-*.pid "$MUNGE_PID"; do
-      if alive "$f"; then echo "$f: $(cat "$f") running"; else echo "$f: not running"; fi
+      if daemon_alive "$f"; then echo "$f: $(cat "$f") running"; else echo "$f: not running"; fi
     done
     ;;
 esac
