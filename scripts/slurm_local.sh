@@ -64,30 +64,22 @@ SIM_GPU_DIR=/run/megaopd-sim-gpus
 log() { echo "slurm_local: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-# alive PIDFILE NAME [NODE]: the process named in PIDFILE runs and is the daemon NAME (its /proc comm), started
-# for NODE when given. A pid file outlives its daemon when a machine stops without shutting its daemons down (and
-# a machine made from a copy of that disk has the file too): by then the pid may be any other process (a test
-# worker), which must be neither taken for the daemon nor killed.
-alive() {
-  local pid
-  [[ -s $1 ]] || return 1
-  pid="$(cat "$1")"
-  [[ $pid =~ ^[0-9]+$ && "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$2" ]] || return 1
-  [[ -z ${3:-} ]] || tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qw -- "-N $3"
-}
-
 # slurmd's pid file for a node (SlurmdPidFile=/run/slurmd-%n.pid).
 slurmd_pid() { echo "/run/slurmd-$1.pid"; }
 
-# daemon_alive PIDFILE: alive, with the daemon and node the pid file's name says (slurmctld.pid, slurmd-NODE.pid,
-# slurmd.pid: the one-node config of earlier versions, munged.pid).
+# daemon_alive PIDFILE: the process PIDFILE names runs and is the daemon the file is for: its /proc comm is the
+# file's name (slurmctld.pid, munged.pid; slurmd.pid: the one-node config of earlier versions), or slurmd started
+# with `-N NODE` for slurmd-NODE.pid. A pid file outlives its daemon when a machine stops without shutting its
+# daemons down (and a machine made from a copy of that disk has the file too): by then the pid may be any other
+# process (a test worker), which must be neither taken for the daemon nor killed.
 daemon_alive() {
-  local base
-  base="$(basename "$1" .pid)"
-  case "$base" in
-    slurmd-*) alive "$1" slurmd "${base#slurmd-}" ;;
-    *) alive "$1" "$base" ;;
-  esac
+  local pid name node=""
+  [[ -s $1 ]] || return 1
+  pid="$(cat "$1")"
+  name="$(basename "$1" .pid)"
+  if [[ $name == slurmd-* ]]; then node="${name#slurmd-}"; name=slurmd; fi
+  [[ $pid =~ ^[0-9]+$ && "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$name" ]] || return 1
+  [[ -z $node ]] || tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qw -- "-N $node"
 }
 
 # The number of simulated nodes the config on disk has (0 when none, or no config of ours).
@@ -288,14 +280,7 @@ stop_daemons() {
   local f files=(/run/slurmd.pid)
   for f in /run/slurmd-*.pid; do [[ -e $f ]] && files+=("$f"); done
   files+=("$CTLD_PID")
-  for f in "${files[@]}"; do
-    if daemon_alive "$f"; then kill "$(cat "$f")"; fi
-  done
-  for f in "${files[@]}"; do
-    for _ in $(seq 100); do daemon_alive "$f" || break; sleep 0.1; done
-    daemon_alive "$f" && die "daemon $(cat "$f") from $f did not stop"
-    rm -f "$f"
-  done
+  for f in "${files[@]}"; do stop_daemon "$f"; done
 }
 
 start_daemons() {

@@ -22,6 +22,7 @@ import pytest
 from tests.slurm.test_rehearse import NODES, ROOT, sim_cluster  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slow
+SCRIPT = os.path.join(ROOT, "scripts", "slurm_local.sh")
 
 
 def _pids(name):
@@ -54,9 +55,7 @@ def test_cluster_comes_back_from_a_copied_disk(sim_cluster):  # noqa: F811
             with open(path, "w") as f:
                 f.write(f"{proc.pid}\n")
         t0 = time.time()
-        r = subprocess.run(
-            ["bash", os.path.join(ROOT, "scripts", "slurm_local.sh")], capture_output=True, text=True, timeout=300
-        )
+        r = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         assert all(p.poll() is None for p in strangers), "slurm_local.sh killed a process its stale pid file named"
         states = _states()
@@ -64,9 +63,7 @@ def test_cluster_comes_back_from_a_copied_disk(sim_cluster):  # noqa: F811
         print(f"cluster back in {time.time() - t0:.1f} s")
         # The daemons it started (munged among them, restarted above) must not hold its run lock: the next run
         # would wait for it for good.
-        again = subprocess.run(
-            ["bash", os.path.join(ROOT, "scripts", "slurm_local.sh")], capture_output=True, text=True, timeout=60
-        )
+        again = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=60)
         assert again.returncode == 0, again.stdout + again.stderr
     finally:
         for p in strangers:
