@@ -9,8 +9,9 @@ megaopd.models.gather, which the checkpoint converter uses too):
     distributed  transport "dist_group": SGLang's /update_weights_from_distributed over that group
     cuda_ipc     transport "cuda_ipc": SGLang's /update_weights_from_tensor with CUDA IPC handles
                  (colocated engines)
+    transport    TransportKind: what WeightSync knows of a transport (when it fits, who sends, its build)
     weight_sync  WeightSync: picks a transport per engine (engine.weight_transports + rollout.colocated)
-                 and orders memory resume around the push
+                 from TRANSPORT_KINDS, the one list of transports, and orders memory resume around the push
 What both ends of SGLang's update protocol share lives below this package, so that `megaopd serve`
 (serving/) can speak it too: the bucket wire format in megaopd.rollout.weight_wire, the standalone
 process group in megaopd.parallel.custom_group.

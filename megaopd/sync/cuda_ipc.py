@@ -45,6 +45,7 @@ from megaopd.rollout import weight_wire as wire
 from megaopd.rollout.client import EngineError, HttpEngine
 from megaopd.rollout.waits import WaitAbandoned
 from megaopd.sync.distributed import weight_update_sessions
+from megaopd.sync.transport import TransportKind, TransportSetup
 
 _DEVICE_ARG = 6
 """Index of the CUDA device in the arguments torch's reduce_tensor gives a CUDA tensor (SGLang's patch
@@ -255,3 +256,15 @@ class CudaIpcTransport:
 
     def close(self) -> None:
         pass
+
+
+def _feeders(targets: list, layout: IpcLayout) -> list[list[int]]:
+    return feeder_ranks([(e.config.base_gpu_id, e.config.workers) for e in targets], layout)
+
+
+def _build(setup: TransportSetup) -> CudaIpcTransport:
+    return CudaIpcTransport(setup.targets, setup.decision, setup.rank, setup.group, bucket_bytes=setup.bucket_bytes)
+
+
+KIND = TransportKind("cuda_ipc", _build, colocated=True, all_ranks=True, alone=True, decide=_feeders)
+"""Colocated engines: every trainer rank on an engine's GPU hands it IPC handles (the feeders, decided on rank 0)."""

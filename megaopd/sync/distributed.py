@@ -47,6 +47,7 @@ from megaopd.parallel.dist import find_free_port
 from megaopd.rollout import weight_wire as wire
 from megaopd.rollout.client import EngineError, EngineStalledError, HttpEngine
 from megaopd.rollout.waits import WaitAbandoned
+from megaopd.sync.transport import TransportKind, TransportSetup
 
 
 @dataclass
@@ -481,3 +482,17 @@ class DistGroupTransport:
 
     def close(self) -> None:
         self.updater.close()
+
+
+def _build(setup: TransportSetup) -> DistGroupTransport:
+    r = setup.rollout
+    return DistGroupTransport(
+        setup.targets,
+        DistributedUpdateConfig(
+            master_address=r.weight_sync_address, bucket_bytes=setup.bucket_bytes, timeout_s=r.request_timeout_s
+        ),
+    )
+
+
+KIND = TransportKind("dist_group", _build, colocated=False)
+"""Engines on their own GPUs (NCCL refuses a group with two ranks on one GPU)."""

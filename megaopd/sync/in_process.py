@@ -12,6 +12,8 @@ from typing import Iterable
 
 import torch
 
+from megaopd.sync.transport import TransportKind, TransportSetup
+
 
 class InProcessTransport:
     name = "in_process"
@@ -32,3 +34,11 @@ class InProcessTransport:
 
     def close(self) -> None:
         pass
+
+
+def _build(setup: TransportSetup) -> InProcessTransport:
+    return InProcessTransport(setup.targets)
+
+
+KIND = TransportKind("in_process", _build)
+"""Engines in this process, colocated or not: nothing to send, so always first when an engine accepts it."""

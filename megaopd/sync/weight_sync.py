@@ -6,8 +6,9 @@
 
 push() is collective over `group` (default: torch's default group) and the actor's TP/PP groups:
     1. plan (first push only): rank 0 picks one transport per engine from what the engine accepts
-       (engine.weight_transports) and the config (choose_transport), and tells every rank whether all
-       ranks take part (cuda_ipc) and which ranks feed which engine GPU;
+       (engine.weight_transports) and the config (choose_transport over TRANSPORT_KINDS), and tells every
+       rank which transports are in use and what their kinds decided (cuda_ipc: which ranks feed which
+       engine GPU); each rank builds the transports its kinds run on (all ranks, or rank 0);
     2. colocated engines: every rank empties its CUDA cache (the trainer's cached blocks would leave
        the engines too little memory), then rank 0 resumes "weights" on the engines that released them;
     3. gather (megaopd.models.gather: over TP, over EP for a MoE actor's experts, then PP) and send (the transports);
@@ -28,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,25 +38,28 @@ from megaopd.models.gather import gather_hf_weights, model_state
 from megaopd.parallel.dist import device
 from megaopd.rollout.config import RolloutConfig
 from megaopd.rollout.waits import WaitAbandoned
-from megaopd.sync.cuda_ipc import CudaIpcTransport, IpcLayout, feeder_ranks
-from megaopd.sync.distributed import DistGroupTransport, DistributedUpdateConfig
-from megaopd.sync.in_process import InProcessTransport
+from megaopd.sync import cuda_ipc, distributed, in_process
+from megaopd.sync.cuda_ipc import IpcLayout
+from megaopd.sync.transport import TransportKind, TransportSetup
 
-TRANSPORTS = ("in_process", "dist_group", "cuda_ipc")
+TRANSPORT_KINDS: dict[str, TransportKind] = {k.name: k for k in (in_process.KIND, distributed.KIND, cuda_ipc.KIND)}
+"""Every weight transport, in order of preference (the first one an engine accepts and that fits
+rollout.colocated is used): a new transport is its module and one entry here (docs/extending.md)."""
+TRANSPORTS = tuple(TRANSPORT_KINDS)
 
 
 def choose_transport(accepted: Iterable[str], colocated: bool) -> str:
-    """The transport for one engine: in-process when it lives here; else CUDA IPC when colocated (NCCL
-    refuses a group with two ranks on one GPU), the weight-update group otherwise."""
+    """The transport for one engine: the first kind of TRANSPORT_KINDS it accepts that fits `colocated`
+    (in-process when it lives here; else CUDA IPC when colocated, NCCL refusing a group with two ranks
+    on one GPU, the weight-update group otherwise)."""
     accepted = tuple(accepted)
-    order = ("in_process", "cuda_ipc") if colocated else ("in_process", "dist_group")
-    for name in order:
+    fitting = [k.name for k in TRANSPORT_KINDS.values() if k.fits(colocated)]
+    for name in fitting:
         if name in accepted:
             return name
-    want = "cuda_ipc (rollout.colocated=true)" if colocated else "dist_group (rollout.colocated=false)"
     raise ValueError(
-        f"engine accepts weight transports {list(accepted)}, none of {list(order)}: it needs {want}; "
-        "fix rollout.colocated or the engine"
+        f"engine accepts weight transports {list(accepted)}, none of {fitting} (the transports for "
+        f"rollout.colocated={str(colocated).lower()}): fix rollout.colocated or the engine"
     )
 
 
@@ -64,9 +68,9 @@ class SyncPlan:
     """What rank 0 decided at the first push and every rank follows."""
 
     transports: list[str]
-    """Transport names in use (one or more; cuda_ipc only alone)."""
-    feeders: list[list[int]] = field(default_factory=list)
-    """cuda_ipc: trainer rank per (engine, engine TP rank)."""
+    """Transport names in use (one or more; a kind marked `alone` only alone)."""
+    decisions: dict[str, Any] = field(default_factory=dict)
+    """Per transport name, what its kind's `decide` returned on rank 0 (cuda_ipc: the feeder ranks)."""
 
 
 @dataclass
@@ -105,8 +109,9 @@ class WeightSync:
         groups: dict[str, list] = {}
         for target in self.engine.weight_targets():
             groups.setdefault(choose_transport(target.weight_transports, self.rollout.colocated), []).append(target)
-        if "cuda_ipc" in groups and len(groups) > 1:
-            raise ValueError(f"colocated engines must all take CUDA IPC; this pool mixes {sorted(groups)}")
+        alone = [name for name in groups if TRANSPORT_KINDS[name].alone]
+        if alone and len(groups) > 1:
+            raise ValueError(f"engines taking {alone[0]} must all take it; this pool mixes {sorted(groups)}")
         return groups
 
     def _layout(self) -> IpcLayout:
@@ -120,40 +125,18 @@ class WeightSync:
         by_transport = self._targets_by_transport() if self.rank == 0 else {}
         box = [None]
         if self.rank == 0:
-            feeders = []
-            if "cuda_ipc" in by_transport:
-                gpus = [(e.config.base_gpu_id, e.config.workers) for e in by_transport["cuda_ipc"]]
-                feeders = feeder_ranks(gpus, self._layout())
-            box = [SyncPlan(sorted(by_transport, key=TRANSPORTS.index), feeders)]
+            kinds = {name: TRANSPORT_KINDS[name] for name in by_transport}
+            decisions = {n: k.decide(by_transport[n], self._layout()) for n, k in kinds.items() if k.decide}
+            box = [SyncPlan(sorted(by_transport, key=TRANSPORTS.index), decisions)]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         self.plan = box[0]
-        bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
         for name in self.plan.transports:
-            if name == "cuda_ipc":
-                self.transports.append(
-                    CudaIpcTransport(
-                        by_transport.get("cuda_ipc"),
-                        self.plan.feeders,
-                        self.rank,
-                        self.group,
-                        bucket_bytes=bucket_bytes,
-                    )
+            kind = TRANSPORT_KINDS[name]
+            if kind.all_ranks or self.rank == 0:
+                setup = TransportSetup(
+                    by_transport.get(name), self.rollout, self.rank, self.group, self.plan.decisions.get(name)
                 )
-            elif self.rank != 0:
-                continue  # rank-0-only transports
-            elif name == "in_process":
-                self.transports.append(InProcessTransport(by_transport[name]))
-            else:
-                self.transports.append(
-                    DistGroupTransport(
-                        by_transport[name],
-                        DistributedUpdateConfig(
-                            master_address=self.rollout.weight_sync_address,
-                            bucket_bytes=bucket_bytes,
-                            timeout_s=self.rollout.request_timeout_s,
-                        ),
-                    )
-                )
+                self.transports.append(kind.build(setup))
 
     # ----------------------------------------------------------------------------------------- push
     def push(self, model: torch.nn.Module, hf_cfg, pgs, weight_version: str | None) -> SyncStats | None:
