@@ -496,7 +496,7 @@ def plan_device(cfg: MegaOPDConfig) -> str:
     """plan.device, auto resolved (PlanConfig.device)."""
     if cfg.plan.device != "auto":
         return cfg.plan.device
-    dtypes = [cfg.student.dtype, cfg.reference.dtype] + [t.dtype for t in cfg.teachers if t.engine == "megatron"]
+    dtypes = [cfg.student.dtype, cfg.reference.dtype] + [t.dtype for t in cfg.teachers if t.in_job]
     if any(DTYPE_BYTES[d] < 4 for d in dtypes):
         return "cuda"
     import torch
@@ -544,7 +544,7 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
     reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path) if needs.reference else None
     # The in-job teacher's weights share the GPUs (a served one's do not). build_plan counts one teacher: with
     # several in-job teachers, the first; none when it runs on the reference's model (teacher.path: reference).
-    in_job = [t for t in cfg.teachers if t.engine == "megatron"]
+    in_job = [t for t in cfg.teachers if t.in_job]
     shared = bool(in_job) and reference is not None and cfg.teacher_shares_reference(in_job[0])
     teacher = role("teacher", in_job[0]) if in_job and not shared else None
     world = cfg.run.world_size
@@ -558,7 +558,7 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
         student.tp if student.sequence_parallel else 1,
     )
     engine = None
-    if cfg.rollout.engine == "embedded" and (needs.on_policy or cfg.validation.path):
+    if cfg.rollout.engine.in_trainer and (needs.on_policy or cfg.validation.path):
         # The embedded engine generates on rank 0 with the student's architecture (rollout/build.py), its KV
         # cache sized to the longest generated row as the engine rounds it on CUDA (megaopd.engine).
         positions = cache_positions(cfg.generated_row_tokens(), CUDA_SYNC_EVERY)
@@ -579,7 +579,7 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
         packed_tokens=train.tokens if train.packed else 0,
         score=shapes.score,
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        colocated=cfg.rollout.colocated and cfg.rollout.engine == "remote",
+        colocated=cfg.rollout.colocated and not cfg.rollout.engine.in_trainer,
         gpu_memory_gb=memory,
         engine_memory_fraction=cfg.plan.engine_memory_fraction,
         engine_released_gb=cfg.plan.engine_released_gb,

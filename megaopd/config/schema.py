@@ -110,7 +110,7 @@ class MegaOPDConfig:
         student's layout, dtype and offloading, so one frozen copy serves both; `megaopd plan` then counts no
         second copy."""
         return (
-            t.engine == "megatron"
+            t.in_job
             and (t.tp, t.pp, t.ep) == (self.student.tp, self.student.pp, self.student.ep)
             and t.path == (self.reference.path or self.student.path)
             and t.dtype == self.student.dtype
@@ -164,7 +164,7 @@ class MegaOPDConfig:
     def parity_dtype(self) -> str:
         """What the parity probe's bounds follow (scoring/parity.py bounds_for): the student's dtype, except that
         the tight float32 bound also needs the embedded engine in float32."""
-        if self.rollout.engine == "embedded" and self.student.dtype == "float32":
+        if self.rollout.engine.in_trainer and self.student.dtype == "float32":
             return self.embedded_engine_dtype()
         return self.student.dtype
 
@@ -186,7 +186,7 @@ class MegaOPDConfig:
         for i, t in enumerate(teachers):
             # The `teacher:` shorthand's errors name its keys (teacher.tp, ...), as the user wrote them.
             key = "teacher" if len(teachers) == 1 and t.name == "teacher" else f"teachers[{i}] ({t.name})"
-            if t.engine == "megatron":
+            if t.in_job:
                 # Embedding sizes may differ within a family (Qwen2.5-Math-1.5B 151936 vs 7B 152064): what must
                 # match is the tokenizer, which the trainer compares before loading any model, and the rows must
                 # cover the student's ids (check_model_vocab, below).
@@ -323,7 +323,7 @@ class MegaOPDConfig:
             key = "teacher" if len(teachers) == 1 and t.name == "teacher" else f"teachers[{i}] ({t.name})"
             check_cross_tokenizer(self.loss.name, self.loss.config)
             layout, student = (t.tp, t.pp, t.ep), (self.student.tp, self.student.pp, self.student.ep)
-            if t.engine == "megatron" and layout != student:
+            if t.in_job and layout != student:
                 raise ValueError(
                     f"{key} has another tokenizer (cross-tokenizer mode) and tp/pp/ep={layout}, the student "
                     f"{student}: an in-job teacher of another vocabulary scores in the student's layout; set "

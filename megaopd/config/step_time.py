@@ -144,7 +144,7 @@ def shape_for(cfg: MegaOPDConfig) -> StepShape:
     r, needs = cfg.plan.step_time, build_loss_from(cfg.loss).needs
     hf = read_hf_config(find_hf_config(cfg.student.path))
     student = MatmulDims.of(hf)
-    in_job = [t for t in cfg.teachers if t.engine == "megatron"]
+    in_job = [t for t in cfg.teachers if t.in_job]
     teacher = MatmulDims.of(read_hf_config(find_hf_config(in_job[0].path))) if in_job else None
     # The longest response: the rollout's budget after the prompt (a multi-turn trajectory's, with an
     # environment), from the config's one row-length function.

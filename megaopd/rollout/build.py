@@ -10,11 +10,12 @@ rollout.engine_tp workers); hf_dir is not read: the servers loaded their own cop
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from megaopd.engine.config import EmbeddedEngineConfig
 from megaopd.rollout.client import HttpEngine, HttpEngineConfig
-from megaopd.rollout.config import RolloutConfig
+from megaopd.rollout.config import RolloutConfig, RolloutEngine
 from megaopd.rollout.embedded import EmbeddedEngine
 from megaopd.rollout.pool import EnginePool, PoolConfig
 
@@ -31,25 +32,51 @@ def build_engine(
     embedded engine's KV cache; 0 = what fits (a server's sizing). dtype: the embedded engine's
     (MegaOPDConfig.embedded_engine_dtype). stop: remote engines give up any wait once it is true (the
     trainer's PreemptionFlag.signalled; megaopd.rollout.waits)."""
-    if rollout.engine == "remote":
-        engines = [
-            HttpEngine(
-                HttpEngineConfig(
-                    url=url,
-                    workers=rollout.engine_tp,
-                    name=f"rollout.urls[{i}]",
-                    stall_timeout_s=rollout.stall_timeout_s,
-                    api_key_env=rollout.api_key_env,
-                ),
-                stop=stop,
-            )
-            for i, url in enumerate(rollout.urls)
-        ]
-        return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
-    if rollout.engine == "embedded":
-        return EmbeddedEngine(
-            EmbeddedEngineConfig(
-                hf_dir=hf_dir, max_batch_size=rollout.max_batch_size, context_length=context_length, dtype=dtype
-            )
+    return BUILDERS[rollout.engine](EngineSetup(rollout, hf_dir, context_length, dtype, stop))
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What build_engine's caller gives (its docstring); each builder reads what its kind needs."""
+
+    rollout: RolloutConfig
+    hf_dir: str
+    context_length: int
+    dtype: str
+    stop: Callable[[], bool] | None
+
+
+def _remote(setup: EngineSetup) -> EnginePool:
+    rollout = setup.rollout
+    engines = [
+        HttpEngine(
+            HttpEngineConfig(
+                url=url,
+                workers=rollout.engine_tp,
+                name=f"rollout.urls[{i}]",
+                stall_timeout_s=rollout.stall_timeout_s,
+                api_key_env=rollout.api_key_env,
+            ),
+            stop=setup.stop,
         )
-    raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or remote")
+        for i, url in enumerate(rollout.urls)
+    ]
+    return EnginePool(engines, PoolConfig(timeout_s=rollout.request_timeout_s))
+
+
+def _embedded(setup: EngineSetup) -> EmbeddedEngine:
+    return EmbeddedEngine(
+        EmbeddedEngineConfig(
+            hf_dir=setup.hf_dir,
+            max_batch_size=setup.rollout.max_batch_size,
+            context_length=setup.context_length,
+            dtype=setup.dtype,
+        )
+    )
+
+
+BUILDERS: dict[RolloutEngine, Callable[[EngineSetup], object]] = {
+    RolloutEngine.EMBEDDED: _embedded,
+    RolloutEngine.REMOTE: _remote,
+}
+"""Each rollout engine kind's builder: a new kind is its RolloutEngine member and one entry here."""

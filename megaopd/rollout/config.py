@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import List
 
 from megaopd.models.config import MODEL_DTYPES
@@ -15,12 +16,28 @@ STALE_SAMPLES = ("drop", "regenerate")
 SYNC_PAUSES = ("in_place", "retract")
 
 
+class RolloutEngine(StrEnum):
+    """Which engines generate (rollout.engine), parsed once by RolloutConfig. The job asks a kind's properties,
+    never its name; rollout/build.py maps each kind to its builder (docs/extending.md)."""
+
+    EMBEDDED = "embedded"
+    REMOTE = "remote"
+
+    @property
+    def in_trainer(self) -> bool:
+        """The engine lives in trainer rank 0's process, on its device: its memory counts in that rank's
+        `megaopd plan`, it generates one batch per call between steps (no overlap, no streamed parts) and takes
+        the weights in process. Else served: its servers at rollout.urls (megaopd serve or SGLang)."""
+        return self is RolloutEngine.EMBEDDED
+
+
 @dataclass
 class RolloutConfig:
     """How rollouts are generated: which engines, which sampling."""
 
-    engine: str = "embedded"
-    """embedded (in-process HF engine on rank 0) | remote (megaopd serve or SGLang servers at `urls`)."""
+    engine: str = RolloutEngine.EMBEDDED
+    """A RolloutEngine (parsed from its name in __post_init__): embedded (in-process HF engine on rank 0) |
+    remote (megaopd serve or SGLang servers at `urls`)."""
     urls: List[str] = field(default_factory=list)
     """http://host:port of each remote engine (rollout.engine=remote)."""
     engine_tp: int = 1
@@ -112,9 +129,10 @@ class RolloutConfig:
     (traj/truncated_tokens_rate)."""
 
     def __post_init__(self):
-        if self.engine not in ("embedded", "remote"):
+        if self.engine not in tuple(RolloutEngine):
             raise ValueError(f"rollout.engine={self.engine!r}: choose embedded or remote")
-        if self.engine == "remote" and not self.urls:
+        self.engine = RolloutEngine(self.engine)
+        if not self.engine.in_trainer and not self.urls:
             raise ValueError("rollout.engine=remote needs rollout.urls=[http://host:port, ...]")
         check_env_name("rollout.api_key_env", self.api_key_env)
         if self.max_turns < 1 or self.max_trajectory_tokens < 1:
@@ -122,7 +140,7 @@ class RolloutConfig:
                 f"rollout.max_turns={self.max_turns} and rollout.max_trajectory_tokens="
                 f"{self.max_trajectory_tokens} must be at least 1"
             )
-        if self.stream_parts < 1 or (self.stream_parts > 1 and self.engine != "remote"):
+        if self.stream_parts < 1 or (self.stream_parts > 1 and self.engine.in_trainer):
             raise ValueError(
                 f"rollout.stream_parts={self.stream_parts}: must be >= 1, and > 1 needs rollout.engine="
                 "remote (the embedded engine generates a batch in one call, in the trainer's process)"
@@ -186,7 +204,7 @@ def check_overlap(r: RolloutConfig) -> None:
         raise ValueError(f"rollout.max_staleness={r.max_staleness} must be >= 1 (weight versions a sample may lag)")
     if r.mode == "sync":
         return
-    if r.engine == "embedded":
+    if r.engine.in_trainer:
         raise ValueError(
             f"rollout.mode={r.mode} needs engines beside the trainer, not in it: the embedded engine "
             "runs in trainer rank 0's process and would share its cores/GPU with training, so nothing "

@@ -4,13 +4,29 @@ or served (a RemoteTeacher: its servers), from which trainer/roles.py builds the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import List
 
 from megaopd.data.teacher_view import TEACHER_TOKENIZERS, check_context_fields
 from megaopd.models.config import ModelConfig
 from megaopd.rollout.config import check_env_name
 
-TEACHER_ENGINES = ("megatron", "remote")
+
+class TeacherEngine(StrEnum):
+    """Where a teacher runs (teacher.engine), parsed once by TeacherConfig. The job asks a kind's properties,
+    never its name: a new kind is one member here with its properties (docs/extending.md)."""
+
+    MEGATRON = "megatron"
+    REMOTE = "remote"
+
+    @property
+    def in_job(self) -> bool:
+        """A Megatron model inside the job, in its own tp/pp/ep layout on the training GPUs: trainer.roles loads
+        it and `megaopd plan` counts it. Else served: its servers at teacher.urls score the rows by prefill."""
+        return self is TeacherEngine.MEGATRON
+
+
+TEACHER_ENGINES = tuple(TeacherEngine)
 REFERENCE = "reference"
 """teacher.path: reference: the teacher is the reference model (the student's initial weights)."""
 
@@ -24,9 +40,10 @@ class TeacherConfig(ModelConfig):
     name: str = ""
     """The teacher's name in `teachers:` lists, data.sources[].teacher and per-teacher metrics
     (rollout/teacher_logprob_mean/<name>); the single `teacher:` section is named "teacher"."""
-    engine: str = "megatron"
-    """megatron (in the job, in its own tp/pp/ep layout) or remote (SGLang servers at `urls`, or
-    `megaopd serve`; scores at temperature 1 only, no entropy, no log-probs at the student's top-k)."""
+    engine: str = TeacherEngine.MEGATRON
+    """A TeacherEngine (parsed from its name in __post_init__): megatron (in the job, in its own tp/pp/ep
+    layout) or remote (SGLang servers at `urls`, or `megaopd serve`; scores at temperature 1 only, no
+    entropy, no log-probs at the student's top-k)."""
     urls: List[str] = field(default_factory=list)
     """engine remote: base URLs of the teacher's servers (or one router), e.g. [http://node3:30000];
     requests are spread over them and a request whose server fails is retried on another."""
@@ -57,7 +74,8 @@ class TeacherConfig(ModelConfig):
                 f"teacher engine={self.engine!r}: choose megatron (in the job) or remote (SGLang "
                 f"servers at teacher.urls)"
             )
-        if self.engine == "remote":
+        self.engine = TeacherEngine(self.engine)
+        if not self.engine.in_job:
             bad = [u for u in self.urls if not str(u).startswith(("http://", "https://"))]
             if bad:
                 raise ValueError(f"teacher urls {bad}: each must start with http:// or https://")
@@ -73,7 +91,7 @@ class TeacherConfig(ModelConfig):
                 f"teacher tokenizer={self.tokenizer!r}: choose student (the student's token ids) or own (the "
                 f"teacher's tokenizer and chat template from its folder)"
             )
-        if self.path == REFERENCE and self.engine != "megatron":
+        if self.path == REFERENCE and not self.engine.in_job:
             raise ValueError(
                 "teacher path=reference is the reference model inside the job: it needs engine=megatron "
                 "(a served teacher's path names the HF directory of its tokenizer)"
@@ -94,4 +112,9 @@ class TeacherConfig(ModelConfig):
     @property
     def configured(self) -> bool:
         """Whether this section names a teacher at all (a path, or remote servers)."""
-        return bool(self.path) or (self.engine == "remote" and bool(self.urls))
+        return bool(self.path) or (not self.engine.in_job and bool(self.urls))
+
+    @property
+    def in_job(self) -> bool:
+        """The teacher is a model inside the job (TeacherEngine.in_job)."""
+        return self.engine.in_job

@@ -43,7 +43,7 @@ def gpu_only_settings(cfg: MegaOPDConfig, cuda: bool, transformer_engine: bool) 
         sections = [("student", cfg.student)] + [
             ("teacher" if len(cfg.teachers) == 1 else f"teachers[{i}]", t)
             for i, t in enumerate(cfg.teachers)
-            if t.engine == "megatron"
+            if t.in_job
         ]
         for key, section in sections:
             if section.sequence_parallel:

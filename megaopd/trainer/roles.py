@@ -135,7 +135,7 @@ def build_models(
         )
         _park(reference.model, cfg.reference.offload_between_uses)
     for t in cfg.teachers:
-        if t.engine == "megatron":
+        if t.in_job:
             layout = Layout(t.tp, t.pp, t.ep)
             if layout not in groups:
                 groups[layout] = build_process_groups(layout)
@@ -173,7 +173,7 @@ def build_models(
     actor_layout = scorer_layout(actor_pgs, device())
     members = []
     for t in cfg.teachers:
-        if t.engine == "megatron":
+        if t.in_job:
             m = in_job[t.name]
             members.append(
                 InJobTeacher(
