@@ -290,32 +290,18 @@ def _span(shape: MicroBatchShape) -> int | None:
 
 def _model_items(items: list, reference: RoleLayout | None, teacher: RoleLayout | None, offload: bool) -> None:
     """The frozen models' weights (offload_between_uses frees them outside their passes, on a GPU only)."""
-    if reference is not None:
-        w = params_per_rank(reference.hf, reference.tp, reference.pp, reference.ep) * DTYPE_BYTES[reference.dtype]
-        # In lockstep with the actor: on the GPU whenever the actor trains; offload frees it while engines
-        # generate and while the teacher scores.
-        off = 0.0 if reference.offload and offload else w
-        items.append(
-            Item(
-                "reference weights" + (" (offloaded)" if off == 0 else ""),
-                off,
-                off,
-                w,
-                "set reference.offload_between_uses=true",
-            )
-        )
-    if teacher is not None:
-        w = params_per_rank(teacher.hf, teacher.tp, teacher.pp, teacher.ep) * DTYPE_BYTES[teacher.dtype]
-        off = 0.0 if teacher.offload and offload else w
-        items.append(
-            Item(
-                "teacher weights" + (" (offloaded)" if off == 0 else ""),
-                off,
-                w,
-                off,
-                "set teacher.offload_between_uses=true or raise teacher.tp",
-            )
-        )
+    # The reference is in lockstep with the actor: on the GPU whenever the actor trains; offload frees it while
+    # engines generate and while the teacher scores. The teacher is resident only while it scores.
+    for key, role, train, hint in (
+        ("reference", reference, True, "set reference.offload_between_uses=true"),
+        ("teacher", teacher, False, "set teacher.offload_between_uses=true or raise teacher.tp"),
+    ):
+        if role is None:
+            continue
+        w = params_per_rank(role.hf, role.tp, role.pp, role.ep) * DTYPE_BYTES[role.dtype]
+        off = 0.0 if role.offload and offload else w
+        name = f"{key} weights" + (" (offloaded)" if off == 0 else "")
+        items.append(Item(name, off, off, w, hint) if train else Item(name, off, w, off, hint))
 
 
 def _embedded_engine_item(eng: EmbeddedEngineFootprint, cpu: bool) -> Item:

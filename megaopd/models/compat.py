@@ -16,24 +16,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-# Groups GPTModel, its blocks, its MoE layers and the pipeline schedule read from a ProcessGroupCollection.
-REQUIRED_PGS = [
-    "tp",
-    "pp",
-    "mp",
-    "cp",
-    "tp_cp",
-    "embd",
-    "pos_embd",
-    "dp",
-    "dp_cp",
-    "tp_dp_cp",
-    "ep",
-    "expt_tp",
-    "expt_dp",
-    "tp_ep",
-    "tp_ep_pp",
-]
+from megaopd.parallel.groups import ACTOR_PGS
 
 
 def have_transformer_engine() -> bool:
@@ -163,7 +146,7 @@ def resolve_pg_collection(pg_collection: ProcessGroupCollection | None) -> Proce
     """The explicit groups, or those of megatron's global parallel_state (the actor's layout)."""
     if pg_collection is not None:
         return pg_collection
-    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=REQUIRED_PGS)
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=ACTOR_PGS)
 
 
 def sharded_state_dict(model, pg_collection: ProcessGroupCollection) -> dict:

@@ -145,14 +145,7 @@ def vocab_parallel_logsumexp(logits, group=None, temperature=1.0, chunk_size=Non
     logits: [..., V] local shard; returns [...] float32, identical on every TP rank. Differentiable.
     impl: "auto" (Triton kernels on CUDA, torch otherwise) | "triton" (_triton.py; chunk_size unused) | "torch".
     """
-    temperature = check_temperature(temperature)
-    logits_TV = flatten_tokens(logits, "logits")
-    if resolve_impl(impl, logits) == "triton":
-        from megaopd.ops import _triton
-
-        return _triton.SoftmaxOp.apply(logits_TV, None, group, temperature, "logsumexp").view(logits.shape[:-1])
-    lse_T = _VocabParallelLogSumExp.apply(logits_TV, group, temperature, chunk_size)
-    return lse_T.view(logits.shape[:-1])
+    return _per_token("logsumexp", logits, None, group, temperature, chunk_size, impl)
 
 
 def vocab_parallel_logprobs(logits, ids, group=None, temperature=1.0, chunk_size=None, impl="auto"):
@@ -164,17 +157,7 @@ def vocab_parallel_logprobs(logits, ids, group=None, temperature=1.0, chunk_size
     chunk_size: tokens processed at a time (None: sized so one float32 [chunk, V] is 128 MiB).
     impl: "auto" (Triton kernels on CUDA, torch otherwise) | "triton" (_triton.py; chunk_size unused) | "torch".
     """
-    temperature = check_temperature(temperature)
-    check_same_tokens(logits.shape[:-1], ids, "ids")
-    logits_TV = flatten_tokens(logits, "logits")
-    if resolve_impl(impl, logits) == "triton":
-        from megaopd.ops import _triton
-
-        return _triton.SoftmaxOp.apply(logits_TV, ids.reshape(-1).long(), group, temperature, "logprobs").view(
-            logits.shape[:-1]
-        )
-    logprobs_T = _VocabParallelLogProbs.apply(logits_TV, ids.reshape(-1).long(), group, temperature, chunk_size)
-    return logprobs_T.view(logits.shape[:-1])
+    return _per_token("logprobs", logits, ids, group, temperature, chunk_size, impl)
 
 
 def vocab_parallel_entropy(logits, group=None, temperature=1.0, chunk_size=None, impl="auto"):
@@ -183,11 +166,29 @@ def vocab_parallel_entropy(logits, group=None, temperature=1.0, chunk_size=None,
     logits: [..., V] local shard; returns [...] float32. Differentiable w.r.t. logits.
     impl: "auto" (Triton kernels on CUDA, torch otherwise) | "triton" (_triton.py; chunk_size unused) | "torch".
     """
+    return _per_token("entropy", logits, None, group, temperature, chunk_size, impl)
+
+
+_TORCH_OPS = {
+    "logsumexp": _VocabParallelLogSumExp,
+    "logprobs": _VocabParallelLogProbs,
+    "entropy": _VocabParallelEntropy,
+}
+"""Each op's torch autograd function; the Triton path takes the op's name (_triton.SoftmaxOp)."""
+
+
+def _per_token(op: str, logits, ids, group, temperature, chunk_size, impl):
+    """The one dispatch of the three ops: checks, the tokens flattened to T, the Triton kernels or the torch
+    function, the result back in the logits' leading shape. ids: the tokens of "logprobs", else None."""
     temperature = check_temperature(temperature)
+    if ids is not None:
+        check_same_tokens(logits.shape[:-1], ids, "ids")
     logits_TV = flatten_tokens(logits, "logits")
+    ids_T = () if ids is None else (ids.reshape(-1).long(),)
     if resolve_impl(impl, logits) == "triton":
         from megaopd.ops import _triton
 
-        return _triton.SoftmaxOp.apply(logits_TV, None, group, temperature, "entropy").view(logits.shape[:-1])
-    entropy_T = _VocabParallelEntropy.apply(logits_TV, group, temperature, chunk_size)
-    return entropy_T.view(logits.shape[:-1])
+        out_T = _triton.SoftmaxOp.apply(logits_TV, *(ids_T or (None,)), group, temperature, op)
+    else:
+        out_T = _TORCH_OPS[op].apply(logits_TV, *ids_T, group, temperature, chunk_size)
+    return out_T.view(logits.shape[:-1])

@@ -267,17 +267,23 @@ class HttpEngine:
                 "logprob_start_len": -1,
                 "stream": False,
             }
-            out = self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
-            if not isinstance(out, list) or len(out) != len(chunk):
-                raise EngineError(
-                    f"{self.url}/generate answered {type(out).__name__} of "
-                    f"{len(out) if isinstance(out, list) else 1} entries for {len(chunk)}"
-                )
-            try:
-                samples.extend(sample_from_json(p, e) for (p, _), e in zip(chunk, out))
-            except ValueError as e:
-                raise EngineError(f"{self.url}/generate: {e}") from e
+            samples += self._post_generate(body, [p for p, _ in chunk], "", sample_from_json)
         return samples
+
+    def _post_generate(self, body: dict, asked: list, what: str, parse: Callable[[Any, Any], Any]) -> list:
+        """POST /generate and parse(asked[i], entry i) of its answer, one entry per item asked; EngineError when
+        the answer is not a list of that many (`what` names them in the message) or parse refuses an entry
+        (ValueError)."""
+        out = self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
+        if not isinstance(out, list) or len(out) != len(asked):
+            raise EngineError(
+                f"{self.url}/generate answered {type(out).__name__} of "
+                f"{len(out) if isinstance(out, list) else 1} entries for {len(asked)}{what}"
+            )
+        try:
+            return [parse(a, e) for a, e in zip(asked, out)]
+        except ValueError as e:
+            raise EngineError(f"{self.url}/generate: {e}") from e
 
     def weight_targets(self) -> list["HttpEngine"]:
         return [self]
@@ -351,17 +357,12 @@ class HttpEngine:
         """Each sequence's log-probs of its tokens from firsts[i] on (and the top-`topk` of each distribution),
         by prefill alone at temperature 1, in one /generate request (schema.prefill_request says how).
         EngineRequestError when the server refuses it, EngineError when the answer is malformed."""
-        body = prefill_request(seqs, firsts, topk)
-        out = self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
-        if not isinstance(out, list) or len(out) != len(seqs):
-            raise EngineError(
-                f"{self.url}/generate answered {type(out).__name__} of "
-                f"{len(out) if isinstance(out, list) else 1} entries for {len(seqs)} sequences"
-            )
-        try:
-            return [prefill_scores_from_json(e, s, f, topk) for e, s, f in zip(out, seqs, firsts)]
-        except ValueError as e:
-            raise EngineError(f"{self.url}/generate: {e}") from e
+        return self._post_generate(
+            prefill_request(seqs, firsts, topk),
+            list(zip(seqs, firsts)),
+            " sequences",
+            lambda seq_first, e: prefill_scores_from_json(e, *seq_first, topk),
+        )
 
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
         """log softmax(logits) (temperature 1) of each prompt token given its prefix; None for the first,
