@@ -4,7 +4,7 @@ both must give the same shapes, fields and refusals, and log-probs equal to tran
 Every /generate answer is compared key by key with SGLang's answer to the same request
 (sglang_cases.assert_same_shape); the refusals and the deliberate differences are the lists in
 tests/serving/sglang_cases.py. What SGLang's CPU build cannot do (CUDA IPC, NCCL, tp > 1, the memory saver,
-deterministic inference) is a test of its own below that says so; docs/engines.md lists them.
+deterministic inference) is not tested here: the comment at the end says why; docs/engines.md lists them.
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ def test_pause_and_continue(server, mode):
 def test_release_and_resume_memory(server):
     """What both servers do on a CPU: release and resume each tag answer 200 null, and generation works after.
     (SGLang without the memory saver frees nothing and goes on generating while released; megaopd serve
-    refuses generation then: test_memory_saver_needs_gpus says what is verified only on GPUs.)"""
+    refuses generation then; the memory saver is verified only on GPUs: the comment at the end of this file.)"""
     client = HttpEngine(server.url)
     for tags in (["kv_cache"], ["weights"], None):
         assert call(server.url, "POST", "/release_memory_occupation", {"tags": tags}) == (200, None)
@@ -351,34 +351,9 @@ def test_seeded_samples_repeat(server):
     ]
 
 
-# ---------------------------------------------------------------------------------------- verified only on GPUs
-GPU_ONLY = "SGLang's CPU build cannot do this; verified only on GPUs (docs/engines.md, scripts/gpu_check.sh)"
-
-
-def test_cuda_ipc_weight_update_needs_gpus():
-    pytest.skip(
-        "CUDA IPC (/update_weights_from_tensor from colocated trainer ranks) needs CUDA tensors; a CPU "
-        "tensor's payload is a file descriptor SGLang cannot open, and its server exits. " + GPU_ONLY
-    )
-
-
-def test_nccl_weight_group_needs_gpus():
-    pytest.skip("NCCL weight-update groups need GPUs; the gloo group above is the same protocol. " + GPU_ONLY)
-
-
-def test_engine_tp2_needs_gpus():
-    pytest.skip(
-        "tp > 1 engines: SGLang's CPU engine shards through sgl-kernel's shared-memory all-reduce, whose "
-        "CPU build is not on PyPI (an import-only stand-in here). " + GPU_ONLY
-    )
-
-
-def test_memory_saver_needs_gpus():
-    pytest.skip(
-        "--enable-memory-saver (torch_memory_saver) intercepts CUDA allocations: on a CPU release/resume "
-        "answer 200 and free nothing. " + GPU_ONLY
-    )
-
-
-def test_deterministic_inference_needs_gpus():
-    pytest.skip("--enable-deterministic-inference needs FlashInfer, FA3 or Triton attention. " + GPU_ONLY)
+# Not tested here, because SGLang's CPU build cannot do them (a test would only skip): CUDA IPC weight updates
+# (a CPU tensor's payload is a file descriptor SGLang cannot open, and its server exits), NCCL weight-update groups
+# (the gloo group above is the same protocol), tp > 1 engines (sgl-kernel's CPU all-reduce is not on PyPI),
+# --enable-memory-saver (on a CPU release/resume answer 200 and free nothing) and --enable-deterministic-inference
+# (it needs FlashInfer, FA3 or Triton attention). They are verified on GPUs only: docs/engines.md,
+# scripts/gpu_check.sh.
