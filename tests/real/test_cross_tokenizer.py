@@ -15,7 +15,7 @@ import torch
 from tests.real import reference
 from tests.real.test_train import overrides, train_two_steps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 RESPONSES = [
     "12 + 30 = 42, so Tom has \\boxed{42} apples.",

@@ -8,7 +8,7 @@ import torch
 
 from tests.real import reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 
 def test_greedy_equals_transformers(smollm2, chat_prompts, hf_greedy, hf64, tokenizer):

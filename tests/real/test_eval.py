@@ -15,7 +15,7 @@ import pytest
 
 from tests.real import reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "arithmetic.jsonl")
 PROBLEMS = 4

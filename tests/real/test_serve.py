@@ -10,7 +10,7 @@ from megaopd.parallel.dist import find_free_port
 from megaopd.serving.sglang_launcher import ServerProcess, megaopd_serve_command
 from tests.real import reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 
 @pytest.fixture(scope="module")

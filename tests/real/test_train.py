@@ -15,7 +15,7 @@ import pytest
 
 from tests.real import reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "arithmetic.jsonl")
 PRESET = os.path.join(reference.ROOT, "examples", "tiny", "stable_opd.yaml")

@@ -59,8 +59,9 @@ REHEARSAL_KEYS = {
     "logging.tensorboard",
 }
 
-pytestmark = pytest.mark.slow
-# The cases past the paper shape are marked cluster: `make test-cluster` (this whole file), not `make test-e2e`.
+pytestmark = [pytest.mark.slow, pytest.mark.rehearsal]
+# The cases past the paper shape are marked cluster: `make test-cluster` (-m rehearsal: this whole file), not
+# `make test-e2e`.
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ from tests.serving.sglang_cases import (
     send_refusal,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 TOL = 1e-4  # float32 servers against a float64 reference forward
 PROMPT = [1, 40, 75, 13, 200, 9, 31]

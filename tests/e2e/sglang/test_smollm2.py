@@ -13,7 +13,7 @@ import pytest
 from tests.e2e.sglang.conftest import _start_sglang
 from tests.real import reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real, pytest.mark.sglang]
 
 
 @pytest.fixture(scope="module")

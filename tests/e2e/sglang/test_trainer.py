@@ -29,7 +29,7 @@ from tests.e2e.sglang.conftest import ROOT, STUDENT, TEACHER, TEACHER_XTOK, gap,
 from tests.trainer import _workers as trainer_workers
 from tests.trainer.test_golden import _step_metrics, golden_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 
 STEPS = 2
 PRESET = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
