@@ -167,19 +167,32 @@ def _off_policy(
     return loss_BT * w_BT.to(loss_BT.dtype), correction_metrics(w_BT, bound_BT, mask_BT)
 
 
+@dataclass
+class PolicyTokens:
+    """One policy-gradient update's per-token tensors [B, T], as _policy_metrics reports them."""
+
+    logprobs_BT: torch.Tensor
+    """log pi_theta of the sampled tokens."""
+    old_BT: torch.Tensor
+    """log pi_old of the same tokens."""
+    advantages_BT: torch.Tensor
+    ratio_BT: torch.Tensor
+    """pi_theta / pi_old (policy_gradient_loss)."""
+    clip_BT: torch.Tensor
+    """Where the clip binds (bool; policy_gradient_loss)."""
+
+
 def _policy_metrics(
     prefix: str,
     inputs: LossInputs,
-    mask_BT,
-    logprobs_BT,
-    old_BT,
-    ratio_BT,
-    clip_BT,
-    adv_BT,
+    tokens: PolicyTokens,
     log_entropy: bool,
     extra_means: dict[str, torch.Tensor] | None = None,
 ) -> Metrics:
-    logprobs_BT = logprobs_BT.detach()
+    """The update's metrics under `prefix` (opd, grpo): means over the loss tokens, the ratio's max, the token count."""
+    mask_BT, old_BT, ratio_BT = inputs.loss_mask_BT, tokens.old_BT, tokens.ratio_BT
+    logprobs_BT = tokens.logprobs_BT.detach()
+    adv_BT, clip_BT = tokens.advantages_BT, tokens.clip_BT
     means = {
         f"{prefix}/advantage_mean": adv_BT,
         f"{prefix}/ratio_mean": ratio_BT,
@@ -236,12 +249,7 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
     metrics = _policy_metrics(
         "opd",
         inputs,
-        mask_BT,
-        logprobs_BT,
-        old_BT,
-        ratio_BT,
-        clip_BT,
-        advantages_BT,
+        PolicyTokens(logprobs_BT, old_BT, advantages_BT, ratio_BT, clip_BT),
         config.log_entropy,
         {"opd/reward_mean": rewards_BT, "opd/teacher_logprob_mean": teacher_BT},
     )
@@ -280,7 +288,7 @@ def grpo_loss(inputs: LossInputs, config: GRPOConfig) -> tuple[torch.Tensor, Met
         inputs.global_num_seqs,
     )
     metrics = _policy_metrics(
-        "grpo", inputs, mask_BT, logprobs_BT, old_BT, ratio_BT, clip_BT, advantages_BT, config.log_entropy
+        "grpo", inputs, PolicyTokens(logprobs_BT, old_BT, advantages_BT, ratio_BT, clip_BT), config.log_entropy
     )
     metrics.update(off_metrics)
     metrics["grpo/reward_mean"] = rewards_S.float().mean() if rewards_S.numel() else rewards_S.new_zeros(())
