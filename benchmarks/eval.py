@@ -1,7 +1,7 @@
 """Evaluation throughput of `evaluate()`: problems/s on the embedded engine at generate batch 1 vs 64, and
 through the trainer's EnginePool (`megaopd eval --engines`) over 1 and 2 `megaopd serve` processes.
 
-What is timed: evaluate(engine, tokenizer, [bench], EvalConfig(samples=1, batch_size=B)) end to end on the
+What is timed: evaluate(EvalModel(engine, tokenizer), [bench], EvalConfig(samples=1, batch_size=B)) end to end on the
 first N problems of examples/tiny/data/val.jsonl, split into generation (engine.generate) and the rest
 (prompt rendering, decoding, math-verify scoring, repetition test, writing generations.jsonl).
     problems/s = N / wall time;  generated tokens/s = sum of response lengths / generation time.
@@ -145,17 +145,21 @@ def run(model: str, batch: int, n_problems: int, max_new_tokens: int, workdir: s
 
 
 def _timed(engine, tok, bench, model, batch, max_new_tokens, workdir, servers) -> dict:
-    from megaopd.eval import EvalConfig, evaluate
+    from megaopd.eval import EvalConfig, EvalModel, evaluate
     from megaopd.eval.benchmarks import Benchmark
 
     cfg = EvalConfig(samples=1, batch_size=batch, max_new_tokens=max_new_tokens, temperature=0.6)
     # Warm-up (first-call allocations, math-verify import) outside the timing.
     evaluate(
-        engine, tok, [Benchmark("warm", bench.problems[:2], 1)], EvalConfig(samples=1, batch_size=2, max_new_tokens=4)
+        EvalModel(engine, tok),
+        [Benchmark("warm", bench.problems[:2], 1)],
+        EvalConfig(samples=1, batch_size=2, max_new_tokens=4),
     )
     engine.seconds, engine.tokens = 0.0, 0
     t0 = time.perf_counter()
-    res = evaluate(engine, tok, [bench], cfg, out_dir=os.path.join(workdir, f"out_{model}_{batch}_{servers}"))
+    res = evaluate(
+        EvalModel(engine, tok), [bench], cfg, out_dir=os.path.join(workdir, f"out_{model}_{batch}_{servers}")
+    )
     wall = time.perf_counter() - t0
     b = res.benchmarks[0]
     return {

@@ -3,7 +3,7 @@ with math-verify, result tables; used by `megaopd eval` and by the trainer's val
 
     benchmarks.py  local jsonl format {"id", "problem", "answer"}, registry, conversion of public releases
     prompt.py      problem + "Please reason step by step, ..." in the tokenizer's chat template
-    evaluate.py    evaluate(engine, tokenizer, benchmarks, EvalConfig, out_dir) -> EvalResult (any Engine)
+    evaluate.py    evaluate(EvalModel(engine, tokenizer), benchmarks, EvalConfig, out_dir) -> EvalResult (any Engine)
     generations.py OUT/generations.jsonl: appended as samples complete, read back to resume a killed run
     engines.py     engine_pool("URL,URL"): the trainer's EnginePool over SGLang / megaopd serve servers
     table.py       `python -m megaopd.eval.table DIR...`: one table, a row per evaluated checkpoint
@@ -18,7 +18,7 @@ from megaopd.eval.benchmarks import (
     load_benchmark_file,
     resolve_benchmarks,
 )
-from megaopd.eval.evaluate import BenchmarkResult, EvalConfig, EvalResult, any_at_k, evaluate, mean_at_k
+from megaopd.eval.evaluate import BenchmarkResult, EvalConfig, EvalModel, EvalResult, any_at_k, evaluate, mean_at_k
 from megaopd.eval.prompt import PROMPT_SUFFIX, format_problem, prompt_ids, prompt_text
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "resolve_benchmarks",
     "BenchmarkResult",
     "EvalConfig",
+    "EvalModel",
     "EvalResult",
     "any_at_k",
     "evaluate",

@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 from megaopd.eval.benchmarks import BENCHMARKS, DEFAULT_DATA_DIR, resolve_benchmarks
-from megaopd.eval.evaluate import EvalConfig, evaluate
+from megaopd.eval.evaluate import EvalConfig, EvalModel, evaluate
 from megaopd.metrics.reward import EXTRACTIONS, RewardConfig
 from megaopd.metrics.rollout import RepetitionConfig
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer = load_tokenizer(hf_dir)
             engine = load_engine(hf_dir, args.batch_size, args.dtype)
         try:
-            result = evaluate(engine, tokenizer, suites, cfg, out_dir=out_dir, label=label)
+            result = evaluate(EvalModel(engine, tokenizer, label), suites, cfg, out_dir=out_dir)
         except ValueError as e:  # out_dir holds another evaluation's generations
             print(f"megaopd eval: {e}", file=sys.stderr)
             return 2

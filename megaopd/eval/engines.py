@@ -3,7 +3,7 @@ serve`), through the same EnginePool the trainer's rollouts use (work spread ove
 in input order, a failed job retried on another server).
 
     pool = engine_pool("http://node1:30000,http://node1:30010", timeout_s=7200)
-    evaluate(pool, tokenizer, ["aime24"], EvalConfig(batch_size=256 * len(pool.engines)))
+    evaluate(EvalModel(pool, tokenizer), ["aime24"], EvalConfig(batch_size=256 * len(pool.engines)))
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The same function serves `megaopd eval` (full suites, results table) and the tra
 (a fixed subset every eval_interval steps: `limit`, then `EvalResult.to_metrics("val")`).
 
     from megaopd.eval import evaluate, EvalConfig
-    result = evaluate(engine, tokenizer, ["math500", "aime24"], EvalConfig(temperature=0.6), out_dir="eval/")
+    result = evaluate(EvalModel(engine, tokenizer), ["math500", "aime24"], EvalConfig(temperature=0.6), out_dir="eval/")
     print(result.markdown())
 
 Files written to out_dir: generations.jsonl (every sample with its verdict, appended as samples complete;
@@ -225,25 +225,37 @@ def _stop_ids(tokenizer, cfg: EvalConfig) -> list[int]:
     return list(dict.fromkeys(list(stop) + _eos_ids(tokenizer)))
 
 
+@dataclass
+class EvalModel:
+    """The model under evaluation: what generates its responses and how its prompts and responses are read."""
+
+    engine: Engine
+    """Any Engine (the embedded engine, an HttpEngine, an EnginePool over servers): the seeds make every sample
+    independent of the engine and batching."""
+    tokenizer: Any
+    """Decodes the responses (and renders the default prompts)."""
+    label: str = "model"
+    """Its row in the results table."""
+    prompt_fn: Callable[[str], list[int]] | None = None
+    """problem -> prompt ids, overriding the default rendering (the trainer passes its data config's, so
+    validation prompts match the rollouts')."""
+
+
 def evaluate(
-    engine: Engine,
-    tokenizer,
+    model: EvalModel,
     benchmarks: Iterable[str | Benchmark],
     cfg: EvalConfig | None = None,
     out_dir: str | None = None,
     data_dir: str | None = None,
-    label: str = "model",
-    prompt_fn: Callable[[str], list[int]] | None = None,
 ) -> EvalResult:
-    """Generates cfg.samples (or each benchmark's default) responses per problem with `engine`, scores
+    """Generates cfg.samples (or each benchmark's default) responses per problem with `model`, scores
     them, and returns an EvalResult; with out_dir, also writes generations.jsonl (appended as samples
     complete), results.json and results.md there, and a restart into the same out_dir generates only
-    the samples generations.jsonl lacks. `engine`: any Engine (the embedded engine, an HttpEngine, an
-    EnginePool over servers): the seeds make every sample independent of the engine and batching.
-    `benchmarks`: registered names, .jsonl paths or Benchmark objects. prompt_fn(problem) -> prompt ids
-    overrides the default rendering (the trainer passes its data config's, so validation prompts match
-    the rollouts')."""
+    the samples generations.jsonl lacks. `benchmarks`: registered names, .jsonl paths or Benchmark objects
+    (data_dir: where the registered ones' files are)."""
     cfg = cfg or EvalConfig()
+    tokenizer = model.tokenizer
+    prompt_fn = model.prompt_fn
     if prompt_fn is None:
         prompt_fn = lambda problem: prompt_ids(tokenizer, problem, cfg.use_chat_template)  # noqa: E731
     suites = resolve_benchmarks(benchmarks, data_dir, cfg.samples)
@@ -251,7 +263,7 @@ def evaluate(
     results = []
     try:
         for bench in suites:
-            results.append(_evaluate_one(engine, tokenizer, bench, cfg, store, prompt_fn))
+            results.append(_evaluate_one(model.engine, tokenizer, bench, cfg, store, prompt_fn))
             r = results[-1]
             log.info(
                 "%s: %s %.1f%% (%d x %d, answers found %d, %.0fs)",
@@ -266,7 +278,7 @@ def evaluate(
     finally:
         if store:
             store.close()
-    result = EvalResult(results, label, config=_config_dict(cfg), extract=cfg.reward.extract)
+    result = EvalResult(results, model.label, config=_config_dict(cfg), extract=cfg.reward.extract)
     if out_dir:
         with open(os.path.join(out_dir, "results.json"), "w") as f:
             json.dump(result.to_json(), f, indent=2)

@@ -6,7 +6,7 @@
 
 Rendered by megaopd.data.templates, the code that renders training prompts, so validation during training
 and `megaopd eval` see prompts exactly like the rollouts'. The trainer passes its own data config (teacher
-template, system prompt, ...) through `evaluate(..., prompt_fn=...)`.
+template, system prompt, ...) through `evaluate(EvalModel(..., prompt_fn=...), ...)`.
 """
 
 from __future__ import annotations

@@ -31,13 +31,12 @@ def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[i
         return _evaluate_with_tools(engine, tokenizer, cfg, stop_ids)
     from megaopd.data.templates import render_and_encode
     from megaopd.eval.benchmarks import load_benchmark_file
-    from megaopd.eval.evaluate import EvalConfig, evaluate
+    from megaopd.eval.evaluate import EvalConfig, EvalModel, evaluate
 
     vcfg = cfg.validation
     bench = load_benchmark_file(vcfg.path, name="val", samples=vcfg.samples)
     result = evaluate(
-        engine,
-        tokenizer,
+        EvalModel(engine, tokenizer, prompt_fn=lambda problem: render_and_encode(problem, cfg.data, tokenizer)[1]),
         [bench],
         EvalConfig(
             samples=vcfg.samples,
@@ -49,7 +48,6 @@ def _evaluate(engine, tokenizer, cfg: MegaOPDConfig, step: int, stop_ids: list[i
             reward=cfg.metrics.reward,
         ),
         out_dir=os.path.join(cfg.run.dir, "eval", f"step_{step:06d}"),
-        prompt_fn=lambda problem: render_and_encode(problem, cfg.data, tokenizer)[1],
     )
     if run_log is not None:
         run_log.evaluation(step, result)

@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 
-from megaopd.eval import EvalConfig, evaluate
+from megaopd.eval import EvalConfig, EvalModel, evaluate
 from megaopd.eval.engines import engine_pool, parse_urls
 from megaopd.eval.generations import GenerationStore
 
@@ -70,9 +70,9 @@ CFG = dict(samples=2, max_new_tokens=64, limit=10, temperature=0.6, seed=3)
 
 
 def test_pool_of_two_servers_equals_embedded(tok, embedded, two_servers, tmp_path):
-    ref = evaluate(embedded, tok, [VAL], EvalConfig(batch_size=8, **CFG), out_dir=str(tmp_path / "emb"), label="s")
+    ref = evaluate(EvalModel(embedded, tok, "s"), [VAL], EvalConfig(batch_size=8, **CFG), out_dir=str(tmp_path / "emb"))
     pool = engine_pool(",".join(two_servers))
-    got = evaluate(pool, tok, [VAL], EvalConfig(batch_size=12, **CFG), out_dir=str(tmp_path / "pool"), label="s")
+    got = evaluate(EvalModel(pool, tok, "s"), [VAL], EvalConfig(batch_size=12, **CFG), out_dir=str(tmp_path / "pool"))
     assert (tmp_path / "emb" / "results.md").read_text() == (tmp_path / "pool" / "results.md").read_text()
     assert lines(tmp_path / "emb" / "generations.jsonl") == lines(tmp_path / "pool" / "generations.jsonl")
     assert got.benchmarks[0].accuracy == ref.benchmarks[0].accuracy > 0  # the tiny student solves some
@@ -95,14 +95,14 @@ class Interrupting:
 
 def test_interrupted_evaluation_resumes_with_the_same_table(tok, embedded, tmp_path):
     cfg = EvalConfig(batch_size=6, **CFG)  # 20 samples: calls of 6, 6, 6, 2
-    full = evaluate(embedded, tok, [VAL], cfg, out_dir=str(tmp_path / "full"), label="s")
+    full = evaluate(EvalModel(embedded, tok, "s"), [VAL], cfg, out_dir=str(tmp_path / "full"))
     first = Interrupting(embedded, stop_at=3)
     with pytest.raises(KeyboardInterrupt):
-        evaluate(first, tok, [VAL], cfg, out_dir=str(tmp_path / "run"), label="s")
+        evaluate(EvalModel(first, tok, "s"), [VAL], cfg, out_dir=str(tmp_path / "run"))
     assert len(lines(tmp_path / "run" / "generations.jsonl")) == 12
     # Restart with another batching: only the 8 missing samples are generated, the table is the same.
     second = Interrupting(embedded)
-    again = evaluate(second, tok, [VAL], EvalConfig(batch_size=5, **CFG), out_dir=str(tmp_path / "run"), label="s")
+    again = evaluate(EvalModel(second, tok, "s"), [VAL], EvalConfig(batch_size=5, **CFG), out_dir=str(tmp_path / "run"))
     assert second.units == list(range(12, 20))
     assert (tmp_path / "run" / "results.md").read_text() == (tmp_path / "full" / "results.md").read_text()
     assert again.benchmarks[0].accuracy == full.benchmarks[0].accuracy
@@ -112,35 +112,37 @@ def test_interrupted_evaluation_resumes_with_the_same_table(tok, embedded, tmp_p
     assert sorted(recs, key=key) == sorted(lines(tmp_path / "full" / "generations.jsonl"), key=key)
     # A third start has nothing left to generate.
     third = Interrupting(embedded)
-    evaluate(third, tok, [VAL], cfg, out_dir=str(tmp_path / "run"), label="s")
+    evaluate(EvalModel(third, tok, "s"), [VAL], cfg, out_dir=str(tmp_path / "run"))
     assert third.calls == 0
 
 
 def test_torn_last_line_is_cut_and_regenerated(tok, embedded, tmp_path):
     cfg = EvalConfig(batch_size=4, **{**CFG, "limit": 3})
-    evaluate(embedded, tok, [VAL], cfg, out_dir=str(tmp_path), label="s")
+    evaluate(EvalModel(embedded, tok, "s"), [VAL], cfg, out_dir=str(tmp_path))
     path = tmp_path / "generations.jsonl"
     full = path.read_text()
     path.write_text(full[: len(full) - 40])  # killed in the middle of the last record
     eng = Interrupting(embedded)
-    evaluate(eng, tok, [VAL], cfg, out_dir=str(tmp_path), label="s")
+    evaluate(EvalModel(eng, tok, "s"), [VAL], cfg, out_dir=str(tmp_path))
     assert eng.units == [5]
     assert [json.loads(x) for x in path.read_text().splitlines()] == [json.loads(x) for x in full.splitlines()]
 
 
 def test_other_settings_in_the_same_folder_are_refused(tok, embedded, tmp_path):
-    evaluate(embedded, tok, [VAL], EvalConfig(batch_size=4, **{**CFG, "limit": 1}), out_dir=str(tmp_path))
+    evaluate(EvalModel(embedded, tok), [VAL], EvalConfig(batch_size=4, **{**CFG, "limit": 1}), out_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"temperature: 0.6 -> 1.0.*another --out folder"):
         evaluate(
-            embedded,
-            tok,
+            EvalModel(embedded, tok),
             [VAL],
             EvalConfig(batch_size=4, **{**CFG, "limit": 1, "temperature": 1.0}),
             out_dir=str(tmp_path),
         )
     with pytest.raises(ValueError, match="2 samples"):  # k is part of every sample's seed
         evaluate(
-            embedded, tok, [VAL], EvalConfig(batch_size=4, **{**CFG, "limit": 1, "samples": 3}), out_dir=str(tmp_path)
+            EvalModel(embedded, tok),
+            [VAL],
+            EvalConfig(batch_size=4, **{**CFG, "limit": 1, "samples": 3}),
+            out_dir=str(tmp_path),
         )
     # A different --limit is the same evaluation: more problems extend it.
     store = GenerationStore(

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megaopd.eval import PROMPT_SUFFIX, EvalConfig, any_at_k, evaluate, mean_at_k, prompt_text
+from megaopd.eval import PROMPT_SUFFIX, EvalConfig, EvalModel, any_at_k, evaluate, mean_at_k, prompt_text
 from megaopd.eval.benchmarks import Benchmark, Problem, write_benchmark_file
 from megaopd.metrics import RepetitionConfig
 from tests.eval.scripted_engine import ScriptedEngine
@@ -51,7 +51,7 @@ def test_scripted_avg_at_k_rates_and_files(tok, tmp_path):
     reasons = ["stop", "length", "stop", "stop", "stop", "length", "length", "stop", "stop", "stop"]
     eng = ScriptedEngine(tok, texts, reasons)
     cfg = EvalConfig(batch_size=4, repetition=RepetitionConfig(window_chars=200), max_new_tokens=32)
-    res = evaluate(eng, tok, [half, many], cfg, out_dir=str(tmp_path), label="tiny")
+    res = evaluate(EvalModel(eng, tok, "tiny"), [half, many], cfg, out_dir=str(tmp_path))
     h, m = res.benchmarks
     assert (h.metric, h.accuracy, h.truncation_rate, h.repetition_rate) == ("pass@1", 0.5, 0.5, 0.0)
     assert (m.metric, m.accuracy, m.pass_at_k) == ("avg@4", pytest.approx((0.75 + 0.5) / 2), 1.0)
@@ -91,7 +91,10 @@ def test_paper_column_order(tok, tmp_path):
         write_benchmark_file([{"id": "1", "problem": "p", "answer": "1"}], str(tmp_path / f"{name}.jsonl"))
     eng = ScriptedEngine(tok, ["\\boxed{1}"] * 6)
     res = evaluate(
-        eng, tok, ["aime25", "minerva", "math500"], EvalConfig(samples=2, max_new_tokens=8), data_dir=str(tmp_path)
+        EvalModel(eng, tok),
+        ["aime25", "minerva", "math500"],
+        EvalConfig(samples=2, max_new_tokens=8),
+        data_dir=str(tmp_path),
     )
     assert res.markdown().splitlines()[0] == "| Model | MATH-500 | Minerva | AIME25 | Avg |"
     assert [b.metric for b in res.benchmarks] == ["avg@2"] * 3
@@ -106,11 +109,10 @@ def test_end_to_end_tiny_model(tiny_hf_dir, tiny_bench, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_hf_dir)
     eng = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=tiny_hf_dir, max_batch_size=4))
     cfg = EvalConfig(samples=2, max_new_tokens=12, batch_size=4, limit=2)
-    res = evaluate(eng, tok, [tiny_bench], cfg, out_dir=str(tmp_path))
+    res = evaluate(EvalModel(eng, tok), [tiny_bench], cfg, out_dir=str(tmp_path))
     # Seeded per (problem, sample): one prompt per call gives the same generations as two per call.
     evaluate(
-        eng,
-        tok,
+        EvalModel(eng, tok),
         [tiny_bench],
         EvalConfig(samples=2, max_new_tokens=12, batch_size=2, limit=2),
         out_dir=str(tmp_path / "b1"),
@@ -162,14 +164,16 @@ def test_prompt_fn_override_and_tiny_tokenizer_matches_training_render(tok):
             return super().generate(prompts, params, first_prompt_index)
 
     b = Benchmark("x", [Problem("1", "What is 1+1?", "2")])
-    evaluate(Recorder(tok, ["\\boxed{2}"]), tok, [b], EvalConfig(max_new_tokens=4), prompt_fn=lambda p: [7, 7, 7])
+    evaluate(
+        EvalModel(Recorder(tok, ["\\boxed{2}"]), tok, prompt_fn=lambda p: [7, 7, 7]), [b], EvalConfig(max_new_tokens=4)
+    )
     assert seen == [[7, 7, 7]]
     # Default rendering = the training data's (megaopd.data.templates, student chat template).
     from megaopd.data.config import DataConfig
     from megaopd.data.templates import render_and_encode
 
     seen.clear()
-    evaluate(Recorder(tok, ["\\boxed{2}"]), tok, [b], EvalConfig(max_new_tokens=4))
+    evaluate(EvalModel(Recorder(tok, ["\\boxed{2}"]), tok), [b], EvalConfig(max_new_tokens=4))
     assert seen == [render_and_encode("What is 1+1?", DataConfig(), tok)[1]]
 
 
@@ -206,7 +210,7 @@ def test_answers_found_warning_and_rescore_with_another_extraction(tok, tmp_path
     bench = Benchmark("arith", [Problem("a", "p", "7"), Problem("b", "q", "42")], samples=2)
     texts = ["3 + 4 = 7 apples.", "I do not know.", "The answer is 42.", "The answer is 41."]
     eng = ScriptedEngine(tok, texts)
-    res = evaluate(eng, tok, [bench], EvalConfig(max_new_tokens=16), out_dir=str(tmp_path), label="smol")
+    res = evaluate(EvalModel(eng, tok, "smol"), [bench], EvalConfig(max_new_tokens=16), out_dir=str(tmp_path))
     assert (res.benchmarks[0].answers_found, res.responses, res.average) == (0, 4, 0.0)
     assert res.answers_line() == "answers found: 0 of 4 (extract=boxed)"
     assert res.answers_warning("--extract ").startswith("0 of 4 responses had a \\boxed{} answer")
@@ -216,12 +220,10 @@ def test_answers_found_warning_and_rescore_with_another_extraction(tok, tmp_path
 
     idle = ScriptedEngine(tok, [])  # nothing to generate: a call would pop from an empty script
     num = evaluate(
-        idle,
-        tok,
+        EvalModel(idle, tok, "smol"),
         [bench],
         EvalConfig(max_new_tokens=16, reward=RewardConfig(extract="number")),
         out_dir=str(tmp_path),
-        label="smol",
     )
     assert idle.calls == []
     b = num.benchmarks[0]
@@ -235,7 +237,7 @@ def test_answers_found_warning_and_rescore_with_another_extraction(tok, tmp_path
     assert [g["extract"] for g in gens] == ["boxed"] * 4 + ["number"] * 4
     assert [g["extracted"] for g in gens[4:]] == ["7", None, "42", "41"]
     number = EvalConfig(reward=RewardConfig(extract="number"), max_new_tokens=16)
-    again = evaluate(ScriptedEngine(tok, []), tok, [bench], number, out_dir=str(tmp_path))
+    again = evaluate(EvalModel(ScriptedEngine(tok, []), tok), [bench], number, out_dir=str(tmp_path))
     assert again.benchmarks[0].accuracy == b.accuracy and len(open(tmp_path / "generations.jsonl").readlines()) == 8
 
 

@@ -61,7 +61,7 @@ def test_teacher_beats_student_on_val_subset():
     import torch
 
     from megaopd.engine.config import EmbeddedEngineConfig
-    from megaopd.eval.evaluate import EvalConfig, evaluate
+    from megaopd.eval.evaluate import EvalConfig, EvalModel, evaluate
     from megaopd.models.hf_io import load_tokenizer
     from megaopd.rollout.embedded import EmbeddedEngine
 
@@ -71,8 +71,7 @@ def test_teacher_beats_student_on_val_subset():
         d = os.path.join(MODELS, role)
         engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=d, device="cpu"))
         result = evaluate(
-            engine,
-            load_tokenizer(d),
+            EvalModel(engine, load_tokenizer(d)),
             [VAL],
             EvalConfig(samples=1, temperature=0.6, max_new_tokens=128, limit=64, seed=0),
         )
