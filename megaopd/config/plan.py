@@ -105,7 +105,7 @@ class Item:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
     items: list[Item]
     gpu_bytes: float
     """The memory the peak must fit in: one GPU's, or (device=cpu) the machine's, which every rank shares."""
@@ -150,48 +150,78 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------- the plan
-def build_plan(
-    student: RoleLayout,
-    reference: RoleLayout | None,
-    teacher: RoleLayout | None,
-    *,
-    world_size: int,
-    micro_batch_rows: int,
-    seq_len: int,
-    use_distributed_optimizer: bool,
-    colocated: bool,
-    gpu_memory_gb: float,
-    engine_memory_fraction: float,
-    engine_released_gb: float,
-    reserved_gb: float,
-    flash_attention: bool,
-    packed_tokens: int = 0,
-    logits_chunk_tokens: int = 0,
-    cuda_context_gb: float = 0.0,
-    allocator_reserve: float = 0.0,
-    embedded_engine: EmbeddedEngineFootprint | None = None,
-    score: MicroBatchShape | None = None,
-    device: str = "cuda",
-    process_gb: float = 0.0,
-) -> Plan:
-    """Bytes per GPU (device=cpu: per rank process) of every item in each phase; pure (no file or device is
-    touched).
+@dataclass(frozen=True)
+class PlanRoles:
+    """The models whose memory the plan counts: the student (actor) and the frozen ones beside it."""
 
-    packed_tokens > 0 (trainer.pack_sequences=true): the training micro-batch is one packed row of that many
-    tokens (config/plan_shape.py), whose sequences are at most seq_len long; micro_batch_rows is then unused.
-    0: micro_batch_rows padded rows of seq_len tokens. score: the scoring passes' micro-batch (None: the
-    training one's shape). logits_chunk_tokens > 0: the fused output layer (trainer.logits_chunk_tokens):
-    logits of that many tokens at a time instead of the micro-batch's. device=cpu: no CUDA context, NCCL
-    margin (reserved_gb) or colocated engine share; process_gb for the rank process instead."""
+    student: RoleLayout
+    reference: RoleLayout | None = None
+    teacher: RoleLayout | None = None
+    """The in-job teacher (one; None when it is served, absent or runs on the reference's model)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLayout:
+    """How the step trains: the world, the micro-batches, the optimizer, attention and logits."""
+
+    world_size: int
+    micro_batch_rows: int
+    seq_len: int
+    use_distributed_optimizer: bool
+    flash_attention: bool
+    packed_tokens: int = 0
+    """> 0 (trainer.pack_sequences=true): the training micro-batch is one packed row of that many tokens
+    (config/plan_shape.py), whose sequences are at most seq_len long; micro_batch_rows is then unused. 0:
+    micro_batch_rows padded rows of seq_len tokens."""
+    logits_chunk_tokens: int = 0
+    """> 0: the fused output layer (trainer.logits_chunk_tokens): logits of that many tokens at a time instead
+    of the micro-batch's."""
+    score: MicroBatchShape | None = None
+    """The scoring passes' micro-batch (None: the training one's shape)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineMemory:
+    """What the plan must fit in, and what the machine itself takes of it."""
+
+    gpu_memory_gb: float
+    reserved_gb: float
+    """NCCL and what is not itemized (GPU only)."""
+    cuda_context_gb: float = 0.0
+    allocator_reserve: float = 0.0
+    device: str = "cuda"
+    """cpu: no CUDA context, NCCL margin (reserved_gb) or colocated engine share; process_gb for each rank
+    process instead."""
+    process_gb: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineMemory:
+    """The rollout engines' share of the trainer's memory."""
+
+    colocated: bool
+    """Served engines on the training GPUs (they hold engine_memory_fraction while generating)."""
+    engine_memory_fraction: float
+    engine_released_gb: float
+    embedded_engine: EmbeddedEngineFootprint | None = None
+
+
+def build_plan(roles: PlanRoles, step: StepLayout, machine: MachineMemory, engines: EngineMemory) -> MemoryPlan:
+    """Bytes per GPU (device=cpu: per rank process) of every item in each phase; pure (no file or device is
+    touched). The records' fields say what each input is."""
+    student, reference, teacher = roles.student, roles.reference, roles.teacher
+    world_size, seq_len, packed_tokens = step.world_size, step.seq_len, step.packed_tokens
+    use_distributed_optimizer, flash_attention = step.use_distributed_optimizer, step.flash_attention
+    logits_chunk_tokens, device = step.logits_chunk_tokens, machine.device
     cpu = device == "cpu"
     dp = max(1, world_size // (student.tp * student.pp))
     p_actor = params_per_rank(student.hf, student.tp, student.pp, student.ep)
     e = DTYPE_BYTES[student.dtype]
     adam = adam_bytes_per_param(student.dtype) * p_actor / (dp if use_distributed_optimizer else 1)
     packed = packed_tokens > 0
-    b, s = (1, packed_tokens) if packed else (micro_batch_rows, seq_len)
+    b, s = (1, packed_tokens) if packed else (step.micro_batch_rows, seq_len)
     train = MicroBatchShape(b, s, seq_len, packed)
-    score = score or train
+    score = step.score or train
     # What to lower when a micro-batch's activations or logits do not fit.
     smaller = "lower trainer.max_tokens_per_micro_batch" if packed else "lower trainer.micro_batch_size"
     items = []
@@ -240,12 +270,13 @@ def build_plan(
     else:
         _whole_logits_items(items, case)
     _model_items(items, reference, teacher, offload=not cpu)
-    if colocated and not cpu:
-        share = engine_memory_fraction * gpu_memory_gb * GB
-        rest = engine_released_gb * GB
+    if engines.colocated and not cpu:
+        share = engines.engine_memory_fraction * machine.gpu_memory_gb * GB
+        rest = engines.engine_released_gb * GB
         items.append(
             Item(
-                f"colocated engine (mem fraction {engine_memory_fraction:g}; released: {engine_released_gb:g} GB)",
+                f"colocated engine (mem fraction {engines.engine_memory_fraction:g}; released: "
+                f"{engines.engine_released_gb:g} GB)",
                 share,
                 rest,
                 rest,
@@ -253,14 +284,14 @@ def build_plan(
                 "or give engines their own nodes (ENGINE_NODES)",
             )
         )
-    if embedded_engine is not None:
-        items.append(_embedded_engine_item(embedded_engine, cpu))
+    if engines.embedded_engine is not None:
+        items.append(_embedded_engine_item(engines.embedded_engine, cpu))
     if cpu:
-        static("rank process (interpreter, libraries, tokenizer, data, heap)", process_gb * GB)
+        static("rank process (interpreter, libraries, tokenizer, data, heap)", machine.process_gb * GB)
     else:
-        if cuda_context_gb:
-            static("CUDA context (one process)", cuda_context_gb * GB)
-        static("reserved (NCCL, not itemized)", reserved_gb * GB)
+        if machine.cuda_context_gb:
+            static("CUDA context (one process)", machine.cuda_context_gb * GB)
+        static("reserved (NCCL, not itemized)", machine.reserved_gb * GB)
     head = "fused output layer, " + f"{logits_chunk_tokens} tokens a chunk" if logits_chunk_tokens else "whole logits"
     where = "per rank process (CPU, resident memory)" if cpu else "per GPU"
     notes = [
@@ -268,16 +299,16 @@ def build_plan(
         f"per rank, micro-batch {train.describe()} (scoring: {score.describe()}), "
         f"{'flash' if flash_attention else 'unfused'} attention, {head}"
         + (
-            f"; totals include the allocator's reserve (+{allocator_reserve:.0%})"
-            if allocator_reserve and not cpu
+            f"; totals include the allocator's reserve (+{machine.allocator_reserve:.0%})"
+            if machine.allocator_reserve and not cpu
             else ""
         )
     ]
-    return Plan(
+    return MemoryPlan(
         items,
-        gpu_memory_gb * GB,
+        machine.gpu_memory_gb * GB,
         notes=notes,
-        allocator_reserve=0.0 if cpu else allocator_reserve,
+        allocator_reserve=0.0 if cpu else machine.allocator_reserve,
         device=device,
         ranks=world_size if cpu else 1,
     )
@@ -449,7 +480,7 @@ def _whole_logits_items(items: list[Item], case: _LogitsCase) -> None:
     )
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: MemoryPlan) -> str:
     width = max(len(i.name) for i in plan.items) + 2
     head = f"{'item':<{width}}" + "".join(f"{p:>10}" for p in plan.phases)
     lines = [*plan.notes, head, "-" * len(head)]
@@ -462,7 +493,7 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def explain_overflow(plan: Plan, top: int = 3) -> str:
+def explain_overflow(plan: MemoryPlan, top: int = 3) -> str:
     """One message: the phase that overflows, by how much, its biggest items and what to change."""
     phase = plan.peak_phase()
     over = plan.needed() - plan.gpu_bytes
@@ -505,8 +536,8 @@ def step_rows(cfg: MegaOPDConfig, needs) -> StepRows:
     )
 
 
-def plan_for(cfg: MegaOPDConfig) -> Plan:
-    """The Plan of a loaded config (reads the models' config.json files): its own rows, on its device."""
+def plan_for(cfg: MegaOPDConfig) -> MemoryPlan:
+    """The MemoryPlan of a loaded config (reads the models' config.json files): its own rows, on its device."""
     needs = build_loss_from(cfg.loss).needs
     device = plan_device(cfg)
     cpu = device == "cpu"
@@ -556,27 +587,31 @@ def plan_for(cfg: MegaOPDConfig) -> Plan:
     flash = train.packed if cpu else cfg.plan.attention == "flash"
     memory = (cfg.plan.cpu_memory_gb or _machine_memory_gb()) if cpu else cfg.plan.gpu_memory_gb
     return build_plan(
-        student,
-        reference,
-        teacher,
-        world_size=world,
-        micro_batch_rows=train.rows,
-        seq_len=train.longest if train.packed else train.tokens,
-        packed_tokens=train.tokens if train.packed else 0,
-        score=shapes.score,
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        colocated=cfg.rollout.colocated and not cfg.rollout.engine.in_trainer,
-        gpu_memory_gb=memory,
-        engine_memory_fraction=cfg.plan.engine_memory_fraction,
-        engine_released_gb=cfg.plan.engine_released_gb,
-        reserved_gb=cfg.plan.reserved_gb,
-        flash_attention=flash,
-        logits_chunk_tokens=cfg.trainer.logits_chunk_tokens,
-        cuda_context_gb=cfg.plan.cuda_context_gb,
-        allocator_reserve=cfg.plan.allocator_reserve,
-        embedded_engine=engine,
-        device=device,
-        process_gb=cfg.plan.cpu_process_gb,
+        PlanRoles(student, reference, teacher),
+        StepLayout(
+            world_size=world,
+            micro_batch_rows=train.rows,
+            seq_len=train.longest if train.packed else train.tokens,
+            packed_tokens=train.tokens if train.packed else 0,
+            score=shapes.score,
+            use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+            flash_attention=flash,
+            logits_chunk_tokens=cfg.trainer.logits_chunk_tokens,
+        ),
+        MachineMemory(
+            gpu_memory_gb=memory,
+            reserved_gb=cfg.plan.reserved_gb,
+            cuda_context_gb=cfg.plan.cuda_context_gb,
+            allocator_reserve=cfg.plan.allocator_reserve,
+            device=device,
+            process_gb=cfg.plan.cpu_process_gb,
+        ),
+        EngineMemory(
+            colocated=cfg.rollout.colocated and not cfg.rollout.engine.in_trainer,
+            engine_memory_fraction=cfg.plan.engine_memory_fraction,
+            engine_released_gb=cfg.plan.engine_released_gb,
+            embedded_engine=engine,
+        ),
     )
 
 

@@ -16,10 +16,11 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
-from megaopd.config.plan import build_plan, explain_overflow
+from megaopd.config.plan import EngineMemory, MachineMemory, PlanRoles, StepLayout, build_plan, explain_overflow
 from megaopd.config.plan_shape import StepRows, train_shape
 from megaopd.config.plan_sizes import (
     OPS_CHUNK_BYTES,
@@ -37,6 +38,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 Q7B = os.path.join(FIXTURES, "qwen2.5-math-7b")
 Q15B = os.path.join(FIXTURES, "qwen2.5-math-1.5b")
+
+
+def _build(student, reference, teacher, **kw):
+    """build_plan from these tests' keywords, each handed to the record that holds it."""
+
+    def take(record):
+        return record(**{f.name: kw.pop(f.name) for f in fields(record) if f.name in kw})
+
+    step, machine, engines = take(StepLayout), take(MachineMemory), take(EngineMemory)
+    assert not kw, f"no record holds {sorted(kw)}"
+    return build_plan(PlanRoles(student, reference, teacher), step, machine, engines)
 
 
 def _role(path, tp=2, dtype="bfloat16", **kw):
@@ -57,7 +69,7 @@ def _plan(student, **kw):
         flash_attention=True,
     )
     args.update(kw)
-    return build_plan(student, None, None, **args)
+    return _build(student, None, None, **args)
 
 
 def _item(plan, prefix):
@@ -193,7 +205,7 @@ def test_packed_micro_batch_is_the_token_budget():
     assert L / 2**30 == pytest.approx(4.64, abs=0.01)
     chunks = OPS_CHUNKS_LIVE * OPS_CHUNK_BYTES
     for rows in (1, 8):  # micro_batch_size is not read on the packed path
-        plan = build_plan(
+        plan = _build(
             student,
             reference,
             None,
@@ -227,7 +239,7 @@ def test_packed_micro_batch_is_the_token_budget():
     assert train_shape(StepRows(rollout_tokens=9216, group=4, max_tokens=16384, **rows), 1).tokens == 4 * 9216
     assert train_shape(StepRows(rollout_tokens=9216, group=1, max_tokens=4096, **rows), 1).tokens == 9216
     # no reference (opd alone): the logits and a gradient buffer of their own
-    alone = build_plan(
+    alone = _build(
         student,
         None,
         None,
@@ -246,7 +258,7 @@ def test_packed_micro_batch_is_the_token_budget():
     assert _item(alone, "student logits").train == 2 * L + chunks
     # padded rows (pack_sequences=false, 8 x 384): the loss's logits[:, :-1] of several rows is copied by the
     # ops, for each model (benchmarks/memory.py "train, padded": 4.5L)
-    padded = build_plan(
+    padded = _build(
         student,
         reference,
         None,
@@ -292,7 +304,7 @@ def test_fused_output_layer_and_what_nvidia_smi_shows_by_hand():
         flash_attention=True,
         packed_tokens=tokens,
     )
-    plan = build_plan(
+    plan = _build(
         student,
         reference,
         None,
@@ -311,11 +323,9 @@ def test_fused_output_layer_and_what_nvidia_smi_shows_by_hand():
     assert _item(plan, "embedded engine").train == engine.weights + engine.kv_cache
     assert _item(plan, "CUDA context").train == 0.6e9
     assert plan.total("train") == pytest.approx(1.1 * plan.allocated("train"))
-    whole = build_plan(
-        student, reference, None, cuda_context_gb=0.6, allocator_reserve=0.1, embedded_engine=engine, **kw
-    )
+    whole = _build(student, reference, None, cuda_context_gb=0.6, allocator_reserve=0.1, embedded_engine=engine, **kw)
     assert whole.allocated("train") - plan.allocated("train") > 7e9  # 2L (10 GB) less, 2.6 GB of chunks etc. more
-    colocated = build_plan(
+    colocated = _build(
         student,
         reference,
         None,
