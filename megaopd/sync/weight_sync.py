@@ -5,7 +5,7 @@
     sync.close()
 
 push() is collective over `group` (default: torch's default group) and the actor's TP/PP groups:
-    1. plan (first push only): rank 0 picks one transport per engine from what the engine accepts
+    1. the choice (first push only): rank 0 picks one transport per engine from what the engine accepts
        (engine.weight_transports) and the config (choose_transport over TRANSPORT_KINDS), and tells every
        rank which transports are in use and what their kinds decided (cuda_ipc: which ranks feed which
        engine GPU); each rank builds the transports its kinds run on (all ranks, or rank 0);
@@ -64,7 +64,7 @@ def choose_transport(accepted: Iterable[str], colocated: bool) -> str:
 
 
 @dataclass
-class SyncPlan:
+class TransportChoice:
     """What rank 0 decided at the first push and every rank follows."""
 
     transports: list[str]
@@ -101,10 +101,10 @@ class WeightSync:
             raise ValueError("WeightSync on rank 0 needs the engine")
         self.engine, self.rollout, self.rank, self.group = engine, rollout, rank, group
         self.local_world_size, self.engines_per_node = local_world_size, engines_per_node
-        self.plan: SyncPlan | None = None
+        self.choice: TransportChoice | None = None
         self.transports: list = []
 
-    # ------------------------------------------------------------------------------------- planning
+    # -------------------------------------------------------------------------------------- choice
     def _targets_by_transport(self) -> dict[str, list]:
         groups: dict[str, list] = {}
         for target in self.engine.weight_targets():
@@ -120,21 +120,21 @@ class WeightSync:
             local_world_size=local, world_size=dist.get_world_size(self.group), engines_per_node=self.engines_per_node
         )
 
-    def _make_plan(self) -> None:
+    def _choose_transports(self) -> None:
         """Collective: rank 0 decides, every rank builds its transports from the decision."""
         by_transport = self._targets_by_transport() if self.rank == 0 else {}
         box = [None]
         if self.rank == 0:
             kinds = {name: TRANSPORT_KINDS[name] for name in by_transport}
             decisions = {n: k.decide(by_transport[n], self._layout()) for n, k in kinds.items() if k.decide}
-            box = [SyncPlan(sorted(by_transport, key=TRANSPORTS.index), decisions)]
+            box = [TransportChoice(sorted(by_transport, key=TRANSPORTS.index), decisions)]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
-        self.plan = box[0]
-        for name in self.plan.transports:
+        self.choice = box[0]
+        for name in self.choice.transports:
             kind = TRANSPORT_KINDS[name]
             if kind.all_ranks or self.rank == 0:
                 setup = TransportSetup(
-                    by_transport.get(name), self.rollout, self.rank, self.group, self.plan.decisions.get(name)
+                    by_transport.get(name), self.rollout, self.rank, self.group, self.choice.decisions.get(name)
                 )
                 self.transports.append(kind.build(setup))
 
@@ -144,8 +144,8 @@ class WeightSync:
         calls it. Returns stats on rank 0. WaitAbandoned on every rank when rank 0's waits on the engines were
         given up (a preemption signal; the module docstring)."""
         t0 = time.perf_counter()
-        if self.plan is None:
-            self._make_plan()
+        if self.choice is None:
+            self._choose_transports()
         colocated, abandoned = self.rollout.colocated, False
         if colocated:
             if torch.cuda.is_available():
@@ -167,7 +167,7 @@ class WeightSync:
             )
         if self.rank != 0:
             return None
-        return SyncStats(time.perf_counter() - t0, counted.tensors, counted.bytes, list(self.plan.transports))
+        return SyncStats(time.perf_counter() - t0, counted.tensors, counted.bytes, list(self.choice.transports))
 
     def _send(self, counted: "_Counter", weight_version: str | None) -> None:
         senders = [t for t in self.transports if t.all_ranks or self.rank == 0]
@@ -190,7 +190,7 @@ class WeightSync:
     def close(self) -> None:
         for t in self.transports:
             t.close()
-        self.transports, self.plan = [], None
+        self.transports, self.choice = [], None
 
 
 def _abandoned(fn, *args) -> bool:
