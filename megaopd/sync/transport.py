@@ -1,8 +1,8 @@
 """What a weight transport is to WeightSync: its kind (when it fits, who sends, how it is built) and what
-it is built from. The kinds in use, in order of preference, are one tuple: weight_sync.TRANSPORT_KINDS.
+it is built from. The kinds in use, in order of preference, are one ordered table: weight_sync.TRANSPORT_KINDS.
 
 A new transport is one module in megaopd/sync (its class with push/close and its KIND) and one entry in
-TRANSPORT_KINDS (docs/extending.md); WeightSync never names a transport.
+TRANSPORT_KINDS (docs/extending.md); WeightSync picks and builds transports through their kinds only.
 """
 
 from __future__ import annotations
