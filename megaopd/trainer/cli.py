@@ -196,23 +196,49 @@ def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig, record: ConfigRec
 
     The trainer (megatron-core, transformers: ~11 s of imports on a 2-core CPU) is imported here, in the rank,
     not at the top: the process that only launches the ranks would otherwise import it too, before they start.
-    The preemption flag comes first: a SIGTERM or USR1 during those imports and the models' builds (minutes at
-    7B) is then kept for the first step's check. Without the flag a rank under torchrun would ignore the signal
-    (it inherits torchrun's ignored USR1) and one spawned here would die of it.
+    The preemption flag comes first: without it a rank under torchrun would ignore the signal (it inherits
+    torchrun's ignored USR1) and one spawned here would die of it. Until the trainer is built (imports, data,
+    tokenizers, the models' builds and loads: minutes at 7B) a signal also ends the start-up where it is
+    (StartupInterrupted, raised by the handler at the next Python instruction): nothing has been trained, so
+    nothing needs saving, and a start-up that would run for minutes more (a real tokenizer pair's tables, a
+    big model's load) exits within seconds, 0 as a preempted run does. The run folder is left as a SIGKILL
+    would leave it, which every write of a start is made to survive (temporary names, then os.replace).
     """
     from megaopd.trainer.preemption import PreemptionFlag
 
     preemption = PreemptionFlag()
-    if "GROUP_RANK" in os.environ:  # under torchrun (GROUP_RANK: its node rank): which rank runs on which node
-        print(
-            f"megaopd train: rank {rank}/{world_size} on {socket.gethostname()} (node rank "
-            f"{os.environ['GROUP_RANK']}, local rank {os.environ.get('LOCAL_RANK')})\n",
-            end="",  # one write with its newline: the ranks of a node share one stream, whole lines each
-            flush=True,
-        )
-    from megaopd.trainer.trainer import Trainer
 
-    trainer = Trainer(cfg, preemption=preemption)  # the resume has loaded: nothing left to refuse it
+    def during_startup(signum, frame):
+        preemption._handle(signum, frame)  # the flag set, later copies of the signal ignored
+        raise StartupInterrupted(signum)
+
+    for sig in preemption.signals:
+        signal.signal(sig, during_startup)
+    try:
+        if "GROUP_RANK" in os.environ:  # under torchrun (GROUP_RANK: its node rank): which rank runs on which node
+            print(
+                f"megaopd train: rank {rank}/{world_size} on {socket.gethostname()} (node rank "
+                f"{os.environ['GROUP_RANK']}, local rank {os.environ.get('LOCAL_RANK')})\n",
+                end="",  # one write with its newline: the ranks of a node share one stream, whole lines each
+                flush=True,
+            )
+        from megaopd.trainer.trainer import Trainer
+
+        trainer = Trainer(cfg, preemption=preemption)  # the resume has loaded: nothing left to refuse it
+        for sig in preemption.signals:  # from here the step loop reads the flag (and saves what it trained)
+            if signal.getsignal(sig) is during_startup:
+                signal.signal(sig, preemption._handle)
+    except StartupInterrupted as e:
+        if rank == 0:
+            print(
+                f"megaopd train: preemption signal {signal.Signals(e.signum).name} during start-up: nothing "
+                f"trained since the last checkpoint, nothing to save; exiting",
+                file=sys.stderr,
+                flush=True,
+            )
+        from megaopd.trainer.run_log import RunSummary
+
+        return RunSummary(start_step=0, end_step=0, preempted=True) if rank == 0 else None
     if rank == 0 and record is not None:
         for line in record_config(cfg, record, trainer.step):
             print(line, flush=True)
@@ -220,6 +246,15 @@ def run_worker(rank: int, world_size: int, cfg: MegaOPDConfig, record: ConfigRec
     if trainer.run_log is not None:
         trainer.run_log.close()
     return summary if rank == 0 else None
+
+
+class StartupInterrupted(BaseException):
+    """A preemption signal before the trainer was built (run_worker). A BaseException, as KeyboardInterrupt:
+    the start-up's own `except Exception` handlers let it through."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _print_summary(cfg: MegaOPDConfig, summary: RunSummary) -> None:
@@ -302,7 +337,10 @@ def _train(cfg: MegaOPDConfig, record: ConfigRecord | None) -> int:
         )
     except WorkerError as e:  # a spawned rank raised: its traceback came with the error
         return _rank_failed(cfg, e.rank, e.summary, e.details)
-    except Exception as e:  # noqa: BLE001 - this process is the rank (torchrun / srun, or world size 1)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - this process is the rank (torchrun / srun, or world size 1);
+        # BaseException: torch's CheckpointException is one
         return _rank_failed(cfg, int(os.environ.get("RANK", "0")), one_line(e), traceback.format_exc())
     summary = results[0]
     if summary is not None and not summary.preempted:

@@ -285,3 +285,50 @@ def test_a_traceback_that_cannot_be_written_still_ends_in_one_line(tmp_path, mon
     assert len(err.splitlines()) == 1, err
     assert err.startswith("megaopd train: rank 0 failed: OSError: [Errno 28] No space left on device"), err
     assert "could not be written" in err
+
+
+# ------------------------------------------------------------------------------------- a signal during start-up
+
+SPINNING_START = """
+import sys, types
+from megaopd.trainer import cli
+
+class Trainer:  # a start-up that would run for minutes (a real tokenizer pair's tables, a 7B load)
+    def __init__(self, cfg, preemption=None):
+        print("starting", flush=True)
+        n = 0
+        while True:
+            n += 1
+
+sys.modules["megaopd.trainer.trainer"] = types.SimpleNamespace(Trainer=Trainer)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_at_any_moment_of_start_up_exits_within_seconds(tmp_path, sig):
+    """Issue 53: the SIGTERM sent during a 23-minute start-up loop was swallowed (the flag was read only by
+    the first step). Now the start-up ends where it is: exit 0 (a preempted run), one line, nothing written
+    but the lock and config-free folder."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SPINNING_START, PRESET, f"run.dir={run}", *ONE_RANK],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "starting"
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert err.strip() == (
+        f"megaopd train: preemption signal {sig.name} during start-up: nothing trained since the last "
+        f"checkpoint, nothing to save; exiting"
+    )
+    assert not (run / "config.yaml").exists()
