@@ -341,6 +341,35 @@ def check_all_used(names, cfg: HFModelConfig, where: str) -> None:
     )
 
 
+def check_config_matches_shards(saved: Mapping[str, tuple[int, ...]], cfg: HFModelConfig, where: str) -> None:
+    """A megatron checkpoint's saved tensor shapes (safe_load.saved_shapes: layers stacked on the first dim)
+    against the config.json beside them: layers, hidden size, FFN size, vocabulary. WeightsMismatch naming
+    the config field and what the shards hold, before any rank loads (the load would fail deep in torch's
+    checkpoint reader)."""
+    found = []
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        return saved.get(name)
+
+    proj = shape("decoder.layers.self_attention.linear_proj.weight")
+    if proj is not None and proj[0] != cfg.num_layers:
+        found.append(f"num_hidden_layers: {cfg.num_layers} but the shards hold {proj[0]} layers")
+    norm = shape("decoder.final_layernorm.weight")
+    if norm is not None and norm[0] != cfg.hidden_size:
+        found.append(f"hidden_size: {cfg.hidden_size} but the shards' hidden size is {norm[0]}")
+    fc2 = shape("decoder.layers.mlp.linear_fc2.weight")
+    if fc2 is not None and not cfg.is_moe and fc2[-1] != cfg.intermediate_size:
+        found.append(f"intermediate_size: {cfg.intermediate_size} but the shards' is {fc2[-1]}")
+    emb = shape("embedding.word_embeddings.weight")
+    if emb is not None and not cfg.vocab_size <= emb[0] < cfg.vocab_size + 128 * 64:
+        found.append(f"vocab_size: {cfg.vocab_size} but the shards hold {emb[0]} (padded) embedding rows")
+    if found:
+        raise WeightsMismatch(
+            f"{where}: config.json does not describe the checkpoint's shards: {'; '.join(found)}; restore the "
+            f"config.json saved with the checkpoint"
+        )
+
+
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters by megatron name (wrappers such as DDP's `module.` prefix removed)."""
     return {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}

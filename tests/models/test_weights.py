@@ -227,3 +227,23 @@ def test_an_hf_folder_with_a_stray_tensor_or_missing_experts_is_refused_before_a
             dataclasses.replace(cfg, num_experts=cfg.num_experts + 1),
             Placement(),
         )
+
+
+def test_config_json_against_a_checkpoints_saved_shapes():
+    from megaopd.models.weights import WeightsMismatch, check_config_matches_shards
+
+    cfg = _cfg("tiny-llama")
+    L, H, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    saved = {
+        "embedding.word_embeddings.weight": (padded_vocab_size(cfg.vocab_size, 1), H),
+        "decoder.layers.self_attention.linear_proj.weight": (L, H, cfg.num_attention_heads * cfg.head_dim),
+        "decoder.layers.mlp.linear_fc2.weight": (L, H, F),
+        "decoder.final_layernorm.weight": (H,),
+    }
+    check_config_matches_shards(saved, cfg, "CKPT")
+    with pytest.raises(WeightsMismatch, match=rf"^CKPT: .*num_hidden_layers: {L - 1} but the shards hold {L} layers"):
+        check_config_matches_shards(saved, _fewer_layers(cfg), "CKPT")
+    import dataclasses
+
+    with pytest.raises(WeightsMismatch, match=rf"intermediate_size: {2 * F} but the shards' is {F}"):
+        check_config_matches_shards(saved, dataclasses.replace(cfg, intermediate_size=2 * F), "CKPT")

@@ -222,7 +222,7 @@ def test_two_trainers_on_one_run_folder(trained, tmp_path):
     try:
         lock = os.path.join(run, "run.lock")
         for _ in range(600):
-            if os.path.exists(lock) and open(lock).read().strip():
+            if os.path.exists(lock) and f"pid {first.pid}," in open(lock).read():  # the copy holds the fixture's
                 break
             time.sleep(0.1)
         second = _train(_overrides(tmp_path, trained[0], run, 5))
@@ -236,3 +236,37 @@ def test_two_trainers_on_one_run_folder(trained, tmp_path):
     assert first.returncode == 0, out[-3000:]
     assert sorted(_step_rows(run)) == [1, 2, 3, 4, 5]
     assert not any(d.startswith("old_") for d in os.listdir(os.path.join(run, "checkpoints")))
+
+
+@pytest.mark.slow
+def test_a_truncated_shard_of_a_checkpoint_without_manifest_names_the_file(trained, tmp_path):
+    """Issue 53: without a manifest (an older megaopd's folder, a copy) a truncated shard was a bare EOFError."""
+    step = str(tmp_path / "step")
+    shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"), step)
+    os.remove(os.path.join(step, "manifest.json"))
+    shard = os.path.join(step, "model", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    r = _convert(step, str(tmp_path / "hf"))
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    assert f"{shard} is {os.path.getsize(shard)} bytes but its .metadata says it holds" in r.stderr
+    assert "EOFError" not in r.stderr
+
+
+@pytest.mark.slow
+def test_the_converter_on_shards_and_a_config_json_that_disagree_exits_2_in_one_line(trained, tmp_path):
+    """Issue 53: a 65-line traceback and exit 1 where the converter's docs promise exit 2 and one line."""
+    step = str(tmp_path / "step")
+    shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"), step)
+    with open(os.path.join(step, "config.json")) as f:
+        config = json.load(f)
+    layers = config["num_hidden_layers"]
+    config["num_hidden_layers"] = layers - 1
+    with open(os.path.join(step, "config.json"), "w") as f:
+        json.dump(config, f)
+    mf.write_manifest(step, mf.hash_files(step, mf.list_files(step)), mf.read_manifest(step).step)  # made to match
+    r = _convert(step, str(tmp_path / "hf"))
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    assert f"num_hidden_layers: {layers - 1} but the shards hold {layers} layers" in r.stderr

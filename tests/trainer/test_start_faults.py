@@ -332,3 +332,15 @@ def test_a_signal_at_any_moment_of_start_up_exits_within_seconds(tmp_path, sig):
         f"checkpoint, nothing to save; exiting"
     )
     assert not (run / "config.yaml").exists()
+
+
+def test_a_model_config_json_that_is_not_json_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    student = tmp_path / "student"
+    shutil.copytree(os.path.join(TINY, "student"), student)
+    (student / "config.json").write_text('{"hidden_size": 96,,')
+    _no_ranks(monkeypatch)
+    assert _main(tmp_path / "run", f"student.path={student}") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{student}/config.json is not JSON (JSONDecodeError: " in err, err
+    assert not (tmp_path / "run").exists()
