@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -270,3 +271,34 @@ def test_the_converter_on_shards_and_a_config_json_that_disagree_exits_2_in_one_
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
     assert f"num_hidden_layers: {layers - 1} but the shards hold {layers} layers" in r.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_save_trains_no_further_step(trained, tmp_path):
+    """Issue 53: a SIGTERM that arrived while step 4 was saved trained and saved a whole step 5 before exiting
+    (the flag was read only inside the next step). Now the run stops after the save it was in."""
+    run = _copy_run(trained, tmp_path)
+    saving = os.path.join(run, "checkpoints", "step_000004.tmp")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megaopd.cli", "train", PRESET, *_overrides(tmp_path, trained[0], run, 8)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for _ in range(60000):  # the save of step 4 in progress (its folder under its temporary name)
+            if os.path.exists(saving) or proc.poll() is not None:
+                break
+            time.sleep(0.005)
+        assert os.path.exists(saving), "the save of step 4 was not seen"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "preemption signal received: checkpoint of step 4 saved" in out, out[-3000:]
+    assert open(os.path.join(run, "checkpoints", "latest")).read() == "step_000004"
+    assert sorted(_step_rows(run)) == [1, 2, 3, 4]
