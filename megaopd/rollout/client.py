@@ -48,7 +48,7 @@ from megaopd.rollout.schema import (
     params_to_json,
     parse_version,
     prefill_request,
-    prefill_scores_from_json,
+    prefill_scores_list,
     sample_from_json,
 )
 
@@ -359,7 +359,7 @@ class HttpEngine:
                 f"{len(out) if isinstance(out, list) else 1} entries for {len(seqs)} sequences"
             )
         try:
-            return [prefill_scores_from_json(e, s, f, topk) for e, s, f in zip(out, seqs, firsts)]
+            return prefill_scores_list(out, seqs, firsts, topk)  # a bad score names the row
         except ValueError as e:
             raise EngineError(f"{self.url}/generate: {e}") from e
 
