@@ -40,6 +40,7 @@ def build_engine(
                     name=f"rollout.urls[{i}]",
                     stall_timeout_s=rollout.stall_timeout_s,
                     api_key_env=rollout.api_key_env,
+                    vocab_size=_vocab_size(hf_dir),  # generated ids outside the student's are refused
                 ),
                 stop=stop,
             )
@@ -53,3 +54,13 @@ def build_engine(
             )
         )
     raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or remote")
+
+
+def _vocab_size(hf_dir: str) -> int:
+    """The student's vocabulary size from its config.json (0 when there is none to read: not checked)."""
+    from megaopd.models.config import read_config_json
+
+    try:
+        return int(read_config_json(hf_dir).get("vocab_size") or 0)
+    except (FileNotFoundError, ValueError, TypeError):
+        return 0

@@ -112,6 +112,9 @@ class HttpEngineConfig:
     The trainer sets it from rollout.stall_timeout_s."""
     name: str = ""
     """How errors name the engine besides its URL: its config key, e.g. rollout.urls[1]."""
+    vocab_size: int = 0
+    """The student's vocabulary: generated ids outside [0, vocab_size) are refused where the answer is parsed
+    (schema.sample_from_json), naming this engine. 0: not checked."""
 
     def __post_init__(self):
         self.url = self.url.rstrip("/")
@@ -274,9 +277,10 @@ class HttpEngine:
                     f"{len(out) if isinstance(out, list) else 1} entries for {len(chunk)}"
                 )
             try:
-                samples.extend(sample_from_json(p, e) for (p, _), e in zip(chunk, out))
+                samples.extend(sample_from_json(p, e, self.config.vocab_size) for (p, _), e in zip(chunk, out))
             except ValueError as e:
-                raise EngineError(f"{self.url}/generate: {e}") from e
+                who = f" ({self.config.name})" if self.config.name else ""
+                raise EngineError(f"{self.url}/generate{who}: {e}") from e
         return samples
 
     def weight_targets(self) -> list["HttpEngine"]:

@@ -221,8 +221,10 @@ def finish_reason_json(reason: str, matched: int | None, max_new_tokens: int, me
     return {"type": "abort", "message": message or "aborted"}
 
 
-def sample_from_json(prompt_ids: list[int], entry: dict) -> Sample:
-    """A Sample from one /generate response entry (needs return_logprob=true); raises ValueError if malformed."""
+def sample_from_json(prompt_ids: list[int], entry: dict, vocab_size: int = 0) -> Sample:
+    """A Sample from one /generate response entry (needs return_logprob=true); raises ValueError if malformed,
+    or when an output id lies outside [0, vocab_size) (vocab_size > 0: the student's vocabulary; an engine
+    serving another model or tokenizer would otherwise fail later as a bare IndexError in an embedding)."""
     try:
         output_ids = [int(t) for t in entry["output_ids"]]
         meta = entry["meta_info"]
@@ -237,6 +239,13 @@ def sample_from_json(prompt_ids: list[int], entry: dict) -> Sample:
         raise ValueError("the /generate response has no output_token_logprobs; send return_logprob=true")
     if len(lps) != len(output_ids):
         raise ValueError(f"{len(lps)} output_token_logprobs for {len(output_ids)} output_ids")
+    if vocab_size > 0:
+        bad = [t for t in output_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"output_ids {bad[:4]} lie outside the student's vocabulary [0, {vocab_size}): the engine serves "
+                f"another model or tokenizer; point it at the student's (rollout.urls)"
+            )
     return Sample(
         prompt_ids=list(prompt_ids),
         output_ids=output_ids,

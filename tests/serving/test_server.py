@@ -350,3 +350,37 @@ def test_rollout_log_probs_are_checked_at_the_door():
     }
     with pytest.raises(ValueError, match="output_token_logprobs at token 1 is 2.5"):
         sample_from_json([1, 2], entry)
+
+
+def test_rollout_ids_outside_the_students_vocabulary_are_one_line_naming_the_engine(monkeypatch):
+    """Issue 53: an engine returning ids past the vocabulary ended in a bare 'IndexError: index out of range in
+    self' deep in the scoring."""
+    from megaopd.rollout.client import EngineError, HttpEngine, HttpEngineConfig
+    from megaopd.rollout.protocol import SamplingParams
+
+    entry = {
+        "output_ids": [7, 300],
+        "meta_info": {
+            "finish_reason": {"type": "length"},
+            "output_token_logprobs": [[-0.5, 7, None], [-1.0, 300, None]],
+        },
+    }
+    engine = HttpEngine(HttpEngineConfig(url="http://rollout:30000", name="rollout.urls[0]", vocab_size=256))
+    monkeypatch.setattr(HttpEngine, "request", lambda self, *a, **k: [entry])
+    with pytest.raises(EngineError) as e:
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert str(e.value) == (
+        "http://rollout:30000/generate (rollout.urls[0]): output_ids [300] lie outside the student's vocabulary "
+        "[0, 256): the engine serves another model or tokenizer; point it at the student's (rollout.urls)"
+    )
+    engine.config.vocab_size = 0  # not known: not checked
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].output_ids == [7, 300]
+
+
+def test_a_remote_rollout_engine_knows_the_students_vocabulary():
+    from megaopd.rollout.build import build_engine
+    from megaopd.rollout.config import RolloutConfig
+    from tests.trainer.tiny_models import ROOT
+
+    pool = build_engine(RolloutConfig(engine="remote", urls=["http://a:1"]), f"{ROOT}/examples/tiny/models/student")
+    assert [e.config.vocab_size for e in pool.engines] == [256]
