@@ -322,7 +322,9 @@ def test_a_signal_at_any_moment_of_start_up_exits_within_seconds(tmp_path, sig):
     try:
         assert proc.stdout.readline().strip() == "starting"
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=20)
+        # the start-up never ends by itself: exiting at all is the signal's doing. The bound is loose for a
+        # loaded machine (a few seconds when idle: the interpreter's teardown of torch and megatron included)
+        out, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
