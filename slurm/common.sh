@@ -447,6 +447,8 @@ run_servers() {
   local s i
   local -a urls=("${PENDING_URLS[@]}")
   if [[ $DRY_RUN != 1 ]]; then
+    # The servers' logs go to LOG_DIR (made by make_run_dir in a training job; a job of its own may not have).
+    if (( ${#PENDING_SERVERS[@]} > 0 )); then mkdir -p "$LOG_DIR"; fi
     for i in "${!PENDING_SERVERS[@]}"; do
       s="${PENDING_SERVERS[$i]}"
       local -a srun_cmd
