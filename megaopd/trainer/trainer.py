@@ -47,16 +47,15 @@ from megaopd.rollout.waits import WaitAbandoned
 from megaopd.scoring import bounds_for, check_engine_parity
 from megaopd.scoring.passes import ScoreRequest, score_sequences
 from megaopd.scoring.runner import PipelineRunner
-from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import Checkpointer
 from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.nonfinite import NonFinite, describe
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
-from megaopd.trainer.pipeline import EngineHooks, RolloutPipeline
+from megaopd.trainer.pipeline import ActorWeights, EngineHooks, RolloutPipeline
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
-from megaopd.trainer.rollout_stage import RolloutStage, StepContext, served_teachers_on_part
+from megaopd.trainer.rollout_stage import RolloutStage, StepContext
 from megaopd.trainer.run_folder import agreed_resume_point
 from megaopd.trainer.run_log import RunLog, RunSummary, keep_rows_through
 from megaopd.trainer.step_metrics import (
@@ -204,19 +203,17 @@ class Trainer:
             self.timer,
             self.stop.ids,
             self.rank,
-            EngineHooks(
-                push=self.sync_weights,
-                parity=self.check_parity,
-                on_part=served_teachers_on_part(cfg, self.models.teachers, self.rank, self.teacher_request.topk),
-            ),
+            EngineHooks(parity=self.check_parity),
             self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
+            actor=ActorWeights(model=self.actor.model, hf=self.actor.hf, pgs=self.actor_pgs),
+            on_policy=self.needs.on_policy,
         )
         self.rollout_stage = RolloutStage(self.pipeline, self.context)
 
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
         cfg = self.cfg
-        self.step, self._last_metrics, self.stopping = 0, {}, False
+        self.step, self._last_metrics = 0, {}
         # Rank 0 picks the step folder (verified; moved aside what it skips, docs/run_folder.md); every rank loads it.
         point = agreed_resume_point(cfg.run.dir, cfg.run.start_over)
         latest = point.path
@@ -247,14 +244,13 @@ class Trainer:
         from megaopd.rollout import build_engine
 
         cfg = self.cfg
-        self.weight_sync = None  # stays None when nothing generates (SFT without validation)
         if not (self.needs.on_policy or cfg.validation.path):
-            return
+            return  # the pipeline holds no engine: nothing generates (SFT without validation)
         hf_dir = cfg.student.path
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             export_hf(self.actor, hf_dir)  # collective; the engine is built from it
-        self.pipeline.engine = (
+        self.pipeline.attach(
             build_engine(
                 cfg.rollout,
                 hf_dir,
@@ -265,29 +261,28 @@ class Trainer:
             if self.rank == 0
             else None
         )
-        self.weight_sync = WeightSync(self.pipeline.engine, cfg.rollout, self.rank)
-        self.stopping = self.pipeline.first_sync(self.step)  # True: a signal ended its waits, train() just leaves
+        self.pipeline.first_sync(self.step)  # stopping: a signal ended its waits, train() just leaves
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> RunSummary:
         cfg = self.cfg.trainer
         summary = RunSummary(start_step=self.step, end_step=self.step)
-        if self.step == 0 and cfg.eval_interval and not self.stopping:
+        pipeline = self.pipeline  # it owns the engine, its weights and whether the run is stopping
+        if self.step == 0 and cfg.eval_interval and not pipeline.stopping:
             summary.val_before = self._validate()
             if self.rank == 0 and summary.val_before:
                 self.run_log.log_step(0, summary.val_before)  # the "before" point of the figures
         step_times = []
-        while self.step < cfg.max_steps and not self.stopping:
+        while self.step < cfg.max_steps and not pipeline.stopping:
             try:
                 result = self.train_step()
             except WaitAbandoned:  # collective (megaopd.rollout.waits): a signal ended rank 0's wait on the engines
-                self.pipeline.abandon(self.step)  # the step in flight is not trained: its batch is drawn again
-                self.stopping = True
+                pipeline.abandon(self.step)  # the step in flight is not trained: its batch is drawn again; stopping
                 break
             metrics = result.metrics
             step_times.append(metrics["time/step"])
             if (
-                not self.stopping
+                not pipeline.stopping
                 and cfg.eval_interval
                 and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps)
             ):
@@ -295,24 +290,18 @@ class Trainer:
             self._log(metrics, result.signals)
             if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
                 self.save()
-        if self.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
+        if pipeline.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
             if self._saved != self.step:
                 self.save()
             self._console(f"preemption signal received: checkpoint of step {self.step} saved, exiting")
-            self._close_weight_sync()
+            pipeline.close()
             summary.end_step, summary.preempted = self.step, True
             return summary
         export_hf(self.actor, os.path.join(self.cfg.run.dir, "hf"))
         summary.end_step, summary.last_metrics = self.step, self._last_metrics or {}
         summary.step_time_mean = sum(step_times) / max(len(step_times), 1)
-        self._close_weight_sync()
+        pipeline.close()
         return summary
-
-    def _close_weight_sync(self) -> None:
-        """The engines' weight-update group goes with the run: a served engine outlives it, and the next run
-        against it (or this one resumed) forms its own group of the same name."""
-        if self.weight_sync is not None:
-            self.weight_sync.close()
 
     def train_step(self) -> StepResult:
         timer = self.timer
@@ -325,11 +314,11 @@ class Trainer:
             self.step += 1
             # Collective: every rank stops after the same step, even if the signal reached only some. After a
             # preemption signal nothing talks to the engines (Slurm may have killed them): straight to the save.
-            self.stopping = self.preemption.should_stop()
+            self.pipeline.stop(self.preemption.should_stop())
             with timer("sync"):
                 # SFT-only steps generate nothing: their weights are synced before validation.
-                if rollout is not None and not self.stopping:  # sync mode: now; overlapped: at the next batch
-                    self.stopping = self.pipeline.after_step(self.step)  # True: a signal ended the push
+                if rollout is not None:  # sync mode: now; overlapped: at the next batch (not once stopping)
+                    self.pipeline.after_step(self.step)  # stopping: a signal ended the push
             signals = None
             if rollout is not None:  # collective: each replica sums over its rows, one small gather; then (every
                 step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)  # rank) the
@@ -345,38 +334,18 @@ class Trainer:
     def _rollout(self, examples, golden=None) -> RolloutBatch:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
         land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
-        cfg, needs, timer, teachers = self.cfg, self.needs, self.timer, self.models.teachers
-        with timer("rollout"):  # the batch in parts as it generates (rollout.stream_parts), or whole: its passes
-            generated = self.rollout_stage.generate(self.step, examples, golden)  # score each part meanwhile
+        cfg, timer = self.cfg, self.timer
+        with timer("rollout"):  # the batch in parts as it generates (rollout.stream_parts), or whole: one path
+            generated = self.rollout_stage.generate(self.step, examples, golden)  # each part to every scorer
         batch, self.owners, samples = generated.batch, generated.owners, generated.samples  # its rows; rank 0's samples
-        with timer("actor_logprobs"):
-            owners = self.owners
-            batch.check_held(owners.rows(), "the actor's scoring pass")
-            if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
-                pending = teachers.start_remote(
-                    batch,
-                    batch.teacher_rows,
-                    self.teacher_request.topk,
-                    self.rank,
-                    streamed=teachers.take_streamed(self.step),
-                )  # rank 0's parts
-            batch.actor = self.rollout_stage.actor_scores(generated)
-        with timer("teacher"):
-            if teachers is not None:
-                batch.teacher = teachers.score(
-                    batch,
-                    batch.teacher_rows,
-                    pending,
-                    generated.batches,
-                    self.teacher_request,
-                    at_ids=batch.actor.topk_support(needs.student_topk),
-                    on_device=on_gpu_while_used,
-                    owners=owners,
-                    streamed=self.rollout_stage.teacher_scores(generated),
+        scored = self.rollout_stage.score(generated, timer)  # time/actor_logprobs, time/teacher
+        batch.actor, batch.teacher = scored.actor, scored.teacher
+        if scored.served is not None:  # rank 0's threads, overlapped with actor_logprobs (0 on the other ranks)
+            timer.add("teacher_remote", scored.served.seconds)
+            if self.rank == 0 and cfg.rollout.stream_parts > 1:  # the share of their rows scored part by part
+                self.pipeline.metrics["pipeline/teacher_streamed_fraction"] = scored.served.part_rows / max(
+                    scored.served.rows, 1
                 )
-                if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
-                    timer.add("teacher_remote", pending.seconds)
-                    self.pipeline.teacher_streamed(pending)
         batch.texts, rewards = texts_and_rewards(
             self.tokenizer, samples, examples, cfg.trainer.samples_per_prompt, self.multi_turn, cfg.metrics.reward
         )
@@ -463,14 +432,10 @@ class Trainer:
         return loss, metrics
 
     # ------------------------------------------------------------------------------- sync and parity
-    def sync_weights(self) -> None:
-        """Actor shards -> HF tensors -> rollout engines (collective; megaopd.sync, which also resumes
-        colocated engines' memory in SGLang's order)."""
-        self.weight_sync.push(self.actor.model, self.actor.hf, self.actor_pgs, weight_version=str(self.step))
-
-    def check_parity(self) -> None:
-        """Engine vs actor log-probs of fixed probe sequences (the first prompts' golden solutions) after a
-        sync; raises when the statistics leave their bounds (megaopd/scoring/parity.py)."""
+    def check_parity(self, engine) -> None:
+        """The pipeline's parity hook: `engine` (rank 0's; None elsewhere) vs actor log-probs of fixed probe
+        sequences (the first prompts' golden solutions) after a sync; raises when the statistics leave their
+        bounds (megaopd/scoring/parity.py)."""
         probe = [list(map(int, ex.golden_ids[:64])) for ex in self.loader.batch_at_step(0)[:4]]
         r, mbs = self.cfg.rollout, self.cfg.trainer.micro_batch_size
         score = functools.partial(
@@ -487,21 +452,19 @@ class Trainer:
             r.parity_p99_tolerance,
             r.parity_min_correlation,
         )
-        check_engine_parity(self.pipeline.engine, score, probe, bounds, self.step, self._console)
+        check_engine_parity(engine, score, probe, bounds, self.step, self._console)
 
     # --------------------------------------------------------------------------- logging and saving
     def _validate(self) -> dict:
-        try:  # collective; a signal ending its waits on the engines stops the run after this (complete) step
-            if self.cfg.validation.path and not self.needs.on_policy:
-                self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
-            elif self.cfg.validation.path:
-                self.pipeline.ensure_synced(self.step)  # overlapped modes sync at batch boundaries
-            return validate(
-                self.pipeline.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log
-            )
-        except WaitAbandoned:
-            self.stopping = True
+        """Collective; a signal ending its waits on the engines stops the run after this (complete) step."""
+        if not self.cfg.validation.path:
             return {}
+
+        def run() -> dict:
+            engine = self.pipeline.validation_engine(self.step)  # the engine at the trainer's weights
+            return validate(engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
+
+        return self.pipeline.until_given_up(run)
 
     def _log(self, metrics: dict, signals: RolloutSignals | None) -> None:
         """Rank 0 logs the step and feeds the collapse detector its rates (a step without rollouts, SFT, has

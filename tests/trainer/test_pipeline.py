@@ -85,12 +85,13 @@ def _pipeline(mode="one_step_off", max_staleness=1, max_steps=6, gen_s=0.0, load
     engine = engine or Engine(gen_s)
     trainer = {"step": 0}
 
-    def push():
-        engine.log.append(("push", trainer["step"]))
-        engine.version = trainer["step"]
+    class Sync:  # the weight sync: the "trainer's" weights (its step) to the engine
+        def push(self, *_actor, weight_version):
+            engine.log.append(("push", trainer["step"]))
+            engine.version = trainer["step"]
 
-    p = RolloutPipeline(cfg, loader or Loader(), Timer(), [0], 0, EngineHooks(push=push, parity=lambda: None))
-    p.engine = engine
+    p = RolloutPipeline(cfg, loader or Loader(), Timer(), [0], 0, EngineHooks(parity=lambda _engine: None))
+    p.attach(engine, Sync())
     return p, engine, trainer
 
 
