@@ -23,7 +23,8 @@ compute the same thing print the same numbers (what a refactor must keep).
 --before-commit checks that commit out with `git worktree add` into a temporary folder (removed afterwards) and
 uses it as the before tree. --per-step validates after every step (trainer.eval_interval=1, on --val-problems
 problems) and prints, per step, val/accuracy and opd/reverse_kl of both trees and whether they are identical
-(issue 52: a refactor that keeps the behaviour keeps these to the last digit).
+(issue 52: a refactor that keeps the behaviour keeps these to the last digit), and whether every step's
+metrics.jsonl row has the same keys.
     python benchmarks/demo_before_after.py --before OLD --after NEW --pairs 3 --steps 6
     python benchmarks/demo_before_after.py --before OLD --after NEW --pairs 2 --steps 6 --validate
 """
@@ -87,6 +88,7 @@ def one_run(tree: str, run_dir: str, steps: int, save_interval: int, validate: b
         "wall_s": wall,
         "final": final,
         "per_step": steps_seen,
+        "keys": {s: sorted(k for k in r if k != "time") for s, r in sorted(by_step.items())},
     }
 
 
@@ -171,6 +173,10 @@ def _report(runs: dict[str, list[dict]], a, med) -> None:
             table, same = per_step_table(runs["before"][i]["per_step"], runs["after"][i]["per_step"])
             print(f"\npair {i}: per step (step 0: validation before the first step)\n{table}")
             print(f"identical: {'yes' if same else 'NO'}")
+            kb, ka = runs["before"][i]["keys"], runs["after"][i]["keys"]
+            differ = {s: sorted(set(kb.get(s, [])) ^ set(ka.get(s, []))) for s in set(kb) | set(ka)}
+            differ = {s: d for s, d in differ.items() if d}
+            print(f"metrics.jsonl keys identical at every step: {'yes' if not differ else f'NO {differ}'}")
     cols = ("step_s", "save_s", "other_s", "wall_s")
     pooled = {
         name: {c: med([v for r in rs for v in (r[c] if c != "wall_s" else [r[c]])]) for c in cols}

@@ -29,7 +29,7 @@ import copy
 import dataclasses
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from queue import Queue
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -64,6 +64,22 @@ class Received:
     samples: list[Sample] | None
     first_versions: list[int]
     metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    """What the pipeline tells the step's log about the batch it handed on (every rank)."""
+
+    overlap: dict[str, float] = field(default_factory=dict)
+    """The overlapped modes' pipeline/* (rollout.overlap.overlap_metrics: staleness, waits, dropped, ...)."""
+    streamed_parts: int | None = None
+    """The parts the batch came in when it streamed (rollout.stream_parts); None: it came whole."""
+
+    def log(self) -> dict[str, float]:
+        out = dict(self.overlap)
+        if self.streamed_parts is not None:
+            out["pipeline/streamed_parts"] = float(self.streamed_parts)  # parts scored as they came
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +133,8 @@ class RolloutPipeline:
         self._handed: tuple[int, dict, list] | None = None  # the last step examples() gave: abandon() takes it back
         self.ahead = GenerateAhead(self._generate) if rank == 0 and self.depth else None
         self.versions_B: list[int] | None = None
-        self.metrics: dict[str, float] = {}
+        self.report = PipelineReport()
+        """The last batch's (samples, parts)."""
 
     # ------------------------------------------------------------------------------------------- data
     def _draw(self, step: int) -> None:
@@ -178,12 +195,12 @@ class RolloutPipeline:
                 return Received(samples, [self.engine_version] * len(samples), {})
 
             got = self._received(generate)
-            self.versions_B, self.metrics = got.first_versions, got.metrics
+            self.versions_B, self.report = got.first_versions, PipelineReport(got.metrics)
             return got.samples
         if self.ahead is not None and not self.ahead.has(step):  # the first step, or the first after a resume
             self.ahead.submit(step, examples, self.engine_version)
         got = self._received(functools.partial(self._take, step))
-        self.versions_B, self.metrics = got.first_versions, got.metrics
+        self.versions_B, self.report = got.first_versions, PipelineReport(got.metrics)
         # Batch `step` is done: the weights it trains with go to the engines before the next batches start.
         self.ensure_synced(step)
         for s in range(step + 1, min(step + self.depth, self.cfg.trainer.max_steps - 1) + 1):
@@ -236,7 +253,7 @@ class RolloutPipeline:
             yield part
         _raised_everywhere(parts.finish)
         self.versions_B = [self.engine_version] * B
-        self.metrics = {"pipeline/streamed_parts": float(yielded)}  # parts scored as they came
+        self.report = PipelineReport(streamed_parts=yielded)
 
     def _received(self, make: Callable[[], Received]) -> Received:
         """make() on rank 0, everything but its samples on every rank (rank 0 keeps them); WaitAbandoned on every

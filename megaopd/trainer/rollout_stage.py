@@ -105,6 +105,10 @@ class ServedReport:
     part_rows: int
     """Of them, the rows scored part by part, as the batch arrived."""
 
+    def log(self) -> dict[str, float]:
+        """pipeline/teacher_streamed_fraction: the share of their rows scored while the batch generated."""
+        return {"pipeline/teacher_streamed_fraction": self.part_rows / max(self.rows, 1)}
+
 
 class RolloutStage:
     """Collective: generates, delivers and scores each step's batch (module docstring)."""

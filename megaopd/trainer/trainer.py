@@ -59,8 +59,9 @@ from megaopd.trainer.rollout_stage import RolloutStage, StepContext
 from megaopd.trainer.run_folder import agreed_resume_point
 from megaopd.trainer.run_log import RunLog, RunSummary, keep_rows_through
 from megaopd.trainer.step_metrics import (
-    RolloutSignals,
     StepResult,
+    StepTimes,
+    TrainMetrics,
     flop_metrics,
     reduce_loss_metrics,
     rollout_metrics,
@@ -279,15 +280,14 @@ class Trainer:
             except WaitAbandoned:  # collective (megaopd.rollout.waits): a signal ended rank 0's wait on the engines
                 pipeline.abandon(self.step)  # the step in flight is not trained: its batch is drawn again; stopping
                 break
-            metrics = result.metrics
-            step_times.append(metrics["time/step"])
+            step_times.append(result.times.step)
             if (
                 not pipeline.stopping
                 and cfg.eval_interval
                 and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps)
             ):
-                metrics.update(self._validate())
-            self._log(metrics, result.signals)
+                result = dataclasses.replace(result, validation=self._validate())
+            self._log(result)
             if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
                 self.save()
         if pipeline.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
@@ -305,12 +305,13 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         timer = self.timer
+        served: dict[str, float] = {}
         with timer("step"):
             examples = self.pipeline.examples(self.step)
             golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
-            rollout = self._rollout(examples, golden) if self.needs.on_policy else None
+            rollout, served = self._rollout(examples, golden) if self.needs.on_policy else (None, {})
             with timer("train"):
-                metrics = self._train(rollout, golden)
+                train = self._train(rollout, golden)
             self.step += 1
             # Collective: every rank stops after the same step, even if the signal reached only some. After a
             # preemption signal nothing talks to the engines (Slurm may have killed them): straight to the save.
@@ -319,41 +320,47 @@ class Trainer:
                 # SFT-only steps generate nothing: their weights are synced before validation.
                 if rollout is not None:  # sync mode: now; overlapped: at the next batch (not once stopping)
                     self.pipeline.after_step(self.step)  # stopping: a signal ended the push
-            signals = None
+            step, controller = None, {}
             if rollout is not None:  # collective: each replica sums over its rows, one small gather; then (every
                 step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)  # rank) the
-                signals = step.signals  # adaptive controller's weights move on the step's signals
-                metrics.update(self.loss_fn.observe(self.step, signals, self.run_log))
+                controller = self.loss_fn.observe(self.step, step.signals, self.run_log)  # controller moves on them
             if rollout is not None and self.rank == 0:
-                metrics.update(step.log, **self.pipeline.metrics)
                 self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
-        metrics.update(timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's times
-        metrics.update(flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), metrics))
-        return StepResult(metrics=metrics, signals=signals)
+        times = StepTimes(log=timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's
+        return StepResult(
+            train=train,
+            controller=controller,
+            rollout=step,
+            pipeline={**self.pipeline.report.log(), **served} if self.rank == 0 else {},
+            times=times,
+            flops=flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), times),
+            logs_rollout=self.rank == 0,
+        )
 
-    def _rollout(self, examples, golden=None) -> RolloutBatch:
+    def _rollout(self, examples, golden=None) -> tuple[RolloutBatch, dict[str, float]]:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
-        land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
+        land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there.
+        Also the served teachers' log (rank 0, rollout.stream_parts > 1: the share of their rows scored part by
+        part)."""
         cfg, timer = self.cfg, self.timer
         with timer("rollout"):  # the batch in parts as it generates (rollout.stream_parts), or whole: one path
             generated = self.rollout_stage.generate(self.step, examples, golden)  # each part to every scorer
         batch, self.owners, samples = generated.batch, generated.owners, generated.samples  # its rows; rank 0's samples
         scored = self.rollout_stage.score(generated, timer)  # time/actor_logprobs, time/teacher
         batch.actor, batch.teacher = scored.actor, scored.teacher
+        served = {}
         if scored.served is not None:  # rank 0's threads, overlapped with actor_logprobs (0 on the other ranks)
             timer.add("teacher_remote", scored.served.seconds)
-            if self.rank == 0 and cfg.rollout.stream_parts > 1:  # the share of their rows scored part by part
-                self.pipeline.metrics["pipeline/teacher_streamed_fraction"] = scored.served.part_rows / max(
-                    scored.served.rows, 1
-                )
+            if self.rank == 0 and cfg.rollout.stream_parts > 1:
+                served = scored.served.log()
         batch.texts, rewards = texts_and_rewards(
             self.tokenizer, samples, examples, cfg.trainer.samples_per_prompt, self.multi_turn, cfg.metrics.reward
         )
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
-        return batch
+        return batch, served
 
     # ----------------------------------------------------------------------------------------- train
-    def _train(self, rollout: RolloutBatch | None, golden) -> dict:
+    def _train(self, rollout: RolloutBatch | None, golden) -> TrainMetrics:
         """One optimizer step per mini-batch of the step's rows."""
         needs, pgs = self.needs, self.actor_pgs
         mask_BT = loss_tokens_B = None
@@ -394,13 +401,12 @@ class Trainer:
             self.scheduler.step(increment=1)
             grad_norms.append(float(grad_norm or 0.0))
             lrs.append(lr)
-        is_reporter = holds_results(pgs)
-        metrics = reduce_loss_metrics(results, is_reporter)
-        metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        metrics["train/lr"] = sum(lrs) / max(len(lrs), 1)
-        if self.cfg.trainer.skip_nonfinite:
-            metrics["train/skipped_nonfinite"] = skipped
-        return metrics
+        return TrainMetrics(
+            loss=reduce_loss_metrics(results, holds_results(pgs)),
+            grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
+            lr=sum(lrs) / max(len(lrs), 1),
+            skipped_nonfinite=skipped if self.cfg.trainer.skip_nonfinite else None,
+        )
 
     def _nonfinite(self, bad: NonFinite, mini: list, rows, golden_rows, on_policy: bool) -> None:
         """Collective: raises one FloatingPointError naming the terms, the step and the rows, or (with
@@ -426,10 +432,7 @@ class Trainer:
         loss, metrics = self.loss_fn(
             mb.loss_inputs(logits_BSv, partner_BSv, self.actor_pgs.tp, self.temperature, self.needs)
         )
-        metrics = {k: v.detach().float() for k, v in metrics.items()}
-        if "loss/total" not in metrics:  # a single loss: it is both the total and its one term
-            metrics["loss/total"] = metrics[f"{self.loss_fn.name}/loss"] = loss.detach().float()
-        return loss, metrics
+        return loss, {k: v.detach().float() for k, v in metrics.items()}
 
     # ------------------------------------------------------------------------------- sync and parity
     def check_parity(self, engine) -> None:
@@ -466,13 +469,14 @@ class Trainer:
 
         return self.pipeline.until_given_up(run)
 
-    def _log(self, metrics: dict, signals: RolloutSignals | None) -> None:
-        """Rank 0 logs the step and feeds the collapse detector its rates (a step without rollouts, SFT, has
-        none)."""
-        self._last_metrics = metrics
+    def _log(self, result: StepResult) -> None:
+        """Rank 0 logs the step (its metrics row made here, once) and feeds the collapse detector its rates (a
+        step without rollouts, SFT, has none)."""
+        self._last_metrics = metrics = result.log()
         if self.rank != 0:
             return
         self.run_log.log_step(self.step, metrics)
+        signals = result.signals
         for warning in self.detector.update(self.step, signals.rates() if signals is not None else {}):
             self.run_log.event(
                 self.step,

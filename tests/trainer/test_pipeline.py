@@ -101,7 +101,7 @@ def _run(p, trainer, steps, start=0, train_s=0.0):
         trainer["step"] = step
         examples = p.examples(step)
         samples = p.samples(step, examples)
-        out.append((examples[0].prompt_ids[0], list(p.versions_B), dict(p.metrics), samples))
+        out.append((examples[0].prompt_ids[0], list(p.versions_B), p.report.log(), samples))
         time.sleep(train_s)  # "training"
     return out
 
