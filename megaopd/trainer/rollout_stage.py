@@ -1,11 +1,11 @@
-"""The rollout stage of a step: the batch from the rollout pipeline, part by part, each part given to every scorer
+"""The rollout stage of a step: the batch from the rollout flow, part by part, each part given to every scorer
 as it comes (megaopd.scoring.scorers), then the whole batch delivered to the ranks that use its rows and scored.
 
     generated = stage.generate(step, examples, golden)   # collective: parts -> scorers; then delivery
     scored = stage.score(generated, timer)               # collective: log pi_old and log q of the owned rows
 
-RolloutPipeline.parts hands on the batch whole, as one part, or (rollout.stream_parts > 1 in sync mode,
-engines remote: RolloutPipeline.streams) in parts as the engines return them: the same path either way. For
+RolloutFlow.parts hands on the batch whole, as one part, or (rollout.stream_parts > 1 in sync mode,
+engines remote: RolloutFlow.streams) in parts as the engines return them: the same path either way. For
 each part rank 0 builds its record, every rank gets its header (batching.delivery), the ranks of the passes
 that score it now get its rows' tokens, and every scorer takes it: a served teacher asks its servers for its
 rows at once (rank 0's threads), the actor's pass and the in-job teachers' score a part that is not the whole
@@ -35,8 +35,8 @@ from megaopd.rollout.records import RolloutBatch, TokenScores, build_rollout_bat
 from megaopd.scoring.passes import ScoreRequest
 from megaopd.scoring.scorers import BatchPart, PassScorer, Scorer, WholeBatch, in_order
 from megaopd.scoring.teachers import TeacherScoring
-from megaopd.trainer.pipeline import RolloutPart, RolloutPipeline
 from megaopd.trainer.roles import Models, on_gpu_while_used
+from megaopd.trainer.rollout_flow import RolloutFlow, RolloutPart
 from megaopd.trainer.timer import Timer
 
 if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
@@ -113,8 +113,8 @@ class ServedReport:
 class RolloutStage:
     """Collective: generates, delivers and scores each step's batch (module docstring)."""
 
-    def __init__(self, pipeline: RolloutPipeline, context: StepContext):
-        self.pipeline, self.context = pipeline, context
+    def __init__(self, flow: RolloutFlow, context: StepContext):
+        self.flow, self.context = flow, context
 
     def _scorers(self) -> tuple[PassScorer, list[Scorer]]:
         """The step's scorers (each holds one step's state): the actor's, and each teacher's in run order."""
@@ -143,15 +143,15 @@ class RolloutStage:
         scorers = [*teachers, actor]
         by_row: dict[int, Sample] = {}
         header = None
-        for part in self.pipeline.parts(step, examples):
+        for part in self.flow.parts(step, examples):
             view = self._part(part, examples, scorers)
             for s in scorers:
                 s.score_part(view)
             if part.samples is not None:
                 by_row.update(zip(part.rows, part.samples))
             header = view.record if view.whole else None
-        samples = [by_row[r] for r in range(len(by_row))] if self.pipeline.rank == 0 else None
-        whole = deliver_rollout(self.context, samples, examples, golden, self.pipeline.stamp, scorers, header)
+        samples = [by_row[r] for r in range(len(by_row))] if self.flow.rank == 0 else None
+        whole = deliver_rollout(self.context, samples, examples, golden, self.flow.stamp, scorers, header)
         return Generated(samples=samples, whole=whole, actor=actor, teachers=teachers)
 
     def score(self, generated: Generated, timer: Timer) -> Scored:
@@ -227,7 +227,7 @@ def deliver_rollout(
     """Collective: rank 0's samples as every rank's record, holding the rows the rank trains or scores
     (batching.delivery: the per-row header to every rank, then each row's tokens to its users), the rows'
     owners (row_owners: the DP partition the micro-batches take) and the scoring passes' cut. stamp: the
-    pipeline's, which writes each row's weight version; scorers: the step's, whose batch_readers read rows
+    rollout flow's, which writes each row's weight version; scorers: the step's, whose batch_readers read rows
     besides the owners; header: the batch's header already on every rank (the whole batch came as one part)."""
     cfg, models, pad_id = context.cfg, context.models, context.pad_id
     n, device = cfg.trainer.samples_per_prompt, dist_device()

@@ -52,9 +52,9 @@ from megaopd.trainer.checkpoint import Checkpointer
 from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.nonfinite import NonFinite, describe
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
-from megaopd.trainer.pipeline import ActorWeights, EngineHooks, RolloutPipeline
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
+from megaopd.trainer.rollout_flow import ActorWeights, EngineHooks, RolloutFlow
 from megaopd.trainer.rollout_stage import RolloutStage, StepContext
 from megaopd.trainer.run_folder import agreed_resume_point
 from megaopd.trainer.run_log import RunLog, RunSummary, keep_rows_through
@@ -99,7 +99,7 @@ class Trainer:
             pgs=self.actor_pgs,
             components={
                 "scheduler": self.scheduler,
-                "data": self.pipeline,  # the loader's cursor before any batch drawn ahead
+                "data": self.flow,  # the loader's cursor before any batch drawn ahead
                 "collapse": self.detector,
                 **self.loss_fn.stateful,
             },
@@ -193,12 +193,12 @@ class Trainer:
         )
 
     def _build_stages(self) -> None:
-        """The rollout pipeline (its engine comes last, in _start_engine), the rollout stage over it, the phase
+        """The rollout flow (its engine comes last, in _start_engine), the rollout stage over it, the phase
         timer and the collapse detector."""
         cfg = self.cfg
         self.timer = Timer()
         self.detector = CollapseDetector(cfg.metrics.collapse)
-        self.pipeline = RolloutPipeline(
+        self.flow = RolloutFlow(
             cfg,
             self.loader,
             self.timer,
@@ -209,7 +209,7 @@ class Trainer:
             actor=ActorWeights(model=self.actor.model, hf=self.actor.hf, pgs=self.actor_pgs),
             on_policy=self.needs.on_policy,
         )
-        self.rollout_stage = RolloutStage(self.pipeline, self.context)
+        self.rollout_stage = RolloutStage(self.flow, self.context)
 
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
@@ -246,12 +246,12 @@ class Trainer:
 
         cfg = self.cfg
         if not (self.needs.on_policy or cfg.validation.path):
-            return  # the pipeline holds no engine: nothing generates (SFT without validation)
+            return  # the flow holds no engine: nothing generates (SFT without validation)
         hf_dir = cfg.student.path
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             export_hf(self.actor, hf_dir)  # collective; the engine is built from it
-        self.pipeline.attach(
+        self.flow.attach(
             build_engine(
                 cfg.rollout,
                 hf_dir,
@@ -262,27 +262,27 @@ class Trainer:
             if self.rank == 0
             else None
         )
-        self.pipeline.first_sync(self.step)  # stopping: a signal ended its waits, train() just leaves
+        self.flow.first_sync(self.step)  # stopping: a signal ended its waits, train() just leaves
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> RunSummary:
         cfg = self.cfg.trainer
         summary = RunSummary(start_step=self.step, end_step=self.step)
-        pipeline = self.pipeline  # it owns the engine, its weights and whether the run is stopping
-        if self.step == 0 and cfg.eval_interval and not pipeline.stopping:
+        flow = self.flow  # it owns the engine, its weights and whether the run is stopping
+        if self.step == 0 and cfg.eval_interval and not flow.stopping:
             summary.val_before = self._validate()
             if self.rank == 0 and summary.val_before:
                 self.run_log.log_step(0, summary.val_before)  # the "before" point of the figures
         step_times = []
-        while self.step < cfg.max_steps and not pipeline.stopping:
+        while self.step < cfg.max_steps and not flow.stopping:
             try:
                 result = self.train_step()
             except WaitAbandoned:  # collective (megaopd.rollout.waits): a signal ended rank 0's wait on the engines
-                pipeline.abandon(self.step)  # the step in flight is not trained: its batch is drawn again; stopping
+                flow.abandon(self.step)  # the step in flight is not trained: its batch is drawn again; stopping
                 break
             step_times.append(result.times.step)
             if (
-                not pipeline.stopping
+                not flow.stopping
                 and cfg.eval_interval
                 and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps)
             ):
@@ -290,24 +290,24 @@ class Trainer:
             self._log(result)
             if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
                 self.save()
-        if pipeline.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
+        if flow.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
             if self._saved != self.step:
                 self.save()
             self._console(f"preemption signal received: checkpoint of step {self.step} saved, exiting")
-            pipeline.close()
+            flow.close()
             summary.end_step, summary.preempted = self.step, True
             return summary
         export_hf(self.actor, os.path.join(self.cfg.run.dir, "hf"))
         summary.end_step, summary.last_metrics = self.step, self._last_metrics or {}
         summary.step_time_mean = sum(step_times) / max(len(step_times), 1)
-        pipeline.close()
+        flow.close()
         return summary
 
     def train_step(self) -> StepResult:
         timer = self.timer
         served: dict[str, float] = {}
         with timer("step"):
-            examples = self.pipeline.examples(self.step)
+            examples = self.flow.examples(self.step)
             golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
             rollout, served = self._rollout(examples, golden) if self.needs.on_policy else (None, {})
             with timer("train"):
@@ -315,11 +315,11 @@ class Trainer:
             self.step += 1
             # Collective: every rank stops after the same step, even if the signal reached only some. After a
             # preemption signal nothing talks to the engines (Slurm may have killed them): straight to the save.
-            self.pipeline.stop(self.preemption.should_stop())
+            self.flow.stop(self.preemption.should_stop())
             with timer("sync"):
                 # SFT-only steps generate nothing: their weights are synced before validation.
                 if rollout is not None:  # sync mode: now; overlapped: at the next batch (not once stopping)
-                    self.pipeline.after_step(self.step)  # stopping: a signal ended the push
+                    self.flow.after_step(self.step)  # stopping: a signal ended the push
             step, controller = None, {}
             if rollout is not None:  # collective: each replica sums over its rows, one small gather; then (every
                 step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)  # rank) the
@@ -331,7 +331,7 @@ class Trainer:
             train=train,
             controller=controller,
             rollout=step,
-            pipeline={**self.pipeline.report.log(), **served} if self.rank == 0 else {},
+            pipeline={**self.flow.report.log(), **served} if self.rank == 0 else {},
             times=times,
             flops=flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), times),
             logs_rollout=self.rank == 0,
@@ -436,7 +436,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- sync and parity
     def check_parity(self, engine) -> None:
-        """The pipeline's parity hook: `engine` (rank 0's; None elsewhere) vs actor log-probs of fixed probe
+        """The rollout flow's parity hook: `engine` (rank 0's; None elsewhere) vs actor log-probs of fixed probe
         sequences (the first prompts' golden solutions) after a sync; raises when the statistics leave their
         bounds (megaopd/scoring/parity.py)."""
         probe = [list(map(int, ex.golden_ids[:64])) for ex in self.loader.batch_at_step(0)[:4]]
@@ -464,10 +464,10 @@ class Trainer:
             return {}
 
         def run() -> dict:
-            engine = self.pipeline.validation_engine(self.step)  # the engine at the trainer's weights
+            engine = self.flow.validation_engine(self.step)  # the engine at the trainer's weights
             return validate(engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
 
-        return self.pipeline.until_given_up(run)
+        return self.flow.until_given_up(run)
 
     def _log(self, result: StepResult) -> None:
         """Rank 0 logs the step (its metrics row made here, once) and feeds the collapse detector its rates (a

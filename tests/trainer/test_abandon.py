@@ -1,11 +1,11 @@
-"""A preemption signal during the pipeline's waits on the engines (megaopd.trainer.pipeline): the wait given up
+"""A preemption signal during the pipeline's waits on the engines (megaopd.trainer.rollout_flow): the wait given up
 on rank 0 is raised at the collective (WaitAbandoned), the step's batch is put back so the checkpoint's data
 cursor is from before it, and an async sync whose pause was given up still pushes (the other ranks are in it)."""
 
 import pytest
 
 from megaopd.rollout.waits import WaitAbandoned
-from tests.trainer.test_pipeline import Engine, _pipeline, one_rank  # noqa: F401 - one_rank: the gloo fixture
+from tests.trainer.test_rollout_flow import Engine, _pipeline, one_rank  # noqa: F401 - one_rank: the gloo fixture
 
 
 class StoppedEngine(Engine):

@@ -1,4 +1,7 @@
-"""Where each step's prompts and samples come from, and when weights reach the engines (rollout.mode).
+"""The rollout flow: where each step's prompts and samples come from, and when weights reach the engines
+(rollout.mode). It owns the rollout engine, the weight sync to it, the version the engines hold and whether
+the run is stopping. ("Flow", not "pipeline": the pipeline is megatron's pipeline parallelism, PipelineRunner;
+the metrics keep their pipeline/* names, which metrics.jsonl's readers know.)
 
     sync          step k: draw prompts, generate under weights v_k, train -> v_k+1, sync v_k+1
     one_step_off  step k: take batch k (generated under v_k-1 while step k-1 trained), sync v_k (the
@@ -9,7 +12,7 @@
 
 Every rank draws the same prompts at the same points (the loader is replicated); only rank 0 talks to the
 engines (megaopd.rollout.overlap runs its generations in threads) and keeps the samples; every rank gets their
-weight versions and the step's pipeline metrics (the trainer then sends each rank its rows: batching.delivery).
+weight versions and the step's pipeline/* metrics (the trainer then sends each rank its rows: batching.delivery).
 Validation first brings the engines to the trainer's weights (ensure_synced).
 
 Checkpoints: the data cursor saved is the loader's before the earliest batch drawn ahead and not trained
@@ -49,7 +52,7 @@ if TYPE_CHECKING:  # annotations only: config composes every package's section, 
 @dataclass(frozen=True, kw_only=True)
 class RolloutPart:
     """Rows of one step's batch, as the engines returned them (the whole batch, or a part while the rest
-    generates: RolloutPipeline.parts)."""
+    generates: RolloutFlow.parts)."""
 
     rows: list[int]
     """Their batch rows, whole prompts' (every rank)."""
@@ -59,7 +62,7 @@ class RolloutPart:
 
 @dataclass
 class Received:
-    """One step's samples (rank 0's; None on the others), their versions, the step's pipeline metrics."""
+    """One step's samples (rank 0's; None on the others), their versions, the step's pipeline/* metrics."""
 
     samples: list[Sample] | None
     first_versions: list[int]
@@ -68,7 +71,7 @@ class Received:
 
 @dataclass(frozen=True)
 class PipelineReport:
-    """What the pipeline tells the step's log about the batch it handed on (every rank)."""
+    """What the rollout flow tells the step's log about the batch it handed on (every rank)."""
 
     overlap: dict[str, float] = field(default_factory=dict)
     """The overlapped modes' pipeline/* (rollout.overlap.overlap_metrics: staleness, waits, dropped, ...)."""
@@ -93,13 +96,13 @@ class ActorWeights:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineHooks:
-    """What the pipeline calls back at its points of the step (the trainer's, which owns the models)."""
+    """What the rollout flow calls back at its points of the step (the trainer's, which owns the models)."""
 
     parity: Callable[[object], None]
     """parity(engine): the engine/actor parity check (collective; the engine on rank 0, None on the others)."""
 
 
-class RolloutPipeline:
+class RolloutFlow:
     def __init__(
         self,
         cfg: MegaOPDConfig,
@@ -278,7 +281,7 @@ class RolloutPipeline:
 
     def _handle_stale(self, taken: Taken, stale_B: list[bool], step: int) -> StaleHandled:
         """rollout.stale_samples: drop (the row stays, with an empty response: nothing to learn from, as an
-        aborted request) or regenerate under the engine's current weights. With the pipeline's own
+        aborted request) or regenerate under the engine's current weights. With the flow's own
         scheduling no sample exceeds max_staleness; this guards a slower engine or a changed schedule."""
         idx = [i for i, s in enumerate(stale_B) if s]
         samples = list(taken.samples)
@@ -427,7 +430,7 @@ class _Failed:
 
 
 class _Parts:
-    """Rank 0, RolloutPipeline._stream: the parts of one batch as the generating threads put them in `queue`
+    """Rank 0, RolloutFlow._stream: the parts of one batch as the generating threads put them in `queue`
     (_Arrived each, then _Generated or _Failed)."""
 
     def __init__(self, step: int, rows: int):
