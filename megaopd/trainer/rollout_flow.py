@@ -96,10 +96,14 @@ class ActorWeights:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineHooks:
-    """What the rollout flow calls back at its points of the step (the trainer's, which owns the models)."""
+    """What the rollout flow reads of the trainer (which owns the models) for its engine."""
 
     parity: Callable[[object], None]
     """parity(engine): the engine/actor parity check (collective; the engine on rank 0, None on the others)."""
+    actor: ActorWeights | None = None
+    """The weights the sync pushes (None: tests whose weight sync needs none)."""
+    on_policy: bool = True
+    """The steps generate (an SFT run's engine only validates, and gets the weights before it)."""
 
 
 class RolloutFlow:
@@ -112,12 +116,9 @@ class RolloutFlow:
         rank: int,
         hooks: EngineHooks,
         multi_turn: MultiTurn | None = None,
-        actor: ActorWeights | None = None,
-        on_policy: bool = True,
     ):
-        """multi_turn: the environment loop when rollouts are trajectories (env.name set); actor: the weights
-        the sync pushes; on_policy: the steps generate (an SFT run's engine only validates)."""
-        self.multi_turn, self.actor, self.on_policy = multi_turn, actor, on_policy
+        """multi_turn: the environment loop when rollouts are trajectories (env.name set)."""
+        self.multi_turn, self.actor, self.on_policy = multi_turn, hooks.actor, hooks.on_policy
         self.cfg, self.loader, self.timer, self.stop_ids, self.rank = cfg, loader, timer, list(stop_ids), rank
         self.parity = hooks.parity
         self.mode, self.max_staleness = cfg.rollout.mode, cfg.rollout.max_staleness

@@ -204,10 +204,12 @@ class Trainer:
             self.timer,
             self.stop.ids,
             self.rank,
-            EngineHooks(parity=self.check_parity),
+            EngineHooks(
+                parity=self.check_parity,
+                actor=ActorWeights(model=self.actor.model, hf=self.actor.hf, pgs=self.actor_pgs),
+                on_policy=self.needs.on_policy,
+            ),
             self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
-            actor=ActorWeights(model=self.actor.model, hf=self.actor.hf, pgs=self.actor_pgs),
-            on_policy=self.needs.on_policy,
         )
         self.rollout_stage = RolloutStage(self.flow, self.context)
 
