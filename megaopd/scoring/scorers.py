@@ -263,7 +263,9 @@ class ServedWork:
     rows: int = 0
     """Rows with a response it scored (rank 0)."""
     part_rows: int = 0
-    """Of them, rows scored part by part (rank 0)."""
+    """Of them, rows scored part by part while the batch generated (rank 0; a whole batch is not counted)."""
+    streamed: bool = False
+    """It was given parts that are not the whole batch (the batch streamed)."""
 
 
 @dataclass
@@ -299,6 +301,7 @@ class ServedScorer:
         firsts = [p[i] for i in rows]
         batch_rows = [part.rows[i] for i in rows]
         work, t = self.work, self.teacher
+        work.streamed = work.streamed or not part.whole
 
         def run():
             try:
@@ -350,7 +353,7 @@ class ServedScorer:
                         scored=work.part_scores,
                     )
                 work.rows = sum(1 for b in rows if int(batch.response_lens_B[b]) > 0)
-                work.part_rows = t.last_reused
+                work.part_rows = t.last_reused if work.streamed else 0
             except BaseException as e:  # noqa: BLE001 - raised on every rank by finish()
                 work.error = e
             work.seconds = time.perf_counter() - t0
