@@ -150,7 +150,7 @@ class StepResult:
         out = self.train.log()
         out.update(self.controller)
         if self.rollout is not None and self.logs_rollout:
-            out.update(self.rollout.log, **self.flow)
+            out.update(self.rollout.log, **self.pipeline)
         out.update(self.times.log)
         out.update(self.flops)
         out.update(self.validation)

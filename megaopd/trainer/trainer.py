@@ -217,6 +217,7 @@ class Trainer:
         """Step 0, or the state of the run folder's last complete checkpoint."""
         cfg = self.cfg
         self.step, self._last_metrics = 0, {}
+        self._served_log: dict[str, float] = {}  # the step's served-teacher log (_rollout's)
         # Rank 0 picks the step folder (verified; moved aside what it skips, docs/run_folder.md); every rank loads it.
         point = agreed_resume_point(cfg.run.dir, cfg.run.start_over)
         latest = point.path
@@ -307,11 +308,11 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         timer = self.timer
-        served: dict[str, float] = {}
         with timer("step"):
             examples = self.flow.examples(self.step)
             golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
-            rollout, served = self._rollout(examples, golden) if self.needs.on_policy else (None, {})
+            self._served_log = {}
+            rollout = self._rollout(examples, golden) if self.needs.on_policy else None
             with timer("train"):
                 train = self._train(rollout, golden)
             self.step += 1
@@ -333,33 +334,32 @@ class Trainer:
             train=train,
             controller=controller,
             rollout=step,
-            pipeline={**self.flow.report.log(), **served} if self.rank == 0 else {},
+            pipeline={**self.flow.report.log(), **self._served_log} if self.rank == 0 else {},
             times=times,
             flops=flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), times),
             logs_rollout=self.rank == 0,
         )
 
-    def _rollout(self, examples, golden=None) -> tuple[RolloutBatch, dict[str, float]]:
+    def _rollout(self, examples, golden=None) -> RolloutBatch:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
         land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there.
-        Also the served teachers' log (rank 0, rollout.stream_parts > 1: the share of their rows scored part by
-        part)."""
+        The served teachers' log (rank 0, rollout.stream_parts > 1: the share of their rows scored part by
+        part) goes to self._served_log, which the step's result takes."""
         cfg, timer = self.cfg, self.timer
         with timer("rollout"):  # the batch in parts as it generates (rollout.stream_parts), or whole: one path
             generated = self.rollout_stage.generate(self.step, examples, golden)  # each part to every scorer
         batch, self.owners, samples = generated.batch, generated.owners, generated.samples  # its rows; rank 0's samples
         scored = self.rollout_stage.score(generated, timer)  # time/actor_logprobs, time/teacher
         batch.actor, batch.teacher = scored.actor, scored.teacher
-        served = {}
         if scored.served is not None:  # rank 0's threads, overlapped with actor_logprobs (0 on the other ranks)
             timer.add("teacher_remote", scored.served.seconds)
             if self.rank == 0 and cfg.rollout.stream_parts > 1:
-                served = scored.served.log()
+                self._served_log = scored.served.log()
         batch.texts, rewards = texts_and_rewards(
             self.tokenizer, samples, examples, cfg.trainer.samples_per_prompt, self.multi_turn, cfg.metrics.reward
         )
         batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
-        return batch, served
+        return batch
 
     # ----------------------------------------------------------------------------------------- train
     def _train(self, rollout: RolloutBatch | None, golden) -> TrainMetrics:
