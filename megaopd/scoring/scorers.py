@@ -65,7 +65,8 @@ class BatchPart:
     teacher_rows: dict[str, list[int]]
     """Per teacher, the part's rows (0-based in the part) routed to it."""
     whole: bool
-    """The part is the whole batch: a pass waits for its owners rather than route its scores to them."""
+    """The batch came whole, as this one part (not streamed): a pass waits for its owners rather than route its
+    scores to them, and a served teacher's early rows are not counted as scored while it generated."""
 
     def rows_for(self, teacher: str | None) -> list[int]:
         """The part rows (0-based) `teacher` scores (None: the actor, every row)."""

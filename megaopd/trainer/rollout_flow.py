@@ -58,6 +58,9 @@ class RolloutPart:
     """Their batch rows, whole prompts' (every rank)."""
     samples: list[Sample] | None
     """Their samples, in the order of `rows` (rank 0; None on the other ranks)."""
+    whole: bool = True
+    """The batch came whole (not streamed): its passes wait for its owners. A streamed part is False even
+    when it holds every row (parts that arrived together come as one)."""
 
 
 @dataclass
@@ -460,7 +463,7 @@ class _Parts:
         self.seen += len(rows)
         if not rows or (self.all is not None and self.seen != self.rows):
             raise RuntimeError(f"step {self.step}: the engines returned {self.seen} of the batch's {self.rows} rows")
-        return RolloutPart(rows=rows, samples=samples)
+        return RolloutPart(rows=rows, samples=samples, whole=False)
 
     def finish(self) -> None:
         """After the last part: the generation ended, with the whole batch."""

@@ -197,7 +197,7 @@ class RolloutStage:
             record=record,
             batches=scoring_cut(ctx.cfg, record),
             teacher_rows=routed,
-            whole=len(rows) == len(examples) * n,
+            whole=part.whole,
         )
         readers = [r for s in scorers for r in s.part_readers(view)]
         if readers:  # the same on every rank (pure in the lengths): each replica its share's tokens
