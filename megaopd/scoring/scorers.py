@@ -9,9 +9,10 @@ teacher (any layout, with or without a view of its own) and a served teacher.
 
 A part comes whole (rollout.stream_parts 1, the overlapped modes) or as the engines return it (stream_parts > 1
 in sync mode): the same calls either way. What changes is only when each scorer runs its forward:
-- a pass in the job (`PassScorer`) scores a part that is not the whole batch at once, each of its DP
+- a pass in the job (`PassScorer`) scores a streamed part at once, each of its DP
   replicas its share of the part (StreamedPass, below), and sends the rows to their owners in
-  `score_batch`; a whole part it scores in `score_batch`, over the owned rows, which needs no routing. A pass
+  `score_batch`; a batch that came whole (BatchPart.whole) it scores in `score_batch`, over the owned rows,
+  which needs no routing. A pass
   that cannot score before the batch is in (the student's top-k scored at, a model parked in CPU memory between
   uses, a view of its own cut over the whole batch: `streams` False) scores in `score_batch` always;
 - a served teacher (`ServedScorer`) asks its servers for a part's rows at once, in a thread of rank 0, and in
