@@ -337,7 +337,7 @@ class RolloutFlow:
             self.engine_version = version
             interval = self.cfg.rollout.parity_interval
             if interval and version % interval == 0:
-                self.parity()
+                self._check_parity()
 
     def attach(self, engine, weight_sync=None) -> None:
         """Once at start-up: the rollout engine (rank 0; None on the other ranks) and the weight sync to it

@@ -210,3 +210,17 @@ def test_overlap_needs_engines_beside_the_trainer():
         RolloutConfig(engine="remote", urls=URL, mode="async", max_staleness=0)
     RolloutConfig(engine="remote", urls=URL, mode="async", max_staleness=3, stale_samples="regenerate")
     assert threading.active_count() >= 1
+
+
+def test_the_parity_hook_gets_the_flows_engine_at_its_interval():
+    """After every rollout.parity_interval-th sync the flow calls EngineHooks.parity with its own engine (a
+    regression: ensure_synced once called the hook without it)."""
+    p, engine, trainer = _pipeline("sync", parity_interval=2)
+    seen = []
+    p.parity = lambda e: seen.append((trainer["step"], e))
+    for step in range(4):
+        trainer["step"] = step
+        p.samples(step, p.examples(step))
+        trainer["step"] = step + 1
+        p.after_step(step + 1)
+    assert seen == [(2, engine), (4, engine)]
