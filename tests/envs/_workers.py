@@ -35,7 +35,7 @@ def multi_turn_rollout(rank, world_size, cfg):
     sends = trainer.owners.sends
     actor = whole_batch(batch.actor.logprobs_BT, batch.actor.rows, batch.size, sends)
     teacher = whole_batch(batch.teacher.logprobs_BT, batch.teacher.rows, batch.size, sends)
-    metrics.update(trainer._train(batch, None))
+    metrics.update(trainer._train(batch, None).log())  # TrainMetrics: the loss and optimizer metrics
     if trainer.run_log is not None:
         trainer.run_log.close()
     if rank != 0:

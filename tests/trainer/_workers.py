@@ -148,7 +148,7 @@ def one_step_gradients_and_metrics(rank, world_size, cfg):
         return result
 
     trainer.optimizer.step = capturing_step
-    metrics = trainer.train_step().metrics
+    metrics = trainer.train_step().log()  # the step's metrics row
     if trainer.run_log is not None:
         trainer.run_log.close()
     if rank != 0:
