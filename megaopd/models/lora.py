@@ -50,6 +50,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megaopd.models.config import LORA_TARGETS, LoRAConfig
@@ -79,6 +80,8 @@ class LoRAAdapter(torch.nn.Module):
         self.tp_group = tp_group
         self.dropout = dropout
         self.enabled = True
+        self.swiglu = False
+        """B is a gated linear_fc1's [gate; up] rows (its checkpoint entry needs megatron's SwiGLU factory)."""
         tp, tp_rank = tp_group.size(), tp_group.rank()
         w = base.weight
         in_full, out_full = base.input_size, base.output_size
@@ -128,10 +131,13 @@ def _add_adapter(module, args, kwargs, output):
 
 def _sharded_state_dict_with_adapter(self, prefix="", sharded_offsets=(), metadata=None):
     """The base linear's checkpoint entries plus its adapter's, split on the axis the adapter is split on
-    (megatron's own method would save a split adapter tensor as if replicated)."""
+    (megatron's own method would save a split adapter tensor as if replicated). A gated MLP's linear_fc1 holds
+    [gate shard; up shard] on each TP rank: its B is saved through megatron's SwiGLU factory, as megatron's MLP
+    saves the weight, so a checkpoint loads at another TP (as plain row shards, TP=2 -> 1 read
+    [gate_0; up_0; gate_1; up_1] as [gate; up]: tests/models/test_lora.py caught it)."""
     axes = {"weight": 0, "bias": 0} if self.adapter.kind == COLUMN else {"weight": 1}
     axes.update({f"{ADAPTER}.lora_B": 0} if self.adapter.kind == COLUMN else {f"{ADAPTER}.lora_A": 1})
-    return make_sharded_tensors_for_checkpoint(
+    out = make_sharded_tensors_for_checkpoint(
         self.state_dict(prefix="", keep_vars=True),
         prefix,
         axes,
@@ -139,6 +145,11 @@ def _sharded_state_dict_with_adapter(self, prefix="", sharded_offsets=(), metada
         tp_group=self.tp_group,
         dp_cp_group=metadata["dp_cp_group"],
     )
+    if self.adapter.swiglu:
+        key = f"{prefix}{ADAPTER}.lora_B"
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
+    return out
 
 
 def _refusal(name: str, module: torch.nn.Module, kind: str) -> str | None:
@@ -160,6 +171,10 @@ def _refusal(name: str, module: torch.nn.Module, kind: str) -> str | None:
     if kind == ROW and not module.input_is_parallel:
         return f"LoRA on a row-parallel linear whose input is not split ({name}) is not supported"
     return None
+
+
+def last_name(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
 
 
 def global_name(name: str, layer_offset: int) -> str:
@@ -189,6 +204,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, tp_group, seed: int = 0,
     for name, module, kind in chosen:
         layer_seed = seed + zlib.crc32(global_name(name, layer_offset).encode())
         adapter = LoRAAdapter(module, kind, cfg.rank, cfg.alpha, cfg.dropout, layer_seed, tp_group)
+        # megatron's MLP saves a gated linear_fc1's weight through its SwiGLU factory; the adapter's B follows
+        adapter.swiglu = last_name(name) == "linear_fc1" and bool(getattr(module.config, "gated_linear_unit", False))
         module.add_module(ADAPTER, adapter)
         module.register_forward_hook(_add_adapter, with_kwargs=True)
         module.sharded_state_dict = types.MethodType(_sharded_state_dict_with_adapter, module)
@@ -219,6 +236,18 @@ def adapters_off(model: torch.nn.Module):
     finally:
         for a, was in zip(found, before):
             a.enabled = was
+
+
+def lora_meta(model: torch.nn.Module) -> dict | None:
+    """The adapters' settings as a checkpoint's metadata records them (a LoRAConfig's fields; None without
+    adapters): a converter rebuilds the adapters from them before loading the checkpoint."""
+    found = list(adapters(model))
+    if not found:
+        return None
+    linears = sorted({name.rsplit(".", 1)[-1] for name, _ in found})
+    a = found[0][1]
+    targets = [t for t, linear in MEGATRON_LINEARS.items() if linear in linears]
+    return dict(enabled=True, rank=a.rank, alpha=a.scale * a.rank, targets=targets, dropout=a.dropout)
 
 
 def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

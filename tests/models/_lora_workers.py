@@ -161,3 +161,32 @@ def lora_model(rank, world_size, hf_dir, ids, hf_adapter):
             adapter_params=sum(p.numel() for p in adapter_parameters(model)),
         )
     return out
+
+
+def lora_checkpoint(rank, world_size, hf_dir, ids, hf_adapter, ckpt_dir):
+    """A LoRA model at TP=2 (adapters set from hf_adapter) saved as a megaopd checkpoint; returns its log-probs
+    (rank 0 after a broadcast: both ranks are the one last stage)."""
+    from megaopd import ops
+    from megaopd.batching.micro_batches import ScoringMicroBatch
+    from megaopd.models.checkpoint import save_model_checkpoint
+    from megaopd.models.config import LoRAConfig
+    from megaopd.models.hf_config import read_hf_config
+    from megaopd.models.lora import apply_lora
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.scoring.runner import PipelineRunner
+    from tests.models._workers import _build_loaded
+
+    cfg = read_hf_config(hf_dir)
+    pgs = initialize_actor_layout(Layout(tp=2))
+    model = _build_loaded(cfg, hf_dir, 2, 1, pgs)
+    apply_lora(model, LoRAConfig(**LORA, targets=["all"]), pgs.tp)
+    _set_adapters(model, cfg, hf_adapter, pgs, 1)
+
+    def logprobs(mb, shard, _partner):
+        lp = ops.vocab_parallel_logprobs(shard[:, :-1], mb.tokens_BS[:, 1:], pgs.tp)
+        return lp.sum(), lp
+
+    with torch.no_grad():
+        (lp,) = PipelineRunner(model, pgs, cfg.vocab_size).run([ScoringMicroBatch(ids)], logprobs, True)
+    save_model_checkpoint(model, ckpt_dir, cfg, pgs, hf_side_dir=hf_dir, extra_meta={"source": hf_dir})
+    return lp

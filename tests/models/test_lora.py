@@ -189,3 +189,56 @@ def test_peft_loads_the_exported_adapter(model_results, tmp_path):
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     (megatron,) = _last_stage(per_rank, (2, 1), "lora")[:1]
     assert float((lp - megatron).abs().max()) < 1e-4
+
+
+@pytest.mark.slow
+def test_convert_writes_merged_model_and_peft_adapter(model_results, tmp_path):
+    """tools/convert_megatron_to_hf.py on a LoRA checkpoint written at TP=2, read at TP=1: the merged HF model
+    (transformers) and the peft adapter folder (peft onto the HF base) both give the checkpoint's log-probs."""
+    import json
+
+    import transformers
+
+    from megaopd.models.hf_config import InputError
+    from tools.convert_megatron_to_hf import main as convert_main
+
+    hf_dir, ids, hf_adapter, _ = model_results
+    ckpt = str(tmp_path / "ckpt")
+    saved = spawn(_lora_workers.lora_checkpoint, world_size=2, args=(hf_dir, ids, hf_adapter, ckpt), timeout=600)[0]
+    with open(f"{ckpt}/megaopd_checkpoint.json") as f:
+        assert json.load(f)["lora"] == dict(
+            enabled=True, rank=3, alpha=6.0, targets=["qkv", "proj", "fc1", "fc2"], dropout=0.0
+        )
+
+    def logprobs(model):
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    assert convert_main(["--ckpt", ckpt, "--out", str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    assert float((logprobs(merged.eval()) - saved).abs().max()) < 1e-4
+
+    assert convert_main(["--ckpt", ckpt, "--out", str(tmp_path / "adapter"), "--lora-export", "adapter"]) == 0
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        config = json.load(f)
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (3, 6.0, hf_dir)
+    from safetensors.torch import load_file
+
+    written = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert set(written) == set(hf_adapter) and all(torch.equal(written[n], t) for n, t in hf_adapter.items())
+    peft = pytest.importorskip("peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    assert float((logprobs(adapted) - saved).abs().max()) < 1e-4
+    # a checkpoint without adapters: one line, before any worker starts
+    import shutil
+
+    from megaopd.models.convert import validate_megatron_to_hf
+
+    plain = shutil.copytree(ckpt, tmp_path / "plain")
+    meta = json.loads((plain / "megaopd_checkpoint.json").read_text())
+    del meta["lora"]
+    (plain / "megaopd_checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(InputError, match="holds no LoRA adapters"):
+        validate_megatron_to_hf(str(plain), str(tmp_path / "x"), lora_export="adapter")
