@@ -250,6 +250,39 @@ def lora_meta(model: torch.nn.Module) -> dict | None:
     return dict(enabled=True, rank=a.rank, alpha=a.scale * a.rank, targets=targets, dropout=a.dropout)
 
 
+class BaseView(torch.nn.Module):
+    """The frozen base of a LoRA model as a model of its own: the same modules and weights, run with the adapters
+    off; the reference for free as the lockstep partner of the student (scoring/runner.py's PipelineRunner
+    partner=BaseView(student)), with no second copy of the weights.
+
+    The model is held, not registered as a submodule: the view owns no parameters (nothing counted, moved or
+    saved twice). Between pipeline stages the partner's input arrives through set_input_tensor after the
+    student's: the view keeps it and hands it to the model just before its own forward, so the student's input
+    is not overwritten before the student runs. Other attributes (post_process, output_layer, config, ...) are
+    the model's."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_base_model", model)
+        self._input_tensor = None
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_base_model"), name)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self._input_tensor = input_tensor
+
+    def forward(self, *args, **kwargs):
+        model = self._base_model
+        if self._input_tensor is not None or not getattr(model, "pre_process", True):
+            model.set_input_tensor(self._input_tensor)
+        with adapters_off(model):
+            return model(*args, **kwargs)
+
+
 def adapter_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The trained parameters of a LoRA model (what the optimizer holds)."""
     return [p for _, a in adapters(model) for p in (a.lora_A, a.lora_B)]

@@ -112,8 +112,9 @@ def lora_model(rank, world_size, hf_dir, ids, hf_adapter):
     from megaopd.models.config import LoRAConfig
     from megaopd.models.gather import gather_adapter_weights, gather_hf_weights
     from megaopd.models.hf_config import layers_per_stage, read_hf_config
-    from megaopd.models.lora import adapter_parameters, adapters_off, apply_lora
+    from megaopd.models.lora import BaseView, adapter_parameters, adapters_off, apply_lora
     from megaopd.models.weights import model_state, strip_wrapper_prefix
+    from megaopd.ops.head import LogitsHead
     from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
     from megaopd.scoring.runner import PipelineRunner
     from tests.models._workers import _build_loaded
@@ -144,6 +145,20 @@ def lora_model(rank, world_size, hf_dir, ids, hf_adapter):
         with_lora = score(forward_only=False)
         with torch.no_grad(), adapters_off(model):
             off = score()
+
+        # the reference for free: the same model with its adapters off as the student's lockstep partner
+        # (and with the trainer's fused output layer, logits made a few tokens at a time: one output layer shared)
+        def both(mb, shard, partner, pgs=pgs):
+            x = mb.tokens_BS[:, 1:]
+            shard, partner = (t.materialize() if isinstance(t, LogitsHead) else t for t in (shard, partner))
+            lp = ops.vocab_parallel_logprobs(shard[:, :-1], x, pgs.tp)
+            return lp.sum() * 0, (lp.clone(), ops.vocab_parallel_logprobs(partner[:, :-1], x, pgs.tp).clone())
+
+        lockstep = {}
+        for chunk in (0, 4):
+            pair = PipelineRunner(model, pgs, cfg.vocab_size, partner=BaseView(model), logits_chunk_tokens=chunk)
+            with torch.no_grad():
+                lockstep[chunk] = pair.run([ScoringMicroBatch(ids), ScoringMicroBatch(ids.flip(0))], both, True)
         grads = {strip_wrapper_prefix(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
         hf_grads = dict(gather_adapter_weights(grads, cfg, pgs.tp, pgs.pp))  # gradients map as their tensors
         merged = dict(gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp))
@@ -153,6 +168,7 @@ def lora_model(rank, world_size, hf_dir, ids, hf_adapter):
             lora=with_lora,
             off=off,
             off_equals_base=None if base is None else bool(torch.equal(off, base)),
+            lockstep=lockstep,
             grads=hf_grads,
             merged=merged,
             exported=exported,

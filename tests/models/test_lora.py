@@ -169,6 +169,25 @@ def test_adapters_off_is_the_base_model_exactly(model_results, layout):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", _lora_workers.MODEL_LAYOUTS)
+def test_base_view_is_the_reference_for_free(model_results, layout):
+    """BaseView(student) as the lockstep partner (two micro-batches through the pipeline; whole logits, and the
+    fused output layer 4 tokens at a time): its log-probs are the base model's (bit for bit with whole logits),
+    the student's beside it are the LoRA model's."""
+    *_, per_rank = model_results
+    results = [r[layout]["lockstep"][c] for r in per_rank for c in (0, 4) if r[layout]["lockstep"][0] is not None]
+    bases = [b for b in _last_stage(per_rank, layout, "base") for _ in (0, 4)]
+    lora = [x for x in _last_stage(per_rank, layout, "lora") for _ in (0, 4)]
+    assert len(results) == len(bases) > 0
+    for i, ((first, second), base, with_lora) in enumerate(zip(results, bases, lora)):
+        if i % 2 == 0:
+            assert torch.equal(first[1], base) and torch.equal(second[1], base.flip(0))
+        assert float((first[1] - base).abs().max()) < 1e-5 and float((second[1] - base.flip(0)).abs().max()) < 1e-5
+        assert float((first[0] - with_lora).abs().max()) < 1e-5
+        assert float((second[0] - with_lora.flip(0)).abs().max()) < 1e-5
+
+
+@pytest.mark.slow
 def test_peft_loads_the_exported_adapter(model_results, tmp_path):
     """The adapter folder megaopd writes, loaded by peft onto the HF base, gives megatron's log-probs with the
     adapters (float32, within the conversion bound of test_parity)."""
