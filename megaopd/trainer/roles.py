@@ -32,6 +32,7 @@ from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpo
 from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
+from megaopd.models.lora import BaseView
 from megaopd.models.weights import Placement, load_hf_weights
 from megaopd.parallel.dist import device
 from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
@@ -148,7 +149,8 @@ def build_models(
     groups = {student_layout: actor_pgs}
     in_job: dict[str, RoleModel] = {}
     reference = None
-    if needs.reference:
+    free_reference = needs.reference and _reference_is_the_base(cfg)
+    if needs.reference and not free_reference:
         reference = load_role_model(
             cfg.student, actor_pgs, trainable=False, path=cfg.reference.path or cfg.student.path
         )
@@ -165,7 +167,9 @@ def build_models(
             _park(in_job[t.name].model, t.offload_between_uses)  # one model at a time on the GPU at start-up
     teacher = next(iter(in_job.values())) if len(in_job) == 1 else None  # gkd's partner (one teacher)
     partner, partner_offload = None, False
-    if reference is not None:
+    if free_reference:  # the LoRA student's frozen base with its adapters off: no second copy
+        partner = BaseView(actor.model)
+    elif reference is not None:
         partner, partner_offload = reference.model, cfg.reference.offload_between_uses
     elif needs.teacher_logits:
         partner, partner_offload = teacher.model, cfg.teachers[0].offload_between_uses
@@ -226,6 +230,15 @@ def build_models(
         teacher_runner,
         TeacherSet(members, prompts) if members else None,
     )
+
+
+def _reference_is_the_base(cfg: MegaOPDConfig) -> bool:
+    """A LoRA student whose reference is its own initial weights (reference.path empty or the student's) reads the
+    reference from itself with the adapters off (models/lora.BaseView, bit-exact: tests/models/test_lora.py), unless
+    an in-job teacher is that reference too (it then keeps the frozen copy it shares)."""
+    if not cfg.student.lora.enabled or cfg.reference.path not in ("", cfg.student.path):
+        return False
+    return not any(cfg.teacher_shares_reference(t) for t in cfg.teachers)
 
 
 def _park(model: torch.nn.Module, offload: bool) -> None:
