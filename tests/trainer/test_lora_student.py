@@ -31,3 +31,23 @@ def test_only_adapters_train(hf_dir, tp):
         assert res["adapter_numel"] < res["model_numel"] // 10
         # B starts at zero, so one step moves B (and A, whose gradient is B^T g = 0 at step one, stays put)
         assert res["changed"] and all(n.endswith("adapter.lora_B") for n in res["changed"]), res["changed"]
+
+
+@pytest.mark.parametrize(
+    "overrides, free",
+    [
+        ([], True),
+        (["student.lora.enabled=false"], False),
+        (["reference.path=examples/tiny/models/../models/student"], False),  # another path: loaded, as named
+        (["reference.path=examples/tiny/models/student"], True),
+        (["teacher.path=reference", "teacher.tp=2"], False),  # an in-job teacher shares the loaded reference
+    ],
+)
+def test_the_reference_is_the_student_with_adapters_off(overrides, free):
+    """Which LoRA jobs read the reference from the student itself (roles.build_models: BaseView partner)."""
+    from megaopd.config import load_config
+    from megaopd.config.schema import MegaOPDConfig
+    from megaopd.trainer.roles import _reference_is_the_base
+
+    cfg = load_config(MegaOPDConfig, "examples/tiny/lora_opd.yaml", overrides)
+    assert _reference_is_the_base(cfg) is free
