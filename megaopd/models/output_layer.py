@@ -65,6 +65,8 @@ def defer_output_layer(*models: torch.nn.Module):
         if model is None or not get_attr_wrapped_model(model, "post_process"):
             continue
         layer = get_attr_wrapped_model(model, "output_layer")
+        if any(layer is seen for seen in layers):  # a LoRA student and its BaseView share one output layer
+            continue
         layer.forward = _deferred_forward(layer)  # instance attribute: nn.Module.__call__ finds it first
         layers.append(layer)
     try:

@@ -21,11 +21,18 @@ from megaopd.data.alignment import alignment_report
 from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.data.vocab import VocabMismatchError, VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
-from megaopd.models.builder import BuildOptions, StageInfo, activation_memory_overrides, build_gpt_model
+from megaopd.models.builder import (
+    BuildOptions,
+    StageInfo,
+    activation_memory_overrides,
+    apply_student_lora,
+    build_gpt_model,
+)
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
 from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
+from megaopd.models.lora import BaseView
 from megaopd.models.weights import Placement, load_hf_weights
 from megaopd.parallel.dist import device
 from megaopd.parallel.groups import Layout, build_process_groups, initialize_actor_layout
@@ -49,17 +56,28 @@ class RoleModel:
 
 
 def load_role_model(
-    section: ModelConfig, pgs: ProcessGroupCollection, trainable: bool, path: str | None = None
+    section: ModelConfig, pgs: ProcessGroupCollection, trainable: bool, path: str | None = None, seed: int = 0
 ) -> RoleModel:
+    """A role's model on this rank, its weights loaded; a trained student with student.lora on gets its adapters
+    (the base frozen: only the adapters reach DDP and the optimizer, which take trainable parameters only)."""
     path = path or section.path
     hf = read_hf_config(path)
     memory = activation_memory_overrides(section.recompute, section.recompute_num_layers, section.sequence_parallel)
-    # A trained MoE router gets the HF config's load-balancing loss; a frozen one none.
+    lora = getattr(section, "lora", None) if trainable else None
+    lora = lora if lora is not None and lora.enabled else None
+    # A trained MoE router gets the HF config's load-balancing loss; a frozen one none. LoRA wraps megatron's
+    # local linears only (models/lora.py: TE's fused norm + linear has another input).
     model = build_gpt_model(
         hf,
         Layout(tp=section.tp, pp=section.pp, ep=section.ep),
         pgs,
-        BuildOptions(dtype=section.dtype, init_weights=False, train_router=trainable, config_overrides=memory),
+        BuildOptions(
+            dtype=section.dtype,
+            init_weights=False,
+            train_router=trainable,
+            config_overrides=memory,
+            use_te=False if lora is not None else None,
+        ),
     )
     if is_megatron_checkpoint(path):
         load_model_checkpoint(model, path, pgs)
@@ -75,6 +93,8 @@ def load_role_model(
             ep_size=section.ep,
         )
         load_hf_weights(model, HFWeights(path), hf, place)
+    if lora is not None:
+        apply_student_lora(model, hf, lora, pgs, seed)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -124,12 +144,13 @@ def build_models(
             "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss"
         )
     actor_pgs = initialize_actor_layout(student_layout, seed=cfg.trainer.seed)
-    actor = load_role_model(cfg.student, actor_pgs, trainable=True)
+    actor = load_role_model(cfg.student, actor_pgs, trainable=True, seed=cfg.trainer.seed)
     # In-job teachers, each in its own layout (groups shared between equal layouts); served ones are HTTP.
     groups = {student_layout: actor_pgs}
     in_job: dict[str, RoleModel] = {}
     reference = None
-    if needs.reference:
+    free_reference = needs.reference and _reference_is_the_base(cfg)
+    if needs.reference and not free_reference:
         reference = load_role_model(
             cfg.student, actor_pgs, trainable=False, path=cfg.reference.path or cfg.student.path
         )
@@ -146,7 +167,9 @@ def build_models(
             _park(in_job[t.name].model, t.offload_between_uses)  # one model at a time on the GPU at start-up
     teacher = next(iter(in_job.values())) if len(in_job) == 1 else None  # gkd's partner (one teacher)
     partner, partner_offload = None, False
-    if reference is not None:
+    if free_reference:  # the LoRA student's frozen base with its adapters off: no second copy
+        partner = BaseView(actor.model)
+    elif reference is not None:
         partner, partner_offload = reference.model, cfg.reference.offload_between_uses
     elif needs.teacher_logits:
         partner, partner_offload = teacher.model, cfg.teachers[0].offload_between_uses
@@ -207,6 +230,15 @@ def build_models(
         teacher_runner,
         TeacherSet(members, prompts) if members else None,
     )
+
+
+def _reference_is_the_base(cfg: MegaOPDConfig) -> bool:
+    """A LoRA student whose reference is its own initial weights (reference.path empty or the student's) reads the
+    reference from itself with the adapters off (models/lora.BaseView, bit-exact: tests/models/test_lora.py), unless
+    an in-job teacher is that reference too (it then keeps the frozen copy it shares)."""
+    if not cfg.student.lora.enabled or cfg.reference.path not in ("", cfg.student.path):
+        return False
+    return not any(cfg.teacher_shares_reference(t) for t in cfg.teachers)
 
 
 def _park(model: torch.nn.Module, offload: bool) -> None:
