@@ -157,3 +157,17 @@ def test_permute_vocab_refuses_a_tokenizer_of_another_size_without_writing(tmp_p
     (src / "config.json").write_text(json.dumps(cfg))
     assert main(["--src", str(src), "--out", str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_the_control_merges_spans_k_at_a_time_on_both_sides():
+    """examples/tiny/xtok_control.py's coarser spans (perm_spanK): span s becomes s // k for the student's and
+    the teacher's tokens alike, tokens without a span stay without."""
+    from megaopd.data.alignment import SpanAlignment
+
+    sys.path.insert(0, os.path.join(ROOT, "examples", "tiny"))
+    from xtok_control import coarsen
+
+    al = SpanAlignment(student_span=[0, 1, 1, 2, 3, 4, -1], teacher_span=[0, 1, 2, 3, 4], n_spans=5)
+    two = coarsen(al, 2)
+    assert (two.student_span, two.teacher_span, two.n_spans) == ([0, 0, 0, 1, 1, 2, -1], [0, 0, 1, 1, 2], 3)
+    assert coarsen(al, 1) == al
