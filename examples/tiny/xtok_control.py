@@ -30,13 +30,11 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path[:0] = [os.path.join(ROOT, "tools"), HERE]  # permute_vocab; accuracy_study's job runner
 
 ONE_THREAD = ["run.world_size=1", "student.tp=1", "reference.tp=1", "teacher.tp=1"]
 SETTINGS = [
@@ -92,34 +90,24 @@ def train_coarse(k: int, argv: list[str]) -> int:
 
 
 def run_all(out: str, arms: list[str], seeds: list[int], parallel: int, extra: list[str]) -> None:
+    from accuracy_study import run_jobs
     from permute_vocab import permute_model
 
     if not os.path.isfile(os.path.join(out, "teacher_perm", "model.safetensors")):
         permute_model(os.path.join(ROOT, "examples/tiny/models/teacher"), os.path.join(out, "teacher_perm"), seed=0)
-    env = dict(os.environ, MEGAOPD_WORKER_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    todo = [(a, s) for s in seeds for a in arms if not os.path.exists(os.path.join(run_dir(out, a, s), "summary.json"))]
-    running: list = []
-    while todo or running:
-        while todo and len(running) < parallel:
-            arm, seed = todo.pop(0)
+    jobs = []
+    for seed in seeds:
+        for arm in arms:
+            if os.path.exists(os.path.join(run_dir(out, arm, seed), "summary.json")):
+                continue
             preset, overrides, k = arm_command(out, arm)
             argv = [preset, f"run.dir={run_dir(out, arm, seed)}", *ONE_THREAD, *SETTINGS, *overrides, *extra]
             argv += [f"trainer.seed={seed}", f"data.seed={seed}"]
-            cmd = [sys.executable, os.path.abspath(__file__), "--train-coarse", str(k), "--", *argv]
-            if k == 1:
-                cmd = [sys.executable, "-m", "megaopd.cli", "train", *argv]
-            os.makedirs(run_dir(out, arm, seed), exist_ok=True)
-            log = open(os.path.join(run_dir(out, arm, seed), "train.log"), "a")
-            print(f"start {arm} seed {seed}", flush=True)
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            running.append((proc, f"{arm} seed {seed}", time.time()))
-        time.sleep(2)
-        for item in list(running):
-            proc, name, t0 = item
-            if proc.poll() is not None:
-                running.remove(item)
-                status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see its train.log)"
-                print(f"{status}: {name} in {time.time() - t0:.0f} s", flush=True)
+            cmd = [sys.executable, "-m", "megaopd.cli", "train", *argv]
+            if k > 1:  # this file runs the trainer, with the spans merged
+                cmd = [sys.executable, os.path.abspath(__file__), "--train-coarse", str(k), "--", *argv]
+            jobs.append((f"{arm} seed {seed}", cmd, run_dir(out, arm, seed)))
+    run_jobs(jobs, parallel)
 
 
 def read_rows(path: str) -> dict[int, dict]:
