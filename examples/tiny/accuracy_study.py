@@ -123,23 +123,33 @@ def run_all(
     extra: tuple[str, ...] = (),
 ) -> None:
     """Seed-major order (every arm of seed 1, then seed 2, ...), so a study cut short has whole seeds."""
-    env = dict(os.environ, MEGAOPD_WORKER_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    todo = [
-        (arm, s)
+    jobs = [
+        (
+            f"{arm} seed {s}",
+            (["nice", "-n", str(nice)] if nice else []) + command(out, arm, s, max_steps, extra),
+            run_dir(out, arm, s),
+        )
         for s in seeds
         for arm in arms
         if not os.path.exists(os.path.join(run_dir(out, arm, s), "summary.json"))
     ]
+    run_jobs(jobs, parallel)
+
+
+def run_jobs(jobs: list[tuple[str, list[str], str]], parallel: int) -> None:
+    """Runs (name, command, run folder) jobs from the repository root, `parallel` at a time, each on one thread
+    with its output in RUN/train.log; says when each starts and ends."""
+    env = dict(os.environ, MEGAOPD_WORKER_THREADS="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    todo = list(jobs)
     running: list[tuple[subprocess.Popen, str, float]] = []
     while todo or running:
         while todo and len(running) < parallel:
-            arm, seed = todo.pop(0)
-            os.makedirs(run_dir(out, arm, seed), exist_ok=True)
-            log = open(os.path.join(run_dir(out, arm, seed), "train.log"), "a")
-            cmd = (["nice", "-n", str(nice)] if nice else []) + command(out, arm, seed, max_steps, extra)
-            print(f"start {arm} seed {seed}: {' '.join(cmd[-12:])}", flush=True)
+            name, cmd, folder = todo.pop(0)
+            os.makedirs(folder, exist_ok=True)
+            log = open(os.path.join(folder, "train.log"), "a")
+            print(f"start {name}: {' '.join(cmd[-12:])}", flush=True)
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            running.append((proc, f"{arm} seed {seed}", time.time()))
+            running.append((proc, name, time.time()))
         time.sleep(2)
         for item in list(running):
             proc, name, t0 = item
