@@ -45,6 +45,7 @@ setup(
             "gguf>=0.10",
             "accelerate>=1.0",
             "ruff==0.17.6",
+            "peft==0.21.2",  # LoRA students: the exported adapter is checked by loading it with peft
         ],
     },
     entry_points={"console_scripts": ["megaopd=megaopd.cli:main"]},

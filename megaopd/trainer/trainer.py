@@ -251,7 +251,7 @@ class Trainer:
         if not (self.needs.on_policy or cfg.validation.path):
             return  # the flow holds no engine: nothing generates (SFT without validation)
         hf_dir = cfg.student.path
-        if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
+        if cfg.rollout.engine.in_trainer and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             export_hf(self.actor, hf_dir)  # collective; the engine is built from it
         self.flow.attach(
