@@ -18,7 +18,7 @@ import json
 import os
 from typing import Sequence
 
-from megaopd.models.config import find_hf_config
+from megaopd.models.config import read_config_json
 from megaopd.models.hf_config import padded_vocab_size
 
 
@@ -48,8 +48,7 @@ def tokenizer_id_count(path: str) -> int | None:
 
 def _vocab_size(path: str) -> int | None:
     try:
-        with open(find_hf_config(path)) as f:
-            value = json.load(f).get("vocab_size")
+        value = read_config_json(path).get("vocab_size")  # ValueError naming the file when it is not JSON
     except FileNotFoundError:
         return None
     return int(value) if value is not None else None

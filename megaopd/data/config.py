@@ -161,6 +161,9 @@ class DataConfig:
     """Seed of the data order: the same seed, data and batch size give the same batches at every step."""
     shuffle: bool = True
     """Shuffle each epoch (false: the files' order, sources interleaved by weight)."""
+    non_utf8: str = "refuse"
+    """Bytes of a .jsonl/.json source that are not UTF-8: refuse (the load stops in one line naming the file
+    and line) | skip (each such line is a counted unusable row). Never replaced with U+FFFD silently."""
 
     def __post_init__(self):
         if self.prompt_template not in ("student", "teacher", "plain"):
@@ -180,6 +183,8 @@ class DataConfig:
                 f"data.max_prompt_len={self.max_prompt_len} and data.max_golden_len="
                 f"{self.max_golden_len} must be positive token counts"
             )
+        if self.non_utf8 not in ("refuse", "skip"):
+            raise ValueError(f"data.non_utf8={self.non_utf8!r}: choose refuse or skip")
         if self.golden_overflow not in ("skip", "truncate"):
             raise ValueError(f"data.golden_overflow={self.golden_overflow!r}: choose skip or truncate")
         names = [s.name for s in self.sources]

@@ -63,7 +63,13 @@ class PromptDataset:
             if not files:
                 raise DataError(f"data source {src.path!r} matches no .jsonl/.json/.parquet file: fix the path")
             records = load_records(
-                files, cfg.filter, counter, report, require_golden=cfg.require_golden, max_rows=src.max_rows
+                files,
+                cfg.filter,
+                counter,
+                report,
+                require_golden=cfg.require_golden,
+                max_rows=src.max_rows,
+                non_utf8=cfg.non_utf8,
             )
             exs, skipped, first = build_examples(
                 records, src.name, cfg, tokenizer, teacher_tokenizer, stop_id=stop.golden_id, tools=tools

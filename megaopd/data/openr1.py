@@ -239,13 +239,14 @@ def load_records(
     report: LoadReport,
     require_golden: bool = False,
     max_rows: int = 0,
+    non_utf8: str = "refuse",
 ) -> list[GoldenRecord]:
     """Reads every row of `files` into GoldenRecords, skipping and counting (in `report`) what is unusable."""
     from megaopd.data.io import iter_rows
 
     report.files = list(files)
     records: list[GoldenRecord] = []
-    for loc, row in iter_rows(files):
+    for loc, row in iter_rows(files, non_utf8):
         report.rows += 1
         if isinstance(row, str):
             report.skip(loc, row)

@@ -89,9 +89,24 @@ def find_hf_config(path: str) -> str:
     )
 
 
+def read_config_json(path: str) -> dict:
+    """The config.json of find_hf_config(path) as a dict; ValueError naming the file when it is not a JSON
+    object (a garbled or truncated copy)."""
+    config = find_hf_config(path)
+    try:
+        with open(config, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise ValueError(
+            f"{config} is not JSON ({type(e).__name__}: {e}): restore the model folder's config.json"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config} is not a JSON object: restore the model folder's config.json")
+    return raw
+
+
 def read_model_dims(path: str) -> ModelDims:
-    with open(find_hf_config(path)) as f:
-        hf = json.load(f)
+    hf = read_config_json(path)
     heads = int(hf["num_attention_heads"])
     return ModelDims(
         num_layers=int(hf["num_hidden_layers"]),

@@ -100,7 +100,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int 
 def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> HFModelConfig:
     from megaopd.models.checkpoint import check_checkpoint_collective, read_checkpoint_meta
     from megaopd.models.ranks import check_world
-    from megaopd.models.safe_load import check_pickles
+    from megaopd.models.safe_load import check_pickles, saved_shapes
+    from megaopd.models.weights import check_config_matches_shards
 
     if not os.path.isdir(ckpt_dir):
         raise InputError(f"checkpoint directory {ckpt_dir} does not exist")
@@ -108,6 +109,7 @@ def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 
     check_checkpoint_collective(ckpt_dir)  # the manifest, then the pickles restricted: before any worker starts
     check_pickles(os.path.join(ckpt_dir, "model"))
     cfg = read_hf_config(ckpt_dir)
+    check_config_matches_shards(saved_shapes(os.path.join(ckpt_dir, "model")), cfg, ckpt_dir)  # before the ranks
     check_layout(cfg, tp, pp)
     _check_out_dir(out_dir)
     check_world(tp * pp)

@@ -128,6 +128,11 @@ def torch_load(f, path: str):
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         raise _refusal(path, found.group(1) if found else "an object torch's weights_only reader refuses") from None
+    except (EOFError, RuntimeError, ValueError) as e:  # a truncated or garbled item: name the file
+        raise InputError(
+            f"{path} is not readable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'ends early'}); "
+            f"the checkpoint is damaged: use an earlier one"
+        ) from None
 
 
 class _CheckedBytes:
@@ -221,9 +226,45 @@ def _strategies():
     return SafeTorchDistLoadStrategy(), SafeCommonLoadStrategy()
 
 
+def saved_shapes(checkpoint_dir: str) -> dict[str, tuple[int, ...]]:
+    """The global shape of every tensor a torch_dist folder holds, by its megatron name, from its `.metadata`
+    (read restricted); {} without one."""
+    path = os.path.join(checkpoint_dir, ".metadata")
+    if not os.path.isfile(path):
+        return {}
+    items = getattr(read_metadata(path), "state_dict_metadata", None) or {}
+    return {name: tuple(int(n) for n in meta.size) for name, meta in items.items() if hasattr(meta, "size")}
+
+
+def check_shard_sizes(checkpoint_dir: str) -> None:
+    """Every shard file as long as its `.metadata` says (the end of its last item): a truncated shard is one
+    line naming the file and both sizes, before a byte of it is read (a checkpoint without a manifest has no
+    other check; torch's reader would fail on it with a bare EOFError)."""
+    metadata_path = os.path.join(checkpoint_dir, ".metadata")
+    if not os.path.isfile(metadata_path):
+        return  # megatron's own error names the missing metadata
+    needed: dict[str, int] = {}
+    for info in (getattr(read_metadata(metadata_path), "storage_data", None) or {}).values():
+        name, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if isinstance(name, str):
+            needed[name] = max(needed.get(name, 0), end)
+    for name, end in sorted(needed.items()):
+        path = os.path.join(checkpoint_dir, name)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size is None or size < end:
+            what = "is missing" if size is None else f"is {size} bytes"
+            raise InputError(
+                f"{path} {what} but its .metadata says it holds {end}: the checkpoint is truncated or "
+                f"incomplete; use an earlier one (or copy it again)"
+            )
+
+
 def load_safely(sharded_state_dict, checkpoint_dir: str):
-    """megatron dist_checkpointing.load through the restricted readers (module docstring)."""
+    """megatron dist_checkpointing.load through the restricted readers (module docstring), after the shards'
+    sizes are checked against the metadata (check_shard_sizes)."""
     from megatron.core import dist_checkpointing
+
+    check_shard_sizes(str(checkpoint_dir))
 
     sharded, common = _strategies()
     return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, sharded_strategy=sharded, common_strategy=common)
@@ -236,6 +277,7 @@ def check_pickles(checkpoint_dir: str) -> None:
     metadata = os.path.join(checkpoint_dir, ".metadata")
     if os.path.isfile(metadata):
         read_metadata(metadata)
+        check_shard_sizes(checkpoint_dir)
     common = os.path.join(checkpoint_dir, "common.pt")
     if os.path.isfile(common):
         torch_load(common, common)

@@ -32,13 +32,14 @@ the two in sync); it is filled from embed_tokens and never exported. With PP = 1
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megaopd.models.hf_config import HFModelConfig, layers_per_stage, padded_vocab_size
+from megaopd.models.hf_config import HFModelConfig, InputError, layers_per_stage, padded_vocab_size
 
 # How a megatron tensor is split over TP and combined from HF tensors.
 REPLICATED = "replicated"  # same on every TP rank (norms)
@@ -282,6 +283,93 @@ def shard_hf_weights(
     return out
 
 
+EXPECTED_UNUSED = (
+    re.compile(r"(^|\.)rotary_emb\.inv_freq$"),  # RoPE's buffer, recomputed from rope_theta
+)
+"""HF tensors a checkpoint may hold that the model does not read (besides lm_head.weight with tied embeddings,
+a copy of embed_tokens some savers write)."""
+
+
+class WeightsMismatch(InputError):
+    """An HF folder's tensors are not the model its config.json describes: leftovers or missing tensors."""
+
+
+def _count(names, pattern: str) -> int:
+    """1 + the highest index `pattern`'s group captures among `names` (0: none)."""
+    found = [int(m.group(1)) for n in names for m in [re.match(pattern, n)] if m]
+    return max(found) + 1 if found else 0
+
+
+def check_all_used(names, cfg: HFModelConfig, where: str) -> None:
+    """Every tensor of an HF folder (`names`) is one the config's model reads, or expected to be unused
+    (EXPECTED_UNUSED); every tensor the model reads is there. Else WeightsMismatch, one line naming the tensors
+    and the config.json field that disagrees (num_hidden_layers: 2 but the weights hold 3 layers)."""
+    names = set(names)
+    wanted = set(hf_shapes(cfg))
+    left = sorted(
+        n
+        for n in names - wanted
+        if not any(p.search(n) for p in EXPECTED_UNUSED) and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    )
+    missing = sorted(wanted - names)
+    if not left and not missing:
+        return
+    fields = []
+    layers = _count(names, r"model\.layers\.(\d+)\.")
+    if layers and layers != cfg.num_layers:
+        fields.append(f"num_hidden_layers: {cfg.num_layers} but the weights hold {layers} layers")
+    experts = _count(names, r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+    if experts != cfg.num_experts:
+        fields.append(f"num_experts: {cfg.num_experts} but the weights hold {experts} experts a layer")
+    if any(n.endswith("_proj.bias") for n in left + missing):
+        fields.append(f"attention bias: {cfg.qkv_bias} but the weights {'hold' if left else 'lack'} q/k/v biases")
+    if any(n.endswith(("q_norm.weight", "k_norm.weight")) for n in left + missing):
+        fields.append(f"q/k norms (qk_layernorm): {cfg.qk_layernorm} but the weights {'hold' if left else 'lack'} them")
+    if "lm_head.weight" in missing:
+        fields.append("tie_word_embeddings: false but the weights hold no lm_head.weight")
+
+    def some(items: list[str]) -> str:
+        return ", ".join(items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
+
+    parts = ([f"{len(left)} tensors the model does not use ({some(left)})"] if left else []) + (
+        [f"{len(missing)} tensors missing ({some(missing)})"] if missing else []
+    )
+    why = "; ".join(fields) if fields else "the weights and config.json describe different models"
+    raise WeightsMismatch(
+        f"{where}: {' and '.join(parts)}: config.json {why}; fix config.json to match the weights (or use the "
+        f"folder they were saved with)"
+    )
+
+
+def check_config_matches_shards(saved: Mapping[str, tuple[int, ...]], cfg: HFModelConfig, where: str) -> None:
+    """A megatron checkpoint's saved tensor shapes (safe_load.saved_shapes: layers stacked on the first dim)
+    against the config.json beside them: layers, hidden size, FFN size, vocabulary. WeightsMismatch naming
+    the config field and what the shards hold, before any rank loads (the load would fail deep in torch's
+    checkpoint reader)."""
+    found = []
+
+    def shape(name: str) -> tuple[int, ...] | None:
+        return saved.get(name)
+
+    proj = shape("decoder.layers.self_attention.linear_proj.weight")
+    if proj is not None and proj[0] != cfg.num_layers:
+        found.append(f"num_hidden_layers: {cfg.num_layers} but the shards hold {proj[0]} layers")
+    norm = shape("decoder.final_layernorm.weight")
+    if norm is not None and norm[0] != cfg.hidden_size:
+        found.append(f"hidden_size: {cfg.hidden_size} but the shards' hidden size is {norm[0]}")
+    fc2 = shape("decoder.layers.mlp.linear_fc2.weight")
+    if fc2 is not None and not cfg.is_moe and fc2[-1] != cfg.intermediate_size:
+        found.append(f"intermediate_size: {cfg.intermediate_size} but the shards' is {fc2[-1]}")
+    emb = shape("embedding.word_embeddings.weight")
+    if emb is not None and not cfg.vocab_size <= emb[0] < cfg.vocab_size + 128 * 64:
+        found.append(f"vocab_size: {cfg.vocab_size} but the shards hold {emb[0]} (padded) embedding rows")
+    if found:
+        raise WeightsMismatch(
+            f"{where}: config.json does not describe the checkpoint's shards: {'; '.join(found)}; restore the "
+            f"config.json saved with the checkpoint"
+        )
+
+
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters by megatron name (wrappers such as DDP's `module.` prefix removed)."""
     return {strip_wrapper_prefix(n): p for n, p in model.named_parameters()}
@@ -298,7 +386,11 @@ def load_hf_weights(
     cfg: HFModelConfig,
     place: Placement,
 ) -> None:
-    """Copies HF weights into this rank's GPTModel stage at `place` (in place; dtype must match for exactness)."""
+    """Copies HF weights into this rank's GPTModel stage at `place` (in place; dtype must match for exactness).
+    A mapping (an HF folder's HFWeights) is first checked whole: every tensor used or expected unused
+    (check_all_used)."""
+    if isinstance(get_hf, Mapping):
+        check_all_used(get_hf.keys(), cfg, getattr(get_hf, "hf_dir", "the HF weights"))
     params = model_state(model)
     shards = shard_hf_weights(get_hf, cfg, place, uses_fused_norms(params))
     missing, unexpected = set(params) - set(shards), set(shards) - set(params)

@@ -49,9 +49,27 @@ class WorkerError(RuntimeError):
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception as one line: its type and message (a message's own line breaks become spaces)."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+    """An exception as one line: its type and message (a message's own line breaks become spaces). Wrappers
+    that carry every rank's traceback in their message (torch.distributed.checkpoint's CheckpointException,
+    which megatron's dist_checkpointing raises on a failed load or save) are unwrapped to the first failed rank's
+    exception, with the ranks that failed: `ValueError: ... (checkpoint ranks [0, 1])`; the whole traceback
+    belongs in the rank's log."""
+    inner, ranks = _unwrapped(exc)
+    text = "".join(traceback.format_exception_only(type(inner), inner)).strip()
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return f"{line} (checkpoint ranks {ranks})" if ranks else line
+
+
+def _unwrapped(exc: BaseException, depth: int = 0) -> tuple[BaseException, list[int]]:
+    """(the exception a wrapper carries, the ranks it names); (exc, []) for any other exception."""
+    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: (exception, traceback summary)}
+    if depth < 4 and isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(inner, BaseException):
+            found, _ = _unwrapped(inner, depth + 1)
+            return found, sorted(failures)
+    return exc, []
 
 
 IMPORT_TIME_ENV = ("TRITON_", "MALLOC_", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "TORCH_", "PYTORCH_", "PYTHONHASHSEED")

@@ -56,6 +56,7 @@ def _remote(setup: EngineSetup) -> EnginePool:
                 name=f"rollout.urls[{i}]",
                 stall_timeout_s=rollout.stall_timeout_s,
                 api_key_env=rollout.api_key_env,
+                vocab_size=_vocab_size(setup.hf_dir),  # generated ids outside the student's are refused
             ),
             stop=setup.stop,
         )
@@ -80,3 +81,13 @@ BUILDERS: dict[RolloutEngine, Callable[[EngineSetup], object]] = {
     RolloutEngine.REMOTE: _remote,
 }
 """Each rollout engine kind's builder: a new kind is its RolloutEngine member and one entry here."""
+
+
+def _vocab_size(hf_dir: str) -> int:
+    """The student's vocabulary size from its config.json (0 when there is none to read: not checked)."""
+    from megaopd.models.config import read_config_json
+
+    try:
+        return int(read_config_json(hf_dir).get("vocab_size") or 0)
+    except (FileNotFoundError, ValueError, TypeError):
+        return 0

@@ -48,7 +48,6 @@ from megaopd.rollout.schema import (
     params_to_json,
     parse_version,
     prefill_request,
-    prefill_scores_from_json,
     sample_from_json,
 )
 
@@ -112,6 +111,9 @@ class HttpEngineConfig:
     The trainer sets it from rollout.stall_timeout_s."""
     name: str = ""
     """How errors name the engine besides its URL: its config key, e.g. rollout.urls[1]."""
+    vocab_size: int = 0
+    """The student's vocabulary: generated ids outside [0, vocab_size) are refused where the answer is parsed
+    (schema.sample_from_json), naming this engine. 0: not checked."""
 
     def __post_init__(self):
         self.url = self.url.rstrip("/")
@@ -267,7 +269,8 @@ class HttpEngine:
                 "logprob_start_len": -1,
                 "stream": False,
             }
-            samples += self._post_generate(body, [p for p, _ in chunk], "", sample_from_json)
+            parse = lambda p, e: sample_from_json(p, e, self.config.vocab_size)  # noqa: E731
+            samples += self._post_generate(body, [p for p, _ in chunk], "", parse)
         return samples
 
     def _post_generate(self, body: dict, asked: list, what: str, parse: Callable[[Any, Any], Any]) -> list:
@@ -280,10 +283,14 @@ class HttpEngine:
                 f"{self.url}/generate answered {type(out).__name__} of "
                 f"{len(out) if isinstance(out, list) else 1} entries for {len(asked)}{what}"
             )
-        try:
-            return [parse(a, e) for a, e in zip(asked, out)]
-        except ValueError as e:
-            raise EngineError(f"{self.url}/generate: {e}") from e
+        parsed = []
+        for row, (a, e) in enumerate(zip(asked, out)):
+            try:
+                parsed.append(parse(a, e))
+            except ValueError as err:  # numbers from outside are refused where they enter, naming the row
+                who = f" ({self.config.name})" if self.config.name else ""
+                raise EngineError(f"{self.url}/generate{who}: row {row} of {len(asked)}: {err}") from err
+        return parsed
 
     def weight_targets(self) -> list["HttpEngine"]:
         return [self]

@@ -24,6 +24,7 @@ tokens' hashes); its log-prob is the sent token's, so an answered 0 is read as t
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -220,8 +221,10 @@ def finish_reason_json(reason: str, matched: int | None, max_new_tokens: int, me
     return {"type": "abort", "message": message or "aborted"}
 
 
-def sample_from_json(prompt_ids: list[int], entry: dict) -> Sample:
-    """A Sample from one /generate response entry (needs return_logprob=true); raises ValueError if malformed."""
+def sample_from_json(prompt_ids: list[int], entry: dict, vocab_size: int = 0) -> Sample:
+    """A Sample from one /generate response entry (needs return_logprob=true); raises ValueError if malformed,
+    or when an output id lies outside [0, vocab_size) (vocab_size > 0: the student's vocabulary; an engine
+    serving another model or tokenizer would otherwise fail later as a bare IndexError in an embedding)."""
     try:
         output_ids = [int(t) for t in entry["output_ids"]]
         meta = entry["meta_info"]
@@ -236,10 +239,19 @@ def sample_from_json(prompt_ids: list[int], entry: dict) -> Sample:
         raise ValueError("the /generate response has no output_token_logprobs; send return_logprob=true")
     if len(lps) != len(output_ids):
         raise ValueError(f"{len(lps)} output_token_logprobs for {len(output_ids)} output_ids")
+    if vocab_size > 0:
+        bad = [t for t in output_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"output_ids {bad[:4]} lie outside the student's vocabulary [0, {vocab_size}): the engine serves "
+                f"another model or tokenizer; point it at the student's (rollout.urls)"
+            )
     return Sample(
         prompt_ids=list(prompt_ids),
         output_ids=output_ids,
-        output_logprobs=[float(x[0]) for x in lps],
+        output_logprobs=_logprobs(
+            [x[0] if isinstance(x, (list, tuple)) else x for x in lps], "output_token_logprobs", 0
+        ),
         finish_reason=kind,
         weight_version=meta.get("weight_version"),
     )
@@ -311,7 +323,7 @@ def prefill_scores_from_json(entry: Any, seq: list[int], first: int, topk: int =
         )
     if any(e[0] is None for e in lps):
         raise ValueError("input_token_logprobs has a null log-prob after logprob_start_len")
-    out = PrefillScores(logprobs=[float(e[0]) for e in lps])
+    out = PrefillScores(logprobs=_logprobs([e[0] for e in lps], "input_token_logprobs", first))
     if topk:
         if not isinstance(tops, list) or len(tops) != n + 1:
             raise ValueError(f"input_top_logprobs is missing or has a wrong length for top_logprobs_num={topk}")
@@ -320,7 +332,50 @@ def prefill_scores_from_json(entry: Any, seq: list[int], first: int, topk: int =
             raise ValueError(
                 f"input_top_logprobs has fewer than top_logprobs_num={topk} entries at some of the {n} positions scored"
             )
-        ranked = [sorted(t, key=lambda e: -float(e[0]))[:topk] for t in tops]  # most likely first
-        out.top_ids = [[int(e[1]) for e in t] for t in ranked]
-        out.top_logprobs = [[float(e[0]) for e in t] for t in ranked]
+        out.top_logprobs = [
+            _logprobs([e[0] for e in t], "input_top_logprobs", 0, rank_at=first + j) for j, t in enumerate(tops)
+        ]
+        for j, values in enumerate(out.top_logprobs):
+            if any(b > a + LOGPROB_TOLERANCE for a, b in zip(values, values[1:])):
+                raise ValueError(
+                    f"input_top_logprobs at token {first + j} is not sorted most likely first ({values[:4]}): "
+                    f"served top-K must come ranked; check the server (or a proxy before it)"
+                )
+        out.top_ids = [[int(e[1]) for e in t[:topk]] for t in tops]
+        out.top_logprobs = [values[:topk] for values in out.top_logprobs]
+    return out
+
+
+def prefill_scores_list(out: list, seqs: list[list[int]], firsts: list[int], topk: int = 0) -> list[PrefillScores]:
+    """prefill_scores_from_json of each answer entry; a ValueError names the row (the entry's index)."""
+    scores = []
+    for row, (entry, seq, first) in enumerate(zip(out, seqs, firsts)):
+        try:
+            scores.append(prefill_scores_from_json(entry, seq, first, topk))
+        except ValueError as e:
+            raise ValueError(f"row {row} of {len(seqs)}: {e}") from None
+    return scores
+
+
+LOGPROB_TOLERANCE = 1e-4
+"""How far above 0 a served log-prob may round (a probability of 1 in float16/bfloat16 arithmetic)."""
+
+
+def _logprobs(values: list, what: str, first: int, rank_at: int | None = None) -> list[float]:
+    """Served log-probs as floats, each finite and <= LOGPROB_TOLERANCE: numbers from outside are checked
+    where they enter (a proxy or a broken server answering +3.0 or NaN trained the student on them)."""
+    out = []
+    for j, v in enumerate(values):
+        # values: one per token from `first` on; or (rank_at: that token) the top-K's, by rank
+        where = f"{what} at token {first + j}" if rank_at is None else f"{what} at token {rank_at}, rank {j}"
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where} is {v!r}, not a number") from None
+        if not (math.isfinite(x) and x <= LOGPROB_TOLERANCE):
+            raise ValueError(
+                f"{where} is {x!r}: a log-prob must be finite and <= 0; the server (or a proxy before it) "
+                f"serves impossible scores: check it"
+            )
+        out.append(x)
     return out

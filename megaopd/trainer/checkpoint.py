@@ -39,8 +39,9 @@ from safetensors.torch import load_file, save_file
 
 from megaopd.models import compat
 from megaopd.models.checkpoint import load_model_checkpoint, save_model_checkpoint, saved_ep, write_checkpoint_manifest
+from megaopd.models.manifest import read_manifest
 from megaopd.models.safe_load import load_safely
-from megaopd.trainer.run_folder import LATEST, StepFolder, checkpoints_dir, step_folders
+from megaopd.trainer.run_folder import LATEST, RunFolderError, StepFolder, checkpoints_dir, step_folders
 
 
 class Stateful(Protocol):
@@ -167,6 +168,12 @@ class Checkpointer:
         model, optimizer, pgs = self.model, self.optimizer, self.pgs
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
+        manifest = read_manifest(path)
+        if manifest is not None and int(state.get("step", -1)) != manifest.step:
+            raise RunFolderError(
+                f"{path}/trainer_state.json records step {state.get('step')} but its manifest.json step "
+                f"{manifest.step}: the folder was edited; restore it, or resume from another step folder"
+            )
         load_model_checkpoint(model, path, pgs, verified=True)
         if optimizer is not None:
             compat.init_optimizer_states_for_loading(optimizer)

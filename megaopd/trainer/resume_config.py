@@ -11,7 +11,9 @@ were the run's targets), the student's dtype, a student folder whose config.json
 the checkpoint's, the optimizer's checkpoint layout (optimizer.use_distributed_optimizer), the student's
 TP/PP/EP with the distributed optimizer (its dp_reshardable layout reshards data-parallel ranks only; the
 plain optimizer's state and the model reshard to any TP/PP/EP, trainer/checkpoint.py), and loss.controller
-(the adaptive controller's state is a checkpoint component). Everything else applies from the resumed step:
+(the adaptive controller's state is a checkpoint component), and the data order (data.seed, data.shuffle, the
+sources' count and weights: the data sampler's saved state replays that order, or refuses; a change of a
+source's rows is the ranks' refusal, made before anything is written). Everything else applies from the resumed step:
 the optimizer's lr, schedule and Adam settings (optim.ConfigSchedule makes the config win over the saved
 schedule), max_steps, intervals, loss weights, rollout, data and logging settings.
 """
@@ -46,6 +48,9 @@ _MODEL_KEYS = re.compile(
     r"|teachers|optimizer\.use_distributed_optimizer|loss\.controller)$"
 )
 _LAYOUT_KEYS = re.compile(r"^student\.(tp|pp|ep)$")
+_DATA_ORDER_KEYS = re.compile(r"^data\.(seed|shuffle|sources|sources\[\d+\]\.weight)$")
+"""What the checkpoint's data order was drawn from (the sampler's saved seed, shuffle, source count and
+weights): a resume replays that order or refuses; refused here, before any rank starts, by key."""
 IGNORED = ("run.dir",)
 """Keys whose change says nothing about the run (a run folder may be moved)."""
 
@@ -136,11 +141,41 @@ def unappliable(changes: list[Change], cfg: MegaOPDConfig, checkpoint_dir: str) 
     refused = [
         c
         for c in changes
-        if _MODEL_KEYS.match(c.key) or (_LAYOUT_KEYS.match(c.key) and cfg.optimizer.use_distributed_optimizer)
+        if _MODEL_KEYS.match(c.key)
+        or _DATA_ORDER_KEYS.match(c.key)
+        or (_LAYOUT_KEYS.match(c.key) and cfg.optimizer.use_distributed_optimizer)
     ]
     return [f"{c.key} {_fmt(c.old)} -> {_fmt(c.new)}" for c in refused] + _shape_changes(
         cfg.student.path, checkpoint_dir
     )
+
+
+def saved_state_refusals(cfg: MegaOPDConfig, checkpoint_dir: str, step: int) -> list[str]:
+    """What the checkpoint's trainer_state.json says against this resume, read before any rank starts: a step
+    other than the manifest's (`step`), a data order (seed, shuffle, sources' weights) other than the config's.
+    The rest of the sampler's state (each source's size) needs the data loaded: the ranks check it, before
+    anything is written."""
+    path = os.path.join(checkpoint_dir, "trainer_state.json")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        saved_step = int(state["step"])
+    except FileNotFoundError:
+        return []  # the ranks' load names it
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{path} is not a trainer state ({type(e).__name__}: {e})"]
+    refused = []
+    if saved_step != step:
+        refused.append(f"{path} records step {saved_step} but its manifest step {step}")
+    sampler = (state.get("data") or {}).get("sampler") if isinstance(state.get("data"), dict) else None
+    if isinstance(sampler, dict):
+        now = {"seed": cfg.data.seed, "shuffle": cfg.data.shuffle, "weights": list(cfg.data.weights)}
+        refused += [
+            f"data order {key} {sampler[key]} (saved) -> {value}"
+            for key, value in now.items()
+            if key in sampler and sampler[key] != value
+        ]
+    return refused
 
 
 def refusal(run_dir: str, step: int, refused: list[str]) -> str:

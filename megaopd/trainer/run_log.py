@@ -242,25 +242,29 @@ def keep_rows_through(run_dir: str, step: int) -> list[str]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is no record, not an error naming no file
         lines = [line for line in f if line.strip()]
-    kept, moved = [], []
+    kept, moved, unreadable = [], [], 0
     for line in lines:
         try:
             row_step = json.loads(line).get("step", -1)
-        except ValueError:  # a line cut by a kill mid-write: not a record
+        except (ValueError, AttributeError):  # cut by a kill mid-write, not UTF-8 (UnicodeDecodeError), not a row
             row_step = None
+            unreadable += 1
         (moved if row_step is None or row_step > step else kept).append(line)
     if not moved:
         return []
     side = os.path.join(run_dir, time.strftime("metrics.replaced_%Y%m%d_%H%M%S.jsonl", time.gmtime()))
-    with open(side, "a") as f:
-        f.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
+    with open(side, "ab") as f:
+        f.writelines(line if line.endswith(b"\n") else line + b"\n" for line in moved)
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with open(tmp, "wb") as f:
         f.writelines(kept)
     os.replace(tmp, path)
-    return [f"metrics.jsonl: moved {len(moved)} rows after step {max(step, 0)} to {side} (the steps are run again)"]
+    bad = f" ({unreadable} of them not readable records of {path})" if unreadable else ""
+    return [
+        f"metrics.jsonl: moved {len(moved)} rows after step {max(step, 0)}{bad} to {side} (the steps are run again)"
+    ]
 
 
 @dataclass(kw_only=True)

@@ -295,6 +295,7 @@ class Trainer:
             self._log(metrics, result.signals)
             if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
                 self.save()
+                self.stopping = self.preemption.should_stop()  # collective: a signal during the save, no next step
         if self.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
             if self._saved != self.step:
                 self.save()

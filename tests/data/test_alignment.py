@@ -308,3 +308,31 @@ def test_alignment_report_says_which_mode_and_why(tokenizers):
     lines = alignment_report(tokenizers["tiny"], tokenizers["tiny_xtok"])
     assert len(lines) == 2 and "another tokenizer (256 student ids, 384 teacher ids" in lines[0]
     assert "spans" in lines[1] and "gkd and lsm are refused" in lines[1]
+
+
+@pytest.mark.slow
+def test_a_real_sized_cross_tokenizer_pair_starts_in_seconds(tmp_path_factory):
+    """Issue 53: a 262,144-id teacher with 6,384 added tokens (6,249 special) against a 49k student ran 23
+    minutes in alignment_report (special_ids walked the added tokens once per vocabulary id) and never started.
+    The whole start-up check (the vocabulary compare that finds them different, then the report) must take
+    seconds: under 30 s of the process's CPU time (wall time on a shared machine moves with its load;
+    benchmarks/README.md has both)."""
+    import time
+    from types import SimpleNamespace
+
+    from megaopd.models.hf_io import load_tokenizer
+    from megaopd.trainer.roles import check_teacher_tokenizers
+    from tests.data.big_tokenizers import TEACHER_ADDED, TEACHER_SPECIAL, TEACHER_VOCAB, make_big_pair
+
+    student_dir, teacher_dir = make_big_pair(str(tmp_path_factory.mktemp("big_tokenizers")))
+    student, teacher = load_tokenizer(student_dir), load_tokenizer(teacher_dir)
+    assert len(teacher) == TEACHER_VOCAB and len(teacher.added_tokens_decoder) == TEACHER_ADDED
+    assert len(special_ids(teacher)) == TEACHER_SPECIAL
+    lines, cross = [], set()
+    cpu, wall = time.process_time(), time.perf_counter()
+    teacher_cfg = SimpleNamespace(name="teacher", path=teacher_dir, tokenizer="own")
+    check_teacher_tokenizers(student, student_dir, [teacher_cfg], [teacher], (), lines.append, cross)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    assert cross == {"teacher"}
+    assert any("262144 teacher ids" in line for line in lines), lines
+    assert cpu < 30, f"start-up check took {cpu:.1f} s of CPU ({wall:.1f} s wall)"

@@ -71,3 +71,22 @@ def test_empty_source_raises_data_error_naming_file(tmp_path, tok):
     raw = write_jsonl(tmp_path / "prompts.jsonl", [{"problem": "Compute 1 + 2.", "answer": "3"}])
     data = PromptDataset.load(DataConfig(sources=[SourceConfig(path=raw)], require_golden=False), tok, log=None)
     assert data.sizes == [1] and not data[(0, 0)].has_golden
+
+
+def test_non_utf8_bytes_are_refused_naming_the_file_and_line_or_counted_never_replaced(tmp_path):
+    """Issue 53: bytes that are not UTF-8 silently became U+FFFD (data/io.py read with errors='replace')."""
+    from megaopd.data.io import NonUtf8Error, iter_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"problem": "ok"}\n{"problem": "caf\xe9"}\n{"problem": "fine"}\n')
+    with pytest.raises(NonUtf8Error) as e:
+        list(iter_rows([str(path)]))
+    assert str(e.value).startswith(f"{path}:2: byte 0xe9 at column 17 is not UTF-8: convert the file to UTF-8")
+    assert "data.non_utf8=skip" in str(e.value)
+    rows = list(iter_rows([str(path)], non_utf8="skip"))
+    assert rows == [(f"{path}:1", {"problem": "ok"}), (f"{path}:2", "not UTF-8"), (f"{path}:3", {"problem": "fine"})]
+    array = tmp_path / "rows.json"
+    array.write_bytes(b'[\n{"problem": "ok"},\n{"problem": "\xff"}\n]\n')
+    with pytest.raises(NonUtf8Error, match=rf"^{array}:3: byte 0xff"):
+        list(iter_rows([str(array)]))
+    assert list(iter_rows([str(array)], non_utf8="skip")) == [(f"{array}:3", "not UTF-8 (the whole .json array)")]

@@ -232,3 +232,18 @@ def test_metrics_rows_after_the_loaded_step_move_to_a_side_file(tmp_path):
     (side,) = [p for p in os.listdir(run) if p.startswith("metrics.replaced_")]
     assert len((run / side).read_text().splitlines()) == 3  # steps 3, 4 and the cut line: kept aside
     assert keep_rows_through(str(run), 2) == []
+
+
+def test_a_metrics_line_that_is_not_utf8_is_moved_aside_and_named_not_a_resume_error(tmp_path):
+    """Issue 53: such a line in metrics.jsonl stopped every resume with a UnicodeDecodeError naming no file."""
+    from megaopd.trainer.run_log import keep_rows_through
+
+    run = tmp_path / "run"
+    run.mkdir()
+    good = b'{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n'
+    (run / "metrics.jsonl").write_bytes(good + b'{"step": 3, "note": "\xff\xfe"}\n')
+    notes = keep_rows_through(str(run), 2)
+    assert len(notes) == 1 and f"(1 of them not readable records of {run}/metrics.jsonl)" in notes[0], notes
+    assert (run / "metrics.jsonl").read_bytes() == good
+    (side,) = [p for p in run.iterdir() if p.name.startswith("metrics.replaced_")]
+    assert side.read_bytes() == b'{"step": 3, "note": "\xff\xfe"}\n'  # kept byte for byte

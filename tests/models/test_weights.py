@@ -169,3 +169,81 @@ def test_moe_experts_split_over_ep_ranks():
     fused = {r.megatron for r in stage_rules(cfg, fused_norms=True)}
     assert "decoder.layers.0.pre_mlp_layernorm.weight" in fused
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in fused
+
+
+def _fewer_layers(cfg):
+    import dataclasses
+
+    return dataclasses.replace(cfg, num_layers=cfg.num_layers - 1)
+
+
+def test_weights_left_over_name_the_tensors_and_the_config_field():
+    """Issue 53: config.json naming fewer layers than the weights hold trained the smaller model silently."""
+    from megaopd.models.weights import WeightsMismatch, check_all_used
+
+    cfg = _cfg("tiny-llama")
+    names = list(_random_hf(cfg))
+    with pytest.raises(WeightsMismatch) as e:
+        check_all_used(names, _fewer_layers(cfg), "HF")
+    last = cfg.num_layers - 1
+    per_layer = sum(1 for n in names if n.startswith(f"model.layers.{last}."))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"HF: {per_layer} tensors the model does not use (model.layers.{last}."), msg
+    assert f"num_hidden_layers: {cfg.num_layers - 1} but the weights hold {cfg.num_layers} layers" in msg
+    # and the other way: the config names a layer the weights lack
+    short = [n for n in names if not n.startswith(f"model.layers.{last}.")]
+    with pytest.raises(WeightsMismatch, match=rf"{per_layer} tensors missing .*num_hidden_layers: {cfg.num_layers} "):
+        check_all_used(short, cfg, "HF")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen2-tied", "tiny-qwen3", "tiny-qwen3-moe"])
+def test_complete_weights_and_the_expected_unused_pass(name):
+    from megaopd.models.weights import check_all_used
+
+    cfg = _cfg(name)
+    names = list(_random_hf(cfg)) + ["model.rotary_emb.inv_freq", "model.layers.0.self_attn.rotary_emb.inv_freq"]
+    if cfg.tie_word_embeddings:
+        names.append("lm_head.weight")  # a copy of embed_tokens some savers write
+    check_all_used(names, cfg, "HF")
+
+
+def test_an_hf_folder_with_a_stray_tensor_or_missing_experts_is_refused_before_any_copy(tmp_path):
+    from megaopd.models import hf_io
+    from megaopd.models.weights import WeightsMismatch, load_hf_weights
+
+    cfg = _cfg("tiny-qwen3-moe")
+    hf = _random_hf(cfg)
+    hf["model.layers.0.mlp.shared_expert.weight"] = torch.zeros(2)
+    hf_io.save_hf_dir(str(tmp_path), iter(hf.items()))
+    with pytest.raises(WeightsMismatch, match=rf"^{tmp_path}: 1 tensors the model does not use \(model.layers.0.mlp"):
+        load_hf_weights(torch.nn.Module(), hf_io.HFWeights(str(tmp_path)), cfg, Placement())
+    import dataclasses
+
+    with pytest.raises(WeightsMismatch, match=rf"num_experts: {cfg.num_experts + 1} but the weights hold "):
+        load_hf_weights(
+            torch.nn.Module(),
+            hf_io.HFWeights(str(tmp_path)),
+            dataclasses.replace(cfg, num_experts=cfg.num_experts + 1),
+            Placement(),
+        )
+
+
+def test_config_json_against_a_checkpoints_saved_shapes():
+    from megaopd.models.weights import WeightsMismatch, check_config_matches_shards
+
+    cfg = _cfg("tiny-llama")
+    L, H, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    saved = {
+        "embedding.word_embeddings.weight": (padded_vocab_size(cfg.vocab_size, 1), H),
+        "decoder.layers.self_attention.linear_proj.weight": (L, H, cfg.num_attention_heads * cfg.head_dim),
+        "decoder.layers.mlp.linear_fc2.weight": (L, H, F),
+        "decoder.final_layernorm.weight": (H,),
+    }
+    check_config_matches_shards(saved, cfg, "CKPT")
+    with pytest.raises(WeightsMismatch, match=rf"^CKPT: .*num_hidden_layers: {L - 1} but the shards hold {L} layers"):
+        check_config_matches_shards(saved, _fewer_layers(cfg), "CKPT")
+    import dataclasses
+
+    with pytest.raises(WeightsMismatch, match=rf"intermediate_size: {2 * F} but the shards' is {F}"):
+        check_config_matches_shards(saved, dataclasses.replace(cfg, intermediate_size=2 * F), "CKPT")

@@ -286,3 +286,101 @@ def test_prefill_parsing_reads_sglangs_answers():
         prefill_scores_from_json(last, [5, 255, 150], 2)
     with pytest.raises(ValueError, match="first positions"):
         prefill_request([seq], [0])
+
+
+def _answer(lps, tops=None):
+    meta = {"input_token_logprobs": [[None, 17, None]] + [[lp, t, None] for lp, t in zip(lps, [33, 4])]}
+    if tops is not None:
+        meta["input_top_logprobs"] = [None] + [[[lp, i, None] for lp, i in t] for t in tops]
+    return {"meta_info": meta}
+
+
+@pytest.mark.parametrize(
+    "lps,tops,error",
+    [
+        ([3.0, -1.0], None, "input_token_logprobs at token 3 is 3.0: a log-prob must be finite and <= 0"),
+        ([-1.0, float("nan")], None, "input_token_logprobs at token 4 is nan"),
+        ([-1.0, float("-inf")], None, "input_token_logprobs at token 4 is -inf"),
+        ([-1.0, "x"], None, "input_token_logprobs at token 4 is 'x', not a number"),
+        (
+            [-1.0, -2.0],
+            [[(-0.1, 196), (0.5, 254)], [(-1.2, 196), (-1.3, 254)]],
+            "input_top_logprobs at token 3, rank 1 is 0.5",
+        ),
+        ([-1.0, -2.0], [[(-0.1, 196), (-0.2, 254)], [(-1.3, 196), (-1.2, 254)]], "at token 4 is not sorted"),
+        (
+            [-1.0, -2.0],
+            [[(-0.1, 196), (None, 254)], [(-1.2, 196), (-1.3, 254)]],
+            "at token 3, rank 1 is None, not a number",
+        ),
+    ],
+)
+def test_served_scores_are_checked_at_the_door_naming_the_server_and_the_row(lps, tops, error):
+    """Issue 53: a served teacher answering +3.0 (through a proxy) or NaN trained the student on it."""
+    from megaopd.rollout.schema import prefill_scores_list
+
+    seq = [5, 9, 17, 33, 4]
+    good = _answer([-1.0, -2.0], [[(-0.1, 196), (-0.2, 254)], [(-1.2, 196), (-1.3, 254)]] if tops else None)
+    with pytest.raises(ValueError) as e:
+        prefill_scores_list([good, _answer(lps, tops)], [seq, seq], [3, 3], topk=2 if tops else 0)
+    assert str(e.value).startswith("row 1 of 2: ") and error in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+    assert prefill_scores_list([good], [seq], [3], topk=2 if tops else 0)[0].logprobs == [-1.0, -2.0]
+    # rounding above 0 passes (a probability of 1 in low precision)
+    assert prefill_scores_list([_answer([5e-5, -2.0])], [seq], [3])[0].logprobs == [5e-5, -2.0]
+
+
+def test_served_scores_of_a_server_are_refused_in_one_line_naming_it(monkeypatch):
+    from megaopd.rollout.client import EngineError, HttpEngine
+
+    engine = HttpEngine("http://teacher:30000")  # no request is sent: `request` answers as a proxy would
+    monkeypatch.setattr(HttpEngine, "request", lambda self, *a, **k: [_answer([3.0, -1.0])])
+    with pytest.raises(
+        EngineError, match=r"^http://teacher:30000/generate: row 0 of 1: input_token_logprobs at token 3"
+    ):
+        engine.score_prefill([[5, 9, 17, 33, 4]], [3])
+
+
+def test_rollout_log_probs_are_checked_at_the_door():
+    from megaopd.rollout.schema import sample_from_json
+
+    entry = {
+        "output_ids": [7, 8],
+        "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 7, None], [2.5, 8, None]]},
+    }
+    with pytest.raises(ValueError, match="output_token_logprobs at token 1 is 2.5"):
+        sample_from_json([1, 2], entry)
+
+
+def test_rollout_ids_outside_the_students_vocabulary_are_one_line_naming_the_engine(monkeypatch):
+    """Issue 53: an engine returning ids past the vocabulary ended in a bare 'IndexError: index out of range in
+    self' deep in the scoring."""
+    from megaopd.rollout.client import EngineError, HttpEngine, HttpEngineConfig
+    from megaopd.rollout.protocol import SamplingParams
+
+    entry = {
+        "output_ids": [7, 300],
+        "meta_info": {
+            "finish_reason": {"type": "length"},
+            "output_token_logprobs": [[-0.5, 7, None], [-1.0, 300, None]],
+        },
+    }
+    engine = HttpEngine(HttpEngineConfig(url="http://rollout:30000", name="rollout.urls[0]", vocab_size=256))
+    monkeypatch.setattr(HttpEngine, "request", lambda self, *a, **k: [entry])
+    with pytest.raises(EngineError) as e:
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert str(e.value) == (
+        "http://rollout:30000/generate (rollout.urls[0]): output_ids [300] lie outside the student's vocabulary "
+        "[0, 256): the engine serves another model or tokenizer; point it at the student's (rollout.urls)"
+    )
+    engine.config.vocab_size = 0  # not known: not checked
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].output_ids == [7, 300]
+
+
+def test_a_remote_rollout_engine_knows_the_students_vocabulary():
+    from megaopd.rollout.build import build_engine
+    from megaopd.rollout.config import RolloutConfig
+    from tests.trainer.tiny_models import ROOT
+
+    pool = build_engine(RolloutConfig(engine="remote", urls=["http://a:1"]), f"{ROOT}/examples/tiny/models/student")
+    assert [e.config.vocab_size for e in pool.engines] == [256]

@@ -178,7 +178,7 @@ def test_layout_changes_are_refused_with_the_distributed_optimizer(tmp_path):
 
 
 def test_an_error_in_an_in_process_rank_is_one_line(tmp_path, monkeypatch, capsys):
-    def fails(rank, world_size, cfg):
+    def fails(rank, world_size, cfg, record=None):
         raise ValueError("a check that only a rank can make failed: fix X")
 
     monkeypatch.setattr(cli, "run_worker", fails)

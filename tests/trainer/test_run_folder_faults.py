@@ -9,8 +9,10 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -180,3 +182,123 @@ def test_payload_in_metadata_is_not_run_by_a_model_path_or_a_resume(trained, tmp
     r = _train(_overrides(tmp_path, trained[0], run, 4))
     assert not os.path.exists(marker)
     assert r.returncode != 0 and "model/.metadata pickles posix.system" in r.stdout + r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_an_hf_folder_with_more_layers_than_its_config_names_is_refused_in_one_line(trained, tmp_path):
+    """Issue 53: num_hidden_layers: N-1 over N layers trained an (N-1)-layer model and exited 0."""
+    student = str(tmp_path / "student")
+    shutil.copytree(trained[0][0], student)
+    with open(os.path.join(student, "config.json")) as f:
+        config = json.load(f)
+    layers = config["num_hidden_layers"]
+    config["num_hidden_layers"] = layers - 1
+    with open(os.path.join(student, "config.json"), "w") as f:
+        json.dump(config, f)
+    run = str(tmp_path / "run")
+    overrides = [o for o in _overrides(tmp_path, trained[0], run, 1) if not o.startswith("student.path")]
+    r = _train([*overrides, f"student.path={student}"])
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1, r.stderr[-3000:]
+    assert (
+        f"{student}: " in err[0] and f"num_hidden_layers: {layers - 1} but the weights hold {layers} layers" in err[0]
+    )
+    assert not os.path.exists(os.path.join(run, "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_two_trainers_on_one_run_folder(trained, tmp_path):
+    """Issue 53: the same command started twice trained two trajectories into one folder. The second start now
+    stops in one line naming the first (host, pid, since when) and the first runs to its end alone."""
+    run = _copy_run(trained, tmp_path)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "megaopd.cli", "train", PRESET, *_overrides(tmp_path, trained[0], run, 5)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lock = os.path.join(run, "run.lock")
+        for _ in range(600):
+            if os.path.exists(lock) and f"pid {first.pid}," in open(lock).read():  # the copy holds the fixture's
+                break
+            time.sleep(0.1)
+        second = _train(_overrides(tmp_path, trained[0], run, 5))
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert second.stderr.strip().count("\n") == 0, second.stderr
+        assert "is in use by another megaopd train" in second.stderr and f"pid {first.pid}, since" in second.stderr
+        out, _ = first.communicate(timeout=900)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, out[-3000:]
+    assert sorted(_step_rows(run)) == [1, 2, 3, 4, 5]
+    assert not any(d.startswith("old_") for d in os.listdir(os.path.join(run, "checkpoints")))
+
+
+@pytest.mark.slow
+def test_a_truncated_shard_of_a_checkpoint_without_manifest_names_the_file(trained, tmp_path):
+    """Issue 53: without a manifest (an older megaopd's folder, a copy) a truncated shard was a bare EOFError."""
+    step = str(tmp_path / "step")
+    shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"), step)
+    os.remove(os.path.join(step, "manifest.json"))
+    shard = os.path.join(step, "model", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    r = _convert(step, str(tmp_path / "hf"))
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    assert f"{shard} is {os.path.getsize(shard)} bytes but its .metadata says it holds" in r.stderr
+    assert "EOFError" not in r.stderr
+
+
+@pytest.mark.slow
+def test_the_converter_on_shards_and_a_config_json_that_disagree_exits_2_in_one_line(trained, tmp_path):
+    """Issue 53: a 65-line traceback and exit 1 where the converter's docs promise exit 2 and one line."""
+    step = str(tmp_path / "step")
+    shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"), step)
+    with open(os.path.join(step, "config.json")) as f:
+        config = json.load(f)
+    layers = config["num_hidden_layers"]
+    config["num_hidden_layers"] = layers - 1
+    with open(os.path.join(step, "config.json"), "w") as f:
+        json.dump(config, f)
+    mf.write_manifest(step, mf.hash_files(step, mf.list_files(step)), mf.read_manifest(step).step)  # made to match
+    r = _convert(step, str(tmp_path / "hf"))
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    assert f"num_hidden_layers: {layers - 1} but the shards hold {layers} layers" in r.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_save_trains_no_further_step(trained, tmp_path):
+    """Issue 53: a SIGTERM that arrived while step 4 was saved trained and saved a whole step 5 before exiting
+    (the flag was read only inside the next step). Now the run stops after the save it was in."""
+    run = _copy_run(trained, tmp_path)
+    saving = os.path.join(run, "checkpoints", "step_000004.tmp")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megaopd.cli", "train", PRESET, *_overrides(tmp_path, trained[0], run, 8)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for _ in range(60000):  # the save of step 4 in progress (its folder under its temporary name)
+            if os.path.exists(saving) or proc.poll() is not None:
+                break
+            time.sleep(0.005)
+        assert os.path.exists(saving), "the save of step 4 was not seen"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "preemption signal received: checkpoint of step 4 saved" in out, out[-3000:]
+    assert open(os.path.join(run, "checkpoints", "latest")).read() == "step_000004"
+    assert sorted(_step_rows(run)) == [1, 2, 3, 4]
