@@ -56,6 +56,6 @@ demo: install
 	$(PYTHON) -m megaopd.cli train examples/tiny/stable_opd.yaml run.dir=$(DEMO_DIR)
 
 # Issue 13's GPU bring-up check on one GPU (scripts/gpu_check.sh: the table, the parts, how to run it on the
-# lent machine). `make gpu-check ARGS=--quick` is the CPU smoke mode.
-gpu-check:
-	bash scripts/gpu_check.sh $(ARGS)
+# lent machine), in the Makefile's PYTHON like every other target. `make gpu-check ARGS=--quick` is the CPU smoke mode.
+gpu-check: install
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(ARGS)

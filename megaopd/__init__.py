@@ -19,6 +19,21 @@ _warnings.filterwarnings(
     module=r"megatron\.",
 )
 
+# Reading a checkpoint (a resume, `megaopd logprobs`) goes through megatron's torch_dist strategy, which calls
+# torch APIs torch has deprecated: FutureWarnings once per rank about code that is neither megaopd's nor the
+# user's to change (megatron-core pins its torch calls). Only these two messages, only from their sources.
+_warnings.filterwarnings(
+    "ignore",
+    message=r"`load_state_dict` is deprecated and will be removed",
+    category=FutureWarning,
+    module=r"megatron\.core\.dist_checkpointing\.",
+)
+_warnings.filterwarnings(
+    "ignore",
+    message=r"Please use DTensor instead and we are deprecating ShardedTensor",
+    category=FutureWarning,
+)
+
 from megaopd import _megatron_import  # noqa: E402 - must run before anything imports megatron
 
 _megatron_import.install()

@@ -5,7 +5,8 @@ megaopd eval --ckpt DIR --benchmarks ...  benchmark table (megaopd.eval)
 megaopd logprobs --ckpt DIR --input IN.jsonl --output OUT.jsonl   per-token log-probs (megaopd.scoring)
 megaopd serve --hf-dir DIR --port P    embedded engine speaking SGLang's HTTP API (megaopd.serving)
 megaopd plot RUN [RUN ...]             training-dynamics figures (megaopd.metrics)
-megaopd config CONFIG [key=value ...]  the fully resolved config as YAML: what the job runs (megaopd.config)
+megaopd config CONFIG [key=value ...]  the fully resolved config as YAML: what the job runs (megaopd.config);
+                                       files not there yet are one warning line (--strict: refused, as train does)
 megaopd plan CONFIG [key=value ...]    per-GPU memory of the configured layout; exit 1 when it does not fit
 megaopd plan --step-time CONFIG ...    + the step time of each rollout.mode on 1-8 nodes (estimates)
 """

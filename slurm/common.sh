@@ -3,8 +3,9 @@
 #
 # What it gives a script (after `source "$ROOT/slurm/common.sh"`):
 #   NODES (array), NNODES, MASTER_ADDR (= first node), MASTER_PORT, GPUS_PER_NODE, CPUS_PER_TASK, JOB_NAME
-#   require_env VAR "what it is / how to set it"     one clear error and exit 1 when VAR is unset or empty
+#   require_env VAR "what it is / how to set it"     records one error line when VAR is unset or empty
 #   require_path VAR "what it is / how to set it"    ... or when the path it names does not exist
+#   stop_if_missing           prints every recorded line and exits 1 (check_config and the scripts call it)
 #   load_model ROLE NAME      per-model settings from slurm/models/NAME.sh into ROLE_* (STUDENT_TP, ...)
 #   setup_run_dir             RUN_DIR (fixed per job name, so a requeued job resumes), LOG_DIR
 #   start_engines HF_DIR      SGLang servers per node (colocated or ENGINE_NODES dedicated), wait for /health
@@ -23,17 +24,38 @@ note() { echo "megaopd slurm: $*" >&2; }
 
 # require_env VAR "what it is and how to set it": every input of a job comes from the environment; a
 # missing one must fail in seconds at submission time, not after an hour in the queue and model loading.
+# Each missing input is one error line, all of them at once (a user fixes them in one go, not one per try):
+# require_env and require_path record the line and go on; stop_if_missing prints them and exits 1. The
+# code between them reads these variables as ${VAR:-} (set -u).
+MISSING=()
+declare -A _MISSING_VARS=()
 require_env() {
   local var="$1" what="$2"
-  [[ -n ${!var:-} ]] || die "$var is not set: $what"
+  [[ -n ${!var:-} ]] || _missing "$var=" "$var is not set: $what"
 }
 
 # require_path VAR "what": like require_env, and the path must exist (on the shared filesystem: the batch
 # shell runs on the first node, and every node reads the same paths).
 require_path() {
   local var="$1" what="$2"
-  require_env "$var" "$what"
-  [[ -e ${!var} ]] || die "$var=${!var} does not exist: $what"
+  if [[ -z ${!var:-} ]]; then _missing "$var=" "$var is not set: $what"
+  elif [[ ! -e ${!var} ]]; then _missing "$var=${!var}" "$var=${!var} does not exist: $what"
+  fi
+}
+
+# One line per variable and value: a second check of the same one (start_engines after load_model) adds none.
+_missing() {
+  [[ -z ${_MISSING_VARS[$1]:-} ]] || return 0
+  _MISSING_VARS[$1]=1
+  MISSING+=("$2")
+}
+
+# stop_if_missing: the recorded inputs, one error line each, then exit 1; nothing has started yet.
+stop_if_missing() {
+  (( ${#MISSING[@]} == 0 )) && return 0
+  local m
+  for m in "${MISSING[@]}"; do echo "megaopd slurm: error: $m" >&2; done
+  exit 1
 }
 
 DRY_RUN="${DRY_RUN:-0}"
@@ -167,7 +189,7 @@ load_model() {
     require_path "$ck" "the $role's weights for the trainer: a checkpoint written by slurm/convert_7b.sh (tools/convert_hf_to_megatron.py) or an HF directory; unset $ck to load $hf"
   else
     require_path "$hf" "$(hf_dir_hint "$role" "$hf")"
-    printf -v "$ck" '%s' "${!hf}"
+    printf -v "$ck" '%s' "${!hf:-}"
   fi
 }
 
@@ -184,9 +206,16 @@ hf_dir_hint() {
 setup_run_dir() {
   if [[ -z ${RUN_DIR:-} ]]; then
     require_env OUTPUT_ROOT "where run folders go (shared filesystem); set OUTPUT_ROOT=/path/to/runs (the run folder is OUTPUT_ROOT/<job name>), or RUN_DIR=/path/to/one/run"
-    RUN_DIR="$OUTPUT_ROOT/$JOB_NAME"
+    RUN_DIR="${OUTPUT_ROOT:-}/$JOB_NAME"
   fi
   LOG_DIR="${LOG_DIR:-$RUN_DIR/logs}"
+}
+
+# make_run_dir: creates RUN_DIR and LOG_DIR, once the trainer's config is known good (check_config): a refused
+# job leaves nothing on disk.
+make_run_dir() {
+  [[ -z ${_RUN_DIR_MADE:-} ]] || return 0
+  _RUN_DIR_MADE=1
   _show batch mkdir -p "$RUN_DIR" "$LOG_DIR"
   if [[ $DRY_RUN != 1 ]]; then
     mkdir -p "$RUN_DIR" "$LOG_DIR" || die "cannot create RUN_DIR=$RUN_DIR or LOG_DIR=$LOG_DIR: check the path and permissions"
@@ -315,9 +344,16 @@ _wait_pid() {
 #   SGLANG_ARGS     extra launch_server flags, appended verbatim
 #   ROLLOUT_DETERMINISTIC=1  SGLang honours sampling_seed (--enable-deterministic-inference, rollout.deterministic):
 #                   reproducible rollouts for 25-45% of SGLang's throughput; GPU attention backends only
-# start_engines VAR: VAR names the HF directory to serve. Sets ENGINE_URLS (array) and ROLLOUT_OVERRIDES (rollout.engine=remote rollout.urls=[...]).
+# plan_engines VAR: VAR names the HF directory to serve. Sets ENGINE_URLS (array) and ROLLOUT_OVERRIDES
+# (rollout.engine=remote rollout.urls=[...]) and queues the servers; run_servers starts the queued servers and
+# waits for them. start_engines VAR does both (evaluation); a training job checks its config in between.
 # ---------------------------------------------------------------------------------------------------------
 start_engines() {
+  plan_engines "$@"
+  run_servers
+}
+
+plan_engines() {
   if [[ ${ROLLOUT_ENGINE:-remote} == embedded ]]; then
     # Generation inside the trainer (HF transformers): no servers. For debugging and CPU jobs.
     ROLLOUT_OVERRIDES=(rollout.engine=embedded)
@@ -326,7 +362,8 @@ start_engines() {
   [[ ${ROLLOUT_ENGINE:-remote} == remote ]] || die "ROLLOUT_ENGINE=$ROLLOUT_ENGINE: choose remote (engine servers) or embedded (in the trainer)"
   # The engines serve the student's HF weights; the trainer pushes its own weights after (re)starting.
   require_path "$1" "the student's Hugging Face directory, which the rollout engines load; set $1=/path/to/hf (or MODELS_DIR)"
-  local hf_dir="${!1}" engine_tp="${ENGINE_TP:-${STUDENT_ENGINE_TP:-1}}" backend="${ENGINE_BACKEND:-sglang}"
+  stop_if_missing  # before any server line is printed
+  local hf_dir="${!1:-}" engine_tp="${ENGINE_TP:-${STUDENT_ENGINE_TP:-1}}" backend="${ENGINE_BACKEND:-sglang}"
   local port0="${ENGINE_PORT:-30000}" colocated=1 per_node node i port
   # ENGINE_COLOCATED=0: the engines have their GPUs to themselves though they share nodes (evaluation).
   if (( ENGINE_NODES > 0 )) || [[ ${ENGINE_COLOCATED:-1} == 0 ]]; then colocated=0; fi
@@ -352,7 +389,6 @@ start_engines() {
         "${extra[@]}"
     done
   done
-  wait_engines
   # The engines' workers join rank 0's weight-update group at MASTER_ADDR (the first node); colocated
   # engines release their memory while the actor trains.
   ROLLOUT_OVERRIDES=(rollout.engine=remote "rollout.urls=[$(_join , "${ENGINE_URLS[@]}")]"
@@ -360,10 +396,14 @@ start_engines() {
   if [[ ${ROLLOUT_DETERMINISTIC:-0} == 1 ]]; then ROLLOUT_OVERRIDES+=(rollout.deterministic=true); fi
   if (( ${ENGINE_NODES:-0} == 0 )); then ROLLOUT_OVERRIDES+=(rollout.colocated=true plan.engine_memory_fraction="$frac"); fi
 }
-ENGINE_PIDS=()
+ENGINE_PIDS=()      # the running servers' srun pids ...
+ENGINE_PID_URLS=()  # ... and their URLs, in the same order
+PENDING_SERVERS=()  # queued by launch_server, started by run_servers: each a `declare -p srun_cmd`
+PENDING_URLS=()
 
-# launch_server ROLE NODE PORT HF_DIR TP BASE_GPU FRAC COLOCATED BACKEND [SGLANG_ARG ...]: one server (SGLang, or
-# `megaopd serve` with BACKEND=megaopd) as an srun step pinned to NODE; appends http://NODE:PORT to ENGINE_URLS.
+# launch_server ROLE NODE PORT HF_DIR TP BASE_GPU FRAC COLOCATED BACKEND [SGLANG_ARG ...]: queues one server
+# (SGLang, or `megaopd serve` with BACKEND=megaopd) as an srun step pinned to NODE, and prints it; appends
+# http://NODE:PORT to ENGINE_URLS. run_servers starts it.
 launch_server() {
   local role="$1" node="$2" port="$3" hf_dir="$4" tp="$5" base_gpu="$6" frac="$7" colocated="$8" backend="$9"
   shift 9
@@ -397,21 +437,42 @@ launch_server() {
                      env -u PYTORCH_CUDA_ALLOC_CONF "${cmd[@]}")
   _show batch "${srun_cmd[@]//"$MEGAOPD_API_KEY"/'$MEGAOPD_API_KEY'}"  # the preview never shows the key
   _show "$node" "${cmd[@]//"$MEGAOPD_API_KEY"/'$MEGAOPD_API_KEY'}"
-  if [[ $DRY_RUN != 1 ]]; then
-    "${srun_cmd[@]}" &
-    BG_PIDS+=("$!")
-    ENGINE_PIDS+=("$!")
-  fi
+  PENDING_SERVERS+=("$(declare -p srun_cmd)")
+  PENDING_URLS+=("http://$node:$port")
 }
 
-# start_teacher_servers: with TEACHER_NODES > 0, SGLang servers of the teacher (TEACHER_HF_DIR) on those nodes,
+# run_servers: starts every queued server, then waits until each answers /health.
+run_servers() {
+  stop_if_missing
+  local s i
+  local -a urls=("${PENDING_URLS[@]}")
+  if [[ $DRY_RUN != 1 ]]; then
+    # The servers' logs go to LOG_DIR (made by make_run_dir in a training job; a job of its own may not have).
+    if (( ${#PENDING_SERVERS[@]} > 0 )); then mkdir -p "$LOG_DIR"; fi
+    for i in "${!PENDING_SERVERS[@]}"; do
+      s="${PENDING_SERVERS[$i]}"
+      local -a srun_cmd
+      eval "$s"
+      "${srun_cmd[@]}" &
+      BG_PIDS+=("$!")
+      ENGINE_PIDS+=("$!")
+      ENGINE_PID_URLS+=("${PENDING_URLS[$i]}")
+    done
+  fi
+  PENDING_SERVERS=()
+  PENDING_URLS=()
+  wait_engines "${urls[@]}"
+}
+
+# plan_teacher_servers: with TEACHER_NODES > 0, queues SGLang servers of the teacher (TEACHER_HF_DIR) on those nodes,
 # one per TEACHER_ENGINE_TP GPUs (default: the teacher's TP), holding the whole node (no memory saver);
 # sets TEACHER_OVERRIDES (teacher.engine=remote teacher.urls=[...]). The rollout temperature must be 1.0
 # (SGLang scores prompts at temperature 1); the trainer refuses anything else at start-up.
-start_teacher_servers() {
+plan_teacher_servers() {
   TEACHER_OVERRIDES=()
   (( TEACHER_NODES > 0 )) || return 0
   require_path TEACHER_HF_DIR "the teacher's Hugging Face directory, which its servers load; set TEACHER_HF_DIR=/path/to/hf (or MODELS_DIR)"
+  stop_if_missing
   local tp="${TEACHER_ENGINE_TP:-${TEACHER_TP:-1}}" backend="${ENGINE_BACKEND:-sglang}" port0="${TEACHER_PORT:-31000}"
   local per_node=1 node i saved=("${ENGINE_URLS[@]}")
   if [[ $backend == sglang ]]; then
@@ -421,24 +482,24 @@ start_teacher_servers() {
   ENGINE_URLS=()
   for node in "${TEACHER_SERVE_NODES[@]}"; do
     for ((i = 0; i < per_node; i++)); do
-      launch_server teacher "$node" $((port0 + i * 10)) "$TEACHER_HF_DIR" "$tp" $((i * tp)) "${TEACHER_MEM_FRACTION:-0.85}" 0 "$backend"
+      launch_server teacher "$node" $((port0 + i * 10)) "${TEACHER_HF_DIR:-}" "$tp" $((i * tp)) "${TEACHER_MEM_FRACTION:-0.85}" 0 "$backend"
     done
   done
-  wait_engines
-  TEACHER_OVERRIDES=(teacher.engine=remote "teacher.urls=[$(_join , "${ENGINE_URLS[@]}")]" teacher.path="$TEACHER_HF_DIR")
+  TEACHER_OVERRIDES=(teacher.engine=remote "teacher.urls=[$(_join , "${ENGINE_URLS[@]}")]" teacher.path="${TEACHER_HF_DIR:-}")
   ENGINE_URLS=("${saved[@]}")
 }
 
+# wait_engines URL...: until each answers /health.
 wait_engines() {
   local timeout="${ENGINE_START_TIMEOUT:-1800}" url k
-  for url in "${ENGINE_URLS[@]}"; do _show batch wait-for-health "$url/health"; done
+  for url in "$@"; do _show batch wait-for-health "$url/health"; done
   [[ $DRY_RUN != 1 ]] || return 0
   local deadline=$((SECONDS + timeout))
-  for url in "${ENGINE_URLS[@]}"; do
+  for url in "$@"; do
     until curl -sf -o /dev/null --max-time 5 "$url/health"; do
       # An engine that died (bad path, OOM, missing sglang) is reported now, not after the timeout.
       for k in "${!ENGINE_PIDS[@]}"; do
-        kill -0 "${ENGINE_PIDS[$k]}" 2>/dev/null || die "engine ${ENGINE_URLS[$k]} exited during start-up: see $LOG_DIR/engine-*.log"
+        kill -0 "${ENGINE_PIDS[$k]}" 2>/dev/null || die "engine ${ENGINE_PID_URLS[$k]} exited during start-up: see $LOG_DIR/engine-*.log"
       done
       (( SECONDS < deadline )) || die "engine $url not healthy after ${timeout}s: see $LOG_DIR/engine-*.log (raise ENGINE_START_TIMEOUT for slow filesystems)"
       sleep 5
@@ -476,7 +537,7 @@ train_base_overrides() {
     TRAIN_OVERRIDES+=("data.sources=$DATA_SOURCES")
   else
     require_path TRAIN_DATA "the training prompts with golden solutions (.parquet/.jsonl file, directory or glob written by tools/prepare_openr1_math.py); set TRAIN_DATA=/path/to/train.parquet, or DATA_SOURCES='[{path: A, weight: 1}, ...]' for a mixture"
-    TRAIN_OVERRIDES+=("data.sources=[{path: $TRAIN_DATA, weight: 1.0}]")
+    TRAIN_OVERRIDES+=("data.sources=[{path: ${TRAIN_DATA:-}, weight: 1.0}]")
   fi
   if [[ -n ${MAX_STEPS:-} ]]; then TRAIN_OVERRIDES+=(trainer.max_steps="$MAX_STEPS"); fi
   if [[ -n ${SAVE_INTERVAL:-} ]]; then TRAIN_OVERRIDES+=(trainer.save_interval="$SAVE_INTERVAL"); fi
@@ -489,7 +550,8 @@ train_base_overrides() {
 # ---------------------------------------------------------------------------------------------------------
 run_torchrun() {
   export TRAIN_NNODES NPROC_PER_NODE
-  if [[ $REHEARSE == 1 ]]; then rehearse_train_args; set -- "$@" "${REHEARSE_ARGS[@]}"; fi  # CPU, tiny sizes
+  check_trainer "$@"
+  set -- "${TRAIN_ARGV[@]}"
   # --ntasks given: srun otherwise takes the job's task count (SLURM_NTASKS, one per node of the allocation), and
   # with ENGINE_NODES or TEACHER_NODES the training nodes are fewer: "More processors requested than permitted".
   local -a srun_cmd=(srun --nodes="$TRAIN_NNODES" --ntasks="$TRAIN_NNODES" --ntasks-per-node=1 --nodelist="$(_join , "${TRAIN_NODES[@]}")"
@@ -516,8 +578,48 @@ run_torchrun() {
   return "$rc"
 }
 
+# trainer_argv ARGS...: TRAIN_ARGV, what every training rank runs after `-m megaopd.cli` (a rehearsal appends its
+# CPU settings and tiny sizes).
+trainer_argv() {
+  TRAIN_ARGV=("$@")
+  if [[ $REHEARSE == 1 ]]; then rehearse_train_args; TRAIN_ARGV+=("${REHEARSE_ARGS[@]}"); fi
+}
+
+# check_config train CONFIG [key=value ...]: `megaopd config --strict` on the trainer's exact arguments, in the
+# batch shell, before any engine or rank starts (DRY_RUN=1 too): a bad setting (LR=abc, STUDENT_TP=3, a
+# missing file) stops the job in seconds with the trainer's own one-line reason, and nothing is on disk yet.
+# Checked once per argument list. CONFIG_CHECK=0 skips it (a submit host without the Python environment).
+check_config() {
+  stop_if_missing
+  [[ $1 == train && -z ${TRAIN_MODULE:-} ]] || return 0  # a probe module (tests/slurm) is no trainer
+  [[ ${_CONFIG_CHECKED:-} != "$*" ]] || return 0
+  if [[ ${CONFIG_CHECK:-1} != 1 ]]; then
+    note "CONFIG_CHECK=${CONFIG_CHECK}: the trainer's config is not checked before the job starts"
+    _CONFIG_CHECKED="$*"
+    return 0
+  fi
+  local out rc=0
+  out="$(cd "$MEGAOPD_ROOT" && "$PYTHON" -m megaopd.cli config --strict "${@:2}" 2>&1 >/dev/null)" || rc=$?
+  if (( rc == 2 )); then
+    die "the trainer refuses this job's config (${out##*$'\n'}); fix the variable or override it names"
+  elif (( rc != 0 )); then
+    die "could not check the trainer's config with PYTHON=$PYTHON (exit $rc: ${out##*$'\n'}): activate megaopd's environment before submitting, or set CONFIG_CHECK=0 to skip the check"
+  fi
+  _CONFIG_CHECKED="$*"
+  note "trainer config checked (megaopd config --strict on the job's exact arguments)"
+}
+
+# check_trainer ARGS...: trainer_argv, check_config on it, then the run folder: what a training job does
+# before it starts anything (engines, the signal timer, torchrun).
+check_trainer() {
+  trainer_argv "$@"
+  check_config "${TRAIN_ARGV[@]}"
+  make_run_dir
+}
+
 # One task on the first node (conversion, evaluation): no torchrun, the tool is a single process.
 run_on_first_node() {
+  stop_if_missing
   local -a srun_cmd=(srun --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" --cpus-per-task="$CPUS_PER_TASK" "$@")
   _show batch "${srun_cmd[@]}"
   _show "${NODES[0]}" "$@"
@@ -533,8 +635,8 @@ note "job $JOB_NAME: $NNODES node(s) [${NODES[*]}], master $MASTER_ADDR:$MASTER_
 run_distillation() {
   setup_run_dir
   train_base_overrides
-  start_engines STUDENT_HF_DIR
-  start_teacher_servers
+  plan_engines STUDENT_HF_DIR
+  plan_teacher_servers
   # The preset (CONFIG, examples/paper/*.yaml) holds the paper's settings; a variable overrides one only when set.
   local -a settings=()
   if [[ -n ${PROMPTS_PER_STEP:-} ]]; then settings+=(trainer.prompts_per_step="$PROMPTS_PER_STEP"); fi
@@ -543,7 +645,11 @@ run_distillation() {
   if [[ -n ${MAX_NEW_TOKENS:-} ]]; then settings+=(rollout.max_new_tokens="$MAX_NEW_TOKENS"); fi
   if [[ -n ${LR:-} ]]; then settings+=(optimizer.lr="$LR"); fi
   if [[ -n ${BENCH_DIR:-} ]]; then settings+=(validation.path="$BENCH_DIR/math500.jsonl"); fi
+  local -a args=(train "$CONFIG" "${TRAIN_OVERRIDES[@]}" "${settings[@]}" "${ROLLOUT_OVERRIDES[@]}"
+                 "${TEACHER_OVERRIDES[@]}" "$@")
+  # The exact trainer command is checked before any server starts (run_torchrun finds it checked).
+  check_trainer "${args[@]}"
+  run_servers
   start_signal_timer
-  run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" "${settings[@]}" "${ROLLOUT_OVERRIDES[@]}" \
-    "${TEACHER_OVERRIDES[@]}" "$@"
+  run_torchrun "${args[@]}"
 }

@@ -32,6 +32,12 @@ JOB_NAME="${SLURM_JOB_NAME:-convert_7b}"  # names the output folders when not un
 source "$ROOT/slurm/common.sh"
 
 require_env CKPT_ROOT "where converted checkpoints go (shared filesystem); set CKPT_ROOT=/path/to/ckpt"
+# Every model's folder is checked first, so that all missing inputs are reported at once.
+for name in ${MODELS:-qwen2.5-math-7b openthinker3-7b}; do
+  MODEL_HF_DIR="${HF_DIR:-}" MODEL_CKPT="" MODEL_TP="" MODEL_PP=""
+  load_model model "$name"
+done
+stop_if_missing
 for name in ${MODELS:-qwen2.5-math-7b openthinker3-7b}; do
   # Each model is loaded as role "model": its folder is MODELS_DIR/<release name>, or HF_DIR when one
   # model is converted. Cleared per model so that one model's folder is never reused for the next.

@@ -47,6 +47,7 @@ if [[ ${ENGINE_BACKEND:-sglang} == sglang ]]; then
 fi
 require_env CKPT "the checkpoint(s) to evaluate: an HF folder, a Megatron checkpoint, a run's checkpoints/ folder, or a comma-separated list; set CKPT=/path"
 require_path BENCH_DIR "the folder of <benchmark>.jsonl files written by tools/prepare_benchmarks.py; set BENCH_DIR=/path"
+stop_if_missing
 
 # The checkpoints, in order: a checkpoints/ folder (neither HF nor Megatron itself) stands for its step_*.
 CKPTS=()
@@ -98,11 +99,11 @@ export ENGINE_COLOCATED=0 ENGINE_MEM_FRACTION="${ENGINE_MEM_FRACTION:-0.85}" ENG
 
 stop_engines() {
   _show batch stop-engines "${ENGINE_URLS[@]}"
-  if [[ $DRY_RUN == 1 ]]; then ENGINE_PIDS=(); return; fi
+  if [[ $DRY_RUN == 1 ]]; then ENGINE_PIDS=() ENGINE_PID_URLS=(); return; fi
   local pid
   for pid in "${ENGINE_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${ENGINE_PIDS[@]}"; do _wait_pid "$pid" || true; done
-  ENGINE_PIDS=()
+  ENGINE_PIDS=() ENGINE_PID_URLS=()
 }
 
 ROWS=()

@@ -41,5 +41,7 @@ train_base_overrides
 SFT_OVERRIDES=()
 if [[ -n ${PROMPTS_PER_STEP:-} ]]; then SFT_OVERRIDES+=(trainer.prompts_per_step="$PROMPTS_PER_STEP"); fi
 if [[ -n ${LR:-} ]]; then SFT_OVERRIDES+=(optimizer.lr="$LR"); fi
+ARGS=(train "$CONFIG" "${TRAIN_OVERRIDES[@]}" "${SFT_OVERRIDES[@]}" "$@")
+check_trainer "${ARGS[@]}"  # the trainer's config, before anything starts
 start_signal_timer
-run_torchrun train "$CONFIG" "${TRAIN_OVERRIDES[@]}" "${SFT_OVERRIDES[@]}" "$@"
+run_torchrun "${ARGS[@]}"

@@ -132,9 +132,12 @@ def _reset_on_change(cfg, defaults, reset: dict[str, str], overrides: Sequence[s
                 _set(cfg, reset[key], OmegaConf.select(defaults, reset[key]))
 
 
-def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None, overrides: Sequence[str] = ()) -> T:
+def load_config(
+    schema_cls: Type[T], preset: str | Sequence[str] | None = None, overrides: Sequence[str] = (), validate: bool = True
+) -> T:
     """Returns a validated `schema_cls` instance (its __post_init__ checks have run). Keys the schema lists
-    in a REMOVED_KEYS class attribute ({dotted key: why}) are refused with that reason."""
+    in a REMOVED_KEYS class attribute ({dotted key: why}) are refused with that reason. validate=False leaves
+    out the schema's `validate()` (the checks that read files), for a caller that runs it itself."""
     removed = getattr(schema_cls, "REMOVED_KEYS", {})
     cfg = OmegaConf.structured(schema_cls)
     presets = [preset] if isinstance(preset, str) else list(preset or [])
@@ -165,10 +168,10 @@ def load_config(schema_cls: Type[T], preset: str | Sequence[str] | None = None, 
         raise ConfigError(str(e).splitlines()[0]) from None
     except ValueError as e:  # a __post_init__ check
         raise ConfigError(str(e)) from None
-    validate = getattr(obj, "validate", None)
-    if callable(validate):
+    check = getattr(obj, "validate", None) if validate else None
+    if callable(check):
         try:
-            validate()
+            check()
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from None
     return obj

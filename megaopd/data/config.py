@@ -75,11 +75,6 @@ class SourceConfig:
     def __post_init__(self):
         if not self.path:
             raise ValueError("data.sources[].path is empty: set it to a .jsonl/.parquet file; " + PREPARE_HINT)
-        if not resolve_data_files(self.path):
-            raise ValueError(
-                f"data source {self.path!r} does not exist (or holds no .jsonl/.json/.parquet "
-                f"file): fix the path or {PREPARE_HINT}"
-            )
         if not self.weight > 0:
             raise ValueError(
                 f"data source {self.path!r} has weight={self.weight}: weights must be positive "
@@ -93,6 +88,15 @@ class SourceConfig:
                 if base.endswith(suffix):
                     base = base[: -len(suffix)]
             self.name = base.replace("*", "")
+
+    def check_files(self) -> None:
+        """Raises when the path names no data file. Run at start-up (DataConfig.validate), not when the config
+        is built: `megaopd config` shows a preset whose data is not there yet, with a warning."""
+        if not resolve_data_files(self.path):
+            raise ValueError(
+                f"data source {self.path!r} does not exist (or holds no .jsonl/.json/.parquet "
+                f"file): fix the path or {PREPARE_HINT}"
+            )
 
 
 @dataclass
@@ -199,6 +203,8 @@ class DataConfig:
                 "data.sources is empty: add one, e.g. data.sources=[{path: "
                 "examples/tiny/data/opd.jsonl}]; " + PREPARE_HINT
             )
+        for source in self.sources:
+            source.check_files()
 
     @property
     def weights(self) -> list[float]:

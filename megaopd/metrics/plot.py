@@ -4,7 +4,8 @@ Two PNG figures in the layout of the Stable-OPD paper's figures 2 and 5, one lin
 (legend = the run folder's name):
     collapse.png  truncation rate | repetition rate | validation accuracy
                   (solid: training rollouts, dashed with markers: validation generations)
-    dynamics.png  response length | student (solid) and teacher (dashed) log-prob |
+    dynamics.png  validation accuracy (solid) and answers found (dashed: responses with an answer to grade) |
+                  response length | student (solid) and teacher (dashed) log-prob |
                   advantage of regular (solid) vs repetitive (dashed) tokens
 Panels whose keys no run logged are left out; a figure with no panel is not written. metrics.jsonl holds
 one JSON object per step with "step"; lines that do not parse (a run killed mid-write) are skipped, and
@@ -60,6 +61,12 @@ FIGURES: dict[str, list[Panel]] = {
         Panel("Validation accuracy", "accuracy", [("val/accuracy", "-o", "")], rate=True),
     ],
     "dynamics": [
+        Panel(
+            "Validation",
+            "fraction of problems",
+            [("val/accuracy", "-o", "accuracy"), ("val/answers_found", "--s", "answers found")],
+            rate=True,
+        ),
         Panel("Response length", "tokens", [("rollout/response_length_mean", "-", "")]),
         Panel(
             "Log-probs of sampled tokens",

@@ -11,7 +11,7 @@ from tests.data.conftest import TINY_DATA, raw_row, write_jsonl
 
 def test_config_errors_name_the_path_and_fix(tmp_path):
     with pytest.raises(ValueError, match="nope.jsonl.*does not exist.*build_tiny_data"):
-        SourceConfig(path=str(tmp_path / "nope.jsonl"))
+        SourceConfig(path=str(tmp_path / "nope.jsonl")).check_files()  # at start-up (DataConfig.validate)
     with pytest.raises(ValueError, match="weight"):
         SourceConfig(path=os.path.join(TINY_DATA, "opd.jsonl"), weight=0)
     with pytest.raises(ValueError, match="prompt_template"):

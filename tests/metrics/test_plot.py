@@ -28,7 +28,12 @@ def _write_run(path, n_steps, collapse, keys=None):
             }
             if s % 5 == 0:
                 row.update(
-                    {"val/accuracy": 0.3 - 0.2 * x * collapse, "val/truncation_rate": 0.1, "val/repetition_rate": 0.0}
+                    {
+                        "val/accuracy": 0.3 - 0.2 * x * collapse,
+                        "val/answers_found": 0.9,
+                        "val/truncation_rate": 0.1,
+                        "val/repetition_rate": 0.0,
+                    }
                 )
             if keys is not None:
                 row = {k: v for k, v in row.items() if k in keys or k == "step"}
@@ -87,3 +92,16 @@ def test_plot_seed_bands(tmp_path):
     _not_blank(out / "collapse.png")
     group = [{0: {"x": 1.0}, 1: {"x": 2.0}}, {0: {"x": 3.0}}]
     assert band(group, "x") == ([0, 1], [2.0, 2.0], [1.0, 2.0], [3.0, 2.0])
+
+
+def test_dynamics_show_validation_accuracy_and_answers_found(tmp_path):
+    """What a user watches first (issue 54): validation accuracy and answers found over the steps, in the
+    dynamics figure too; a run that logged only validation (SFT: no rollouts) still gets that figure."""
+    from megaopd.metrics.plot import FIGURES
+
+    (panel,) = [p for p in FIGURES["dynamics"] if p.title == "Validation"]
+    assert [k for k, _, _ in panel.series] == ["val/accuracy", "val/answers_found"]
+    run = tmp_path / "sft"
+    _write_run(str(run), 20, collapse=False, keys={"val/accuracy", "val/answers_found"})
+    assert cli_main(["plot", str(run)]) == 0
+    _not_blank(run / "plots" / "dynamics.png")

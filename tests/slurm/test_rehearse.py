@@ -236,6 +236,9 @@ def _dry_run(r: Rehearsal, master_port: str, **extra: str) -> subprocess.Complet
         "MASTER_PORT": master_port,
         # What the allocation gives each task (the dry run would otherwise count this machine's CPUs).
         "SLURM_CPUS_PER_TASK": "64",
+        # The 7B preset on the tiny models, without the rehearsal's sizes, is no config the trainer accepts (its
+        # rows exceed the tiny models' positions); the commands are what this compares, so no config check.
+        "CONFIG_CHECK": "0",
         **extra,
     }
     env.pop("REHEARSE_COMMANDS_LOG", None)

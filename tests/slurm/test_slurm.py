@@ -120,7 +120,9 @@ LAUNCHER_VARS = {
 }
 
 
-def run_script(script, env_extra, *args, nodes="node1 node2", dry=True):
+def run_script(script, env_extra, *args, nodes="node1 node2", dry=True, check_config=False):
+    """check_config=False: the stand-in inputs hold no model or data, so the trainer's config check
+    (`megaopd config --strict`, slurm/common.sh check_config) is off unless a test asks for it."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -139,8 +141,13 @@ def run_script(script, env_extra, *args, nodes="node1 node2", dry=True):
         "MASTER_PORT",
         "STUDENT_HF_DIR",
         "TEACHER_HF_DIR",
+        "CONFIG_CHECK",
+        "PYTHON",
     ):
         env.pop(k, None)
+    env["CONFIG_CHECK"] = "1" if check_config else "0"
+    if check_config:
+        env["PYTHON"] = sys.executable
     if dry:
         env["DRY_RUN"] = "1"
         if nodes:
@@ -338,15 +345,15 @@ def test_dry_run_other_scripts(script, inputs):
 
 
 @pytest.mark.parametrize(
-    "drop,message",
+    "drop,messages",
     [
-        ("TRAIN_DATA", "TRAIN_DATA is not set"),
-        ("MODELS_DIR", "STUDENT_HF_DIR is not set"),
-        ("OUTPUT_ROOT", "OUTPUT_ROOT is not set"),
-        ("CONFIG", "does not exist"),  # the default preset path, absent in this stand-in setup or not
+        ("TRAIN_DATA", ["TRAIN_DATA is not set"]),
+        ("MODELS_DIR", ["STUDENT_HF_DIR is not set", "TEACHER_HF_DIR is not set"]),  # one line per variable
+        ("OUTPUT_ROOT", ["OUTPUT_ROOT is not set"]),
+        ("CONFIG", ["does not exist"]),  # the default preset path, absent in this stand-in setup or not
     ],
 )
-def test_missing_input_is_one_clear_error(inputs, drop, message):
+def test_missing_input_is_one_clear_error(inputs, drop, messages):
     env = dict(inputs)
     del env[drop]
     if drop == "CONFIG":
@@ -354,8 +361,112 @@ def test_missing_input_is_one_clear_error(inputs, drop, message):
     r = run_script("stable_opd_7b.sh", env)
     assert r.returncode == 1
     errors = [x for x in r.stderr.splitlines() if "error:" in x]
-    assert len(errors) == 1 and message in errors[0], r.stderr
+    assert len(errors) == len(messages) and all(m in e for m, e in zip(messages, errors)), r.stderr
     assert "torchrun" not in r.stdout and "sglang" not in r.stdout
+
+
+@pytest.mark.parametrize(
+    "script,drop,variables",
+    [
+        (
+            "stable_opd_7b.sh",
+            ["MODELS_DIR", "TRAIN_DATA", "OUTPUT_ROOT"],
+            ["STUDENT_HF_DIR", "TEACHER_HF_DIR", "OUTPUT_ROOT", "TRAIN_DATA"],
+        ),
+        (
+            "sft_cold_start_7b.sh",
+            ["MODELS_DIR", "TRAIN_DATA", "OUTPUT_ROOT"],
+            ["STUDENT_HF_DIR", "OUTPUT_ROOT", "TRAIN_DATA"],
+        ),
+        ("eval_7b.sh", ["CKPT", "BENCH_DIR"], ["CKPT", "BENCH_DIR"]),
+        ("convert_7b.sh", ["CKPT_ROOT", "MODELS_DIR"], ["CKPT_ROOT", "MODEL_HF_DIR"]),
+        ("tiny_cpu.sh", ["OUTPUT_ROOT", "CONFIG"], ["CONFIG", "OUTPUT_ROOT"]),
+    ],
+)
+def test_every_missing_input_is_reported_at_once(inputs, script, drop, variables):
+    """slurm/README.md: each missing input is one error line, all of them in one try (issue 54)."""
+    env = {k: v for k, v in inputs.items() if k not in drop}
+    if "CONFIG" in drop:
+        env["CONFIG"] = "/nonexistent/preset.yaml"
+    r = run_script(script, env)
+    assert r.returncode == 1, r.stderr
+    errors = [x for x in r.stderr.splitlines() if "error:" in x]
+    assert [e.split("error: ")[1].split(" ")[0].split("=")[0] for e in errors] == variables, r.stderr
+    assert not any(x.startswith("[") for x in r.stdout.splitlines()), r.stdout  # nothing would have started
+
+
+@pytest.fixture
+def real_inputs(tmp_path):
+    """Inputs `megaopd config --strict` accepts: the 7B models' config.json (tests/config/fixtures; the
+    student's context extended as docs/cluster.md says), a data row and a validation set."""
+    fixtures = os.path.join(ROOT, "tests", "config", "fixtures")
+    models = tmp_path / "models"
+    for name, fixture in (("Qwen2.5-Math-7B", "qwen2.5-math-7b"), ("OpenThinker3-7B", "openthinker3-7b")):
+        (models / name).mkdir(parents=True)
+        with open(os.path.join(fixtures, fixture, "config.json")) as f:
+            cfg = json.load(f)
+        if name.startswith("Qwen"):
+            cfg.update(rope_theta=40000.0, max_position_embeddings=16384)
+        (models / name / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2", "golden": "2"}) + "\n")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "math500.jsonl").write_text(json.dumps({"id": "1", "problem": "1+1?", "answer": "2"}) + "\n")
+    return {
+        "MODELS_DIR": str(models),
+        "TRAIN_DATA": str(tmp_path / "train.jsonl"),
+        "BENCH_DIR": str(tmp_path / "bench"),
+        "OUTPUT_ROOT": str(tmp_path / "runs"),
+    }
+
+
+@pytest.mark.parametrize(
+    "setting,reason",
+    [
+        ({}, None),
+        ({"LR": "abc"}, "optimizer.lr"),
+        ({"STUDENT_TP": "3"}, "student.tp=3 does not divide"),
+    ],
+    ids=["good", "LR=abc", "STUDENT_TP=3"],
+)
+def test_dry_run_checks_the_trainer_config_before_any_engine(real_inputs, setting, reason):
+    """Issue 53: the job runs `megaopd config --strict` on the trainer's exact arguments before it starts any
+    engine, so a bad setting fails in seconds, DRY_RUN=1 included, and nothing is written to the run folder."""
+    r = run_script("stable_opd_7b.sh", {**real_inputs, **setting}, check_config=True)
+    run_dir = os.path.join(real_inputs["OUTPUT_ROOT"], "stable_opd_7b")
+    if reason is None:
+        assert r.returncode == 0, r.stderr
+        assert "trainer config checked" in r.stderr
+        assert len(torchrun_lines(r.stdout, "node1")) == 1
+        return
+    assert r.returncode == 1, r.stdout + r.stderr
+    errors = [x for x in r.stderr.splitlines() if "error:" in x]
+    assert len(errors) == 1 and "refuses this job's config" in errors[0] and reason in errors[0], r.stderr
+    assert len(sglang_lines(r.stdout, "node1") + sglang_lines(r.stdout, "node2")) == 8  # printed as planned ...
+    assert "wait-for-health" not in r.stdout and "torchrun" not in r.stdout  # ... but none started
+    assert not os.path.exists(run_dir)
+
+
+def test_real_job_checks_the_config_before_starting_engines(real_inputs, tmp_path):
+    """Outside DRY_RUN (a fake allocation of one node: srun is a stub that records its calls) a refused config
+    stops the job before the first srun."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    calls = tmp_path / "srun_calls"
+    (stub / "srun").write_text(f'#!/bin/bash\necho "$*" >> {calls}\n')
+    (stub / "srun").chmod(0o755)
+    (stub / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    (stub / "scontrol").chmod(0o755)
+    env = {
+        **real_inputs,
+        "LR": "abc",
+        "SLURM_JOB_NODELIST": "node1",
+        "GPUS_PER_NODE": "4",
+        "PATH": f"{stub}:{os.environ['PATH']}",
+    }
+    r = run_script("stable_opd_7b.sh", env, nodes=None, dry=False, check_config=True)
+    assert r.returncode == 1 and "optimizer.lr" in r.stderr, r.stderr
+    assert not calls.exists()  # no engine, no training step
+    assert not os.path.exists(os.path.join(real_inputs["OUTPUT_ROOT"], "stable_opd_7b"))
 
 
 def test_missing_path_names_the_variable(inputs):
