@@ -18,6 +18,13 @@ and the last step's val/accuracy and opd/reverse_kl are printed per run: with th
 compute the same thing print the same numbers (what a refactor must keep).
 
     python benchmarks/demo_before_after.py --before /work/wt/before            # 2 pairs of 8-step runs
+    python benchmarks/demo_before_after.py --before-commit cfbaab8 --pairs 1 --steps 4 --per-step
+
+--before-commit checks that commit out with `git worktree add` into a temporary folder (removed afterwards) and
+uses it as the before tree. --per-step validates after every step (trainer.eval_interval=1, on --val-problems
+problems) and prints, per step, val/accuracy and opd/reverse_kl of both trees and whether they are identical
+(issue 52: a refactor that keeps the behaviour keeps these to the last digit), and whether every step's
+metrics.jsonl row has the same keys.
     python benchmarks/demo_before_after.py --before OLD --after NEW --pairs 3 --steps 6
     python benchmarks/demo_before_after.py --before OLD --after NEW --pairs 2 --steps 6 --validate
 """
@@ -37,7 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = "examples/tiny/stable_opd.yaml"
 
 
-def one_run(tree: str, run_dir: str, steps: int, save_interval: int, validate: bool) -> dict:
+def one_run(tree: str, run_dir: str, steps: int, save_interval: int, validate: bool, per_step: int = 0) -> dict:
+    """per_step > 0: validate after every step on that many problems (and before the first)."""
     cmd = [
         sys.executable,
         "-m",
@@ -47,9 +55,9 @@ def one_run(tree: str, run_dir: str, steps: int, save_interval: int, validate: b
         f"run.dir={run_dir}",
         f"trainer.max_steps={steps}",
         f"trainer.save_interval={save_interval}",
-        f"trainer.eval_interval={steps if validate else 0}",
+        f"trainer.eval_interval={1 if per_step else steps if validate else 0}",
         "logging.progress_bar=off",
-    ]
+    ] + ([f"validation.max_problems={per_step}"] if per_step else [])
     t0 = time.perf_counter()
     r = subprocess.run(
         cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, timeout=1800
@@ -69,33 +77,106 @@ def one_run(tree: str, run_dir: str, steps: int, save_interval: int, validate: b
             (save_gaps if s % save_interval == 0 else other_gaps).append(gap)
     last = {k: v for r in logged if r["step"] == max(rows) for k, v in r.items()}  # the step's rows together
     final = {k: last.get(k) for k in ("val/accuracy", "opd/reverse_kl")}
-    return {"step_s": step_s, "save_s": save_gaps, "other_s": other_gaps, "wall_s": wall, "final": final}
+    by_step: dict[int, dict] = {}
+    for row in logged:  # a step's rows together (validation before the first step: step 0)
+        by_step.setdefault(row["step"], {}).update(row)
+    steps_seen = {s: {k: r.get(k) for k in ("val/accuracy", "opd/reverse_kl")} for s, r in sorted(by_step.items())}
+    return {
+        "step_s": step_s,
+        "save_s": save_gaps,
+        "other_s": other_gaps,
+        "wall_s": wall,
+        "final": final,
+        "per_step": steps_seen,
+        "keys": {s: sorted(k for k in r if k != "time") for s, r in sorted(by_step.items())},
+    }
+
+
+def per_step_table(before: dict, after: dict) -> tuple[str, bool]:
+    """A markdown table of each step's val/accuracy and opd/reverse_kl in both trees, and whether all agree."""
+    lines = [
+        "| step | val/accuracy before | after | opd/reverse_kl before | after | identical |",
+        "| ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    same_all = True
+    for step in sorted(set(before) | set(after)):
+        b, a = before.get(step, {}), after.get(step, {})
+        same = b == a
+        same_all &= same
+        lines.append(
+            f"| {step} | {b.get('val/accuracy')} | {a.get('val/accuracy')} | {b.get('opd/reverse_kl')} | "
+            f"{a.get('opd/reverse_kl')} | {'yes' if same else 'NO'} |"
+        )
+    return "\n".join(lines), same_all
+
+
+def worktree_at(commit: str, where: str) -> str:
+    """A checkout of `commit` of this repository at `where` (git worktree add --detach)."""
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", where, commit], check=True, capture_output=True)
+    return where
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", required=True, help="the older megaopd source tree")
+    ap.add_argument("--before", help="the older megaopd source tree")
+    ap.add_argument("--before-commit", help="or a commit of this repository, checked out into a temporary folder")
     ap.add_argument("--after", default=ROOT, help="the newer one (default: this tree)")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--save-interval", type=int, default=2)
     ap.add_argument("--validate", action="store_true", help="validate at the start and the end; print the metrics")
+    ap.add_argument("--per-step", action="store_true", help="validate every step; print the per-step table")
+    ap.add_argument("--val-problems", type=int, default=64, help="validation problems with --per-step")
     a = ap.parse_args()
+    if (a.before is None) == (a.before_commit is None):
+        ap.error("give one of --before (a tree) or --before-commit (a commit of this repository)")
     med = statistics.median
 
-    trees = {"before": os.path.abspath(a.before), "after": os.path.abspath(a.after)}
-    runs = {name: [] for name in trees}
     with tempfile.TemporaryDirectory() as tmp:
+        before = os.path.abspath(a.before) if a.before else worktree_at(a.before_commit, os.path.join(tmp, "before"))
+        try:
+            runs = _runs({"before": before, "after": os.path.abspath(a.after)}, a, tmp)
+        finally:
+            if a.before_commit:
+                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", before], capture_output=True)
+    _report(runs, a, med)
+
+
+def _runs(trees: dict[str, str], a, tmp: str) -> dict[str, list[dict]]:
+    """--pairs runs of each tree, alternated."""
+    med = statistics.median
+    runs = {name: [] for name in trees}
+    for i in range(a.pairs):
+        for name, tree in trees.items():
+            r = one_run(
+                tree,
+                os.path.join(tmp, f"{name}_{i}"),
+                a.steps,
+                a.save_interval,
+                a.validate,
+                a.val_problems if a.per_step else 0,
+            )
+            runs[name].append(r)
+            print(
+                f"pair {i} {name:6}: s/step {med(r['step_s']):.3f}, save {med(r['save_s']):.3f} s, "
+                f"other gap {med(r['other_s']):.3f} s, wall {r['wall_s']:.1f} s"
+                + "".join(f", {k} {v!r}" for k, v in r["final"].items() if v is not None),
+                flush=True,
+            )
+    return runs
+
+
+def _report(runs: dict[str, list[dict]], a, med) -> None:
+    trees = list(runs)
+    if a.per_step:
         for i in range(a.pairs):
-            for name, tree in trees.items():
-                r = one_run(tree, os.path.join(tmp, f"{name}_{i}"), a.steps, a.save_interval, a.validate)
-                runs[name].append(r)
-                print(
-                    f"pair {i} {name:6}: s/step {med(r['step_s']):.3f}, save {med(r['save_s']):.3f} s, "
-                    f"other gap {med(r['other_s']):.3f} s, wall {r['wall_s']:.1f} s"
-                    + "".join(f", {k} {v!r}" for k, v in r["final"].items() if v is not None),
-                    flush=True,
-                )
+            table, same = per_step_table(runs["before"][i]["per_step"], runs["after"][i]["per_step"])
+            print(f"\npair {i}: per step (step 0: validation before the first step)\n{table}")
+            print(f"identical: {'yes' if same else 'NO'}")
+            kb, ka = runs["before"][i]["keys"], runs["after"][i]["keys"]
+            differ = {s: sorted(set(kb.get(s, [])) ^ set(ka.get(s, []))) for s in set(kb) | set(ka)}
+            differ = {s: d for s, d in differ.items() if d}
+            print(f"metrics.jsonl keys identical at every step: {'yes' if not differ else f'NO {differ}'}")
     cols = ("step_s", "save_s", "other_s", "wall_s")
     pooled = {
         name: {c: med([v for r in rs for v in (r[c] if c != "wall_s" else [r[c]])]) for c in cols}

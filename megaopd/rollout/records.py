@@ -154,7 +154,7 @@ class RolloutBatch:
     weight_versions_B: torch.Tensor | None = None
     """The engine's weight version (the trainer step whose weights it held) when each row's first token was
     generated [B] (long); older than the trained weights under rollout.mode one_step_off / async. Filled by
-    the trainer's pipeline (megaopd.trainer.pipeline)."""
+    the trainer's pipeline (megaopd.trainer.rollout_flow)."""
     trajectories: list[TrajectoryStats] | None = None
     """Multi-turn rollouts: each row's turns, tool calls and errors [B]; None for single-turn responses.
     Their environment tokens sit in tokens_BS with loss_mask_BT 0: scored, never trained, never counted."""

@@ -10,8 +10,10 @@ given ids: the actor's log pi_old, the teacher's log q, `megaopd logprobs`), rou
 which rows, and the scores' trip to the rows' owners), exchange (the all_to_all of rows), config (the
 teacher section), parity (engine vs actor
 statistics and their bounds in float32 and bf16), cli (`megaopd logprobs`), remote (a teacher served by
-SGLang / `megaopd serve`: prefill scoring over several servers with retries), teachers (the job's teachers,
-in-job or served, and the routing of each sample to its teacher). The training step runs its
+SGLang / `megaopd serve`: prefill scoring over several servers with retries), scorers (the one Scorer
+protocol the actor's pass, in-job and served teachers implement: a part of the rollout as it arrives, then
+the whole batch), teachers (the job's teachers, in-job or served, and the routing of each sample to its
+teacher). The training step runs its
 micro-batches through the same runner (megaopd.trainer).
 """
 

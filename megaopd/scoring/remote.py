@@ -39,6 +39,7 @@ from megaopd.rollout.client import EngineRequestError, HttpEngine, HttpEngineCon
 from megaopd.rollout.pool import SpreadError, SpreadRules, spread_jobs
 from megaopd.rollout.records import TokenScores
 from megaopd.rollout.schema import PrefillScores
+from megaopd.scoring.scorers import ServedScorer
 
 
 class RemoteTeacherError(RuntimeError):
@@ -65,6 +66,9 @@ class ServerPolicy:
 
 class RemoteTeacher:
     """Scores responses on SGLang-compatible servers; safe to run in a background thread."""
+
+    served = True
+    """A teacher kind of scoring.teachers.TeacherSet: its rows are scored on rank 0, over HTTP."""
 
     def __init__(
         self,
@@ -96,6 +100,10 @@ class RemoteTeacher:
         self.timeout_s = policy.timeout_s
         self.last_reused = 0
         """Rows the last score() took from `scored` instead of asking (rank 0's scoring thread reads it)."""
+
+    def scorer(self, settings, prompt=None) -> ServedScorer:
+        """Its Scorer of one step (settings: scoring.teachers.TeacherScoring; prompt: its view of its own)."""
+        return ServedScorer(name=self.name, teacher=self, topk=settings.topk, prompt=prompt)
 
     def __repr__(self) -> str:
         return f"RemoteTeacher({self.name!r}, {[s.url for s in self.servers]})"

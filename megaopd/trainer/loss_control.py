@@ -38,7 +38,12 @@ class ControlledLoss:
         self.name, self.needs = self._base.name, self._base.needs
 
     def __call__(self, inputs):
-        return (self.controller.loss if self.controller is not None else self._base)(inputs)
+        """(loss, metrics): the metrics always hold loss/total and <term>/loss (a single loss is both the total
+        and its one term, under its registered name)."""
+        loss, metrics = (self.controller.loss if self.controller is not None else self._base)(inputs)
+        if "loss/total" not in metrics:
+            metrics = {**metrics, "loss/total": loss, f"{self.name}/loss": loss}
+        return loss, metrics
 
     @property
     def stateful(self) -> dict:

@@ -5,7 +5,7 @@ loss metrics over the data-parallel ranks, and the step's FLOPs and MFU (perf/*)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,13 +81,80 @@ class RolloutMetrics:
     signals: RolloutSignals
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What Trainer.train_step tells the loop: the step's metrics to log and, for a step with rollouts, the
-    signals the collapse detector reads."""
+@dataclass(frozen=True, kw_only=True)
+class TrainMetrics:
+    """Trainer._train's answer: the loss's metrics over the step and the optimizer's."""
 
-    metrics: dict[str, float]
-    signals: RolloutSignals | None
+    loss: dict[str, float]
+    """reduce_loss_metrics: loss/total, loss/<term> and each loss's own metrics, under the names the loss gives
+    them (the losses are registered by name, each with its own terms)."""
+    grad_norm: float
+    """Mean gradient norm over the step's updates."""
+    lr: float
+    """Mean learning rate of the step's updates."""
+    skipped_nonfinite: int | None = None
+    """Updates skipped for a non-finite loss or gradient (None: trainer.skip_nonfinite off, not logged)."""
+
+    def log(self) -> dict[str, float]:
+        out = dict(self.loss)
+        out["train/grad_norm"], out["train/lr"] = self.grad_norm, self.lr
+        if self.skipped_nonfinite is not None:
+            out["train/skipped_nonfinite"] = self.skipped_nonfinite
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTimes:
+    """The step's phase times, the slowest rank's (Timer.reduce), by phase name."""
+
+    log: dict[str, float]
+    """time/<phase> -> seconds, as logged."""
+
+    @property
+    def step(self) -> float:
+        return self.log["time/step"]
+
+    @property
+    def train(self) -> float | None:
+        return self.log.get("time/train")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What Trainer.train_step tells the loop: each producer's record. `log()` makes the step's metrics row, once,
+    where the run log is written; nothing before it reads a metric by name."""
+
+    train: TrainMetrics
+    controller: dict[str, float]
+    """The adaptive loss controller's controller/* (ControlledLoss.observe; empty when fixed)."""
+    rollout: RolloutMetrics | None
+    """The rollouts' metrics and signals (None: an SFT step)."""
+    pipeline: dict[str, float]
+    """Rank 0: the rollout flow's pipeline/* (RolloutFlow.report) and the served teachers' share
+    scored part by part; empty on the other ranks, which do not log them."""
+    times: StepTimes
+    flops: dict[str, float]
+    """flop_metrics: flops/* and perf/*."""
+    validation: dict[str, float] = field(default_factory=dict)
+    """val/* when the step validated (Trainer.train adds them)."""
+    logs_rollout: bool = True
+    """This rank logs the rollouts' metrics (rank 0, which holds the texts)."""
+
+    @property
+    def signals(self) -> RolloutSignals | None:
+        """What the collapse detector reads (None: an SFT step)."""
+        return self.rollout.signals if self.rollout is not None else None
+
+    def log(self) -> dict[str, float]:
+        """The step's metrics.jsonl row (without step and time), in the order the run log has always had."""
+        out = self.train.log()
+        out.update(self.controller)
+        if self.rollout is not None and self.logs_rollout:
+            out.update(self.rollout.log, **self.pipeline)
+        out.update(self.times.log)
+        out.update(self.flops)
+        out.update(self.validation)
+        return out
 
 
 def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool = True) -> RolloutMetrics:
@@ -258,7 +325,7 @@ def step_work(models: Models, needs: LossNeeds, cfg: MegaOPDConfig, rollout: Rol
     )
 
 
-def flop_metrics(work: StepWork, times: dict[str, float]) -> dict[str, float]:
+def flop_metrics(work: StepWork, times: StepTimes) -> dict[str, float]:
     """The step's model and hardware FLOPs (flops/*, all ranks), the TFLOP/s per GPU they make (perf/*) and,
     on a GPU of known peak, MFU: perf/mfu_model_train (6N per trained token + attention, over the
     training phase's time), perf/mfu_hardware_train (+ recomputation and the lockstep partner's forward),
@@ -273,7 +340,7 @@ def flop_metrics(work: StepWork, times: dict[str, float]) -> dict[str, float]:
         "flops/model_step": f.model,
         "flops/hardware_step": f.hardware,
     }
-    t_train, t_step = times.get("time/train"), times.get("time/step")
+    t_train, t_step = times.train, times.log.get("time/step")
     if not t_train or not t_step:
         return out
     per_gpu = {

@@ -47,21 +47,21 @@ from megaopd.rollout.waits import WaitAbandoned
 from megaopd.scoring import bounds_for, check_engine_parity
 from megaopd.scoring.passes import ScoreRequest, score_sequences
 from megaopd.scoring.runner import PipelineRunner
-from megaopd.sync import WeightSync
 from megaopd.sync.weight_sync import expert_group
 from megaopd.trainer.checkpoint import Checkpointer
 from megaopd.trainer.loss_control import ControlledLoss
 from megaopd.trainer.nonfinite import NonFinite, describe
 from megaopd.trainer.optim import RouterAuxLoss, build_optimizer, wrap_for_training
-from megaopd.trainer.pipeline import EngineHooks, RolloutPipeline
 from megaopd.trainer.preemption import PreemptionFlag
 from megaopd.trainer.roles import build_models, check_teacher_tokenizers, on_gpu_while_used
-from megaopd.trainer.rollout_stage import RolloutStage, StepContext, served_teachers_on_part
+from megaopd.trainer.rollout_flow import ActorWeights, EngineHooks, RolloutFlow
+from megaopd.trainer.rollout_stage import RolloutStage, StepContext
 from megaopd.trainer.run_folder import agreed_resume_point
 from megaopd.trainer.run_log import RunLog, RunSummary, keep_rows_through
 from megaopd.trainer.step_metrics import (
-    RolloutSignals,
     StepResult,
+    StepTimes,
+    TrainMetrics,
     flop_metrics,
     reduce_loss_metrics,
     rollout_metrics,
@@ -99,7 +99,7 @@ class Trainer:
             pgs=self.actor_pgs,
             components={
                 "scheduler": self.scheduler,
-                "data": self.pipeline,  # the loader's cursor before any batch drawn ahead
+                "data": self.flow,  # the loader's cursor before any batch drawn ahead
                 "collapse": self.detector,
                 **self.loss_fn.stateful,
             },
@@ -193,30 +193,31 @@ class Trainer:
         )
 
     def _build_stages(self) -> None:
-        """The rollout pipeline (its engine comes last, in _start_engine), the rollout stage over it, the phase
+        """The rollout flow (its engine comes last, in _start_engine), the rollout stage over it, the phase
         timer and the collapse detector."""
         cfg = self.cfg
         self.timer = Timer()
         self.detector = CollapseDetector(cfg.metrics.collapse)
-        self.pipeline = RolloutPipeline(
+        self.flow = RolloutFlow(
             cfg,
             self.loader,
             self.timer,
             self.stop.ids,
             self.rank,
             EngineHooks(
-                push=self.sync_weights,
                 parity=self.check_parity,
-                on_part=served_teachers_on_part(cfg, self.models.teachers, self.rank, self.teacher_request.topk),
+                actor=ActorWeights(model=self.actor.model, hf=self.actor.hf, pgs=self.actor_pgs),
+                on_policy=self.needs.on_policy,
             ),
             self.multi_turn,  # rollout.mode: which prompts, which samples, when syncs
         )
-        self.rollout_stage = RolloutStage(self.pipeline, self.context)
+        self.rollout_stage = RolloutStage(self.flow, self.context)
 
     def _resume(self) -> None:
         """Step 0, or the state of the run folder's last complete checkpoint."""
         cfg = self.cfg
-        self.step, self._last_metrics, self.stopping = 0, {}, False
+        self.step, self._last_metrics = 0, {}
+        self._served_log: dict[str, float] = {}  # the step's served-teacher log (_rollout's)
         # Rank 0 picks the step folder (verified; moved aside what it skips, docs/run_folder.md); every rank loads it.
         point = agreed_resume_point(cfg.run.dir, cfg.run.start_over)
         latest = point.path
@@ -247,14 +248,13 @@ class Trainer:
         from megaopd.rollout import build_engine
 
         cfg = self.cfg
-        self.weight_sync = None  # stays None when nothing generates (SFT without validation)
         if not (self.needs.on_policy or cfg.validation.path):
-            return
+            return  # the flow holds no engine: nothing generates (SFT without validation)
         hf_dir = cfg.student.path
         if cfg.rollout.engine == "embedded" and is_megatron_checkpoint(cfg.student.path):
             hf_dir = os.path.join(cfg.run.dir, "hf_init")
             export_hf(self.actor, hf_dir)  # collective; the engine is built from it
-        self.pipeline.engine = (
+        self.flow.attach(
             build_engine(
                 cfg.rollout,
                 hf_dir,
@@ -265,119 +265,97 @@ class Trainer:
             if self.rank == 0
             else None
         )
-        self.weight_sync = WeightSync(self.pipeline.engine, cfg.rollout, self.rank)
-        self.stopping = self.pipeline.first_sync(self.step)  # True: a signal ended its waits, train() just leaves
+        self.flow.first_sync(self.step)  # stopping: a signal ended its waits, train() just leaves
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> RunSummary:
         cfg = self.cfg.trainer
         summary = RunSummary(start_step=self.step, end_step=self.step)
-        if self.step == 0 and cfg.eval_interval and not self.stopping:
+        flow = self.flow  # it owns the engine, its weights and whether the run is stopping
+        if self.step == 0 and cfg.eval_interval and not flow.stopping:
             summary.val_before = self._validate()
             if self.rank == 0 and summary.val_before:
                 self.run_log.log_step(0, summary.val_before)  # the "before" point of the figures
         step_times = []
-        while self.step < cfg.max_steps and not self.stopping:
+        while self.step < cfg.max_steps and not flow.stopping:
             try:
                 result = self.train_step()
             except WaitAbandoned:  # collective (megaopd.rollout.waits): a signal ended rank 0's wait on the engines
-                self.pipeline.abandon(self.step)  # the step in flight is not trained: its batch is drawn again
-                self.stopping = True
+                flow.abandon(self.step)  # the step in flight is not trained: its batch is drawn again; stopping
                 break
-            metrics = result.metrics
-            step_times.append(metrics["time/step"])
+            step_times.append(result.times.step)
             if (
-                not self.stopping
+                not flow.stopping
                 and cfg.eval_interval
                 and (self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps)
             ):
-                metrics.update(self._validate())
-            self._log(metrics, result.signals)
+                result = dataclasses.replace(result, validation=self._validate())
+            self._log(result)
             if self.step % cfg.save_interval == 0 or self.step == cfg.max_steps:
                 self.save()
-                self.stopping = self.preemption.should_stop()  # collective: a signal during the save, no next step
-        if self.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
+                flow.stop(self.preemption.should_stop())  # collective: a signal during the save, no next step
+        if flow.stopping:  # preempted: the last complete step is checkpointed (now, or it already was)
             if self._saved != self.step:
                 self.save()
             self._console(f"preemption signal received: checkpoint of step {self.step} saved, exiting")
-            self._close_weight_sync()
+            flow.close()
             summary.end_step, summary.preempted = self.step, True
             return summary
         export_hf(self.actor, os.path.join(self.cfg.run.dir, "hf"))
         summary.end_step, summary.last_metrics = self.step, self._last_metrics or {}
         summary.step_time_mean = sum(step_times) / max(len(step_times), 1)
-        self._close_weight_sync()
+        flow.close()
         return summary
-
-    def _close_weight_sync(self) -> None:
-        """The engines' weight-update group goes with the run: a served engine outlives it, and the next run
-        against it (or this one resumed) forms its own group of the same name."""
-        if self.weight_sync is not None:
-            self.weight_sync.close()
 
     def train_step(self) -> StepResult:
         timer = self.timer
         with timer("step"):
-            examples = self.pipeline.examples(self.step)
+            examples = self.flow.examples(self.step)
             golden = golden_batch(examples, self.pad_id) if self.needs.golden else None
+            self._served_log = {}
             rollout = self._rollout(examples, golden) if self.needs.on_policy else None
             with timer("train"):
-                metrics = self._train(rollout, golden)
+                train = self._train(rollout, golden)
             self.step += 1
             # Collective: every rank stops after the same step, even if the signal reached only some. After a
             # preemption signal nothing talks to the engines (Slurm may have killed them): straight to the save.
-            self.stopping = self.preemption.should_stop()
+            self.flow.stop(self.preemption.should_stop())
             with timer("sync"):
                 # SFT-only steps generate nothing: their weights are synced before validation.
-                if rollout is not None and not self.stopping:  # sync mode: now; overlapped: at the next batch
-                    self.stopping = self.pipeline.after_step(self.step)  # True: a signal ended the push
-            signals = None
+                if rollout is not None:  # sync mode: now; overlapped: at the next batch (not once stopping)
+                    self.flow.after_step(self.step)  # stopping: a signal ended the push
+            step, controller = None, {}
             if rollout is not None:  # collective: each replica sums over its rows, one small gather; then (every
                 step = rollout_metrics(rollout, self.cfg.metrics, contributes=self.owners.sends)  # rank) the
-                signals = step.signals  # adaptive controller's weights move on the step's signals
-                metrics.update(self.loss_fn.observe(self.step, signals, self.run_log))
+                controller = self.loss_fn.observe(self.step, step.signals, self.run_log)  # controller moves on them
             if rollout is not None and self.rank == 0:
-                metrics.update(step.log, **self.pipeline.metrics)
                 self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
-        metrics.update(timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's times
-        metrics.update(flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), metrics))
-        return StepResult(metrics=metrics, signals=signals)
+        times = StepTimes(log=timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's
+        return StepResult(
+            train=train,
+            controller=controller,
+            rollout=step,
+            pipeline={**self.flow.report.log(), **self._served_log} if self.rank == 0 else {},
+            times=times,
+            flops=flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), times),
+            logs_rollout=self.rank == 0,
+        )
 
     def _rollout(self, examples, golden=None) -> RolloutBatch:
         """Generate, then score the responses with the actor (log pi_old) and the teacher (log q). The scores
-        land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there."""
-        cfg, needs, timer, teachers = self.cfg, self.needs, self.timer, self.models.teachers
-        with timer("rollout"):  # the batch in parts as it generates (rollout.stream_parts), or whole: its passes
-            generated = self.rollout_stage.generate(self.step, examples, golden)  # score each part meanwhile
+        land on the ranks that train each row (self.owners: row_owners, the partition of _train), only there.
+        The served teachers' log (rank 0, rollout.stream_parts > 1: the share of their rows scored part by
+        part) goes to self._served_log, which the step's result takes."""
+        cfg, timer = self.cfg, self.timer
+        with timer("rollout"):  # the batch in parts as it generates (rollout.stream_parts), or whole: one path
+            generated = self.rollout_stage.generate(self.step, examples, golden)  # each part to every scorer
         batch, self.owners, samples = generated.batch, generated.owners, generated.samples  # its rows; rank 0's samples
-        with timer("actor_logprobs"):
-            owners = self.owners
-            batch.check_held(owners.rows(), "the actor's scoring pass")
-            if teachers is not None:  # served teachers score on rank 0's thread while the actor scores below
-                pending = teachers.start_remote(
-                    batch,
-                    batch.teacher_rows,
-                    self.teacher_request.topk,
-                    self.rank,
-                    streamed=teachers.take_streamed(self.step),
-                )  # rank 0's parts
-            batch.actor = self.rollout_stage.actor_scores(generated)
-        with timer("teacher"):
-            if teachers is not None:
-                batch.teacher = teachers.score(
-                    batch,
-                    batch.teacher_rows,
-                    pending,
-                    generated.batches,
-                    self.teacher_request,
-                    at_ids=batch.actor.topk_support(needs.student_topk),
-                    on_device=on_gpu_while_used,
-                    owners=owners,
-                    streamed=self.rollout_stage.teacher_scores(generated),
-                )
-                if teachers.has_remote:  # rank 0's thread, overlapped with actor_logprobs (0 on the other ranks)
-                    timer.add("teacher_remote", pending.seconds)
-                    self.pipeline.teacher_streamed(pending)
+        scored = self.rollout_stage.score(generated, timer)  # time/actor_logprobs, time/teacher
+        batch.actor, batch.teacher = scored.actor, scored.teacher
+        if scored.served is not None:  # rank 0's threads, overlapped with actor_logprobs (0 on the other ranks)
+            timer.add("teacher_remote", scored.served.seconds)
+            if self.rank == 0 and cfg.rollout.stream_parts > 1:
+                self._served_log = scored.served.log()
         batch.texts, rewards = texts_and_rewards(
             self.tokenizer, samples, examples, cfg.trainer.samples_per_prompt, self.multi_turn, cfg.metrics.reward
         )
@@ -385,7 +363,7 @@ class Trainer:
         return batch
 
     # ----------------------------------------------------------------------------------------- train
-    def _train(self, rollout: RolloutBatch | None, golden) -> dict:
+    def _train(self, rollout: RolloutBatch | None, golden) -> TrainMetrics:
         """One optimizer step per mini-batch of the step's rows."""
         needs, pgs = self.needs, self.actor_pgs
         mask_BT = loss_tokens_B = None
@@ -426,13 +404,12 @@ class Trainer:
             self.scheduler.step(increment=1)
             grad_norms.append(float(grad_norm or 0.0))
             lrs.append(lr)
-        is_reporter = holds_results(pgs)
-        metrics = reduce_loss_metrics(results, is_reporter)
-        metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        metrics["train/lr"] = sum(lrs) / max(len(lrs), 1)
-        if self.cfg.trainer.skip_nonfinite:
-            metrics["train/skipped_nonfinite"] = skipped
-        return metrics
+        return TrainMetrics(
+            loss=reduce_loss_metrics(results, holds_results(pgs)),
+            grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
+            lr=sum(lrs) / max(len(lrs), 1),
+            skipped_nonfinite=skipped if self.cfg.trainer.skip_nonfinite else None,
+        )
 
     def _nonfinite(self, bad: NonFinite, mini: list, rows, golden_rows, on_policy: bool) -> None:
         """Collective: raises one FloatingPointError naming the terms, the step and the rows, or (with
@@ -458,20 +435,13 @@ class Trainer:
         loss, metrics = self.loss_fn(
             mb.loss_inputs(logits_BSv, partner_BSv, self.actor_pgs.tp, self.temperature, self.needs)
         )
-        metrics = {k: v.detach().float() for k, v in metrics.items()}
-        if "loss/total" not in metrics:  # a single loss: it is both the total and its one term
-            metrics["loss/total"] = metrics[f"{self.loss_fn.name}/loss"] = loss.detach().float()
-        return loss, metrics
+        return loss, {k: v.detach().float() for k, v in metrics.items()}
 
     # ------------------------------------------------------------------------------- sync and parity
-    def sync_weights(self) -> None:
-        """Actor shards -> HF tensors -> rollout engines (collective; megaopd.sync, which also resumes
-        colocated engines' memory in SGLang's order)."""
-        self.weight_sync.push(self.actor.model, self.actor.hf, self.actor_pgs, weight_version=str(self.step))
-
-    def check_parity(self) -> None:
-        """Engine vs actor log-probs of fixed probe sequences (the first prompts' golden solutions) after a
-        sync; raises when the statistics leave their bounds (megaopd/scoring/parity.py)."""
+    def check_parity(self, engine) -> None:
+        """The rollout flow's parity hook: `engine` (rank 0's; None elsewhere) vs actor log-probs of fixed probe
+        sequences (the first prompts' golden solutions) after a sync; raises when the statistics leave their
+        bounds (megaopd/scoring/parity.py)."""
         probe = [list(map(int, ex.golden_ids[:64])) for ex in self.loader.batch_at_step(0)[:4]]
         r, mbs = self.cfg.rollout, self.cfg.trainer.micro_batch_size
         score = functools.partial(
@@ -488,29 +458,28 @@ class Trainer:
             r.parity_p99_tolerance,
             r.parity_min_correlation,
         )
-        check_engine_parity(self.pipeline.engine, score, probe, bounds, self.step, self._console)
+        check_engine_parity(engine, score, probe, bounds, self.step, self._console)
 
     # --------------------------------------------------------------------------- logging and saving
     def _validate(self) -> dict:
-        try:  # collective; a signal ending its waits on the engines stops the run after this (complete) step
-            if self.cfg.validation.path and not self.needs.on_policy:
-                self.sync_weights()  # SFT steps do not sync: the engine gets the weights here
-            elif self.cfg.validation.path:
-                self.pipeline.ensure_synced(self.step)  # overlapped modes sync at batch boundaries
-            return validate(
-                self.pipeline.engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log
-            )
-        except WaitAbandoned:
-            self.stopping = True
+        """Collective; a signal ending its waits on the engines stops the run after this (complete) step."""
+        if not self.cfg.validation.path:
             return {}
 
-    def _log(self, metrics: dict, signals: RolloutSignals | None) -> None:
-        """Rank 0 logs the step and feeds the collapse detector its rates (a step without rollouts, SFT, has
-        none)."""
-        self._last_metrics = metrics
+        def run() -> dict:
+            engine = self.flow.validation_engine(self.step)  # the engine at the trainer's weights
+            return validate(engine, self.tokenizer, self.cfg, self.step, list(self.stop.ids), self.run_log)
+
+        return self.flow.until_given_up(run)
+
+    def _log(self, result: StepResult) -> None:
+        """Rank 0 logs the step (its metrics row made here, once) and feeds the collapse detector its rates (a
+        step without rollouts, SFT, has none)."""
+        self._last_metrics = metrics = result.log()
         if self.rank != 0:
             return
         self.run_log.log_step(self.step, metrics)
+        signals = result.signals
         for warning in self.detector.update(self.step, signals.rates() if signals is not None else {}):
             self.run_log.event(
                 self.step,

@@ -17,7 +17,8 @@ def test_step_one_truncation_is_a_note_and_a_later_rise_a_warning(tmp_path, caps
         for step, trunc in enumerate([0.9, 0.9, 0.1, 0.1, 0.1, 0.1, 0.8], start=1):
             trainer.step = step
             signals = RolloutSignals(truncation_rate=trunc, repetition_rate=0.0, reward_mean=0.0)
-            Trainer._log(trainer, signals.log(), signals)
+            result = SimpleNamespace(log=signals.log, signals=signals)  # a StepResult's two parts _log reads
+            Trainer._log(trainer, result)
     finally:
         log.close()
     out = capsys.readouterr().out.splitlines()

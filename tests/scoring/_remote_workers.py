@@ -58,27 +58,21 @@ def served_owned_rows(rank, world_size, urls, topk):
     from megaopd.rollout.records import RolloutBatch
     from megaopd.scoring.passes import ScoreRequest
     from megaopd.scoring.remote import RemoteTeacher, ServerPolicy
-    from megaopd.scoring.teachers import TeacherSet
+    from megaopd.scoring.scorers import WholeBatch
+    from megaopd.scoring.teachers import TeacherScoring, TeacherSet
 
     tokens, p, r, mask = _batch()
     B = tokens.shape[0]
     batch = RolloutBatch(tokens, mask, torch.zeros_like(mask), p, r, ["stop"] * B, torch.arange(B) // 2)
     owners = RowOwners(tuple(OWNER), rank % 2, 2, sends=rank < 2)
     teachers = TeacherSet([RemoteTeacher(n, urls, ServerPolicy(rows_per_request=2)) for n in ("a", "b")])
-    rows_of = teachers.route(ROUTE, 2)
-    pending = teachers.start_remote(batch, rows_of, topk, rank)
+    batch.teacher_rows = teachers.route(ROUTE, 2)
     batches, request = ScoringBatches(2), ScoreRequest(1.0, topk=topk)
-    scores = teachers.score(batch, rows_of, pending, batches, request, owners=owners)
+    scores = teachers.score(WholeBatch(batch=batch, owners=owners, batches=batches), TeacherScoring(request=request))
     dead = TeacherSet([RemoteTeacher("a", ["http://127.0.0.1:9"], ServerPolicy(retries=0))])
     try:
-        dead.score(
-            batch,
-            {"a": list(range(B))},
-            dead.start_remote(batch, {"a": list(range(B))}, topk, rank),
-            batches,
-            request,
-            owners=owners,
-        )
+        batch.teacher_rows = {"a": list(range(B))}
+        dead.score(WholeBatch(batch=batch, owners=owners, batches=batches), TeacherScoring(request=request))
         error = None
     except Exception as e:  # noqa: BLE001 - the test reads it
         error = f"{type(e).__name__}: {e}"

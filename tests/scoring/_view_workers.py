@@ -40,7 +40,8 @@ def view_scores(rank, world_size, teacher_dir, urls, actor_tp, teacher_tp, pack,
     from megaopd.scoring.config import TeacherConfig
     from megaopd.scoring.passes import ScoreRequest
     from megaopd.scoring.remote import RemoteTeacher, ServerPolicy
-    from megaopd.scoring.teachers import InJobTeacher, TeacherSet
+    from megaopd.scoring.scorers import WholeBatch
+    from megaopd.scoring.teachers import InJobTeacher, TeacherScoring, TeacherSet
     from megaopd.trainer.roles import load_role_model
 
     pgs = initialize_actor_layout(Layout(actor_tp, 1))
@@ -62,8 +63,10 @@ def view_scores(rank, world_size, teacher_dir, urls, actor_tp, teacher_tp, pack,
         rows_of = teachers.route(route, 2)
         batch.teacher_rows = rows_of
         batch.teacher_prefixes = teachers.prefixes(prefixes(V), 2, rows_of)
-        pending = teachers.start_remote(batch, rows_of, topk, rank)
-        return teachers.score(batch, rows_of, pending, batches, ScoreRequest(1.0, topk=topk), at_ids, owners=owners)
+        settings = TeacherScoring(
+            request=ScoreRequest(1.0, topk=topk), at_ids=(lambda: at_ids) if at_ids is not None else None
+        )
+        return teachers.score(WholeBatch(batch=batch, owners=owners, batches=batches), settings)
 
     merged = run([in_job, served], ROUTE, TOPK)
     g = torch.Generator().manual_seed(11)
@@ -80,6 +83,7 @@ def cross_view_scores(rank, world_size, teacher_dir, student_dir, urls, prefixes
     (tokens, prompt_lens, response_lens) of 6 rows, 2 per prompt (default: _batch's random ids under 256). The
     merged TokenScores."""
     from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.batching.owners import RowOwners
     from megaopd.data.config import DataConfig
     from megaopd.data.teacher_view import TeacherPrompt
     from megaopd.models.hf_io import load_tokenizer
@@ -89,7 +93,8 @@ def cross_view_scores(rank, world_size, teacher_dir, student_dir, urls, prefixes
     from megaopd.scoring.config import TeacherConfig
     from megaopd.scoring.passes import ScoreRequest
     from megaopd.scoring.remote import RemoteTeacher, ServerPolicy
-    from megaopd.scoring.teachers import InJobTeacher, TeacherSet
+    from megaopd.scoring.scorers import WholeBatch
+    from megaopd.scoring.teachers import InJobTeacher, TeacherScoring, TeacherSet
     from megaopd.trainer.roles import load_role_model
 
     pgs = initialize_actor_layout(Layout(1, 1))
@@ -115,5 +120,5 @@ def cross_view_scores(rank, world_size, teacher_dir, student_dir, urls, prefixes
     rows_of = teachers.route(ROUTE, 2)
     batch.teacher_rows = rows_of
     batch.teacher_prefixes = teachers.prefixes(prefixes_T, 2, rows_of)
-    pending = teachers.start_remote(batch, rows_of, 0, rank)
-    return teachers.score(batch, rows_of, pending, ScoringBatches(2, None, p + r), ScoreRequest(1.0, topk=TOPK))
+    whole = WholeBatch(batch=batch, owners=RowOwners.replicated(B, rank), batches=ScoringBatches(2, None, p + r))
+    return teachers.score(whole, TeacherScoring(request=ScoreRequest(1.0, topk=TOPK), served_topk=0))

@@ -211,10 +211,17 @@ def test_teacher_set_routes_rows_and_merges():
     parts = {
         n: TokenScores(logprobs_BT=torch.full((len(rows[n]), 4), t.value), rows=rows[n]) for n, t in ts.teachers.items()
     }
-    merged = ts._merge(batch, list(range(6)), parts)  # this rank holds every row
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.batching.owners import RowOwners
+    from megaopd.scoring.scorers import WholeBatch
+
+    batch.teacher_rows = rows
+    every = WholeBatch(batch=batch, owners=RowOwners((0,) * 6, 0, 1, True), batches=ScoringBatches(2))
+    merged = ts.merge(every, parts)  # this rank holds every row
     assert merged.rows == list(range(6))
     owned = {n: p.take([b for b in rows[n] if b in (1, 2)]) for n, p in parts.items()}  # a rank owning rows 1, 2
-    assert ts._merge(batch, [1, 2], owned).logprobs_BT[:, 0].tolist() == [-1, -2]
+    some = WholeBatch(batch=batch, owners=RowOwners((1, 0, 0, 1, 1, 1), 0, 2, True), batches=ScoringBatches(2))
+    assert ts.merge(some, owned).logprobs_BT[:, 0].tolist() == [-1, -2]
     assert merged.logprobs_BT[:, 0].tolist() == [-1, -1, -2, -2, -1, -1]
     batch.teacher, batch.actor = merged, TokenScores(logprobs_BT=torch.zeros(6, 4))
     m = teacher_metrics(batch, rows)
@@ -279,15 +286,16 @@ def test_rows_scored_while_generating_are_not_asked_again_unless_changed(server,
 
 
 def test_parts_streamed_to_the_teacher_set_are_its_remote_scores(server):
-    """TeacherSet.stream_part (rank 0, as each part of a batch returns from the engines) and start_remote:
-    the step's served scores equal scoring the whole batch after generation, and every row counts as
-    streamed; a part of another step is not used."""
+    """A served teacher's Scorer given a batch in parts (rank 0, as each part of a batch returns from the
+    engines), then the batch: the step's served scores equal scoring the whole batch after generation, and
+    every row counts as streamed; another step's scorer has nothing of this step's parts."""
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.batching.owners import RowOwners
     from megaopd.rollout.protocol import Sample
     from megaopd.rollout.records import build_rollout_batch
-    from megaopd.scoring.teachers import TeacherSet
-
-    class Ex:
-        teacher = ""
+    from megaopd.scoring.passes import ScoreRequest
+    from megaopd.scoring.scorers import BatchPart, WholeBatch
+    from megaopd.scoring.teachers import TeacherScoring, TeacherSet
 
     tokens, p, r, _ = _batch()
     r[1] = 3  # every row has a response here
@@ -302,17 +310,27 @@ def test_parts_streamed_to_the_teacher_set_are_its_remote_scores(server):
     ]
     batch = build_rollout_batch(samples, 0, 2)
     ts = TeacherSet([RemoteTeacher("t", [server.url], ServerPolicy(rows_per_request=2))])
-    rows_of = ts.route(["", "", ""], 2)
+    batch.teacher_rows = ts.route(["", "", ""], 2)
+    whole = WholeBatch(batch=batch, owners=RowOwners.replicated(6, 0), batches=ScoringBatches(2))
+    settings = TeacherScoring(request=ScoreRequest(1.0, topk=K))
+    (streamed,) = ts.scorers(settings)
     for first in (0, 2, 4):  # three parts of one prompt (n = 2) each
-        ts.stream_part(7, first, [Ex()], samples[first : first + 2], samples_per_prompt=2, topk=K)
-    ts.stream_part(6, 0, [Ex()], samples[:2], samples_per_prompt=2, topk=K)  # a batch never trained
-    streamed = ts.take_streamed(7)
-    assert ts.take_streamed(6) is None and ts.take_streamed(8) is None
-    pending = ts.start_remote(batch, rows_of, K, rank=0, streamed=streamed)
-    pending.thread.join()
-    assert pending.error is None and (pending.rows, pending.streamed_rows) == (6, 6)
-    after = ts.start_remote(batch, rows_of, K, rank=0)
-    after.thread.join()
-    assert after.streamed_rows == 0
+        record = build_rollout_batch(samples[first : first + 2], 0, 2)
+        part = BatchPart(
+            rows=[first, first + 1],
+            record=record,
+            batches=ScoringBatches(2),
+            teacher_rows=ts.route([""], 2),
+            whole=False,
+        )
+        streamed.score_part(part)
+    streamed.score_batch(whole)
+    streamed.work.thread.join()
+    pending = streamed.work
+    assert pending.error is None and (pending.rows, pending.part_rows) == (6, 6)
+    (after,) = ts.scorers(settings)  # the next step's: none of this step's parts
+    after.score_batch(whole)
+    after.work.thread.join()
+    assert after.work.part_rows == 0
     for f in ("logprobs_BT", "topk_ids_BTK", "topk_logprobs_BTK"):
-        assert torch.equal(getattr(pending.results["t"], f), getattr(after.results["t"], f)), f
+        assert torch.equal(getattr(pending.result, f), getattr(after.work.result, f)), f

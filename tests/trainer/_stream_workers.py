@@ -32,7 +32,7 @@ class Ex:
 def stream(rank, world_size, prompts, fail_at, consumer_sleep=0.0):
     from megaopd.config import load_config
     from megaopd.config.schema import MegaOPDConfig
-    from megaopd.trainer.pipeline import EngineHooks, RolloutPipeline
+    from megaopd.trainer.rollout_flow import EngineHooks, RolloutFlow
     from megaopd.trainer.timer import Timer
 
     cfg = load_config(
@@ -45,8 +45,8 @@ def stream(rank, world_size, prompts, fail_at, consumer_sleep=0.0):
             "trainer.samples_per_prompt=2",
         ],
     )
-    pipeline = RolloutPipeline(cfg, None, Timer(), [0], rank, EngineHooks(push=lambda: None, parity=lambda: None))
-    pipeline.engine = FakeEngine(fail_at)
+    pipeline = RolloutFlow(cfg, None, Timer(), [0], rank, EngineHooks(parity=lambda _engine: None))
+    pipeline.attach(FakeEngine(fail_at), weight_sync=object())  # nothing is pushed here
     examples = [Ex(i) for i in range(prompts)]
     parts, by_row = [], {}
     try:

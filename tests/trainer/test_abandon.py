@@ -1,11 +1,11 @@
-"""A preemption signal during the pipeline's waits on the engines (megaopd.trainer.pipeline): the wait given up
+"""A preemption signal during the pipeline's waits on the engines (megaopd.trainer.rollout_flow): the wait given up
 on rank 0 is raised at the collective (WaitAbandoned), the step's batch is put back so the checkpoint's data
 cursor is from before it, and an async sync whose pause was given up still pushes (the other ranks are in it)."""
 
 import pytest
 
 from megaopd.rollout.waits import WaitAbandoned
-from tests.trainer.test_pipeline import Engine, _pipeline, one_rank  # noqa: F401 - one_rank: the gloo fixture
+from tests.trainer.test_rollout_flow import Engine, _pipeline, one_rank  # noqa: F401 - one_rank: the gloo fixture
 
 
 class StoppedEngine(Engine):
@@ -48,7 +48,7 @@ def test_an_abandoned_rollout_puts_the_step_batch_back(mode):
 def test_an_abandoned_push_is_reported_by_after_step():
     p, engine, trainer = _pipeline("sync")
 
-    def push():
+    def push(_version):
         raise WaitAbandoned("weight sync: abandoned")
 
     p.push = push
@@ -59,7 +59,7 @@ def test_an_abandoned_push_is_reported_by_after_step():
 def test_an_async_sync_whose_pause_was_given_up_still_pushes():
     p, engine, trainer = _pipeline("async", max_staleness=2, engine=StoppedEngine(stop_at=3, gen_s=0.2))
     pushed = []
-    p.push = lambda: pushed.append(trainer["step"])
+    p.push = lambda _version: pushed.append(trainer["step"])
     trainer["step"] = 0
     p.samples(0, p.examples(0))  # batches 1 and 2 go ahead
     p.ahead.wait(1)

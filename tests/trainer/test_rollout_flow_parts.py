@@ -1,4 +1,4 @@
-"""RolloutPipeline.parts (rollout.stream_parts in sync mode, megaopd.trainer.rollout_stage): each part of the
+"""RolloutFlow.parts (rollout.stream_parts in sync mode, megaopd.trainer.rollout_stage): each part of the
 batch is handed on once, as a RolloutPart with its batch rows, in the order the engine returns them (the parts
 that came back while the last was scored, together), so they make up the whole batch; a batch too small to split
 comes back as one part; a part whose generation fails raises its error (on every rank: it is broadcast) instead

@@ -1,4 +1,7 @@
-"""Where each step's prompts and samples come from, and when weights reach the engines (rollout.mode).
+"""The rollout flow: where each step's prompts and samples come from, and when weights reach the engines
+(rollout.mode). It owns the rollout engine, the weight sync to it, the version the engines hold and whether
+the run is stopping. ("Flow", not "pipeline": the pipeline is megatron's pipeline parallelism, PipelineRunner;
+the metrics keep their pipeline/* names, which metrics.jsonl's readers know.)
 
     sync          step k: draw prompts, generate under weights v_k, train -> v_k+1, sync v_k+1
     one_step_off  step k: take batch k (generated under v_k-1 while step k-1 trained), sync v_k (the
@@ -9,7 +12,7 @@
 
 Every rank draws the same prompts at the same points (the loader is replicated); only rank 0 talks to the
 engines (megaopd.rollout.overlap runs its generations in threads) and keeps the samples; every rank gets their
-weight versions and the step's pipeline metrics (the trainer then sends each rank its rows: batching.delivery).
+weight versions and the step's pipeline/* metrics (the trainer then sends each rank its rows: batching.delivery).
 Validation first brings the engines to the trainer's weights (ensure_synced).
 
 Checkpoints: the data cursor saved is the loader's before the earliest batch drawn ahead and not trained
@@ -29,7 +32,7 @@ import copy
 import dataclasses
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from queue import Queue
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -38,6 +41,7 @@ from megaopd.rollout.overlap import GenerateAhead, StaleHandled, Taken, overlap_
 from megaopd.rollout.protocol import Sample, SamplingParams
 from megaopd.rollout.trajectories import MultiTurn, generate_rows
 from megaopd.rollout.waits import WaitAbandoned, rank0_waits
+from megaopd.sync import WeightSync
 
 if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
     from megaopd.config.schema import MegaOPDConfig
@@ -48,7 +52,7 @@ if TYPE_CHECKING:  # annotations only: config composes every package's section, 
 @dataclass(frozen=True, kw_only=True)
 class RolloutPart:
     """Rows of one step's batch, as the engines returned them (the whole batch, or a part while the rest
-    generates: RolloutPipeline.parts)."""
+    generates: RolloutFlow.parts)."""
 
     rows: list[int]
     """Their batch rows, whole prompts' (every rank)."""
@@ -58,27 +62,51 @@ class RolloutPart:
 
 @dataclass
 class Received:
-    """One step's samples (rank 0's; None on the others), their versions, the step's pipeline metrics."""
+    """One step's samples (rank 0's; None on the others), their versions, the step's pipeline/* metrics."""
 
     samples: list[Sample] | None
     first_versions: list[int]
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True)
+class PipelineReport:
+    """What the rollout flow tells the step's log about the batch it handed on (every rank)."""
+
+    overlap: dict[str, float] = field(default_factory=dict)
+    """The overlapped modes' pipeline/* (rollout.overlap.overlap_metrics: staleness, waits, dropped, ...)."""
+    streamed_parts: int | None = None
+    """The parts the batch came in when it streamed (rollout.stream_parts); None: it came whole."""
+
+    def log(self) -> dict[str, float]:
+        out = dict(self.overlap)
+        if self.streamed_parts is not None:
+            out["pipeline/streamed_parts"] = float(self.streamed_parts)  # parts scored as they came
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorWeights:
+    """The actor's weights as the weight sync reads them: this rank's shards, their HF config, their groups."""
+
+    model: object
+    hf: object
+    pgs: object
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineHooks:
-    """What the pipeline calls back at its points of the step (the trainer's, which owns the models)."""
+    """What the rollout flow reads of the trainer (which owns the models) for its engine."""
 
-    push: Callable[[], None]
-    """The weight sync: the actor's current weights to the engines (collective)."""
-    parity: Callable[[], None]
-    """The engine/actor parity check (collective)."""
-    on_part: Callable[[int, int, list, list[Sample]], None] | None = None
-    """on_part(step, first_row, examples, samples): rank 0, as each of rollout.stream_parts parts of a batch
-    finishes generating (served teachers start scoring it: rollout_stage.served_teachers_on_part)."""
+    parity: Callable[[object], None]
+    """parity(engine): the engine/actor parity check (collective; the engine on rank 0, None on the others)."""
+    actor: ActorWeights | None = None
+    """The weights the sync pushes (None: tests whose weight sync needs none)."""
+    on_policy: bool = True
+    """The steps generate (an SFT run's engine only validates, and gets the weights before it)."""
 
 
-class RolloutPipeline:
+class RolloutFlow:
     def __init__(
         self,
         cfg: MegaOPDConfig,
@@ -90,20 +118,27 @@ class RolloutPipeline:
         multi_turn: MultiTurn | None = None,
     ):
         """multi_turn: the environment loop when rollouts are trajectories (env.name set)."""
-        self.multi_turn, self.on_part = multi_turn, hooks.on_part
+        self.multi_turn, self.actor, self.on_policy = multi_turn, hooks.actor, hooks.on_policy
         self.cfg, self.loader, self.timer, self.stop_ids, self.rank = cfg, loader, timer, list(stop_ids), rank
-        self.push, self.parity = hooks.push, hooks.parity
+        self.parity = hooks.parity
         self.mode, self.max_staleness = cfg.rollout.mode, cfg.rollout.max_staleness
         self.depth = 0 if self.mode == "sync" else self.max_staleness  # batches generated ahead
         self.engine = None
+        """The rollout engine (rank 0; None on the other ranks and when nothing generates): `attach` sets it."""
+        self.weight_sync = None
+        """The weight sync to `engine` (megaopd.sync.WeightSync), made with it."""
         self.engine_version = 0
         """Weight version the engines hold (every rank tracks it: syncs are collective)."""
+        self.stopping = False
+        """A preemption signal ended a wait on the engines, or the trainer's flag was raised (stop): the run saves
+        and leaves after the current step. Set here only."""
         self.drawn: dict[int, list] = {}
         self._cursors: dict[int, dict] = {}  # the loader's state before each batch drawn ahead
         self._handed: tuple[int, dict, list] | None = None  # the last step examples() gave: abandon() takes it back
         self.ahead = GenerateAhead(self._generate) if rank == 0 and self.depth else None
         self.versions_B: list[int] | None = None
-        self.metrics: dict[str, float] = {}
+        self.report = PipelineReport()
+        """The last batch's (samples, parts)."""
 
     # ------------------------------------------------------------------------------------------- data
     def _draw(self, step: int) -> None:
@@ -119,7 +154,8 @@ class RolloutPipeline:
 
     def abandon(self, step: int) -> None:
         """Step `step` will not be trained (a preemption signal ended it): its batch counts as not drawn, so
-        state_dict (the checkpoint's data cursor) is from before it."""
+        state_dict (the checkpoint's data cursor) is from before it; the run stops."""
+        self.stopping = True
         if self._handed is not None and self._handed[0] == step:
             self._cursors[step], self.drawn[step] = self._handed[1], self._handed[2]
 
@@ -145,9 +181,7 @@ class RolloutPipeline:
 
     def _generate(self, step: int, examples: list, on_part: Callable | None = None) -> list[Sample]:
         """Rank 0: the engine's samples or trajectories of step `step` (then, colocated, its memory goes back to
-        the actor). on_part(first_row, examples, samples): instead of the served teachers' own."""
-        if on_part is None and self.on_part is not None:
-            on_part = functools.partial(self.on_part, step)
+        the actor). on_part(first_row, examples, samples): as each of rollout.stream_parts parts finishes."""
         samples = generate_rows(
             self.engine, examples, self.params(step), self.multi_turn, self.cfg.rollout.stream_parts, on_part
         )
@@ -165,12 +199,12 @@ class RolloutPipeline:
                 return Received(samples, [self.engine_version] * len(samples), {})
 
             got = self._received(generate)
-            self.versions_B, self.metrics = got.first_versions, got.metrics
+            self.versions_B, self.report = got.first_versions, PipelineReport(got.metrics)
             return got.samples
         if self.ahead is not None and not self.ahead.has(step):  # the first step, or the first after a resume
             self.ahead.submit(step, examples, self.engine_version)
         got = self._received(functools.partial(self._take, step))
-        self.versions_B, self.metrics = got.first_versions, got.metrics
+        self.versions_B, self.report = got.first_versions, PipelineReport(got.metrics)
         # Batch `step` is done: the weights it trains with go to the engines before the next batches start.
         self.ensure_synced(step)
         for s in range(step + 1, min(step + self.depth, self.cfg.trainer.max_steps - 1) + 1):
@@ -207,8 +241,6 @@ class RolloutPipeline:
         if self.rank == 0:
 
             def on_part(first_row, part_examples, samples):
-                if self.on_part is not None:  # the served teachers' streaming too
-                    self.on_part(step, first_row, part_examples, samples)
                 parts.queue.put(_Arrived(first_row, samples))
 
             def run():
@@ -225,7 +257,7 @@ class RolloutPipeline:
             yield part
         _raised_everywhere(parts.finish)
         self.versions_B = [self.engine_version] * B
-        self.metrics = {"pipeline/streamed_parts": float(yielded)}  # parts scored as they came
+        self.report = PipelineReport(streamed_parts=yielded)
 
     def _received(self, make: Callable[[], Received]) -> Received:
         """make() on rank 0, everything but its samples on every rank (rank 0 keeps them); WaitAbandoned on every
@@ -250,7 +282,7 @@ class RolloutPipeline:
 
     def _handle_stale(self, taken: Taken, stale_B: list[bool], step: int) -> StaleHandled:
         """rollout.stale_samples: drop (the row stays, with an empty response: nothing to learn from, as an
-        aborted request) or regenerate under the engine's current weights. With the pipeline's own
+        aborted request) or regenerate under the engine's current weights. With the flow's own
         scheduling no sample exceeds max_staleness; this guards a slower engine or a changed schedule."""
         idx = [i for i, s in enumerate(stale_B) if s]
         samples = list(taken.samples)
@@ -268,11 +300,6 @@ class RolloutPipeline:
             taken.first_versions[i] = self.engine_version
         taken.samples = samples
         return StaleHandled(samples=samples, regenerated=len(idx))
-
-    def teacher_streamed(self, pending) -> None:
-        """Rank 0, served teachers: the share of their rows scored while the batch generated (stream_parts)."""
-        if self.on_part is not None:
-            self.metrics["pipeline/teacher_streamed_fraction"] = pending.streamed_rows / max(pending.rows, 1)
 
     def stamp(self, batch) -> None:
         """The batch's weight versions (RolloutBatch.weight_versions_B: each row's first token's)."""
@@ -300,7 +327,7 @@ class RolloutPipeline:
                 is None
             )
             try:
-                self.push()
+                self.push(version)
             finally:
                 if paused:
                     _given_up(lambda: [t.continue_generation() for t in self.engine.weight_targets()])
@@ -309,20 +336,67 @@ class RolloutPipeline:
             if interval and version % interval == 0:
                 self.parity()
 
-    def first_sync(self, version: int) -> bool:
-        """Collective, at start-up: the engines get weights `version` and the parity probe checks them. True on
-        every rank when a preemption signal ended its waits (nothing new to checkpoint: the run just leaves)."""
-        given_up = _given_up(self.push) or _given_up(self.parity)
+    def attach(self, engine, weight_sync=None) -> None:
+        """Once at start-up: the rollout engine (rank 0; None on the other ranks) and the weight sync to it
+        (default: megaopd.sync.WeightSync over the engine's transports; tests give their own)."""
+        self.engine = engine
+        self.weight_sync = weight_sync if weight_sync is not None else WeightSync(engine, self.cfg.rollout, self.rank)
+
+    def push(self, version: int) -> None:
+        """Collective: the actor's current weights, version `version`, to the engines."""
+        a = self.actor
+        self.weight_sync.push(
+            a.model if a else None, a.hf if a else None, a.pgs if a else None, weight_version=str(version)
+        )
+
+    def _check_parity(self) -> None:
+        self.parity(self.engine)
+
+    def first_sync(self, version: int) -> None:
+        """Collective, at start-up: the engines get weights `version` and the parity probe checks them;
+        `stopping` on every rank when a preemption signal ended its waits (nothing new to checkpoint: the run
+        just leaves)."""
+        given_up = _given_up(self.push, version) or _given_up(self._check_parity)
         self.engine_version = version
-        return given_up is not None
+        self.stopping = self.stopping or given_up is not None
 
     def after_step(self, step: int) -> bool:
         """Collective, after the update that made weights `step`: sync mode pushes them now; the overlapped
-        modes at the next batch's boundary (samples) or before validation (ensure_synced). True on every rank
-        when a preemption signal ended the push (the step itself is complete: checkpoint it and leave)."""
-        if not self.depth:
-            return _given_up(self.ensure_synced, step, False) is not None  # inside the trainer's "sync" block
-        return False
+        modes at the next batch's boundary (samples) or before validation (ensure_synced). True, and
+        `stopping`, on every rank when a preemption signal ended the push (the step itself is complete:
+        checkpoint it and leave)."""
+        if not self.depth and not self.stopping:
+            self.stopping = _given_up(self.ensure_synced, step, False) is not None  # in the trainer's "sync" block
+        return self.stopping
+
+    def stop(self, flagged: bool) -> None:
+        """The trainer's preemption flag (all-reduced: the same on every rank): stop after this step."""
+        self.stopping = self.stopping or flagged
+
+    def validation_engine(self, version: int):
+        """Collective: the engine (rank 0; None on the others) holding weights `version` for validation: SFT
+        steps do not sync, so it gets them now; the overlapped modes sync at batch boundaries, so it may be
+        behind."""
+        if not self.on_policy:
+            self.push(version)
+        else:
+            self.ensure_synced(version)
+        return self.engine
+
+    def until_given_up(self, fn: Callable[[], dict]) -> dict:
+        """fn(), or {} with `stopping` set when a preemption signal ended one of its waits on the engines
+        (WaitAbandoned, on every rank together)."""
+        try:
+            return fn()
+        except WaitAbandoned:
+            self.stopping = True
+            return {}
+
+    def close(self) -> None:
+        """The engines' weight-update group goes with the run: a served engine outlives it, and the next run
+        against it (or this one resumed) forms its own group of the same name."""
+        if self.weight_sync is not None:
+            self.weight_sync.close()
 
 
 def _given_up(fn, *args) -> WaitAbandoned | None:
@@ -357,7 +431,7 @@ class _Failed:
 
 
 class _Parts:
-    """Rank 0, RolloutPipeline._stream: the parts of one batch as the generating threads put them in `queue`
+    """Rank 0, RolloutFlow._stream: the parts of one batch as the generating threads put them in `queue`
     (_Arrived each, then _Generated or _Failed)."""
 
     def __init__(self, step: int, rows: int):

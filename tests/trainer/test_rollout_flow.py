@@ -1,4 +1,4 @@
-"""rollout.mode (megaopd.trainer.pipeline, megaopd.rollout.overlap) with a scripted engine in one process:
+"""rollout.mode (megaopd.trainer.rollout_flow, megaopd.rollout.overlap) with a scripted engine in one process:
 which weights generate each batch, that the next batch generates while the trainer trains, where syncs
 and pauses land, the checkpoint's data cursor and resume, and too-stale samples dropped or regenerated."""
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.rollout.config import RolloutConfig
 from megaopd.rollout.protocol import Sample
-from megaopd.trainer.pipeline import EngineHooks, RolloutPipeline
+from megaopd.trainer.rollout_flow import EngineHooks, RolloutFlow
 from megaopd.trainer.timer import Timer
 
 URL = ["http://127.0.0.1:1"]
@@ -85,12 +85,13 @@ def _pipeline(mode="one_step_off", max_staleness=1, max_steps=6, gen_s=0.0, load
     engine = engine or Engine(gen_s)
     trainer = {"step": 0}
 
-    def push():
-        engine.log.append(("push", trainer["step"]))
-        engine.version = trainer["step"]
+    class Sync:  # the weight sync: the "trainer's" weights (its step) to the engine
+        def push(self, *_actor, weight_version):
+            engine.log.append(("push", trainer["step"]))
+            engine.version = trainer["step"]
 
-    p = RolloutPipeline(cfg, loader or Loader(), Timer(), [0], 0, EngineHooks(push=push, parity=lambda: None))
-    p.engine = engine
+    p = RolloutFlow(cfg, loader or Loader(), Timer(), [0], 0, EngineHooks(parity=lambda _engine: None))
+    p.attach(engine, Sync())
     return p, engine, trainer
 
 
@@ -100,7 +101,7 @@ def _run(p, trainer, steps, start=0, train_s=0.0):
         trainer["step"] = step
         examples = p.examples(step)
         samples = p.samples(step, examples)
-        out.append((examples[0].prompt_ids[0], list(p.versions_B), dict(p.metrics), samples))
+        out.append((examples[0].prompt_ids[0], list(p.versions_B), p.report.log(), samples))
         time.sleep(train_s)  # "training"
     return out
 
@@ -116,7 +117,7 @@ def test_sync_mode_generates_now_under_the_current_weights():
 
 
 def test_a_batch_not_streamed_is_one_part_of_every_row():
-    """RolloutPipeline.parts: without rollout.stream_parts the step's batch is one RolloutPart, its rows the
+    """RolloutFlow.parts: without rollout.stream_parts the step's batch is one RolloutPart, its rows the
     whole batch, its samples samples()' own (the rollout stage takes both the same way)."""
     for mode in ("sync", "one_step_off"):
         p, _, trainer = _pipeline(mode)
