@@ -23,7 +23,7 @@ from megaopd.data.teacher_view import context_fields
 from megaopd.envs.config import EnvConfig
 from megaopd.losses import LossConfig, check_cross_tokenizer, resolve_correction
 from megaopd.metrics.config import MetricsConfig
-from megaopd.models.config import ModelConfig, check_context, check_role_layout
+from megaopd.models.config import ModelConfig, StudentConfig, check_context, check_lora, check_role_layout
 from megaopd.models.hf_io import tokenizer_dir
 from megaopd.rollout.config import RolloutConfig
 from megaopd.scoring.config import TeacherConfig
@@ -33,8 +33,8 @@ from megaopd.trainer.config import LoggingConfig, OptimizerConfig, RunConfig, Tr
 @dataclass
 class MegaOPDConfig:
     run: RunConfig = field(default_factory=RunConfig)
-    student: ModelConfig = field(default_factory=ModelConfig)
-    """The actor being trained; the reference shares its layout."""
+    student: StudentConfig = field(default_factory=StudentConfig)
+    """The actor being trained (a ModelConfig, plus student.lora); the reference shares its layout."""
     reference: ModelConfig = field(default_factory=ModelConfig)
     """The student's initial weights for the reference KL; an empty path means student.path."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -175,6 +175,7 @@ class MegaOPDConfig:
         needs = build_loss_from(self.loss).needs  # unknown loss names and keys fail here
         world = self.run.world_size
         student_dims = check_role_layout("student", self.student, world)
+        check_lora(self.student.lora, student_dims)
         teachers = self.teachers
         if needs.teacher and not teachers:
             raise ValueError(

@@ -4,6 +4,7 @@ loads HF-named weights and releases its memory, with SGLang's semantics.
     runner = ModelRunner(EmbeddedEngineConfig(hf_dir="path/to/hf"))
     results = runner.run([RowRequest(prompt_ids=[1, 2, 3], max_new_tokens=32, seed=0)])
     runner.update_weights(actor_hf_named_tensors, weight_version="step-7")
+    runner.update_adapter(AdapterUpdate.of(peft_named_lora_tensors, rank, alpha, "lora-step-7"))  # LoRA alone
 
 Log-probs are log softmax(logits / T) of each sampled token before top-k/top-p filtering
 (megaopd.engine.sampling); a row that ends on EOS or a stop id finishes "stop" (the stop token is in
@@ -43,6 +44,7 @@ from megaopd.engine.config import (
 )
 from megaopd.engine.decode import Decoder, StepAction, decode_rows
 from megaopd.engine.forward import Forward
+from megaopd.engine.lora import AdapterMerge, AdapterUpdate
 from megaopd.engine.memory import EngineReleasedError
 from megaopd.engine.rows import PromptScores, RowRequest, RowResult
 from megaopd.engine.weights import WeightTable
@@ -116,6 +118,7 @@ class ModelRunner:
         self._discarded_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         # The names update_weights speaks (the HF checkpoint's, as SGLang and megaopd's gather send them).
         self._weights = WeightTable(self.model.state_dict(keep_vars=True))
+        self._adapter = AdapterMerge()  # the base values of the weights the current adapter changed
         self.running = 0  # rows currently decoding, for /get_server_info style reporting
         # The static KV cache (allocated at the first run, kept until release_memory("kv_cache")) and the
         # decode steps captured as CUDA graphs over it (megaopd.engine.graphs; none on CPU).
@@ -325,7 +328,29 @@ class ModelRunner:
                 for name, tensor in named:
                     target = self._weights.view(name)
                     target.copy_(tensor.to(device=target.device))
+            self._adapter.forget(n for n, _ in named)  # loaded whole: the new base
             self._loaded([n for n, _ in named], weight_version)
+
+    def update_adapter(self, update: AdapterUpdate) -> None:
+        """Generates with the base weights plus `update`'s LoRA adapter from now on: each adapted weight becomes
+        W_base + (alpha / r) B A, computed in float32 from the kept base (megaopd.engine.lora.AdapterMerge), and
+        a weight the previous adapter changed that this one leaves out returns to its base. All or nothing:
+        WeightMismatchError when a name is not the model's or B A's shape is not the weight's."""
+        self._weights.check([(n, (b.shape[0], a.shape[1])) for n, (a, b) in update.pairs.items()])
+        with self._exclusive():
+            if self._stale:
+                raise EngineReleasedError(
+                    f"{len(self._stale)} weights were discarded by release_memory: load the full weights "
+                    "(update_weights) before an adapter update, which merges into them"
+                )
+            with torch.no_grad():
+                for name, base in self._adapter.restore(update.pairs).items():
+                    target = self._weights.view(name)
+                    target.copy_(base.to(device=target.device))
+                for name, pair in update.pairs.items():
+                    target = self._weights.view(name)
+                    target.copy_(self._adapter.merged(name, target, pair, update.scale))
+            self._loaded(list(update.pairs), update.version)
 
     def receive_weights_in_place(
         self,
@@ -348,6 +373,7 @@ class ModelRunner:
         with self._exclusive():
             with torch.no_grad():
                 fill(targets)
+            self._adapter.forget(n for n, _, _ in specs)
             self._loaded([n for n, _, _ in specs], weight_version)
         return True
 

@@ -21,6 +21,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
 from megaopd.models import compat
+from megaopd.models.config import LoRAConfig
 from megaopd.models.hf_config import HFModelConfig, check_layout, layers_per_stage, padded_vocab_size
 from megaopd.parallel.groups import Layout
 
@@ -240,6 +241,16 @@ def build_gpt_model(
         # linears are made on the GPU: one model on one device, for every caller (trainer, tools, checks).
         model.cuda()
     return model
+
+
+def apply_student_lora(model: GPTModel, cfg: HFModelConfig, lora: LoRAConfig, pgs: ProcessGroupCollection, seed: int):
+    """LoRA adapters on this stage's targeted linears, the rest frozen (models/lora.py). Called after the base
+    weights are loaded (the load maps base names only). Returns the adapted linears' names."""
+    from megaopd.models.lora import apply_lora
+
+    stage = StageInfo.of(pgs)
+    offset = stage.pp_rank * layers_per_stage(cfg, stage.pp_size)
+    return apply_lora(model, lora, pgs.tp, seed=seed, layer_offset=offset)
 
 
 def _cast_floating_params(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -87,6 +87,7 @@ def save_model_checkpoint(
     from megatron.core import dist_checkpointing
 
     from megaopd.models import compat
+    from megaopd.models.lora import lora_meta
 
     pgs = compat.resolve_pg_collection(pg_collection)
     model_dir = os.path.join(ckpt_dir, MODEL_SUBDIR)
@@ -95,6 +96,7 @@ def save_model_checkpoint(
     dist.barrier()
     compat.start_checkpoint_results_queue()
     dist_checkpointing.save(compat.sharded_state_dict(model, pgs), model_dir)
+    lora = lora_meta(model)  # a LoRA model's shards hold base + adapters: the metadata says how to rebuild them
     if dist.get_rank() == 0:
         if hf_side_dir is not None:
             copy_side_files(hf_side_dir, ckpt_dir)
@@ -112,6 +114,7 @@ def save_model_checkpoint(
             "architecture": cfg.architecture,
             "vocab_size": cfg.vocab_size,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **({"lora": lora} if lora else {}),
             **(extra_meta or {}),
         }
         # Metadata last: its presence marks a finished checkpoint.

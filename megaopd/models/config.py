@@ -5,11 +5,45 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes a model (student, reference, teacher) or the embedded engine (rollout.engine_dtype) may have."""
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "all")
+"""What student.lora.targets may name: attention's fused q/k/v and output projections, the MLP's fused
+gate/up and down projections (megatron's linear_qkv, linear_proj, linear_fc1, linear_fc2), or all four."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the student (models/lora.py): the base is frozen and only the adapters train."""
+
+    enabled: bool = False
+    """Off by default: every student parameter trains."""
+    rank: int = 16
+    """r: the adapters' inner size (A is r x in, B is out x r)."""
+    alpha: float = 32.0
+    """The update is (alpha / rank) B A; peft's lora_alpha."""
+    targets: List[str] = field(default_factory=lambda: ["all"])
+    """Which linears get adapters: qkv, proj, fc1, fc2, or all (MoE students: qkv and proj only)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (peft's lora_dropout)."""
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"student.lora.rank={self.rank}: the adapters' rank must be at least 1 (e.g. 16)")
+        if not self.alpha > 0:
+            raise ValueError(f"student.lora.alpha={self.alpha}: must be positive (peft's default is 2 * rank)")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(
+                f"student.lora.targets={list(self.targets)}: choose from {', '.join(LORA_TARGETS)}"
+                + (f" ({unknown[0]!r} is not one)" if unknown else "")
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"student.lora.dropout={self.dropout}: must be in [0, 1)")
 
 
 @dataclass
@@ -60,6 +94,21 @@ class ModelConfig:
             raise ValueError(
                 "sequence_parallel=true needs tp > 1 (it splits activations over the TP ranks): "
                 "set tp=2 or more, or sequence_parallel=false"
+            )
+
+
+@dataclass
+class StudentConfig(ModelConfig):
+    """The student's section: a model, and optionally LoRA adapters on it."""
+
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lora.enabled and self.sequence_parallel:
+            raise ValueError(
+                "student.lora with student.sequence_parallel=true is not supported (the adapters' input would be "
+                "split along the sequence): set student.sequence_parallel=false"
             )
 
 
@@ -127,6 +176,15 @@ def check_context(role: str, path: str, dims: ModelDims, tokens: int, why: str) 
             f"{role} {path} has max_position_embeddings={dims.max_position_embeddings} but rows reach {tokens} "
             f"tokens ({why}): extend its context explicitly in every folder the job loads it from "
             f"(python tools/extend_context.py --recipe luffy FOLDER ...; docs/cluster.md) or lower the lengths"
+        )
+
+
+def check_lora(lora: LoRAConfig, dims: ModelDims) -> None:
+    """Raises ValueError (one line) when the student's adapters cannot go on this model."""
+    if lora.enabled and dims.num_experts and ({"fc1", "fc2", "all"} & set(lora.targets)):
+        raise ValueError(
+            f"student.lora.targets={list(lora.targets)} on a MoE student ({dims.architecture}, {dims.num_experts} "
+            "experts): LoRA on the expert linears is not supported; set student.lora.targets=[qkv,proj]"
         )
 
 

@@ -3,6 +3,7 @@
     hf_to_megatron(hf_dir, out_dir, tp=2, pp=2)   # a megaopd Megatron checkpoint, written at TP=2 PP=2
     hf_to_megatron(moe_dir, out_dir, tp=1, pp=1, ep=2)  # a MoE model's experts split over 2 EP ranks
     megatron_to_hf(ckpt_dir, out_dir)              # safetensors + config.json + tokenizer, HF-loadable
+    megatron_to_hf(lora_ckpt, out_dir, lora_export="adapter")  # a LoRA student's peft adapter folder
 
 Both validate everything they can from small files first (validate_*: config.json, the safetensors
 headers, the layout, the output directory) and raise InputError with one line before megatron is
@@ -97,7 +98,10 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int 
     run_on_ranks(_hf_to_megatron_worker, tp * pp * ep, (hf_dir, out_dir, Layout(tp=tp, pp=pp, ep=ep), hf_dtype(hf_dir)))
 
 
-def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> HFModelConfig:
+LORA_EXPORTS = ("merged", "adapter")
+
+
+def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1, lora_export: str = "merged"):
     from megaopd.models.checkpoint import check_checkpoint_collective, read_checkpoint_meta
     from megaopd.models.ranks import check_world
     from megaopd.models.safe_load import check_pickles, saved_shapes
@@ -105,7 +109,14 @@ def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 
 
     if not os.path.isdir(ckpt_dir):
         raise InputError(f"checkpoint directory {ckpt_dir} does not exist")
-    read_checkpoint_meta(ckpt_dir)
+    meta = read_checkpoint_meta(ckpt_dir)
+    if lora_export not in LORA_EXPORTS:
+        raise InputError(f"--lora-export {lora_export}: choose {' or '.join(LORA_EXPORTS)}")
+    if lora_export == "adapter" and not meta.get("lora"):
+        raise InputError(
+            f"{ckpt_dir} holds no LoRA adapters (its metadata has no 'lora'): --lora-export adapter is for a "
+            "LoRA student's checkpoint; drop it to write the HF model"
+        )
     check_checkpoint_collective(ckpt_dir)  # the manifest, then the pickles restricted: before any worker starts
     check_pickles(os.path.join(ckpt_dir, "model"))
     cfg = read_hf_config(ckpt_dir)
@@ -116,25 +127,39 @@ def validate_megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 
     return cfg
 
 
-def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, tp: int, pp: int):
+def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, tp: int, pp: int, lora_export: str):
     import torch.distributed as dist
 
-    from megaopd.models.builder import BuildOptions, build_gpt_model, torch_dtype
+    from megaopd.models.builder import BuildOptions, apply_student_lora, build_gpt_model, torch_dtype
     from megaopd.models.checkpoint import load_model_checkpoint, read_checkpoint_meta
-    from megaopd.models.gather import gather_hf_weights, model_state
-    from megaopd.models.hf_io import save_hf_dir
+    from megaopd.models.config import LoRAConfig
+    from megaopd.models.gather import gather_adapter_weights, gather_hf_weights, model_state
+    from megaopd.models.hf_io import save_hf_dir, save_peft_adapter
+    from megaopd.models.weights import adapted_linears
     from megaopd.parallel.groups import Layout, initialize_actor_layout
 
     pgs = initialize_actor_layout(Layout(tp, pp))
     cfg = read_hf_config(ckpt_dir)
     meta = read_checkpoint_meta(ckpt_dir)
-    model = build_gpt_model(cfg, Layout(tp=tp, pp=pp), pgs, BuildOptions(dtype=meta["dtype"], init_weights=False))
+    lora = LoRAConfig(**meta["lora"]) if meta.get("lora") else None
+    options = BuildOptions(dtype=meta["dtype"], init_weights=False, use_te=False if lora else None)
+    model = build_gpt_model(cfg, Layout(tp=tp, pp=pp), pgs, options)
+    if lora is not None:  # the checkpoint holds base + adapters: rebuild the adapters, then load both
+        apply_student_lora(model, cfg, lora, pgs, seed=0)
     load_model_checkpoint(model, ckpt_dir, pgs, verified=True)  # validate_megatron_to_hf checked it
-    tensors = gather_hf_weights(model_state(model), cfg, pgs.tp, pgs.pp, dtype=torch_dtype(meta["dtype"]))
+    state = model_state(model)
+    if lora_export == "adapter":
+        tensors = gather_adapter_weights(state, cfg, pgs.tp, pgs.pp, dtype=torch_dtype(meta["dtype"]))
+    else:  # a LoRA model's weights come merged, W + (alpha / r) B A
+        tensors = gather_hf_weights(state, cfg, pgs.tp, pgs.pp, dtype=torch_dtype(meta["dtype"]))
     if dist.get_rank() == 0:
         # Streamed: rank 0 holds at most one ~4 GiB safetensors shard while the other ranks wait in the
         # next gather. config.json and tokenizer files are copied verbatim from the checkpoint.
-        save_hf_dir(out_dir, tensors, side_files_from=ckpt_dir)
+        if lora_export == "adapter":
+            base = meta.get("base_model") or meta.get("source") or ""
+            save_peft_adapter(out_dir, tensors, lora.rank, lora.alpha, adapted_linears(state), base, lora.dropout)
+        else:
+            save_hf_dir(out_dir, tensors, side_files_from=ckpt_dir)
     else:
         for _ in tensors:  # collective: every rank takes part in each gather/broadcast
             pass
@@ -142,14 +167,16 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, t
     return rank
 
 
-def megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1) -> None:
+def megatron_to_hf(ckpt_dir: str, out_dir: str, tp: int = 1, pp: int = 1, lora_export: str = "merged") -> None:
     """Writes an HF directory (safetensors, config.json, tokenizer) from a megaopd Megatron checkpoint.
 
     The checkpoint is loaded at TP=tp, PP=pp (default one process, whatever layout it was saved at); a
     MoE checkpoint written at any EP is loaded with all experts on each rank (EP=1: dist_checkpointing
     reshards the experts), so the PP broadcast of gather_hf_weights collects every tensor on rank 0.
+    A LoRA student's checkpoint (metadata 'lora'): lora_export "merged" writes the HF model with W + (alpha / r)
+    B A; "adapter" writes a peft adapter folder (adapter_config.json, adapter_model.safetensors) for its base.
     """
     from megaopd.parallel.launch import run_on_ranks
 
-    validate_megatron_to_hf(ckpt_dir, out_dir, tp, pp)
-    run_on_ranks(_megatron_to_hf_worker, tp * pp, (ckpt_dir, out_dir, tp, pp))
+    validate_megatron_to_hf(ckpt_dir, out_dir, tp, pp, lora_export)
+    run_on_ranks(_megatron_to_hf_worker, tp * pp, (ckpt_dir, out_dir, tp, pp, lora_export))

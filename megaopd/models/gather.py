@@ -19,6 +19,10 @@ import torch.distributed as dist
 
 from megaopd.models.hf_config import HFModelConfig
 from megaopd.models.weights import (
+    adapted_linears,
+    adapter_hf_shapes,
+    adapter_rules,
+    gather_stage_adapter_weights,
     gather_stage_hf_weights,
     hf_shapes,
     model_state,
@@ -27,7 +31,7 @@ from megaopd.models.weights import (
     uses_fused_norms,
 )
 
-__all__ = ["gather_hf_weights", "model_state", "stage_hf_names"]
+__all__ = ["gather_adapter_weights", "gather_hf_weights", "model_state", "stage_hf_names"]
 
 
 def stage_hf_names(cfg: HFModelConfig, pp_rank: int, pp_size: int, fused_norms: bool, ep_size: int = 1) -> list[str]:
@@ -67,6 +71,8 @@ def gather_hf_weights(
     per stage can stream them directly. Tensors are detached copies, all in one dtype: `dtype`, or by
     default that of the linear weights (megatron's local-spec norms are float32 even in a bf16 model;
     HF stores every tensor in the model dtype, and the PP broadcast needs one dtype on all ranks).
+    A model with LoRA adapters (models/lora.py) yields its merged weights W + (alpha / r) B A (weights.with_adapter:
+    float32 math, each shard merged where it lies), so every weight sync and export of it is the trained student.
     """
     state = {strip_wrapper_prefix(k): v for k, v in state.items()}
     fused = uses_fused_norms(state)
@@ -83,15 +89,53 @@ def gather_hf_weights(
         yield from local()
         return
     shapes = hf_shapes(cfg)
-    for stage in range(pp_size):
+    names = [stage_hf_names(cfg, stage, pp_size, fused, ep_size) for stage in range(pp_size)]
+    yield from _collect_pp(local, names, shapes, dtype, some.device, pp_group)
+
+
+def gather_adapter_weights(
+    state: Mapping[str, torch.Tensor],
+    cfg: HFModelConfig,
+    tp_group=None,
+    pp_group=None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (peft name, full tensor) of every LoRA adapter tensor of the whole model on every rank (a model
+    with adapters, models/lora.py): gathered over TP by the one mapping (weights.adapter_rules), collected over
+    PP as gather_hf_weights does. Collective over both groups; dense models (apply_lora refuses experts)."""
+    state = {strip_wrapper_prefix(k): v for k, v in state.items()}
+    linears = adapted_linears(state)
+    if not linears:
+        raise ValueError("the model has no LoRA adapters to export (student.lora.enabled=false?)")
+    pp_rank = pp_group.rank() if pp_group is not None else 0
+    pp_size = pp_group.size() if pp_group is not None else 1
+    some = next(v for k, v in state.items() if k.endswith(".lora_A"))
+    dtype = dtype or some.dtype
+
+    def local() -> Iterator[tuple[str, torch.Tensor]]:
+        return gather_stage_adapter_weights(state, cfg, tp_group, pp_rank, pp_size, dtype)
+
+    if pp_size == 1:
+        yield from local()
+        return
+    fused = uses_fused_norms(state)
+    names = [[n for r in adapter_rules(cfg, linears, s, pp_size, fused) for n in r.hf] for s in range(pp_size)]
+    shapes = adapter_hf_shapes(cfg, linears, some.shape[0])
+    yield from _collect_pp(local, names, shapes, dtype, some.device, pp_group)
+
+
+def _collect_pp(local, names: list[list[str]], shapes, dtype, device, pp_group) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's tensors on every rank of pp_group: stage by stage, each tensor broadcast from its stage
+    (names[stage] in the order its local() yields them; one tensor in memory at a time)."""
+    pp_rank = pp_group.rank()
+    for stage, stage_names in enumerate(names):
         src = dist.get_global_rank(pp_group, stage)
-        names = stage_hf_names(cfg, stage, pp_size, fused, ep_size)
         mine = local() if stage == pp_rank else None
-        for name in names:
+        for name in stage_names:
             if mine is not None:
                 got_name, t = next(mine)
                 assert got_name == name, (got_name, name)
             else:
-                t = torch.empty(shapes[name], dtype=dtype, device=some.device)
+                t = torch.empty(shapes[name], dtype=dtype, device=device)
             dist.broadcast(t, src=src, group=pp_group)
             yield name, t

@@ -151,6 +151,49 @@ def save_hf_dir(
             json.dump(config_json, f, indent=2, sort_keys=True)
 
 
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}  # fmt: skip
+"""The HF projections a megatron linear's adapter becomes (peft's target_modules)."""
+
+
+def save_peft_adapter(
+    out_dir: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    rank: int,
+    alpha: float,
+    linears: Iterable[str],
+    base_model: str = "",
+    dropout: float = 0.0,
+) -> None:
+    """Writes a peft LoRA adapter folder (adapter_config.json, adapter_model.safetensors) that
+    peft.PeftModel.from_pretrained(base, out_dir) loads onto the HF base model. tensors: (peft name, tensor),
+    e.g. megaopd.models.gather.gather_adapter_weights; linears: the adapted megatron linears (linear_qkv, ...)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    weights = {name: t.detach().cpu().contiguous() for name, t in tensors}
+    save_file(weights, os.path.join(out_dir, PEFT_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(m for linear in linears for m in PEFT_MODULES[linear]),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    with open(os.path.join(out_dir, PEFT_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def tokenizer_dir(path: str) -> str:
     """Where a role's tokenizer files are: the HF directory, or the one kept beside a checkpoint."""
     for candidate in (path, os.path.join(path, "hf")):

@@ -437,7 +437,7 @@ def gather_stage_hf_weights(
     for i, rule in enumerate(per_ep[ep_rank]):
         if not rule.export:
             continue
-        merged = merge_shards(rule, _gather(state[rule.megatron], tp_group), cfg)
+        merged = merge_shards(rule, _gather(with_adapter(state, rule.megatron), tp_group), cfg)
         if not rule.expert:
             yield from ((n, t.to(dtype)) for n, t in zip(rule.hf, merged))
             continue
@@ -445,6 +445,113 @@ def gather_stage_hf_weights(
         for k, t in enumerate(merged):
             for e, part in enumerate(_gather(t, ep_group)):
                 yield per_ep[e][i].hf[k], part.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA adapters (models/lora.py) in the same mapping. An adapted linear `X.weight` has `X.adapter.lora_A` and
+# `X.adapter.lora_B` beside it; A of a column-parallel base (linear_qkv, linear_fc1) is replicated and B split
+# like the base's rows, so B maps to HF exactly as the base weight does (QKV: per query group; FC1: gate and up)
+# and A is the same for each of the HF projections the fused linear holds (q, k, v; gate, up). A row-parallel
+# base (linear_proj, linear_fc2) has A split like its columns (ROW) and B replicated.
+
+ADAPTER_A, ADAPTER_B = "adapter.lora_A", "adapter.lora_B"
+LORA_SCALE = "lora_scale"
+"""The attribute of an adapter's lora_B parameter holding alpha / r (models/lora.py sets it), so a state of
+parameters carries what merging it needs."""
+PEFT_PREFIX = "base_model.model."
+
+
+def adapter_name(weight_name: str, part: str) -> str:
+    """`X.weight` -> `X.adapter.lora_A` (part ADAPTER_A) or `X.adapter.lora_B`."""
+    return weight_name[: -len("weight")] + part
+
+
+def peft_name(hf_weight_name: str, matrix: str) -> str:
+    """HF `model.layers.0.self_attn.q_proj.weight` -> peft's `base_model.model.model.layers.0.self_attn.q_proj.
+    lora_A.weight` (matrix "lora_A" or "lora_B"; peft's saved names carry no adapter name)."""
+    return PEFT_PREFIX + hf_weight_name[: -len("weight")] + matrix + ".weight"
+
+
+def adapter_rules(
+    cfg: HFModelConfig, linears: Sequence[str], pp_rank: int = 0, pp_size: int = 1, fused_norms: bool = False
+) -> list[WeightRule]:
+    """The adapter tensors of stage `pp_rank` whose base linears are named in `linears` (megatron names:
+    linear_qkv, ...) as rules of the one mapping: rule.hf holds peft's names. A replicated A of a fused base
+    lists each projection's name: merge_adapter copies it to each. Dense layers only (apply_lora refuses experts)."""
+    rules = []
+    for base in stage_rules(cfg, pp_rank, pp_size, fused_norms):
+        linear = base.megatron.rsplit(".", 2)[-2]
+        if base.expert or linear not in linears or not base.megatron.endswith(".weight"):
+            continue
+        a_names = tuple(peft_name(n, "lora_A") for n in base.hf)
+        b_names = tuple(peft_name(n, "lora_B") for n in base.hf)
+        column = base.kind in (QKV, FC1)
+        rules += [
+            WeightRule(adapter_name(base.megatron, ADAPTER_A), a_names, REPLICATED if column else base.kind),
+            WeightRule(adapter_name(base.megatron, ADAPTER_B), b_names, base.kind if column else REPLICATED),
+        ]
+    return rules
+
+
+def adapter_hf_shapes(cfg: HFModelConfig, linears: Sequence[str], rank: int) -> dict[str, tuple[int, ...]]:
+    """peft's name -> shape of every adapter tensor (lora_A [r, in], lora_B [out, r] of each HF projection)."""
+    shapes = hf_shapes(cfg)
+    out = {}
+    for base in stage_rules(cfg):
+        if base.megatron.rsplit(".", 2)[-2] in linears and base.megatron.endswith(".weight") and not base.expert:
+            for n in base.hf:
+                rows, cols = shapes[n]
+                out[peft_name(n, "lora_A")], out[peft_name(n, "lora_B")] = (rank, cols), (rows, rank)
+    return out
+
+
+def merge_adapter(rule: WeightRule, shards: Sequence[torch.Tensor], cfg: HFModelConfig) -> list[torch.Tensor]:
+    """merge_shards for an adapter rule: a replicated A shared by a fused linear's projections goes to each."""
+    merged = merge_shards(rule, shards, cfg)
+    if rule.kind == REPLICATED and len(rule.hf) > 1:
+        return [merged[0]] + [merged[0].clone() for _ in rule.hf[1:]]
+    return merged
+
+
+def with_adapter(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """state[name], or for an adapted linear's weight W + (alpha / r) B A, computed in float32 and returned in
+    W's dtype (this rank's shard: with A or B split like W, the product is W's shard; no communication)."""
+    w = state[name]
+    b_name = adapter_name(name, ADAPTER_B) if name.endswith(".weight") else ""
+    if b_name not in state:
+        return w
+    a, b = state[adapter_name(name, ADAPTER_A)], state[b_name]
+    scale = getattr(b, LORA_SCALE, None)
+    if scale is None:
+        raise ValueError(
+            f"{b_name} has no {LORA_SCALE}: pass the model's parameters (model_state(model)), not a copied state "
+            "dict, to merge its LoRA adapters"
+        )
+    with torch.no_grad():
+        return (w.detach().float() + scale * (b.detach().float() @ a.detach().float())).to(w.dtype)
+
+
+def adapted_linears(state: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+    """The megatron linear names (linear_qkv, ...) that carry adapters in this stage's state."""
+    suffix = "." + ADAPTER_A
+    return tuple(sorted({k[: -len(suffix)].rsplit(".", 1)[-1] for k in state if k.endswith(suffix)}))
+
+
+def gather_stage_adapter_weights(
+    state: Mapping[str, torch.Tensor],
+    cfg: HFModelConfig,
+    tp_group=None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (peft name, full tensor) for every adapter tensor of PP stage `pp_rank` (collective over TP), in
+    adapter_rules' order; as gather_stage_hf_weights for the base's."""
+    state = {strip_wrapper_prefix(k): v for k, v in state.items()}
+    for rule in adapter_rules(cfg, adapted_linears(state), pp_rank, pp_size, uses_fused_norms(state)):
+        shard = state[rule.megatron]
+        for name, t in zip(rule.hf, merge_adapter(rule, _gather(shard, tp_group), cfg)):
+            yield name, t.to(dtype or shard.dtype)
 
 
 def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:

@@ -21,7 +21,13 @@ from megaopd.data.alignment import alignment_report
 from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.data.vocab import VocabMismatchError, VocabReport, compare_vocab
 from megaopd.losses import LossNeeds
-from megaopd.models.builder import BuildOptions, StageInfo, activation_memory_overrides, build_gpt_model
+from megaopd.models.builder import (
+    BuildOptions,
+    StageInfo,
+    activation_memory_overrides,
+    apply_student_lora,
+    build_gpt_model,
+)
 from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
 from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
@@ -49,17 +55,28 @@ class RoleModel:
 
 
 def load_role_model(
-    section: ModelConfig, pgs: ProcessGroupCollection, trainable: bool, path: str | None = None
+    section: ModelConfig, pgs: ProcessGroupCollection, trainable: bool, path: str | None = None, seed: int = 0
 ) -> RoleModel:
+    """A role's model on this rank, its weights loaded; a trained student with student.lora on gets its adapters
+    (the base frozen: only the adapters reach DDP and the optimizer, which take trainable parameters only)."""
     path = path or section.path
     hf = read_hf_config(path)
     memory = activation_memory_overrides(section.recompute, section.recompute_num_layers, section.sequence_parallel)
-    # A trained MoE router gets the HF config's load-balancing loss; a frozen one none.
+    lora = getattr(section, "lora", None) if trainable else None
+    lora = lora if lora is not None and lora.enabled else None
+    # A trained MoE router gets the HF config's load-balancing loss; a frozen one none. LoRA wraps megatron's
+    # local linears only (models/lora.py: TE's fused norm + linear has another input).
     model = build_gpt_model(
         hf,
         Layout(tp=section.tp, pp=section.pp, ep=section.ep),
         pgs,
-        BuildOptions(dtype=section.dtype, init_weights=False, train_router=trainable, config_overrides=memory),
+        BuildOptions(
+            dtype=section.dtype,
+            init_weights=False,
+            train_router=trainable,
+            config_overrides=memory,
+            use_te=False if lora is not None else None,
+        ),
     )
     if is_megatron_checkpoint(path):
         load_model_checkpoint(model, path, pgs)
@@ -75,6 +92,8 @@ def load_role_model(
             ep_size=section.ep,
         )
         load_hf_weights(model, HFWeights(path), hf, place)
+    if lora is not None:
+        apply_student_lora(model, hf, lora, pgs, seed)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -124,7 +143,7 @@ def build_models(
             "equal to student.tp/pp, and do not combine gkd with ref_kl in one loss"
         )
     actor_pgs = initialize_actor_layout(student_layout, seed=cfg.trainer.seed)
-    actor = load_role_model(cfg.student, actor_pgs, trainable=True)
+    actor = load_role_model(cfg.student, actor_pgs, trainable=True, seed=cfg.trainer.seed)
     # In-job teachers, each in its own layout (groups shared between equal layouts); served ones are HTTP.
     groups = {student_layout: actor_pgs}
     in_job: dict[str, RoleModel] = {}

@@ -1,0 +1,68 @@
+"""student.lora: off by default, and bad settings refused at load in one line naming the key and the fix."""
+
+import pytest
+
+from megaopd.config import ConfigError, load_config
+from megaopd.config.schema import MegaOPDConfig
+from tests.config.test_config import _hf_dir, _load, models, moe_models  # noqa: F401 (fixtures)
+
+PRESET = "examples/tiny/stable_opd.yaml"
+
+
+def test_lora_is_off_by_default_and_loads_when_on():
+    assert not load_config(MegaOPDConfig, PRESET).student.lora.enabled
+    cfg = load_config(
+        MegaOPDConfig, PRESET, ["student.lora.enabled=true", "student.lora.rank=8", "student.lora.targets=[qkv,fc2]"]
+    )
+    assert (cfg.student.lora.rank, list(cfg.student.lora.targets)) == (8, ["qkv", "fc2"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["student.lora.enabled=true", "student.lora.rank=0"], "student.lora.rank=0: the adapters' rank must be"),
+        (["student.lora.rank=-4"], "student.lora.rank=-4"),
+        (["student.lora.enabled=true", "student.lora.targets=[qkv,mlp]"], "choose from qkv, proj, fc1, fc2, all"),
+        (["student.lora.enabled=true", "student.lora.targets=[]"], "student.lora.targets=[]"),
+        (["student.lora.enabled=true", "student.lora.alpha=0"], "student.lora.alpha=0.0: must be positive"),
+        (["student.lora.enabled=true", "student.lora.dropout=1"], "student.lora.dropout=1.0: must be in [0, 1)"),
+        (
+            [
+                "student.lora.enabled=true",
+                "student.tp=2",
+                "reference.tp=2",
+                "run.world_size=2",
+                "student.sequence_parallel=true",
+            ],
+            "student.lora with student.sequence_parallel=true is not supported",
+        ),
+    ],
+)
+def test_bad_lora_settings_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(MegaOPDConfig, PRESET, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_on_moe_experts_refused_in_one_line(moe_models, tmp_path):  # noqa: F811
+    _, moe, data = moe_models
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            MegaOPDConfig,
+            None,
+            [
+                f"student.path={moe}",
+                f"teacher.path={moe}",
+                f"data.sources=[{{path: {data}}}]",
+                "student.lora.enabled=true",
+            ],
+        )
+    assert "LoRA on the expert linears is not supported; set student.lora.targets=[qkv,proj]" in str(e.value)
+    assert "\n" not in str(e.value)
+    cfg = load_config(
+        MegaOPDConfig,
+        None,
+        [f"student.path={moe}", f"teacher.path={moe}", f"data.sources=[{{path: {data}}}]", "student.lora.enabled=true",
+         "student.lora.targets=[qkv,proj]"],
+    )  # fmt: skip
+    assert cfg.student.lora.enabled
