@@ -328,7 +328,9 @@ class MegaOPDConfig:
                 raise ValueError(
                     f"{key} has another tokenizer (cross-tokenizer mode) and tp/pp/ep={layout}, the student "
                     f"{student}: an in-job teacher of another vocabulary scores in the student's layout; set "
-                    f"{key}.tp={student[0]} {key}.pp={student[1]} {key}.ep={student[2]}"
+                    f"{key}.tp={student[0]} {key}.pp={student[1]} {key}.ep={student[2]}, or, for a teacher that "
+                    f"needs its own layout, serve it (`megaopd serve` or SGLang at its own TP) and set "
+                    f"{key}.engine=remote {key}.urls=[http://HOST:PORT] (docs/algorithms.md 1.13)"
                 )
 
     def _check_routing(self, teachers: list[TeacherConfig]) -> None:
