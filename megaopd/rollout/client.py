@@ -48,6 +48,7 @@ from megaopd.rollout.schema import (
     params_to_json,
     parse_version,
     prefill_request,
+    prefill_scores_from_json,
     sample_from_json,
 )
 
