@@ -48,7 +48,7 @@ from megaopd.rollout.schema import (
     params_to_json,
     parse_version,
     prefill_request,
-    prefill_scores_from_json,
+    prefill_scores_list,
     sample_from_json,
 )
 
@@ -270,28 +270,30 @@ class HttpEngine:
                 "logprob_start_len": -1,
                 "stream": False,
             }
-            parse = lambda p, e: sample_from_json(p, e, self.config.vocab_size)  # noqa: E731
-            samples += self._post_generate(body, [p for p, _ in chunk], "", parse)
+            prompts = [p for p, _ in chunk]
+            samples += self._post_generate(
+                body,
+                len(prompts),
+                "",
+                lambda out, ps=prompts: [sample_from_json(p, e, self.config.vocab_size) for p, e in zip(ps, out)],
+            )
         return samples
 
-    def _post_generate(self, body: dict, asked: list, what: str, parse: Callable[[Any, Any], Any]) -> list:
-        """POST /generate and parse(asked[i], entry i) of its answer, one entry per item asked; EngineError when
-        the answer is not a list of that many (`what` names them in the message) or parse refuses an entry
-        (ValueError)."""
+    def _post_generate(self, body: dict, n: int, what: str, parse: Callable[[list], list]) -> list:
+        """POST /generate and parse(answer) of its answer, one entry per item asked (n); EngineError when the
+        answer is not a list of that many (`what` names them in the message) or parse refuses an entry
+        (ValueError: numbers from outside are refused where they enter)."""
         out = self.request("POST", "/generate", body, timeout_s=self.config.generate_timeout_s)
-        if not isinstance(out, list) or len(out) != len(asked):
+        if not isinstance(out, list) or len(out) != n:
             raise EngineError(
                 f"{self.url}/generate answered {type(out).__name__} of "
-                f"{len(out) if isinstance(out, list) else 1} entries for {len(asked)}{what}"
+                f"{len(out) if isinstance(out, list) else 1} entries for {n}{what}"
             )
-        parsed = []
-        for row, (a, e) in enumerate(zip(asked, out)):
-            try:
-                parsed.append(parse(a, e))
-            except ValueError as err:  # numbers from outside are refused where they enter, naming the row
-                who = f" ({self.config.name})" if self.config.name else ""
-                raise EngineError(f"{self.url}/generate{who}: row {row} of {len(asked)}: {err}") from err
-        return parsed
+        try:
+            return parse(out)
+        except ValueError as e:
+            who = f" ({self.config.name})" if self.config.name else ""
+            raise EngineError(f"{self.url}/generate{who}: {e}") from e
 
     def weight_targets(self) -> list["HttpEngine"]:
         return [self]
@@ -367,9 +369,9 @@ class HttpEngine:
         EngineRequestError when the server refuses it, EngineError when the answer is malformed."""
         return self._post_generate(
             prefill_request(seqs, firsts, topk),
-            list(zip(seqs, firsts)),
+            len(seqs),
             " sequences",
-            lambda seq_first, e: prefill_scores_from_json(e, *seq_first, topk),
+            lambda out: prefill_scores_list(out, seqs, firsts, topk),  # a bad score names the row
         )
 
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
