@@ -87,6 +87,8 @@ class MegaOPDConfig:
         ]
         # loss.off_policy_correction=auto becomes what the job runs (none, or tis where rollouts lag).
         self.loss.off_policy_correction = resolve_correction(self.loss, self.rollout.mode != "sync")
+        # rollout.lora_sync=auto becomes what the job sends (adapter or merged) when the student has adapters.
+        self.rollout.resolve_lora_sync(self.student.lora.enabled)
 
     def max_row_tokens(self, needs) -> tuple[int, str]:
         """The longest row the job builds (prompt + the longest response it generates or trains on)."""

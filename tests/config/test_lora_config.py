@@ -66,3 +66,36 @@ def test_lora_on_moe_experts_refused_in_one_line(moe_models, tmp_path):  # noqa:
          "student.lora.targets=[qkv,proj]"],
     )  # fmt: skip
     assert cfg.student.lora.enabled
+
+
+def test_lora_sync_resolves_per_engine():
+    """rollout.lora_sync=auto: adapter for the embedded engine, merged for remote ones; auto kept without LoRA."""
+    assert load_config(MegaOPDConfig, PRESET).rollout.lora_sync == "auto"
+    on = ["student.lora.enabled=true"]
+    assert load_config(MegaOPDConfig, PRESET, on).rollout.lora_sync == "adapter"
+    remote = on + ["rollout.engine=remote", "rollout.urls=[http://127.0.0.1:1]"]
+    assert load_config(MegaOPDConfig, PRESET, remote).rollout.lora_sync == "merged"
+    assert load_config(MegaOPDConfig, PRESET, on + ["rollout.lora_sync=merged"]).rollout.lora_sync == "merged"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.lora_sync=adapter"], "rollout.lora_sync=adapter needs student.lora.enabled=true"),
+        (["rollout.lora_sync=merged"], "rollout.lora_sync=merged needs student.lora.enabled=true"),
+        (["student.lora.enabled=true", "rollout.lora_sync=delta"], "rollout.lora_sync='delta': choose auto"),
+        (
+            [
+                "student.lora.enabled=true",
+                "rollout.lora_sync=adapter",
+                "rollout.engine=remote",
+                "rollout.urls=[http://127.0.0.1:1]",
+            ],
+            "take merged weights on this build (SGLang's LoRA routes need a GPU); set rollout.lora_sync=merged",
+        ),
+    ],
+)
+def test_bad_lora_sync_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(MegaOPDConfig, PRESET, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
