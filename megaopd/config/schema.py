@@ -119,6 +119,15 @@ class MegaOPDConfig:
             and t.offload_between_uses == self.reference.offload_between_uses
         )
 
+    def reference_is_the_base(self) -> bool:
+        """A LoRA student whose reference is its own initial weights (reference.path empty or the student's) reads
+        the reference from itself with the adapters off (models/lora: bit-exact), unless an in-job teacher is that
+        reference too (it then keeps the frozen copy it shares): no reference model is loaded, and `megaopd plan`
+        counts none. The one rule: trainer/roles.py and config/plan.py both read it."""
+        if not self.student.lora.enabled or self.reference.path not in ("", self.student.path):
+            return False
+        return not any(self.teacher_shares_reference(t) for t in self.teachers)
+
     def teacher_row_tokens(self, t: TeacherConfig) -> int:
         """The longest row teacher `t` scores, counted in the student's tokens (`megaopd plan`): the rollout row,
         and for a context of its own what the context may add over the student's prompt: data.max_golden_len for
