@@ -23,6 +23,7 @@ from megaopd.data.teacher_view import context_fields
 from megaopd.envs.config import EnvConfig
 from megaopd.losses import LossConfig, check_cross_tokenizer, resolve_correction
 from megaopd.metrics.config import MetricsConfig
+from megaopd.models.checkpoint import saved_lora
 from megaopd.models.config import ModelConfig, StudentConfig, check_context, check_lora, check_role_layout
 from megaopd.models.hf_io import tokenizer_dir
 from megaopd.rollout.config import RolloutConfig
@@ -187,6 +188,8 @@ class MegaOPDConfig:
         world = self.run.world_size
         student_dims = check_role_layout("student", self.student, world)
         check_lora(self.student.lora, student_dims)
+        # A LoRA checkpoint as student.path: its adapters are rebuilt before it loads, or refused here (never dropped).
+        saved_lora(self.student.path, "student", self.student.lora if self.student.lora.enabled else None, True)
         teachers = self.teachers
         if needs.teacher and not teachers:
             raise ValueError(

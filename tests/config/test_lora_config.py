@@ -99,3 +99,30 @@ def test_bad_lora_sync_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(MegaOPDConfig, PRESET, overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_checkpoint_as_student_path_refused_without_lora(tmp_path):
+    """A LoRA checkpoint (metadata 'lora') as student.path: refused at load, before any model is built, unless
+    student.lora matches its adapters (roles.load_role_model then rebuilds them before the load:
+    tests/trainer/test_lora_export.py)."""
+    import json
+    import shutil
+
+    from megaopd.models.checkpoint import FORMAT, META_NAME, MODEL_SUBDIR
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree("examples/tiny/models/student", ckpt)
+    (ckpt / MODEL_SUBDIR).mkdir()
+    lora = dict(enabled=True, rank=16, alpha=32.0, targets=["qkv", "proj", "fc1", "fc2"], dropout=0.0)
+    (ckpt / META_NAME).write_text(json.dumps({"format": FORMAT, "version": 1, "lora": lora}))
+    base = [f"student.path={ckpt}", f"reference.path={ckpt}", "student.tp=1", "reference.tp=1", "run.world_size=1"]
+    with pytest.raises(ConfigError) as e:
+        load_config(MegaOPDConfig, "examples/tiny/stable_opd.yaml", base)
+    assert "is a LoRA checkpoint (rank 16" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            MegaOPDConfig, "examples/tiny/stable_opd.yaml", base + ["student.lora.enabled=true", "student.lora.rank=8"]
+        )
+    assert "differs from the adapters saved" in str(e.value) and "\n" not in str(e.value)
+    cfg = load_config(MegaOPDConfig, "examples/tiny/stable_opd.yaml", base + ["student.lora.enabled=true"])
+    assert cfg.student.lora.rank == 16
