@@ -162,6 +162,7 @@ class WeightSync:
         calls it. Returns stats on rank 0. WaitAbandoned on every rank when rank 0's waits on the engines were
         given up (a preemption signal; the module docstring)."""
         t0 = time.perf_counter()
+        self._sent = (0, 0)
         if self.choice is None:
             self._choose_transports()
         colocated, abandoned = self.rollout.colocated, False
@@ -177,7 +178,7 @@ class WeightSync:
                 raise ValueError("rollout.lora_sync=adapter but the actor has no adapters: set student.lora.enabled")
             if not self.base_sent or colocated:  # the engines merge into the base they keep: it must be the actor's
                 abandoned = self._full(_base_state(state), hf_cfg, pgs, weight_version) or abandoned
-                self.base_sent = True
+                self.base_sent = True  # on every rank alike: whether the base goes decides a collective gather
             adapter = _Counter(gather_adapter_weights(state, hf_cfg, pgs.tp, pgs.pp))
             abandoned = (
                 _abandoned(self._send_adapter, adapter, AdapterMeta(meta["rank"], meta["alpha"]), weight_version)
@@ -200,10 +201,8 @@ class WeightSync:
         tensors, sent = self._sent
         if adapter is not None:
             tensors, sent = tensors + adapter.tensors, sent + adapter.bytes
-        stats = SyncStats(time.perf_counter() - t0, tensors, sent, list(self.choice.transports))
-        stats.adapter_bytes = adapter.bytes if adapter is not None else 0
-        self._sent = (0, 0)
-        return stats
+        adapter_bytes = adapter.bytes if adapter is not None else 0
+        return SyncStats(time.perf_counter() - t0, tensors, sent, list(self.choice.transports), adapter_bytes)
 
     def _full(self, state, hf_cfg, pgs, weight_version: str | None) -> bool:
         """Gathers and sends every weight of `state` (an adapted one merged); True when a wait was abandoned."""
