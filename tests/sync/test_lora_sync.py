@@ -33,3 +33,32 @@ def test_lora_sync_parity_both_modes(student, tp):
     assert steady["bytes"] == steady["adapter_bytes"] < merged / 5
     assert [p["adapter_bytes"] for p in got["merged"]] == [0, 0]
     assert [p["version"] for p in got["adapter"]] == ["1", "2"]
+
+
+def test_adapter_sync_needs_transports_that_take_adapters():
+    """Only kinds marked `adapters` (in_process) take rollout.lora_sync=adapter; another engine's transport is
+    refused in one line naming the fix, before anything is sent (remote engines are refused at load already)."""
+    from megaopd.rollout.config import RolloutConfig
+    from megaopd.sync import WeightSync
+    from megaopd.sync.weight_sync import TRANSPORT_KINDS
+
+    assert [k.name for k in TRANSPORT_KINDS.values() if k.adapters] == ["in_process"]
+
+    class Target:
+        def __init__(self, transports):
+            self.weight_transports = transports
+
+    class Engine:
+        def __init__(self, *transports):
+            self.targets = [Target(transports)]
+
+        def weight_targets(self):
+            return self.targets
+
+    adapter = RolloutConfig(lora_sync="adapter")
+    assert list(WeightSync(Engine("in_process"), adapter, 0)._targets_by_transport()) == ["in_process"]
+    with pytest.raises(
+        ValueError, match="the dist_group transport sends full weights only; set rollout.lora_sync=merged"
+    ):
+        WeightSync(Engine("dist_group"), adapter, 0)._targets_by_transport()
+    assert list(WeightSync(Engine("dist_group"), RolloutConfig(lora_sync="merged"), 0)._targets_by_transport())
