@@ -64,7 +64,7 @@ TP=2 and a psutil measurement on CPU (tests/config/test_plan.py).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megaopd.config.plan_shape import MicroBatchShape, StepRows, job_shapes
 from megaopd.config.plan_sizes import (
@@ -73,6 +73,7 @@ from megaopd.config.plan_sizes import (
     RoleLayout,
     activation_bytes,
     adam_bytes_per_param,
+    adapter_params_per_rank,
     embedded_engine_footprint,
     forward_layer_bytes,
     fused_weight_grad_bytes,
@@ -85,6 +86,7 @@ from megaopd.engine.config import CUDA_SYNC_EVERY, cache_positions
 from megaopd.losses import build_loss_from
 from megaopd.models.config import find_hf_config
 from megaopd.models.hf_config import params_per_rank, read_hf_config
+from megaopd.models.lora import target_linears
 
 GB = 1e9
 
@@ -217,7 +219,15 @@ def build_plan(roles: PlanRoles, step: StepLayout, machine: MachineMemory, engin
     dp = max(1, world_size // (student.tp * student.pp))
     p_actor = params_per_rank(student.hf, student.tp, student.pp, student.ep)
     e = DTYPE_BYTES[student.dtype]
-    adam = adam_bytes_per_param(student.dtype) * p_actor / (dp if use_distributed_optimizer else 1)
+    # A LoRA student trains its adapters only: megatron's DDP and optimizer take trainable parameters, so the
+    # gradients and Adam's state are the adapters'; its weights are the frozen base plus the adapters.
+    p_adapter = (
+        adapter_params_per_rank(student.hf, student.lora_linears, student.lora_rank, student.tp, student.pp)
+        if student.lora_rank
+        else 0
+    )
+    p_trained = p_adapter if student.lora_rank else p_actor
+    adam = adam_bytes_per_param(student.dtype) * p_trained / (dp if use_distributed_optimizer else 1)
     packed = packed_tokens > 0
     b, s = (1, packed_tokens) if packed else (step.micro_batch_rows, seq_len)
     train = MicroBatchShape(b, s, seq_len, packed)
@@ -229,14 +239,24 @@ def build_plan(roles: PlanRoles, step: StepLayout, machine: MachineMemory, engin
     def static(name, nbytes, hint=""):
         items.append(Item(name, nbytes, nbytes, nbytes, hint))
 
-    static("student weights", p_actor * e, "raise student.tp (or student.pp)")
-    static("student gradients (fp32)", p_actor * 4.0, "raise student.tp (or student.pp)")
+    lora = f" (LoRA r{student.lora_rank}: {p_adapter / 1e6:.3f}M adapter params)" if student.lora_rank else ""
+    static(f"student weights{lora}", (p_actor + p_adapter) * e, "raise student.tp (or student.pp)")
+    static(
+        f"student gradients (fp32{', adapters only' if lora else ''})",
+        p_trained * 4.0,
+        "raise student.tp (or student.pp)",
+    )
     opt_hint = (
         "set optimizer.use_distributed_optimizer=true (shards Adam over the data-parallel ranks)"
         if not use_distributed_optimizer
         else "add data-parallel ranks (more GPUs) or raise student.tp"
     )
-    static(f"Adam states{' (sharded /' + str(dp) + ')' if use_distributed_optimizer else ''}", adam, opt_hint)
+    static(
+        f"Adam states{' (sharded /' + str(dp) + ')' if use_distributed_optimizer else ''}"
+        + (" (adapters only)" if lora else ""),
+        adam,
+        opt_hint,
+    )
     act_hint = (
         "set student.recompute=full"
         if student.recompute != "full"
@@ -557,8 +577,14 @@ def plan_for(cfg: MegaOPDConfig) -> MemoryPlan:
             cpu=cpu,
         )
 
+    lora = cfg.student.lora
     student = role("student", cfg.student)
-    reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path) if needs.reference else None
+    if lora.enabled:
+        student = replace(student, lora_rank=lora.rank, lora_linears=target_linears(lora.targets))
+    # No reference weights when the LoRA student's base is its reference (MegaOPDConfig.reference_is_the_base,
+    # the rule trainer/roles.py follows: the base with its adapters off, no second copy).
+    loaded_reference = needs.reference and not cfg.reference_is_the_base()
+    reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path) if loaded_reference else None
     # The in-job teacher's weights share the GPUs (a served one's do not). build_plan counts one teacher: with
     # several in-job teachers, the first; none when it runs on the reference's model (teacher.path: reference).
     in_job = [t for t in cfg.teachers if t.in_job]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaopd.models.hf_config import HFModelConfig, padded_vocab_size, params_per_rank
+from megaopd.models.weights import hf_shapes, stage_rules
 
 OPS_CHUNK_BYTES = 128 * 2**20  # megaopd.ops._common.DEFAULT_CHUNK_BYTES: one float32 chunk of logits
 OPS_CHUNKS_LIVE = 3  # a chunk's logits in float32, its softmax and a gradient (or q's chunk)
@@ -31,6 +32,10 @@ class RoleLayout:
     """Expert-parallel size (MoE models)."""
     cpu: bool = False
     """Runs on the CPU (plan.device=cpu): the layers keep what the CPU code paths keep (layer_saved_elements)."""
+    lora_rank: int = 0
+    """The student's LoRA rank (student.lora on; 0: off): its base is frozen and only the adapters train."""
+    lora_linears: tuple[str, ...] = ()
+    """The megatron linears that carry adapters (linear_qkv, linear_proj, linear_fc1, linear_fc2)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,22 @@ def embedded_engine_footprint(
     e = DTYPE_BYTES[dtype]
     kv = 2 * hf.num_layers * hf.num_key_value_heads * hf.head_dim * e * rows * seq
     return EmbeddedEngineFootprint(params_per_rank(hf, 1, 1) * e, kv + 4.0 * rows * hf.vocab_size, colocated)
+
+
+def adapter_params_per_rank(hf: HFModelConfig, linears, rank: int, tp: int, pp: int) -> int:
+    """LoRA adapter parameters on one rank, as models/lora.py shards them: a column-parallel base (linear_qkv,
+    linear_fc1) holds A [r, in] whole and B [out / tp, r]; a row-parallel one (linear_proj, linear_fc2) A
+    [r, in / tp] and B [out, r] whole. Counted on megatron's linears, not peft's projections: a fused linear_qkv
+    (q, k, v) or linear_fc1 (gate, up) has one A, which the peft export copies to each projection."""
+    shapes, total = hf_shapes(hf), 0
+    for base in stage_rules(hf):
+        linear = base.megatron.rsplit(".", 2)[-2]
+        if linear not in linears or base.expert or not base.megatron.endswith(".weight"):
+            continue
+        out, inp = sum(shapes[n][0] for n in base.hf), shapes[base.hf[0]][1]
+        column = linear in ("linear_qkv", "linear_fc1")
+        total += rank * inp + out // tp * rank if column else rank * inp // tp + out * rank
+    return total // pp  # the layers split evenly over the stages (check_role_layout)
 
 
 def adam_bytes_per_param(dtype: str) -> int:

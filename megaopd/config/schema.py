@@ -23,6 +23,7 @@ from megaopd.data.teacher_view import context_fields
 from megaopd.envs.config import EnvConfig
 from megaopd.losses import LossConfig, check_cross_tokenizer, resolve_correction
 from megaopd.metrics.config import MetricsConfig
+from megaopd.models.checkpoint import saved_lora
 from megaopd.models.config import ModelConfig, StudentConfig, check_context, check_lora, check_role_layout
 from megaopd.models.hf_io import tokenizer_dir
 from megaopd.rollout.config import RolloutConfig
@@ -87,6 +88,8 @@ class MegaOPDConfig:
         ]
         # loss.off_policy_correction=auto becomes what the job runs (none, or tis where rollouts lag).
         self.loss.off_policy_correction = resolve_correction(self.loss, self.rollout.mode != "sync")
+        # rollout.lora_sync=auto becomes what the job sends (adapter or merged) when the student has adapters.
+        self.rollout.resolve_lora_sync(self.student.lora.enabled)
 
     def max_row_tokens(self, needs) -> tuple[int, str]:
         """The longest row the job builds (prompt + the longest response it generates or trains on)."""
@@ -116,6 +119,15 @@ class MegaOPDConfig:
             and t.dtype == self.student.dtype
             and t.offload_between_uses == self.reference.offload_between_uses
         )
+
+    def reference_is_the_base(self) -> bool:
+        """A LoRA student whose reference is its own initial weights (reference.path empty or the student's) reads
+        the reference from itself with the adapters off (models/lora: bit-exact), unless an in-job teacher is that
+        reference too (it then keeps the frozen copy it shares): no reference model is loaded, and `megaopd plan`
+        counts none. The one rule: trainer/roles.py and config/plan.py both read it."""
+        if not self.student.lora.enabled or self.reference.path not in ("", self.student.path):
+            return False
+        return not any(self.teacher_shares_reference(t) for t in self.teachers)
 
     def teacher_row_tokens(self, t: TeacherConfig) -> int:
         """The longest row teacher `t` scores, counted in the student's tokens (`megaopd plan`): the rollout row,
@@ -176,6 +188,8 @@ class MegaOPDConfig:
         world = self.run.world_size
         student_dims = check_role_layout("student", self.student, world)
         check_lora(self.student.lora, student_dims)
+        # A LoRA checkpoint as student.path: its adapters are rebuilt before it loads, or refused here (never dropped).
+        saved_lora(self.student.path, "student", self.student.lora if self.student.lora.enabled else None, True)
         teachers = self.teachers
         if needs.teacher and not teachers:
             raise ValueError(

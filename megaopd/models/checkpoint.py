@@ -52,6 +52,50 @@ def is_megatron_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META_NAME))
 
 
+def saved_lora(path: str, role: str, wanted, trainable: bool):
+    """The LoRAConfig a model at `path` must carry before its weights load: a megaopd checkpoint of a LoRA student
+    (metadata 'lora') holds base + adapters, so they are rebuilt from its metadata first and never silently
+    dropped; None for an HF directory or a checkpoint without adapters. wanted: the role's LoRAConfig (None when
+    off). ValueError (one line) when a trained role's student.lora is off or differs from the saved adapters."""
+    from megaopd.models.config import LoRAConfig
+    from megaopd.models.lora import target_linears
+
+    if not is_megatron_checkpoint(path):
+        return None
+    meta = read_checkpoint_meta(path).get("lora")
+    if not meta:
+        return None
+    saved = LoRAConfig(**meta)
+    if trainable and wanted is None:
+        raise ValueError(
+            f"{role}.path={path} is a LoRA checkpoint (rank {saved.rank}, targets {list(saved.targets)}): set "
+            f"{role}.lora.enabled=true with rank={saved.rank} alpha={saved.alpha:g} targets={list(saved.targets)} to "
+            "go on training its adapters, or export it merged first (tools/convert_megatron_to_hf.py --lora-export "
+            "merged) to train every weight"
+        )
+    if wanted is not None and (wanted.rank, wanted.alpha, target_linears(wanted.targets)) != (
+        saved.rank,
+        saved.alpha,
+        target_linears(saved.targets),
+    ):
+        raise ValueError(
+            f"{role}.lora (rank {wanted.rank}, alpha {wanted.alpha:g}, targets {list(wanted.targets)}) differs from "
+            f"the adapters saved in {role}.path={path} (rank {saved.rank}, alpha {saved.alpha:g}, targets "
+            f"{list(saved.targets)}): set {role}.lora to the saved ones"
+        )
+    return saved if wanted is None else wanted
+
+
+def base_model_of(path: str) -> str:
+    """What a LoRA student's adapters apply to, for peft's base_model_name_or_path: the HF directory it started
+    from (absolute), or for a megaopd checkpoint the base its metadata names (base_model, else the converted
+    source), else the checkpoint itself."""
+    if is_megatron_checkpoint(path):
+        meta = read_checkpoint_meta(path)
+        return meta.get("base_model") or meta.get("source") or os.path.abspath(path)
+    return os.path.abspath(path)
+
+
 def read_checkpoint_meta(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, META_NAME)
     if not os.path.isfile(path):

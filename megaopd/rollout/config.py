@@ -14,6 +14,8 @@ from megaopd.models.config import MODEL_DTYPES
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
 STALE_SAMPLES = ("drop", "regenerate")
 SYNC_PAUSES = ("in_place", "retract")
+LORA_SYNCS = ("auto", "adapter", "merged")
+ADAPTER_SYNC, MERGED_SYNC = "adapter", "merged"
 
 
 class RolloutEngine(StrEnum):
@@ -51,6 +53,12 @@ class RolloutConfig:
     cluster address when the engines run on other nodes (slurm/ scripts do)."""
     weight_sync_bucket_mb: int = 512
     """Bytes per weight-update bucket (megabytes)."""
+    lora_sync: str = "auto"
+    """A LoRA student's weight sync (student.lora on; set without it, refused): adapter sends the adapter tensors
+    alone (r (in + out) numbers per adapted projection; the engine merges W_base + (alpha / r) B A in float32 from
+    the base it keeps, which the first sync of a run sends whole), merged sends every weight with the adapters
+    merged in (float32 math), for engines without LoRA. auto: adapter for the embedded engine, merged for remote
+    ones (megaopd serve and SGLang 0.5.23 take merged weights on this build: SGLang's LoRA routes need a GPU)."""
     temperature: float = 1.0
     """Sampling temperature; every log-prob of the step (actor, teacher, reference) uses it too."""
     top_p: float = 1.0
@@ -156,8 +164,34 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.temperature={self.temperature} must be a finite number > 0 (log-probs are of logits/T)"
             )
+        if self.lora_sync not in LORA_SYNCS:
+            raise ValueError(f"rollout.lora_sync={self.lora_sync!r}: choose {', '.join(LORA_SYNCS)}")
+        if self.lora_sync == ADAPTER_SYNC and not self.engine.in_trainer:
+            raise ValueError(
+                "rollout.lora_sync=adapter needs rollout.engine=embedded: megaopd serve and SGLang 0.5.23 take "
+                "merged weights on this build (SGLang's LoRA routes need a GPU); set rollout.lora_sync=merged"
+            )
         check_sampling(self)
         check_overlap(self)
+
+    def resolve_lora_sync(self, lora_enabled: bool) -> None:
+        """lora_sync as the job runs it (the config's loader calls it once, with student.lora.enabled): auto
+        becomes adapter for the embedded engine and merged for remote ones; a LoRA-less student keeps auto (its
+        syncs send every weight) and refuses an explicit setting."""
+        if not lora_enabled:
+            if self.lora_sync != "auto":
+                raise ValueError(
+                    f"rollout.lora_sync={self.lora_sync} needs student.lora.enabled=true: drop rollout.lora_sync "
+                    "(a student without adapters always sends every weight)"
+                )
+            return
+        if self.lora_sync == "auto":
+            self.lora_sync = ADAPTER_SYNC if self.engine.in_trainer else MERGED_SYNC
+
+    @property
+    def sends_adapters(self) -> bool:
+        """The weight sync sends the LoRA adapters alone (after the base, once)."""
+        return self.lora_sync == ADAPTER_SYNC
 
 
 def check_env_name(key: str, name: str) -> None:

@@ -4,6 +4,7 @@ model runner of megaopd.engine, in this process. The CPU default engine (GPU whe
     engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir="path/to/hf"))
     samples = engine.generate([[1, 2, 3]], SamplingParams(n=4, max_new_tokens=32, seed=0))
     engine.update_weights(actor_hf_named_tensors, weight_version="step-7")
+    engine.update_adapter_weights(peft_named_lora_tensors, rank=16, alpha=32, weight_version="step-8")  # LoRA
 
 What this adds to the runner is the protocol's vocabulary: prompts x n become rows with their seeds
 (protocol.expand_samples) and sampling settings (row_request, which `megaopd serve` uses too), results
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from megaopd.engine.lora import AdapterUpdate
 from megaopd.engine.rows import RowRequest
 from megaopd.engine.runner import ModelRunner
 from megaopd.rollout.protocol import Sample, SampleRequest, SamplingParams, expand_samples
@@ -61,6 +63,16 @@ class EmbeddedEngine(ModelRunner):
             )
             for r, o in zip(rows, results)
         ]
+
+    def update_adapter_weights(
+        self, named_tensors: Iterable[tuple[str, object]], rank: int, alpha: float, weight_version: str | None = None
+    ) -> None:
+        """A LoRA adapter sync (megaopd.sync.in_process, rollout.lora_sync=adapter): peft-named lora_A / lora_B
+        tensors, checked (AdapterUpdate.of: every problem in one error, nothing loaded) and merged into the base
+        weights this engine keeps (ModelRunner.update_adapter). The runner's update_adapter takes the checked
+        record; this is the transports' vocabulary, as update_weights is for full weights."""
+        version = self.weight_version if weight_version is None else str(weight_version)
+        self.update_adapter(AdapterUpdate.of(named_tensors, rank, alpha, version))
 
     def weight_targets(self) -> list["EmbeddedEngine"]:
         return [self]

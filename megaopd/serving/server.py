@@ -15,6 +15,8 @@ Endpoints (schemas as SGLang's; docs/engines.md "SGLang's HTTP API, as megaopd u
   POST /update_weights_from_distributed            receives broadcast tensors, loads them by HF name
                                                    (per-tensor format: straight into the parameters)
   POST /update_weights_from_disk                   loads *.safetensors of a directory by HF name
+  POST /load_lora_adapter                          lora_name, lora_path: a peft adapter folder merged into
+                                                   the served base (float32), under the same allowed roots
   POST /destroy_weights_update_group
   POST /begin_weight_update  /end_weight_update    only when acting as SGLang >= 0.5.20 (--sglang-version):
                                                    then updates from distributed / tensor are refused
@@ -218,6 +220,7 @@ class RolloutServer:
             ("POST", "/update_weights_from_distributed"): _with_success(w.update_from_distributed),
             ("POST", "/update_weights_from_disk"): _with_success(w.update_from_disk),
             ("POST", "/update_weights_from_tensor"): _with_success(w.update_from_tensor),
+            ("POST", "/load_lora_adapter"): _with_success(w.load_lora_adapter),
             ("POST", "/destroy_weights_update_group"): _with_success(w.destroy_group),
             ("GET", "/flush_cache"): self._flush,
             ("POST", "/flush_cache"): self._flush,

@@ -232,6 +232,49 @@ class WeightUpdates:
         self.nonfinite.difference_update(tensors)
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
+    def load_lora_adapter(self, req: dict) -> dict:
+        """POST /load_lora_adapter (SGLang's route and fields: lora_name, lora_path): a peft adapter folder
+        (adapter_config.json, adapter_model.safetensors) under the allowed folders, merged into the served base
+        (ModelRunner.update_adapter: W_base + (alpha / r) B A in float32; the previous adapter's weights return to
+        the base); lora_name becomes the weight version. The key, the body limit and the allowed roots are those
+        of every update; every file is checked against the roots (a symlink may point out); all or nothing."""
+        import json
+
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from megaopd.engine.lora import AdapterError, AdapterUpdate
+        from megaopd.models.hf_io import PEFT_CONFIG, PEFT_WEIGHTS
+
+        engine = self._engine()
+        require(req, ("lora_name", "lora_path"))
+        name, path = req["lora_name"], req["lora_path"]
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise BadRequest("lora_name and lora_path must be strings", kind="schema")
+        real = _allowed(self.roots.check, path)
+        files = [os.path.join(real, f) for f in (PEFT_CONFIG, PEFT_WEIGHTS)]
+        if not all(os.path.isfile(f) for f in files):
+            return {"success": False, "message": f"{path} is not a peft adapter folder ({PEFT_CONFIG}, {PEFT_WEIGHTS})"}
+        config_file, weights_file = (_allowed(self.roots.check, f) for f in files)
+        try:
+            with open(config_file) as f:
+                config = json.load(f)
+            tensors = load_file(weights_file)
+        except (OSError, ValueError, SafetensorError) as e:
+            return {"success": False, "message": f"{path}: unreadable adapter: {e}"}
+        if not isinstance(config, dict):
+            return {"success": False, "message": f"{path}: {PEFT_CONFIG} must hold a JSON object"}
+        rank, alpha = config.get("r"), config.get("lora_alpha")
+        if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
+            return {"success": False, "message": f"{path}: only plain LoRA adapters load (not DoRA, rsLoRA)"}
+        if not isinstance(rank, int) or isinstance(rank, bool) or not isinstance(alpha, (int, float)):
+            return {"success": False, "message": f"{path}: {PEFT_CONFIG} needs an integer r and a number lora_alpha"}
+        try:
+            engine.update_adapter(AdapterUpdate.of(tensors.items(), rank, float(alpha), name))
+        except (AdapterError, WeightMismatchError, EngineReleasedError) as e:
+            return {"success": False, "message": _FAILED + " ".join(str(e).split())}
+        return {"success": True, "message": f"Succeeded to load LoRA adapter {name}."}
+
     def generation_refusal(self) -> str | None:
         """Why /generate is refused now (weights with NaN / inf loaded), or None."""
         return _nonfinite_message(sorted(self.nonfinite), loaded=True) if self.nonfinite else None

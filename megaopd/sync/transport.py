@@ -31,6 +31,23 @@ class Transport(Protocol):
 
 
 @dataclass(frozen=True)
+class AdapterMeta:
+    """What an adapter update needs besides its peft-named tensors: the adapters' rank and alpha (the engine
+    merges W + (alpha / rank) B A). From the actor: models.lora.lora_meta."""
+
+    rank: int
+    alpha: float
+
+
+class AdapterTransport(Transport, Protocol):
+    """A transport whose kind has `adapters`: it also hands peft-named LoRA tensors to engines."""
+
+    def push_adapter(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], meta: AdapterMeta, weight_version: str | None
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
 class TransportSetup:
     """What one rank builds its transport from, at the first push."""
 
@@ -64,6 +81,10 @@ class TransportKind:
     decide: Callable[[list, IpcLayout], Any] | None = None
     """Rank 0, at the first push: what every rank needs to build it (its targets and the trainer's layout in),
     broadcast as TransportSetup.decision."""
+
+    adapters: bool = False
+    """Its transport also takes LoRA adapter updates (push_adapter; rollout.lora_sync=adapter): the engines it
+    serves merge the adapter into the base weights they keep."""
 
     def fits(self, colocated: bool) -> bool:
         return self.colocated is None or self.colocated == colocated

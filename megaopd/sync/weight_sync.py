@@ -12,7 +12,11 @@ push() is collective over `group` (default: torch's default group) and the actor
     2. colocated engines: every rank empties its CUDA cache (the trainer's cached blocks would leave
        the engines too little memory), then rank 0 resumes "weights" on the engines that released them;
     3. gather (megaopd.models.gather: over TP, over EP for a MoE actor's experts, then PP) and send (the transports);
-    ranks that send nothing drain the gather;
+    ranks that send nothing drain the gather. A LoRA student with rollout.lora_sync=adapter sends its adapters
+    alone (gather_adapter_weights, peft names; the transport's push_adapter), after the base weights on the
+    first push (the engines merge every adapter into the base they keep, so it must be the actor's) and on every
+    push to colocated engines (which drop their weights while the actor trains); lora_sync=merged (or a
+    LoRA-less student) sends every weight, an adapted one as W + (alpha / r) B A (float32 math);
     4. colocated engines: rank 0 resumes "kv_cache" and "cuda_graph" where released (SGLang's order
        after training: weights first, then the KV cache, so the two never compete for memory);
     5. a barrier (an all-reduce of "abandoned"): no rank runs ahead while the engines still load.
@@ -34,13 +38,15 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from megaopd.models.gather import gather_hf_weights, model_state
+from megaopd.models.gather import gather_adapter_weights, gather_hf_weights, model_state
+from megaopd.models.lora import lora_meta
+from megaopd.models.weights import ADAPTER_A, ADAPTER_B
 from megaopd.parallel.dist import device
 from megaopd.rollout.config import RolloutConfig
 from megaopd.rollout.waits import WaitAbandoned
 from megaopd.sync import cuda_ipc, distributed, in_process
 from megaopd.sync.cuda_ipc import IpcLayout
-from megaopd.sync.transport import TransportKind, TransportSetup
+from megaopd.sync.transport import AdapterMeta, TransportKind, TransportSetup
 
 TRANSPORT_KINDS: dict[str, TransportKind] = {k.name: k for k in (in_process.KIND, distributed.KIND, cuda_ipc.KIND)}
 """Every weight transport, in order of preference (the first one an engine accepts and that fits
@@ -80,7 +86,10 @@ class SyncStats:
     seconds: float
     tensors: int
     bytes: int
+    """Every byte the push sent (an adapter push's first: the base too)."""
     transports: list[str]
+    adapter_bytes: int = 0
+    """Of `bytes`, the LoRA adapter tensors' (rollout.lora_sync=adapter; 0 when every weight was sent merged)."""
 
 
 class WeightSync:
@@ -103,6 +112,9 @@ class WeightSync:
         self.local_world_size, self.engines_per_node = local_world_size, engines_per_node
         self.choice: TransportChoice | None = None
         self.transports: list = []
+        self.base_sent = False
+        self._sent = (0, 0)  # tensors and bytes of this push's full-weight sends so far (rank 0's stats)
+        """rollout.lora_sync=adapter: the engines hold the actor's base weights (sent by the first push)."""
 
     # -------------------------------------------------------------------------------------- choice
     def _targets_by_transport(self) -> dict[str, list]:
@@ -112,6 +124,12 @@ class WeightSync:
         alone = [name for name in groups if TRANSPORT_KINDS[name].alone]
         if alone and len(groups) > 1:
             raise ValueError(f"engines taking {alone[0]} must all take it; this pool mixes {sorted(groups)}")
+        plain = [name for name in groups if not TRANSPORT_KINDS[name].adapters]
+        if self.rollout.sends_adapters and plain:
+            raise ValueError(
+                f"rollout.lora_sync=adapter: the {plain[0]} transport sends full weights only; set "
+                "rollout.lora_sync=merged"
+            )
         return groups
 
     def _layout(self) -> IpcLayout:
@@ -144,6 +162,7 @@ class WeightSync:
         calls it. Returns stats on rank 0. WaitAbandoned on every rank when rank 0's waits on the engines were
         given up (a preemption signal; the module docstring)."""
         t0 = time.perf_counter()
+        self._sent = (0, 0)
         if self.choice is None:
             self._choose_transports()
         colocated, abandoned = self.rollout.colocated, False
@@ -151,12 +170,24 @@ class WeightSync:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # every rank: hand the cached blocks back before engines re-allocate
             abandoned = _abandoned(self._resume, ("weights",))
-        counted = _Counter(gather_hf_weights(model_state(model), hf_cfg, pgs.tp, pgs.pp, ep_group=expert_group(pgs)))
-        # Rank 0 sends even after an abandoned resume: a transport of every rank (cuda_ipc) has collectives, and
-        # its requests then end at once, together (an abandoned one is shared there).
-        abandoned = _abandoned(self._send, counted, weight_version) or abandoned
-        for _ in counted:  # ranks that send nothing still take part in every gather and PP broadcast
-            pass
+        state = model_state(model)
+        adapter = None
+        if self.rollout.sends_adapters:
+            meta = lora_meta(model)
+            if meta is None:
+                raise ValueError("rollout.lora_sync=adapter but the actor has no adapters: set student.lora.enabled")
+            if not self.base_sent or colocated:  # the engines merge into the base they keep: it must be the actor's
+                abandoned = self._full(_base_state(state), hf_cfg, pgs, weight_version) or abandoned
+                self.base_sent = True  # on every rank alike: whether the base goes decides a collective gather
+            adapter = _Counter(gather_adapter_weights(state, hf_cfg, pgs.tp, pgs.pp))
+            abandoned = (
+                _abandoned(self._send_adapter, adapter, AdapterMeta(meta["rank"], meta["alpha"]), weight_version)
+                or abandoned
+            )
+            for _ in adapter:  # ranks that send nothing still take part in every gather and PP broadcast
+                pass
+        else:
+            abandoned = self._full(state, hf_cfg, pgs, weight_version) or abandoned
         if colocated and not abandoned:
             abandoned = _abandoned(self._resume, ("kv_cache", "cuda_graph"))
         flag = torch.tensor([float(abandoned)], device=device())
@@ -167,7 +198,28 @@ class WeightSync:
             )
         if self.rank != 0:
             return None
-        return SyncStats(time.perf_counter() - t0, counted.tensors, counted.bytes, list(self.choice.transports))
+        tensors, sent = self._sent
+        if adapter is not None:
+            tensors, sent = tensors + adapter.tensors, sent + adapter.bytes
+        adapter_bytes = adapter.bytes if adapter is not None else 0
+        return SyncStats(time.perf_counter() - t0, tensors, sent, list(self.choice.transports), adapter_bytes)
+
+    def _full(self, state, hf_cfg, pgs, weight_version: str | None) -> bool:
+        """Gathers and sends every weight of `state` (an adapted one merged); True when a wait was abandoned."""
+        counted = _Counter(gather_hf_weights(state, hf_cfg, pgs.tp, pgs.pp, ep_group=expert_group(pgs)))
+        # Rank 0 sends even after an abandoned resume: a transport of every rank (cuda_ipc) has collectives, and
+        # its requests then end at once, together (an abandoned one is shared there).
+        abandoned = _abandoned(self._send, counted, weight_version)
+        for _ in counted:  # ranks that send nothing still take part in every gather and PP broadcast
+            pass
+        self._sent = (self._sent[0] + counted.tensors, self._sent[1] + counted.bytes)
+        return abandoned
+
+    def _send_adapter(self, counted: "_Counter", meta: AdapterMeta, weight_version: str | None) -> None:
+        senders = [t for t in self.transports if t.all_ranks or self.rank == 0]
+        named = list(counted) if len(senders) > 1 else counted  # each transport needs the whole stream
+        for t in senders:
+            t.push_adapter(named, meta, weight_version)
 
     def _send(self, counted: "_Counter", weight_version: str | None) -> None:
         senders = [t for t in self.transports if t.all_ranks or self.rank == 0]
@@ -190,7 +242,7 @@ class WeightSync:
     def close(self) -> None:
         for t in self.transports:
             t.close()
-        self.transports, self.choice = [], None
+        self.transports, self.choice, self.base_sent = [], None, False
 
 
 def _abandoned(fn, *args) -> bool:
@@ -200,6 +252,11 @@ def _abandoned(fn, *args) -> bool:
         return False
     except WaitAbandoned:
         return True
+
+
+def _base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA actor's state without its adapters: gather_hf_weights then yields the frozen base unmerged."""
+    return {k: v for k, v in state.items() if not k.endswith((ADAPTER_A, ADAPTER_B))}
 
 
 def expert_group(pgs):

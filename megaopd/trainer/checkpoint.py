@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
 import torch
@@ -125,6 +125,9 @@ class Checkpointer:
     """The directory whose config.json and tokenizer files are copied in."""
     keep: int = 2
     """Complete steps kept (the newest by the step they record; _prune)."""
+    model_meta: Mapping[str, object] = field(default_factory=dict)
+    """What the model's metadata records besides the step (a LoRA student: base_model, the HF base its adapters
+    apply to, which a peft export names as base_model_name_or_path)."""
 
     def save(self, step: int, meta: Mapping[str, object]) -> str:
         """Collective: every rank calls it. Returns the checkpoint directory. The components' state is rank 0's
@@ -140,7 +143,13 @@ class Checkpointer:
             os.makedirs(os.path.join(tmp, "rng"))
         dist.barrier()
         save_model_checkpoint(
-            model, tmp, self.hf_cfg, pgs, hf_side_dir=self.hf_side_dir, extra_meta={"step": step}, manifest=False
+            model,
+            tmp,
+            self.hf_cfg,
+            pgs,
+            hf_side_dir=self.hf_side_dir,
+            extra_meta={"step": step, **self.model_meta},
+            manifest=False,
         )
         dist_checkpointing.save(_optimizer_sd(model, optimizer, pgs, is_loading=False), os.path.join(tmp, "optimizer"))
         save_file(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.safetensors"))

@@ -28,7 +28,7 @@ from megaopd.models.builder import (
     apply_student_lora,
     build_gpt_model,
 )
-from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint
+from megaopd.models.checkpoint import is_megatron_checkpoint, load_model_checkpoint, saved_lora
 from megaopd.models.config import ModelConfig
 from megaopd.models.hf_config import HFModelConfig, read_hf_config
 from megaopd.models.hf_io import HFWeights
@@ -65,6 +65,9 @@ def load_role_model(
     memory = activation_memory_overrides(section.recompute, section.recompute_num_layers, section.sequence_parallel)
     lora = getattr(section, "lora", None) if trainable else None
     lora = lora if lora is not None and lora.enabled else None
+    # A LoRA checkpoint (metadata 'lora') holds base + adapters: they are rebuilt before it loads (or refused).
+    saved = saved_lora(path, "student" if trainable else "model", lora, trainable)
+    lora = saved or lora
     # A trained MoE router gets the HF config's load-balancing loss; a frozen one none. LoRA wraps megatron's
     # local linears only (models/lora.py: TE's fused norm + linear has another input).
     model = build_gpt_model(
@@ -79,6 +82,8 @@ def load_role_model(
             use_te=False if lora is not None else None,
         ),
     )
+    if saved is not None:
+        apply_student_lora(model, hf, saved, pgs, seed)
     if is_megatron_checkpoint(path):
         load_model_checkpoint(model, path, pgs)
     else:
@@ -93,7 +98,7 @@ def load_role_model(
             ep_size=section.ep,
         )
         load_hf_weights(model, HFWeights(path), hf, place)
-    if lora is not None:
+    if lora is not None and saved is None:  # on an HF base: the adapters start fresh (B = 0)
         apply_student_lora(model, hf, lora, pgs, seed)
     if not trainable:
         model.requires_grad_(False)

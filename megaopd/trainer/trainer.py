@@ -37,8 +37,10 @@ from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.data.vocab import loss_mask_ids
 from megaopd.losses import mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
-from megaopd.models.gather import gather_hf_weights, model_state
-from megaopd.models.hf_io import load_tokenizer, save_hf_dir, tokenizer_dir
+from megaopd.models.checkpoint import base_model_of
+from megaopd.models.gather import gather_adapter_weights, gather_hf_weights, model_state
+from megaopd.models.hf_io import load_tokenizer, save_hf_dir, save_peft_adapter, tokenizer_dir
+from megaopd.models.weights import adapted_linears
 from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import holds_results, init_distributed, rank0_computes
 from megaopd.rollout.records import RolloutBatch
@@ -92,6 +94,8 @@ class Trainer:
         self._load_inputs()
         self._load_models()
         self._build_stages()
+        # A LoRA student's adapters apply to its HF base: checkpoints and the peft export name it.
+        self.base_model = base_model_of(cfg.student.path) if cfg.student.lora.enabled else ""
         self.checkpointer = Checkpointer(  # what a checkpoint saves and resume restores, named once
             run_dir=cfg.run.dir,
             model=self.actor.model,
@@ -105,6 +109,7 @@ class Trainer:
             },
             hf_cfg=self.actor.hf,
             hf_side_dir=tokenizer_dir(self.actor.path),
+            model_meta={"base_model": self.base_model} if self.base_model else {},
         )
         self._resume()
         self._start_engine()
@@ -302,6 +307,8 @@ class Trainer:
             summary.end_step, summary.preempted = self.step, True
             return summary
         export_hf(self.actor, os.path.join(self.cfg.run.dir, "hf"))
+        if self.base_model:  # beside the merged student: its peft adapter folder for the HF base
+            export_adapter(self.actor, os.path.join(self.cfg.run.dir, "hf_adapter"), self.base_model)
         summary.end_step, summary.last_metrics = self.step, self._last_metrics or {}
         summary.step_time_mean = sum(step_times) / max(len(step_times), 1)
         flow.close()
@@ -516,6 +523,25 @@ def export_hf(actor, out_dir: str) -> None:
     )  # a stream: one tensor at a time
     if dist.get_rank() == 0:
         save_hf_dir(out_dir, tensors, side_files_from=actor.path)
+    else:
+        for _ in tensors:
+            pass
+    dist.barrier()
+
+
+def export_adapter(actor, out_dir: str, base_model: str) -> None:
+    """A LoRA student's adapters as a peft adapter folder (adapter_config.json with base_model_name_or_path =
+    base_model, adapter_model.safetensors in peft's names) that peft.PeftModel.from_pretrained loads onto the HF
+    base; collective, as export_hf."""
+    from megaopd.models.lora import lora_meta
+
+    meta = lora_meta(actor.model)
+    state = model_state(actor.model)
+    tensors = gather_adapter_weights(state, actor.hf, actor.pgs.tp, actor.pgs.pp)
+    if dist.get_rank() == 0:
+        save_peft_adapter(
+            out_dir, tensors, meta["rank"], meta["alpha"], adapted_linears(state), base_model, meta["dropout"]
+        )
     else:
         for _ in tensors:
             pass

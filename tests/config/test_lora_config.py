@@ -66,3 +66,63 @@ def test_lora_on_moe_experts_refused_in_one_line(moe_models, tmp_path):  # noqa:
          "student.lora.targets=[qkv,proj]"],
     )  # fmt: skip
     assert cfg.student.lora.enabled
+
+
+def test_lora_sync_resolves_per_engine():
+    """rollout.lora_sync=auto: adapter for the embedded engine, merged for remote ones; auto kept without LoRA."""
+    assert load_config(MegaOPDConfig, PRESET).rollout.lora_sync == "auto"
+    on = ["student.lora.enabled=true"]
+    assert load_config(MegaOPDConfig, PRESET, on).rollout.lora_sync == "adapter"
+    remote = on + ["rollout.engine=remote", "rollout.urls=[http://127.0.0.1:1]"]
+    assert load_config(MegaOPDConfig, PRESET, remote).rollout.lora_sync == "merged"
+    assert load_config(MegaOPDConfig, PRESET, on + ["rollout.lora_sync=merged"]).rollout.lora_sync == "merged"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.lora_sync=adapter"], "rollout.lora_sync=adapter needs student.lora.enabled=true"),
+        (["rollout.lora_sync=merged"], "rollout.lora_sync=merged needs student.lora.enabled=true"),
+        (["student.lora.enabled=true", "rollout.lora_sync=delta"], "rollout.lora_sync='delta': choose auto"),
+        (
+            [
+                "student.lora.enabled=true",
+                "rollout.lora_sync=adapter",
+                "rollout.engine=remote",
+                "rollout.urls=[http://127.0.0.1:1]",
+            ],
+            "take merged weights on this build (SGLang's LoRA routes need a GPU); set rollout.lora_sync=merged",
+        ),
+    ],
+)
+def test_bad_lora_sync_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(MegaOPDConfig, PRESET, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_checkpoint_as_student_path_refused_without_lora(tmp_path):
+    """A LoRA checkpoint (metadata 'lora') as student.path: refused at load, before any model is built, unless
+    student.lora matches its adapters (roles.load_role_model then rebuilds them before the load:
+    tests/trainer/test_lora_export.py)."""
+    import json
+    import shutil
+
+    from megaopd.models.checkpoint import FORMAT, META_NAME, MODEL_SUBDIR
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree("examples/tiny/models/student", ckpt)
+    (ckpt / MODEL_SUBDIR).mkdir()
+    lora = dict(enabled=True, rank=16, alpha=32.0, targets=["qkv", "proj", "fc1", "fc2"], dropout=0.0)
+    (ckpt / META_NAME).write_text(json.dumps({"format": FORMAT, "version": 1, "lora": lora}))
+    base = [f"student.path={ckpt}", f"reference.path={ckpt}", "student.tp=1", "reference.tp=1", "run.world_size=1"]
+    with pytest.raises(ConfigError) as e:
+        load_config(MegaOPDConfig, "examples/tiny/stable_opd.yaml", base)
+    assert "is a LoRA checkpoint (rank 16" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            MegaOPDConfig, "examples/tiny/stable_opd.yaml", base + ["student.lora.enabled=true", "student.lora.rank=8"]
+        )
+    assert "differs from the adapters saved" in str(e.value) and "\n" not in str(e.value)
+    cfg = load_config(MegaOPDConfig, "examples/tiny/stable_opd.yaml", base + ["student.lora.enabled=true"])
+    assert cfg.student.lora.rank == 16

@@ -456,3 +456,53 @@ def test_the_command_line_reads_the_key_from_the_environment(tiny_dir, tmp_path)
         assert call(server.url, "GET", "/get_model_info", key="wrong")[0] == 401
     text = open(log).read()
     assert "API key required" in text and KEY not in text, text[-2000:]
+
+
+def test_lora_adapter_loads_only_with_the_key_and_from_allowed_folders(keyed, root, tiny_dir, tmp_path):
+    """POST /load_lora_adapter (issue 55): a peft adapter folder merged into the served base, behind the same key,
+    allowed roots and finite-value check as /update_weights_from_disk; a zero adapter brings the base back."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from megaopd.models.hf_config import read_hf_config
+    from megaopd.models.weights import hf_shapes
+
+    shapes = hf_shapes(read_hf_config(tiny_dir))
+    gen = torch.Generator().manual_seed(3)
+
+    def adapter(folder, scale, poison=False):
+        tensors = {}
+        for n, shape in shapes.items():
+            if n.endswith(("q_proj.weight", "down_proj.weight")):
+                rows, cols = shape
+                stem = "base_model.model." + n[: -len("weight")]
+                tensors[stem + "lora_A.weight"] = torch.randn(4, cols, generator=gen)
+                tensors[stem + "lora_B.weight"] = torch.randn(rows, 4, generator=gen) * scale
+        if poison:
+            next(iter(tensors.values()))[0, 0] = float("nan")
+        folder.mkdir()
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+        return str(folder)
+
+    url = keyed.url
+    before = greedy(url)
+    outside = adapter(tmp_path / "outside", 1.0)
+    status, out = call(url, "POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": outside})
+    assert status == 403 and "--allowed-weight-root" in out["message"], out
+    inside = adapter(root / "lora_a", 1.0)
+    assert call(url, "POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": inside}, key=None)[0] == 401
+    status, out = call(
+        url, "POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": adapter(root / "nan", 1.0, True)}
+    )
+    assert status == 400 and "non-finite" in out["message"], out
+    assert greedy(url) == before  # nothing loaded so far
+    status, out = call(url, "POST", "/load_lora_adapter", {"lora_name": "lora-step-1", "lora_path": inside})
+    assert status == 200 and out["success"], out
+    assert greedy(url) != before
+    status, out = call(
+        url, "POST", "/load_lora_adapter", {"lora_name": "zero", "lora_path": adapter(root / "zero", 0.0)}
+    )
+    assert status == 200 and greedy(url) == before  # the base plus a zero adapter: the base again

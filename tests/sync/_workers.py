@@ -184,3 +184,67 @@ def moe_actor_to_embedded(rank, world_size, hf_dir, out_dir, tp, pp, ep):
         "engine_lp": engine.prompt_logprobs(PROBE[0])[1:],
         "weight_version": engine.weight_version,
     }
+
+
+def lora_actor_to_embedded(rank, world_size, hf_dir, tp, lora_sync):
+    """A LoRA student at TP=tp (student.lora on all linears) syncs twice into an embedded engine built from hf_dir,
+    its adapters set to seeded random values before each push (the same model at any TP), with
+    rollout.lora_sync=lora_sync. Returns on rank 0, per push: max |engine - actor| log-prob over PROBE, the
+    bytes sent and the adapter's share; and the bytes a LoRA-less full sync of the same model sends."""
+    import zlib
+
+    from megaopd.batching.micro_batches import ScoringBatches
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.models.config import LoRAConfig, StudentConfig
+    from megaopd.models.lora import adapters
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.rollout.config import RolloutConfig
+    from megaopd.rollout.embedded import EmbeddedEngine
+    from megaopd.scoring.passes import ScoreRequest, score_tokens
+    from megaopd.scoring.runner import PipelineRunner
+    from megaopd.sync import WeightSync
+    from megaopd.trainer.roles import load_role_model
+
+    pgs = initialize_actor_layout(Layout(tp))
+    lora = LoRAConfig(enabled=True, rank=4, alpha=8.0, targets=["all"])
+    actor = load_role_model(StudentConfig(path=hf_dir, tp=tp, lora=lora), pgs, trainable=True, seed=3)
+    engine = (
+        EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, max_batch_size=4, load_tokenizer=False))
+        if rank == 0
+        else None
+    )
+    rollout = RolloutConfig(lora_sync=lora_sync)
+    sync = WeightSync(engine, rollout, rank)
+    S = max(len(p) for p in PROBE)
+    tokens = torch.zeros(len(PROBE), S, dtype=torch.long)
+    for b, p in enumerate(PROBE):
+        tokens[b, : len(p)] = torch.tensor(p)
+
+    def randomize(seed):
+        """Full A and B drawn by the layer's name, then this rank's TP slice (as models/lora.py shards them)."""
+        tp_rank = pgs.tp.rank()
+        for name, a in adapters(actor.model):
+            gen = torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+            for p, split in ((a.lora_A, 1 if a.kind == "row" else None), (a.lora_B, 0 if a.kind == "column" else None)):
+                full_shape = list(p.shape)
+                if split is not None:
+                    full_shape[split] *= tp
+                full = torch.randn(full_shape, generator=gen) * 0.2
+                with torch.no_grad():
+                    p.copy_(full if split is None else full.chunk(tp, dim=split)[tp_rank])
+
+    pushes = []
+    for version, seed in enumerate((11, 12), start=1):
+        randomize(seed)
+        stats = sync.push(actor.model, actor.hf, pgs, weight_version=str(version))
+        actor_lp = score_tokens(
+            PipelineRunner(actor.model, pgs, actor.hf.vocab_size), tokens, ScoringBatches(2), ScoreRequest(1.0)
+        ).logprobs_BT
+        if rank == 0:
+            engine_lp = [engine.prompt_logprobs(p)[1:] for p in PROBE]
+            gap = max(abs(e - a) for b, lp in enumerate(engine_lp) for e, a in zip(lp, actor_lp[b, : len(lp)].tolist()))
+            pushes.append(
+                dict(gap=gap, bytes=stats.bytes, adapter_bytes=stats.adapter_bytes, version=engine.weight_version)
+            )
+    sync.close()
+    return pushes if rank == 0 else None

@@ -48,3 +48,42 @@ def lora_optimizer_step(rank, world_size, hf_dir, ids, tp):
         model_numel=sum(p.numel() for p in model.parameters()),
         changed=changed,
     )
+
+
+def lora_checkpoint_and_export(rank, world_size, hf_dir, out, tp):
+    """A LoRA student at TP=tp with seeded adapters: the final export's two folders (trainer.export_hf -> hf/,
+    trainer.export_adapter -> hf_adapter/ naming hf_dir as the base), and a checkpoint of it (base_model in its
+    metadata, as the trainer's Checkpointer writes) loaded back as student.path by roles.load_role_model: with
+    student.lora matching (adapters rebuilt before the load: equal), and refused with it off."""
+    import os
+
+    from megaopd.models.checkpoint import read_checkpoint_meta, save_model_checkpoint
+    from megaopd.models.config import LoRAConfig, StudentConfig
+    from megaopd.models.lora import adapter_parameters, adapters
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.trainer.roles import load_role_model
+    from megaopd.trainer.trainer import export_adapter, export_hf
+
+    pgs = initialize_actor_layout(Layout(tp))
+    lora = LoRAConfig(enabled=True, rank=4, alpha=8.0, targets=["all"])
+    actor = load_role_model(StudentConfig(path=hf_dir, tp=tp, lora=lora), pgs, trainable=True, seed=2)
+    gen = torch.Generator().manual_seed(7 + pgs.tp.rank())
+    for _, a in adapters(actor.model):
+        with torch.no_grad():
+            a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=gen) * 0.1)
+            if a.kind == "row":  # replicated B: the same on every TP rank
+                torch.distributed.broadcast(
+                    a.lora_B.data, src=torch.distributed.get_global_rank(pgs.tp, 0), group=pgs.tp
+                )
+    export_hf(actor, os.path.join(out, "hf"))
+    export_adapter(actor, os.path.join(out, "hf_adapter"), os.path.abspath(hf_dir))
+    ckpt = os.path.join(out, "ckpt")
+    save_model_checkpoint(actor.model, ckpt, actor.hf, pgs, hf_side_dir=hf_dir, extra_meta={"base_model": hf_dir})
+    back = load_role_model(StudentConfig(path=ckpt, tp=tp, lora=lora), pgs, trainable=True, seed=9)
+    same = all(torch.equal(p, q) for p, q in zip(adapter_parameters(actor.model), adapter_parameters(back.model)))
+    try:
+        load_role_model(StudentConfig(path=ckpt, tp=tp), pgs, trainable=True)
+        refusal = ""
+    except ValueError as e:
+        refusal = str(e)
+    return dict(same=same, refusal=refusal, base_model=read_checkpoint_meta(ckpt).get("base_model"))
