@@ -238,12 +238,9 @@ def build_models(
 
 
 def _reference_is_the_base(cfg: MegaOPDConfig) -> bool:
-    """A LoRA student whose reference is its own initial weights (reference.path empty or the student's) reads the
-    reference from itself with the adapters off (models/lora.BaseView, bit-exact: tests/models/test_lora.py), unless
-    an in-job teacher is that reference too (it then keeps the frozen copy it shares)."""
-    if not cfg.student.lora.enabled or cfg.reference.path not in ("", cfg.student.path):
-        return False
-    return not any(cfg.teacher_shares_reference(t) for t in cfg.teachers)
+    """The reference read from the LoRA student with its adapters off (models/lora.BaseView, bit-exact:
+    tests/models/test_lora.py): the one rule is MegaOPDConfig.reference_is_the_base, which `megaopd plan` reads too."""
+    return cfg.reference_is_the_base()
 
 
 def _park(model: torch.nn.Module, offload: bool) -> None:
