@@ -278,7 +278,7 @@ def evaluate_dir(hf_dir: str, problems: int = EVAL_PROBLEMS) -> dict:
     import torch
 
     from megaopd.engine.config import EmbeddedEngineConfig
-    from megaopd.eval.evaluate import EvalConfig, evaluate
+    from megaopd.eval.evaluate import EvalConfig, EvalModel, evaluate
     from megaopd.models.hf_io import load_tokenizer
     from megaopd.rollout.embedded import EmbeddedEngine
 
@@ -286,8 +286,7 @@ def evaluate_dir(hf_dir: str, problems: int = EVAL_PROBLEMS) -> dict:
     engine = EmbeddedEngine(EmbeddedEngineConfig(hf_dir=hf_dir, device="cpu"))
     tokenizer = load_tokenizer(hf_dir)  # the trainer's loader (AutoTokenizer picks a wrong class here)
     result = evaluate(
-        engine,
-        tokenizer,
+        EvalModel(engine, tokenizer),
         [os.path.join(DATA, "val.jsonl")],
         EvalConfig(
             samples=1,
