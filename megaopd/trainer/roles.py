@@ -154,7 +154,7 @@ def build_models(
     groups = {student_layout: actor_pgs}
     in_job: dict[str, RoleModel] = {}
     reference = None
-    free_reference = needs.reference and _reference_is_the_base(cfg)
+    free_reference = needs.reference and cfg.reference_is_the_base()  # BaseView: adapters off, bit-exact
     if needs.reference and not free_reference:
         reference = load_role_model(
             cfg.student, actor_pgs, trainable=False, path=cfg.reference.path or cfg.student.path
@@ -235,12 +235,6 @@ def build_models(
         teacher_runner,
         TeacherSet(members, prompts) if members else None,
     )
-
-
-def _reference_is_the_base(cfg: MegaOPDConfig) -> bool:
-    """The reference read from the LoRA student with its adapters off (models/lora.BaseView, bit-exact:
-    tests/models/test_lora.py): the one rule is MegaOPDConfig.reference_is_the_base, which `megaopd plan` reads too."""
-    return cfg.reference_is_the_base()
 
 
 def _park(model: torch.nn.Module, offload: bool) -> None:

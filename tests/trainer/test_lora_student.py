@@ -47,7 +47,6 @@ def test_the_reference_is_the_student_with_adapters_off(overrides, free):
     """Which LoRA jobs read the reference from the student itself (roles.build_models: BaseView partner)."""
     from megaopd.config import load_config
     from megaopd.config.schema import MegaOPDConfig
-    from megaopd.trainer.roles import _reference_is_the_base
 
     cfg = load_config(MegaOPDConfig, "examples/tiny/lora_opd.yaml", overrides)
-    assert _reference_is_the_base(cfg) is free
+    assert cfg.reference_is_the_base() is free
