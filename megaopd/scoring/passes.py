@@ -39,9 +39,9 @@ from megaopd.rollout.records import AT_IDS_LOGPROBS, ENTROPY, LOGPROBS, TOPK_IDS
 from megaopd.scoring.routing import (
     PassOutputs,
     RowRoutes,
-    ScoringPlan,
+    ScoringAssignment,
+    assign_scoring,
     keep_owned,
-    plan_scoring,
     route_at_ids,
     scorer_layout,
     send_to_owners,
@@ -99,35 +99,35 @@ def score_tokens(
         )
     scorers = layout if layout is not None else scorer_layout(runner.pgs, device)
     routes = RowRoutes(owners=owners, scorers=scorers, owner_layout=owners.world_layout(device))
-    plan = plan_scoring(tokens_BS, batches, runner, routes)
+    assignment = assign_scoring(tokens_BS, batches, runner, routes)
     at_ids = at_ids_BTK
-    if at_ids_BTK is not None and not plan.aligned:
-        at_ids = route_at_ids(at_ids_BTK, plan, routes, device)
-    mbs = plan_micro_batches(tokens_BS, at_ids, plan, batches, runner)
+    if at_ids_BTK is not None and not assignment.aligned:
+        at_ids = route_at_ids(at_ids_BTK, assignment, routes, device)
+    mbs = assigned_micro_batches(tokens_BS, at_ids, assignment, batches, runner)
     outputs = request.outputs(at_ids_BTK)
-    local = forward_scores(runner, mbs, request, outputs, len(plan.rows), plan.T)
+    local = forward_scores(runner, mbs, request, outputs, len(assignment.rows), assignment.T)
     pgs = runner.pgs
-    if plan.aligned:
-        return keep_owned(local, plan, outputs, owners, pgs.pp, device, ran=bool(mbs))
+    if assignment.aligned:
+        return keep_owned(local, assignment, outputs, owners, pgs.pp, device, ran=bool(mbs))
     speaks = holds_results(pgs)
-    return send_to_owners(local, plan, outputs, routes, speaks, device)
+    return send_to_owners(local, assignment, outputs, routes, speaks, device)
 
 
-def plan_micro_batches(
+def assigned_micro_batches(
     tokens_BS: torch.Tensor,
     at_ids_BTK: torch.Tensor | None,
-    plan: ScoringPlan,
+    assignment: ScoringAssignment,
     batches: ScoringBatches,
     runner: PipelineRunner,
 ) -> list[ScoringMicroBatch]:
-    """This rank's rows of the pass (plan.rows) in micro-batches: packed by the token budget (uniform under
+    """This rank's rows of the pass (assignment.rows) in micro-batches: packed by the token budget (uniform under
     PP, lengths a multiple of the runner's), or batches.micro_batch_size padded rows."""
-    rows = plan.rows
-    if plan.packed:
+    rows = assignment.rows
+    if assignment.packed:
         return packed_scoring_micro_batches(
             tokens_BS[rows],
             at_ids_BTK,
-            [plan.lengths[i] for i in rows],
+            [assignment.lengths[i] for i in rows],
             batches.max_tokens,
             uniform=runner.pgs.pp.size() > 1,
             multiple=runner.seq_multiple,

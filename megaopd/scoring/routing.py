@@ -1,11 +1,11 @@
 """Where a scoring pass scores each row, and how the scores reach the ranks that own the row.
 
     routes = RowRoutes(owners=owners, scorers=scorers, owner_layout=owner_layout)
-    plan = plan_scoring(tokens_BS, batches, runner, routes)                  # which rows, where
-    at_ids = route_at_ids(at_ids_BTK, plan, routes, device)                  # to the scorers
+    assignment = assign_scoring(tokens_BS, batches, runner, routes)                  # which rows, where
+    at_ids = route_at_ids(at_ids_BTK, assignment, routes, device)                    # to the scorers
     ... forward passes (scoring/passes.py) ...
-    scores = keep_owned(local, plan, outputs, owners, pp_group, device, ran)  # aligned layouts
-    scores = send_to_owners(local, plan, outputs, routes, speaks, device)    # others
+    scores = keep_owned(local, assignment, outputs, owners, pp_group, device, ran)   # aligned layouts
+    scores = send_to_owners(local, assignment, outputs, routes, speaks, device)      # others
 
 When the scoring model's data-parallel replicas are the owners' (the actor, the reference, a teacher in the
 actor's layout: `aligned`) each replica scores exactly its owned rows and nothing moves but the last pipeline
@@ -48,7 +48,7 @@ class RowRoutes:
 
 
 @dataclass(frozen=True)
-class ScoringPlan:
+class ScoringAssignment:
     """Which rows each replica of the scoring model scores in one pass, and what travels to the owners."""
 
     shares: list[list[int]]
@@ -96,14 +96,14 @@ def scorer_layout(pgs: ProcessGroupCollection, device: torch.device) -> WorldLay
     return WorldLayout.gather(pgs.dp.rank(), holds_results(pgs), device)
 
 
-def plan_scoring(
+def assign_scoring(
     tokens_BS: torch.Tensor,
     batches: ScoringBatches,
     runner: PipelineRunner,
     routes: RowRoutes,
-) -> ScoringPlan:
-    """The pass's plan: aligned layouts score the owned rows; otherwise packed shares are balanced by
-    tokens and attention cost, padded ones contiguous."""
+) -> ScoringAssignment:
+    """Which replica scores which rows of the pass: aligned layouts score the owned rows; otherwise packed
+    shares are balanced by tokens and attention cost, padded ones contiguous."""
     pgs = runner.pgs
     S = tokens_BS.shape[1]
     packed = batches.max_tokens is not None and runner.packs
@@ -111,7 +111,7 @@ def plan_scoring(
     owners = routes.owners
     aligned = is_aligned(pgs.dp.size(), owners, routes.scorers, routes.owner_layout)
     shares = scoring_shares(lengths, pgs.dp.size(), packed, owners if aligned else None)
-    return ScoringPlan(shares, pgs.dp.rank(), aligned, packed, lengths, [min(n, S) - 1 for n in lengths], S - 1)
+    return ScoringAssignment(shares, pgs.dp.rank(), aligned, packed, lengths, [min(n, S) - 1 for n in lengths], S - 1)
 
 
 def is_aligned(dp_size: int, owners: RowOwners, scorers: WorldLayout, owner_layout: WorldLayout) -> bool:
@@ -134,30 +134,32 @@ def scoring_shares(lengths: list[int], dp_size: int, packed: bool, aligned_owner
 
 def route_at_ids(
     at_ids_BTK: torch.Tensor,
-    plan: ScoringPlan,
+    assignment: ScoringAssignment,
     routes: RowRoutes,
     device: torch.device,
 ) -> torch.Tensor:
     """The owners' ids to score at (this rank's owned rows, owners.rows() order) -> every rank of the replica
-    that scores each row: [len(plan.rows), T, K] int32 in share order."""
-    K, T = at_ids_BTK.shape[-1], plan.T
+    that scores each row: [len(assignment.rows), T, K] int32 in share order."""
+    K, T = at_ids_BTK.shape[-1], assignment.T
     owners = routes.owners
     mine = owners.rows()
-    scorer = {b: d for d, share in enumerate(plan.shares) for b in share}
-    groups = [routes.scorers.replica(d) for d in range(len(plan.shares))]
-    dests = [groups[scorer[b]] for b in range(len(plan.positions))]
+    scorer = {b: d for d, share in enumerate(assignment.shares) for b in share}
+    groups = [routes.scorers.replica(d) for d in range(len(assignment.shares))]
+    dests = [groups[scorer[b]] for b in range(len(assignment.positions))]
     held = [owners.rows(p.dp_rank) if p.speaks else [] for p in routes.owner_layout.places]
     payload = None
     if owners.sends and mine:
-        valid = valid_positions([plan.positions[b] for b in mine], T)
+        valid = valid_positions([assignment.positions[b] for b in mine], T)
         payload = pack_columns([at_ids_BTK[:, :T].int().to(device)[valid.to(device)]])
-    received, values = route_rows(payload, held, dests, plan.positions, K, device)
-    return scatter_received(unpack_columns(values, [K], [torch.int32])[0], received, plan.positions, plan.rows, T)
+    received, values = route_rows(payload, held, dests, assignment.positions, K, device)
+    return scatter_received(
+        unpack_columns(values, [K], [torch.int32])[0], received, assignment.positions, assignment.rows, T
+    )
 
 
 def keep_owned(
     local: TokenScores | None,
-    plan: ScoringPlan,
+    assignment: ScoringAssignment,
     outputs: PassOutputs,
     owners: RowOwners,
     pp_group,
@@ -167,22 +169,22 @@ def keep_owned(
     """Aligned layouts: the scores stay on the replica that computed them. Every TP rank has them; under PP
     the last stage's, broadcast over the PP group (ran: this rank had micro-batches, as every rank of its
     PP group). Positions past each row's real ones are 0. CPU tensors."""
-    rows = plan.rows
-    valid_BT = valid_positions([plan.positions[b] for b in rows], plan.T)
+    rows = assignment.rows
+    valid_BT = valid_positions([assignment.positions[b] for b in rows], assignment.T)
     out = {}
     for f in outputs.fields:
         trailing = outputs.trailing(f)
         x = None if local is None else getattr(local, f.name)
         if pp_group.size() > 1 and ran:
-            x = broadcast_from_last_stage(x, (len(rows), plan.T, *trailing), f.dtype, pp_group, device)
-        x = x.cpu() if x is not None else torch.zeros((0, plan.T, *trailing), dtype=f.dtype)
+            x = broadcast_from_last_stage(x, (len(rows), assignment.T, *trailing), f.dtype, pp_group, device)
+        x = x.cpu() if x is not None else torch.zeros((0, assignment.T, *trailing), dtype=f.dtype)
         out[f.name] = x * valid_BT.reshape(*valid_BT.shape, *[1] * len(trailing)).to(f.dtype)
     return TokenScores(**out, rows=owners.rows())
 
 
 def send_to_owners(
     local: TokenScores | None,
-    plan: ScoringPlan,
+    assignment: ScoringAssignment,
     outputs: PassOutputs,
     routes: RowRoutes,
     speaks: bool,
@@ -190,20 +192,22 @@ def send_to_owners(
 ) -> TokenScores:
     """Another layout: one all_to_all from each share's speaker to the owning replicas' ranks, the real
     positions only (float32 and int32 columns bit for bit). The owned rows' scores, CPU tensors."""
-    held = [plan.shares[p.dp_rank] if p.speaks else [] for p in routes.scorers.places]
+    held = [assignment.shares[p.dp_rank] if p.speaks else [] for p in routes.scorers.places]
     dests = [routes.owner_layout.replica(o) for o in routes.owners.owner_B]
     widths = [outputs.width(f) for f in outputs.fields]
     payload = None
-    if speaks and plan.rows:
-        valid = valid_positions([plan.positions[b] for b in plan.rows], plan.T).to(device)
+    if speaks and assignment.rows:
+        valid = valid_positions([assignment.positions[b] for b in assignment.rows], assignment.T).to(device)
         payload = pack_columns(
             [getattr(local, f.name).to(device)[valid].reshape(-1, w) for f, w in zip(outputs.fields, widths)]
         )
-    received, values = route_rows(payload, held, dests, plan.positions, sum(widths), device)
+    received, values = route_rows(payload, held, dests, assignment.positions, sum(widths), device)
     mine = routes.owners.rows()
     columns = unpack_columns(values, widths, [f.dtype for f in outputs.fields])
     out = {
-        f.name: scatter_received(col.reshape(-1, *outputs.trailing(f)), received, plan.positions, mine, plan.T)
+        f.name: scatter_received(
+            col.reshape(-1, *outputs.trailing(f)), received, assignment.positions, mine, assignment.T
+        )
         for f, col in zip(outputs.fields, columns)
     }
     return TokenScores(**out, rows=mine)

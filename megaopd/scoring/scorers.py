@@ -43,8 +43,15 @@ from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, holds_results, rank0_computes
 from megaopd.parallel.exchange import pack_columns, route_rows, scatter_received, unpack_columns
 from megaopd.rollout.records import LOGPROBS, SPANS, TOPK_IDS, TOPK_LOGPROBS, RolloutBatch, TokenScores
-from megaopd.scoring.passes import ScoreRequest, forward_scores, plan_micro_batches, score_tokens
-from megaopd.scoring.routing import RowRoutes, ScoringPlan, is_aligned, scorer_layout, scoring_shares, send_to_owners
+from megaopd.scoring.passes import ScoreRequest, assigned_micro_batches, forward_scores, score_tokens
+from megaopd.scoring.routing import (
+    RowRoutes,
+    ScoringAssignment,
+    is_aligned,
+    scorer_layout,
+    scoring_shares,
+    send_to_owners,
+)
 from megaopd.scoring.runner import PipelineRunner
 from megaopd.scoring.views import view_lengths, view_rows
 
@@ -467,9 +474,13 @@ class StreamedPass:
         lengths = row_lengths(tokens_BS, batches.lengths_B)
         shares = self.part_shares(tokens_BS, batches)
         S = tokens_BS.shape[1]
-        plan = ScoringPlan(shares, pgs.dp.rank(), False, self.packed, lengths, [min(n, S) - 1 for n in lengths], S - 1)
-        mbs = plan_micro_batches(tokens_BS, None, plan, batches, self.runner)
-        local = forward_scores(self.runner, mbs, self.request, self.request.outputs(None), len(plan.rows), plan.T)
+        assignment = ScoringAssignment(
+            shares, pgs.dp.rank(), False, self.packed, lengths, [min(n, S) - 1 for n in lengths], S - 1
+        )
+        mbs = assigned_micro_batches(tokens_BS, None, assignment, batches, self.runner)
+        local = forward_scores(
+            self.runner, mbs, self.request, self.request.outputs(None), len(assignment.rows), assignment.T
+        )
         self.shares = self.shares or [[] for _ in shares]
         for d, share in enumerate(shares):
             self.shares[d] += [batch_rows[i] for i in share]
@@ -483,15 +494,17 @@ class StreamedPass:
         outputs = self.request.outputs(None)
         lengths = [max(1, int(n)) for n in lengths_B.tolist()]
         self.shares = self.shares or [[] for _ in range(pgs.dp.size())]  # no part gave this model rows
-        plan = ScoringPlan(self.shares, pgs.dp.rank(), False, self.packed, lengths, [min(n, S) - 1 for n in lengths], T)
+        assignment = ScoringAssignment(
+            self.shares, pgs.dp.rank(), False, self.packed, lengths, [min(n, S) - 1 for n in lengths], T
+        )
         local = None
-        if self.local:  # parts padded to the batch's T, in the order their rows were scored (plan.rows)
+        if self.local:  # parts padded to the batch's T, in the order their rows were scored (assignment.rows)
             local = TokenScores(
                 **{f.name: torch.cat([_pad_T(getattr(p, f.name), T) for p in self.local]) for f in outputs.fields}
             )
         speaks = holds_results(pgs)
         routes = RowRoutes(owners=owners, scorers=self.layout, owner_layout=owner_layout)
-        return send_to_owners(local, plan, outputs, routes, speaks, device)
+        return send_to_owners(local, assignment, outputs, routes, speaks, device)
 
 
 def _pad_T(x: torch.Tensor, T: int) -> torch.Tensor:
