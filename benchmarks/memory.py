@@ -87,10 +87,9 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
     # is 1.3% of a float32 copy of the logits; at the default size here 4 MiB is about that share.
     ops_common.DEFAULT_CHUNK_BYTES = int(chunk_mib * 2**20)
 
-    from megaopd.batching.fields import OLD_LOGPROBS, TEACHER_LOGPROBS
     from megaopd.batching.micro_batches import MicroBatch, ScoringBatches, StepCounts
     from megaopd.batching.packing import PackedRow, Segment
-    from megaopd.losses import build_loss
+    from megaopd.losses import build_loss, loss_input
     from megaopd.models.builder import BuildOptions, build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.dist import destroy_distributed, init_distributed
@@ -147,7 +146,10 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
             loss_mask_BT=half[None].float(),
             golden_mask_BT=(~half)[None].float(),
             counts=StepCounts(T / 2, seqs, T / 2, seqs),
-            inputs={OLD_LOGPROBS: -torch.rand(1, T), TEACHER_LOGPROBS: -torch.rand(1, T)},
+            inputs={
+                loss_input("old_logprobs_BT"): -torch.rand(1, T),
+                loss_input("teacher_logprobs_BT"): -torch.rand(1, T),
+            },
             seq_ids_BT=row.seq_ids(),
             packed=row,
         )
@@ -159,7 +161,10 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
             loss_mask_BT=half_BT.float(),
             golden_mask_BT=(~half_BT).float(),
             counts=StepCounts(T / 2, seqs, T / 2, seqs),
-            inputs={OLD_LOGPROBS: -torch.rand(seqs, Tp), TEACHER_LOGPROBS: -torch.rand(seqs, Tp)},
+            inputs={
+                loss_input("old_logprobs_BT"): -torch.rand(seqs, Tp),
+                loss_input("teacher_logprobs_BT"): -torch.rand(seqs, Tp),
+            },
         )
 
         def step_fn(m, logits_BSv, partner_BSv):

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megaopd.batching.fields import TokenField, needed_fields
+from megaopd.batching.fields import holder, needed_fields, value
 from megaopd.batching.packing import GOLDEN, ON_POLICY, PackedRow, Segment, pack_by_budget, round_up
 from megaopd.batching.padding import pad_rows, pad_to
 from megaopd.batching.plan import BatchingPlan, Packing
 from megaopd.batching.shares import dp_rows, dp_shares
 from megaopd.data import GoldenBatch
-from megaopd.losses import LossInputs, LossNeeds
+from megaopd.losses import LossInput, LossInputs, LossNeeds
 from megaopd.rollout.records import RolloutBatch, TokenScores
 
 
@@ -83,7 +83,7 @@ class MicroBatch:
     golden_mask_BT: torch.Tensor
     """1 where position t's target counts in the SFT loss [R, T]; 0 on on-policy rows."""
     counts: StepCounts
-    inputs: dict[TokenField, torch.Tensor] = dataclasses.field(default_factory=dict)
+    inputs: dict[LossInput, torch.Tensor] = dataclasses.field(default_factory=dict)
     """The inputs this loss reads (batching.fields.needed_fields) on this micro-batch's rows: [R, T(, K)] per
     token, [R] per sequence ([num_seqs] packed); their pad value at padding and golden rows."""
     seq_ids_BT: torch.Tensor | None = None
@@ -252,12 +252,12 @@ def _one_micro_batch(
 
 
 def _padded_input(
-    field: TokenField, k: int | None, rollout: RolloutBatch, r: torch.Tensor, mbs: int, g_per: int, T: int
+    field: LossInput, k: int | None, rollout: RolloutBatch, r: torch.Tensor, mbs: int, g_per: int, T: int
 ) -> torch.Tensor:
     """A loss input on a padded micro-batch: on-policy rows r (padded to mbs rows), then g_per golden rows;
     the field's pad value on padding and golden rows and past each row's positions."""
-    held = field.holder(rollout)
-    x = field.source(rollout, k)
+    held = holder(field, rollout)
+    x = value(field, rollout, k)
     x = x[held.index(r)] if isinstance(held, TokenScores) else x[r]  # scores hold this rank's rows only
     fill = 0 if field.pad is None else field.pad
     x = pad_rows(x, mbs, fill)
@@ -320,7 +320,7 @@ def _packed_micro_batch(
     )
     if rollout is not None:
         mb.loss_mask_BT = row.per_token(loss_mask_BT, ON_POLICY)
-        layouts: dict = {}  # per holder of scores: the row's layout in the rows it holds (built once)
+        layouts: dict = {}  # per Source of scores: the row's layout in the rows it holds (built once)
         mb.inputs = {f: _packed_input(f, k, rollout, row, layouts) for f, k in needed_fields(needs, rollout)}
     if golden is not None:
         mb.golden_mask_BT = row.per_token(golden.loss_mask_BT[:, 1:], GOLDEN)
@@ -328,11 +328,11 @@ def _packed_micro_batch(
 
 
 def _packed_input(
-    field: TokenField, k: int | None, rollout: RolloutBatch, row: PackedRow, layouts: dict
+    field: LossInput, k: int | None, rollout: RolloutBatch, row: PackedRow, layouts: dict
 ) -> torch.Tensor:
     """A loss input on a packed row: per token [1, T] at each on-policy segment's positions; per sequence
     [num_seqs] (segments, then the padding segment). The field's pad value on golden and padding ones."""
-    x = field.source(rollout, k)
+    x = value(field, rollout, k)
     if field.per_sequence:
         n_pad = row.num_seqs - len(row.segments)
         on_S = torch.tensor([s.source == ON_POLICY for s in row.segments] + [False] * n_pad)
@@ -341,11 +341,11 @@ def _packed_input(
         )
         pad = rollout.size + torch.arange(row.num_seqs) if field.pad is None else torch.tensor(field.pad, dtype=x.dtype)
         return torch.where(on_S, x[src_S], pad)
-    held = field.holder(rollout)
+    held = holder(field, rollout)
     if isinstance(held, TokenScores):  # the scores hold this rank's rows: segments point at their positions
-        if field.holder not in layouts:
-            layouts[field.holder] = _held_layout(row, held)
-        return layouts[field.holder].per_token(x, ON_POLICY, fill=field.pad)
+        if field.source not in layouts:
+            layouts[field.source] = _held_layout(row, held)
+        return layouts[field.source].per_token(x, ON_POLICY, fill=field.pad)
     return row.per_token(x, ON_POLICY, fill=field.pad)
 
 

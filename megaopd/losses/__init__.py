@@ -10,7 +10,8 @@ Registered: opd, grpo (policy.py); sft, ref_kl, lsm, gkd (divergence.py); stable
 check_cross_tokenizer refuses the full-distribution losses (cross_tokenizer.py). Each loss is a pure
 function of a LossInputs record (inputs.py) and its own config dataclass, returns (loss, metrics) with
 metrics named "<loss>/<what>", and divides its token sum by the global count the caller passes
-(aggregation.py). Special-token masking: masking.py. Formulas and defaults: docs in each module and
+(aggregation.py). What a loss reads beyond its logits is declared once, by the LossNeeds field that asks for
+it (needs.py). Special-token masking: masking.py. Formulas and defaults: docs in each module and
 docs/algorithms.md.
 """
 
@@ -31,9 +32,10 @@ from megaopd.losses.cross_tokenizer import check_cross_tokenizer
 from megaopd.losses.divergence import GKDConfig, LSMConfig, RefKLConfig, SFTConfig, student_topk_support
 from megaopd.losses.inputs import LossInputs, all_reduce_counts, local_counts
 from megaopd.losses.masking import mask_first_occurrences
+from megaopd.losses.needs import LOSS_INPUTS, LossInput, LossNeeds, Source, loss_input
 from megaopd.losses.off_policy import OFF_POLICY_CORRECTIONS, OffPolicyCorrection
 from megaopd.losses.policy import GRPOConfig, OPDConfig, discounted_returns, grpo_advantages  # registers
-from megaopd.losses.registry import LOSSES, BoundLoss, LossNeeds, build_loss, get_spec, make_config, register_loss
+from megaopd.losses.registry import LOSSES, BoundLoss, build_loss, get_spec, make_config, register_loss
 
 
 @dataclass
@@ -103,6 +105,7 @@ def build_controller(section: LossConfig, loss: BoundLoss) -> WeightController |
 __all__ = [
     "AGGREGATIONS",
     "LOSSES",
+    "LOSS_INPUTS",
     "OFF_POLICY_CORRECTIONS",
     "AdaptiveConfig",
     "BoundLoss",
@@ -112,7 +115,9 @@ __all__ = [
     "WeightController",
     "build_controller",
     "control_step",
+    "LossInput",
     "LossNeeds",
+    "Source",
     "GKDConfig",
     "GRPOConfig",
     "LSMConfig",
@@ -133,6 +138,7 @@ __all__ = [
     "get_spec",
     "grpo_advantages",
     "local_counts",
+    "loss_input",
     "make_config",
     "mask_first_occurrences",
     "register_loss",

@@ -21,8 +21,9 @@ import torch
 
 from megaopd.losses.divergence import RefKLConfig, SFTConfig
 from megaopd.losses.inputs import LossInputs
+from megaopd.losses.needs import LossNeeds
 from megaopd.losses.policy import OPDConfig
-from megaopd.losses.registry import BoundLoss, LossNeeds, Metrics, build_loss, register_loss
+from megaopd.losses.registry import BoundLoss, Metrics, build_loss, register_loss
 
 
 @dataclass

@@ -35,7 +35,8 @@ import torch
 from megaopd import ops
 from megaopd.losses.aggregation import aggregate, check_aggregation, masked_mean
 from megaopd.losses.inputs import LossInputs
-from megaopd.losses.registry import LossNeeds, Metrics, register_loss
+from megaopd.losses.needs import LossNeeds
+from megaopd.losses.registry import Metrics, register_loss
 from megaopd.ops.head import LogitsHead, tokenwise
 
 KL_ESTIMATORS = ("full", "k1", "k2", "k3")

@@ -33,8 +33,9 @@ import torch
 from megaopd.losses.aggregation import aggregate, check_aggregation, masked_max, masked_mean, masked_means
 from megaopd.losses.cross_tokenizer import place_at_span_ends, take_at_span_ends
 from megaopd.losses.inputs import LossInputs
+from megaopd.losses.needs import LossNeeds
 from megaopd.losses.off_policy import correction_metrics, correction_weights, reward_baseline
-from megaopd.losses.registry import LossNeeds, Metrics, register_loss
+from megaopd.losses.registry import Metrics, register_loss
 
 POLICY_LOSSES = ("ppo_clip", "importance_sampling")
 

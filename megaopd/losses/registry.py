@@ -3,8 +3,8 @@
 A loss is `fn(inputs: LossInputs, config: ItsConfig) -> (loss, metrics)`: loss a 0-dim tensor (this
 micro-batch's share of the step loss, see aggregation.py), metrics a dict of detached 0-dim tensors
 named "<loss>/<what>" (local micro-batch values; the trainer averages them over micro-batches and ranks).
-Each loss declares, where it is registered, what it needs from the trainer (LossNeeds, a constant or a
-function of its config), so the step computes only that and a new loss is written in one place.
+Each loss declares, where it is registered, what it needs from the trainer (LossNeeds, needs.py: a constant or
+a function of its config), so the step computes only that and a new loss is written in one place.
 
     loss_fn = build_loss("stable_opd", {"sft_weight": 0.1})
     loss_fn.needs.reference    # True: run the reference model in lockstep with the actor
@@ -20,52 +20,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from megaopd.losses.inputs import LossInputs
+from megaopd.losses.needs import LossNeeds
 
 Metrics = dict[str, torch.Tensor]
 LossFn = Callable[[LossInputs, Any], tuple[torch.Tensor, Metrics]]
-
-
-@dataclass(frozen=True)
-class LossNeeds:
-    """What a loss reads from the trainer beyond the student's logits and the sampled tokens."""
-
-    old_logprobs: bool = False
-    """log pi_old of the sampled tokens (policy ratios: opd, grpo)."""
-    teacher_logprobs: bool = False
-    """log q of the sampled tokens (opd rewards)."""
-    teacher_topk: int = 0
-    """Teacher's top-K ids + log-probs per position (lsm, teacher support); 0 = not needed."""
-    student_topk: int = 0
-    """Student's top-k ids per position, with the teacher's log-probs at them (lsm, student support)."""
-    teacher_logits: bool = False
-    """The teacher's full logits in the student's sharding (gkd): teacher run in lockstep with the actor."""
-    reference: bool = False
-    """The reference model's logits in lockstep with the actor (ref_kl)."""
-    golden: bool = False
-    """Golden solutions in the micro-batches (sft)."""
-    rewards: bool = False
-    """Verifiable rewards per response (grpo)."""
-    engine_logprobs: bool = False
-    """The engine's log-probs of the sampled tokens (loss.off_policy_correction tis / mis)."""
-
-    @property
-    def teacher(self) -> bool:
-        """The loss reads the teacher model."""
-        return self.teacher_logprobs or bool(self.teacher_topk) or bool(self.student_topk) or self.teacher_logits
-
-    @property
-    def on_policy(self) -> bool:
-        """The loss needs rollouts (everything but SFT on golden data alone)."""
-        return self.old_logprobs or self.teacher or self.reference or self.rewards
-
-    def merge(self, other: "LossNeeds") -> "LossNeeds":
-        """What two losses summed need: the union (the larger top-k)."""
-        return LossNeeds(
-            **{
-                f.name: max(getattr(self, f.name), getattr(other, f.name))  # or, for bools
-                for f in dataclasses.fields(self)
-            }
-        )
 
 
 NeedsDecl = LossNeeds | Callable[[Any], LossNeeds]

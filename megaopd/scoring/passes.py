@@ -32,10 +32,19 @@ from megaopd.batching.micro_batches import (
 )
 from megaopd.batching.owners import RowOwners, WorldLayout
 from megaopd.batching.packing import PackedRow
+from megaopd.losses.needs import LossNeeds, Source
 from megaopd.ops.head import LogitsHead, tokenwise
 from megaopd.parallel.dist import device as group_device
 from megaopd.parallel.dist import global_rank, holds_results
-from megaopd.rollout.records import AT_IDS_LOGPROBS, ENTROPY, LOGPROBS, TOPK_IDS, TOPK_LOGPROBS, TokenScores
+from megaopd.rollout.records import (
+    AT_IDS_LOGPROBS,
+    ENTROPY,
+    LOGPROBS,
+    SCORE_FIELDS,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    TokenScores,
+)
 from megaopd.scoring.routing import (
     PassOutputs,
     RowRoutes,
@@ -59,6 +68,29 @@ class ScoreRequest:
     """The model's top-k ids and their log-probs (0: none)."""
     entropy: bool = False
     """The entropy of the next-token distribution."""
+    at_ids: bool = False
+    """The log-probs at ids the caller gives with each pass (the student's top-k: the actor's result). What the
+    pass yields follows the ids given (outputs); this says the caller must give them."""
+
+    @classmethod
+    def for_loss(cls, needs: LossNeeds, source: Source, temperature: float, overlap_k: int = 0) -> ScoreRequest:
+        """What `source`'s pass computes for a step: the scores the loss's declared inputs read of it
+        (losses/needs.py), and the overlap metrics' top-k and entropy (overlap_k > 0)."""
+        topk, entropy, at_ids = overlap_k, overlap_k > 0, False
+        for f, k in needs.inputs():
+            if f.source is not source:
+                continue
+            score = _SCORES.get(f.read)
+            if score is None:
+                raise ValueError(
+                    f"loss input {f.name} reads {f.read!r} of the {source.value}'s pass, which no pass computes; "
+                    f"a pass's scores are {', '.join(_SCORES)} (rollout.records.SCORE_FIELDS)"
+                )
+            if score in (TOPK_IDS, TOPK_LOGPROBS):
+                topk = max(topk, k or 0)
+            entropy = entropy or score is ENTROPY
+            at_ids = at_ids or score is AT_IDS_LOGPROBS
+        return cls(temperature, topk, entropy, at_ids)
 
     def outputs(self, at_ids_BTK: torch.Tensor | None) -> PassOutputs:
         """The score fields the pass yields (log-probs at given ids when it is given some)."""
@@ -72,6 +104,11 @@ class ScoreRequest:
         return PassOutputs(
             tuple(f for f, want in wanted.items() if want), self.topk, 0 if at_ids_BTK is None else at_ids_BTK.shape[-1]
         )
+
+
+_SCORES = {f.name: f for f in SCORE_FIELDS}
+"""A pass's outputs by TokenScores attribute (a LossInput's `read`). The spans are the alignment's, carried
+with a cross-tokenizer teacher's scores, never asked of a pass."""
 
 
 def score_tokens(

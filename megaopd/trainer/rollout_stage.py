@@ -41,7 +41,7 @@ from megaopd.trainer.timer import Timer
 
 if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
     from megaopd.config.schema import MegaOPDConfig
-    from megaopd.losses.registry import LossNeeds
+    from megaopd.losses.needs import LossNeeds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +131,7 @@ class RolloutStage:
             return actor, []
         settings = TeacherScoring(
             request=ctx.teacher_request,
-            at_ids=actor.result if ctx.needs.student_topk else None,
+            at_ids=actor.result if ctx.teacher_request.at_ids else None,
             on_device=on_gpu_while_used,
         )
         return actor, in_order(models.teachers.scorers(settings))

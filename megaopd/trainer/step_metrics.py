@@ -28,7 +28,7 @@ from megaopd.scoring.teachers import teacher_metric_sums, teacher_metrics_from_s
 
 if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
     from megaopd.config.schema import MegaOPDConfig
-    from megaopd.losses.registry import LossNeeds
+    from megaopd.losses.needs import LossNeeds
     from megaopd.trainer.roles import Models
 
 

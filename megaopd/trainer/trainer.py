@@ -35,7 +35,7 @@ from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
 from megaopd.data.teacher_view import TeacherPrompt
 from megaopd.data.vocab import loss_mask_ids
-from megaopd.losses import mask_first_occurrences
+from megaopd.losses import Source, mask_first_occurrences
 from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.checkpoint import base_model_of
 from megaopd.models.gather import gather_adapter_weights, gather_hf_weights, model_state
@@ -173,10 +173,11 @@ class Trainer:
             partner=self.models.partner,
             logits_chunk_tokens=cfg.trainer.logits_chunk_tokens,
         )
-        # What the passes score besides log-probs: the loss's top-k, and the overlap metrics' top-k and entropy.
+        # What the passes score besides log-probs: what the loss's inputs read of each (LossNeeds declares them),
+        # and the overlap metrics' top-k and entropy.
         overlap_k = cfg.metrics.overlap_k if self.models.teachers is not None else 0
-        self.actor_request = ScoreRequest(self.temperature, max(self.needs.student_topk, overlap_k), overlap_k > 0)
-        self.teacher_request = ScoreRequest(self.temperature, max(self.needs.teacher_topk, overlap_k), overlap_k > 0)
+        self.actor_request = ScoreRequest.for_loss(self.needs, Source.ACTOR, self.temperature, overlap_k)
+        self.teacher_request = ScoreRequest.for_loss(self.needs, Source.TEACHER, self.temperature, overlap_k)
         t = cfg.trainer
         self.batching = BatchingPlan(  # the training step's micro-batches (and so the rows each replica owns)
             t.prompts_per_step,

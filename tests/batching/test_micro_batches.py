@@ -3,11 +3,16 @@ rows spread over the micro-batches, GRPO group ids, and equal shapes."""
 
 import torch
 
-from megaopd.batching import fields as F
 from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches
 from megaopd.data import GoldenBatch
-from megaopd.losses import LossNeeds
+from megaopd.losses import LOSS_INPUTS, LossNeeds, loss_input
 from megaopd.rollout.records import RolloutBatch, TokenScores
+
+# The declared inputs these tests look at (each declared once, by its LossNeeds field: losses/needs.py).
+OLD_LOGPROBS, TEACHER_LOGPROBS, TEACHER_SPANS = map(
+    loss_input, ("old_logprobs_BT", "teacher_logprobs_BT", "teacher_spans_BT")
+)
+REWARDS, GROUP_IDS = map(loss_input, ("rewards_S", "group_ids_S"))
 
 PAD = 0
 
@@ -73,9 +78,9 @@ def test_per_token_fields_follow_their_rows():
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(2, 6), None)
     micro = assemble_micro_batches(mini, 0, 1, needs, 3, PAD)
     assert len(micro) == 2 and micro[1].tokens_BS[1:].eq(PAD).all()  # row padding to micro_batch_size
-    assert torch.equal(micro[0].inputs[F.OLD_LOGPROBS], rollout.actor.logprobs_BT[2:5])
-    assert torch.equal(micro[1].inputs[F.TEACHER_LOGPROBS][0], rollout.teacher.logprobs_BT[5])
-    assert set(micro[0].inputs) == {F.OLD_LOGPROBS, F.TEACHER_LOGPROBS}  # only what the loss needs
+    assert torch.equal(micro[0].inputs[OLD_LOGPROBS], rollout.actor.logprobs_BT[2:5])
+    assert torch.equal(micro[1].inputs[TEACHER_LOGPROBS][0], rollout.teacher.logprobs_BT[5])
+    assert set(micro[0].inputs) == {OLD_LOGPROBS, TEACHER_LOGPROBS}  # only what the loss needs
     assert micro[0].counts.global_num_tokens == float(rollout.loss_mask_BT[2:6].sum())
 
 
@@ -84,10 +89,10 @@ def test_grpo_group_ids_keep_padding_rows_out_of_real_groups():
     needs = LossNeeds(old_logprobs=True, rewards=True)
     mini = MiniBatch(rollout, rollout.loss_mask_BT, None, torch.arange(6), None)
     micro = assemble_micro_batches(mini, 0, 1, needs, 4, PAD)
-    assert micro[0].inputs[F.GROUP_IDS].tolist() == [0, 0, 1, 1]
-    assert micro[1].inputs[F.GROUP_IDS].tolist()[:2] == [2, 2]
-    assert all(g >= rollout.size for g in micro[1].inputs[F.GROUP_IDS].tolist()[2:])  # padding: groups of their own
-    assert micro[1].inputs[F.REWARDS].tolist() == [4.0, 5.0, 0.0, 0.0]
+    assert micro[0].inputs[GROUP_IDS].tolist() == [0, 0, 1, 1]
+    assert micro[1].inputs[GROUP_IDS].tolist()[:2] == [2, 2]
+    assert all(g >= rollout.size for g in micro[1].inputs[GROUP_IDS].tolist()[2:])  # padding: groups of their own
+    assert micro[1].inputs[REWARDS].tolist() == [4.0, 5.0, 0.0, 0.0]
 
 
 def test_sft_only_micro_batches_are_golden_rows():
@@ -132,7 +137,7 @@ def _trained_rows(micro) -> list[int]:
     """On-policy rows of a rank's micro-batches, read back from their old log-probs (row b's are all b + 1)."""
     out = set()
     for mb in micro:
-        values = mb.inputs[F.OLD_LOGPROBS][mb.loss_mask_BT.bool()]
+        values = mb.inputs[OLD_LOGPROBS][mb.loss_mask_BT.bool()]
         out.update(int(v) - 1 for v in values.unique().tolist())
     return sorted(out)
 
@@ -191,15 +196,15 @@ def test_a_row_not_held_is_one_clear_error():
 
 
 def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
-    """Every TokenField fills a LossInputs field of its name, and micro-batches carry it in its dtype, padded
-    and packed alike (what a loss needs is declared once: the table)."""
+    """Every declared input fills a LossInputs field of its name, and micro-batches carry it in its dtype, padded
+    and packed alike (what a loss needs is declared once: its LossNeeds field)."""
     import dataclasses
 
     from megaopd.batching.micro_batches import assemble_packed_micro_batches
     from megaopd.batching.plan import Packing
     from megaopd.losses import LossInputs
 
-    assert {f.name for f in F.FIELDS} <= {f.name for f in dataclasses.fields(LossInputs)}
+    assert {f.name for f in LOSS_INPUTS} <= {f.name for f in dataclasses.fields(LossInputs)}
     K = 2
     rollout = _rollout()
     scores = TokenScores(
@@ -219,7 +224,7 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
         assemble_packed_micro_batches(mini, 0, 1, needs, Packing(max_tokens=20, pad_id=PAD)),
     )
     for micro in (padded, packed):
-        assert set(micro[0].inputs) == set(F.FIELDS)
+        assert set(micro[0].inputs) == set(LOSS_INPUTS)
         for f, x in micro[0].inputs.items():
             assert x.dtype == f.dtype, f.name
             assert x.shape[-1] == K or f.per_sequence or f.name.endswith("_BT"), f.name  # top-k cut to the need
@@ -230,7 +235,7 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
         assemble_micro_batches(mini, 0, 1, needs, 4, PAD),
         assemble_packed_micro_batches(mini, 0, 1, needs, Packing(max_tokens=20, pad_id=PAD)),
     ):
-        assert set(micro[0].inputs) == set(F.FIELDS) - {F.TEACHER_SPANS}
+        assert set(micro[0].inputs) == set(LOSS_INPUTS) - {TEACHER_SPANS}
 
 
 def test_teacher_spans_travel_with_the_teacher_scores_and_pad_with_minus_one():
@@ -251,7 +256,7 @@ def test_teacher_spans_travel_with_the_teacher_scores_and_pad_with_minus_one():
     packed = assemble_packed_micro_batches(mini, 0, 1, needs, Packing(max_tokens=20, pad_id=PAD))
     seen = set()
     for mb in padded + packed:
-        x = mb.inputs[F.TEACHER_SPANS]
+        x = mb.inputs[TEACHER_SPANS]
         on = mb.loss_mask_BT.bool()
         assert x.dtype == torch.int32
         assert bool((x[mb.golden_mask_BT.bool()] == -1).all())

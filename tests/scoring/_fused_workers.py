@@ -12,9 +12,8 @@ def compare(rank, world_size, tied):
     """At TP=world_size: Stable-OPD (reference in lockstep) gradients of every parameter (DDP main_grad) and a
     scoring pass (log-probs, entropy, top-k, log-probs at given ids; padded and packed), chunked vs whole.
     Returns {what: max relative difference}."""
-    from megaopd.batching.fields import OLD_LOGPROBS, TEACHER_LOGPROBS
     from megaopd.batching.micro_batches import MicroBatch, ScoringBatches, StepCounts
-    from megaopd.losses import build_loss
+    from megaopd.losses import build_loss, loss_input
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
     from megaopd.parallel.groups import Layout, initialize_actor_layout
@@ -54,7 +53,10 @@ def compare(rank, world_size, tied):
         loss_mask_BT=mask,
         golden_mask_BT=1 - mask,
         counts=StepCounts(float(mask.sum()), B, float((1 - mask).sum()), B),
-        inputs={OLD_LOGPROBS: -torch.rand(B, T, generator=g), TEACHER_LOGPROBS: -torch.rand(B, T, generator=g)},
+        inputs={
+            loss_input("old_logprobs_BT"): -torch.rand(B, T, generator=g),
+            loss_input("teacher_logprobs_BT"): -torch.rand(B, T, generator=g),
+        },
     )
 
     def step_fn(m, logits, partner):
