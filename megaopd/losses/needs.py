@@ -11,12 +11,12 @@ follows from that one declaration:
     for field, k in needs.inputs():      # LossInput, and the K of a top-k to keep ([..., :K]; None: all)
         field.name, field.source, field.read   # "teacher_topk_ids_BTK", Source.TEACHER, "topk_ids_BTK"
 
-Why it lives here: losses/ is on floor 1 (docs/architecture.md), the lowest package that reads the
-declaration; the others that act on it (rollout/ 3, batching/ 4, scoring/ 5, trainer/ 7) sit above and may
-import it, while a library may import none of them. So the declaration names the attribute of the record
-that holds each value (TokenScores and RolloutBatch, defined on rollout's floor) rather than importing the
-records; batching/fields.py and scoring/passes.py resolve the names, and tests/losses/test_needs.py checks
-that every one exists.
+Why it lives here: losses/ is on floor 1 (docs/architecture.md), a library, and the lowest package that
+reads the declaration (the losses register their needs with it); the packages that act on it (batching/ 4,
+scoring/ 5, trainer/ 7) sit above and import it. It cannot move up beside the records that hold the values
+(TokenScores and RolloutBatch, on rollout's floor 3): a library never imports an application. So each
+declaration names the field of its record rather than importing the record; batching/fields.py and
+scoring/passes.py resolve the names, and tests/losses/test_needs.py checks that every one exists.
 """
 
 from __future__ import annotations
