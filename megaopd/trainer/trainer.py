@@ -337,7 +337,7 @@ class Trainer:
                 controller = self.loss_fn.observe(self.step, step.signals, self.run_log)  # controller moves on them
             if rollout is not None and self.rank == 0:
                 self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
-        times = StepTimes(log=timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's
+        times = StepTimes(**timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's
         return StepResult(
             train=train,
             controller=controller,
@@ -487,7 +487,7 @@ class Trainer:
             return
         self.run_log.log_step(self.step, metrics)
         signals = result.signals
-        for warning in self.detector.update(self.step, signals.rates() if signals is not None else {}):
+        for warning in self.detector.update(self.step, signals.rates()) if signals is not None else []:
             self.run_log.event(
                 self.step,
                 warning.event,
