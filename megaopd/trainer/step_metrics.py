@@ -139,9 +139,9 @@ class StepResult:
     """The adaptive loss controller's controller/* (ControlledLoss.observe; empty when fixed)."""
     rollout: RolloutMetrics | None
     """The rollouts' metrics and signals (None: an SFT step)."""
-    pipeline: dict[str, float]
-    """Rank 0: the rollout flow's pipeline/* (RolloutFlow.report) and the served teachers' share
-    scored part by part; empty on the other ranks, which do not log them."""
+    flow: dict[str, float]
+    """Rank 0: the rollout flow's pipeline/* (RolloutFlow.report; the log keeps its older names) and the served
+    teachers' share scored part by part; empty on the other ranks, which do not log them."""
     times: StepTimes
     flops: dict[str, float]
     """flop_metrics: flops/* and perf/*."""
@@ -160,7 +160,7 @@ class StepResult:
         out = self.train.log()
         out.update(self.controller)
         if self.rollout is not None and self.logs_rollout:
-            out.update(self.rollout.log, **self.pipeline)
+            out.update(self.rollout.log, **self.flow)
         out.update(self.times.log())
         out.update(self.flops)
         out.update(self.validation)

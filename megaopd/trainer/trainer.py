@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megaopd.batching.micro_batches import MicroBatch, MiniBatch, step_micro_batches
-from megaopd.batching.plan import BatchingPlan
+from megaopd.batching.settings import BatchingSettings
 from megaopd.batching.shares import mini_batch_rows
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
@@ -178,7 +178,7 @@ class Trainer:
         self.actor_request = ScoreRequest(self.temperature, max(self.needs.student_topk, overlap_k), overlap_k > 0)
         self.teacher_request = ScoreRequest(self.temperature, max(self.needs.teacher_topk, overlap_k), overlap_k > 0)
         t = cfg.trainer
-        self.batching = BatchingPlan(  # the training step's micro-batches (and so the rows each replica owns)
+        self.batching = BatchingSettings(  # the training step's micro-batches (and so the rows each replica owns)
             t.prompts_per_step,
             t.mini_batches_per_step,
             t.micro_batch_size,
@@ -342,7 +342,7 @@ class Trainer:
             train=train,
             controller=controller,
             rollout=step,
-            pipeline={**self.flow.report.log(), **self._served_log} if self.rank == 0 else {},
+            flow={**self.flow.report.log(), **self._served_log} if self.rank == 0 else {},
             times=times,
             flops=flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), times),
             logs_rollout=self.rank == 0,
