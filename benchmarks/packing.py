@@ -68,7 +68,7 @@ def _worker(rank, world, hf_dir, mode, prompt_lens, response_lens, mbs, max_toke
     torch.set_num_threads(1)
     from megaopd import ops
     from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches, assemble_packed_micro_batches
-    from megaopd.batching.plan import Packing
+    from megaopd.batching.settings import Packing
     from megaopd.losses import LossNeeds
     from megaopd.models.builder import build_gpt_model
     from megaopd.models.hf_config import read_hf_config
@@ -142,7 +142,7 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     torch.set_num_threads(1)
     from megaopd.batching.micro_batches import ScoringBatches
     from megaopd.batching.owners import RowOwners
-    from megaopd.batching.plan import BatchingPlan
+    from megaopd.batching.settings import BatchingSettings
     from megaopd.batching.shares import row_owners
     from megaopd.losses import LossNeeds
     from megaopd.models.config import ModelConfig
@@ -157,9 +157,11 @@ def _bytes_worker(rank, world, hf_dir, prompt_lens, response_lens, actor_tp, tea
     teacher = load_role_model(ModelConfig(path=hf_dir, tp=teacher_tp), tpgs, trainable=False)
     V = actor.hf.vocab_size
     rollout = synthetic_rollout(prompt_lens, response_lens, V)
-    plan = BatchingPlan(prompts_per_step=rollout.size, mini_batches=1, micro_batch_size=4, pad_id=0, max_tokens=4096)
+    settings = BatchingSettings(
+        prompts_per_step=rollout.size, mini_batches=1, micro_batch_size=4, pad_id=0, max_tokens=4096
+    )
     owners = RowOwners(
-        tuple(row_owners(rollout, None, pgs.dp.size(), LossNeeds(), plan)),
+        tuple(row_owners(rollout, None, pgs.dp.size(), LossNeeds(), settings)),
         pgs.dp.rank(),
         pgs.dp.size(),
         pgs.tp.rank() == 0,
@@ -346,15 +348,17 @@ def _delivery_worker(rank, world, prompt_lens, response_lens):
     packed partition. Returns the bytes this rank received (header tensors + rows)."""
     from megaopd.batching.delivery import broadcast_header, deliver_rows, row_users
     from megaopd.batching.owners import RankPlace, RowOwners, WorldLayout
-    from megaopd.batching.plan import BatchingPlan
+    from megaopd.batching.settings import BatchingSettings
     from megaopd.batching.shares import row_owners
     from megaopd.losses import LossNeeds
     from megaopd.parallel.dist import device
 
     batch = broadcast_header(lambda: synthetic_rollout(prompt_lens, response_lens, 151_936), 0, 1, device())
-    plan = BatchingPlan(prompts_per_step=batch.size, mini_batches=1, micro_batch_size=4, pad_id=0, max_tokens=4096)
+    settings = BatchingSettings(
+        prompts_per_step=batch.size, mini_batches=1, micro_batch_size=4, pad_id=0, max_tokens=4096
+    )
     layout = WorldLayout(tuple(RankPlace(r, True) for r in range(world)))
-    owners = RowOwners(tuple(row_owners(batch, None, world, LossNeeds(), plan)), rank, world, True, layout)
+    owners = RowOwners(tuple(row_owners(batch, None, world, LossNeeds(), settings)), rank, world, True, layout)
     rows = deliver_rows(batch, row_users(owners, layout), device())
     return {"header": 16 + batch.size * 9 * 8 if rank else 0, "rows": rows}
 

@@ -1,6 +1,7 @@
 """megaopd.batching: a step's rows -> micro-batches, in one place below scoring and the trainer.
 
-    plan          BatchingPlan: the trainer's settings and the trained model's limits (batching reads no config)
+    settings      BatchingSettings: the trainer's settings and the trained model's limits (batching reads no
+                  config)
     shares        mini-batch rows and data-parallel shares (contiguous, or balanced by tokens and attention
                   cost), and row_owners: the replica that trains, and so holds the scores of, each row
     owners        RowOwners: that partition as the scoring passes route by it

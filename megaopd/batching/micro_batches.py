@@ -2,7 +2,7 @@
 passes. Pure functions of the records, the rows, the data-parallel rank and the loss's needs.
 
     mini = MiniBatch(rollout, loss_mask_BT, golden, rows, golden_rows)   # one optimizer step's rows
-    micro = step_micro_batches(mini, dp_rank, dp_size, needs, plan)      # plan: BatchingPlan
+    micro = step_micro_batches(mini, dp_rank, dp_size, needs, settings)  # settings: BatchingSettings
     inputs = micro[i].to(device).loss_inputs(logits_BSv, partner_BSv, tp_group, temperature, needs)
 
 Padded (`assemble_micro_batches`): each micro-batch holds up to micro_batch_size on-policy rows (padded to
@@ -32,7 +32,7 @@ import torch
 from megaopd.batching.fields import holder, needed_fields, value
 from megaopd.batching.packing import GOLDEN, ON_POLICY, PackedRow, Segment, pack_by_budget, round_up
 from megaopd.batching.padding import pad_rows, pad_to
-from megaopd.batching.plan import BatchingPlan, Packing
+from megaopd.batching.settings import BatchingSettings, Packing
 from megaopd.batching.shares import dp_rows, dp_shares
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossInput, LossInputs, LossNeeds
@@ -359,14 +359,14 @@ def _held_layout(row: PackedRow, scores) -> PackedRow:
 
 
 def step_micro_batches(
-    mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, plan: BatchingPlan
+    mini: MiniBatch, dp_rank: int, dp_size: int, needs: LossNeeds, settings: BatchingSettings
 ) -> list[MicroBatch]:
-    """The micro-batches of one mini-batch as the plan asks: packed by its token budget (uniform lengths
-    under PP; lengths a multiple of plan.multiple, the TP size under sequence parallelism), or padded rows
+    """The micro-batches of one mini-batch as the settings ask: packed by their token budget (uniform lengths
+    under PP; lengths a multiple of settings.multiple, the TP size under sequence parallelism), or padded rows
     of micro_batch_size (pack_sequences off, or a model that cannot take packed rows: expert parallelism)."""
-    if plan.packed:
-        return assemble_packed_micro_batches(mini, dp_rank, dp_size, needs, plan.packing)
-    return assemble_micro_batches(mini, dp_rank, dp_size, needs, plan.micro_batch_size, plan.pad_id)
+    if settings.packed:
+        return assemble_packed_micro_batches(mini, dp_rank, dp_size, needs, settings.packing)
+    return assemble_micro_batches(mini, dp_rank, dp_size, needs, settings.micro_batch_size, settings.pad_id)
 
 
 # ------------------------------------------------------------------------------------------ scoring passes

@@ -3,7 +3,7 @@ balanced by tokens and attention cost), per mini-batch, and so which replica own
 
     rows, golden_rows = mini_batch_rows(B, prompts, mini_batches, j, golden is not None)
     units, shares = dp_shares(rollout, golden, rows, golden_rows, dp_size, needs, packed)   # the partition
-    owner_B = row_owners(rollout, golden, dp_size, needs, plan)        # the same partition, every mini-batch
+    owner_B = row_owners(rollout, golden, dp_size, needs, settings)    # the same partition, every mini-batch
 
 Pure functions of the row counts and lengths: every rank computes the same shares, and a resumed run too.
 """
@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from megaopd.batching.packing import GOLDEN, ON_POLICY, Segment
-from megaopd.batching.plan import BatchingPlan
+from megaopd.batching.settings import BatchingSettings
 from megaopd.data import GoldenBatch
 from megaopd.losses import LossNeeds
 from megaopd.rollout.records import RolloutBatch
@@ -76,17 +76,17 @@ def dp_shares(
 
 
 def row_owners(
-    rollout: RolloutBatch, golden: GoldenBatch | None, dp_size: int, needs: LossNeeds, plan: BatchingPlan
+    rollout: RolloutBatch, golden: GoldenBatch | None, dp_size: int, needs: LossNeeds, settings: BatchingSettings
 ) -> list[int]:
     """The actor DP rank that trains each on-policy row of the step: per mini-batch (mini_batch_rows),
     its rows shared over DP exactly as micro_batches.step_micro_batches shares them (packed:
     balanced_partition of the packing units, golden rows included; padded: contiguous dp_rows). Pure and
     deterministic, so every rank computes the same owners and a resumed run the same ones."""
-    B, M = rollout.size, plan.mini_batches
+    B, M = rollout.size, settings.mini_batches
     owner = [-1] * B
     for j in range(M):
-        rows, golden_rows = mini_batch_rows(B, plan.prompts_per_step, M, j, golden is not None)
-        units, shares = dp_shares(rollout, golden, rows, golden_rows, dp_size, needs, plan.packed)
+        rows, golden_rows = mini_batch_rows(B, settings.prompts_per_step, M, j, golden is not None)
+        units, shares = dp_shares(rollout, golden, rows, golden_rows, dp_size, needs, settings.packed)
         for d, share in enumerate(shares):
             for i in share:
                 for seg in units[i]:

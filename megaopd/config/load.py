@@ -65,9 +65,11 @@ def _dotted_keys(node, prefix: str = "") -> list[str]:
 
 
 def _refuse_removed(removed: dict[str, str], keys: Sequence[str], source: str) -> None:
+    """A removed key, or a key under one (metrics.collapse.jump.truncation_rate), stops the load with its reason."""
     for key in keys:
-        if key in removed:
-            raise ConfigError(f"{key} was removed ({removed[key]}): delete it from {source}")
+        gone = next((r for r in removed if key == r or key.startswith(r + ".")), None)
+        if gone is not None:
+            raise ConfigError(f"{gone} was removed ({removed[gone]}): delete it from {source}")
 
 
 def _node(cfg, key: str):
@@ -136,8 +138,9 @@ def load_config(
     schema_cls: Type[T], preset: str | Sequence[str] | None = None, overrides: Sequence[str] = (), validate: bool = True
 ) -> T:
     """Returns a validated `schema_cls` instance (its __post_init__ checks have run). Keys the schema lists
-    in a REMOVED_KEYS class attribute ({dotted key: why}) are refused with that reason. validate=False leaves
-    out the schema's `validate()` (the checks that read files), for a caller that runs it itself."""
+    in a REMOVED_KEYS class attribute ({dotted key: why}), and the keys under them, are refused with that
+    reason. validate=False leaves out the schema's `validate()` (the checks that read files), for a caller
+    that runs it itself."""
     removed = getattr(schema_cls, "REMOVED_KEYS", {})
     cfg = OmegaConf.structured(schema_cls)
     presets = [preset] if isinstance(preset, str) else list(preset or [])

@@ -60,9 +60,13 @@ class MegaOPDConfig:
 
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
         "trainer.log_interval": "it was never read: every step is logged",
+        "metrics.collapse.jump": "each watched rate has its own thresholds now: set "
+        "metrics.collapse.truncation_rate.jump and metrics.collapse.repetition_rate.jump instead",
+        "metrics.collapse.level": "each watched rate has its own thresholds now: set "
+        "metrics.collapse.truncation_rate.level and metrics.collapse.repetition_rate.level instead",
     }
-    """Keys a config may still name from an older megaopd, and why they went: load_config stops at them
-    with that reason (an unknown key would only say it is unknown)."""
+    """Keys a config may still name from an older megaopd (or a key under them), and why they went: load_config
+    stops at them with that reason (an unknown key would only say it is unknown)."""
     RESET_ON_CHANGE: ClassVar[dict[str, str]] = {"loss.name": "loss.config"}
     """A command-line override that changes the key's value resets the dependent key to its default first
     (load.py): a YAML's loss.config holds the keys of its own loss, never of the one switched to."""

@@ -252,13 +252,17 @@ def opd_loss(inputs: LossInputs, config: OPDConfig) -> tuple[torch.Tensor, Metri
         inputs,
         PolicyTokens(logprobs_BT, old_BT, advantages_BT, ratio_BT, clip_BT),
         config.log_entropy,
-        {"opd/reward_mean": rewards_BT, "opd/teacher_logprob_mean": teacher_BT},
+        {
+            "opd/reward_mean": rewards_BT,
+            "opd/teacher_logprob_mean": teacher_BT,
+            # Sampled-token estimate of the reverse KL(pi_old || q) that OPD minimizes: -reward, whose mean in the
+            # same stacked sum is exactly -reward_mean (negation commutes with rounding).
+            "opd/reverse_kl": -rewards_BT,
+        },
     )
     metrics.update(off_metrics)
     if spans_BT is not None:  # loss tokens with no span (special tokens of one side): their advantage is 0
         metrics["opd/unaligned_frac"] = masked_mean((spans_BT < 0).to(logprobs_BT.dtype), mask_BT)
-    # Sampled-token estimate of the reverse KL(pi_old || q) that OPD minimizes.
-    metrics["opd/reverse_kl"] = -metrics["opd/reward_mean"]
     return loss, metrics
 
 

@@ -5,7 +5,7 @@ the collapse early warning, and `megaopd plot`.
     overlap.py   student/teacher top-k overlap ratio and mass, entropy gap
     reward.py    math_verify_reward: the extracted answer (RewardConfig.extract) vs gold, never raises, time-bounded
     trajectory.py  multi-turn trajectories: turns, tool calls and errors, environment-token share
-    collapse.py  CollapseDetector: jump/level alarms on truncation and repetition rates
+    collapse.py  CollapseDetector: jump/level alarms on the ResponseRates of each step (truncation, repetition)
     plot.py      `megaopd plot RUN [RUN ...]`: training-dynamics figures from RUN/metrics.jsonl
 """
 
@@ -14,7 +14,7 @@ import importlib
 # name -> submodule. Imported on first use (PEP 562), so that the math-verify helper process and
 # `megaopd plot` do not pay for torch.
 _EXPORTS = {
-    "collapse": ["CollapseConfig", "CollapseDetector", "CollapseWarning"],
+    "collapse": ["CollapseConfig", "CollapseDetector", "CollapseWarning", "RateThresholds"],
     "overlap": ["topk_overlap", "topk_overlap_counts", "topk_overlap_from_counts"],
     "reward": [
         "EXTRACTIONS",
@@ -27,16 +27,20 @@ _EXPORTS = {
         "math_verify_rewards",
     ],
     "rollout": [
+        "AdvantageSplit",
         "RepetitionConfig",
+        "ResponseRates",
         "advantage_split",
         "advantage_split_counts",
         "advantage_split_from_counts",
+        "advantage_split_of",
         "compression_ratio",
         "is_repetitive",
         "repetition_rate",
         "repetitive_token_flags",
         "repetitive_token_mask",
         "response_metrics",
+        "response_rates",
         "rollout_dynamics",
         "rollout_dynamics_counts",
         "rollout_dynamics_from_counts",

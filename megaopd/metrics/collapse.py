@@ -1,10 +1,12 @@
 """Early warning of OPD collapse from the per-step truncation and repetition rates.
 
 Collapse under plain OPD (docs/algorithms.md 2.8) shows as the truncation rate rising toward 1 and the
-repetition rate jumping to 0.4-0.6 within a few dozen steps. The detector keeps, for each watched rate,
-the last `window` values; at each step it compares the new value x_s with the window's mean m:
-    jump alarm   x_s - m > jump[name]        (needs at least min_history earlier values)
-    level alarm  x_s > level[name]
+repetition rate jumping to 0.4-0.6 within a few dozen steps. The detector watches the fields of one typed
+record, ResponseRates (metrics/rollout.py), each with its own thresholds (CollapseConfig.<field>: a
+RateThresholds). It keeps, for each watched rate, the last `window` values; at each step it compares the new
+value x_s with the window's mean m:
+    jump alarm   x_s - m > <rate>.jump       (needs at least min_history earlier values)
+    level alarm  x_s > <rate>.level
 An alarm is raised once per episode: the metric must return below both thresholds before it can fire
 again, so a collapsed run logs one warning, not one per step. The window holds values before the
 current step only, so a jump is measured against the pre-jump baseline.
@@ -19,8 +21,8 @@ warned about when the rate falls below both thresholds and rises again, or jumps
 Pure Python with state_dict / load_state_dict, so a resumed run keeps its baseline.
 
     det = CollapseDetector(CollapseConfig())
-    for step, m in enumerate(metrics):
-        for w in det.update(step, {"truncation_rate": m["rollout/truncation_rate"], ...}): log.warning(w.message)
+    for step, rates in enumerate(step_rates):          # ResponseRates(truncation_rate=..., repetition_rate=...)
+        for w in det.update(step, rates): log.warning(w.message)
 """
 
 from __future__ import annotations
@@ -28,31 +30,56 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from megaopd.metrics.rollout import ResponseRates
+
+
+@dataclass
+class RateThresholds:
+    """The alarms of one watched rate; None leaves that alarm off."""
+
+    jump: float | None = None
+    """Alarm when value - mean(window) exceeds this (absolute rate difference)."""
+    level: float | None = None
+    """Alarm when the value itself exceeds this, whatever the baseline's value (once a baseline exists)."""
+
+    def check(self, rate: str) -> None:
+        for name, v in (("jump", self.jump), ("level", self.level)):
+            if v is not None and v < 0:
+                raise ValueError(f"metrics.collapse.{rate}.{name}={v} must be >= 0 (or null: no {name} alarm)")
+
 
 @dataclass
 class CollapseConfig:
-    """Thresholds per watched metric name (keys are the names passed to `update`)."""
+    """The baseline window and the thresholds of each watched rate: one field per field of ResponseRates,
+    under the same name (metrics.collapse.truncation_rate.jump, ...)."""
 
     window: int = 10
     """Steps in the moving baseline."""
     min_history: int = 3
     """Earlier values that make a baseline. Before them no collapse warning is raised: a jump cannot be
     judged, and a value over its level gets a quiet no-baseline note instead (the module docstring)."""
-    jump: dict[str, float] = field(default_factory=lambda: {"truncation_rate": 0.2, "repetition_rate": 0.1})
-    """Alarm when value - mean(window) exceeds this (absolute rate difference). Ours: healthy runs move
-    by a few points per step; collapse moves by tens within a few steps."""
-    level: dict[str, float] = field(default_factory=lambda: {"truncation_rate": 0.5, "repetition_rate": 0.2})
-    """Alarm when the value itself exceeds this, whatever the baseline's value (once a baseline exists)."""
+    truncation_rate: RateThresholds = field(default_factory=lambda: RateThresholds(jump=0.2, level=0.5))
+    """Ours: healthy runs move by a few points per step; collapse takes the rate toward 1 within a few dozen."""
+    repetition_rate: RateThresholds = field(default_factory=lambda: RateThresholds(jump=0.1, level=0.2))
+    """Ours: collapse takes the rate to 0.4-0.6 within a few dozen steps (paper 2604.08527)."""
 
     def __post_init__(self):
         if self.window < 1:
             raise ValueError(f"window={self.window} must be at least 1 step")
         if not 1 <= self.min_history <= self.window:
             raise ValueError(f"min_history={self.min_history} must be in [1, window={self.window}]")
-        for name, table in (("jump", self.jump), ("level", self.level)):
-            for k, v in table.items():
-                if v < 0:
-                    raise ValueError(f"{name}[{k!r}]={v} must be >= 0")
+        self.truncation_rate.check("truncation_rate")
+        self.repetition_rate.check("repetition_rate")
+
+
+def watched(rates: ResponseRates, cfg: CollapseConfig) -> tuple[tuple[str, float, RateThresholds], ...]:
+    """Each watched rate: its name (the warnings' and the checkpoint's), this step's value, its thresholds. A new
+    rate is a field of ResponseRates, one of CollapseConfig and one line here (tests/metrics/test_overlap_collapse.py
+    holds the three to the same names)."""
+    return (
+        ("truncation_rate", rates.truncation_rate, cfg.truncation_rate),
+        ("repetition_rate", rates.repetition_rate, cfg.repetition_rate),
+    )
 
 
 @dataclass
@@ -111,22 +138,22 @@ class CollapseDetector:
         self.warnings: list[CollapseWarning] = []
         """Every warning raised so far (kept in state_dict, so a resumed run remembers them)."""
 
-    def update(self, step: int, values: dict[str, float | None]) -> list[CollapseWarning]:
+    def update(self, step: int, rates: ResponseRates) -> list[CollapseWarning]:
         """Feeds one step's rates; returns the warnings raised at this step (collapse warnings, and
-        no-baseline notes: CollapseWarning.is_collapse tells them apart). None values are skipped."""
+        no-baseline notes: CollapseWarning.is_collapse tells them apart)."""
         raised = []
-        for name, value in values.items():
-            if value is None or (name not in self.cfg.jump and name not in self.cfg.level):
-                continue
+        for name, value, th in watched(rates, self.cfg):
             value = float(value)
+            if th.jump is None and th.level is None:
+                continue
             hist = self._history.setdefault(name, deque(maxlen=self.cfg.window))
             baseline = sum(hist) / len(hist) if hist else None
             has_baseline = len(hist) >= self.cfg.min_history
             reason, threshold = None, None
-            if name in self.cfg.jump and has_baseline and value - baseline > self.cfg.jump[name]:
-                reason, threshold = "jump", self.cfg.jump[name]
-            elif name in self.cfg.level and value > self.cfg.level[name]:
-                reason, threshold = ("level" if has_baseline else "no_baseline"), self.cfg.level[name]
+            if th.jump is not None and has_baseline and value - baseline > th.jump:
+                reason, threshold = "jump", th.jump
+            elif th.level is not None and value > th.level:
+                reason, threshold = ("level" if has_baseline else "no_baseline"), th.level
             if reason is None:
                 self._alarmed[name] = False
             elif not self._alarmed.get(name, False):
@@ -142,6 +169,8 @@ class CollapseDetector:
         return any(self._alarmed.values())
 
     def state_dict(self) -> dict:
+        """The baseline windows, alarms and warnings by rate name (the names of ResponseRates' fields, as
+        checkpoints have always keyed them)."""
         return {
             "history": {k: list(v) for k, v in self._history.items()},
             "alarmed": dict(self._alarmed),

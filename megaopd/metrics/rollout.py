@@ -85,16 +85,35 @@ def repetition_rate(texts: Sequence[str], cfg: RepetitionConfig | None = None) -
     return sum(is_repetitive(t, cfg) for t in texts) / len(texts)
 
 
+@dataclass(frozen=True)
+class ResponseRates:
+    """The two rates of one batch of responses that show a collapse (docs/algorithms.md 2.1, 2.2): what the
+    collapse detector watches (metrics/collapse.py), one threshold pair per field."""
+
+    truncation_rate: float
+    """Share of the responses cut off by the token budget (`truncation_rate`)."""
+    repetition_rate: float
+    """Share of the responses that repeat themselves (`repetition_rate`)."""
+
+    def log(self, prefix: str = "rollout") -> dict[str, float]:
+        """{prefix}/truncation_rate and {prefix}/repetition_rate, as logged."""
+        return {f"{prefix}/truncation_rate": self.truncation_rate, f"{prefix}/repetition_rate": self.repetition_rate}
+
+
+def response_rates(
+    texts: Sequence[str], finish_reasons: Sequence[str], cfg: RepetitionConfig | None = None
+) -> ResponseRates:
+    """The truncation and repetition rates of one batch of responses (one text and finish reason each)."""
+    if len(texts) != len(finish_reasons):
+        raise ValueError(f"{len(texts)} texts but {len(finish_reasons)} finish reasons: one of each per response")
+    return ResponseRates(truncation_rate(finish_reasons), repetition_rate(texts, cfg))
+
+
 def response_metrics(
     texts: Sequence[str], finish_reasons: Sequence[str], cfg: RepetitionConfig | None = None, prefix: str = "rollout"
 ) -> dict[str, float]:
-    """{prefix}/truncation_rate and {prefix}/repetition_rate of one batch of responses."""
-    if len(texts) != len(finish_reasons):
-        raise ValueError(f"{len(texts)} texts but {len(finish_reasons)} finish reasons: one of each per response")
-    return {
-        f"{prefix}/truncation_rate": truncation_rate(finish_reasons),
-        f"{prefix}/repetition_rate": repetition_rate(texts, cfg),
-    }
+    """{prefix}/truncation_rate and {prefix}/repetition_rate of one batch of responses (response_rates, logged)."""
+    return response_rates(texts, finish_reasons, cfg).log(prefix)
 
 
 def repetitive_token_flags(token_ids: Sequence[int], n: int = 8) -> list[bool]:
@@ -150,15 +169,40 @@ def advantage_split_counts(
     }
 
 
+@dataclass(frozen=True)
+class AdvantageSplit:
+    """Token-mean advantage and token share of the repetitive and the regular tokens (advantage_split)."""
+
+    repetitive_mean: float
+    repetitive_share: float
+    regular_mean: float
+    regular_share: float
+
+    def log(self, prefix: str = "adv") -> dict[str, float]:
+        return {
+            f"{prefix}/repetitive_mean": self.repetitive_mean,
+            f"{prefix}/repetitive_share": self.repetitive_share,
+            f"{prefix}/regular_mean": self.regular_mean,
+            f"{prefix}/regular_share": self.regular_share,
+        }
+
+
+def advantage_split_of(c: dict[str, float]) -> AdvantageSplit:
+    """Means and shares from (possibly all-reduced) counts (advantage_split_counts' keys). A class with no
+    token gets mean 0.0."""
+    rep, reg = c["repetitive_count"], c["regular_count"]
+    total = rep + reg
+    return AdvantageSplit(
+        repetitive_mean=c["repetitive_sum"] / rep if rep > 0 else 0.0,
+        repetitive_share=rep / total if total > 0 else 0.0,
+        regular_mean=c["regular_sum"] / reg if reg > 0 else 0.0,
+        regular_share=reg / total if total > 0 else 0.0,
+    )
+
+
 def advantage_split_from_counts(c: dict[str, float], prefix: str = "adv") -> dict[str, float]:
-    """Means and shares from (possibly all-reduced) counts. A class with no token gets mean 0.0."""
-    total = c["repetitive_count"] + c["regular_count"]
-    out = {}
-    for cls in ("repetitive", "regular"):
-        n = c[f"{cls}_count"]
-        out[f"{prefix}/{cls}_mean"] = c[f"{cls}_sum"] / n if n > 0 else 0.0
-        out[f"{prefix}/{cls}_share"] = n / total if total > 0 else 0.0
-    return out
+    """Means and shares from (possibly all-reduced) counts, logged (advantage_split_of)."""
+    return advantage_split_of(c).log(prefix)
 
 
 def advantage_split(

@@ -73,7 +73,7 @@ class Received:
 
 
 @dataclass(frozen=True)
-class PipelineReport:
+class FlowReport:
     """What the rollout flow tells the step's log about the batch it handed on (every rank)."""
 
     overlap: dict[str, float] = field(default_factory=dict)
@@ -140,7 +140,7 @@ class RolloutFlow:
         self._handed: tuple[int, dict, list] | None = None  # the last step examples() gave: abandon() takes it back
         self.ahead = GenerateAhead(self._generate) if rank == 0 and self.depth else None
         self.versions_B: list[int] | None = None
-        self.report = PipelineReport()
+        self.report = FlowReport()
         """The last batch's (samples, parts)."""
 
     # ------------------------------------------------------------------------------------------- data
@@ -202,12 +202,12 @@ class RolloutFlow:
                 return Received(samples, [self.engine_version] * len(samples), {})
 
             got = self._received(generate)
-            self.versions_B, self.report = got.first_versions, PipelineReport(got.metrics)
+            self.versions_B, self.report = got.first_versions, FlowReport(got.metrics)
             return got.samples
         if self.ahead is not None and not self.ahead.has(step):  # the first step, or the first after a resume
             self.ahead.submit(step, examples, self.engine_version)
         got = self._received(functools.partial(self._take, step))
-        self.versions_B, self.report = got.first_versions, PipelineReport(got.metrics)
+        self.versions_B, self.report = got.first_versions, FlowReport(got.metrics)
         # Batch `step` is done: the weights it trains with go to the engines before the next batches start.
         self.ensure_synced(step)
         for s in range(step + 1, min(step + self.depth, self.cfg.trainer.max_steps - 1) + 1):
@@ -260,7 +260,7 @@ class RolloutFlow:
             yield part
         _raised_everywhere(parts.finish)
         self.versions_B = [self.engine_version] * B
-        self.report = PipelineReport(streamed_parts=yielded)
+        self.report = FlowReport(streamed_parts=yielded)
 
     def _received(self, make: Callable[[], Received]) -> Received:
         """make() on rank 0, everything but its samples on every rank (rank 0 keeps them); WaitAbandoned on every

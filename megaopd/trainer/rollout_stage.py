@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megaopd.batching.delivery import broadcast_header, deliver_rows, row_users, scorer_users
 from megaopd.batching.micro_batches import ScoringBatches
 from megaopd.batching.owners import RowOwners
-from megaopd.batching.plan import BatchingPlan
+from megaopd.batching.settings import BatchingSettings
 from megaopd.batching.shares import row_owners
 from megaopd.parallel.dist import device as dist_device
 from megaopd.rollout.protocol import Sample
@@ -51,7 +51,7 @@ class StepContext:
     cfg: MegaOPDConfig
     models: Models
     needs: LossNeeds
-    batching: BatchingPlan
+    batching: BatchingSettings
     """The training step's micro-batches (and so the rows each actor replica owns)."""
     pad_id: int
     actor_request: ScoreRequest

@@ -5,19 +5,20 @@ loss metrics over the data-parallel ranks, and the step's FLOPs and MFU (perf/*)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megaopd.metrics import repetitive_token_mask, response_metrics, trajectory_metrics
+from megaopd.metrics import repetitive_token_mask, response_rates, trajectory_metrics
 from megaopd.metrics.config import MetricsConfig
 from megaopd.metrics.flops import MatmulDims, StepWork, peak_tflops, step_flops
 from megaopd.metrics.overlap import topk_overlap_counts, topk_overlap_from_counts
 from megaopd.metrics.rollout import (
+    ResponseRates,
     advantage_split_counts,
-    advantage_split_from_counts,
+    advantage_split_of,
     rollout_dynamics_counts,
     rollout_dynamics_from_counts,
 )
@@ -68,9 +69,9 @@ class RolloutSignals:
             )
         return out
 
-    def rates(self) -> dict[str, float]:
-        """The rates the collapse detector watches, by its names (metrics/collapse.py)."""
-        return {"truncation_rate": self.truncation_rate, "repetition_rate": self.repetition_rate}
+    def rates(self) -> ResponseRates:
+        """The rates the collapse detector watches (metrics/collapse.py)."""
+        return ResponseRates(truncation_rate=self.truncation_rate, repetition_rate=self.repetition_rate)
 
 
 @dataclass(frozen=True)
@@ -105,18 +106,27 @@ class TrainMetrics:
 
 @dataclass(frozen=True, kw_only=True)
 class StepTimes:
-    """The step's phase times, the slowest rank's (Timer.reduce), by phase name."""
+    """The step's phase times in seconds, the slowest rank's: StepTimes(**Timer.reduce(...)), so a phase timed
+    under a name this record does not have fails at its first step (add the field). None: not timed this step."""
 
-    log: dict[str, float]
-    """time/<phase> -> seconds, as logged."""
+    rollout: float | None = None
+    """Generation, with the passes that score its parts as they arrive (trainer/rollout_stage.py)."""
+    actor_logprobs: float | None = None
+    """The actor's scoring pass after the rollout."""
+    teacher: float | None = None
+    """The in-job teachers' passes and the wait for the served ones."""
+    teacher_remote: float | None = None
+    """The served teachers' requests (rank 0's threads, overlapped with actor_logprobs)."""
+    train: float | None = None
+    """Forward, backward and the optimizer steps of the step's mini-batches."""
+    sync: float | None = None
+    """The weight push to the engines (sync mode: after the step; overlapped: before the next batch)."""
+    step: float
+    """The whole step."""
 
-    @property
-    def step(self) -> float:
-        return self.log["time/step"]
-
-    @property
-    def train(self) -> float | None:
-        return self.log.get("time/train")
+    def log(self) -> dict[str, float]:
+        """time/<phase> -> seconds of each timed phase, as logged."""
+        return {f"time/{f.name}": v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,9 +139,9 @@ class StepResult:
     """The adaptive loss controller's controller/* (ControlledLoss.observe; empty when fixed)."""
     rollout: RolloutMetrics | None
     """The rollouts' metrics and signals (None: an SFT step)."""
-    pipeline: dict[str, float]
-    """Rank 0: the rollout flow's pipeline/* (RolloutFlow.report) and the served teachers' share
-    scored part by part; empty on the other ranks, which do not log them."""
+    flow: dict[str, float]
+    """Rank 0: the rollout flow's pipeline/* (RolloutFlow.report; the log keeps its older names) and the served
+    teachers' share scored part by part; empty on the other ranks, which do not log them."""
     times: StepTimes
     flops: dict[str, float]
     """flop_metrics: flops/* and perf/*."""
@@ -150,8 +160,8 @@ class StepResult:
         out = self.train.log()
         out.update(self.controller)
         if self.rollout is not None and self.logs_rollout:
-            out.update(self.rollout.log, **self.pipeline)
-        out.update(self.times.log)
+            out.update(self.rollout.log, **self.flow)
+        out.update(self.times.log())
         out.update(self.flops)
         out.update(self.validation)
         return out
@@ -177,11 +187,13 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     a_lp = actor.logprobs_BT[a]
     t_lp = teacher.logprobs_BT[t] if teacher is not None else None
     adv_BT = (t_lp - a_lp) * mask if teacher is not None else None
+    # The top-k overlap: none from a cross-tokenizer teacher (it sends no top-k ids).
+    overlap = bool(mcfg.overlap_k) and teacher is not None and teacher.topk_ids_BTK is not None
     sums = {f"dyn/{k}": v for k, v in rollout_dynamics_counts(mask, a_lp, t_lp, adv_BT).items()}
     if teacher is not None:
         rep_BT = repetitive_token_mask(batch.targets_BT[idx], mask, mcfg.repetition.ngram)
         sums.update({f"split/{k}": v for k, v in advantage_split_counts(adv_BT, rep_BT, mask).items()})
-        if mcfg.overlap_k and teacher.topk_ids_BTK is not None:  # none from a cross-tokenizer teacher
+        if overlap:
             k = mcfg.overlap_k
             ent = (
                 (actor.entropy_BT[a], teacher.entropy_BT[t])
@@ -207,7 +219,7 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
     gap_max = float(gap.max()) if gap.numel() else float("-inf")
     c, gap_max = _sum_over_owners(sums, gap_max, contributes)
 
-    rates = _text_rates(batch, mcfg)  # the two rates, under response_metrics' names: read into signals below
+    rates = _text_rates(batch, mcfg)
     out: dict[str, float] = {}
     # The student's tokens only: a trajectory's environment turns are not the student's response length.
     out.update(rollout_dynamics_from_counts(batch.student_lens_B, _with_prefix(c, "dyn/")))
@@ -224,18 +236,18 @@ def rollout_metrics(batch: RolloutBatch, mcfg: MetricsConfig, contributes: bool 
             )
         )
     n = c["dyn/tokens"]
-    split = advantage_split_from_counts(_with_prefix(c, "split/")) if teacher is not None else {}
+    split = advantage_split_of(_with_prefix(c, "split/")) if teacher is not None else None
     signals = RolloutSignals(
-        truncation_rate=rates["rollout/truncation_rate"],
-        repetition_rate=rates["rollout/repetition_rate"],
+        truncation_rate=rates.truncation_rate,
+        repetition_rate=rates.repetition_rate,
         reward_mean=float(batch.rewards_B.mean()),
-        adv_regular_mean=split.get("adv/regular_mean"),
-        adv_repetitive_mean=split.get("adv/repetitive_mean"),
-        repetitive_token_share=split.get("adv/repetitive_share"),
+        adv_regular_mean=split.regular_mean if split is not None else None,
+        adv_repetitive_mean=split.repetitive_mean if split is not None else None,
+        repetitive_token_share=split.repetitive_share if split is not None else None,
     )
     out.update(signals.log())
     if teacher is not None:
-        if mcfg.overlap_k and any(k.startswith("overlap/") for k in c):
+        if overlap:
             out.update(topk_overlap_from_counts(_with_prefix(c, "overlap/")))
         if len(batch.teacher_rows) > 1:
             out.update(teacher_metrics_from_sums(_with_prefix(c, "teacher/"), batch.teacher_rows, batch.size))
@@ -249,11 +261,11 @@ def _with_prefix(c: dict[str, float], prefix: str) -> dict[str, float]:
     return {k[len(prefix) :]: v for k, v in c.items() if k.startswith(prefix)}
 
 
-def _text_rates(batch: RolloutBatch, mcfg: MetricsConfig) -> dict[str, float]:
+def _text_rates(batch: RolloutBatch, mcfg: MetricsConfig) -> ResponseRates:
     """Truncation and repetition rates on every rank (the adaptive controller reads them on each), made on
     rank 0: it decoded the texts. Collective in a distributed job."""
     args = (batch.texts, batch.finish_reasons, mcfg.repetition)
-    return rank0_computes(response_metrics, *args) if dist.is_initialized() else response_metrics(*args)
+    return rank0_computes(response_rates, *args) if dist.is_initialized() else response_rates(*args)
 
 
 def _sum_over_owners(sums: dict[str, float], maximum: float, contributes: bool) -> tuple[dict[str, float], float]:
@@ -340,7 +352,7 @@ def flop_metrics(work: StepWork, times: StepTimes) -> dict[str, float]:
         "flops/model_step": f.model,
         "flops/hardware_step": f.hardware,
     }
-    t_train, t_step = times.train, times.log.get("time/step")
+    t_train, t_step = times.train, times.step
     if not t_train or not t_step:
         return out
     per_gpu = {

@@ -1,17 +1,18 @@
-"""Phase timings of a training step (NeMo-RL's Timer): named, nested, reduced across ranks, written to the
-step's metrics as time/<name>.
+"""Phase timings of a training step (NeMo-RL's Timer): named, nested, reduced across ranks, made into the
+step's StepTimes record (trainer/step_metrics.py), which logs them as time/<name>.
 
     timer = Timer()
     with timer("step"):
         with timer("rollout"):
             ...
     timer.add("teacher_remote", seconds)              # measured elsewhere (rank 0's scoring thread)
-    metrics.update(timer.reduce(group, device))       # {"time/rollout": s, "time/step": s}; collective
+    times = StepTimes(**timer.reduce(group, device))  # {"rollout": s, "step": s} -> a record; collective
 
-A name's metric is flat (time/rollout, not time/step/rollout) however it is nested: those are the names the
-run log, the benchmarks and the GPU check read. The seconds of one name add up over its blocks. reduce()
-takes each name's maximum over the group's ranks (the step waits for the slowest) and starts the timer
-afresh; every rank must time the same names in the same order (the step's code path, which is collective).
+A name is flat (rollout, not step/rollout) however it is nested: each is a field of StepTimes, logged as
+time/<name>, the names the run log, the benchmarks and the GPU check read. The seconds of one name add up
+over its blocks. reduce() takes each name's maximum over the group's ranks (the step waits for the slowest)
+and starts the timer afresh; every rank must time the same names in the same order (the step's code path,
+which is collective).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Timer:
         self._seconds[name] = self._seconds.get(name, 0.0) + float(seconds)
 
     def reduce(self, group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
-        """{"time/<name>": the largest seconds over the group's ranks} of every closed name; then empty.
+        """{name: the largest seconds over the group's ranks} of every closed name; then empty.
         Collective over `group` (one all_reduce of float64 on `device`, the group's device); group None:
         this process alone."""
         if self._open:
@@ -62,7 +63,7 @@ class Timer:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         self._seconds = {}
-        return {f"time/{n}": v for n, v in zip(names, values.tolist())}
+        return dict(zip(names, values.tolist()))
 
 
 def _sync() -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megaopd.batching.micro_batches import MicroBatch, MiniBatch, step_micro_batches
-from megaopd.batching.plan import BatchingPlan
+from megaopd.batching.settings import BatchingSettings
 from megaopd.batching.shares import mini_batch_rows
 from megaopd.data import PromptDataset, PromptLoader, golden_batch
 from megaopd.data.special_tokens import stop_tokens
@@ -179,7 +179,7 @@ class Trainer:
         self.actor_request = ScoreRequest.for_loss(self.needs, Source.ACTOR, self.temperature, overlap_k)
         self.teacher_request = ScoreRequest.for_loss(self.needs, Source.TEACHER, self.temperature, overlap_k)
         t = cfg.trainer
-        self.batching = BatchingPlan(  # the training step's micro-batches (and so the rows each replica owns)
+        self.batching = BatchingSettings(  # the training step's micro-batches (and so the rows each replica owns)
             t.prompts_per_step,
             t.mini_batches_per_step,
             t.micro_batch_size,
@@ -338,12 +338,12 @@ class Trainer:
                 controller = self.loss_fn.observe(self.step, step.signals, self.run_log)  # controller moves on them
             if rollout is not None and self.rank == 0:
                 self.run_log.samples(self.step, sample_rows(rollout, self.tokenizer, self.cfg.logging.samples_per_step))
-        times = StepTimes(log=timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's
+        times = StepTimes(**timer.reduce(dist.group.WORLD, dist_device()))  # collective: the slowest rank's
         return StepResult(
             train=train,
             controller=controller,
             rollout=step,
-            pipeline={**self.flow.report.log(), **self._served_log} if self.rank == 0 else {},
+            flow={**self.flow.report.log(), **self._served_log} if self.rank == 0 else {},
             times=times,
             flops=flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), times),
             logs_rollout=self.rank == 0,
@@ -488,7 +488,7 @@ class Trainer:
             return
         self.run_log.log_step(self.step, metrics)
         signals = result.signals
-        for warning in self.detector.update(self.step, signals.rates() if signals is not None else {}):
+        for warning in self.detector.update(self.step, signals.rates()) if signals is not None else []:
             self.run_log.event(
                 self.step,
                 warning.event,

@@ -120,7 +120,7 @@ def test_loss_inputs_shift_by_one_and_route_the_partner():
 
 def test_packed_rows_are_padded_to_the_sequence_parallel_multiple():
     from megaopd.batching.micro_batches import assemble_packed_micro_batches
-    from megaopd.batching.plan import Packing
+    from megaopd.batching.settings import Packing
 
     rollout, golden = _rollout(), _golden()
     needs = LossNeeds(old_logprobs=True, teacher_logprobs=True, golden=True)
@@ -149,7 +149,7 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
     import dataclasses
 
     from megaopd.batching.micro_batches import step_micro_batches
-    from megaopd.batching.plan import BatchingPlan
+    from megaopd.batching.settings import BatchingSettings
     from megaopd.batching.shares import mini_batch_rows, row_owners
 
     B, S = 12, 9
@@ -162,13 +162,13 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
     for pack in (False, True):
         for rewards in (False, True):
             for M in (1, 2):
-                plan = BatchingPlan(
+                settings = BatchingSettings(
                     prompts_per_step=6, mini_batches=M, micro_batch_size=2, pad_id=PAD, max_tokens=16 if pack else None
                 )
                 needs = LossNeeds(old_logprobs=True, golden=True, rewards=rewards)
                 for dp in (1, 2, 3):
-                    owner = row_owners(base, golden, dp, needs, plan)
-                    assert owner == row_owners(base, golden, dp, needs, plan)  # deterministic
+                    owner = row_owners(base, golden, dp, needs, settings)
+                    assert owner == row_owners(base, golden, dp, needs, settings)  # deterministic
                     for d in range(dp):
                         mine = [b for b in range(B) if owner[b] == d]
                         rollout = dataclasses.replace(base, actor=TokenScores(row_id_BT[mine], rows=mine))
@@ -176,7 +176,7 @@ def test_row_owners_is_the_partition_the_micro_batches_take():
                         for j in range(M):
                             rows, grows = mini_batch_rows(B, 6, M, j, True)
                             micro = step_micro_batches(
-                                MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows), d, dp, needs, plan
+                                MiniBatch(rollout, rollout.loss_mask_BT, golden, rows, grows), d, dp, needs, settings
                             )
                             got = _trained_rows(micro)
                             assert set(got) <= set(rows.tolist())
@@ -201,7 +201,7 @@ def test_the_field_table_names_loss_inputs_and_carries_their_dtypes():
     import dataclasses
 
     from megaopd.batching.micro_batches import assemble_packed_micro_batches
-    from megaopd.batching.plan import Packing
+    from megaopd.batching.settings import Packing
     from megaopd.losses import LossInputs
 
     assert {f.name for f in LOSS_INPUTS} <= {f.name for f in dataclasses.fields(LossInputs)}
@@ -244,7 +244,7 @@ def test_teacher_spans_travel_with_the_teacher_scores_and_pad_with_minus_one():
     import dataclasses
 
     from megaopd.batching.micro_batches import assemble_packed_micro_batches
-    from megaopd.batching.plan import Packing
+    from megaopd.batching.settings import Packing
 
     rollout = _rollout()
     spans = (torch.arange(6)[:, None] * 10 + torch.arange(6)[None, :]).to(torch.int32)  # row b, position t: 10b + t

@@ -62,6 +62,27 @@ def test_removed_key_is_one_clear_error(models, tmp_path):
         _load(models, preset=str(preset))
 
 
+def test_collapse_thresholds_are_per_rate_and_the_old_dicts_name_them(models, tmp_path):
+    """metrics.collapse.<rate>.jump/level are typed fields; the old name-keyed jump/level dicts fail at load in
+    one line naming the new keys, from the command line (a key under them too) or from a preset."""
+    cfg = _load(models, "metrics.collapse.truncation_rate.jump=0.3", "metrics.collapse.repetition_rate.level=null")
+    assert cfg.metrics.collapse.truncation_rate.jump == 0.3 and cfg.metrics.collapse.truncation_rate.level == 0.5
+    assert cfg.metrics.collapse.repetition_rate.level is None and cfg.metrics.collapse.repetition_rate.jump == 0.1
+    for old in ("metrics.collapse.jump={truncation_rate: 0.3}", "metrics.collapse.jump.truncation_rate=0.3"):
+        with pytest.raises(
+            ConfigError, match=r"^metrics.collapse.jump was removed .*metrics.collapse.truncation_rate.jump"
+        ):
+            _load(models, old)
+    preset = tmp_path / "old.yaml"
+    preset.write_text("metrics:\n  collapse:\n    level:\n      repetition_rate: 0.3\n")
+    with pytest.raises(
+        ConfigError, match=r"^metrics.collapse.level was removed .*repetition_rate.level instead\): del"
+    ):
+        _load(models, preset=str(preset))
+    with pytest.raises(ConfigError, match=r"metrics.collapse.truncation_rate.jump=-0.1 must be >= 0"):
+        _load(models, "metrics.collapse.truncation_rate.jump=-0.1")
+
+
 def test_embedded_engine_dtype_follows_the_student(models):
     """auto: the student's dtype (what `megaopd plan` counts and build_engine is given); a named one as is."""
     assert _load(models).embedded_engine_dtype() == "float32"

@@ -7,7 +7,7 @@ student's positions, and exactly 0 gradient at the environment's."""
 import torch
 
 from megaopd.batching.micro_batches import MiniBatch, assemble_micro_batches, assemble_packed_micro_batches
-from megaopd.batching.plan import Packing
+from megaopd.batching.settings import Packing
 from megaopd.losses import build_loss
 from megaopd.metrics.config import MetricsConfig
 from megaopd.rollout.protocol import Sample, TrajectoryStats

@@ -1,4 +1,4 @@
-"""Spawned worker of the streaming pipeline test (module level, importable by spawned processes)."""
+"""Spawned worker of the streaming rollout flow test (module level, importable by spawned processes)."""
 
 from __future__ import annotations
 
@@ -45,12 +45,12 @@ def stream(rank, world_size, prompts, fail_at, consumer_sleep=0.0):
             "trainer.samples_per_prompt=2",
         ],
     )
-    pipeline = RolloutFlow(cfg, None, Timer(), [0], rank, EngineHooks(parity=lambda _engine: None))
-    pipeline.attach(FakeEngine(fail_at), weight_sync=object())  # nothing is pushed here
+    flow = RolloutFlow(cfg, None, Timer(), [0], rank, EngineHooks(parity=lambda _engine: None))
+    flow.attach(FakeEngine(fail_at), weight_sync=object())  # nothing is pushed here
     examples = [Ex(i) for i in range(prompts)]
     parts, by_row = [], {}
     try:
-        for part in pipeline.parts(0, examples):
+        for part in flow.parts(0, examples):
             parts.append((part.rows, [s.output_ids for s in part.samples]))
             by_row.update(zip(part.rows, part.samples))
             time.sleep(consumer_sleep)  # a slow scoring pass: the parts that arrive meanwhile come together
@@ -59,6 +59,6 @@ def stream(rank, world_size, prompts, fail_at, consumer_sleep=0.0):
     return {
         "parts": parts,
         "all": [by_row[r].output_ids for r in range(len(by_row))],
-        "streams": pipeline.streams,
-        "versions": pipeline.versions_B,
+        "streams": flow.streams,
+        "versions": flow.versions_B,
     }

@@ -1,11 +1,11 @@
-"""A preemption signal during the pipeline's waits on the engines (megaopd.trainer.rollout_flow): the wait given up
+"""A preemption signal during the rollout flow's waits on the engines (megaopd.trainer.rollout_flow): the wait given up
 on rank 0 is raised at the collective (WaitAbandoned), the step's batch is put back so the checkpoint's data
 cursor is from before it, and an async sync whose pause was given up still pushes (the other ranks are in it)."""
 
 import pytest
 
 from megaopd.rollout.waits import WaitAbandoned
-from tests.trainer.test_rollout_flow import Engine, _pipeline, one_rank  # noqa: F401 - one_rank: the gloo fixture
+from tests.trainer.test_rollout_flow import Engine, _flow, one_rank  # noqa: F401 - one_rank: the gloo fixture
 
 
 class StoppedEngine(Engine):
@@ -28,7 +28,7 @@ class StoppedEngine(Engine):
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off"])
 def test_an_abandoned_rollout_puts_the_step_batch_back(mode):
-    p, engine, trainer = _pipeline(mode, engine=StoppedEngine(stop_at=2))
+    p, engine, trainer = _flow(mode, engine=StoppedEngine(stop_at=2))
     for step in range(2):
         trainer["step"] = step
         p.samples(step, p.examples(step))
@@ -46,7 +46,7 @@ def test_an_abandoned_rollout_puts_the_step_batch_back(mode):
 
 
 def test_an_abandoned_push_is_reported_by_after_step():
-    p, engine, trainer = _pipeline("sync")
+    p, engine, trainer = _flow("sync")
 
     def push(_version):
         raise WaitAbandoned("weight sync: abandoned")
@@ -57,7 +57,7 @@ def test_an_abandoned_push_is_reported_by_after_step():
 
 
 def test_an_async_sync_whose_pause_was_given_up_still_pushes():
-    p, engine, trainer = _pipeline("async", max_staleness=2, engine=StoppedEngine(stop_at=3, gen_s=0.2))
+    p, engine, trainer = _flow("async", max_staleness=2, engine=StoppedEngine(stop_at=3, gen_s=0.2))
     pushed = []
     p.push = lambda _version: pushed.append(trainer["step"])
     trainer["step"] = 0

@@ -78,7 +78,7 @@ class Engine:
         self.log.append(("continue",))
 
 
-def _pipeline(mode="one_step_off", max_staleness=1, max_steps=6, gen_s=0.0, loader=None, engine=None, **rollout):
+def _flow(mode="one_step_off", max_staleness=1, max_steps=6, gen_s=0.0, loader=None, engine=None, **rollout):
     cfg = MegaOPDConfig()
     cfg.rollout = RolloutConfig(engine="remote", urls=URL, mode=mode, max_staleness=max_staleness, **rollout)
     cfg.trainer.max_steps, cfg.trainer.samples_per_prompt = max_steps, 2
@@ -107,7 +107,7 @@ def _run(p, trainer, steps, start=0, train_s=0.0):
 
 
 def test_sync_mode_generates_now_under_the_current_weights():
-    p, engine, trainer = _pipeline("sync")
+    p, engine, trainer = _flow("sync")
     for step in range(3):
         ((prompt, versions, metrics, _),) = _run(p, trainer, 1, start=step)
         assert prompt == step and versions == [step] * 2 and metrics == {}
@@ -120,16 +120,16 @@ def test_a_batch_not_streamed_is_one_part_of_every_row():
     """RolloutFlow.parts: without rollout.stream_parts the step's batch is one RolloutPart, its rows the
     whole batch, its samples samples()' own (the rollout stage takes both the same way)."""
     for mode in ("sync", "one_step_off"):
-        p, _, trainer = _pipeline(mode)
+        p, _, trainer = _flow(mode)
         examples = p.examples(0)
         (part,) = list(p.parts(0, examples))
         assert part.rows == [0, 1] and [s.output_ids for s in part.samples] == [
-            s.output_ids for s in _pipeline(mode)[0].samples(0, examples)
+            s.output_ids for s in _flow(mode)[0].samples(0, examples)
         ]
 
 
 def test_one_step_off_trains_on_batches_one_version_old_while_the_next_generates():
-    p, engine, trainer = _pipeline("one_step_off", gen_s=0.15)
+    p, engine, trainer = _flow("one_step_off", gen_s=0.15)
     out = _run(p, trainer, 4, train_s=0.15)
     assert [o[0] for o in out] == [0, 1, 2, 3]  # the same prompts, in the same order, as sync
     assert [o[1] for o in out] == [[0, 0], [0, 0], [1, 1], [2, 2]]  # generated under the previous step's weights
@@ -147,13 +147,13 @@ def test_one_step_off_trains_on_batches_one_version_old_while_the_next_generates
 
 
 def test_no_batch_is_submitted_past_max_steps():
-    p, engine, trainer = _pipeline("one_step_off", max_steps=3)
+    p, engine, trainer = _flow("one_step_off", max_steps=3)
     _run(p, trainer, 3)
     assert [c[0] for c in engine.calls] == [0, 1, 2] and not p.ahead.in_flight
 
 
 def test_async_keeps_max_staleness_batches_in_flight_and_pauses_them_for_syncs():
-    p, engine, trainer = _pipeline("async", max_staleness=2, max_steps=8, gen_s=0.05, sync_pause="retract")
+    p, engine, trainer = _flow("async", max_staleness=2, max_steps=8, gen_s=0.05, sync_pause="retract")
     out = _run(p, trainer, 5, train_s=0.02)
     assert [o[1][0] for o in out] == [0, 0, 0, 1, 2]  # batch k is submitted under v_(k-2)
     assert max(o[2]["pipeline/staleness_max"] for o in out) == 2
@@ -163,9 +163,9 @@ def test_async_keeps_max_staleness_batches_in_flight_and_pauses_them_for_syncs()
 
 
 def test_checkpoint_cursor_excludes_the_batch_in_flight_and_resume_regenerates_it():
-    p, engine, trainer = _pipeline("one_step_off")
+    p, engine, trainer = _flow("one_step_off")
     full = _run(p, trainer, 4)
-    p, _, trainer = _pipeline("one_step_off")
+    p, _, trainer = _flow("one_step_off")
     _run(p, trainer, 2)  # trained steps 0, 1; batch 2 was drawn and is in flight
     state = p.state_dict()
     assert state == {"cursor": 2}  # before batch 2's draw: a resume draws it again
@@ -174,7 +174,7 @@ def test_checkpoint_cursor_excludes_the_batch_in_flight_and_resume_regenerates_i
     engine2.version = 2
     loader = Loader()
     loader.load_state_dict(state)
-    p2, _, trainer2 = _pipeline("one_step_off", loader=loader, engine=engine2)
+    p2, _, trainer2 = _flow("one_step_off", loader=loader, engine=engine2)
     p2.engine_version = 2
     resumed = _run(p2, trainer2, 2, start=2)
     assert [r[0] for r in resumed] == [f[0] for f in full[2:]]  # the same prompts as the uninterrupted run
@@ -185,7 +185,7 @@ def test_checkpoint_cursor_excludes_the_batch_in_flight_and_resume_regenerates_i
 
 @pytest.mark.parametrize("policy", ["drop", "regenerate"])
 def test_too_stale_samples_are_dropped_or_regenerated(policy):
-    p, engine, trainer = _pipeline("async", max_staleness=1, stale_samples=policy)
+    p, engine, trainer = _flow("async", max_staleness=1, stale_samples=policy)
     engine.version = p.engine_version = 5
     p.ahead.submit(5, [Ex([9])], version=2)  # a batch three versions behind the weights of step 5
     got = p._take(5)
@@ -215,7 +215,7 @@ def test_overlap_needs_engines_beside_the_trainer():
 def test_the_parity_hook_gets_the_flows_engine_at_its_interval():
     """After every rollout.parity_interval-th sync the flow calls EngineHooks.parity with its own engine (a
     regression: ensure_synced once called the hook without it)."""
-    p, engine, trainer = _pipeline("sync", parity_interval=2)
+    p, engine, trainer = _flow("sync", parity_interval=2)
     seen = []
     p.parity = lambda e: seen.append((trainer["step"], e))
     for step in range(4):

@@ -1,10 +1,11 @@
-"""trainer/timer.py: named, nested phase timings; max over ranks; the metric names the run log reads."""
+"""trainer/timer.py: named, nested phase timings; max over ranks; the StepTimes record and the names it logs."""
 
 import time
 
 import pytest
 import torch
 
+from megaopd.trainer.step_metrics import StepTimes
 from megaopd.trainer.timer import Timer
 
 
@@ -19,9 +20,12 @@ def test_nested_names_are_flat_metrics_in_closing_order():
             time.sleep(0.01)
         timer.add("teacher_remote", 0.5)
     got = timer.reduce(None, torch.device("cpu"))
-    assert list(got) == ["time/rollout", "time/train", "time/teacher_remote", "time/step"]
-    assert got["time/rollout"] >= 0.01 and got["time/train"] >= 0.01 and got["time/teacher_remote"] == 0.5
-    assert got["time/step"] >= got["time/rollout"] + got["time/train"]
+    assert list(got) == ["rollout", "train", "teacher_remote", "step"]
+    assert got["rollout"] >= 0.01 and got["train"] >= 0.01 and got["teacher_remote"] == 0.5
+    assert got["step"] >= got["rollout"] + got["train"]
+    times = StepTimes(**got)  # the step's record; the run log's names
+    assert list(times.log()) == ["time/rollout", "time/teacher_remote", "time/train", "time/step"]
+    assert times.step == got["step"] and times.sync is None
     assert timer.reduce(None, torch.device("cpu")) == {}  # reduce starts the next step afresh
 
 
@@ -47,4 +51,4 @@ def test_reduce_takes_the_slowest_rank():
     from megaopd.parallel.launch import spawn
 
     results = spawn(_reduced, 2, timeout=120)
-    assert results == [{"time/rollout": 2.0, "time/teacher_remote": 2.0}] * 2
+    assert results == [{"rollout": 2.0, "teacher_remote": 2.0}] * 2

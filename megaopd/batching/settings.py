@@ -1,4 +1,4 @@
-"""BatchingPlan: how a step's rows become the training step's micro-batches, from the trainer's settings and
+"""BatchingSettings: how a step's rows become the training step's micro-batches, from the trainer's settings and
 what the trained model can take. The trainer builds it once; nothing in batching reads a config."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class Packing:
-    """How one rank's rows are packed into micro-batches: the packed settings of a BatchingPlan."""
+    """How one rank's rows are packed into micro-batches: the packed part of BatchingSettings."""
 
     max_tokens: int
     """Tokens per packed micro-batch at most (a unit longer than that gets one of its own)."""
@@ -21,7 +21,10 @@ class Packing:
 
 
 @dataclass(frozen=True)
-class BatchingPlan:
+class BatchingSettings:
+    """The training step's batching: the trainer's settings and the trained model's limits ("settings", not
+    "plan": `megaopd plan` is the memory plan)."""
+
     prompts_per_step: int
     """Prompts per step, which is also the golden rows per step (trainer.prompts_per_step)."""
     mini_batches: int
@@ -50,7 +53,7 @@ class BatchingPlan:
 
     @property
     def packing(self) -> Packing:
-        """The packed settings (a packed plan only)."""
+        """The packed settings (packed settings only)."""
         if self.max_tokens is None:
-            raise ValueError("a padded plan has no packing (max_tokens is None)")
+            raise ValueError("padded settings have no packing (max_tokens is None)")
         return Packing(max_tokens=self.max_tokens, pad_id=self.pad_id, uniform=self.uniform, multiple=self.multiple)
