@@ -130,8 +130,8 @@ class StepResult:
     rollout: RolloutMetrics | None
     """The rollouts' metrics and signals (None: an SFT step)."""
     pipeline: dict[str, float]
-    """Rank 0: the rollout flow's pipeline/* (RolloutFlow.report) and the served teachers' share
-    scored part by part; empty on the other ranks, which do not log them."""
+    """Rank 0: the rollout flow's pipeline/* (RolloutFlow.report), its weight syncs' sync/* (RolloutFlow.sync_log)
+    and the served teachers' share scored part by part; empty on the other ranks, which do not log them."""
     times: StepTimes
     flops: dict[str, float]
     """flop_metrics: flops/* and perf/*."""
