@@ -2,7 +2,7 @@
 base once (the start-up sync, over the weight-update group) and then the adapters alone through POST
 /load_lora_adapter (megaopd.sync.http_lora, rollout.lora_sync auto -> adapter), the engine generates with base plus
 adapter, and the parity probe after every sync holds (float32, rollout.parity_tolerance 1e-3) as do the sampled
-tokens' engine/actor gaps (sync/logprob_gap_max).
+tokens' engine/actor gaps (sync/logprob_gap_max); resumed against the same server, the run sends the base again.
 
     pytest -m slow tests/trainer/test_lora_served.py
 """
@@ -70,7 +70,8 @@ def lora_overrides(run_dir: str) -> list[str]:
 def test_lora_student_syncs_adapters_alone_to_megaopd_serve(tmp_path):
     proc, url = serve(os.path.join(TINY, "models", "student"), str(tmp_path / "serve.log"))
     run = str(tmp_path / "run")
-    try:
+
+    def train(steps):
         out = subprocess.run(
             [
                 sys.executable,
@@ -79,7 +80,7 @@ def test_lora_student_syncs_adapters_alone_to_megaopd_serve(tmp_path):
                 "train",
                 os.path.join(TINY, "lora_opd.yaml"),
                 *lora_overrides(run),
-                "trainer.max_steps=3",
+                f"trainer.max_steps={steps}",
                 "trainer.save_interval=100",
                 "rollout.engine=remote",
                 f"rollout.urls=[{url}]",
@@ -93,13 +94,20 @@ def test_lora_student_syncs_adapters_alone_to_megaopd_serve(tmp_path):
         )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         with urllib.request.urlopen(url + "/get_model_info", timeout=10) as r:
-            assert json.load(r)["weight_version"] == "3"  # the adapter's name, the trainer's step
+            assert json.load(r)["weight_version"] == str(steps)  # the adapter's name, the trainer's step
+        return out
+
+    try:
+        out = train(3)
+        # Resumed against the same server, which holds the base with step 3's adapter merged in: the new run's
+        # first sync sends the base again (the engine merges into the base it keeps: it must be the actor's).
+        resumed = train(4)
     finally:
         proc.kill()
         proc.wait()
     with open(os.path.join(run, "metrics.jsonl")) as f:
         steps = {r["step"]: r for r in map(json.loads, f) if "event" not in r}
-    assert sorted(steps) == [1, 2, 3]
+    assert sorted(steps) == [1, 2, 3, 4]
     adapter = steps[2]["sync/adapter_bytes"]
     # Step 1 logs the start-up sync (the base, then the adapter) and its own (the adapter alone).
     base = steps[1]["sync/bytes"] - 2 * adapter
@@ -112,3 +120,7 @@ def test_lora_student_syncs_adapters_alone_to_megaopd_serve(tmp_path):
     parity = re.findall(r"weight-sync parity at step (\d+): .* max ([0-9.e+-]+);", out.stdout)
     assert [int(s) for s, _ in parity] == [0, 1, 2, 3], out.stdout[-3000:]
     assert max(float(m) for _, m in parity) < 1e-3
+    assert "resumed from" in resumed.stdout
+    assert steps[4]["sync/bytes"] == base + 2 * adapter and steps[4]["sync/adapter_bytes"] == 2 * adapter
+    parity = re.findall(r"weight-sync parity at step (\d+): .* max ([0-9.e+-]+);", resumed.stdout)
+    assert [int(s) for s, _ in parity] == [3, 4] and max(float(m) for _, m in parity) < 1e-3, resumed.stdout[-3000:]
