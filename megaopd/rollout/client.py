@@ -133,8 +133,15 @@ class HttpEngineConfig:
 class HttpEngine:
     """The Engine protocol over HTTP against one SGLang-compatible server."""
 
-    weight_transports = ("dist_group", "cuda_ipc")
-    """A weight-update group (engines on their own GPUs), or CUDA IPC handles (colocated engines)."""
+    @property
+    def weight_transports(self) -> tuple[str, ...]:
+        """A weight-update group (engines on their own GPUs), or CUDA IPC handles (colocated engines); and, from
+        `megaopd serve` (its server info says so; asked once), the group with LoRA adapters alone through
+        /load_lora_adapter (http_lora). SGLang 0.5.23's LoRA routes need a GPU on this build (docs/engines.md)."""
+        if self._megaopd_serve is None:
+            info = self.server_info()
+            self._megaopd_serve = isinstance(info, dict) and info.get("megaopd_serve") is True
+        return ("dist_group", "cuda_ipc", "http_lora") if self._megaopd_serve else ("dist_group", "cuda_ipc")
 
     def __init__(self, config: HttpEngineConfig | str, stop: Callable[[], bool] | None = None):
         """stop: true once every wait on this engine should be given up (the trainer's PreemptionFlag.signalled):
@@ -145,6 +152,7 @@ class HttpEngine:
         self._released: set[str] = set()
         self._version: tuple[int, int, int] | None | str = "unknown"  # cached server version
         self._session_endpoints = True  # False once the server answered 404 to /begin_weight_update
+        self._megaopd_serve: bool | None = None  # whether the server is `megaopd serve` (asked once)
 
     @property
     def url(self) -> str:

@@ -57,8 +57,10 @@ class RolloutConfig:
     """A LoRA student's weight sync (student.lora on; set without it, refused): adapter sends the adapter tensors
     alone (r (in + out) numbers per adapted projection; the engine merges W_base + (alpha / r) B A in float32 from
     the base it keeps, which the first sync of a run sends whole), merged sends every weight with the adapters
-    merged in (float32 math), for engines without LoRA. auto: adapter for the embedded engine, merged for remote
-    ones (megaopd serve and SGLang 0.5.23 take merged weights on this build: SGLang's LoRA routes need a GPU)."""
+    merged in (float32 math), for engines without LoRA. auto: adapter for the embedded engine and for `megaopd
+    serve` (the adapters through its /load_lora_adapter), merged for SGLang 0.5.23 (its LoRA routes need a GPU on
+    this build, docs/engines.md); remote engines are told apart at the first sync (GET /server_info), and
+    adapter with an SGLang engine is refused there, naming rollout.lora_sync=merged."""
     temperature: float = 1.0
     """Sampling temperature; every log-prob of the step (actor, teacher, reference) uses it too."""
     top_p: float = 1.0
@@ -166,18 +168,14 @@ class RolloutConfig:
             )
         if self.lora_sync not in LORA_SYNCS:
             raise ValueError(f"rollout.lora_sync={self.lora_sync!r}: choose {', '.join(LORA_SYNCS)}")
-        if self.lora_sync == ADAPTER_SYNC and not self.engine.in_trainer:
-            raise ValueError(
-                "rollout.lora_sync=adapter needs rollout.engine=embedded: megaopd serve and SGLang 0.5.23 take "
-                "merged weights on this build (SGLang's LoRA routes need a GPU); set rollout.lora_sync=merged"
-            )
         check_sampling(self)
         check_overlap(self)
 
     def resolve_lora_sync(self, lora_enabled: bool) -> None:
         """lora_sync as the job runs it (the config's loader calls it once, with student.lora.enabled): auto
-        becomes adapter for the embedded engine and merged for remote ones; a LoRA-less student keeps auto (its
-        syncs send every weight) and refuses an explicit setting."""
+        becomes adapter for the embedded engine; remote engines keep auto, which the weight sync resolves at its
+        first push from what the engines take (megaopd serve: adapter, SGLang: merged); a LoRA-less student keeps
+        auto (its syncs send every weight) and refuses an explicit setting."""
         if not lora_enabled:
             if self.lora_sync != "auto":
                 raise ValueError(
@@ -185,8 +183,8 @@ class RolloutConfig:
                     "(a student without adapters always sends every weight)"
                 )
             return
-        if self.lora_sync == "auto":
-            self.lora_sync = ADAPTER_SYNC if self.engine.in_trainer else MERGED_SYNC
+        if self.lora_sync == "auto" and self.engine.in_trainer:
+            self.lora_sync = ADAPTER_SYNC
 
     @property
     def sends_adapters(self) -> bool:

@@ -15,8 +15,10 @@ Endpoints (schemas as SGLang's; docs/engines.md "SGLang's HTTP API, as megaopd u
   POST /update_weights_from_distributed            receives broadcast tensors, loads them by HF name
                                                    (per-tensor format: straight into the parameters)
   POST /update_weights_from_disk                   loads *.safetensors of a directory by HF name
-  POST /load_lora_adapter                          lora_name, lora_path: a peft adapter folder merged into
-                                                   the served base (float32), under the same allowed roots
+  POST /load_lora_adapter                          lora_name with lora_path (a peft adapter folder, under
+                                                   the same allowed roots) or adapter_config + adapter_model
+                                                   (the folder's two files in the request: the trainer's
+                                                   adapter sync), merged into the served base (float32)
   POST /destroy_weights_update_group
   POST /begin_weight_update  /end_weight_update    only when acting as SGLang >= 0.5.20 (--sglang-version):
                                                    then updates from distributed / tensor are refused

@@ -233,24 +233,46 @@ class WeightUpdates:
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def load_lora_adapter(self, req: dict) -> dict:
-        """POST /load_lora_adapter (SGLang's route and fields: lora_name, lora_path): a peft adapter folder
-        (adapter_config.json, adapter_model.safetensors) under the allowed folders, merged into the served base
-        (ModelRunner.update_adapter: W_base + (alpha / r) B A in float32; the previous adapter's weights return to
-        the base); lora_name becomes the weight version. The key, the body limit and the allowed roots are those
-        of every update; every file is checked against the roots (a symlink may point out); all or nothing."""
+        """POST /load_lora_adapter: a peft adapter merged into the served base (ModelRunner.update_adapter:
+        W_base + (alpha / r) B A in float32; the previous adapter's weights return to the base); lora_name becomes
+        the weight version. The adapter comes one of two ways, never both:
+          - lora_path (SGLang's field): a peft folder (adapter_config.json, adapter_model.safetensors) under the
+            allowed folders, each file checked against the roots too (a symlink may point out);
+          - adapter_config (the JSON object of adapter_config.json) and adapter_model (the bytes of
+            adapter_model.safetensors, base64): the two files in the request, as the trainer's adapter sync
+            sends them (megaopd.sync.http_lora); safetensors only (nothing loaded runs code).
+        The key and the body limit are those of every request; the same checks follow either way; all or
+        nothing."""
         import json
 
         from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors.torch import load, load_file
 
-        from megaopd.engine.lora import AdapterError, AdapterUpdate
         from megaopd.models.hf_io import PEFT_CONFIG, PEFT_WEIGHTS
 
         engine = self._engine()
-        require(req, ("lora_name", "lora_path"))
-        name, path = req["lora_name"], req["lora_path"]
-        if not isinstance(name, str) or not isinstance(path, str):
-            raise BadRequest("lora_name and lora_path must be strings", kind="schema")
+        require(req, ("lora_name",))
+        name, path = req["lora_name"], req.get("lora_path")
+        inline = "adapter_config" in req or "adapter_model" in req
+        if not isinstance(name, str):
+            raise BadRequest("lora_name must be a string", kind="schema")
+        if inline == (path is not None):
+            raise BadRequest(
+                "give either lora_path (a peft folder) or adapter_config with adapter_model (its files), not "
+                + ("both" if inline else "neither")
+            )
+        if inline:
+            config, weights = req.get("adapter_config"), req.get("adapter_model")
+            if not isinstance(weights, str) or not _is_base64(weights):
+                raise BadRequest("adapter_model: base64 of an adapter_model.safetensors file", kind="schema")
+            where = f"adapter {name!r}"
+            try:
+                tensors = load(base64.b64decode(weights))
+            except (SafetensorError, ValueError) as e:
+                return {"success": False, "message": f"{where}: adapter_model is not a safetensors file: {e}"}
+            return self._load_adapter(engine, name, where, config, tensors)
+        if not isinstance(path, str):
+            raise BadRequest("lora_path must be a string", kind="schema")
         real = _allowed(self.roots.check, path)
         files = [os.path.join(real, f) for f in (PEFT_CONFIG, PEFT_WEIGHTS)]
         if not all(os.path.isfile(f) for f in files):
@@ -262,13 +284,21 @@ class WeightUpdates:
             tensors = load_file(weights_file)
         except (OSError, ValueError, SafetensorError) as e:
             return {"success": False, "message": f"{path}: unreadable adapter: {e}"}
+        return self._load_adapter(engine, name, path, config, tensors)
+
+    @staticmethod
+    def _load_adapter(engine: ModelRunner, name: str, where: str, config: Any, tensors: dict) -> dict:
+        """The checks either source of /load_lora_adapter passes, then the merge (all or nothing)."""
+        from megaopd.engine.lora import AdapterError, AdapterUpdate
+        from megaopd.models.hf_io import PEFT_CONFIG
+
         if not isinstance(config, dict):
-            return {"success": False, "message": f"{path}: {PEFT_CONFIG} must hold a JSON object"}
+            return {"success": False, "message": f"{where}: {PEFT_CONFIG} must hold a JSON object"}
         rank, alpha = config.get("r"), config.get("lora_alpha")
         if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
-            return {"success": False, "message": f"{path}: only plain LoRA adapters load (not DoRA, rsLoRA)"}
+            return {"success": False, "message": f"{where}: only plain LoRA adapters load (not DoRA, rsLoRA)"}
         if not isinstance(rank, int) or isinstance(rank, bool) or not isinstance(alpha, (int, float)):
-            return {"success": False, "message": f"{path}: {PEFT_CONFIG} needs an integer r and a number lora_alpha"}
+            return {"success": False, "message": f"{where}: {PEFT_CONFIG} needs an integer r and a number lora_alpha"}
         try:
             engine.update_adapter(AdapterUpdate.of(tensors.items(), rank, float(alpha), name))
         except (AdapterError, WeightMismatchError, EngineReleasedError) as e:

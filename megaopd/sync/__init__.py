@@ -9,6 +9,8 @@ megaopd.models.gather, which the checkpoint converter uses too):
     distributed  transport "dist_group": SGLang's /update_weights_from_distributed over that group
     cuda_ipc     transport "cuda_ipc": SGLang's /update_weights_from_tensor with CUDA IPC handles
                  (colocated engines)
+    http_lora    transport "http_lora": megaopd serve, the base as dist_group's, LoRA adapters alone through
+                 POST /load_lora_adapter
     transport    TransportKind: what WeightSync knows of a transport (when it fits, who sends, its build)
     weight_sync  WeightSync: picks a transport per engine (engine.weight_transports + rollout.colocated)
                  from TRANSPORT_KINDS, the one list of transports, and orders memory resume around the push

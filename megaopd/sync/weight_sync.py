@@ -12,11 +12,13 @@ push() is collective over `group` (default: torch's default group) and the actor
     2. colocated engines: every rank empties its CUDA cache (the trainer's cached blocks would leave
        the engines too little memory), then rank 0 resumes "weights" on the engines that released them;
     3. gather (megaopd.models.gather: over TP, over EP for a MoE actor's experts, then PP) and send (the transports);
-    ranks that send nothing drain the gather. A LoRA student with rollout.lora_sync=adapter sends its adapters
-    alone (gather_adapter_weights, peft names; the transport's push_adapter), after the base weights on the
-    first push (the engines merge every adapter into the base they keep, so it must be the actor's) and on every
-    push to colocated engines (which drop their weights while the actor trains); lora_sync=merged (or a
-    LoRA-less student) sends every weight, an adapted one as W + (alpha / r) B A (float32 math);
+    ranks that send nothing drain the gather. A LoRA student whose syncs send adapters (rollout.lora_sync=adapter,
+    or auto when every engine's transport takes them: the embedded engine, megaopd serve; decided at the first
+    push with the transports, TransportChoice.adapters) sends its adapters alone (gather_adapter_weights, peft
+    names; the transport's push_adapter), after the base weights on the first push (the engines merge every
+    adapter into the base they keep, so it must be the actor's) and on every push to colocated engines (which
+    drop their weights while the actor trains); lora_sync=merged (or a LoRA-less student) sends every weight, an
+    adapted one as W + (alpha / r) B A (float32 math);
     4. colocated engines: rank 0 resumes "kv_cache" and "cuda_graph" where released (SGLang's order
        after training: weights first, then the KV cache, so the two never compete for memory);
     5. a barrier (an all-reduce of "abandoned"): no rank runs ahead while the engines still load.
@@ -42,25 +44,30 @@ from megaopd.models.gather import gather_adapter_weights, gather_hf_weights, mod
 from megaopd.models.lora import lora_meta
 from megaopd.models.weights import ADAPTER_A, ADAPTER_B
 from megaopd.parallel.dist import device
-from megaopd.rollout.config import RolloutConfig
+from megaopd.rollout.config import ADAPTER_SYNC, RolloutConfig
 from megaopd.rollout.waits import WaitAbandoned
-from megaopd.sync import cuda_ipc, distributed, in_process
+from megaopd.sync import cuda_ipc, distributed, http_lora, in_process
 from megaopd.sync.cuda_ipc import IpcLayout
 from megaopd.sync.transport import AdapterMeta, TransportKind, TransportSetup
 
-TRANSPORT_KINDS: dict[str, TransportKind] = {k.name: k for k in (in_process.KIND, distributed.KIND, cuda_ipc.KIND)}
+TRANSPORT_KINDS: dict[str, TransportKind] = {
+    k.name: k for k in (in_process.KIND, distributed.KIND, cuda_ipc.KIND, http_lora.KIND)
+}
 """Every weight transport, in order of preference (the first one an engine accepts and that fits
-rollout.colocated is used): a new transport is its module and one entry here (docs/extending.md)."""
+rollout.colocated is used; a sync of LoRA adapters alone prefers those whose kind takes `adapters`): a new
+transport is its module and one entry here (docs/extending.md)."""
 TRANSPORTS = tuple(TRANSPORT_KINDS)
 
 
-def choose_transport(accepted: Iterable[str], colocated: bool) -> str:
+def choose_transport(accepted: Iterable[str], colocated: bool, adapters: bool = False) -> str:
     """The transport for one engine: the first kind of TRANSPORT_KINDS it accepts that fits `colocated`
     (in-process when it lives here; else CUDA IPC when colocated, NCCL refusing a group with two ranks
-    on one GPU, the weight-update group otherwise)."""
+    on one GPU, the weight-update group otherwise); with `adapters` (a LoRA sync of the adapters alone), the
+    first such kind that takes adapters, else the first of any."""
     accepted = tuple(accepted)
     fitting = [k.name for k in TRANSPORT_KINDS.values() if k.fits(colocated)]
-    for name in fitting:
+    preferred = [n for n in fitting if TRANSPORT_KINDS[n].adapters] if adapters else []
+    for name in preferred + fitting:
         if name in accepted:
             return name
     raise ValueError(
@@ -75,6 +82,9 @@ class TransportChoice:
 
     transports: list[str]
     """Transport names in use (one or more; a kind marked `alone` only alone)."""
+    adapters: bool = False
+    """A LoRA student's syncs send the adapters alone (after the base, once): rollout.lora_sync=adapter, or auto
+    when every engine's transport takes adapters (embedded, megaopd serve; SGLang engines take merged weights)."""
     decisions: dict[str, Any] = field(default_factory=dict)
     """Per transport name, what its kind's `decide` returned on rank 0 (cuda_ipc: the feeder ranks)."""
 
@@ -117,19 +127,32 @@ class WeightSync:
         """rollout.lora_sync=adapter: the engines hold the actor's base weights (sent by the first push)."""
 
     # -------------------------------------------------------------------------------------- choice
-    def _targets_by_transport(self) -> dict[str, list]:
-        groups: dict[str, list] = {}
-        for target in self.engine.weight_targets():
-            groups.setdefault(choose_transport(target.weight_transports, self.rollout.colocated), []).append(target)
+    def _targets_by_transport(self, lora: bool = True) -> tuple[dict[str, list], bool]:
+        """Rank 0: each transport in use and its engines, and whether the syncs send the adapters alone (`lora`:
+        the actor has adapters; rollout.lora_sync=auto sends them alone when every engine's transport takes them)."""
+        targets = self.engine.weight_targets()
+        wanted = lora and self.rollout.lora_sync in (ADAPTER_SYNC, "auto")
+        groups = self._groups(targets, wanted)
+        if wanted and not self.rollout.sends_adapters and not all(TRANSPORT_KINDS[n].adapters for n in groups):
+            wanted, groups = False, self._groups(targets, False)  # auto: an engine takes full weights only
         alone = [name for name in groups if TRANSPORT_KINDS[name].alone]
         if alone and len(groups) > 1:
             raise ValueError(f"engines taking {alone[0]} must all take it; this pool mixes {sorted(groups)}")
         plain = [name for name in groups if not TRANSPORT_KINDS[name].adapters]
         if self.rollout.sends_adapters and plain:
+            which = next(t for t in targets if t in groups[plain[0]])
             raise ValueError(
-                f"rollout.lora_sync=adapter: the {plain[0]} transport sends full weights only; set "
-                "rollout.lora_sync=merged"
+                f"rollout.lora_sync=adapter: {getattr(which, 'url', which)} takes full weights only (the "
+                f"{plain[0]} transport; SGLang 0.5.23's LoRA routes need a GPU on this build, docs/engines.md); set "
+                "rollout.lora_sync=merged (or auto: adapters where the engines take them, merged elsewhere)"
             )
+        return groups, wanted and not plain
+
+    def _groups(self, targets: list, adapters: bool) -> dict[str, list]:
+        groups: dict[str, list] = {}
+        for target in targets:
+            name = choose_transport(target.weight_transports, self.rollout.colocated, adapters=adapters)
+            groups.setdefault(name, []).append(target)
         return groups
 
     def _layout(self) -> IpcLayout:
@@ -138,14 +161,14 @@ class WeightSync:
             local_world_size=local, world_size=dist.get_world_size(self.group), engines_per_node=self.engines_per_node
         )
 
-    def _choose_transports(self) -> None:
+    def _choose_transports(self, lora: bool) -> None:
         """Collective: rank 0 decides, every rank builds its transports from the decision."""
-        by_transport = self._targets_by_transport() if self.rank == 0 else {}
+        by_transport, adapters = self._targets_by_transport(lora) if self.rank == 0 else ({}, False)
         box = [None]
         if self.rank == 0:
             kinds = {name: TRANSPORT_KINDS[name] for name in by_transport}
             decisions = {n: k.decide(by_transport[n], self._layout()) for n, k in kinds.items() if k.decide}
-            box = [TransportChoice(sorted(by_transport, key=TRANSPORTS.index), decisions)]
+            box = [TransportChoice(sorted(by_transport, key=TRANSPORTS.index), adapters, decisions)]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         self.choice = box[0]
         for name in self.choice.transports:
@@ -164,7 +187,10 @@ class WeightSync:
         t0 = time.perf_counter()
         self._sent = (0, 0)
         if self.choice is None:
-            self._choose_transports()
+            lora = lora_meta(model) is not None
+            if self.rollout.sends_adapters and not lora:
+                raise ValueError("rollout.lora_sync=adapter but the actor has no adapters: set student.lora.enabled")
+            self._choose_transports(lora)
         colocated, abandoned = self.rollout.colocated, False
         if colocated:
             if torch.cuda.is_available():
@@ -172,10 +198,8 @@ class WeightSync:
             abandoned = _abandoned(self._resume, ("weights",))
         state = model_state(model)
         adapter = None
-        if self.rollout.sends_adapters:
+        if self.choice.adapters:
             meta = lora_meta(model)
-            if meta is None:
-                raise ValueError("rollout.lora_sync=adapter but the actor has no adapters: set student.lora.enabled")
             if not self.base_sent or colocated:  # the engines merge into the base they keep: it must be the actor's
                 abandoned = self._full(_base_state(state), hf_cfg, pgs, weight_version) or abandoned
                 self.base_sent = True  # on every rank alike: whether the base goes decides a collective gather

@@ -7,9 +7,10 @@ RUN/config.yaml before anything in the run folder is written.
 
 What cannot apply is what the checkpoint's tensors were made of: the models (student, reference and teacher
 paths: the student's weights and Adam state are the student's; the reference's KL and the teacher's scores
-were the run's targets), the student's dtype, a student folder whose config.json now has other shapes than
-the checkpoint's, the optimizer's checkpoint layout (optimizer.use_distributed_optimizer), the student's
-TP/PP/EP with the distributed optimizer (its dp_reshardable layout reshards data-parallel ranks only; the
+were the run's targets), the student's dtype, its LoRA adapters (student.lora enabled, rank, alpha, targets: the
+checkpoint holds those adapters and their Adam state; its dropout applies), a student folder whose config.json
+now has other shapes than the checkpoint's, the optimizer's checkpoint layout (optimizer.use_distributed_optimizer),
+the student's TP/PP/EP with the distributed optimizer (its dp_reshardable layout reshards data-parallel ranks only; the
 plain optimizer's state and the model reshard to any TP/PP/EP, trainer/checkpoint.py), and loss.controller
 (the adaptive controller's state is a checkpoint component), and the data order (data.seed, data.shuffle, the
 sources' count and weights: the data sampler's saved state replays that order, or refuses; a change of a
@@ -44,8 +45,8 @@ SHAPE_KEYS = (
 )
 """config.json keys that set the shapes of a checkpoint's tensors."""
 _MODEL_KEYS = re.compile(
-    r"^(student\.(path|dtype)|reference\.path|teachers\[\d+\]\.(path|name|engine)"
-    r"|teachers|optimizer\.use_distributed_optimizer|loss\.controller)$"
+    r"^(student\.(path|dtype|lora\.(enabled|rank|alpha|targets))|reference\.path"
+    r"|teachers\[\d+\]\.(path|name|engine)|teachers|optimizer\.use_distributed_optimizer|loss\.controller)$"
 )
 _LAYOUT_KEYS = re.compile(r"^student\.(tp|pp|ep)$")
 _DATA_ORDER_KEYS = re.compile(r"^data\.(seed|shuffle|sources|sources\[\d+\]\.weight)$")

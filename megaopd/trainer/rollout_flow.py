@@ -132,6 +132,8 @@ class RolloutFlow:
         """The weight sync to `engine` (megaopd.sync.WeightSync), made with it."""
         self.engine_version = 0
         """Weight version the engines hold (every rank tracks it: syncs are collective)."""
+        self.sent = [0, 0]
+        """Rank 0: bytes the weight syncs sent since the last step's log, and of them the LoRA adapters' (sync_log)."""
         self.stopping = False
         """A preemption signal ended a wait on the engines, or the trainer's flag was raised (stop): the run saves
         and leaves after the current step. Set here only."""
@@ -348,9 +350,20 @@ class RolloutFlow:
     def push(self, version: int) -> None:
         """Collective: the actor's current weights, version `version`, to the engines."""
         a = self.actor
-        self.weight_sync.push(
+        stats = self.weight_sync.push(
             a.model if a else None, a.hf if a else None, a.pgs if a else None, weight_version=str(version)
         )
+        if stats is not None:  # rank 0
+            self.sent = [self.sent[0] + stats.bytes, self.sent[1] + stats.adapter_bytes]
+
+    def sync_log(self) -> dict[str, float]:
+        """Rank 0: sync/bytes and sync/adapter_bytes, what the weight syncs sent since the last call (the first
+        step's include the start-up sync); a LoRA adapter sync's steady pushes send the adapters alone."""
+        if self.engine is None:
+            return {}
+        out = {"sync/bytes": float(self.sent[0]), "sync/adapter_bytes": float(self.sent[1])}
+        self.sent = [0, 0]
+        return out
 
     def _check_parity(self) -> None:
         self.parity(self.engine)

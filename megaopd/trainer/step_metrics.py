@@ -140,8 +140,9 @@ class StepResult:
     rollout: RolloutMetrics | None
     """The rollouts' metrics and signals (None: an SFT step)."""
     flow: dict[str, float]
-    """Rank 0: the rollout flow's pipeline/* (RolloutFlow.report; the log keeps its older names) and the served
-    teachers' share scored part by part; empty on the other ranks, which do not log them."""
+    """Rank 0: the rollout flow's pipeline/* (RolloutFlow.report; the log keeps its older names), its weight
+    syncs' sync/* (RolloutFlow.sync_log) and the served teachers' share scored part by part; empty on the other
+    ranks, which do not log them."""
     times: StepTimes
     flops: dict[str, float]
     """flop_metrics: flops/* and perf/*."""

@@ -343,7 +343,7 @@ class Trainer:
             train=train,
             controller=controller,
             rollout=step,
-            flow={**self.flow.report.log(), **self._served_log} if self.rank == 0 else {},
+            flow={**self.flow.report.log(), **self.flow.sync_log(), **self._served_log} if self.rank == 0 else {},
             times=times,
             flops=flop_metrics(step_work(self.models, self.needs, self.cfg, rollout, golden), times),
             logs_rollout=self.rank == 0,

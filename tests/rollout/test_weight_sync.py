@@ -263,7 +263,7 @@ def test_pool_targets_take_a_group_and_prompt_logprobs(served, tiny_dir):
 
     client = HttpEngine(served.url)
     pool = EnginePool([client])
-    assert pool.weight_transports == ("dist_group", "cuda_ipc") and pool.weight_targets() == [client]
+    assert pool.weight_transports == ("dist_group", "cuda_ipc", "http_lora") and pool.weight_targets() == [client]
     transport = DistGroupTransport(pool.weight_targets(), DistributedUpdateConfig(timeout_s=60))
     orig = Qwen2ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).state_dict()
     try:

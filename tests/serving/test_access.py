@@ -506,3 +506,47 @@ def test_lora_adapter_loads_only_with_the_key_and_from_allowed_folders(keyed, ro
         url, "POST", "/load_lora_adapter", {"lora_name": "zero", "lora_path": adapter(root / "zero", 0.0)}
     )
     assert status == 200 and greedy(url) == before  # the base plus a zero adapter: the base again
+
+
+def test_lora_adapter_in_the_request_needs_the_key_and_safetensors(keyed):
+    """/load_lora_adapter's other form (the trainer's adapter sync, megaopd.sync.http_lora): the adapter's two files
+    in the body, behind the same key and body limit; safetensors bytes only; one form or the other, not both."""
+    import base64
+
+    import torch
+    from safetensors.torch import save
+
+    from megaopd.sync.http_lora import adapter_request
+    from megaopd.sync.transport import AdapterMeta
+
+    url = keyed.url
+    before = greedy(url)
+    stem = "base_model.model.model.layers.0.self_attn.q_proj."
+    q = torch.Generator().manual_seed(5)
+    body = adapter_request(
+        [(stem + "lora_A.weight", torch.randn(2, 64, generator=q)), (stem + "lora_B.weight", torch.randn(64, 2))],
+        AdapterMeta(rank=2, alpha=4.0),
+        "lora-1",
+    )
+    assert call(url, "POST", "/load_lora_adapter", body, key=None)[0] == 401
+    status, out = call(url, "POST", "/load_lora_adapter", {**body, "lora_path": "/tmp"})
+    assert status == 400 and "not both" in out["error"]["message"], out
+    status, out = call(url, "POST", "/load_lora_adapter", {**body, "adapter_model": "not base64!"})
+    assert status == 400, out
+    pickled = base64.b64encode(b"\x80\x04K\x01.").decode()  # a pickle is not a safetensors file: never unpickled
+    status, out = call(url, "POST", "/load_lora_adapter", {**body, "adapter_model": pickled})
+    assert status == 400 and "not a safetensors file" in out["message"], out
+    nan = {stem + "lora_A.weight": torch.full((2, 64), float("nan")), stem + "lora_B.weight": torch.ones(64, 2)}
+    status, out = call(
+        url, "POST", "/load_lora_adapter", {**body, "adapter_model": base64.b64encode(save(nan)).decode()}
+    )
+    assert status == 400 and "non-finite" in out["message"], out
+    assert greedy(url) == before  # nothing loaded so far
+    status, out = call(url, "POST", "/load_lora_adapter", body)
+    assert status == 200 and out["success"], out
+    assert greedy(url) != before
+    zero = {**body, "lora_name": "zero"}
+    zero["adapter_model"] = base64.b64encode(
+        save({stem + "lora_A.weight": torch.ones(2, 64), stem + "lora_B.weight": torch.zeros(64, 2)})
+    ).decode()
+    assert call(url, "POST", "/load_lora_adapter", zero)[0] == 200 and greedy(url) == before

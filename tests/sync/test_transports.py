@@ -32,6 +32,8 @@ def test_transport_follows_engine_and_colocation(tiny_dir):
     assert embedded.config.max_batch_size == 8 and embedded.weight_targets() == [embedded]
     pool = build_engine(RolloutConfig(engine="remote", urls=["http://a:1", "http://b:2"], engine_tp=2), tiny_dir)
     assert [e.config.workers for e in pool.weight_targets()] == [2, 2]
+    for e in pool.weight_targets():
+        e._megaopd_serve = False  # SGLang servers (no server answers at these URLs: not asked)
     assert choose_transport(embedded.weight_transports, colocated=False) == "in_process"
     assert choose_transport(embedded.weight_transports, colocated=True) == "in_process"
     assert choose_transport(pool.weight_transports, colocated=False) == "dist_group"
