@@ -1,4 +1,4 @@
-"""The spawned worker of tests/real/test_train.py's LoRA case (module level: spawned processes import it by name)."""
+"""The spawned worker of tests/real/test_lora.py (module level: spawned processes import it by name)."""
 
 from __future__ import annotations
 
