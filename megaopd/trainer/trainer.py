@@ -40,6 +40,7 @@ from megaopd.metrics import CollapseDetector, math_verify_rewards
 from megaopd.models.checkpoint import base_model_of
 from megaopd.models.gather import gather_adapter_weights, gather_hf_weights, model_state
 from megaopd.models.hf_io import load_tokenizer, save_hf_dir, save_peft_adapter, tokenizer_dir
+from megaopd.models.lora import BaseView
 from megaopd.models.weights import adapted_linears
 from megaopd.parallel.dist import device as dist_device
 from megaopd.parallel.dist import holds_results, init_distributed, rank0_computes
@@ -161,6 +162,10 @@ class Trainer:
         cfg = self.cfg
         self.models = build_models(cfg, self.needs, self.preemption.signalled, self.teacher_prompts)  # served
         self.actor, self.actor_pgs = self.models.actor, self.models.actor.pgs
+        if isinstance(self.models.partner, BaseView):  # what `megaopd plan` promised: no reference weights held
+            self._console(
+                "[models] reference: the student's base with its LoRA adapters off (no reference model loaded)"
+            )
         self.ddp = wrap_for_training(self.actor.model, self.actor_pgs, cfg.optimizer.use_distributed_optimizer)
         self.router_aux = RouterAuxLoss(self.actor.model)
         self.optimizer, self.scheduler = build_optimizer(

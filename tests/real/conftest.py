@@ -1,6 +1,6 @@
 """The real-model tier: SmolLM2-135M-Instruct (a real pretrained LM: 30 layers, 9 heads / 3 KV heads, vocabulary
 49,152, the <|im_end|> chat template) through conversion, the embedded engine, `megaopd serve`, two Stable-OPD
-steps and `megaopd eval`.
+steps (and two with a LoRA student: test_lora.py) and `megaopd eval`.
 
     make test-real                       # -m real: this tier and SGLang serving the model (e2e/sglang/test_smollm2.py)
     pytest -m "real and not sglang"      # the same without the SGLang case

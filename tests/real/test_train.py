@@ -46,11 +46,11 @@ def overrides(student: str, teacher: str, run_dir: str) -> list[str]:
     ]
 
 
-def train_two_steps(args: list[str], run, timeout: float) -> tuple[str, dict[int, dict]]:
+def train_two_steps(args: list[str], run, timeout: float, preset: str = PRESET) -> tuple[str, dict[int, dict]]:
     """`megaopd train` of the preset with `args` (two steps): its log, and each step's metrics, checked to exit
     0 and log finite losses (total, OPD, SFT, reference KL), a non-zero gradient norm and responses of 1-40
     tokens."""
-    cmd = [sys.executable, "-m", "megaopd.cli", "train", PRESET, *args]
+    cmd = [sys.executable, "-m", "megaopd.cli", "train", preset, *args]
     env = {**os.environ, "PYTHONPATH": reference.ROOT, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=reference.ROOT, check=False)
     log = p.stdout + p.stderr
