@@ -47,19 +47,20 @@ def read_sequences(path: str, vocab_size: int) -> list[list[int]]:
     return seqs
 
 
-def resolve_model(ckpt: str) -> tuple[HFModelConfig, str]:
-    """(config, "megatron" | "hf") of --ckpt, validated from its small files."""
+def resolve_model(ckpt: str) -> tuple[HFModelConfig, bool]:
+    """(config, whether it is a megaopd Megatron checkpoint, not an HF directory) of --ckpt, validated from its
+    small files."""
     from megaopd.models.checkpoint import is_megatron_checkpoint, read_checkpoint_meta
 
     if not os.path.isdir(ckpt):
         raise InputError(f"--ckpt {ckpt} does not exist")
     if is_megatron_checkpoint(ckpt):
         read_checkpoint_meta(ckpt)
-        return read_hf_config(ckpt), "megatron"
+        return read_hf_config(ckpt), True
     if os.path.isfile(os.path.join(ckpt, "config.json")):
         from megaopd.models.convert import validate_hf_dir
 
-        return validate_hf_dir(ckpt)[0], "hf"
+        return validate_hf_dir(ckpt)[0], False
     raise InputError(f"--ckpt {ckpt} is neither a megaopd Megatron checkpoint nor an HF directory (no config.json)")
 
 
@@ -68,8 +69,8 @@ class _ScoreJob:
     """What every rank of `megaopd logprobs` scores, and where rank 0 writes it."""
 
     ckpt: str
-    kind: str
-    """megatron | hf (resolve_model)."""
+    megatron: bool
+    """A megaopd Megatron checkpoint; False: an HF directory (resolve_model)."""
     tp: int
     pp: int
     seqs: list[list[int]]
@@ -95,7 +96,7 @@ def _worker(rank: int, world: int, job: _ScoreJob):
     # float32 scoring: log-probs are compared with other engines token by token.
     model = build_gpt_model(cfg, Layout(tp=tp, pp=pp), pgs, BuildOptions(dtype="float32", init_weights=False))
     st = StageInfo.of(pgs)
-    if job.kind == "megatron":
+    if job.megatron:
         load_model_checkpoint(model, ckpt, pgs)
     else:
         load_hf_weights(
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
         from megaopd.models.ranks import check_world
         from megaopd.parallel.launch import run_on_ranks
 
-        cfg, kind = resolve_model(a.ckpt)
+        cfg, megatron = resolve_model(a.ckpt)
         check_layout(cfg, a.tp, a.pp)
         if a.micro_batch_size < 1:
             raise InputError(f"--micro-batch-size must be >= 1 (got {a.micro_batch_size})")
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         check_world(a.tp * a.pp)
         job = _ScoreJob(
             ckpt=a.ckpt,
-            kind=kind,
+            megatron=megatron,
             tp=a.tp,
             pp=a.pp,
             seqs=seqs,

@@ -1,6 +1,6 @@
 """Servers of the SGLang tier: SGLang 0.5.23's own server on this CPU, and `megaopd serve` beside it.
 
-    pytest -m slow tests/e2e/sglang            # make test-e2e runs it; MEGAOPD_SGLANG_TESTS=0 opts out
+    pytest -m slow tests/e2e/sglang            # make test-e2e runs it; -m "not sglang" leaves it out
 
 One server per model and kind for the whole session (starting SGLang takes 15-60 s here): the tiny student
 (examples/tiny/models/student) behind SGLang and behind `megaopd serve`, and the tiny teacher and the teacher
