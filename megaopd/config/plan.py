@@ -54,7 +54,9 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
   fraction of each phase's allocated bytes), and an embedded rollout engine on rank 0's GPU
   (rollout.engine=embedded): its weights in its dtype (rollout.engine_dtype) the whole run unless colocated (then
   offloaded after generating), and its KV cache while it generates (max_batch_size rows of the longest
-  prompt + max_new_tokens).
+  prompt + max_new_tokens). With a LoRA student's adapter syncs (rollout.lora_sync=adapter) the engine also keeps
+  the base of every adapted weight, to merge each new adapter into: host memory (counted on device=cpu only,
+  where it is rank 0's resident memory; about the whole model again when every linear has adapters).
 
 The numbers are estimates to size a layout, not a measurement: NCCL buffers and anything else not itemized
 are one flat `plan.reserved_gb` margin. Checked against hand-computed sizes of Qwen2.5-7B at
@@ -306,6 +308,12 @@ def build_plan(roles: PlanRoles, step: StepLayout, machine: MachineMemory, engin
         )
     if engines.embedded_engine is not None:
         items.append(_embedded_engine_item(engines.embedded_engine, cpu))
+        if engines.embedded_engine.adapter_base and cpu:  # beside a GPU it is host memory, not the GPU's
+            static(
+                "embedded engine's kept base (LoRA adapter syncs: the adapted weights' base, to merge into)",
+                engines.embedded_engine.adapter_base,
+                "serve rollouts (rollout.engine=remote)",
+            )
     if cpu:
         static("rank process (interpreter, libraries, tokenizer, data, heap)", machine.process_gb * GB)
     else:
@@ -606,7 +614,12 @@ def plan_for(cfg: MegaOPDConfig) -> MemoryPlan:
         # cache sized to the longest generated row as the engine rounds it on CUDA (megaopd.engine).
         positions = cache_positions(cfg.generated_row_tokens(), CUDA_SYNC_EVERY)
         engine = embedded_engine_footprint(
-            student.hf, cfg.embedded_engine_dtype(), cfg.rollout.max_batch_size, positions, cfg.rollout.colocated
+            student.hf,
+            cfg.embedded_engine_dtype(),
+            cfg.rollout.max_batch_size,
+            positions,
+            cfg.rollout.colocated,
+            student.lora_linears if cfg.rollout.sends_adapters else (),
         )
     train = shapes.train
     # On the CPU a packed row runs the packed SDPA path (no S x S scores); padded rows megatron's unfused one.
