@@ -8,6 +8,7 @@ Arms (every one examples/tiny's 40-step Stable-OPD, student TP=2 on 2 gloo worke
     full   examples/tiny/stable_opd.yaml as shipped (lr 5e-4: every student weight trains)
     r8     examples/tiny/lora_opd.yaml at rank 8, alpha 32, lr 5e-3 (adapters on every linear, base frozen)
     r32    the same at rank 32
+    ARM@LR any of them at another learning rate (the lr probe: r8@2e-3, r8@1.5e-2)
 alpha stays 32 at both ranks, as "LoRA Without Regret" does (its 1/r scaling makes the best lr nearly independent
 of the rank), so the two LoRA arms share one lr, 10x full's.
 
@@ -39,18 +40,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 STUDENT = os.path.join(ROOT, "examples", "tiny", "models", "student")
-ARMS = {
-    "full": ("examples/tiny/stable_opd.yaml", (), None),
-    "r8": ("examples/tiny/lora_opd.yaml", ("student.lora.rank=8", "student.lora.alpha=32"), 8),
-    "r32": ("examples/tiny/lora_opd.yaml", ("student.lora.rank=32", "student.lora.alpha=32"), 32),
-}
+def arm_spec(arm: str) -> tuple[str, tuple[str, ...], int | None]:
+    """(config, overrides, LoRA rank or None) of an arm: full, rN (rank N, alpha 32), either with @LR (another
+    learning rate: r8@2e-3)."""
+    name, _, lr = arm.partition("@")
+    extra = (f"optimizer.lr={float(lr)}",) if lr else ()
+    if name == "full":
+        return "examples/tiny/stable_opd.yaml", extra, None
+    if name.startswith("r") and name[1:].isdigit():
+        r = int(name[1:])
+        return "examples/tiny/lora_opd.yaml", (f"student.lora.rank={r}", "student.lora.alpha=32", *extra), r
+    raise SystemExit(f"--arms: {arm!r} is not full or rN (e.g. r8), with an optional @LR (r8@2e-3)")
 
 
 def _lr(arm: str) -> float:
     from megaopd.config import load_config
     from megaopd.config.schema import MegaOPDConfig
 
-    return load_config(MegaOPDConfig, os.path.join(ROOT, ARMS[arm][0]), list(ARMS[arm][1])).optimizer.lr
+    config, overrides, _ = arm_spec(arm)
+    return load_config(MegaOPDConfig, os.path.join(ROOT, config), list(overrides)).optimizer.lr
 
 
 def run_one(arm: str, seed: int, steps: int, out: str) -> dict:
@@ -61,7 +69,7 @@ def run_one(arm: str, seed: int, steps: int, out: str) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
-    config, overrides, _ = ARMS[arm]
+    config, overrides, _ = arm_spec(arm)
     run_dir = os.path.join(out, f"{arm}_s{seed}")
     overrides = [
         *overrides,
@@ -163,7 +171,7 @@ def main(argv=None) -> int:
             recs = list(pool.map(lambda j: run_one(j[0], j[1], a.steps, a.out), jobs))
     from megaopd.parallel.launch import spawn
 
-    sync = spawn(_sync_worker, 1, args=(STUDENT, [(arm, ARMS[arm][2]) for arm in arms], 5), timeout=1800)[0]
+    sync = spawn(_sync_worker, 1, args=(STUDENT, [(arm, arm_spec(arm)[2]) for arm in arms], 5), timeout=1800)[0]
     print(
         "\n| arm | lr | seeds | val accuracy (step 0 -> last) | opd/reverse_kl last step | last 10 steps | "
         "peak RSS GB (largest rank) | trained params | optimizer state bytes (checkpoint) | bytes per sync | "
