@@ -40,6 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 STUDENT = os.path.join(ROOT, "examples", "tiny", "models", "student")
+
+
 def arm_spec(arm: str) -> tuple[str, tuple[str, ...], int | None]:
     """(config, overrides, LoRA rank or None) of an arm: full, rN (rank N, alpha 32), either with @LR (another
     learning rate: r8@2e-3)."""

@@ -36,6 +36,9 @@ class RoleLayout:
     """The student's LoRA rank (student.lora on; 0: off): its base is frozen and only the adapters train."""
     lora_linears: tuple[str, ...] = ()
     """The megatron linears that carry adapters (linear_qkv, linear_proj, linear_fc1, linear_fc2)."""
+    weights_shared: bool = False
+    """The reference read from the LoRA student itself with its adapters off (models/lora.BaseView): its
+    forward's logits and hidden states are held as a loaded reference's are, but it has no weights of its own."""
 
 
 @dataclass(frozen=True)

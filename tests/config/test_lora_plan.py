@@ -44,6 +44,9 @@ def test_lora_plan_counts_adapters_and_no_reference(tmp_path):
     assert lora["student gradients"] == 4 * adapters
     assert lora["student weights"] == full["student weights"] + 4 * adapters
     assert "reference weights" in full and "reference weights" not in lora
+    # the reference's lockstep forward (the base with adapters off) still holds its logits chunk and hidden states
+    assert lora["reference logits"] == full["reference logits"] > 0
+    assert lora["student logits"] == full["student logits"]  # its gradient goes into the reference chunk's memory
     assert "reference weights" in _items([f"reference.path={_other_reference(tmp_path)}"])
 
 
