@@ -10,7 +10,8 @@ Arms (every one examples/tiny's 40-step Stable-OPD, student TP=2 on 2 gloo worke
     r32    the same at rank 32
     ARM@LR any of them at another learning rate (the lr probe: r8@2e-3, r8@1.5e-2)
 alpha stays 32 at both ranks, as "LoRA Without Regret" does (its 1/r scaling makes the best lr nearly independent
-of the rank), so the two LoRA arms share one lr, 10x full's.
+of the rank), so the two LoRA arms share one lr, 10x full's; the @LR arms probe others (4x did better on the
+tiny setup: examples/tiny/README.md, "The study").
 
 Per run (a `megaopd train` process, its folder OUT/ARM_sSEED; a finished run's OUT/ARM_sSEED.json is reused, so a
 rerun only runs what is missing, and --collect runs nothing):
