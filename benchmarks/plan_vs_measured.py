@@ -15,6 +15,8 @@ and every rank's. The plan's number is `megaopd plan`'s per-rank peak for the sa
 Cases (each a fresh `megaopd train` run, one at a time):
     tiny_w2      examples/tiny/stable_opd.yaml as shipped (world 2, student TP=2, 32 prompts x 4, 128 new
                  tokens, validation of 200 problems), --steps steps
+    tiny_lora_w2 examples/tiny/lora_opd.yaml as shipped (the same with rank-16 adapters on every linear, the
+                 reference read from the student with its adapters off, adapter syncs), --steps steps
     smollm2_w1   Stable-OPD, student = SmolLM2-135M-Instruct without layers 16-19 (26 layers), teacher = the
                  full model (30 layers), float32, world 1, --prompts prompts (2) x 2 samples, 96 new tokens, the 8
     smollm2_w2   arithmetic problems of tests/real/data with the SmolLM2 chat template (prompts 67-73 tokens,
@@ -22,7 +24,10 @@ Cases (each a fresh `megaopd train` run, one at a time):
                  user sizes them to the data); world 2 = DP 2
 --models DIR holds SmolLM2-135M-Instruct (float32 HF folder) and SmolLM2-135M-Instruct-drop16-19 (the same
 without layers 16-19); both are made by the real-model tier (tests/real/reference.py, scripts/install_smollm2.sh).
-Results: benchmarks/README.md, "Plan vs measured (issue 44 item 5)".
+--parts: instead of whole runs, the items a CPU run measures exactly (PARTS: rank 0's parameters, gradient
+buffers, Adam state, the embedded engine's kept base of a LoRA student's adapted weights), for tiny_w2 and
+tiny_lora_w2 (tests/config/test_lora_plan.py asserts the LoRA case within 15%).
+Results: benchmarks/README.md, "Plan vs measured (issue 44 item 5)" and "... a LoRA student (issue 55)".
 """
 
 from __future__ import annotations
@@ -79,7 +84,10 @@ def smollm2_yaml(models: str, world: int, folder: str, prompts: int = 2) -> str:
 
 
 def cases(models: str, folder: str, prompts: int = 2) -> dict[str, Case]:
-    out = {"tiny_w2": Case("tiny_w2", os.path.join(ROOT, "examples/tiny/stable_opd.yaml"), (), 2)}
+    out = {
+        "tiny_w2": Case("tiny_w2", os.path.join(ROOT, "examples/tiny/stable_opd.yaml"), (), 2),
+        "tiny_lora_w2": Case("tiny_lora_w2", os.path.join(ROOT, "examples/tiny/lora_opd.yaml"), (), 2),
+    }
     if os.path.isdir(os.path.join(models, FULL)) and os.path.isdir(os.path.join(models, PRUNED)):
         for w in (1, 2):
             out[f"smollm2_w{w}"] = Case(f"smollm2_w{w}", smollm2_yaml(models, w, folder, prompts), (), w)
@@ -168,6 +176,94 @@ def measure(config: str, overrides: list[str], run_dir: str, world: int, timeout
     }
 
 
+# ------------------------------------------------------------------- the plan's parts, measured one by one
+PARTS = ("student weights", "student gradients", "Adam states", "embedded engine's kept base")
+"""The plan's items a CPU run can measure exactly, by name prefix (parts() and planned_parts())."""
+
+
+def _parts_worker(rank, world, config, overrides, seed=1):
+    """The student as the trainer builds it for `config` (roles.load_role_model, wrap_for_training, the job's
+    optimizer: megatron's plain Adam on CPU), after one optimizer step, and on rank 0 the embedded engine after
+    two syncs (the second of a LoRA student's adapter syncs sends the adapters alone): the bytes of this rank's
+    parameters, DDP's gradient buffers, Adam's state tensors (m and v; the 0-d step counters left out) and
+    the base copies the engine keeps to merge adapters into (megaopd.engine.lora.AdapterMerge)."""
+    import torch
+
+    from megaopd import ops
+    from megaopd.batching.micro_batches import ScoringMicroBatch
+    from megaopd.config import load_config
+    from megaopd.config.schema import MegaOPDConfig
+    from megaopd.engine.config import EmbeddedEngineConfig
+    from megaopd.parallel.groups import Layout, initialize_actor_layout
+    from megaopd.rollout.embedded import EmbeddedEngine
+    from megaopd.scoring.runner import PipelineRunner
+    from megaopd.sync import WeightSync
+    from megaopd.trainer.optim import build_optimizer, wrap_for_training
+    from megaopd.trainer.roles import load_role_model
+
+    cfg = load_config(MegaOPDConfig, config, list(overrides))
+    pgs = initialize_actor_layout(Layout(cfg.student.tp, cfg.student.pp))
+    role = load_role_model(cfg.student, pgs, trainable=True, seed=seed)
+    model = role.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ddp = wrap_for_training(model, pgs, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+    optimizer, _ = build_optimizer(ddp, cfg.optimizer, max_steps=2)
+    ids = torch.randint(0, role.hf.vocab_size, (2, 17), generator=torch.Generator().manual_seed(seed))
+    runner = PipelineRunner(ddp, pgs, role.hf.vocab_size)
+
+    def step_fn(mb, shard, _partner):
+        lp = ops.vocab_parallel_logprobs(shard[:, :-1], mb.tokens_BS[:, 1:], pgs.tp)
+        return -lp.sum() / lp.numel(), None
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    runner.run([ScoringMicroBatch(ids)], step_fn, forward_only=False)
+    optimizer.step()
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in [*ddp.buffers, *ddp.expert_parallel_buffers])
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    adam = sum(
+        t.numel() * t.element_size()
+        for o in inner
+        for state in o.optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    engine = None
+    if rank == 0:
+        engine = EmbeddedEngine(
+            EmbeddedEngineConfig(
+                hf_dir=cfg.student.path, max_batch_size=4, load_tokenizer=False, dtype=cfg.embedded_engine_dtype()
+            )
+        )
+    sync = WeightSync(engine, cfg.rollout, rank)
+    for version in (1, 2):
+        sync.push(model, role.hf, pgs, weight_version=str(version))
+    sync.close()
+    kept = sum(t.numel() * t.element_size() for t in engine._adapter.base.values()) if engine is not None else 0
+    return dict(zip(PARTS, (weights, grads, adam, kept)))
+
+
+def parts(config: str, overrides: list[str]) -> dict[str, int]:
+    """Rank 0's measured bytes of PARTS for the config (its world and student layout; 2 gloo workers at most)."""
+    from megaopd.config import load_config
+    from megaopd.config.schema import MegaOPDConfig
+    from megaopd.parallel.launch import spawn
+
+    cfg = load_config(MegaOPDConfig, config, list(overrides))
+    world = cfg.student.tp * cfg.student.pp
+    return spawn(_parts_worker, world, args=(config, list(overrides)), timeout=900)[0]
+
+
+def planned_parts(config: str, overrides: list[str]) -> dict[str, float]:
+    """`megaopd plan`'s bytes (rank 0, on CPU) of PARTS; 0 for a part it has no item of."""
+    from megaopd.config import load_config
+    from megaopd.config.plan import plan_for
+    from megaopd.config.schema import MegaOPDConfig
+
+    plan = plan_for(load_config(MegaOPDConfig, config, [*overrides, "plan.device=cpu"]))
+    return {part: sum(i.peak() for i in plan.items if i.name.startswith(part)) for part in PARTS}
+
+
 def planned_gb(config: str, overrides: list[str]) -> float:
     """`megaopd plan`'s per-rank peak (rank 0) of the run, in GB, on CPU."""
     from megaopd.config import load_config
@@ -192,7 +288,18 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", default="", help="also write the results as JSON here")
     p.add_argument("--plan-only", action="store_true", help="print the plan's numbers, run nothing")
+    p.add_argument("--parts", action="store_true", help="the plan's items measured one by one (tiny cases)")
     a = p.parse_args(argv)
+    if a.parts:
+        print("| case | item (rank 0) | plan bytes | measured bytes | plan / measured |")
+        print("|---|---|---:|---:|---:|")
+        for name, config in (("tiny_w2", "stable_opd.yaml"), ("tiny_lora_w2", "lora_opd.yaml")):
+            config = os.path.join(ROOT, "examples/tiny", config)
+            planned, measured = planned_parts(config, []), parts(config, [])
+            for part in PARTS:
+                ratio = f"{planned[part] / measured[part]:.3f}" if measured[part] else "-"
+                print(f"| {name} | {part} | {planned[part]:,.0f} | {measured[part]:,} | {ratio} |")
+        return 0
     rows = []
     with tempfile.TemporaryDirectory(prefix="plan_vs_measured_") as tmp:
         known = cases(a.models, tmp, a.prompts)

@@ -26,6 +26,12 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
   divided by d with the distributed optimizer (megatron shards only these; weights and gradients stay whole).
   torch's Adam makes them at the first optimizer step, after the first backward: the plan's peak is a run's
   from step 2 on, and step 1 peaks about this item lower (benchmarks/README.md, "Plan vs measured");
+- a LoRA student (student.lora): weights = the frozen base + the adapters, gradients and Adam's state the
+  adapters' alone; when its base is the reference (MegaOPDConfig.reference_is_the_base) no reference weights,
+  but the reference's lockstep forward (the base with its adapters off) keeps its logits items (measured
+  item by item on CPU: benchmarks/plan_vs_measured.py --parts, tests/config/test_lora_plan.py). Its
+  activations are counted as full training's: a LoRA forward kept less for backward than a full one on CPU
+  (80 vs 94 MB, the tiny student at TP=1, 2048 tokens, torch's profiler);
 - activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", redone for SwiGLU, GQA, RMSNorm and no dropout): the tensors a layer saves for backward are
   the two norm inputs and outputs (4h, whole on every TP rank unless sequence parallel), q, k, v and the
@@ -54,7 +60,9 @@ Per item (b rows of S tokens per micro-batch, e bytes per element of the model's
   fraction of each phase's allocated bytes), and an embedded rollout engine on rank 0's GPU
   (rollout.engine=embedded): its weights in its dtype (rollout.engine_dtype) the whole run unless colocated (then
   offloaded after generating), and its KV cache while it generates (max_batch_size rows of the longest
-  prompt + max_new_tokens).
+  prompt + max_new_tokens). With a LoRA student's adapter syncs (rollout.lora_sync=adapter) the engine also keeps
+  the base of every adapted weight, to merge each new adapter into: host memory (counted on device=cpu only,
+  where it is rank 0's resident memory; about the whole model again when every linear has adapters).
 
 The numbers are estimates to size a layout, not a measurement: NCCL buffers and anything else not itemized
 are one flat `plan.reserved_gb` margin. Checked against hand-computed sizes of Qwen2.5-7B at
@@ -306,6 +314,12 @@ def build_plan(roles: PlanRoles, step: StepLayout, machine: MachineMemory, engin
         )
     if engines.embedded_engine is not None:
         items.append(_embedded_engine_item(engines.embedded_engine, cpu))
+        if engines.embedded_engine.adapter_base and cpu:  # beside a GPU it is host memory, not the GPU's
+            static(
+                "embedded engine's kept base (LoRA adapter syncs: the adapted weights' base, to merge into)",
+                engines.embedded_engine.adapter_base,
+                "serve rollouts (rollout.engine=remote)",
+            )
     if cpu:
         static("rank process (interpreter, libraries, tokenizer, data, heap)", machine.process_gb * GB)
     else:
@@ -347,7 +361,7 @@ def _model_items(items: list, reference: RoleLayout | None, teacher: RoleLayout 
         ("reference", reference, True, "set reference.offload_between_uses=true"),
         ("teacher", teacher, False, "set teacher.offload_between_uses=true or raise teacher.tp"),
     ):
-        if role is None:
+        if role is None or role.weights_shared:
             continue
         w = params_per_rank(role.hf, role.tp, role.pp, role.ep) * DTYPE_BYTES[role.dtype]
         off = 0.0 if role.offload and offload else w
@@ -582,9 +596,13 @@ def plan_for(cfg: MegaOPDConfig) -> MemoryPlan:
     if lora.enabled:
         student = replace(student, lora_rank=lora.rank, lora_linears=target_linears(lora.targets))
     # No reference weights when the LoRA student's base is its reference (MegaOPDConfig.reference_is_the_base,
-    # the rule trainer/roles.py follows: the base with its adapters off, no second copy).
-    loaded_reference = needs.reference and not cfg.reference_is_the_base()
-    reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path) if loaded_reference else None
+    # the rule trainer/roles.py follows: the base with its adapters off, no second copy); its lockstep forward
+    # still holds its logits (or fused chunk) and hidden states in the training step.
+    reference = None
+    if needs.reference and cfg.reference_is_the_base():
+        reference = replace(student, name="reference", lora_rank=0, lora_linears=(), weights_shared=True)
+    elif needs.reference:
+        reference = role("reference", cfg.reference, cfg.reference.path or cfg.student.path)
     # The in-job teacher's weights share the GPUs (a served one's do not). build_plan counts one teacher: with
     # several in-job teachers, the first; none when it runs on the reference's model (teacher.path: reference).
     in_job = [t for t in cfg.teachers if t.in_job]
@@ -606,7 +624,12 @@ def plan_for(cfg: MegaOPDConfig) -> MemoryPlan:
         # cache sized to the longest generated row as the engine rounds it on CUDA (megaopd.engine).
         positions = cache_positions(cfg.generated_row_tokens(), CUDA_SYNC_EVERY)
         engine = embedded_engine_footprint(
-            student.hf, cfg.embedded_engine_dtype(), cfg.rollout.max_batch_size, positions, cfg.rollout.colocated
+            student.hf,
+            cfg.embedded_engine_dtype(),
+            cfg.rollout.max_batch_size,
+            positions,
+            cfg.rollout.colocated,
+            student.lora_linears if cfg.rollout.sends_adapters else (),
         )
     train = shapes.train
     # On the CPU a packed row runs the packed SDPA path (no S x S scores); padded rows megatron's unfused one.

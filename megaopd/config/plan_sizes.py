@@ -36,6 +36,9 @@ class RoleLayout:
     """The student's LoRA rank (student.lora on; 0: off): its base is frozen and only the adapters train."""
     lora_linears: tuple[str, ...] = ()
     """The megatron linears that carry adapters (linear_qkv, linear_proj, linear_fc1, linear_fc2)."""
+    weights_shared: bool = False
+    """The reference read from the LoRA student itself with its adapters off (models/lora.BaseView): its
+    forward's logits and hidden states are held as a loaded reference's are, but it has no weights of its own."""
 
 
 @dataclass(frozen=True)
@@ -48,16 +51,36 @@ class EmbeddedEngineFootprint:
     """Its KV cache and decode buffers while generating: max_batch_size rows of the longest row."""
     colocated: bool
     """Weights offloaded once generation ends (rollout.colocated); else resident all along."""
+    adapter_base: float = 0.0
+    """A LoRA student's adapter syncs (rollout.lora_sync=adapter): the engine keeps a copy of every adapted
+    weight's base in its dtype on the host, to merge each new adapter into (megaopd.engine.lora.AdapterMerge):
+    resident memory of rank 0 on a CPU, host memory beside a GPU."""
 
 
 def embedded_engine_footprint(
-    hf: HFModelConfig, dtype: str, rows: int, seq: int, colocated: bool
+    hf: HFModelConfig, dtype: str, rows: int, seq: int, colocated: bool, adapted_linears=()
 ) -> EmbeddedEngineFootprint:
     """Weights, and the KV cache (2 x layers x kv_heads x head_dim per token) plus one float32 [rows, V] of
-    decode logits, of an HF engine generating `rows` rows of up to `seq` tokens."""
+    decode logits, of an HF engine generating `rows` rows of up to `seq` tokens; with adapted_linears (a LoRA
+    student's adapter syncs) the base copies of those linears' weights it keeps to merge adapters into."""
     e = DTYPE_BYTES[dtype]
     kv = 2 * hf.num_layers * hf.num_key_value_heads * hf.head_dim * e * rows * seq
-    return EmbeddedEngineFootprint(params_per_rank(hf, 1, 1) * e, kv + 4.0 * rows * hf.vocab_size, colocated)
+    return EmbeddedEngineFootprint(
+        params_per_rank(hf, 1, 1) * e,
+        kv + 4.0 * rows * hf.vocab_size,
+        colocated,
+        adapted_base_params(hf, adapted_linears) * e,
+    )
+
+
+def adapted_base_params(hf: HFModelConfig, linears) -> int:
+    """Parameters of the whole model's base weights that LoRA adapters on `linears` change (every layer's, the
+    experts' left out as models/lora.py leaves them): what an engine merging adapters keeps a copy of."""
+    shapes, total = hf_shapes(hf), 0
+    for base in stage_rules(hf):
+        if base.megatron.rsplit(".", 2)[-2] in linears and not base.expert and base.megatron.endswith(".weight"):
+            total += sum(shapes[n][0] * shapes[n][1] for n in base.hf)
+    return total
 
 
 def adapter_params_per_rank(hf: HFModelConfig, linears, rank: int, tp: int, pp: int) -> int:
