@@ -60,6 +60,7 @@ SIM_GPUS="${SIM_GPUS:-4}"
 HOSTS_MARK="# megaopd simulated node (scripts/slurm_local.sh)"
 # Stand-ins for the simulated GPUs' device files (char 1,3: /dev/null's numbers; nothing opens them).
 SIM_GPU_DIR=/run/megaopd-sim-gpus
+CTLD_LOG_OFFSET=0  # the size of slurmctld's log when this run started it: what it said since is this run's
 
 log() { echo "slurm_local: $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -283,11 +284,36 @@ stop_daemons() {
   for f in "${files[@]}"; do stop_daemon "$f"; done
 }
 
+# ctld_failure LOG OFFSET RC: slurmctld is not running: print what it logged since byte OFFSET of LOG (its
+# fatal errors go there, not to the terminal) and the fix, then exit 1. RC: slurmctld's exit status.
+# A state folder written by another cluster (a copied disk, an earlier install under another ClusterName)
+# is the common case: slurmctld refuses it with "CLUSTER NAME MISMATCH" and names the file to remove.
+ctld_failure() {
+  local log_file=$1 offset=$2 rc=$3 said file
+  said="$(tail -c +"$((offset + 1))" "$log_file" 2>/dev/null || true)"
+  [[ -n $said ]] || said="$(tail -n 12 "$log_file" 2>/dev/null || true)"
+  log "slurmctld is not running (it exited with status $rc); the end of $log_file:"
+  printf '%s\n' "$said" | tail -n 12 | sed 's/^/  /' >&2
+  if grep -q "CLUSTER NAME MISMATCH" <<<"$said"; then
+    file="$(sed -n 's/^.*Remove \(.*\) to override this safety check.*$/\1/p' <<<"$said" | tail -n1)"
+    file="${file:-/var/spool/slurmctld/clustername}"
+    die "slurmctld refused its state folder: $file names another cluster than this config's ClusterName=megaopd-local (a copied disk or an earlier install). If that cluster is not running here, remove $file (or all of $(dirname "$file"): its jobs are forgotten) and run this script again"
+  fi
+  die "slurmctld did not start: fix what its log says above, then run this script again (all of it: $log_file)"
+}
+
 start_daemons() {
-  local host i node
+  local host i node offset rc=0
   host="$(hostname -s)"
   mkdir -p /var/spool/slurmctld "/var/spool/slurmd/$host" "$LOG_DIR"
-  daemon_alive "$CTLD_PID" || slurmctld 9>&-
+  if ! daemon_alive "$CTLD_PID"; then
+    offset="$(stat -c %s "$LOG_DIR/slurmctld.log" 2>/dev/null || echo 0)"
+    slurmctld 9>&- || rc=$?
+    # It daemonizes, then writes its pid file; a fatal error before or after ends it with a line in its log only.
+    for _ in $(seq 50); do daemon_alive "$CTLD_PID" && break; sleep 0.2; done
+    daemon_alive "$CTLD_PID" || ctld_failure "$LOG_DIR/slurmctld.log" "$offset" "$rc"
+    CTLD_LOG_OFFSET=$offset
+  fi
   daemon_alive "$(slurmd_pid "$host")" || slurmd -N "$host" 9>&-
   for ((i = 1; i <= SIM_NODES; i++)); do
     node="$SIM_PREFIX$i"
@@ -305,6 +331,8 @@ wait_idle() {
   for ((i = 1; i <= SIM_NODES; i++)); do nodes+=("$SIM_PREFIX$i"); done
   for node in "${nodes[@]}"; do
     while :; do
+      # A slurmctld that died after its start (a fatal error once its state is read) ends the wait at once.
+      daemon_alive "$CTLD_PID" || ctld_failure "$LOG_DIR/slurmctld.log" "$CTLD_LOG_OFFSET" "?"
       state="$(sinfo -h -N -n "$node" -o %T 2>/dev/null | head -n1 || true)"
       case "$state" in
         idle|mixed|allocated|completing) log "node $node is $state"; break ;;
@@ -321,6 +349,9 @@ wait_idle() {
     done
   done
 }
+
+# Sourced (tests/slurm/test_slurm_local_log.py: the functions above alone): nothing runs.
+if (return 0 2>/dev/null); then return 0; fi  # `return` works only in a sourced file
 
 # One run at a time: two test workers (or a user and a test) starting the cluster at once would each rewrite
 # the config and restart the other's daemons. The daemons started here are not given this descriptor.

@@ -128,7 +128,10 @@ class ModelDims:
 
 
 def find_hf_config(path: str) -> str:
-    """config.json of an HF directory, or the one a megaopd Megatron checkpoint keeps beside its shards."""
+    """config.json of an HF directory, or the one a megaopd Megatron checkpoint keeps beside its shards (a
+    path to the file itself is that file); FileNotFoundError naming the fix when there is none."""
+    if os.path.isfile(path):
+        return path
     for candidate in (os.path.join(path, "config.json"), os.path.join(path, "hf", "config.json")):
         if os.path.isfile(candidate):
             return candidate
@@ -140,7 +143,7 @@ def find_hf_config(path: str) -> str:
 
 def read_config_json(path: str) -> dict:
     """The config.json of find_hf_config(path) as a dict; ValueError naming the file when it is not a JSON
-    object (a garbled or truncated copy)."""
+    object (a garbled or truncated copy). The one reader of config.json (hf_config.read_hf_config uses it)."""
     config = find_hf_config(path)
     try:
         with open(config, encoding="utf-8") as f:

@@ -12,10 +12,11 @@ so the command-line tools validate their inputs in well under a second, before a
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from megaopd.models.config import read_config_json
 
 # architecture name in config.json -> family; everything the weight mapping knows how to place.
 SUPPORTED_ARCHITECTURES = {
@@ -97,18 +98,16 @@ class HFModelConfig:
 
 
 def _load_json(source: str | os.PathLike | Mapping[str, Any]) -> dict:
+    """The config as a dict: a dict given is copied, a path read by models.config.read_config_json (an HF
+    directory, a checkpoint's hf/, or the file), whose refusals become ModelConfigError."""
     if isinstance(source, Mapping):
         return dict(source)
-    path = os.fspath(source)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        raise ModelConfigError(f"no HF config at {path}; pass a directory holding config.json")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        return read_config_json(os.fspath(source))
+    except FileNotFoundError as e:
+        raise ModelConfigError(f"no HF config: {e}") from None
+    except ValueError as e:  # not JSON, or not an object: the message names the file
+        raise ModelConfigError(str(e)) from None
 
 
 def _rope(raw: Mapping[str, Any]) -> tuple[float, LlamaRopeScaling | None]:

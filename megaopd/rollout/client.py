@@ -6,12 +6,13 @@
 Every request has a timeout; connection failures, timeouts and 5xx answers are retried with
 exponential backoff, 4xx answers are not (they are the caller's bug) and raise EngineRequestError
 with the server's message. No request waits blind (megaopd.rollout.waits): an engine that answers neither
-the request nor GET /health for `stall_timeout_s` raises EngineStalledError at once, without retries, and
-the `stop` callback (the trainer's preemption flag) gives any wait up within a fraction of a second
-(WaitAbandoned). Every sampling parameter is sent explicitly (servers fill omitted ones from
-generation_config.json). A prompt's n samples are sent as n batch entries with n=1 and their own
-sampling_seed (protocol.expand_samples), so results are prompt-major and independent of how the server
-orders an n > 1 request.
+the request nor GET /health for `stall_timeout_s` raises EngineStalledError at once, without retries; so
+does one that answers but is paused while a /generate waits (EnginePausedError: GET /ready answers 503, as
+SGLang 0.5.23 and `megaopd serve` do while paused, unless this client paused it itself). The `stop`
+callback (the trainer's preemption flag) gives any wait up within a fraction of a second (WaitAbandoned).
+Every sampling parameter is sent explicitly (servers fill omitted ones from generation_config.json). A
+prompt's n samples are sent as n batch entries with n=1 and their own sampling_seed (protocol.expand_samples),
+so results are prompt-major and independent of how the server orders an n > 1 request.
 
 Seeds: on `megaopd serve` a seeded call gives the same samples every time, equal to the embedded engine's.
 SGLang honours sampling_seed only when launched with --enable-deterministic-inference (rollout.deterministic;
@@ -74,6 +75,15 @@ class EngineStalledError(EngineUnavailableError):
     unreachable); raised at once, not retried."""
 
 
+class EnginePausedError(EngineStalledError):
+    """A /generate waited stall_timeout_s on an engine that answers but generates nothing: paused by another
+    process (GET /ready: 503) or not generating (GET /health_generate: 503). Raised at once, not retried."""
+
+
+_PROGRESS_PATHS = ("/generate",)
+"""Requests that need the engine to generate: while one waits, an engine that answers but is paused (by someone
+other than this client) is no progress. For the others (weight updates, control) any answer is."""
+
 _RECHECK_S = 2.0
 """After a stall, how long the engine has to answer GET /health before another request is sent to it (else
 that request fails at once: the cleanups that follow a stall must not each wait out another stall)."""
@@ -106,10 +116,13 @@ class HttpEngineConfig:
     api_key: str | None = field(default=None, repr=False)
     """The key itself; None: read it from api_key_env. Kept out of repr (never logged)."""
     stall_timeout_s: float = 30.0
-    """Longest silence of the engine while a request waits: no answer to the request nor to GET /health (any
-    status counts as an answer), which the client asks every stall_timeout_s / 3 (at most every 5 s) while the
-    request is outstanding. Then EngineStalledError, not retried. 0: no stall clock (only the timeouts above).
-    The trainer sets it from rollout.stall_timeout_s."""
+    """Longest time without progress while a request waits: no answer to the request nor a probe that says the
+    engine can make progress, which the client asks every stall_timeout_s / 3 (at most every 5 s) while the
+    request is outstanding. For a /generate the probe is GET /ready (200: ready; 503: paused or unhealthy,
+    then GET /health_generate decides; a server without /ready: GET /health_generate alone), unless this
+    client paused the engine itself; for other requests any answer to GET /health counts. Then
+    EngineStalledError (EnginePausedError when the engine answered but was paused), not retried. 0: no stall
+    clock (only the timeouts above). The trainer sets it from rollout.stall_timeout_s."""
     name: str = ""
     """How errors name the engine besides its URL: its config key, e.g. rollout.urls[1]."""
     vocab_size: int = 0
@@ -149,6 +162,9 @@ class HttpEngine:
         self.config = HttpEngineConfig(url=config) if isinstance(config, str) else config
         self.stop = stop
         self._stalled = False  # the last request stalled, and nothing was heard from the engine since
+        self._holding = False  # this client paused the engine (pause() .. continue_generation()): not a stall
+        self._has_ready: bool | None = None  # whether the server answers GET /ready (None: not asked yet)
+        self._held_at: tuple[float, str] | None = None  # when a probe last saw it answer but not generate, what
         self._released: set[str] = set()
         self._version: tuple[int, int, int] | None | str = "unknown"  # cached server version
         self._session_endpoints = True  # False once the server answered 404 to /begin_weight_update
@@ -223,35 +239,103 @@ class HttpEngine:
                     f"(GET /health: no answer in {_RECHECK_S:.0f} s)"
                 ) from None
             self._stalled = False
+        generating = path in _PROGRESS_PATHS
+        started = time.monotonic()
         try:
-            out = waits.wait(attempt, what, self.stop, self.config.stall_timeout_s, self._probe)
+            out = waits.wait(
+                attempt,
+                what,
+                self.stop,
+                self.config.stall_timeout_s,
+                self._makes_progress if generating else self._answers,
+            )
         except waits.Silence as s:
+            held = self._held_at[1] if self._held_at and self._held_at[0] >= started else None
+            if generating and held:
+                raise EnginePausedError(self._paused_message(method, path, s.seconds, held)) from None
             self._stalled = True
-            raise EngineStalledError(self._stall_message(method, path, s.seconds)) from None
+            probe = "/ready" if generating and self._has_ready is not False else "/health"
+            raise EngineStalledError(self._stall_message(method, path, s.seconds, probe)) from None
         return out
 
-    def _probe(self, timeout_s: float | None = None) -> None:
-        """GET /health: returns on any answer (a 503 too: the process is alive), raises on none."""
+    def _status(self, path: str, timeout_s: float | None = None) -> int:
+        """GET `path`'s HTTP status (any: 4xx/5xx too); raises when the engine does not answer."""
         timeout_s = timeout_s or self.config.stall_timeout_s or self.config.control_timeout_s
         try:
             with urllib.request.urlopen(
-                urllib.request.Request(self.url + "/health", headers=self._headers(None)), timeout=timeout_s
+                urllib.request.Request(self.url + path, headers=self._headers(None)), timeout=timeout_s
             ) as resp:
                 resp.read()
-        except urllib.error.HTTPError:
-            pass
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def _probe(self, timeout_s: float | None = None) -> None:
+        """GET /health: returns on any answer (a 503 too: the process is alive), raises on none."""
+        self._status("/health", timeout_s)
+
+    def _answers(self) -> bool:
+        """The stall clock's probe for requests that need no generation: any answer is progress."""
+        self._probe()
+        return True
+
+    def _makes_progress(self) -> bool:
+        """The stall clock's probe while a /generate waits: True when the engine can generate, False when it
+        answers but cannot (paused by another process, or not generating; recorded in _held_at for the
+        message), raises when it does not answer. While this client holds its own pause, any answer counts.
+
+        GET /ready first (SGLang 0.5.23 and `megaopd serve`: 503 while paused or unhealthy, a flag read at
+        once); on 503, GET /health_generate decides (200: it generates after all: SGLang's health flag was
+        stale, and that check resets it; 503: nothing was generated in its window, about 20 s). A server
+        without /ready (older SGLang; 404, or 401 where only /health* is open) gets /health_generate alone."""
+        if self._holding:
+            return self._answers()
+        try:
+            held = self._held()
+        except Exception:
+            self._held_at = None  # no answer now: silent, whatever an earlier probe saw
+            raise
+        if held and not self._holding:
+            self._held_at = (time.monotonic(), held)
+            return False
+        self._held_at = None
+        return True
+
+    def _held(self) -> str | None:
+        """What says the engine answers but cannot generate (None: it can); raises when it does not answer."""
+        if self._has_ready is not False:
+            status = self._status("/ready")
+            if status == 200:
+                self._has_ready = True
+                return None
+            self._has_ready = status == 503
+            if self._has_ready:
+                self._held_at = (time.monotonic(), "GET /ready answers 503")  # named while the next check waits
+        status = self._status("/health_generate", max(self.config.stall_timeout_s, 30.0))
+        if status != 503:
+            return None
+        return "GET /ready answers 503" if self._has_ready else "GET /health_generate answers 503 (no token generated)"
 
     @property
     def label(self) -> str:
         """The engine as errors name it: its config key (when known) and URL."""
         return f"engine {self.config.name} ({self.url})" if self.config.name else f"engine {self.url}"
 
-    def _stall_message(self, method: str, path: str, seconds: float) -> str:
+    def _stall_message(self, method: str, path: str, seconds: float, probe: str = "/health") -> str:
         return (
             f"{self.label} made no progress for {seconds:.0f} s (stall_timeout_s={self.config.stall_timeout_s:g}): "
-            f"no answer to {method} {path} nor to GET /health. It is stopped (SIGSTOP), hung or unreachable: "
+            f"no answer to {method} {path} nor to GET {probe}. It is stopped (SIGSTOP), hung or unreachable: "
             "check that server's process and log, and the network to it; raise rollout.stall_timeout_s only "
             "if it is alive but answers /health that slowly"
+        )
+
+    def _paused_message(self, method: str, path: str, seconds: float, held: str) -> str:
+        return (
+            f"{self.label} is paused or generates nothing: {held} while {method} {path} waited {seconds:.0f} s "
+            f"(stall_timeout_s={self.config.stall_timeout_s:g}), and this trainer did not pause it. Another "
+            f"process paused it (POST /pause_generation with no /continue_generation since): POST "
+            f"{self.url}/continue_generation, or stop what paused it; if it is not paused, it is unhealthy: see "
+            "that server's log"
         )
 
     def _headers(self, data: bytes | None) -> dict[str, str]:
@@ -407,10 +491,20 @@ class HttpEngine:
                 time.sleep(0.2)
 
     def pause(self, mode: str = "abort") -> None:
-        self.request("POST", "/pause_generation", {"mode": mode})
+        """Pauses generation (a weight sync's): until continue_generation, requests waiting on the engine are
+        not flagged as paused by the stall clock (the pause is this client's own)."""
+        self._holding = True  # before the request: a probe answered just after the pause must see it
+        try:
+            self.request("POST", "/pause_generation", {"mode": mode})
+        except BaseException:
+            self._holding = False
+            raise
 
     def continue_generation(self) -> None:
-        self.request("POST", "/continue_generation", {})
+        try:
+            self.request("POST", "/continue_generation", {})
+        finally:
+            self._holding = False  # a pause that outlives a failed continue is named like anyone else's
 
     def model_info(self) -> dict:
         try:

@@ -97,15 +97,16 @@ class RolloutConfig:
     """Longest one generate call of the remote pool may take, and the weight sync's wait for one bucket (an
     engine that answers nothing is caught sooner: stall_timeout_s)."""
     stall_timeout_s: float = 30.0
-    """Longest silence of an engine (rollout.urls, served teachers' urls, the weight sync's requests) while the
-    trainer waits on it: no answer to the pending request nor to GET /health, which the trainer asks every
-    stall_timeout_s / 3 (at most every 5 s) while a request is outstanding. Any answer counts, a 503 too (SGLang
-    answers it while paused for a weight sync or loading weights): the clock is for an engine that answers
-    nothing (SIGSTOP, a frozen or lost node, a cut network). Then the wait ends with one error naming the
-    engine (rollout.urls[i] and its URL), not retried; a pool moves the engine's prompts to the others. A slow
-    engine that answers is never stalled: request_timeout_s bounds that. 0: no stall clock. Independent of
-    this, a preemption signal (SIGTERM/SIGUSR1) ends every wait on the engines within a fraction of a second
-    (docs/engines.md "Stalled engines and preemption")."""
+    """Longest time without progress of an engine (rollout.urls, served teachers' urls, the weight sync's
+    requests) while the trainer waits on it, probed every stall_timeout_s / 3 (at most every 5 s) while a
+    request is outstanding. For a /generate, progress is an engine that says it can generate (GET /ready:
+    200; a server paused by another process answers 503 and is named as paused, with the fix); for other
+    requests any answer to GET /health counts, a 503 too. The trainer's own pause (mode async) is not
+    counted. Then the wait ends with one error naming the engine (rollout.urls[i] and its URL), not retried;
+    a pool moves the engine's prompts to the others. A slow engine that can generate is never stalled:
+    request_timeout_s bounds that. 0: no stall clock. Independent of this, a preemption signal
+    (SIGTERM/SIGUSR1) ends every wait on the engines within a fraction of a second (docs/engines.md "Stalled
+    engines and preemption")."""
     mode: str = "sync"
     """sync: generate, then train on it, then sync weights. one_step_off: the engines generate step k+1's
     batch (under the weights of step k) while the trainer trains on step k's. async: up to max_staleness

@@ -1,23 +1,23 @@
 """Waiting on an engine without waiting blind: the stall clock and the stop callback.
 
     raw = wait(attempt, "POST http://node1:30000/generate", stop=flag.signalled, stall_timeout_s=30,
-               probe=lambda: get(url + "/health"))     # attempt() runs in a thread; this one waits in slices
+               probe=makes_progress)     # attempt() runs in a thread; this one waits in slices
 
 Every SLICE_S the waiting thread looks at stop() (the trainer's preemption flag: a signal arrived) and gives
 the wait up with WaitAbandoned, so a rank blocked on an engine honours Slurm's signal in a fraction of a
 second instead of after the request's timeout. And it keeps a stall clock: while attempt() is outstanding,
-probe() (the engine's GET /health) runs in a thread of its own every few seconds; an answer to either is a
-sign of life, and none for stall_timeout_s raises Silence (HttpEngine turns it into EngineStalledError,
-naming the engine).
+probe() runs in a thread of its own every few seconds; an answer to the request, or a probe that says the
+engine makes progress, is a sign of life, and none for stall_timeout_s raises Silence (HttpEngine turns it into
+EngineStalledError, naming the engine and what its probes saw).
 
 Why a probe and not the request's own bytes: a non-streaming /generate (SGLang's and `megaopd serve`'s)
 sends nothing until the whole batch is done, minutes on a long batch, so silence on its socket says nothing.
-Why any answer counts, 503 included: the clock is for an engine that does not answer at all (SIGSTOP, a
-frozen or lost node, a cut network), which nothing else notices before the request's timeout. SGLang 0.5.23's
-/health answers 503 while it is alive and busy in ways a run causes on purpose (paused for a weight sync, its
-scheduler loading weights, memory released), as `megaopd serve`'s does with its memory released; a hung
-scheduler behind a live front end is SGLang's watchdog's (--watchdog-timeout kills the server, and the
-connection errors that follow end the request).
+What a probe counts is the client's (HttpEngine): for a /generate, an engine that answers but is paused by
+someone else (GET /ready: 503) is no progress, so a server left paused is named within stall_timeout_s
+instead of after the request's timeout; for other requests any answer counts (a 503 too: SGLang answers
+/health with 503 while it is busy in ways a run causes on purpose). A hung scheduler behind a live front end
+that still says it is ready is SGLang's watchdog's (--watchdog-timeout kills the server, and the connection
+errors that follow end the request).
 
 rank0_waits is rank0_computes for rank 0's waits on engines: an abandoned wait reaches every rank, so they
 all leave the step at the same point (the trainer then checkpoints and exits).
@@ -41,10 +41,11 @@ class WaitAbandoned(RuntimeError):
 
 
 class Silence(Exception):
-    """No sign of life from the engine for `seconds` (neither the request's answer nor a probe's)."""
+    """No sign of life from the engine for `seconds`: neither the request's answer nor a probe that said the
+    engine makes progress."""
 
     def __init__(self, seconds: float):
-        super().__init__(f"no answer for {seconds:.1f} s")
+        super().__init__(f"no progress for {seconds:.1f} s")
         self.seconds = seconds
 
 
@@ -66,7 +67,7 @@ def sleep(seconds: float, stop: Callable[[], bool] | None, what: str) -> None:
 class _Life:
     """The stall clock: when the engine last answered anything, and the one probe in flight."""
 
-    def __init__(self, probe: Callable[[], None], every_s: float):
+    def __init__(self, probe: Callable[[], bool], every_s: float):
         self.last = time.monotonic()  # the wait's start: silence is counted from there
         self.probe, self.every_s = probe, every_s
         self.next_at, self.running = self.last + every_s, False
@@ -80,8 +81,8 @@ class _Life:
 
     def _run(self) -> None:
         try:
-            self.probe()
-            self.last = max(self.last, time.monotonic())
+            if self.probe():  # False: it answered, but shows no progress (paused): the clock runs on
+                self.last = max(self.last, time.monotonic())
         except Exception:  # noqa: BLE001 - no answer is what the clock counts
             pass
         finally:
@@ -93,12 +94,13 @@ def wait(
     what: str,
     stop: Callable[[], bool] | None = None,
     stall_timeout_s: float = 0.0,
-    probe: Callable[[], None] | None = None,
+    probe: Callable[[], bool] | None = None,
 ) -> T:
     """attempt() in a daemon thread; its result, or what it raised. Meanwhile, every SLICE_S: WaitAbandoned once
-    stop() is true; Silence once neither attempt() nor probe() (which returns on any answer from the engine,
-    raises on none; run every stall_timeout_s / 3, at most every 5 s) has answered for stall_timeout_s
-    (0: no clock). A given-up attempt is left to its own timeout in its thread."""
+    stop() is true; Silence once neither attempt() has answered nor probe() has shown progress for
+    stall_timeout_s (0: no clock). probe() runs every stall_timeout_s / 3 (at most every 5 s), one at a time:
+    True when the engine makes progress, False when it answers but makes none, raises when it does not
+    answer. A given-up attempt is left to its own timeout in its thread."""
     check_stop(stop, what)
     done, box = threading.Event(), {}
 

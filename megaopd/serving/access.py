@@ -7,7 +7,8 @@ weights may be loaded from, the hosts a weight-update group may be formed with.
     hosts = SyncHosts(["127.0.0.1", *extra]);  ip = hosts.check(addr)  # the address to connect to, resolved once
 
 The key is SGLang's: clients send `Authorization: Bearer <key>`, compared in constant time, and every
-endpoint but /health* (SGLang leaves /health and /health_generate open for liveness probes, as here)
+endpoint but /health* and /ready (SGLang 0.5.23 leaves /health, /health_generate and /ready open for liveness
+probes, as here)
 answers 401 {"error": "Unauthorized"} without it. megaopd's clients read the key from the environment
 variable API_KEY_ENV (or the one rollout.api_key_env / teacher.api_key_env names), never from a config file.
 """
@@ -23,9 +24,10 @@ API_KEY_ENV = "MEGAOPD_API_KEY"
 """The environment variable `megaopd serve` reads its key from when --api-key is not given, and megaopd's
 clients read the key they send from (by default)."""
 
-OPEN_PREFIXES = ("/health",)
-"""Paths answered without a key: SGLang's middleware leaves /health* (and /metrics, which megaopd serve
-does not have) open so probes need no secret. They say only whether the model is loaded."""
+OPEN_PREFIXES = ("/health", "/ready")
+"""Paths answered without a key: SGLang's middleware leaves /health* and /ready* (and /metrics, which megaopd
+serve does not have) open so probes need no secret. They say only whether the model is loaded (and, /ready,
+whether generation is paused)."""
 
 
 class AccessDenied(Exception):

@@ -27,6 +27,8 @@ Endpoints (schemas as SGLang's; docs/engines.md "SGLang's HTTP API, as megaopd u
   POST /update_weights_from_tensor                 refused (CUDA IPC handles need GPUs), after the
                                                    session check
   GET|POST /flush_cache    GET /health  GET /health_generate   GET /get_model_info (/model_info)
+  GET /ready                                       200 when loaded and not paused, else 503 (SGLang 0.5.23's:
+                                                   the rollout client's stall clock reads it)
   GET /get_server_info     POST /release_memory_occupation  /resume_memory_occupation
   POST /pause_generation   /continue_generation   /abort_request     (serving.scheduling)
 Memory tags (weights, kv_cache, cuda_graph) can be resumed only after a release: resuming another is
@@ -228,6 +230,7 @@ class RolloutServer:
             ("POST", "/flush_cache"): self._flush,
             ("GET", "/health"): self._health,
             ("GET", "/health_generate"): self._health_generate,
+            ("GET", "/ready"): self._ready,
             ("GET", "/get_model_info"): self._model_info,
             ("GET", "/model_info"): self._model_info,
             ("GET", "/get_server_info"): self._server_info,
@@ -260,6 +263,11 @@ class RolloutServer:
 
     def _health(self, _req):
         return (200, "") if self._engine().health() else (503, "")
+
+    def _ready(self, _req):
+        """SGLang 0.5.23's is_ready: started and not paused (memory released does not count, as there)."""
+        self._engine()  # 503 while loading
+        return (503, "") if self.scheduler.pauses.paused else (200, "")
 
     def _health_generate(self, _req):
         return (200, "") if self.health_generate() else (503, "")

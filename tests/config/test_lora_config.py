@@ -7,6 +7,15 @@ from megaopd.config.schema import MegaOPDConfig
 from tests.config.test_config import _hf_dir, _load, models, moe_models  # noqa: F401 (fixtures)
 
 PRESET = "examples/tiny/stable_opd.yaml"
+REMOTE = ["rollout.engine=remote", "rollout.urls=[http://127.0.0.1:1]"]
+
+
+def refusal(overrides: list[str], preset: str | None = PRESET) -> str:
+    """The ConfigError that loading `preset` with `overrides` raises (asserted to be one line)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(MegaOPDConfig, preset, overrides)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
 
 
 def test_lora_is_off_by_default_and_loads_when_on():
@@ -15,6 +24,27 @@ def test_lora_is_off_by_default_and_loads_when_on():
         MegaOPDConfig, PRESET, ["student.lora.enabled=true", "student.lora.rank=8", "student.lora.targets=[qkv,fc2]"]
     )
     assert (cfg.student.lora.rank, list(cfg.student.lora.targets)) == (8, ["qkv", "fc2"])
+
+
+def test_lora_on_moe_experts_refused_in_one_line(moe_models, tmp_path):  # noqa: F811
+    _, moe, data = moe_models
+    on = [f"student.path={moe}", f"teacher.path={moe}", f"data.sources=[{{path: {data}}}]", "student.lora.enabled=true"]
+    message = refusal(on, preset=None)
+    assert "LoRA on the expert linears is not supported; set student.lora.targets=[qkv,proj]" in message
+    assert load_config(MegaOPDConfig, None, on + ["student.lora.targets=[qkv,proj]"]).student.lora.enabled
+
+
+def test_lora_sync_resolves_per_engine():
+    """rollout.lora_sync=auto: adapter for the embedded engine; remote engines keep auto, which the weight sync
+    resolves from what they take (megaopd serve: adapter, SGLang: merged; tests/sync/test_lora_sync.py); auto kept
+    without LoRA. adapter with a remote engine loads (megaopd serve takes it; SGLang is refused at the first sync)."""
+    assert load_config(MegaOPDConfig, PRESET).rollout.lora_sync == "auto"
+    on = ["student.lora.enabled=true"]
+    assert load_config(MegaOPDConfig, PRESET, on).rollout.lora_sync == "adapter"
+    remote = on + REMOTE
+    assert load_config(MegaOPDConfig, PRESET, remote).rollout.lora_sync == "auto"
+    assert load_config(MegaOPDConfig, PRESET, remote + ["rollout.lora_sync=adapter"]).rollout.sends_adapters
+    assert load_config(MegaOPDConfig, PRESET, on + ["rollout.lora_sync=merged"]).rollout.lora_sync == "merged"
 
 
 @pytest.mark.parametrize(
@@ -27,72 +57,17 @@ def test_lora_is_off_by_default_and_loads_when_on():
         (["student.lora.enabled=true", "student.lora.alpha=0"], "student.lora.alpha=0.0: must be positive"),
         (["student.lora.enabled=true", "student.lora.dropout=1"], "student.lora.dropout=1.0: must be in [0, 1)"),
         (
-            [
-                "student.lora.enabled=true",
-                "student.tp=2",
-                "reference.tp=2",
-                "run.world_size=2",
-                "student.sequence_parallel=true",
-            ],
+            ["student.lora.enabled=true", "student.tp=2", "reference.tp=2", "run.world_size=2"]
+            + ["student.sequence_parallel=true"],
             "student.lora with student.sequence_parallel=true is not supported",
         ),
-    ],
-)
-def test_bad_lora_settings_refused_in_one_line(overrides, message):
-    with pytest.raises(ConfigError) as e:
-        load_config(MegaOPDConfig, PRESET, overrides)
-    assert message in str(e.value) and "\n" not in str(e.value)
-
-
-def test_lora_on_moe_experts_refused_in_one_line(moe_models, tmp_path):  # noqa: F811
-    _, moe, data = moe_models
-    with pytest.raises(ConfigError) as e:
-        load_config(
-            MegaOPDConfig,
-            None,
-            [
-                f"student.path={moe}",
-                f"teacher.path={moe}",
-                f"data.sources=[{{path: {data}}}]",
-                "student.lora.enabled=true",
-            ],
-        )
-    assert "LoRA on the expert linears is not supported; set student.lora.targets=[qkv,proj]" in str(e.value)
-    assert "\n" not in str(e.value)
-    cfg = load_config(
-        MegaOPDConfig,
-        None,
-        [f"student.path={moe}", f"teacher.path={moe}", f"data.sources=[{{path: {data}}}]", "student.lora.enabled=true",
-         "student.lora.targets=[qkv,proj]"],
-    )  # fmt: skip
-    assert cfg.student.lora.enabled
-
-
-def test_lora_sync_resolves_per_engine():
-    """rollout.lora_sync=auto: adapter for the embedded engine; remote engines keep auto, which the weight sync
-    resolves from what they take (megaopd serve: adapter, SGLang: merged; tests/sync/test_lora_sync.py); auto kept
-    without LoRA. adapter with a remote engine loads (megaopd serve takes it; SGLang is refused at the first sync)."""
-    assert load_config(MegaOPDConfig, PRESET).rollout.lora_sync == "auto"
-    on = ["student.lora.enabled=true"]
-    assert load_config(MegaOPDConfig, PRESET, on).rollout.lora_sync == "adapter"
-    remote = on + ["rollout.engine=remote", "rollout.urls=[http://127.0.0.1:1]"]
-    assert load_config(MegaOPDConfig, PRESET, remote).rollout.lora_sync == "auto"
-    assert load_config(MegaOPDConfig, PRESET, remote + ["rollout.lora_sync=adapter"]).rollout.sends_adapters
-    assert load_config(MegaOPDConfig, PRESET, on + ["rollout.lora_sync=merged"]).rollout.lora_sync == "merged"
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
         (["rollout.lora_sync=adapter"], "rollout.lora_sync=adapter needs student.lora.enabled=true"),
         (["rollout.lora_sync=merged"], "rollout.lora_sync=merged needs student.lora.enabled=true"),
         (["student.lora.enabled=true", "rollout.lora_sync=delta"], "rollout.lora_sync='delta': choose auto"),
     ],
 )
-def test_bad_lora_sync_refused_in_one_line(overrides, message):
-    with pytest.raises(ConfigError) as e:
-        load_config(MegaOPDConfig, PRESET, overrides)
-    assert message in str(e.value) and "\n" not in str(e.value)
+def test_bad_lora_settings_refused_in_one_line(overrides, message):
+    assert message in refusal(overrides)
 
 
 def test_lora_checkpoint_as_student_path_refused_without_lora(tmp_path):
@@ -110,13 +85,7 @@ def test_lora_checkpoint_as_student_path_refused_without_lora(tmp_path):
     lora = dict(enabled=True, rank=16, alpha=32.0, targets=["qkv", "proj", "fc1", "fc2"], dropout=0.0)
     (ckpt / META_NAME).write_text(json.dumps({"format": FORMAT, "version": 1, "lora": lora}))
     base = [f"student.path={ckpt}", f"reference.path={ckpt}", "student.tp=1", "reference.tp=1", "run.world_size=1"]
-    with pytest.raises(ConfigError) as e:
-        load_config(MegaOPDConfig, "examples/tiny/stable_opd.yaml", base)
-    assert "is a LoRA checkpoint (rank 16" in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(ConfigError) as e:
-        load_config(
-            MegaOPDConfig, "examples/tiny/stable_opd.yaml", base + ["student.lora.enabled=true", "student.lora.rank=8"]
-        )
-    assert "differs from the adapters saved" in str(e.value) and "\n" not in str(e.value)
-    cfg = load_config(MegaOPDConfig, "examples/tiny/stable_opd.yaml", base + ["student.lora.enabled=true"])
+    assert "is a LoRA checkpoint (rank 16" in refusal(base)
+    assert "differs from the adapters saved" in refusal(base + ["student.lora.enabled=true", "student.lora.rank=8"])
+    cfg = load_config(MegaOPDConfig, PRESET, base + ["student.lora.enabled=true"])
     assert cfg.student.lora.rank == 16

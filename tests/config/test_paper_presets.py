@@ -1,7 +1,6 @@
 """examples/paper presets resolve to the paper's settings (read from `megaopd config` output), and the
 context extension writes the same RoPE change into every folder of a model (tools/extend_context.py)."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -9,6 +8,8 @@ import sys
 
 import pytest
 import yaml
+
+from tests._cluster_inputs import cluster_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -27,18 +28,7 @@ def _run(*args, env_extra=None):
 
 @pytest.fixture
 def cluster_env(tmp_path):
-    models = tmp_path / "models"
-    for name, fixture in DIRS.items():
-        (models / name).mkdir(parents=True)
-        shutil.copy(os.path.join(FIXTURES, fixture, "config.json"), models / name / "config.json")
-    (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2", "golden": "2"}) + "\n")
-    (tmp_path / "bench").mkdir()
-    (tmp_path / "bench" / "math500.jsonl").write_text(json.dumps({"id": "1", "problem": "1+1?", "answer": "2"}) + "\n")
-    return {
-        "MODELS_DIR": str(models),
-        "TRAIN_DATA": str(tmp_path / "train.jsonl"),
-        "BENCH_DIR": str(tmp_path / "bench"),
-    }
+    return cluster_inputs(tmp_path, DIRS, extend_qwen=False)  # Qwen2.5-Math as published (4096 positions)
 
 
 @pytest.mark.parametrize(

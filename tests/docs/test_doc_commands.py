@@ -27,6 +27,8 @@ import sys
 
 import pytest
 
+from tests._cluster_inputs import cluster_inputs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = ["README.md", "slurm/README.md"] + sorted(
     os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")
@@ -99,32 +101,16 @@ def cluster_env(tmp_path_factory):
     """What the cluster block exports, built small: the 7B models' config.json (tests/config/fixtures; the
     student's context extended as the block does), a data file and the benchmark folder."""
     tmp = tmp_path_factory.mktemp("docs")
-    fixtures = os.path.join(ROOT, "tests", "config", "fixtures")
-    models = tmp / "models"
-    for name, fixture in (
-        ("Qwen2.5-Math-7B", "qwen2.5-math-7b"),
-        ("Qwen2.5-Math-1.5B", "qwen2.5-math-1.5b"),
-        ("OpenThinker3-7B", "openthinker3-7b"),
-        ("DeepSeek-R1-Distill-Qwen-7B", "r1-distill-qwen-7b"),
-    ):
-        (models / name).mkdir(parents=True)
-        with open(os.path.join(fixtures, fixture, "config.json")) as f:
-            cfg = json.load(f)
-        if name.startswith("Qwen"):
-            cfg.update(rope_theta=40000.0, max_position_embeddings=16384)
-        (models / name / "config.json").write_text(json.dumps(cfg))
-    data = tmp / "data"
-    data.mkdir()
-    (data / "opd.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2", "golden": "2"}) + "\n")
-    (tmp / "bench").mkdir()
-    (tmp / "bench" / "math500.jsonl").write_text(json.dumps({"id": "1", "problem": "1+1?", "answer": "2"}) + "\n")
-    return {
-        "MODELS_DIR": str(models),
-        "TRAIN_DATA": str(data / "opd.jsonl"),
-        "DATA": str(data),
-        "BENCH_DIR": str(tmp / "bench"),
-        "OUTPUT_ROOT": str(tmp / "runs"),
-    }
+    env = cluster_inputs(
+        tmp,
+        {
+            "Qwen2.5-Math-7B": "qwen2.5-math-7b",
+            "Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+            "OpenThinker3-7B": "openthinker3-7b",
+            "DeepSeek-R1-Distill-Qwen-7B": "r1-distill-qwen-7b",
+        },
+    )
+    return {**env, "DATA": os.path.dirname(env["TRAIN_DATA"])}
 
 
 def _fill(command: str, env: dict[str, str]) -> str:

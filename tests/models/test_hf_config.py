@@ -82,8 +82,11 @@ def test_missing_and_malformed_config(tmp_path):
     with pytest.raises(ModelConfigError, match="no HF config"):
         read_hf_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ModelConfigError, match="not valid JSON"):
+    with pytest.raises(ModelConfigError, match=f"{tmp_path}/config.json is not JSON .JSONDecodeError: "):
         read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match="config.json is not a JSON object"):
+        read_hf_config(tmp_path / "config.json")
 
 
 @pytest.mark.parametrize(

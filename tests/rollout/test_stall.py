@@ -1,7 +1,9 @@
 """The client's waits against real sockets: a server that accepts and never answers is a stall, named in one
-error within stall_timeout_s (not retried); one that is slow but answers GET /health is not; a stop request
-(the trainer's preemption flag) gives any wait up at once."""
+error within stall_timeout_s (not retried); one that answers but is paused by someone else while a /generate
+waits is named as paused; one that is slow but can generate is not; a stop request (the trainer's preemption
+flag) gives any wait up at once. tests/serving/test_paused.py does the pause against a real `megaopd serve`."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -10,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megaopd.rollout.client import EngineStalledError, HttpEngine, HttpEngineConfig
+from megaopd.rollout.client import EnginePausedError, EngineStalledError, HttpEngine, HttpEngineConfig
 from megaopd.rollout.pool import EnginePool, PoolError
 from megaopd.rollout.protocol import SamplingParams
 from megaopd.rollout.waits import WaitAbandoned
@@ -90,18 +92,20 @@ def test_a_stop_request_abandons_the_wait_at_once(silent):
 
 
 class _SlowHandler(BaseHTTPRequestHandler):
-    """/generate answers after `delay` s; /health at once (with `health_status`)."""
+    """A POST answers after `delay` s (pause and continue at once); a GET answers `gets[path]` at once (404 for
+    a path not in it)."""
 
-    delay, health_status = 1.8, 200
+    delay, gets = 1.8, {"/health": 200, "/ready": 200, "/health_generate": 200}
 
     def do_GET(self):
-        self.send_response(self.health_status)
+        self.send_response(self.gets.get(self.path, 404))
         self.send_header("Content-Length", "0")
         self.end_headers()
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        time.sleep(self.delay)
+        if self.path not in ("/pause_generation", "/continue_generation"):
+            time.sleep(self.delay)
         body = json.dumps({"ok": True}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -112,19 +116,74 @@ class _SlowHandler(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("health_status", [200, 503])
-def test_a_slow_engine_that_answers_health_is_not_a_stall(health_status):
-    """A long /generate says nothing until it is done; the engine's answers to GET /health (a 503 too: SGLang
-    answers it while paused for a weight sync) keep the clock from running out."""
-    handler = type("Handler", (_SlowHandler,), {"health_status": health_status})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+@contextlib.contextmanager
+def fake_server(**gets):
+    """A _SlowHandler server whose GETs answer `gets` (path without its slash -> status; None: 404)."""
+    answers = {f"/{k}": v for k, v in gets.items() if v is not None}
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_SlowHandler,), {"gets": answers}))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        engine = HttpEngine(HttpEngineConfig(url=f"http://127.0.0.1:{httpd.server_address[1]}", stall_timeout_s=0.6))
-        assert engine.request("POST", "/generate", {"input_ids": [[1]]}) == {"ok": True}
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.mark.parametrize(
+    "gets",
+    [
+        dict(health=200, ready=200, health_generate=200),  # SGLang 0.5.23, megaopd serve: ready
+        dict(health=200, ready=None, health_generate=200),  # an older SGLang without /ready: it generates
+        dict(health=200, ready=503, health_generate=200),  # a stale "unhealthy" flag: it generates after all
+    ],
+)
+def test_a_slow_engine_that_can_generate_is_not_a_stall(gets):
+    """A long /generate says nothing until it is done; an engine that says it can generate keeps the clock
+    from running out."""
+    with fake_server(**gets) as url:
+        engine = HttpEngine(HttpEngineConfig(url=url, stall_timeout_s=0.6))
+        assert engine.request("POST", "/generate", {"input_ids": [[1]]}) == {"ok": True}
+
+
+@pytest.mark.parametrize(
+    "gets, named",
+    [
+        (dict(health=200, ready=503, health_generate=503), "GET /ready answers 503"),
+        (dict(health=200, ready=None, health_generate=503), "GET /health_generate answers 503"),
+    ],
+)
+def test_an_engine_paused_by_someone_else_is_named_within_the_stall_timeout(gets, named):
+    """/health answers 200 while SGLang (or megaopd serve) is paused: the client reads /ready (and
+    /health_generate) while a /generate waits, and names the pause and its fix instead of waiting out the
+    request's timeout."""
+    with fake_server(**gets) as url:
+        engine = HttpEngine(HttpEngineConfig(url=url, stall_timeout_s=0.6, name="rollout.urls[0]"))
+        t0 = time.monotonic()
+        with pytest.raises(EnginePausedError) as e:
+            engine.request("POST", "/generate", {"input_ids": [[1]]}, timeout_s=600)
+        assert 0.6 <= time.monotonic() - t0 < 1.2
+        message = str(e.value)
+        assert f"rollout.urls[0] ({url}) is paused" in message and named in message
+        assert f"POST {url}/continue_generation" in message and "stall_timeout_s=0.6" in message
+
+
+def test_the_clients_own_pause_is_not_a_stall():
+    """The trainer pauses the engines for an async weight sync while requests wait: its own pause is expected."""
+    with fake_server(health=200, ready=503, health_generate=503) as url:
+        engine = HttpEngine(HttpEngineConfig(url=url, stall_timeout_s=0.6))
+        engine.pause("in_place")
+        assert engine.request("POST", "/generate", {"input_ids": [[1]]}) == {"ok": True}
+        engine.continue_generation()
+        with pytest.raises(EnginePausedError):  # now the 503 is somebody else's pause
+            engine.request("POST", "/generate", {"input_ids": [[1]]})
+
+
+def test_other_requests_count_any_answer():
+    """A weight update on a paused engine is no stall (SGLang updates paused engines at once): only a /generate
+    needs the engine to generate."""
+    with fake_server(health=200, ready=503, health_generate=503) as url:
+        engine = HttpEngine(HttpEngineConfig(url=url, stall_timeout_s=0.6))
+        assert engine.request("POST", "/update_weights_from_disk", {}) == {"ok": True}
 
 
 def test_a_silent_teacher_server_is_named(silent):

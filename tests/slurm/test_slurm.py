@@ -22,6 +22,8 @@ import time
 
 import pytest
 
+from tests._cluster_inputs import cluster_inputs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLURM = os.path.join(ROOT, "slurm")
 SBATCH_SCRIPTS = [
@@ -399,24 +401,7 @@ def test_every_missing_input_is_reported_at_once(inputs, script, drop, variables
 def real_inputs(tmp_path):
     """Inputs `megaopd config --strict` accepts: the 7B models' config.json (tests/config/fixtures; the
     student's context extended as docs/cluster.md says), a data row and a validation set."""
-    fixtures = os.path.join(ROOT, "tests", "config", "fixtures")
-    models = tmp_path / "models"
-    for name, fixture in (("Qwen2.5-Math-7B", "qwen2.5-math-7b"), ("OpenThinker3-7B", "openthinker3-7b")):
-        (models / name).mkdir(parents=True)
-        with open(os.path.join(fixtures, fixture, "config.json")) as f:
-            cfg = json.load(f)
-        if name.startswith("Qwen"):
-            cfg.update(rope_theta=40000.0, max_position_embeddings=16384)
-        (models / name / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2", "golden": "2"}) + "\n")
-    (tmp_path / "bench").mkdir()
-    (tmp_path / "bench" / "math500.jsonl").write_text(json.dumps({"id": "1", "problem": "1+1?", "answer": "2"}) + "\n")
-    return {
-        "MODELS_DIR": str(models),
-        "TRAIN_DATA": str(tmp_path / "train.jsonl"),
-        "BENCH_DIR": str(tmp_path / "bench"),
-        "OUTPUT_ROOT": str(tmp_path / "runs"),
-    }
+    return cluster_inputs(tmp_path, {"Qwen2.5-Math-7B": "qwen2.5-math-7b", "OpenThinker3-7B": "openthinker3-7b"})
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from megaopd.models import manifest as mf
+from tests.trainer._procs import one_line_refusal, start_python
 from tests.trainer.test_layouts import tiny_overrides
 from tests.trainer.tiny_models import ROOT, make_tiny_pair
 
@@ -90,6 +91,18 @@ def _step_rows(run):
         return [r["step"] for r in map(json.loads, f) if "event" not in r]
 
 
+def _one_layer_less_in_config(folder):
+    """Makes the folder's config.json name one layer fewer than its weights hold; returns how many they hold."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    layers = config["num_hidden_layers"]
+    config["num_hidden_layers"] = layers - 1
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return layers
+
+
 def _with_payload(step_dir, rel, marker, torch_save=False):
     """An attacker's copy: `rel` replaced by a payload and the manifest made again to match it."""
     path = os.path.join(step_dir, rel)
@@ -146,8 +159,7 @@ def test_flipped_bytes_in_a_shard_are_named_by_the_converter(trained, tmp_path):
     data[4096:4104] = bytes(b ^ 0xFF for b in data[4096:4104])  # 8 bytes inside a tensor: torch reads them fine
     open(shard, "wb").write(bytes(data))
     r = _convert(step, str(tmp_path / "hf"))
-    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert f"{shard} differs from its manifest.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert f"{shard} differs from its manifest.json" in one_line_refusal(r, 2)
     assert not os.path.exists(tmp_path / "hf" / "model.safetensors")
 
 
@@ -189,21 +201,12 @@ def test_an_hf_folder_with_more_layers_than_its_config_names_is_refused_in_one_l
     """Issue 53: num_hidden_layers: N-1 over N layers trained an (N-1)-layer model and exited 0."""
     student = str(tmp_path / "student")
     shutil.copytree(trained[0][0], student)
-    with open(os.path.join(student, "config.json")) as f:
-        config = json.load(f)
-    layers = config["num_hidden_layers"]
-    config["num_hidden_layers"] = layers - 1
-    with open(os.path.join(student, "config.json"), "w") as f:
-        json.dump(config, f)
+    layers = _one_layer_less_in_config(student)
     run = str(tmp_path / "run")
     overrides = [o for o in _overrides(tmp_path, trained[0], run, 1) if not o.startswith("student.path")]
     r = _train([*overrides, f"student.path={student}"])
-    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
-    err = r.stderr.strip().splitlines()
-    assert len(err) == 1, r.stderr[-3000:]
-    assert (
-        f"{student}: " in err[0] and f"num_hidden_layers: {layers - 1} but the weights hold {layers} layers" in err[0]
-    )
+    err = one_line_refusal(r, 1)
+    assert f"{student}: " in err and f"num_hidden_layers: {layers - 1} but the weights hold {layers} layers" in err
     assert not os.path.exists(os.path.join(run, "metrics.jsonl"))
 
 
@@ -212,14 +215,7 @@ def test_two_trainers_on_one_run_folder(trained, tmp_path):
     """Issue 53: the same command started twice trained two trajectories into one folder. The second start now
     stops in one line naming the first (host, pid, since when) and the first runs to its end alone."""
     run = _copy_run(trained, tmp_path)
-    first = subprocess.Popen(
-        [sys.executable, "-m", "megaopd.cli", "train", PRESET, *_overrides(tmp_path, trained[0], run, 5)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    first = start_python(["-m", "megaopd.cli", "train", PRESET, *_overrides(tmp_path, trained[0], run, 5)])
     try:
         lock = os.path.join(run, "run.lock")
         for _ in range(600):
@@ -227,9 +223,8 @@ def test_two_trainers_on_one_run_folder(trained, tmp_path):
                 break
             time.sleep(0.1)
         second = _train(_overrides(tmp_path, trained[0], run, 5))
-        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
-        assert second.stderr.strip().count("\n") == 0, second.stderr
-        assert "is in use by another megaopd train" in second.stderr and f"pid {first.pid}, since" in second.stderr
+        err = one_line_refusal(second, 2)
+        assert "is in use by another megaopd train" in err and f"pid {first.pid}, since" in err
         out, _ = first.communicate(timeout=900)
     finally:
         if first.poll() is None:
@@ -249,8 +244,7 @@ def test_a_truncated_shard_of_a_checkpoint_without_manifest_names_the_file(train
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     r = _convert(step, str(tmp_path / "hf"))
-    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    one_line_refusal(r, 2)
     assert f"{shard} is {os.path.getsize(shard)} bytes but its .metadata says it holds" in r.stderr
     assert "EOFError" not in r.stderr
 
@@ -260,16 +254,10 @@ def test_the_converter_on_shards_and_a_config_json_that_disagree_exits_2_in_one_
     """Issue 53: a 65-line traceback and exit 1 where the converter's docs promise exit 2 and one line."""
     step = str(tmp_path / "step")
     shutil.copytree(os.path.join(trained[1], "checkpoints", "step_000003"), step)
-    with open(os.path.join(step, "config.json")) as f:
-        config = json.load(f)
-    layers = config["num_hidden_layers"]
-    config["num_hidden_layers"] = layers - 1
-    with open(os.path.join(step, "config.json"), "w") as f:
-        json.dump(config, f)
+    layers = _one_layer_less_in_config(step)
     mf.write_manifest(step, mf.hash_files(step, mf.list_files(step)), mf.read_manifest(step).step)  # made to match
     r = _convert(step, str(tmp_path / "hf"))
-    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    one_line_refusal(r, 2)
     assert f"num_hidden_layers: {layers - 1} but the shards hold {layers} layers" in r.stderr
 
 
@@ -279,14 +267,7 @@ def test_sigterm_during_a_save_trains_no_further_step(trained, tmp_path):
     (the flag was read only inside the next step). Now the run stops after the save it was in."""
     run = _copy_run(trained, tmp_path)
     saving = os.path.join(run, "checkpoints", "step_000004.tmp")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megaopd.cli", "train", PRESET, *_overrides(tmp_path, trained[0], run, 8)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_python(["-m", "megaopd.cli", "train", PRESET, *_overrides(tmp_path, trained[0], run, 8)])
     try:
         for _ in range(60000):  # the save of step 4 in progress (its folder under its temporary name)
             if os.path.exists(saving) or proc.poll() is not None:

@@ -18,6 +18,7 @@ from megaopd.config import load_config
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.models import manifest as mf
 from megaopd.trainer import cli
+from tests.trainer._procs import start_python
 from tests.trainer.tiny_models import ROOT
 
 PRESET = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
@@ -82,13 +83,7 @@ time.sleep(600)
 
 
 def _holder(run):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(run)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_python(["-c", HOLDER, str(run)], stderr=None)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -311,14 +306,7 @@ def test_a_signal_at_any_moment_of_start_up_exits_within_seconds(tmp_path, sig):
     the first step). Now the start-up ends where it is: exit 0 (a preempted run), one line, nothing written
     but the lock and config-free folder."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SPINNING_START, PRESET, f"run.dir={run}", *ONE_RANK],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_python(["-c", SPINNING_START, PRESET, f"run.dir={run}", *ONE_RANK], stderr=subprocess.PIPE)
     try:
         assert proc.stdout.readline().strip() == "starting"
         proc.send_signal(sig)
