@@ -43,7 +43,11 @@ class NonFinite:
 def _grads_finite(ddp) -> bool:
     """One reduction per gradient buffer (megatron DDP keeps the grads in contiguous buffers); a sum is
     non-finite when any element is (or when finite grads overflow it, which are no better)."""
-    buffers = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+    buffers = []
+    for name in ("buffers", "expert_parallel_buffers"):
+        held = getattr(ddp, name, None)
+        if isinstance(held, list):  # megatron's DDP: a list (over nn.Module.buffers, a method elsewhere)
+            buffers += held
     if not buffers:  # not megatron's DDP: the parameters' own grads
         grads = [p.grad for p in ddp.parameters() if p.grad is not None]
         return all(bool(torch.isfinite(g.sum())) for g in grads)
