@@ -123,7 +123,8 @@ def parallel_step(loss_fn, d, group, fuse=True):
         golden_ids_BT=d["ids"],
         golden_mask_BT=d["mask"],
     )
-    return loss_fn(inputs)
+    result = loss_fn(inputs)
+    return result.total, result.metrics  # shaped like the naive steps' (loss, metrics)
 
 
 # ---------------------------------------------------------------------------------------------- measurement

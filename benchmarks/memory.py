@@ -168,7 +168,7 @@ def measure(vocab: int, tokens: int, seqs: int, chunk_mib: float, chunk_tokens: 
         )
 
         def step_fn(m, logits_BSv, partner_BSv):
-            loss, _ = loss_fn(m.loss_inputs(logits_BSv, partner_BSv, pgs.tp, 1.0, loss_fn.needs))
+            loss = loss_fn(m.loss_inputs(logits_BSv, partner_BSv, pgs.tp, 1.0, loss_fn.needs)).total
             return loss, None
 
         def train(m):

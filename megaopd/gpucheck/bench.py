@@ -106,7 +106,7 @@ def _bench_loss_at(table: Table, loss_fn, device, vocab: int, T: int, dtype) -> 
             golden_ids_BT=ids,
             golden_mask_BT=golden_mask,
         )
-        loss, _ = loss_fn(inputs)
+        loss = loss_fn(inputs).total
         loss.backward()
         return loss
 

@@ -2,17 +2,17 @@
 
     from megaopd.losses import LossInputs, build_loss
     loss_fn = build_loss("stable_opd", {"sft_weight": 0.1, "ref_kl_weight": 0.01})
-    loss, metrics = loss_fn(LossInputs(logits_BTv=..., token_ids_BT=..., loss_mask_BT=..., ...))
-    loss.backward()
+    result = loss_fn(LossInputs(logits_BTv=..., token_ids_BT=..., loss_mask_BT=..., ...))
+    result.total.backward()    # result.terms: label -> unweighted term; result.metrics: "<label>/<what>"
 
 Registered: opd, grpo (policy.py); sft, ref_kl, lsm, gkd (divergence.py); stable_opd, weighted_sum
 (composite.py). Under a teacher with another tokenizer opd and stable_opd take span rewards and
 check_cross_tokenizer refuses the full-distribution losses (cross_tokenizer.py). Each loss is a pure
 function of a LossInputs record (inputs.py) and its own config dataclass, returns (loss, metrics) with
-metrics named "<loss>/<what>", and divides its token sum by the global count the caller passes
-(aggregation.py). What a loss reads beyond its logits is declared once, by the LossNeeds field that asks for
-it (needs.py). Special-token masking: masking.py. Formulas and defaults: docs in each module and
-docs/algorithms.md.
+metrics named "<loss>/<what>" (its BoundLoss makes the LossResult: registry.py), and divides its token sum
+by the global count the caller passes (aggregation.py). What a loss reads beyond its logits is declared once,
+by the LossNeeds field that asks for it (needs.py). Special-token masking: masking.py. Formulas and
+defaults: docs in each module and docs/algorithms.md.
 """
 
 from dataclasses import dataclass, field
@@ -35,7 +35,7 @@ from megaopd.losses.masking import mask_first_occurrences
 from megaopd.losses.needs import LOSS_INPUTS, LossInput, LossNeeds, Source, loss_input
 from megaopd.losses.off_policy import OFF_POLICY_CORRECTIONS, OffPolicyCorrection
 from megaopd.losses.policy import GRPOConfig, OPDConfig, discounted_returns, grpo_advantages  # registers
-from megaopd.losses.registry import LOSSES, BoundLoss, build_loss, get_spec, make_config, register_loss
+from megaopd.losses.registry import LOSSES, BoundLoss, LossResult, build_loss, get_spec, make_config, register_loss
 
 
 @dataclass
@@ -109,6 +109,7 @@ __all__ = [
     "OFF_POLICY_CORRECTIONS",
     "AdaptiveConfig",
     "BoundLoss",
+    "LossResult",
     "ControllerSignals",
     "ControllerState",
     "OffPolicyCorrection",

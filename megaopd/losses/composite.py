@@ -6,8 +6,8 @@ stable_opd:    L = L_opd + lambda L_sft + beta KL_ref   (paper 2604.08527 sec. 4
                beta = 0.01 are ours: the paper does not print them). A zero weight drops the term, so
                lambda = 0 needs no golden data and beta = 0 no reference model.
 
-Metrics: each term's own metrics under its label (default: its name), plus "<label>/loss" (the unweighted
-term) and "loss/total".
+Returns a LossResult: the weighted total, each term's unweighted loss under its label (default: its name) in
+`terms`, and each term's own metrics re-homed under its label.
 
     build_loss("weighted_sum", {"terms": [{"name": "opd"}, {"name": "lsm", "weight": 0.5}]})
 """
@@ -23,7 +23,7 @@ from megaopd.losses.divergence import RefKLConfig, SFTConfig
 from megaopd.losses.inputs import LossInputs
 from megaopd.losses.needs import LossNeeds
 from megaopd.losses.policy import OPDConfig
-from megaopd.losses.registry import BoundLoss, Metrics, build_loss, register_loss
+from megaopd.losses.registry import BoundLoss, LossResult, Metrics, build_loss, register_loss
 
 
 @dataclass
@@ -62,22 +62,22 @@ class WeightedSumConfig:
         self._bound = [(t.label or t.name, t.weight, build_loss(t.name, t.config)) for t in self.terms]
 
 
-def _weighted_sum(inputs: LossInputs, bound: list[tuple[str, float, BoundLoss]]) -> tuple[torch.Tensor, Metrics]:
+def _weighted_sum(inputs: LossInputs, bound: list[tuple[str, float, BoundLoss]]) -> LossResult:
     total = None
+    terms: dict[str, torch.Tensor] = {}
     metrics: Metrics = {}
     for label, weight, loss_fn in bound:
         if weight == 0.0:
             continue
-        loss, term_metrics = loss_fn(inputs)
-        for key, value in term_metrics.items():
+        term = loss_fn(inputs)
+        for key, value in term.metrics.items():
             # Each loss names its metrics "<name>/..."; re-home them under the term's label.
             metrics[label + key[len(loss_fn.name) :] if key.startswith(loss_fn.name + "/") else key] = value
-        metrics[f"{label}/loss"] = loss.detach()
-        total = weight * loss if total is None else total + weight * loss
+        terms[label] = term.total.detach()
+        total = weight * term.total if total is None else total + weight * term.total
     if total is None:  # every weight is 0: a zero that still connects to the logits for backward()
         total = inputs.zero_loss()
-    metrics["loss/total"] = total.detach()
-    return total, metrics
+    return LossResult(total, terms, metrics)
 
 
 def _terms_needs(config: "WeightedSumConfig | StableOPDConfig") -> LossNeeds:
@@ -90,7 +90,7 @@ def _terms_needs(config: "WeightedSumConfig | StableOPDConfig") -> LossNeeds:
 
 
 @register_loss("weighted_sum", WeightedSumConfig, needs=_terms_needs)
-def weighted_sum_loss(inputs: LossInputs, config: WeightedSumConfig) -> tuple[torch.Tensor, Metrics]:
+def weighted_sum_loss(inputs: LossInputs, config: WeightedSumConfig) -> LossResult:
     """sum_i w_i L_i; each term needs its own inputs and divides by its own global count."""
     return _weighted_sum(inputs, config._bound)
 
@@ -121,6 +121,6 @@ class StableOPDConfig:
 
 
 @register_loss("stable_opd", StableOPDConfig, needs=_terms_needs)
-def stable_opd_loss(inputs: LossInputs, config: StableOPDConfig) -> tuple[torch.Tensor, Metrics]:
+def stable_opd_loss(inputs: LossInputs, config: StableOPDConfig) -> LossResult:
     """L_opd + sft_weight L_sft + ref_kl_weight KL; needs opd's inputs, plus sft's / ref_kl's when weighted."""
     return _weighted_sum(inputs, config._bound)

@@ -3,12 +3,14 @@
 A loss is `fn(inputs: LossInputs, config: ItsConfig) -> (loss, metrics)`: loss a 0-dim tensor (this
 micro-batch's share of the step loss, see aggregation.py), metrics a dict of detached 0-dim tensors
 named "<loss>/<what>" (local micro-batch values; the trainer averages them over micro-batches and ranks).
+Its BoundLoss returns a LossResult: the total, the terms (a single loss: one, under its registered name) and
+the metrics. A loss made of terms (composite.py) returns the LossResult itself, its terms filled.
 Each loss declares, where it is registered, what it needs from the trainer (LossNeeds, needs.py: a constant or
 a function of its config), so the step computes only that and a new loss is written in one place.
 
     loss_fn = build_loss("stable_opd", {"sft_weight": 0.1})
     loss_fn.needs.reference    # True: run the reference model in lockstep with the actor
-    loss, metrics = loss_fn(inputs)
+    result = loss_fn(inputs)   # LossResult: result.total (backward), result.terms, result.metrics
 """
 
 from __future__ import annotations
@@ -23,7 +25,31 @@ from megaopd.losses.inputs import LossInputs
 from megaopd.losses.needs import LossNeeds
 
 Metrics = dict[str, torch.Tensor]
-LossFn = Callable[[LossInputs, Any], tuple[torch.Tensor, Metrics]]
+
+
+@dataclass(frozen=True)
+class LossResult:
+    """What a bound loss returns for one micro-batch. The trainer logs total and terms as loss/total and
+    loss/<label>, summed over the step's micro-batches and ranks (each is already a share of the step's global
+    count), and the metrics under their own names, averaged; those names are made where the log row is."""
+
+    total: torch.Tensor
+    """0-dim: this micro-batch's share of the step loss, the tensor backward() runs on."""
+    terms: dict[str, torch.Tensor]
+    """label -> the term's unweighted share, detached (a single loss: its registered name -> its total)."""
+    metrics: Metrics
+    """The losses' own metrics, "<label>/<what>": detached local micro-batch values."""
+
+    def detached(self) -> "LossResult":
+        """Every value detached and float32: what the trainer keeps of a micro-batch after its backward."""
+        return LossResult(
+            self.total.detach().float(),
+            {k: v.detach().float() for k, v in self.terms.items()},
+            {k: v.detach().float() for k, v in self.metrics.items()},
+        )
+
+
+LossFn = Callable[[LossInputs, Any], "tuple[torch.Tensor, Metrics] | LossResult"]
 
 
 NeedsDecl = LossNeeds | Callable[[Any], LossNeeds]
@@ -98,7 +124,7 @@ def _dataclass_type(config_cls: type, key: str):
 
 @dataclass
 class BoundLoss:
-    """A registered loss with its resolved config: `loss, metrics = bound(inputs)`."""
+    """A registered loss with its resolved config: `result = bound(inputs)` (a LossResult)."""
 
     name: str
     fn: LossFn
@@ -108,10 +134,14 @@ class BoundLoss:
     off_policy: Any = None
     """loss.off_policy_correction (an OffPolicyCorrection) handed to the policy terms; None = none."""
 
-    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, Metrics]:
+    def __call__(self, inputs: LossInputs) -> LossResult:
         if self.off_policy is not None:
             inputs.off_policy = self.off_policy  # the terms of a sum read it from the one inputs record
-        return self.fn(inputs, self.config)
+        out = self.fn(inputs, self.config)
+        if isinstance(out, LossResult):  # a loss made of terms names them itself
+            return out
+        loss, metrics = out  # a single loss is the total and its one term
+        return LossResult(loss, {self.name: loss.detach()}, metrics)
 
 
 def build_loss(name: str, config: Any = None) -> BoundLoss:

@@ -1,7 +1,7 @@
 """The trainer's loss, with Stable-OPD's adaptive controller when loss.controller=adaptive
 (megaopd/losses/controller.py has the rule; docs/algorithms.md 1.11).
 
-    loss_fn = ControlledLoss(cfg.loss)     # called like a BoundLoss: loss, metrics = loss_fn(inputs)
+    loss_fn = ControlledLoss(cfg.loss)     # called like a BoundLoss: result = loss_fn(inputs), a LossResult
     stateful = {..., **loss_fn.stateful}   # the controller's state in the checkpoint (adaptive only)
     metrics.update(loss_fn.observe(step, signals, run_log))   # every rank, after the step's rollout metrics
 
@@ -11,7 +11,7 @@ checkpoint exactly what they did before.
 
 from __future__ import annotations
 
-from megaopd.losses import LossConfig, build_controller, build_loss_from
+from megaopd.losses import LossConfig, LossResult, build_controller, build_loss_from
 from megaopd.losses.controller import ControllerSignals
 from megaopd.trainer.step_metrics import RolloutSignals
 
@@ -37,13 +37,9 @@ class ControlledLoss:
         self.controller = build_controller(section, self._base)
         self.name, self.needs = self._base.name, self._base.needs
 
-    def __call__(self, inputs):
-        """(loss, metrics): the metrics always hold loss/total and <term>/loss (a single loss is both the total
-        and its one term, under its registered name)."""
-        loss, metrics = (self.controller.loss if self.controller is not None else self._base)(inputs)
-        if "loss/total" not in metrics:
-            metrics = {**metrics, "loss/total": loss, f"{self.name}/loss": loss}
-        return loss, metrics
+    def __call__(self, inputs) -> LossResult:
+        """The bound loss's record, at the controller's weights now."""
+        return (self.controller.loss if self.controller is not None else self._base)(inputs)
 
     @property
     def stateful(self) -> dict:

@@ -29,6 +29,7 @@ from megaopd.scoring.teachers import teacher_metric_sums, teacher_metrics_from_s
 
 if TYPE_CHECKING:  # annotations only: config composes every package's section, so no package imports it
     from megaopd.config.schema import MegaOPDConfig
+    from megaopd.losses import LossResult
     from megaopd.losses.needs import LossNeeds
     from megaopd.trainer.roles import Models
 
@@ -82,13 +83,28 @@ class RolloutMetrics:
     signals: RolloutSignals
 
 
+@dataclass(frozen=True)
+class StepLoss:
+    """The step's loss over every micro-batch and data-parallel rank (reduce_loss_metrics)."""
+
+    total: float
+    """The step loss: the sum of the micro-batches' shares (each divides by the step's global count)."""
+    terms: dict[str, float]
+    """label -> the unweighted term over the step, summed the same way (a single loss: its name)."""
+    metrics: dict[str, float]
+    """The losses' own metrics ("<label>/<what>"), averaged over micro-batches and ranks."""
+
+    def log(self) -> dict[str, float]:
+        """loss/total, loss/<label> for each term, then the losses' own metrics under their names."""
+        return {"loss/total": self.total, **{f"loss/{k}": v for k, v in self.terms.items()}, **self.metrics}
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainMetrics:
-    """Trainer._train's answer: the loss's metrics over the step and the optimizer's."""
+    """Trainer._train's answer: the loss over the step and the optimizer's metrics."""
 
-    loss: dict[str, float]
-    """reduce_loss_metrics: loss/total, loss/<term> and each loss's own metrics, under the names the loss gives
-    them (the losses are registered by name, each with its own terms)."""
+    loss: StepLoss | None
+    """reduce_loss_metrics (None: no micro-batch anywhere held a loss)."""
     grad_norm: float
     """Mean gradient norm over the step's updates."""
     lr: float
@@ -97,7 +113,7 @@ class TrainMetrics:
     """Updates skipped for a non-finite loss or gradient (None: trainer.skip_nonfinite off, not logged)."""
 
     def log(self) -> dict[str, float]:
-        out = dict(self.loss)
+        out = self.loss.log() if self.loss is not None else {}
         out["train/grad_norm"], out["train/lr"] = self.grad_norm, self.lr
         if self.skipped_nonfinite is not None:
             out["train/skipped_nonfinite"] = self.skipped_nonfinite
@@ -284,24 +300,31 @@ def _sum_over_owners(sums: dict[str, float], maximum: float, contributes: bool) 
     return dict(zip(sums, total)), float(table[:, -1].max())
 
 
-def reduce_loss_metrics(results: list[dict], is_reporter: bool) -> dict[str, float]:
-    """Loss metrics of the step on rank 0: per-micro-batch loss shares are summed (each already divides
-    by the step's global count), other metrics averaged over micro-batches and DP ranks. Term losses
-    are renamed "<term>/loss" -> "loss/<term>". Reporters: the last pipeline stage's TP rank 0 of each
-    DP replica (collective over the world)."""
-    local = [{k: float(v) for k, v in m.items()} for m in results] if is_reporter else []
+def reduce_loss_metrics(results: list[LossResult], is_reporter: bool) -> StepLoss | None:
+    """The step's loss on every rank: the micro-batches' total and term shares are summed (each already
+    divides by the step's global count), their metrics averaged over micro-batches and DP ranks. Reporters:
+    the last pipeline stage's TP rank 0 of each DP replica (collective over the world). None: no results."""
+    local = [_floats(r) for r in results] if is_reporter else []
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     merged = [m for part in gathered for m in part]
     if not merged:
-        return {}
-    out = {}
-    for key in merged[0]:
-        values = [m[key] for m in merged if key in m]
-        is_share = key == "loss/total" or key.endswith("/loss")
-        name = f"loss/{key[: -len('/loss')]}" if key.endswith("/loss") else key
-        out[name] = sum(values) if is_share else sum(values) / len(values)
-    return out
+        return None
+    terms = {k: sum(m.terms[k] for m in merged if k in m.terms) for k in merged[0].terms}
+    metrics = {}
+    for key in merged[0].metrics:
+        values = [m.metrics[key] for m in merged if key in m.metrics]
+        metrics[key] = sum(values) / len(values)
+    return StepLoss(sum(m.total for m in merged), terms, metrics)
+
+
+def _floats(result: LossResult) -> StepLoss:
+    """One micro-batch's record as Python floats (what all_gather_object sends)."""
+    return StepLoss(
+        float(result.total),
+        {k: float(v) for k, v in result.terms.items()},
+        {k: float(v) for k, v in result.metrics.items()},
+    )
 
 
 def sample_rows(batch: RolloutBatch, tokenizer, n: int) -> list[dict]:

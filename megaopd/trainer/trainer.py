@@ -445,10 +445,8 @@ class Trainer:
 
     def _loss_step(self, mb: MicroBatch, logits_BSv: torch.Tensor, partner_BSv: torch.Tensor | None):
         """The runner's step_fn: the loss of one micro-batch (already on the logits' device)."""
-        loss, metrics = self.loss_fn(
-            mb.loss_inputs(logits_BSv, partner_BSv, self.actor_pgs.tp, self.temperature, self.needs)
-        )
-        return loss, {k: v.detach().float() for k, v in metrics.items()}
+        result = self.loss_fn(mb.loss_inputs(logits_BSv, partner_BSv, self.actor_pgs.tp, self.temperature, self.needs))
+        return result.total, result.detached()
 
     # ------------------------------------------------------------------------------- sync and parity
     def check_parity(self, engine) -> None:

@@ -58,7 +58,8 @@ def run_cases(group, rank: int, world: int, dtype_name: str = "float32") -> dict
     for label, batch_name, loss_name, cfg in R.CASES:
         batch = batches[batch_name]
         inputs, logits, golden = build_inputs(batch, group, rank, world, dtype)
-        loss, metrics = build_loss(loss_name, cfg)(inputs)
+        result = build_loss(loss_name, cfg)(inputs)
+        loss, metrics = result.total, result.metrics
         loss.backward()
         out[(label, batch_name)] = (
             float(loss.detach()),
@@ -179,7 +180,7 @@ def _w_grad(part, name, cfg, counts=None):
         golden_mask_BT=part["golden_mask"],
         **counts,
     )
-    loss, _ = build_loss(name, cfg)(inputs)
+    loss = build_loss(name, cfg)(inputs).total
     loss.backward()
     return W.grad, float(loss)
 

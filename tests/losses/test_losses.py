@@ -114,7 +114,7 @@ def test_opd_metrics_match_hand_computation():
 
     batch = _batches()["base"]
     inputs, _, _ = W.build_inputs(batch, None, 0, 1, torch.float64)
-    _, m = build_loss("opd", {})(inputs)
+    m = build_loss("opd", {})(inputs).metrics
     on = batch["mask"].bool()
     logp = R.ref_logprobs(batch["logits"], batch["ids"], 1.0)
     adv = batch["teacher_lp"] - batch["old_lp"]
@@ -152,9 +152,11 @@ def test_weighted_sum_metrics_are_namespaced_by_label():
             ]
         },
     )
-    loss, m = loss_fn(inputs)
-    assert {"lsm_teacher/kl", "lsm_student/kl", "lsm_teacher/loss", "lsm_student/loss", "loss/total"} <= set(m)
-    assert math.isclose(float(loss), float(m["lsm_teacher/loss"] + 0.5 * m["lsm_student/loss"]), rel_tol=1e-12)
+    r = loss_fn(inputs)
+    assert {"lsm_teacher/kl", "lsm_student/kl"} <= set(r.metrics) and list(r.terms) == ["lsm_teacher", "lsm_student"]
+    assert math.isclose(float(r.total), float(r.terms["lsm_teacher"] + 0.5 * r.terms["lsm_student"]), rel_tol=1e-12)
+    single = build_loss("lsm", {"k": 5})(inputs)  # a single loss: the total is its one term, under its name
+    assert list(single.terms) == ["lsm"] and float(single.terms["lsm"]) == float(single.total)
 
 
 def test_stable_opd_zero_weights_need_no_golden_or_reference_inputs():
@@ -162,9 +164,9 @@ def test_stable_opd_zero_weights_need_no_golden_or_reference_inputs():
 
     batch = _batches()["base"]
     inputs, logits, _ = W.build_inputs(batch, None, 0, 1, torch.float64, golden_logits_BTv=None, ref_logits_BTv=None)
-    loss, m = build_loss("stable_opd", {"sft_weight": 0.0, "ref_kl_weight": 0.0})(inputs)
-    opd, _ = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64)[0])
-    assert float(loss) == pytest.approx(float(opd), rel=1e-12) and "sft/loss" not in m
+    result = build_loss("stable_opd", {"sft_weight": 0.0, "ref_kl_weight": 0.0})(inputs)
+    opd = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64)[0]).total
+    assert float(result.total) == pytest.approx(float(opd), rel=1e-12) and list(result.terms) == ["opd"]
     with pytest.raises(ValueError, match="golden_logits_BTv"):
         build_loss("stable_opd", {})(inputs)
 
@@ -291,8 +293,10 @@ def test_span_batches_hold_multi_token_spans_and_change_the_loss():
         keys = [(int(seq[b, t]), int(batch["spans"][b, t])) for b, t in on.nonzero().tolist()]
         assert max(keys.count(k) for k in set(keys)) >= 2 and len(set(keys)) < len(keys)
         assert bool((batch["mask"].bool() & (batch["spans"] < 0)).any())
-        with_spans, _ = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64)[0])
-        without, _ = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64, teacher_spans_BT=None)[0])
+        with_spans = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64)[0]).total
+        without = build_loss("opd", {})(
+            W.build_inputs(batch, None, 0, 1, torch.float64, teacher_spans_BT=None)[0]
+        ).total
         assert abs(float(with_spans) - float(without)) > 1e-3
 
 
@@ -318,7 +322,8 @@ def test_one_token_spans_are_same_tokenizer_opd(batch_name, cfg):
     out = []
     for s in (None, spans):
         inputs, logits, _ = W.build_inputs(batch, None, 0, 1, torch.float64, teacher_spans_BT=s)
-        loss, m = build_loss("opd", cfg)(inputs)
+        result = build_loss("opd", cfg)(inputs)
+        loss, m = result.total, result.metrics
         loss.backward()
         out.append((float(loss), logits.grad, float(m["opd/advantage_mean"]), float(m["opd/reward_mean"])))
     (l0, g0, a0, r0), (l1, g1, a1, r1) = out
@@ -332,7 +337,7 @@ def test_span_metrics():
     from megaopd.losses import build_loss
 
     batch = _batches()["spans"]
-    _, m = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64)[0])
+    m = build_loss("opd", {})(W.build_inputs(batch, None, 0, 1, torch.float64)[0]).metrics
     on = batch["mask"].bool()
     valid = on & (batch["spans"] >= 0)
     r = torch.where(valid, batch["teacher_lp"] - batch["old_lp"], torch.zeros_like(batch["old_lp"]))

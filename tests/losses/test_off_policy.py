@@ -66,7 +66,8 @@ def test_opd_with_each_correction_matches_float64_reference(method):
     )
     assert loss_fn.needs.engine_logprobs == (method in ("tis", "mis"))
     inputs, logits, _ = W.build_inputs(batch, None, 0, 1, torch.float64, engine_logprobs_BT=engine_lp)
-    loss, metrics = loss_fn(inputs)
+    result = loss_fn(inputs)
+    loss, metrics = result.total, result.metrics
     loss.backward()
     want_loss, want_grad = _reference_opd(batch, engine_lp, method, C)
     assert float(loss.detach()) == pytest.approx(float(want_loss), rel=1e-5, abs=1e-7)
@@ -92,7 +93,9 @@ def test_recompute_equals_none_where_the_student_has_not_moved():
     out = {}
     for method in ("none", "recompute"):
         inputs, _, _ = W.build_inputs(batch, None, 0, 1, torch.float64, old_logprobs_BT=logp)
-        out[method] = float(build_loss_from(LossConfig(name="opd", off_policy_correction=method))(inputs)[0].detach())
+        out[method] = float(
+            build_loss_from(LossConfig(name="opd", off_policy_correction=method))(inputs).total.detach()
+        )
     assert out["none"] == pytest.approx(out["recompute"], rel=1e-6)  # ops compute in float32
 
 
@@ -100,13 +103,15 @@ def test_stable_opd_and_grpo_take_the_correction_through_their_terms():
     batch = R.make_batch(seed=1)
     engine_lp = _engine_lp(batch)
     inputs, _, _ = W.build_inputs(batch, None, 0, 1, torch.float64, engine_logprobs_BT=engine_lp)
-    _, m = build_loss_from(LossConfig(name="stable_opd", off_policy_correction="mis"))(inputs)
+    m = build_loss_from(LossConfig(name="stable_opd", off_policy_correction="mis"))(inputs).metrics
     assert "off_policy/weight_mean" in m and 0 < float(m["off_policy/weight_mean"]) < 1
     inputs, _, _ = W.build_inputs(batch, None, 0, 1, torch.float64, engine_logprobs_BT=engine_lp)
-    plain = float(build_loss_from(LossConfig(name="grpo"))(inputs)[0].detach())
+    plain = float(build_loss_from(LossConfig(name="grpo"))(inputs).total.detach())
     inputs, _, _ = W.build_inputs(batch, None, 0, 1, torch.float64, engine_logprobs_BT=engine_lp)
     tis = float(
-        build_loss_from(LossConfig(name="grpo", off_policy_correction="tis", off_policy_clip=1e9))(inputs)[0].detach()
+        build_loss_from(LossConfig(name="grpo", off_policy_correction="tis", off_policy_clip=1e9))(
+            inputs
+        ).total.detach()
     )
     assert tis != pytest.approx(plain)  # the importance weights reach grpo's tokens
 

@@ -51,7 +51,8 @@ def test_fused_routing_matches_unfused(name, config, monkeypatch):
     results = []
     for fuse in (True, False):
         inputs = _inputs(fuse)
-        loss, metrics = loss_fn(inputs)
+        result = loss_fn(inputs)
+        loss, metrics = result.total, result.metrics
         loss.backward()
         results.append((loss.detach(), metrics, inputs.logits_BTv.grad))
         assert len(calls) == 1  # one fused call with fuse_reference, none without

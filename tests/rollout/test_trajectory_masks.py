@@ -86,7 +86,8 @@ def _run(env_seed: int, packed: bool):
         logits = torch.where(on_S, torch.randn(R, S, V, generator=g), 5 * torch.randn(R, S, V, generator=e))
         ref = torch.where(on_S, torch.randn(R, S, V, generator=g), 5 * torch.randn(R, S, V, generator=e))
         logits.requires_grad_(True)
-        loss, metrics = loss_fn(mb.loss_inputs(logits, ref, None, 1.0, needs))
+        result = loss_fn(mb.loss_inputs(logits, ref, None, 1.0, needs))
+        loss, metrics = result.total, result.metrics
         loss.backward()
         results.append((loss.detach(), {k: v.detach() for k, v in metrics.items()}, logits.grad, on_S))
     return batch, results

@@ -60,7 +60,7 @@ def compare(rank, world_size, tied):
     )
 
     def step_fn(m, logits, partner):
-        loss, _ = loss_fn(m.loss_inputs(logits, partner, pgs.tp, 0.8, loss_fn.needs))
+        loss = loss_fn(m.loss_inputs(logits, partner, pgs.tp, 0.8, loss_fn.needs)).total
         return loss, loss.detach()
 
     at_ids = torch.randint(0, VOCAB, (B, T, 3), generator=g)
