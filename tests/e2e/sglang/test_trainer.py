@@ -176,3 +176,37 @@ def _assert_same_teacher_scores(in_job, served, what: str) -> None:
         worst = max(worst, gap)
         print(f"step {step}: max |{what}| = {gap:.2e} over {int(m.sum())} tokens")
     assert worst < 1e-4
+
+
+LORA = ["student.lora.enabled=true", "student.lora.rank=4", "student.lora.alpha=8", "optimizer.lr=1e-2"]
+
+
+def test_lora_student_syncs_merged_weights_to_sglang(sglang_student, tmp_path):
+    """A LoRA student with SGLang generating (issue 55): SGLang 0.5.23's LoRA routes need a GPU on this build
+    (docs/engines.md), so rollout.lora_sync=auto sends the adapters merged into the base (float32 math, W +
+    (alpha / r) B A) as full weights, and the parity probe after every sync holds: the engine's log-probs equal
+    the actor's (base + adapters) within the parity bound. An explicit rollout.lora_sync=adapter is refused in one
+    line naming the engine and the fix, before any weight is sent."""
+    remote = ["rollout.engine=remote", f"rollout.urls=[{sglang_student.url}]", "rollout.parity_interval=1"]
+    before = HttpEngine(sglang_student.url).weight_version()
+    try:
+        refused = _config(tmp_path / "adapter", *remote, *LORA, "rollout.lora_sync=adapter")
+        with pytest.raises(Exception) as e:
+            spawn(trainer_workers.run_presets, 2, args=([refused],), timeout=1200)
+        assert "rollout.lora_sync=adapter" in str(e.value) and "rollout.lora_sync=merged" in str(e.value), e.value
+        assert HttpEngine(sglang_student.url).weight_version() == before  # refused before the start-up sync
+        cfg = _config(tmp_path / "run", *remote, *LORA)
+        spawn(trainer_workers.run_presets, 2, args=([cfg],), timeout=1200)  # a parity gap out of bounds raises
+        client = HttpEngine(sglang_student.url)
+        version = client.weight_version()
+        trained_gap = gap(client.prompt_logprobs(PROBE)[1:], checkpoint_logprobs())
+    finally:
+        sglang_student.restore_weights()
+    steps = _step_metrics(str(tmp_path / "run"))
+    assert sorted(steps, key=int) == [str(s) for s in range(1, STEPS + 1)]
+    for step, m in steps.items():
+        assert math.isfinite(m["loss/total"]) and m["train/grad_norm"] > 0, (step, m)
+        assert m["sync/logprob_gap_max"] < 1e-3, (step, m["sync/logprob_gap_max"])
+        assert m["sync/adapter_bytes"] == 0 and m["sync/bytes"] > 0, (step, m)  # every sync merged, full weights
+    print({s: (m["sync/logprob_gap_max"], m["sync/bytes"]) for s, m in steps.items()}, trained_gap)
+    assert version == str(STEPS) and trained_gap > 1e-3  # the server holds the trained adapters, merged
