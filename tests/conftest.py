@@ -60,3 +60,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_gloo_rank():
+    """A one-rank gloo process group for a module whose code calls torch.distributed (rank-0 work, reductions
+    over the world) without spawning workers; none made when a group already exists."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    path = tempfile.mktemp()
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    if os.path.exists(path):
+        os.remove(path)

@@ -4,11 +4,9 @@ validation (val/accuracy, val/answers_found and the few_answers warning) read me
 
 import json
 import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
-import torch.distributed as dist
 
 from megaopd.config import load_config
 from megaopd.config.schema import MegaOPDConfig
@@ -25,18 +23,7 @@ TEXTS = ["3 + 4 = 7.", "The answer is 42.", "The answer is 5.", "no idea"]
 GOLDS = ["7", "42", "6", "1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    """rank0_computes needs a process group: one gloo rank."""
-    if dist.is_initialized():
-        yield
-        return
-    path = tempfile.mktemp()
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    if os.path.exists(path):
-        os.remove(path)
+pytestmark = pytest.mark.usefixtures("one_gloo_rank")  # the code under test calls torch.distributed
 
 
 @pytest.fixture(scope="module")

@@ -3,29 +3,15 @@ micro-batches' total and terms and averages their metrics, the log names are mad
 non-finite check reads the terms and the total, naming the term over the total. One gloo rank."""
 
 import math
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megaopd.losses import LossResult
 from megaopd.trainer.nonfinite import NonFinite, describe
 from megaopd.trainer.step_metrics import reduce_loss_metrics
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    if dist.is_initialized():
-        yield
-        return
-    path = tempfile.mktemp()
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    if os.path.exists(path):
-        os.remove(path)
+pytestmark = pytest.mark.usefixtures("one_gloo_rank")  # the code under test calls torch.distributed
 
 
 def _result(opd: float, sft: float, kl: float) -> LossResult:

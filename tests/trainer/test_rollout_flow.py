@@ -2,14 +2,11 @@
 which weights generate each batch, that the next batch generates while the trainer trains, where syncs
 and pauses land, the checkpoint's data cursor and resume, and too-stale samples dropped or regenerated."""
 
-import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
 import pytest
-import torch.distributed as dist
 
 from megaopd.config.schema import MegaOPDConfig
 from megaopd.rollout.config import RolloutConfig
@@ -20,18 +17,7 @@ from megaopd.trainer.timer import Timer
 URL = ["http://127.0.0.1:1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    """rank0_computes needs a process group: one gloo rank."""
-    if dist.is_initialized():
-        yield
-        return
-    path = tempfile.mktemp()
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    if os.path.exists(path):
-        os.remove(path)
+pytestmark = pytest.mark.usefixtures("one_gloo_rank")  # the code under test calls torch.distributed
 
 
 @dataclass
