@@ -14,7 +14,6 @@ and the adapters with their Adam state, so
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,11 +22,11 @@ import time
 import pytest
 
 from megaopd.models import manifest as mf
-from tests.trainer.test_layouts import tiny_overrides
+from tests.trainer._procs import PRESET, copy_run, one_rank_run, step_rows, train, train_args
 from tests.trainer.tiny_models import ROOT, make_tiny_pair
 
-PRESET = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
 LORA = ["student.lora.enabled=true", "student.lora.rank=4", "student.lora.alpha=8", "student.lora.targets=[all]"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 COMPARED = (
     "loss/total",
     "loss/ref_kl",
@@ -38,41 +37,17 @@ COMPARED = (
 )
 
 
-def _cmd(overrides):
-    return [sys.executable, "-m", "megaopd.cli", "train", PRESET, *overrides]
-
-
-def _env():
-    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-
-
-def _train(overrides, timeout=900):
-    return subprocess.run(_cmd(overrides), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
 def _overrides(base, models, run_dir, steps, extra=()):
-    student, teacher = models
-    return [o for o in tiny_overrides(base, student, teacher, "x") if not o.startswith("run.dir")] + [
-        f"run.dir={run_dir}",
-        f"trainer.max_steps={steps}",
-        "trainer.save_interval=1",
-        "run.world_size=1",
-        "student.tp=1",
-        "reference.tp=1",
-        "teacher.tp=1",
-        "optimizer.lr=1e-2",  # LoRA's lr: the adapters move enough in a few steps for a lost Adam state to show
-        *LORA,
-        *extra,
-    ]
+    """A one-rank LoRA run (lr 1e-2: the adapters move enough in a few steps for a lost Adam state to show)."""
+    return one_rank_run(base, models, run_dir, steps, ["optimizer.lr=1e-2", *LORA, *extra])
 
 
-def _steps(run):
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "event" not in r]
+def _train(overrides):
+    return train(overrides, env=ONE_THREAD)
 
 
 def _by_step(run):
-    return {r["step"]: r for r in _steps(run)}
+    return {r["step"]: r for r in step_rows(run)}
 
 
 def _checkpoints(run):
@@ -93,12 +68,6 @@ def runs(tmp_path_factory):
     meta = json.load(open(os.path.join(three, "checkpoints", "step_000003", "megaopd_checkpoint.json")))
     assert meta["lora"]["rank"] == 4, meta  # the checkpoint says what its adapters are
     return base, models, three, five
-
-
-def _copy(run, tmp_path):
-    out = str(tmp_path / "run")
-    shutil.copytree(run, out)
-    return out
 
 
 def _same_steps(got, want, steps):
@@ -131,11 +100,11 @@ def test_the_adapters_settings_cannot_change_on_resume(tmp_path):
 @pytest.mark.slow
 def test_resumed_lora_run_equals_the_uninterrupted_one(runs, tmp_path):
     base, models, three, five = runs
-    run = _copy(three, tmp_path)
+    run = copy_run(three, tmp_path)
     r = _train(_overrides(base, models, run, 5))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resumed from" in r.stdout and "at step 3" in r.stdout, r.stdout[-2000:]
-    assert [s["step"] for s in _steps(run)] == [1, 2, 3, 4, 5]  # each step once
+    assert [s["step"] for s in step_rows(run)] == [1, 2, 3, 4, 5]  # each step once
     # Step 4 reads the restored adapters; step 5 also the Adam moments restored with them (fresh moments would
     # make step 4's update lr * sign(g), the bias-corrected first step, and step 5's numbers differ).
     _same_steps(_by_step(run), _by_step(five), (4, 5))
@@ -146,9 +115,9 @@ def test_sigterm_mid_run_saves_exits_zero_and_resumes_to_the_uninterrupted_numbe
     base, models, _, five = runs
     run = str(tmp_path / "run")
     proc = subprocess.Popen(
-        _cmd(_overrides(base, models, run, 50)),
+        [sys.executable, *train_args(_overrides(base, models, run, 50))],
         cwd=ROOT,
-        env=_env(),
+        env={**os.environ, "PYTHONPATH": ROOT, **ONE_THREAD},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -156,7 +125,7 @@ def test_sigterm_mid_run_saves_exits_zero_and_resumes_to_the_uninterrupted_numbe
     )
     try:
         deadline = time.monotonic() + 600
-        while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and len(_steps(run)) >= 2):
+        while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and len(step_rows(run)) >= 2):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             assert time.monotonic() < deadline, "the run did not log step 2"
             time.sleep(0.05)
@@ -173,7 +142,7 @@ def test_sigterm_mid_run_saves_exits_zero_and_resumes_to_the_uninterrupted_numbe
     r = _train(_overrides(base, models, run, saved + 1))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"at step {saved}" in r.stdout
-    assert [s["step"] for s in _steps(run)] == list(range(1, saved + 2))
+    assert [s["step"] for s in step_rows(run)] == list(range(1, saved + 2))
     _same_steps(_by_step(run), _by_step(five), range(1, saved + 2))
 
 
@@ -188,7 +157,7 @@ def test_sigterm_mid_run_saves_exits_zero_and_resumes_to_the_uninterrupted_numbe
 )
 def test_resume_with_other_adapters_is_refused_in_one_line(runs, tmp_path, change, named):
     base, models, three, _ = runs
-    run = _copy(three, tmp_path)
+    run = copy_run(three, tmp_path)
     before = {p: os.path.getmtime(os.path.join(run, p)) for p in ("metrics.jsonl", "config.yaml")}
     r = _train(_overrides(base, models, run, 4, change))
     assert r.returncode != 0
@@ -202,7 +171,7 @@ def test_resume_with_other_adapters_is_refused_in_one_line(runs, tmp_path, chang
 @pytest.mark.slow
 def test_lost_latest_on_a_lora_run_resumes_from_the_newest_complete_step(runs, tmp_path):
     base, models, three, five = runs
-    run = _copy(three, tmp_path)
+    run = copy_run(three, tmp_path)
     os.remove(os.path.join(run, "checkpoints", "latest"))
     r = _train(_overrides(base, models, run, 4))
     out = r.stdout + r.stderr
@@ -210,14 +179,14 @@ def test_lost_latest_on_a_lora_run_resumes_from_the_newest_complete_step(runs, t
     assert "latest is missing: resuming from the newest complete step" in out and "at step 3" in out, out[-3000:]
     assert _checkpoints(run) == ["latest", "step_000003", "step_000004"]
     assert all(mf.verify(os.path.join(run, "checkpoints", s)) is None for s in ("step_000003", "step_000004"))
-    assert [s["step"] for s in _steps(run)] == [1, 2, 3, 4]
+    assert [s["step"] for s in step_rows(run)] == [1, 2, 3, 4]
     _same_steps(_by_step(run), _by_step(five), (4,))
 
 
 @pytest.mark.slow
 def test_truncated_shard_of_a_lora_run_names_the_file_and_the_previous_step(runs, tmp_path):
     base, models, three, _ = runs
-    run = _copy(three, tmp_path)
+    run = copy_run(three, tmp_path)
     shard = os.path.join(run, "checkpoints", "step_000003", "model", "__0_0.distcp")
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
@@ -227,5 +196,5 @@ def test_truncated_shard_of_a_lora_run_names_the_file_and_the_previous_step(runs
     assert f"{shard} is {os.path.getsize(shard)} bytes" in out, out[-3000:]
     assert "newest step that verifies is" in out and "step_000002 (step 2)" in out, out[-3000:]
     assert "EOFError" not in out
-    assert len(_steps(run)) == 3
+    assert len(step_rows(run)) == 3
     assert _checkpoints(run) == ["latest", "step_000002", "step_000003"]

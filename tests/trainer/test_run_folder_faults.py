@@ -17,11 +17,9 @@ import time
 import pytest
 
 from megaopd.models import manifest as mf
-from tests.trainer._procs import one_line_refusal, start_python
-from tests.trainer.test_layouts import tiny_overrides
+from tests.trainer._procs import copy_run, one_line_refusal, one_rank_run, start_python, step_rows, train, train_args
 from tests.trainer.tiny_models import ROOT, make_tiny_pair
 
-PRESET = os.path.join(ROOT, "examples", "tiny", "stable_opd.yaml")
 CONVERTER = os.path.join(ROOT, "tools", "convert_megatron_to_hf.py")
 
 
@@ -31,17 +29,6 @@ class Payload:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
-
-
-def _train(overrides, env=None, timeout=900):
-    return subprocess.run(
-        [sys.executable, "-m", "megaopd.cli", "train", PRESET, *overrides],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def _convert(ckpt, out, env=None):
@@ -55,40 +42,20 @@ def _convert(ckpt, out, env=None):
     )
 
 
-def _overrides(tmp_path, models, run_dir, steps):
-    student, teacher = models
-    return [o for o in tiny_overrides(tmp_path, student, teacher, "x") if not o.startswith("run.dir")] + [
-        f"run.dir={run_dir}",
-        f"trainer.max_steps={steps}",
-        "trainer.save_interval=1",
-        "run.world_size=1",
-        "student.tp=1",
-        "reference.tp=1",
-        "teacher.tp=1",
-    ]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(models, run folder after 3 steps: step_000002 and step_000003 kept, latest -> step_000003)."""
     base = tmp_path_factory.mktemp("faults")
     models = make_tiny_pair(str(base / "models"))
     run = str(base / "run")
-    r = _train(_overrides(base, models, run, 3))
+    r = train(one_rank_run(base, models, run, 3))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step_000002", "step_000003"]
     return models, run
 
 
-def _copy_run(trained, tmp_path):
-    run = str(tmp_path / "run")
-    shutil.copytree(trained[1], run)
-    return run
-
-
 def _step_rows(run):
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        return [r["step"] for r in map(json.loads, f) if "event" not in r]
+    return [r["step"] for r in step_rows(run)]
 
 
 def _one_layer_less_in_config(folder):
@@ -119,9 +86,9 @@ def _with_payload(step_dir, rel, marker, torch_save=False):
 
 @pytest.mark.slow
 def test_lost_latest_resumes_from_newest_complete_step_keeps_checkpoints_and_logs_each_step_once(trained, tmp_path):
-    run = _copy_run(trained, tmp_path)
+    run = copy_run(trained[1], tmp_path)
     os.remove(os.path.join(run, "checkpoints", "latest"))
-    r = _train(_overrides(tmp_path, trained[0], run, 4))
+    r = train(one_rank_run(tmp_path, trained[0], run, 4))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "latest is missing: resuming from the newest complete step" in out and "at step 3" in out, out[-3000:]
@@ -136,11 +103,11 @@ def test_lost_latest_resumes_from_newest_complete_step_keeps_checkpoints_and_log
 
 @pytest.mark.slow
 def test_truncated_shard_names_the_file_and_the_previous_complete_step(trained, tmp_path):
-    run = _copy_run(trained, tmp_path)
+    run = copy_run(trained[1], tmp_path)
     shard = os.path.join(run, "checkpoints", "step_000003", "model", "__0_0.distcp")
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    r = _train(_overrides(tmp_path, trained[0], run, 4))
+    r = train(one_rank_run(tmp_path, trained[0], run, 4))
     out = r.stdout + r.stderr
     assert r.returncode != 0
     assert f"{shard} is {os.path.getsize(shard)} bytes" in out, out[-3000:]
@@ -185,13 +152,13 @@ def test_payload_in_metadata_is_not_run_by_a_model_path_or_a_resume(trained, tmp
         "model/.metadata",
         marker,
     )
-    r = _train(_overrides(tmp_path, trained[0], str(tmp_path / "fresh"), 1) + [f"student.path={step}"])
+    r = train(one_rank_run(tmp_path, trained[0], str(tmp_path / "fresh"), 1) + [f"student.path={step}"])
     assert not os.path.exists(marker)
     assert r.returncode != 0 and "model/.metadata pickles posix.system" in r.stdout + r.stderr, r.stderr[-3000:]
 
-    run = _copy_run(trained, tmp_path)
+    run = copy_run(trained[1], tmp_path)
     _with_payload(os.path.join(run, "checkpoints", "step_000003"), "model/.metadata", marker)
-    r = _train(_overrides(tmp_path, trained[0], run, 4))
+    r = train(one_rank_run(tmp_path, trained[0], run, 4))
     assert not os.path.exists(marker)
     assert r.returncode != 0 and "model/.metadata pickles posix.system" in r.stdout + r.stderr, r.stderr[-3000:]
 
@@ -203,8 +170,8 @@ def test_an_hf_folder_with_more_layers_than_its_config_names_is_refused_in_one_l
     shutil.copytree(trained[0][0], student)
     layers = _one_layer_less_in_config(student)
     run = str(tmp_path / "run")
-    overrides = [o for o in _overrides(tmp_path, trained[0], run, 1) if not o.startswith("student.path")]
-    r = _train([*overrides, f"student.path={student}"])
+    overrides = [o for o in one_rank_run(tmp_path, trained[0], run, 1) if not o.startswith("student.path")]
+    r = train([*overrides, f"student.path={student}"])
     err = one_line_refusal(r, 1)
     assert f"{student}: " in err and f"num_hidden_layers: {layers - 1} but the weights hold {layers} layers" in err
     assert not os.path.exists(os.path.join(run, "metrics.jsonl"))
@@ -214,15 +181,15 @@ def test_an_hf_folder_with_more_layers_than_its_config_names_is_refused_in_one_l
 def test_two_trainers_on_one_run_folder(trained, tmp_path):
     """Issue 53: the same command started twice trained two trajectories into one folder. The second start now
     stops in one line naming the first (host, pid, since when) and the first runs to its end alone."""
-    run = _copy_run(trained, tmp_path)
-    first = start_python(["-m", "megaopd.cli", "train", PRESET, *_overrides(tmp_path, trained[0], run, 5)])
+    run = copy_run(trained[1], tmp_path)
+    first = start_python(train_args(one_rank_run(tmp_path, trained[0], run, 5)))
     try:
         lock = os.path.join(run, "run.lock")
         for _ in range(600):
             if os.path.exists(lock) and f"pid {first.pid}," in open(lock).read():  # the copy holds the fixture's
                 break
             time.sleep(0.1)
-        second = _train(_overrides(tmp_path, trained[0], run, 5))
+        second = train(one_rank_run(tmp_path, trained[0], run, 5))
         err = one_line_refusal(second, 2)
         assert "is in use by another megaopd train" in err and f"pid {first.pid}, since" in err
         out, _ = first.communicate(timeout=900)
@@ -265,9 +232,9 @@ def test_the_converter_on_shards_and_a_config_json_that_disagree_exits_2_in_one_
 def test_sigterm_during_a_save_trains_no_further_step(trained, tmp_path):
     """Issue 53: a SIGTERM that arrived while step 4 was saved trained and saved a whole step 5 before exiting
     (the flag was read only inside the next step). Now the run stops after the save it was in."""
-    run = _copy_run(trained, tmp_path)
+    run = copy_run(trained[1], tmp_path)
     saving = os.path.join(run, "checkpoints", "step_000004.tmp")
-    proc = start_python(["-m", "megaopd.cli", "train", PRESET, *_overrides(tmp_path, trained[0], run, 8)])
+    proc = start_python(train_args(one_rank_run(tmp_path, trained[0], run, 8)))
     try:
         for _ in range(60000):  # the save of step 4 in progress (its folder under its temporary name)
             if os.path.exists(saving) or proc.poll() is not None:
