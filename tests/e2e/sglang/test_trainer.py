@@ -55,6 +55,17 @@ def _requests(served, path: str) -> int:
     return sum(f'"POST {path} HTTP/1.1" 200' in line for line in served.log_tail(n_bytes=10**8).splitlines())
 
 
+def _trained_steps(run_dir) -> dict[str, dict]:
+    """The run's logged steps, asserted: steps 1..STEPS each once, a finite loss and a gradient at each, and the
+    engine's own log-probs of its samples against the actor's recomputation (float32 both sides) within 1e-3."""
+    steps = _step_metrics(str(run_dir))
+    assert sorted(steps, key=int) == [str(s) for s in range(1, STEPS + 1)]
+    for step, m in steps.items():
+        assert math.isfinite(m["loss/total"]) and m["train/grad_norm"] > 0, (step, m)
+        assert m["sync/logprob_gap_max"] < 1e-3, (step, m["sync/logprob_gap_max"])
+    return steps
+
+
 def test_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path):
     before = {
         p: _requests(sglang_student, p)
@@ -78,12 +89,7 @@ def test_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path):
         sglang_student.restore_weights()
     assert gap(HttpEngine(sglang_student.url).prompt_logprobs(PROBE)[1:], checkpoint_logprobs()) < 1e-4
     after = {p: _requests(sglang_student, p) - n for p, n in before.items()}
-    steps = _step_metrics(str(tmp_path / "run"))
-    assert sorted(steps, key=int) == [str(s) for s in range(1, STEPS + 1)]
-    for step, m in steps.items():
-        assert math.isfinite(m["loss/total"]) and m["train/grad_norm"] > 0, (step, m)
-        # The engine's own log-probs of its samples against the actor's recomputation (float32 both sides).
-        assert m["sync/logprob_gap_max"] < 1e-3, (step, m["sync/logprob_gap_max"])
+    steps = _trained_steps(tmp_path / "run")
     print({s: (m["sync/logprob_gap_max"], m["loss/total"]) for s, m in steps.items()}, after)
     assert version == str(STEPS) and trained_gap > 1e-3  # the server holds the last step's weights, trained ones
     # One group for the run; a session around every sync (start-up, then each step), every update inside one.
@@ -154,12 +160,9 @@ def test_multi_turn_stable_opd_with_rollouts_on_sglang(sglang_student, tmp_path)
         spawn(env_workers.run_presets_always_answering, 2, args=([cfg],), timeout=1200)
     finally:
         sglang_student.restore_weights()
-    steps = _step_metrics(str(tmp_path / "run"))
-    assert sorted(steps, key=int) == [str(s) for s in range(1, STEPS + 1)]
+    steps = _trained_steps(tmp_path / "run")
     for step, m in steps.items():
-        assert math.isfinite(m["loss/total"]) and m["train/grad_norm"] > 0, (step, m)
         assert m["traj/turns_mean"] > 1 and 0 < m["traj/env_token_share"] < 1, (step, m)
-        assert m["sync/logprob_gap_max"] < 1e-3, (step, m["sync/logprob_gap_max"])
     print({s: (m["traj/turns_mean"], m["traj/env_token_share"], m["sync/logprob_gap_max"]) for s, m in steps.items()})
 
 
@@ -202,11 +205,8 @@ def test_lora_student_syncs_merged_weights_to_sglang(sglang_student, tmp_path):
         trained_gap = gap(client.prompt_logprobs(PROBE)[1:], checkpoint_logprobs())
     finally:
         sglang_student.restore_weights()
-    steps = _step_metrics(str(tmp_path / "run"))
-    assert sorted(steps, key=int) == [str(s) for s in range(1, STEPS + 1)]
+    steps = _trained_steps(tmp_path / "run")
     for step, m in steps.items():
-        assert math.isfinite(m["loss/total"]) and m["train/grad_norm"] > 0, (step, m)
-        assert m["sync/logprob_gap_max"] < 1e-3, (step, m["sync/logprob_gap_max"])
         assert m["sync/adapter_bytes"] == 0 and m["sync/bytes"] > 0, (step, m)  # every sync merged, full weights
     print({s: (m["sync/logprob_gap_max"], m["sync/bytes"]) for s, m in steps.items()}, trained_gap)
     assert version == str(STEPS) and trained_gap > 1e-3  # the server holds the trained adapters, merged
