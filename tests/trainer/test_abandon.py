@@ -5,7 +5,9 @@ cursor is from before it, and an async sync whose pause was given up still pushe
 import pytest
 
 from megaopd.rollout.waits import WaitAbandoned
-from tests.trainer.test_rollout_flow import Engine, _flow, one_rank  # noqa: F401 - one_rank: the gloo fixture
+from tests.trainer.test_rollout_flow import Engine, _flow
+
+pytestmark = pytest.mark.usefixtures("one_gloo_rank")  # the rollout flow calls torch.distributed
 
 
 class StoppedEngine(Engine):
